@@ -1,0 +1,153 @@
+"""Decoder folders: an HF (full weights) or PEFT (LoRA adapter) folder plus ``ccft.json``.
+
+``ccft.json`` records what a reader needs to trust the folder: the training ``method``, the decoder
+``kind``, the base (name, path, fingerprint), ``handoff_tokens``, the data and the recipe. Folders
+are written atomically: into a temporary sibling, then renamed into place, so a crash never leaves a
+half-written decoder where a complete one was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .decoder import Decoder
+from .errors import ConfigError, FingerprintMismatchError
+from .fingerprint import check_compatible
+from .models import Base, load_base
+
+META_FILE = "ccft.json"
+
+
+def atomic_write_dir(target: str | Path, write) -> Path:
+    """Call ``write(tmp_dir)`` then move ``tmp_dir`` to ``target`` (replacing it) as atomically as the OS allows."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / "x")
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a text file via a temporary file and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def decoder_meta(decoder: Decoder, **extra: Any) -> dict:
+    """The ``ccft.json`` dict for a decoder."""
+    meta = {
+        "ccft_version": __version__,
+        "method": decoder.method,
+        "decoder_kind": decoder.kind,
+        "base": {"name": decoder.base.name, "path": decoder.base.path, "fingerprint": decoder.base.fingerprint},
+        "base_fingerprint": decoder.base.fingerprint,
+        "handoff_tokens": decoder.handoff_tokens,
+        "dtype": str(decoder.dtype).replace("torch.", ""),
+    }
+    meta.update({k: v for k, v in decoder.meta.items() if k not in meta})
+    meta.update(extra)
+    return meta
+
+
+def save_decoder(decoder: Decoder, path: str | Path, **extra_meta: Any) -> Path:
+    """Write ``decoder`` to ``path`` atomically: weights (HF) or adapter (PEFT), tokenizer, ``ccft.json``."""
+    meta = decoder_meta(decoder, **extra_meta)
+
+    def write(tmp: Path) -> None:
+        if decoder.kind == "lora":
+            name = decoder.meta.get("adapter_name", "default")
+            decoder.model.save_pretrained(str(tmp), selected_adapters=[name])
+            if name != "default" and (tmp / name).is_dir():  # PEFT nests non-default adapters
+                for p in (tmp / name).iterdir():
+                    os.replace(p, tmp / p.name)
+                (tmp / name).rmdir()
+        else:
+            decoder.model.save_pretrained(str(tmp))
+        decoder.base.tokenizer.save_pretrained(str(tmp))
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+
+    return atomic_write_dir(path, write)
+
+
+def read_meta(path: str | Path) -> dict:
+    """``ccft.json`` of a decoder folder; ConfigError if the folder or file is missing."""
+    f = Path(path) / META_FILE
+    if not f.is_file():
+        raise ConfigError(f"{path} is not a ccft decoder folder ({META_FILE} missing); "
+                          "train one with `ccft train` or save one with ccft.save_decoder")
+    return json.loads(f.read_text())
+
+
+def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | torch.dtype | None = None,
+                 adapter_name: str | None = None) -> Decoder:
+    """Load a decoder folder (HF or PEFT + ``ccft.json``) onto its base.
+
+    Args:
+        base: the ``ccft.Base`` to attach to; default: load the base named in ``ccft.json``.
+        dtype: load dtype (default: the one recorded, else float32).
+        adapter_name: name for a LoRA adapter (default: the folder name), so several decoders share one base.
+    Raises:
+        ConfigError: not a decoder folder.
+        FingerprintMismatchError: ``base`` is not the base the decoder was trained on.
+        IncompatibleModelError: a full-weight decoder whose shape cannot read the base's KV.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    dtype = dtype or meta.get("dtype") or "float32"
+    if base is None:
+        b = meta.get("base", {})
+        base = load_base(b.get("path") or b.get("name"), dtype=dtype)
+    want = meta.get("base_fingerprint")
+    if want and want != base.fingerprint:
+        raise FingerprintMismatchError(
+            f"decoder {path} was trained on base {want} ({meta.get('base', {}).get('name')}) but the base given "
+            f"is {base.fingerprint} ({base.name}); load the decoder with the base it was trained on")
+    kind = meta.get("decoder_kind") or ("lora" if (path / "adapter_config.json").is_file() else "full")
+    if kind == "lora":
+        from peft import PeftModel
+
+        name = adapter_name or path.name.replace(".", "_") or "default"
+        if base.adapter_hosts:
+            host = base.adapter_hosts[0]
+            host.load_adapter(str(path), adapter_name=name, is_trainable=False)
+            model = host
+        else:
+            model = PeftModel.from_pretrained(base.model, str(path), adapter_name=name, is_trainable=False)
+            base.adapter_hosts.append(model)
+        model.set_adapter(name)
+        model.eval()
+        meta = dict(meta, adapter_name=name)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from .models import parse_dtype
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype)).to(base.device)
+        model.eval()
+        model.requires_grad_(False)
+    check_compatible(base.config, model.config)
+    return Decoder(model=model, base=base, kind=kind, method=meta.get("method"),
+                   handoff_tokens=int(meta.get("handoff_tokens", 1)), meta=meta)

@@ -1,0 +1,185 @@
+"""Decode modules θ_i and the reference forward on C_base (DESIGN.md §1-2).
+
+A decoder is a full-weight copy of the base or a LoRA adapter (PEFT) on the base's single weight
+copy. ``decoder_forward`` is the two-pass reference every fast path is tested against: the base's
+K/V for ``prompt[:n-k]`` (``C_base``) is fed as a read-only cache, and the decoder processes the k
+handoff tokens and the response at positions that continue each row's real prompt length.
+
+Shape notation: b batch, p prefix length, t tail length (k handoff tokens + response), v vocab.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .base_cache import BaseCache, cache_kwarg
+from .errors import ConfigError
+from .fingerprint import check_compatible
+
+
+class PrefixLayer(DynamicLayer):
+    """A cache layer holding a constant prefix: ``update`` returns ``cat(prefix, new)`` and stores nothing.
+
+    Because it never grows, a forward can be replayed (gradient-checkpoint recompute) and sees the
+    same keys, and the prefix tensors are never written (K1).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.is_initialized = True
+        self.device = keys.device
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+class PrefixCache(DynamicCache):
+    """Read-only cache over C_base for teacher-forced forwards; see ``PrefixLayer``."""
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
+        super().__init__()
+        self.layers = [PrefixLayer(k, v) for k, v in zip(keys, values)]
+
+
+def _allow_readonly_cache_under_checkpointing(model) -> None:
+    # transformers drops the cache argument of checkpointed layers (a writer would append twice on the
+    # backward replay). PrefixCache only reads, so its layers may keep it: without this, a decoder under
+    # gradient checkpointing would silently ignore C_base.
+    if getattr(model, "_ccft_ckpt_cache_ok", False):
+        return
+    for m in model.modules():
+        if hasattr(type(m), "_can_checkpoint_with_cache"):
+            m._can_checkpoint_with_cache = True
+    model._ccft_ckpt_cache_ok = True
+
+
+def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: torch.Tensor | None = None,
+                    *, check: bool = True) -> torch.Tensor:
+    """Logits of a decoder over the handoff tokens + response, conditioned on a prefix cache.
+
+    Args:
+        model: the decoder (``PreTrainedModel`` or ``PeftModel``), or ``Decoder``.
+        cache: ``C_base`` for the same rows (``ccft.compute_base_cache``).
+        tail_ids: ``(b, t)`` = ``prompt[n-k:] + response (+ EOS)``, right-padded.
+        tail_mask: ``(b, t)``, 1 on real tokens (default: all ones).
+    Returns:
+        logits ``(b, t, v)``: position j predicts tail token j+1. Positions continue each row's real
+        prompt length: row i's first tail token is at position ``cache.lengths[i]``.
+    Raises:
+        CacheMutatedError: C_base was written in place.
+    """
+    if isinstance(model, Decoder):
+        model = model.model
+    device = tail_ids.device
+    if tail_mask is None:
+        tail_mask = torch.ones_like(tail_ids)
+    t = tail_ids.shape[1]
+    positions = cache.lengths.to(device)[:, None] + torch.arange(t, device=device)[None, :]
+    mask = torch.cat([cache.attention_mask.to(device), tail_mask], dim=1)
+    _allow_readonly_cache_under_checkpointing(model)
+    kwargs = {cache_kwarg(model): cache.as_prefix_cache()}
+    out = model(input_ids=tail_ids, attention_mask=mask, position_ids=positions, use_cache=False, **kwargs)
+    if check:
+        cache.check_unmodified()
+    return out.logits
+
+
+def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor,
+                 tail_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of a model prefilling its own prompt (Full-FT, base): one forward over prefix + tail.
+
+    Same layout and positions as ``decoder_forward``; returns only the tail's logits ``(b, t, v)``.
+    """
+    if isinstance(model, Decoder):
+        model = model.model
+    if tail_mask is None:
+        tail_mask = torch.ones_like(tail_ids)
+    ids = torch.cat([prefix_ids, tail_ids], dim=1)
+    mask = torch.cat([prefix_mask, tail_mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    # Tail pads (right padding) get positions past the row; they are masked and never supervised.
+    positions[:, prefix_ids.shape[1]:] = prefix_mask.sum(-1, keepdim=True) + torch.arange(
+        tail_ids.shape[1], device=ids.device)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    return out.logits[:, prefix_ids.shape[1]:]
+
+
+@dataclass(eq=False)
+class Decoder:
+    """A decode module θ_i attached to a base.
+
+    Attributes:
+        model: ``PeftModel`` (kind ``lora``) or a full-weight ``PreTrainedModel`` (kind ``full``).
+        base: the ``ccft.Base`` it is conditioned on.
+        kind: ``"lora"`` or ``"full"``.
+        method: ``"ccft"`` (trained on C_base), ``"full-ft"`` (trained on its own prefill) or None (untrained).
+        handoff_tokens: k used in training; inference uses the same.
+        meta: the ``ccft.json`` metadata it was loaded with or will be saved with.
+    """
+
+    model: torch.nn.Module
+    base: Any
+    kind: str
+    method: str | None = None
+    handoff_tokens: int = 1
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta.get("base_fingerprint", self.base.fingerprint)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: str | None = None,
+                 handoff_tokens: int = 1, adapter_name: str = "default") -> Decoder:
+    """A new decoder initialised from ``base``.
+
+    Args:
+        kind: ``"lora"`` (PEFT adapter on the base's weights; one weight copy) or ``"full"`` (a trainable copy).
+        lora: ``peft.LoraConfig`` fields (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
+            ``init_lora_weights``...). Default: r=16, alpha=32, attention and MLP projections.
+    Raises:
+        ConfigError: unknown kind.
+    """
+    if kind == "full":
+        model = copy.deepcopy(base.model)
+        model.requires_grad_(True)
+        model.train()
+    elif kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        cfg = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": DEFAULT_LORA_TARGETS,
+               "task_type": "CAUSAL_LM"}
+        cfg.update(lora or {})
+        if base.adapter_hosts:
+            host = base.adapter_hosts[0]
+            host.add_adapter(adapter_name, LoraConfig(**cfg))
+            host.set_adapter(adapter_name)
+            model = host
+        else:
+            model = get_peft_model(base.model, LoraConfig(**cfg), adapter_name=adapter_name)
+            base.adapter_hosts.append(model)
+    else:
+        raise ConfigError(f"decoder kind={kind!r}; use 'lora' or 'full'")
+    check_compatible(base.config, model.config)
+    return Decoder(model=model, base=base, kind=kind, method=method, handoff_tokens=handoff_tokens,
+                   meta={"base_fingerprint": base.fingerprint})

@@ -1,0 +1,1 @@
+"""Evaluation helpers: GSM8K answer extraction (``extract``) and bootstrap / pass@k statistics (``stats``)."""

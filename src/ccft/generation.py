@@ -1,0 +1,187 @@
+"""Reference batched generation for the four modes (DESIGN.md §1).
+
+  * ``base``:         the base model prefills its own prompt and decodes.
+  * ``full-ft``:      a Full-FT decoder prefills its own prompt and decodes (the accuracy reference).
+  * ``naive``:        a Full-FT decoder decodes on ``C_base`` (the failure reference).
+  * ``prefillshare``: a CCFT decoder decodes on ``C_base`` (the method).
+
+Every mode uses the same layout: a prefix cache over ``prompt[:n-k]`` (its own or the base's), then
+the decoder recomputes the k handoff tokens and generates. This is the slow, obviously-correct path
+that the inference engine is tested against: a ``DynamicCache`` per call, one token per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .base_cache import BaseCache, cache_kwarg, compute_base_cache, prefill
+from .decoder import Decoder
+from .errors import ConfigError
+
+MODES = ("base", "full-ft", "naive", "prefillshare")
+_MODE_METHOD = {"full-ft": "full-ft", "naive": "full-ft", "prefillshare": "ccft"}
+
+
+@dataclass
+class Generation:
+    """One generated completion. ``finish_reason``: ``eos``, ``stop`` (a stop string) or ``length`` (truncated)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+def check_mode(mode: str, decoder: Decoder | None) -> None:
+    """Raise ConfigError unless ``mode`` is known and matches the decoder's training ``method``."""
+    if mode not in MODES:
+        raise ConfigError(f"mode={mode!r}; use one of {', '.join(MODES)}")
+    if mode == "base":
+        return
+    if decoder is None:
+        raise ConfigError(f"mode={mode!r} needs a decoder (--decoder PATH)")
+    want = _MODE_METHOD[mode]
+    if decoder.method is not None and decoder.method != want:
+        raise ConfigError(f"mode={mode!r} needs a decoder trained with method={want!r}, but this decoder was "
+                          f"trained with method={decoder.method!r}; use mode="
+                          f"{'prefillshare' if decoder.method == 'ccft' else 'full-ft or naive'}")
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos:
+        ids.update(gen_eos)
+    return {i for i in ids if i is not None}
+
+
+def _select(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float, gen) -> torch.Tensor:
+    if not do_sample:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+@torch.no_grad()
+def decode_on_cache(model, tokenizer, cache: BaseCache, *, max_new_tokens: int = 256,
+                    stop: Sequence[str] | str | None = None, do_sample: bool = False, temperature: float = 1.0,
+                    top_p: float = 1.0, seed: int = 0) -> list[Generation]:
+    """Decode up to ``max_new_tokens`` per row with ``model`` on a prefix cache (one token per step).
+
+    Stop strings and EOS are handled per row; the text is cut before the first stop string.
+    """
+    if isinstance(stop, str):
+        stop = [stop]
+    stop = [s for s in (stop or []) if s]
+    device = next(model.parameters()).device
+    b, k = cache.tail_ids.shape
+    eos = _eos_ids(tokenizer, model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    kv = cache.as_dynamic_cache()
+    name = cache_kwarg(model)
+    lengths = cache.lengths.to(device)
+    mask = torch.cat([cache.attention_mask.to(device), torch.ones(b, k, dtype=torch.long, device=device)], 1)
+    step_ids = cache.tail_ids.to(device)
+    positions = lengths[:, None] + torch.arange(k, device=device)[None, :]
+    out_ids: list[list[int]] = [[] for _ in range(b)]
+    reason: list[str | None] = [None] * b
+    texts: list[str | None] = [None] * b
+    for step in range(max_new_tokens):
+        logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                       **{name: kv}).logits[:, -1]
+        nxt = _select(logits, do_sample, temperature, top_p, gen).cpu()
+        for i in range(b):
+            if reason[i] is not None:
+                continue
+            tok = int(nxt[i])
+            if tok in eos:
+                reason[i] = "eos"
+                continue
+            out_ids[i].append(tok)
+            if stop:
+                text = tokenizer.decode(out_ids[i], skip_special_tokens=True)
+                cut = min((text.find(s) for s in stop if s in text), default=-1)
+                if cut >= 0:
+                    reason[i], texts[i] = "stop", text[:cut]
+        if all(r is not None for r in reason):
+            break
+        fed = torch.tensor([int(nxt[i]) if reason[i] is None else pad for i in range(b)], device=device)
+        step_ids = fed[:, None]
+        positions = (lengths + k + step)[:, None]
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long, device=device)], 1)
+    cache.check_unmodified()
+    result = []
+    for i in range(b):
+        text = texts[i] if texts[i] is not None else tokenizer.decode(out_ids[i], skip_special_tokens=True)
+        result.append(Generation(text=text, token_ids=out_ids[i], finish_reason=reason[i] or "length"))
+    return result
+
+
+def generate(prompts: Sequence[Sequence[int]], *, mode: str, base=None, decoder: Decoder | None = None,
+             cache: BaseCache | None = None, handoff_tokens: int | None = None, max_new_tokens: int = 256,
+             stop: Sequence[str] | str | None = None, do_sample: bool = False, temperature: float = 1.0,
+             top_p: float = 1.0, seed: int = 0, batch_size: int = 16, progress: bool = False) -> list[Generation]:
+    """Batched greedy or sampled generation in one of the four modes.
+
+    Args:
+        prompts: lists of prompt token ids (``ccft.data.tokenize_prompt``).
+        mode: ``base`` | ``full-ft`` | ``naive`` | ``prefillshare`` (checked against ``decoder.method``).
+        base: the ``ccft.Base`` (default: ``decoder.base``).
+        cache: a precomputed C_base for exactly these prompts (naive / prefillshare); computed if None.
+        handoff_tokens: k (default: the decoder's, else 1).
+        stop: stop strings; EOS always stops a row.
+    Returns:
+        one ``Generation`` per prompt, in order; ``finish_reason == "length"`` marks a truncated row.
+    Raises:
+        ConfigError: unknown mode or a mode that does not match the decoder's method.
+        FingerprintMismatchError: ``cache`` comes from another base or dtype.
+    """
+    check_mode(mode, decoder)
+    base = base if base is not None else decoder.base
+    k = handoff_tokens or (decoder.handoff_tokens if decoder is not None else 1)
+    tok = base.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    results: list[Generation | None] = [None] * len(prompts)
+    # Similar lengths together: less padding, and results do not depend on it (tests check batch 1 == batch 8).
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    kw = dict(max_new_tokens=max_new_tokens, stop=stop, do_sample=do_sample, temperature=temperature,
+              top_p=top_p, seed=seed)
+    for chunk in tqdm(chunks, desc=f"generate [{mode}]", disable=not progress, leave=False):
+        batch = [prompts[i] for i in chunk]
+        if mode in ("naive", "prefillshare"):
+            if cache is not None:
+                c = cache.select(chunk)
+            else:
+                c = compute_base_cache(base, batch, handoff_tokens=k)
+            c.check_reader(decoder.fingerprint, decoder.dtype)
+            if decoder.kind == "lora":
+                decoder.model.set_adapter(decoder.meta.get("adapter_name", "default"))
+            outs = decode_on_cache(decoder.model, tok, c, **kw)
+        elif mode == "base":
+            with base.base_weights() as model:
+                c = prefill(model, batch, handoff_tokens=k, pad_token_id=pad, producer="self")
+                outs = decode_on_cache(model, tok, c, **kw)
+        else:  # full-ft: the decoder prefills its own prompt
+            if decoder.kind == "lora":
+                decoder.model.set_adapter(decoder.meta.get("adapter_name", "default"))
+            c = prefill(decoder.model, batch, handoff_tokens=k, pad_token_id=pad, producer="self")
+            outs = decode_on_cache(decoder.model, tok, c, **kw)
+        for i, g in zip(chunk, outs):
+            results[i] = g
+    return results  # type: ignore[return-value]

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random Llama bases (fp32) with the embedded SmolLM2 tokenizer, real GSM8K rows."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = ROOT / "data" / "gsm8k"
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """The embedded SmolLM2 converted to an HF folder (tokenizer used by the tiny models)."""
+    from ccft.models import convert_embedded
+
+    return convert_embedded("smollm2-135m-instruct", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+def make_tiny_folder(path: Path, tokenizer, *, seed: int = 0, layers: int = 2, kv_heads: int = 2,
+                     hidden: int = 64, heads: int = 4, rope_theta: float = 10000.0, scale: float = 1.0) -> Path:
+    """Save a random tiny Llama (GQA, RoPE) with ``tokenizer`` to ``path``. ``scale`` > 1 sharpens logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=hidden // heads, max_position_embeddings=4096, rope_theta=rope_theta,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).float()
+    if scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(scale)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer) -> Path:
+    return make_tiny_folder(tmp_path_factory.mktemp("tiny_base"), tokenizer)
+
+
+@pytest.fixture
+def tiny_base(tiny_dir):
+    """A fresh ccft.Base over the tiny folder (fresh per test: LoRA decoders attach to it)."""
+    from ccft import load_base
+
+    return load_base(str(tiny_dir))
+
+
+@pytest.fixture(scope="session")
+def gsm8k_rows():
+    """GSM8K train rows as {prompt, response}."""
+    rows = [json.loads(line) for line in (GSM8K / "train.jsonl").read_text().splitlines() if line.strip()]
+    return [{"prompt": r["question"], "response": r["answer"]} for r in rows]

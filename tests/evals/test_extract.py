@@ -1,0 +1,228 @@
+"""GSM8K answer extraction: golden table of CASES.md K7 faults and every reference in the test split."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ccft.errors import DataError
+from ccft.evals.extract import (
+    EXTRACTORS,
+    exact_match,
+    extract_flexible,
+    extract_reference,
+    extract_strict,
+    normalize_number,
+)
+
+GSM8K_TEST = Path(os.environ.get("CCFT_GSM8K_TEST", "/work/shared/data/gsm8k/test.jsonl"))
+
+# (generation text, strict-match, flexible-extract)
+GOLDEN: list[tuple[str, str | None, str | None]] = [
+    # K7: thousands separators must not be read as "000"
+    ("She pays 8,000 dollars.\n#### 8,000", "8000", "8000"),
+    ("The total is 8,000", None, "8000"),
+    ("The farm makes 1,000,000 eggs a year.", None, "1000000"),
+    ("#### 1,450,000", "1450000", "1450000"),
+    # K7: dollar amounts
+    ("He earns $1,325 a month.\n#### 1325", "1325", "1325"),
+    ("The price is $1,325.50.", None, "1325.5"),
+    ("#### $1,325", "1325", "1325"),
+    ("So she spent $18.", None, "18"),
+    ("-$5 is his balance.", None, "-5"),
+    # K7: negative numbers
+    ("The temperature drops to -3", None, "-3"),
+    ("The change is 4 - 7 = -3.\n#### -3", "-3", "-3"),
+    ("10-3=7", None, "7"),
+    ("from 10 to -4", None, "-4"),
+    # K7: trailing comma / period
+    ("#### 72.", "72", "72"),
+    ("#### 1,325, which is the answer", "1325", "1325"),
+    ("The answer is 42.", None, "42"),
+    ("The answer is 42, I think", None, "42"),
+    ("#### 5.\n", "5", "5"),
+    # K7: missing ####
+    ("There are 18 eggs left.", None, "18"),
+    ("#### \nThe answer is 5", None, "5"),
+    ("####72", None, "72"),
+    ("####  72", None, "72"),
+    ("I don't know.", None, None),
+    # K7: multiple #### (strict takes the first, flexible the last number)
+    ("#### 72\n\nQuestion: Tom has 3 apples.\n#### 5", "72", "5"),
+    ("#### The answer\n#### 18", "18", "18"),
+    # K7: numbers with units
+    ("She runs 5km every day.\n#### 5", "5", "5"),
+    ("It weighs 12kg", None, "12"),
+    ("The trip takes 3 hours", None, "3"),
+    ("It costs 20 dollars per 2nd item", None, "2"),
+    # K7: decimals
+    ("#### 12.50", "12.5", "12.5"),
+    ("#### 3.0", "3", "3"),
+    ("Each costs .5 dollars", None, "0.5"),
+    ("#### 0.25", "0.25", "0.25"),
+    # K7: percent
+    ("The discount is 25%.\n#### 25", "25", "25"),
+    ("#### 12.5%", "12.5", "12.5"),
+    ("It grew by 40%", None, "40"),
+    # K7: text after the answer
+    ("#### 18\nThat is 3 more than yesterday.", "18", "3"),
+    ("18 is the answer. Question 2: ...", None, "2"),
+    # K7: empty / no number / junk runs lm-eval's regex would return
+    ("", None, None),
+    ("...", None, None),
+    ("The answer is 7...", None, "7"),
+    ("#### ...", None, None),
+    ("Numbers 5,6,7", None, "7"),
+    ("#### 5,6", None, "6"),
+    ("#### +7", None, "7"),
+    ("The answer is 1,0000", None, "0"),
+    ("Value \u22125 degrees", None, "-5"),
+    ("#### \u22125", "-5", "-5"),
+]
+
+
+def test_golden_table_is_large():
+    assert len(GOLDEN) >= 30
+
+
+@pytest.mark.parametrize(("text", "strict", "flexible"), GOLDEN, ids=[repr(t[0])[:40] for t in GOLDEN])
+def test_golden(text, strict, flexible):
+    assert extract_strict(text) == strict
+    assert extract_flexible(text) == flexible
+    assert EXTRACTORS["strict-match"](text) == strict
+    assert EXTRACTORS["flexible-extract"](text) == flexible
+
+
+@pytest.mark.parametrize(
+    ("raw", "norm"),
+    [
+        ("8,000", "8000"),
+        ("$1,325", "1325"),
+        ("$1,325.50", "1325.5"),
+        ("-5", "-5"),
+        ("-$5", "-5"),
+        ("$-5", "-5"),
+        ("+7", "7"),
+        ("12.50", "12.5"),
+        ("3.0", "3"),
+        ("3.", "3"),
+        ("42,", "42"),
+        ("25%", "25"),
+        ("25%.", "25"),
+        (" 72 \n", "72"),
+        (".5", "0.5"),
+        ("-0", "0"),
+        ("-0.0", "0"),
+        ("007", "7"),
+        ("0.000001", "0.000001"),
+        ("1,000,000", "1000000"),
+        ("\u22123", "-3"),
+        ("100.000", "100"),
+    ],
+)
+def test_normalize_number(raw, norm):
+    assert normalize_number(raw) == norm
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "",
+        ".",
+        ",",
+        "$",
+        "-",
+        "abc",
+        "12,50",
+        "5,6,7",
+        "1,0000",
+        "1.2.3",
+        "1e5",
+        "5 6",
+        "+-5",
+        "--5",
+        "$$5",
+        "5kg",
+    ],
+)
+def test_normalize_number_rejects(raw):
+    assert normalize_number(raw) is None
+
+
+def test_normalize_number_type_error():
+    with pytest.raises(TypeError):
+        normalize_number(5)  # type: ignore[arg-type]
+
+
+def test_extract_reference():
+    assert extract_reference("Janet sells 9 eggs.\n#### 18") == "18"
+    assert extract_reference("x\n#### 1,450,000") == "1450000"
+    assert extract_reference("#### -4") == "-4"
+
+
+@pytest.mark.parametrize("bad", ["The answer is 18", "", "#### ", "#### eighteen"])
+def test_extract_reference_errors(bad):
+    with pytest.raises(DataError) as exc:
+        extract_reference(bad)
+    assert isinstance(exc.value, ValueError)
+    assert "####" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("pred", "ref", "ok"),
+    [
+        ("5", "5", True),
+        ("5.0", "5", True),
+        ("5.00", "5", True),
+        ("$1,325", "1325", True),
+        ("1325", "1,325", True),
+        ("-3", "-3", True),
+        ("3", "-3", False),
+        ("0.5", ".5", True),
+        ("12.5", "12.50", True),
+        ("12.5", "12", False),
+        (None, "5", False),
+        ("abc", "5", False),
+        ("", "5", False),
+    ],
+)
+def test_exact_match(pred, ref, ok):
+    assert exact_match(pred, ref) is ok
+
+
+def test_exact_match_bad_reference():
+    with pytest.raises(ValueError, match="reference"):
+        exact_match("5", "five")
+
+
+def _gsm8k_rows() -> list[dict]:
+    if not GSM8K_TEST.is_file():
+        pytest.skip(f"GSM8K test split not found at {GSM8K_TEST} (set CCFT_GSM8K_TEST)")
+    with GSM8K_TEST.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_every_gsm8k_reference_extracts_identically():
+    rows = _gsm8k_rows()
+    assert len(rows) == 1319
+    bad = []
+    for i, row in enumerate(rows):
+        answer = row["answer"]
+        ref = extract_reference(answer)
+        assert ref.lstrip("-").isdigit(), (i, ref)  # GSM8K answers are integers
+        strict = extract_strict(answer)
+        flexible = extract_flexible(answer)
+        if strict != ref or flexible != ref or not exact_match(strict, ref):
+            bad.append((i, ref, strict, flexible))
+    assert not bad, f"{len(bad)} references extract differently, first: {bad[:5]}"
+
+
+def test_gsm8k_references_with_separators_are_covered():
+    # The split has answers like "#### 1,450,000": make sure the full-split test exercises them.
+    rows = _gsm8k_rows()
+    with_commas = [r for r in rows if "," in r["answer"].rsplit("####", 1)[1]]
+    assert len(with_commas) >= 10
+    assert all("," not in extract_reference(r["answer"]) for r in with_commas)
