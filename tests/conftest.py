@@ -10,7 +10,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT / "data" / "gsm8k"
+GSM8K = ROOT / "src" / "ccft" / "resources" / "gsm8k"
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -153,25 +153,9 @@ def _make(keys, values, mask, tail, k, fingerprint, producer) -> BaseCache:
 
 
 @torch.no_grad()
-def prefill(model, prompts: Sequence[Sequence[int]], *, handoff_tokens: int = 1, pad_token_id: int = 0,
-            fingerprint: str = "", producer: str = "base") -> BaseCache:
-    """Run ``model`` over ``prompt[:n-k]`` for every row and return its KV cache (no checks; see compute_base_cache).
-
-    Args:
-        prompts: b lists of prompt token ids, each with ≥ k+1 ids.
-    Returns:
-        BaseCache with keys/values ``(b, h, p, d)``, p = max(n - k).
-    """
-    k = handoff_tokens
-    if k < 1:
-        raise ValueError(f"handoff_tokens={k}; it must be ≥ 1")
-    short = [i for i, p in enumerate(prompts) if len(p) < k + 1]
-    if short:
-        raise ValueError(f"rows {short} have fewer than handoff_tokens+1={k + 1} prompt tokens")
-    device = next(model.parameters()).device
-    prefix_ids, prefix_mask = left_pad([list(p[:-k]) for p in prompts], pad_token_id)
-    tail = torch.tensor([list(p[-k:]) for p in prompts], dtype=torch.long)
-    prefix_ids, prefix_mask = prefix_ids.to(device), prefix_mask.to(device)
+def _prefill_tensors(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor, *,
+                     handoff_tokens: int, fingerprint: str = "", producer: str = "base") -> BaseCache:
+    """Prefill a left-padded batch ``prefix_ids (b, p)`` with per-row positions; returns its BaseCache."""
     positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=positions, use_cache=True)
     cache = getattr(out, "cache", None) or out.past_key_values
@@ -182,7 +166,29 @@ def prefill(model, prompts: Sequence[Sequence[int]], *, handoff_tokens: int = 1,
         # through a masked attention weight (0 * NaN = NaN).
         keys.append(layer.keys.masked_fill(pad, 0.0).contiguous())
         values.append(layer.values.masked_fill(pad, 0.0).contiguous())
-    return _make(keys, values, prefix_mask, tail.to(device), k, fingerprint, producer)
+    return _make(keys, values, prefix_mask, tail_ids, handoff_tokens, fingerprint, producer)
+
+
+def prefill(model, prompts: Sequence[Sequence[int]], *, handoff_tokens: int = 1, pad_token_id: int = 0,
+            fingerprint: str = "", producer: str = "base") -> BaseCache:
+    """Run ``model`` over ``prompt[:n-k]`` for every row and return its KV cache (no checks; see compute_base_cache).
+
+    Args:
+        prompts: b lists of prompt token ids, each with ≥ k+1 ids.
+    Returns:
+        BaseCache with keys/values ``(b, h, p, d)``, p = max(n - k); ``tail_ids (b, k)``.
+    """
+    k = handoff_tokens
+    if k < 1:
+        raise ValueError(f"handoff_tokens={k}; it must be ≥ 1")
+    short = [i for i, p in enumerate(prompts) if len(p) < k + 1]
+    if short:
+        raise ValueError(f"rows {short} have fewer than handoff_tokens+1={k + 1} prompt tokens")
+    device = next(model.parameters()).device
+    prefix_ids, prefix_mask = left_pad([list(p[:-k]) for p in prompts], pad_token_id)
+    tail = torch.tensor([list(p[-k:]) for p in prompts], dtype=torch.long, device=device)
+    return _prefill_tensors(model, prefix_ids.to(device), prefix_mask.to(device), tail, handoff_tokens=k,
+                            fingerprint=fingerprint, producer=producer)
 
 
 def compute_base_cache(base, prompts: Sequence[Sequence[int]], *, handoff_tokens: int = 1) -> BaseCache:

@@ -73,10 +73,17 @@ def decoder_meta(decoder: Decoder, **extra: Any) -> dict:
 
 
 def save_decoder(decoder: Decoder, path: str | Path, **extra_meta: Any) -> Path:
-    """Write ``decoder`` to ``path`` atomically: weights (HF) or adapter (PEFT), tokenizer, ``ccft.json``."""
-    meta = decoder_meta(decoder, **extra_meta)
+    """Write ``decoder`` into folder ``path``: weights (HF) or adapter (PEFT), tokenizer, then ``ccft.json``.
 
-    def write(tmp: Path) -> None:
+    Files are staged in a temporary sub-folder and moved in one by one; ``ccft.json`` is removed
+    first and written last, so a folder with ``ccft.json`` is always complete (``load_decoder``
+    refuses one without it). Other contents of ``path`` (e.g. ``checkpoint-N/``) are kept.
+    """
+    meta = decoder_meta(decoder, **extra_meta)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".save-", dir=path))
+    try:
         if decoder.kind == "lora":
             name = decoder.meta.get("adapter_name", "default")
             decoder.model.save_pretrained(str(tmp), selected_adapters=[name])
@@ -87,9 +94,14 @@ def save_decoder(decoder: Decoder, path: str | Path, **extra_meta: Any) -> Path:
         else:
             decoder.model.save_pretrained(str(tmp))
         decoder.base.tokenizer.save_pretrained(str(tmp))
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
-
-    return atomic_write_dir(path, write)
+        (path / META_FILE).unlink(missing_ok=True)
+        for p in sorted(tmp.iterdir()):
+            if p.is_file():
+                os.replace(p, path / p.name)
+        atomic_write_text(path / META_FILE, json.dumps(meta, indent=2, default=str))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def read_meta(path: str | Path) -> dict:

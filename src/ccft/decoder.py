@@ -76,7 +76,7 @@ def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: 
         CacheMutatedError: C_base was written in place.
     """
     if isinstance(model, Decoder):
-        model = model.model
+        model = model.activate()
     device = tail_ids.device
     if tail_mask is None:
         tail_mask = torch.ones_like(tail_ids)
@@ -98,7 +98,7 @@ def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tai
     Same layout and positions as ``decoder_forward``; returns only the tail's logits ``(b, t, v)``.
     """
     if isinstance(model, Decoder):
-        model = model.model
+        model = model.activate()
     if tail_mask is None:
         tail_mask = torch.ones_like(tail_ids)
     ids = torch.cat([prefix_ids, tail_ids], dim=1)
@@ -142,6 +142,15 @@ class Decoder:
     def parameters(self):
         return self.model.parameters()
 
+    def activate(self) -> torch.nn.Module:
+        """Make this decoder's LoRA adapter the active one on the shared host (several decoders share
+        one PeftModel); returns the module to call."""
+        if self.kind == "lora":
+            name = self.meta.get("adapter_name", "default")
+            if self.model.active_adapter != name:
+                self.model.set_adapter(name)
+        return self.model
+
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
 
@@ -181,5 +190,7 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
     else:
         raise ConfigError(f"decoder kind={kind!r}; use 'lora' or 'full'")
     check_compatible(base.config, model.config)
-    return Decoder(model=model, base=base, kind=kind, method=method, handoff_tokens=handoff_tokens,
-                   meta={"base_fingerprint": base.fingerprint})
+    meta = {"base_fingerprint": base.fingerprint}
+    if kind == "lora":
+        meta["adapter_name"] = adapter_name  # generate/save/decoder_forward select this adapter on the shared host
+    return Decoder(model=model, base=base, kind=kind, method=method, handoff_tokens=handoff_tokens, meta=meta)

@@ -1,0 +1,273 @@
+"""Training configuration and YAML recipes.
+
+``TrainConfig`` extends ``transformers.TrainingArguments`` (TRL style), so every Trainer option
+(optimizer, schedule, logging, ``report_to=wandb``, checkpointing, DeepSpeed) is available by name.
+A recipe is a flat YAML mapping of ``TrainConfig`` fields, plus an optional ``eval:`` mapping of
+``EvalConfig`` fields used by ``ccft demo``/``ccft eval``; ``key=value`` overrides are parsed as YAML
+scalars. Unknown keys, wrong types and missing fields raise ``ConfigError`` naming the key and the
+fix, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import TrainingArguments
+
+from .errors import ConfigError
+from .models import DEFAULT_BASE, DTYPES
+
+METHODS = ("ccft", "full-ft")
+DECODER_KINDS = ("lora", "full")
+RESOURCES = Path(__file__).resolve().parent / "resources"
+
+#: Built-in datasets: name -> split files and the column mapping to {prompt, response}.
+BUILTIN_DATASETS: dict[str, dict[str, Any]] = {
+    "gsm8k": {"train": RESOURCES / "gsm8k" / "train.jsonl", "test": RESOURCES / "gsm8k" / "test.jsonl",
+              "columns": {"prompt": "question", "response": "answer"}},
+}
+
+
+def resolve_data(spec: str, columns: dict | None = None) -> tuple[str, dict | None]:
+    """``"gsm8k:train"`` -> (bundled file, its column mapping); any other string is a path used as is."""
+    name, _, split = str(spec).partition(":")
+    if name in BUILTIN_DATASETS:
+        ds = BUILTIN_DATASETS[name]
+        split = split or "train"
+        if split not in ds:
+            raise ConfigError(f"dataset {spec!r}: unknown split {split!r}; use one of "
+                              f"{[k for k in ds if k != 'columns']}")
+        return str(ds[split]), columns if columns is not None else ds["columns"]
+    if not Path(spec).is_file():
+        raise ConfigError(f"data {spec!r} is neither a built-in dataset ({', '.join(BUILTIN_DATASETS)}"
+                          "; e.g. gsm8k:train) nor an existing .jsonl/.json file")
+    return str(spec), columns
+
+
+@dataclass
+class TrainConfig(TrainingArguments):
+    """Configuration of a CCFT or Full-FT run (a ``TrainingArguments`` with ccft's fields).
+
+    Method:
+        method: ``ccft`` (decoder trained on C_base, the base's prefix KV) or ``full-ft`` (ordinary SFT).
+        base: base model: embedded name (``smollm2-135m-instruct``), local folder or HF id.
+        decoder_kind: ``lora`` (adapter on the base's weights) or ``full`` (a second, trainable weight copy).
+        handoff_tokens: k ≥ 1, prompt tokens the decoder recomputes on C_base.
+    LoRA:
+        lora_r, lora_alpha, lora_dropout, lora_target_modules.
+    Data:
+        train_data / eval_data: ``gsm8k:train`` style built-ins or .jsonl/.json paths.
+        train_rows / eval_rows: keep the first N rows (after ``data_offset``).
+        columns: mapping ccft field -> source column.
+        max_length: rows longer than this (prompt + response + EOS tokens) are dropped and counted.
+        chat_template: ``auto`` | true | false; system_prompt: optional system turn.
+    Numerics:
+        dtype: ``float32`` (CPU) | ``bfloat16`` | ``float16`` for base and decoder weights.
+    """
+
+    output_dir: str = field(default="runs/ccft", metadata={"help": "Run folder: final decoder + checkpoints/."})
+    method: str = field(default="ccft", metadata={"help": "ccft | full-ft"})
+    base: str = field(default=DEFAULT_BASE, metadata={"help": "Base model: embedded name, folder or HF id."})
+    decoder_kind: str = field(default="lora", metadata={"help": "lora | full"})
+    handoff_tokens: int = field(default=1, metadata={"help": "Prompt tokens the decoder recomputes (k ≥ 1)."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        metadata={"help": "Modules that get LoRA adapters."})
+    train_data: str = field(default="gsm8k:train", metadata={"help": "Built-in name:split or .jsonl/.json path."})
+    eval_data: str | None = field(default=None, metadata={"help": "Held-out data for eval NLL during training."})
+    train_rows: int | None = field(default=None, metadata={"help": "Use the first N training rows."})
+    eval_rows: int | None = field(default=None, metadata={"help": "Use the first N eval rows."})
+    data_offset: int = field(default=0, metadata={"help": "Skip this many rows before train_rows."})
+    columns: dict[str, str] | None = field(default=None, metadata={"help": "ccft field -> source column."})
+    max_length: int = field(default=512, metadata={"help": "Drop rows longer than this many tokens."})
+    chat_template: str = field(default="auto", metadata={"help": "auto | true | false."})
+    system_prompt: str | None = field(default=None, metadata={"help": "Optional system turn."})
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16."})
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ConfigError(f"method={self.method!r}; use one of {', '.join(METHODS)}")
+        if self.decoder_kind not in DECODER_KINDS:
+            raise ConfigError(f"decoder_kind={self.decoder_kind!r}; use one of {', '.join(DECODER_KINDS)}")
+        if self.handoff_tokens < 1:
+            raise ConfigError(f"handoff_tokens={self.handoff_tokens}; it must be ≥ 1")
+        if str(self.dtype).lower() not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}; use one of float32, bfloat16, float16")
+        if str(self.chat_template).lower() not in ("auto", "true", "false"):
+            raise ConfigError(f"chat_template={self.chat_template!r}; use auto, true or false")
+        if self.max_length < 2:
+            raise ConfigError(f"max_length={self.max_length}; it must be ≥ 2")
+        if self.gradient_checkpointing and not self.gradient_checkpointing_kwargs:
+            self.gradient_checkpointing_kwargs = {"use_reentrant": False}
+        super().__post_init__()
+
+    @property
+    def chat_template_flag(self) -> bool | str:
+        v = str(self.chat_template).lower()
+        return "auto" if v == "auto" else v == "true"
+
+
+@dataclass
+class EvalConfig:
+    """What ``ccft eval`` / ``ccft demo`` measure (the ``eval:`` section of a recipe).
+
+    Attributes:
+        task: ``gsm8k`` (the only task of the first evaluation).
+        nll_rows: held-out rows (test split) for response NLL per token.
+        em_rows: problems for exact match (the first ``em_rows`` of the NLL rows).
+        max_new_tokens: generation budget; rows that hit it are counted as truncated.
+        batch_size: generation and scoring batch size.
+        modes: which of base, full-ft, naive, prefillshare to run.
+        bootstrap: resamples for confidence intervals.
+    """
+
+    task: str = "gsm8k"
+    nll_rows: int = 100
+    em_rows: int = 50
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    modes: list[str] = field(default_factory=lambda: ["base", "full-ft", "naive", "prefillshare"])
+    bootstrap: int = 2000
+    seed: int = 0
+
+
+# ------------------------------------------------------------------ validation
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any or tp is object:
+        return True
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_type_ok(value, a) for a in args)
+    if tp is type(None):
+        return value is None
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and (not args or all(_type_ok(v, args[0]) for v in value))
+    if origin is dict:
+        return isinstance(value, dict)
+    if origin is typing.Literal:
+        return value in args
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if isinstance(tp, type):
+        if issubclass(tp, __import__("enum").Enum):
+            return isinstance(value, str) and value in {e.value for e in tp}
+        return isinstance(value, tp)
+    return True  # unknown annotation: let the dataclass decide
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Accept what YAML gives for common cases: 1e-4 read as a string, an int for a float, a scalar for a list."""
+    if _type_ok(value, tp):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = value
+        if _type_ok(parsed, tp):
+            return parsed
+        try:
+            f = float(value)
+            if _type_ok(f, tp):
+                return f
+        except ValueError:
+            pass
+    return value
+
+
+def _validate(raw: dict, cls, where: str) -> dict:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    out = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{where}: unknown key {key!r}{hint} (see `ccft train --help-config` for the fields)")
+        tp = hints.get(key, Any)
+        value = _coerce(value, tp)
+        if not _type_ok(value, tp):
+            tname = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+            raise ConfigError(f"{where}: key {key!r} expects {tname}, got {value!r} "
+                              f"({type(value).__name__}); fix the value in the recipe or override")
+        out[key] = value
+    return out
+
+
+def parse_overrides(overrides: list[str] | None) -> dict:
+    """``["key=value", ...]`` -> dict with YAML-parsed values; ConfigError on a malformed item."""
+    out: dict[str, Any] = {}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not key=value (e.g. max_steps=10)")
+        key = key.strip()
+        parsed = yaml.safe_load(value) if value.strip() else None
+        if key.startswith("eval."):
+            out.setdefault("eval", {})[key[5:]] = parsed
+        else:
+            out[key] = parsed
+    return out
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
+                **extra: Any) -> tuple[TrainConfig, EvalConfig, dict]:
+    """Parse and validate a recipe YAML plus ``key=value`` overrides (``eval.KEY=value`` for the eval section).
+
+    Returns (TrainConfig, EvalConfig, the merged raw dict recorded in ``ccft.json``). Raises
+    ConfigError for an unreadable file, unknown key, wrong type or invalid value — before any
+    model is loaded.
+    """
+    raw: dict[str, Any] = {}
+    where = "config"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"recipe {p} does not exist; see recipes/ for examples")
+        where = str(p)
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: a recipe is a mapping of keys to values")
+    ov = parse_overrides(overrides)
+    eval_raw = dict(raw.pop("eval", None) or {})
+    eval_raw.update(ov.pop("eval", {}))
+    raw.update(ov)
+    raw.update(extra)
+    train_kw = _validate(raw, TrainConfig, where)
+    eval_kw = _validate(eval_raw, EvalConfig, f"{where} (eval section)")
+    train_kw.setdefault("report_to", "none")
+    try:
+        cfg = TrainConfig(**train_kw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    ecfg = EvalConfig(**eval_kw)
+    bad = [m for m in ecfg.modes if m not in ("base", "full-ft", "naive", "prefillshare")]
+    if bad:
+        raise ConfigError(f"{where}: eval.modes has unknown mode(s) {bad}; use base, full-ft, naive, prefillshare")
+    resolve_data(cfg.train_data, cfg.columns)
+    if cfg.eval_data:
+        resolve_data(cfg.eval_data, cfg.columns)
+    merged = dict(train_kw, eval=eval_kw)
+    return cfg, ecfg, merged

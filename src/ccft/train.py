@@ -1,0 +1,105 @@
+"""The training recipe: setup -> train -> save, one function per phase (torchtune style).
+
+``run_training(cfg)`` is what ``ccft train RECIPE.yaml`` runs:
+  setup   seed -> base (frozen) -> decoder (LoRA or full) -> data (train/eval) -> trainer
+  train   ``CacheConditionedTrainer.train``, resuming from the newest complete ``checkpoint-N``
+  save    final decoder + ``ccft.json`` into ``cfg.output_dir`` (checkpoints kept beside it)
+Raises ConfigError / DataError before the base is loaded when the recipe or data is bad.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+from .checkpoint import save_decoder
+from .config import TrainConfig, resolve_data
+from .data import Collator, TokenizedDataset, build_dataset, load_rows
+from .decoder import Decoder, make_decoder
+from .models import Base, load_base
+from .trainer import CacheConditionedTrainer
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: the decoder, its folder, the loss curve and timing."""
+
+    decoder: Decoder
+    output_dir: Path
+    log_history: list[dict]
+    train_rows: int
+    dropped_too_long: int
+    seconds: float
+    trainer: Any = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def loss_curve(self) -> list[tuple[int, float]]:
+        return [(h["step"], h["loss"]) for h in self.log_history if "loss" in h]
+
+    @property
+    def eval_curve(self) -> list[tuple[int, float]]:
+        return [(h["step"], h["eval_loss"]) for h in self.log_history if "eval_loss" in h]
+
+
+def load_split(spec: str, tokenizer, cfg: TrainConfig, rows: int | None, offset: int = 0) -> TokenizedDataset:
+    """Tokenise ``rows`` rows of a data spec (built-in ``name:split`` or a file) for this config."""
+    path, columns = resolve_data(spec, cfg.columns)
+    raw = load_rows(path, columns=columns)
+    raw = raw[offset: offset + rows if rows is not None else None]
+    return build_dataset(raw, tokenizer, max_length=cfg.max_length, handoff_tokens=cfg.handoff_tokens,
+                         chat_template=cfg.chat_template_flag, system_prompt=cfg.system_prompt)
+
+
+def setup(cfg: TrainConfig, *, base: Base | None = None):
+    """Build (base, decoder, train set, eval set, trainer) for ``cfg``. The data is checked before the base loads."""
+    set_seed(cfg.seed)
+    if base is None:
+        # Tokenise with the base's tokenizer before loading weights, so bad data fails fast.
+        from transformers import AutoTokenizer
+
+        from .models import resolve_model_path
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.base))
+    else:
+        tokenizer = base.tokenizer
+    train_set = load_split(cfg.train_data, tokenizer, cfg, cfg.train_rows, cfg.data_offset)
+    eval_set = load_split(cfg.eval_data, tokenizer, cfg, cfg.eval_rows) if cfg.eval_data else None
+    if base is None:
+        base = load_base(cfg.base, dtype=cfg.dtype)
+    set_seed(cfg.seed)  # same decoder init whatever was loaded before
+    lora = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+            "target_modules": list(cfg.lora_target_modules)}
+    decoder = make_decoder(base, cfg.decoder_kind, lora=lora, method=cfg.method, handoff_tokens=cfg.handoff_tokens)
+    pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.tokenizer.eos_token_id
+    trainer = CacheConditionedTrainer(model=decoder.model, args=cfg, base=base, train_dataset=train_set,
+                                      eval_dataset=eval_set, data_collator=Collator(pad, cfg.handoff_tokens))
+    return base, decoder, train_set, eval_set, trainer
+
+
+def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | None = None,
+                 resume: bool = True) -> TrainResult:
+    """Set up, train (resuming from the newest complete checkpoint when ``resume``) and save a decoder."""
+    start = time.time()
+    base, decoder, train_set, eval_set, trainer = setup(cfg, base=base)
+    out = Path(cfg.output_dir)
+    last = get_last_checkpoint(str(out)) if resume and out.is_dir() else None
+    if last:
+        print(f"[ccft] resuming from {last}", flush=True)
+    trainer.train(resume_from_checkpoint=last)
+    history = list(trainer.state.log_history)
+    data_meta = {"train_data": cfg.train_data, "train_rows": len(train_set), "data_offset": cfg.data_offset,
+                 "dropped_too_long": train_set.dropped_too_long, "max_length": cfg.max_length,
+                 "supervised_tokens": train_set.supervised_tokens,
+                 "eval_data": cfg.eval_data, "eval_rows": len(eval_set) if eval_set else 0}
+    save_decoder(decoder, out, data=data_meta, recipe=recipe or {}, steps=trainer.state.global_step,
+                 seed=cfg.seed, train_path="two-pass")
+    (out / "log_history.json").write_text(json.dumps(history, indent=2))
+    return TrainResult(decoder=decoder, output_dir=out, log_history=history, train_rows=len(train_set),
+                       dropped_too_long=train_set.dropped_too_long, seconds=time.time() - start, trainer=trainer)

@@ -1,0 +1,155 @@
+"""``CacheConditionedTrainer``: a ``transformers.Trainer`` that overrides only the loss (and eval NLL).
+
+CCFT loss (PrefillShare, arXiv 2602.12029; DESIGN.md §1):
+
+    L(θ_i) = − Σ_t log p_θi(r_t | C_base(prompt[:n−k]), prompt[n−k:], r_<t)
+
+summed over the response tokens and the final EOS and divided by the GLOBAL count of supervised
+tokens in the optimizer step (all micro-batches, all processes), so gradient accumulation and data
+parallelism do not change it. ``C_base`` is computed by the frozen base under ``torch.no_grad``
+(with LoRA decoders: the same weights, adapters disabled) and fed as a read-only cache, which
+also keeps it under gradient checkpointing (transformers drops ordinary caches there).
+Full-FT: the same loss with the decoder prefilling its own prompt.
+
+Everything else (optimizer, schedule, accumulation, logging/``report_to``, checkpoints, resume,
+accelerate/DeepSpeed) is the stock Trainer. Checkpoints are written into a temporary folder and
+renamed into place, so a killed run never leaves a half-written ``checkpoint-N``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .base_cache import _prefill_tensors
+from .data import IGNORE_INDEX
+from .decoder import decoder_forward, full_forward
+
+
+def response_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token NLL and token count. ``logits (b, t, v)`` at j predict ``labels (b, t)`` at j+1."""
+    targets = labels[:, 1:]
+    lg = logits[:, :-1].float()
+    nll = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                          reduction="sum")
+    return nll, (targets != IGNORE_INDEX).sum()
+
+
+class CacheConditionedTrainer(Trainer):
+    """Trainer for CCFT and Full-FT decoders.
+
+    Args:
+        model: the decoder's trainable module (``Decoder.model``: ``PeftModel`` or full-weight copy).
+        args: ``ccft.TrainConfig``; ``args.method`` picks ccft or full-ft.
+        base: the frozen ``ccft.Base`` that computes C_base (unused by full-ft).
+        train_dataset / eval_dataset: ``ccft.data.TokenizedDataset``; data_collator: ``ccft.data.Collator``.
+    Supports: LoRA and full weights, gradient accumulation, gradient checkpointing, eval NLL,
+    ``report_to`` (wandb/tensorboard), resume from checkpoint, accelerate/DeepSpeed launches.
+    Raises:
+        CacheMutatedError: if anything wrote into C_base during a step.
+    """
+
+    # compute_loss divides by the global supervised-token count itself.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, base=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.base = base
+        self.method = getattr(self.args, "method", "ccft")
+        if self.method == "ccft" and base is None:
+            raise ValueError("method='ccft' needs the frozen base: CacheConditionedTrainer(..., base=ccft.load_base(...))")
+        # Count supervised tokens over labels[:, 1:] for every micro-batch of the step (our loss shifts labels).
+        self.model_accepts_loss_kwargs = True
+        self._loss_shifts_labels = True
+        self.last_base_cache = None  # the C_base of the latest step (tests check it is unchanged)
+
+    def _signature_columns_if_needed(self):  # keep every collator key
+        self._signature_columns = ["prefix_ids", "prefix_mask", "tail_ids", "tail_mask", "labels",
+                                   "num_supervised"]
+
+    def _base_cache(self, inputs):
+        with self.base.base_weights() as model:
+            return _prefill_tensors(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"][:, : self.args.handoff_tokens],
+                                    handoff_tokens=self.args.handoff_tokens, fingerprint=self.base.fingerprint)
+
+    def tail_logits(self, model, inputs) -> torch.Tensor:
+        """Decoder logits over the tail ``(b, t, v)`` for this trainer's method."""
+        if self.method == "ccft":
+            cache = self._base_cache(inputs)
+            self.last_base_cache = cache
+            return decoder_forward(model, cache, inputs["tail_ids"], inputs["tail_mask"])
+        return full_forward(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"],
+                            inputs["tail_mask"])
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logits = self.tail_logits(model, inputs)
+        nll, count = response_nll_sum(logits, inputs["labels"])
+        if count.item() == 0:
+            raise ValueError("a training batch has no supervised tokens; every row needs a non-empty response")
+        if num_items_in_batch is None:
+            loss = nll / count
+        else:
+            loss = nll / num_items_in_batch
+            if self.args.average_tokens_across_devices and self.accelerator.num_processes > 1:
+                loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
+        return (loss, {"logits": logits}) if return_outputs else loss
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Held-out response NLL per supervised token (token-weighted over the whole set), logged as ``eval_loss``."""
+        dataloader = self.get_eval_dataloader(eval_dataset)
+        model = self.model
+        was_training = model.training
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.args.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.args.device)
+        for inputs in dataloader:
+            inputs = self._prepare_inputs(inputs)
+            nll, n = response_nll_sum(self.tail_logits(model, inputs), inputs["labels"])
+            total += nll.double()
+            count += n.double()
+        total = self.accelerator.reduce(total, reduction="sum")
+        count = self.accelerator.reduce(count, reduction="sum")
+        if was_training:
+            model.train()
+        metrics = {f"{metric_key_prefix}_loss": float(total / count.clamp(min=1)),
+                   f"{metric_key_prefix}_tokens": int(count)}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _save_checkpoint(self, model, trial):
+        """Write ``checkpoint-N`` into a temporary folder first, then rename it into place (crash-safe)."""
+        final = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_root = final.parent / ".staging"
+        staging_root.mkdir(parents=True, exist_ok=True)
+        real_output = self.args.output_dir
+        real_get = self._get_output_dir
+        self._get_output_dir = lambda trial=None: str(staging_root)  # type: ignore[method-assign]
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._get_output_dir = real_get  # type: ignore[method-assign]
+            self.args.output_dir = real_output
+        staged = staging_root / final.name
+        if self.args.should_save and staged.is_dir():
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staged, final)
+            shutil.rmtree(staging_root, ignore_errors=True)
+            self._rotate_final(final.parent)
+
+    def _rotate_final(self, run_dir: Path) -> None:
+        limit = self.args.save_total_limit
+        if not limit:
+            return
+        ckpts = sorted((p for p in run_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir()),
+                       key=lambda p: int(p.name.rsplit("-", 1)[-1]))
+        for old in ckpts[:-limit]:
+            shutil.rmtree(old, ignore_errors=True)
