@@ -78,7 +78,7 @@ class BaseCache:
 
     def check_unmodified(self) -> None:
         """Raise CacheMutatedError if any K/V tensor was written in place since creation."""
-        now = tuple(t._version for t in self.keys + self.values)
+        now = _versions(self.keys + self.values)
         if self._versions and now != self._versions:
             raise CacheMutatedError("a C_base tensor was modified in place; C_base is a constant. "
                                     "Give every consumer its own cache (BaseCache.as_dynamic_cache()).")
@@ -148,8 +148,12 @@ class BaseCache:
 def _make(keys, values, mask, tail, k, fingerprint, producer) -> BaseCache:
     keys = tuple(keys)
     values = tuple(values)
-    return BaseCache(keys, values, mask, tail, k, fingerprint, producer,
-                     tuple(t._version for t in keys + values))
+    return BaseCache(keys, values, mask, tail, k, fingerprint, producer, _versions(keys + values))
+
+
+def _versions(tensors) -> tuple[int, ...]:
+    # In-place writes bump a tensor's version counter; inference-mode tensors have none (-1: unchecked).
+    return tuple(-1 if t.is_inference() else t._version for t in tensors)
 
 
 @torch.no_grad()

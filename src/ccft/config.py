@@ -71,7 +71,7 @@ class TrainConfig(TrainingArguments):
         dtype: ``float32`` (CPU) | ``bfloat16`` | ``float16`` for base and decoder weights.
     """
 
-    output_dir: str = field(default="runs/ccft", metadata={"help": "Run folder: final decoder + checkpoints/."})
+    output_dir: str = field(default="runs/ccft", metadata={"help": "Run folder: the final decoder (with ccft.json) and its checkpoint-N/ folders."})
     method: str = field(default="ccft", metadata={"help": "ccft | full-ft"})
     base: str = field(default=DEFAULT_BASE, metadata={"help": "Base model: embedded name, folder or HF id."})
     decoder_kind: str = field(default="lora", metadata={"help": "lora | full"})
@@ -89,7 +89,7 @@ class TrainConfig(TrainingArguments):
     data_offset: int = field(default=0, metadata={"help": "Skip this many rows before train_rows."})
     columns: dict[str, str] | None = field(default=None, metadata={"help": "ccft field -> source column."})
     max_length: int = field(default=512, metadata={"help": "Drop rows longer than this many tokens."})
-    chat_template: str = field(default="auto", metadata={"help": "auto | true | false."})
+    chat_template: bool | str = field(default="auto", metadata={"help": "auto | true | false."})
     system_prompt: str | None = field(default=None, metadata={"help": "Optional system turn."})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16."})
 
@@ -176,6 +176,8 @@ def _coerce(value: Any, tp: Any) -> Any:
     """Accept what YAML gives for common cases: 1e-4 read as a string, an int for a float, a scalar for a list."""
     if _type_ok(value, tp):
         return value
+    if isinstance(value, bool) and _type_ok("no", tp):
+        return "no" if value is False else "yes"  # YAML 1.1 reads `no` as false: save_strategy=no
     if isinstance(value, str):
         try:
             parsed = yaml.safe_load(value)

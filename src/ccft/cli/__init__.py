@@ -1,0 +1,1 @@
+"""The ``ccft`` command line: one module per subcommand."""

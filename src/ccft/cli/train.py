@@ -1,0 +1,55 @@
+"""``ccft train RECIPE.yaml [key=value ...]``: train a CCFT or Full-FT decoder from a recipe.
+
+Multi-process runs launch through accelerate as usual:
+``accelerate launch -m ccft.cli.main train RECIPE.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a decoder from a YAML recipe",
+                       description="Train a CCFT or Full-FT decoder. Any TrainConfig field can be overridden "
+                                   "as key=value (YAML scalars), e.g. max_steps=10 method=full-ft.")
+    p.add_argument("recipe", nargs="?", help="recipe YAML (recipes/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in output_dir")
+    p.add_argument("--dry-run", action="store_true", help="validate the recipe and data, then stop")
+    p.add_argument("--help-config", action="store_true", help="list the ccft fields of TrainConfig")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..config import TrainConfig, load_recipe
+
+    if args.help_config:
+        from transformers import TrainingArguments
+
+        base_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+        for f in dataclasses.fields(TrainConfig):
+            if f.name not in base_fields or f.name == "output_dir":
+                print(f"{f.name:22s} {f.metadata.get('help', '')}")
+        print("... plus every transformers.TrainingArguments field (learning_rate, max_steps, ...)")
+        return 0
+    cfg, _, raw = load_recipe(args.recipe, args.overrides)
+    if args.dry_run:
+        from transformers import AutoTokenizer
+
+        from ..models import resolve_model_path
+        from ..train import load_split
+
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.base))
+        ds = load_split(cfg.train_data, tok, cfg, cfg.train_rows, cfg.data_offset)
+        print(f"[ccft] recipe OK: method={cfg.method} decoder={cfg.decoder_kind} base={cfg.base} "
+              f"train rows={len(ds)} (dropped {ds.dropped_too_long} > max_length={cfg.max_length})")
+        return 0
+    from ..train import run_training
+
+    result = run_training(cfg, recipe=raw, resume=not args.no_resume)
+    curve = result.loss_curve
+    first, last = (curve[0][1], curve[-1][1]) if curve else (float("nan"), float("nan"))
+    print(f"[ccft] trained {cfg.method} decoder -> {result.output_dir} ({result.train_rows} rows, "
+          f"loss {first:.4f} -> {last:.4f}, {result.seconds:.0f}s)")
+    return 0

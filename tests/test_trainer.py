@@ -1,0 +1,473 @@
+"""CacheConditionedTrainer and the training recipe: loss values, invariants 2-4 (DESIGN.md §2), K1, crash safety.
+
+Every test runs a tiny random GQA Llama (fp32) with the real SmolLM2 tokenizer. Reference values are
+computed independently of ``ccft.decoder``: a plain HF model prefills each row unpadded, a deep copy of
+its cache is handed to the decoder, which runs the tail at explicit positions. Short synthetic rows
+(no chat template) keep the steps cheap; only the "loss goes down" test uses real GSM8K rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+import ccft
+from ccft.base_cache import compute_base_cache
+from ccft.config import load_recipe
+from ccft.decoder import decoder_forward
+from ccft.train import run_training, setup
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@pytest.fixture(scope="module")
+def short_data(tmp_path_factory) -> Path:
+    """24 short rows of different prompt and response lengths (a few tokens each), as a JSONL file."""
+    rows = []
+    for i in range(24):
+        a, b = 3 * i + 1, 7 * i % 11 + 2
+        extra = " Please think carefully." * (i % 3)
+        rows.append({"prompt": f"Q{i}: what is {a} plus {b}?{extra}",
+                     "response": f"{a} plus {b} is {a + b}." + " Done." * (i % 4)})
+    path = tmp_path_factory.mktemp("short_data") / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def overrides(tiny_dir, out, data, **kw) -> list[str]:
+    """Recipe overrides for a short CPU run on the tiny model; ``kw`` adds or replaces keys."""
+    ov = {"base": str(tiny_dir), "output_dir": str(out), "train_data": str(data), "train_rows": 12,
+          "max_steps": 4, "per_device_train_batch_size": 3, "logging_steps": 1, "learning_rate": 1e-2,
+          "method": "ccft", "use_cpu": "true", "disable_tqdm": "true", "lora_dropout": 0,
+          "chat_template": "false", "save_strategy": "no", "seed": 7}
+    ov.update(kw)
+    return [f"{k}={v}" for k, v in ov.items()]
+
+
+def config(tiny_dir, out, data, **kw):
+    cfg, _, raw = load_recipe(None, overrides(tiny_dir, out, data, **kw))
+    return cfg, raw
+
+
+def perturb(model, *, lora_only: bool, seed: int = 123, std: float = 0.05) -> None:
+    """Make the decoder differ from the base: LoRA B ~ N(0, std) (PEFT inits B = 0), or noise on every weight."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if lora_only and "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            elif not lora_only and p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * std * p.detach().abs().mean().clamp(min=1e-3))
+
+
+def trainable(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def close(a: float, b: float, tol: float) -> bool:
+    """|a - b| ≤ tol · max(1, |b|): fp32 losses are ≈ ln(vocab) ≈ 10.8, so tolerances are relative to that."""
+    return abs(a - b) <= tol * max(1.0, abs(b))
+
+
+def cache_kw() -> str:
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def two_pass_reference(ref_base, decoder_model, examples) -> tuple[float, int]:
+    """Σ NLL over response+EOS and the token count: base prefills prompt[:-1] unpadded (HF cache, deep-copied),
+    the decoder runs prompt[-1:] + response at positions n-1, n, ... on that cache."""
+    total, count = 0.0, 0
+    kw = cache_kw()
+    for ex in examples:
+        p, r = list(ex.prompt_ids), list(ex.response_ids)
+        with torch.no_grad():
+            out = ref_base(input_ids=torch.tensor([p[:-1]]), use_cache=True)
+        cache = copy.deepcopy(getattr(out, "cache", None) or out.past_key_values)
+        tail = p[-1:] + r
+        pos = torch.arange(len(p) - 1, len(p) - 1 + len(tail))[None]
+        with torch.no_grad():
+            logits = decoder_model(input_ids=torch.tensor([tail]), position_ids=pos, use_cache=True,
+                                   **{kw: cache}).logits[0]
+        total += F.cross_entropy(logits[:-1].double(), torch.tensor(tail[1:]), reduction="sum").item()
+        count += len(r)
+    return total, count
+
+
+def self_prefill_reference(model, examples) -> tuple[float, int]:
+    """Σ NLL over response+EOS of a plain causal-LM forward over prompt+response (HF labels, -100 on the prompt)."""
+    total, count = 0.0, 0
+    for ex in examples:
+        p, r = list(ex.prompt_ids), list(ex.response_ids)
+        labels = torch.tensor([[-100] * len(p) + r])
+        with torch.no_grad():
+            loss = model(input_ids=torch.tensor([p + r]), labels=labels).loss  # mean over len(r) tokens
+        total += loss.item() * len(r)
+        count += len(r)
+    return total, count
+
+
+def load_plain(tiny_dir):
+    return AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+
+
+class GradCapture(TrainerCallback):
+    """Records the trainable gradients just before each optimizer step (after clipping)."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.grads.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters()
+                           if p.requires_grad and p.grad is not None})
+
+
+def snapshot_base_caches(trainer) -> list:
+    """Wrap ``trainer._base_cache`` to keep a clone of every C_base at the moment it is created."""
+    snaps, orig = [], trainer._base_cache
+
+    def wrapped(inputs):
+        cache = orig(inputs)
+        snaps.append((cache, cache.clone(), inputs))
+        return cache
+
+    trainer._base_cache = wrapped
+    return snaps
+
+
+def curve(result_or_history) -> dict[int, float]:
+    hist = result_or_history if isinstance(result_or_history, list) else result_or_history.log_history
+    return {h["step"]: h["loss"] for h in hist if "loss" in h}
+
+
+def lora_weights(decoder) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in decoder.model.named_parameters() if "lora_" in n}
+
+
+# ------------------------------------------------------------------ 1-2: loss values
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_ccft_step0_loss_equals_two_pass_reference(tmp_path, tiny_dir, short_data, kind):
+    cfg, _ = config(tiny_dir, tmp_path / "run", short_data, decoder_kind=kind)
+    base, decoder, train_set, _, trainer = setup(cfg)
+    perturb(decoder.model, lora_only=kind == "lora")
+    examples = [train_set[i] for i in (0, 5, 10, 2)]  # mixed prompt and response lengths
+    assert len({len(e.prompt_ids) for e in examples}) > 1 and len({len(e.response_ids) for e in examples}) > 1
+    batch = trainer.data_collator(examples)
+    loss = trainer.compute_loss(trainer.model, batch).item()
+
+    ref_base = load_plain(tiny_dir)
+    total, count = two_pass_reference(ref_base, decoder.model, examples)
+    assert count == int(batch["num_supervised"]) == sum(len(e.response_ids) for e in examples)
+    ref = total / count
+    assert close(loss, ref, 1e-6), (loss, ref)
+
+    # The test can fail: the decoder differs from the base, and from the decoder prefilling its own prompt.
+    base_only = two_pass_reference(ref_base, ref_base, examples)[0] / count
+    own_prefill = self_prefill_reference(decoder.model, examples)[0] / count
+    assert abs(loss - base_only) > 1e-3 and abs(loss - own_prefill) > 1e-3, (loss, base_only, own_prefill)
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_full_ft_loss_equals_masked_causal_lm_loss(tmp_path, tiny_dir, short_data, kind):
+    cfg, _ = config(tiny_dir, tmp_path / "run", short_data, decoder_kind=kind, method="full-ft")
+    base, decoder, train_set, _, trainer = setup(cfg)
+    perturb(decoder.model, lora_only=kind == "lora")
+    examples = [train_set[i] for i in (1, 6, 11)]
+    batch = trainer.data_collator(examples)
+    loss = trainer.compute_loss(trainer.model, batch).item()
+    total, count = self_prefill_reference(decoder.model, examples)
+    assert count == int(batch["num_supervised"])
+    assert close(loss, total / count, 1e-6), (loss, total / count)
+    # Full-FT does not read C_base: its loss is not the two-pass one.
+    ccft_ref = two_pass_reference(load_plain(tiny_dir), decoder.model, examples)[0] / count
+    assert abs(loss - ccft_ref) > 1e-3
+
+
+# ------------------------------------------------------------------ 3: K1 / invariant 2
+
+
+def _one_step(tiny_dir, out, data, *, gc: bool):
+    """One optimizer step of a LoRA CCFT run (perturbed B), returning loss, pre-step grads, C_base snapshots,
+    the base and the batch prompts, and how often layer 0's attention ran."""
+    cfg, _ = config(tiny_dir, out, data, max_steps=1, gradient_checkpointing=str(gc).lower(), max_grad_norm=0)
+    base, decoder, train_set, _, trainer = setup(cfg)
+    perturb(decoder.model, lora_only=True)
+    snaps = snapshot_base_caches(trainer)
+    grads = GradCapture(trainer.model)
+    trainer.add_callback(grads)
+    calls = []
+    attn = base.model.get_decoder().layers[0].self_attn if hasattr(base.model, "get_decoder") else None
+    handle = attn.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        trainer.train()
+    finally:
+        handle.remove()
+    return trainer, base, snaps, grads.grads, len(calls)
+
+
+def test_base_cache_unchanged_and_checkpointing_equal(tmp_path, tiny_dir, short_data):
+    runs = {gc: _one_step(tiny_dir, tmp_path / f"gc{gc}", short_data, gc=gc) for gc in (False, True)}
+    losses = {}
+    for gc, (trainer, base, snaps, grads, calls) in runs.items():
+        assert len(snaps) == 1 and len(grads) == 1
+        cache, snap, inputs = snaps[0]
+        assert cache is trainer.last_base_cache
+        # Bit-identical after the forward, the backward (and its checkpoint recompute) and the optimizer step.
+        assert cache.equal(snap)
+        for t in cache.keys + cache.values:
+            assert t.shape[-2] == cache.attention_mask.shape[1]  # nothing appended
+        cache.check_unmodified()
+        # The base is unchanged by the step: recomputing C_base for the same rows gives the same bits.
+        prompts = [row[m.bool()].tolist() + [int(t)] for row, m, t in
+                   zip(inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"][:, 0])]
+        recomputed = compute_base_cache(base, prompts)
+        assert recomputed.equal(snap)
+        losses[gc] = trainer.state.log_history[0]["loss"]
+        # Layer 0's attention runs once per forward; checkpointing recomputes it in the backward pass.
+        # (+1 per forward of the base prefill, run without gradient.)
+        assert calls == (3 if gc else 2), (gc, calls)
+
+    assert close(losses[True], losses[False], 1e-6), losses
+    g0, g1 = runs[False][3][0], runs[True][3][0]
+    assert set(g0) == set(g1) and len(g0) > 0
+    assert all("lora_" in n for n in g0)
+    for n in g0:
+        assert torch.allclose(g1[n], g0[n], atol=1e-6, rtol=0), n
+    assert any(g0[n].abs().max() > 1e-4 for n in g0 if "lora_A" in n)  # A gets gradient: B was perturbed
+
+
+# ------------------------------------------------------------------ 4: invariant 3
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_no_gradient_reaches_the_base(tmp_path, tiny_dir, short_data, kind):
+    cfg, _ = config(tiny_dir, tmp_path / "run", short_data, decoder_kind=kind, max_steps=2)
+    base, decoder, train_set, _, trainer = setup(cfg)
+    if kind == "full":
+        assert decoder.model is not base.model
+        base_params = dict(base.model.named_parameters())
+    else:
+        assert decoder.model.get_base_model() is base.model
+        base_params = {n: p for n, p in base.model.named_parameters() if "lora_" not in n}
+    assert base_params and all(not p.requires_grad for p in base_params.values())
+    before = {n: p.detach().clone() for n, p in base_params.items()}
+    dec_before = trainable(decoder.model)
+    trainer.train()
+
+    for n, p in base_params.items():
+        assert torch.equal(p, before[n]), n
+        assert p.grad is None, n
+    changed = [n for n, p in trainable(decoder.model).items() if not torch.equal(p, dec_before[n])]
+    assert changed, "training changed no decoder parameter"
+    # One more forward + backward (no optimizer step): gradient lands on the decoder only.
+    trainer.model.train()
+    batch = trainer.data_collator([train_set[i] for i in range(3)])
+    trainer.compute_loss(trainer.model, batch).backward()
+    assert all(p.grad is None for p in base_params.values())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in decoder.model.parameters() if p.requires_grad)
+
+
+# ------------------------------------------------------------------ 5: invariant 4
+
+
+def test_loss_curves_equal_across_checkpointing_accumulation_and_resume(tmp_path, tiny_dir, short_data):
+    plain = run_training(config(tiny_dir, tmp_path / "plain", short_data, save_strategy="steps", save_steps=2)[0])
+    ref = curve(plain)
+    assert sorted(ref) == [1, 2, 3, 4]
+    assert all(math.isfinite(v) for v in ref.values())
+    assert len(set(ref.values())) > 1  # the loss moves
+
+    def assert_same_curve(other, steps, what):
+        got = curve(other)
+        for s in steps:
+            assert close(got[s], ref[s], 1e-5), (what, s, got[s], ref[s])
+
+    gc = run_training(config(tiny_dir, tmp_path / "gc", short_data, gradient_checkpointing="true")[0])
+    assert_same_curve(gc, [1, 2, 3, 4], "gradient checkpointing")
+
+    ga = run_training(config(tiny_dir, tmp_path / "ga", short_data, per_device_train_batch_size=1,
+                             gradient_accumulation_steps=3)[0])
+    assert_same_curve(ga, [1, 2, 3, 4], "gradient accumulation")
+
+    # Resume: a new run folder holding only checkpoint-2 of the plain run trains steps 3-4.
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "plain" / "checkpoint-2", resumed_dir / "checkpoint-2")
+    resumed = run_training(config(tiny_dir, resumed_dir, short_data, save_strategy="steps", save_steps=2)[0])
+    assert resumed.trainer.state.global_step == 4
+    assert_same_curve(resumed, [3, 4], "resume")
+    a, b = lora_weights(plain.decoder), lora_weights(resumed.decoder)
+    assert set(a) == set(b) and a
+    for n in a:
+        assert torch.allclose(a[n], b[n], atol=1e-6, rtol=0), n
+    # The adapter did move away from its checkpoint-2 value (so equality is not trivial).
+    assert any(b[n].abs().max() > 0 for n in b if "lora_B" in n)
+
+
+# ------------------------------------------------------------------ 6: crash safety
+
+CRASH_SCRIPT = r"""
+import os, sys, time
+from pathlib import Path
+import torch
+torch.set_num_threads(int(sys.argv[2]))
+from transformers import Trainer
+from ccft.config import load_recipe
+from ccft.train import run_training
+
+marker = Path(sys.argv[1])
+orig = Trainer._save_optimizer_and_scheduler
+
+def save_then_hang(self, output_dir):
+    orig(self, output_dir)
+    if self.state.global_step == 4:  # checkpoint-4 half written: adapter + optimizer, no trainer_state.json
+        marker.write_text(str(output_dir))
+        for _ in range(900):
+            time.sleep(1)
+        os._exit(3)
+
+Trainer._save_optimizer_and_scheduler = save_then_hang
+cfg, _, raw = load_recipe(None, sys.argv[3:])
+run_training(cfg, recipe=raw)
+"""
+
+
+def _complete_checkpoint(path: Path) -> bool:
+    return (path / "trainer_state.json").is_file() and (path / "adapter_model.safetensors").is_file()
+
+
+def test_killed_run_leaves_only_complete_checkpoints_and_resumes_exactly(tmp_path, tiny_dir, short_data):
+    kw = dict(max_steps=8, save_strategy="steps", save_steps=1)
+    out = tmp_path / "killed"
+    marker = tmp_path / "blocked"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(marker), str(torch.get_num_threads()),
+                             *overrides(tiny_dir, out, short_data, **kw)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 600  # guard against a hang only; no timing is asserted
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), proc.communicate(timeout=60)[0].decode()[-3000:] if proc.poll() is not None else ""
+        assert (out / "checkpoint-3").is_dir()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+    # Killed while checkpoint-4 was being written: it exists only outside the checkpoint-N namespace.
+    half = Path(marker.read_text())
+    assert half.is_dir() and not (half / "trainer_state.json").exists() and half.name == "checkpoint-4"
+    assert half.parent != out
+    visible = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
+    assert visible == ["checkpoint-1", "checkpoint-2", "checkpoint-3"], visible
+    assert all(_complete_checkpoint(out / v) for v in visible)
+    assert not (out / "ccft.json").exists()  # no final decoder from a killed run
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    assert Path(get_last_checkpoint(str(out))).name == "checkpoint-3"
+    resumed = run_training(config(tiny_dir, out, short_data, **kw)[0])
+    assert resumed.trainer.state.global_step == 8
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        f"checkpoint-{i}" for i in range(1, 9)]
+    assert all(_complete_checkpoint(out / f"checkpoint-{i}") for i in range(1, 9))
+
+    straight = run_training(config(tiny_dir, tmp_path / "straight", short_data, max_steps=8)[0])
+    a, b = lora_weights(straight.decoder), lora_weights(resumed.decoder)
+    assert set(a) == set(b) and a
+    for n in a:
+        assert torch.allclose(a[n], b[n], atol=1e-6, rtol=0), n
+    ref, got = curve(straight), curve(resumed)
+    for s in range(4, 9):
+        assert close(got[s], ref[s], 1e-5), (s, got[s], ref[s])
+
+
+# ------------------------------------------------------------------ 7: the loss goes down on real data
+
+
+@pytest.mark.parametrize("method", ["ccft", "full-ft"])
+def test_loss_goes_down_on_gsm8k_and_eval_nll_is_token_weighted(tmp_path, tiny_dir, method):
+    cfg, _ = config(tiny_dir, tmp_path / "run", "gsm8k:train", method=method, train_rows=24, max_steps=20,
+                    per_device_train_batch_size=2, lr_scheduler_type="constant", chat_template="auto",
+                    eval_data="gsm8k:test", eval_rows=8, per_device_eval_batch_size=4)
+    base, decoder, train_set, eval_set, trainer = setup(cfg)
+    assert len(train_set) == 24 and len(eval_set) == 8
+    trainer.train()
+    losses = [v for _, v in sorted(curve(trainer.state.log_history).items())]
+    assert len(losses) == 20 and all(math.isfinite(v) for v in losses)
+    last5 = sum(losses[-5:]) / 5
+    assert last5 < losses[0] - 0.5, (losses[0], last5)
+
+    metrics = trainer.evaluate()
+    nll = metrics["eval_loss"]
+    assert math.isfinite(nll) and 0 < nll < losses[0]
+    # Reference: one row at a time (no padding), compute_loss (mean over the row) weighted by its token count.
+    trainer.model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ex in eval_set:
+            one = trainer.data_collator([ex])
+            n = int(one["num_supervised"])
+            total += trainer.compute_loss(trainer.model, one).item() * n
+            count += n
+    assert metrics["eval_tokens"] == count == eval_set.supervised_tokens
+    assert close(nll, total / count, 1e-5), (nll, total / count)
+
+
+# ------------------------------------------------------------------ 8: the run folder
+
+
+def test_run_folder_records_metadata_and_reloads(tmp_path, tiny_dir, tiny_base, short_data):
+    cfg, raw = config(tiny_dir, tmp_path / "run", short_data, max_steps=2, handoff_tokens=2, train_rows=9)
+    result = run_training(cfg, recipe=raw)
+    out = result.output_dir
+    meta = json.loads((out / "ccft.json").read_text())
+    assert meta["method"] == "ccft" and meta["decoder_kind"] == "lora"
+    assert meta["base_fingerprint"] == tiny_base.fingerprint == result.decoder.base.fingerprint
+    assert meta["handoff_tokens"] == 2
+    assert meta["data"]["train_rows"] == 9 and meta["data"]["train_data"] == str(short_data)
+    assert meta["recipe"]["max_steps"] == 2
+    assert (out / "adapter_model.safetensors").is_file()
+
+    loaded = ccft.load_decoder(out, base=tiny_base)
+    assert loaded.kind == "lora" and loaded.method == "ccft" and loaded.handoff_tokens == 2
+    rows = [result.trainer.train_dataset[i] for i in range(3)]
+    batch = result.trainer.data_collator(rows)
+    prompts = [list(e.prompt_ids) for e in rows]
+    trained = result.decoder
+    trained.model.eval()
+    with torch.no_grad():
+        want = decoder_forward(trained, compute_base_cache(trained.base, prompts, handoff_tokens=2),
+                               batch["tail_ids"], batch["tail_mask"])
+        got = decoder_forward(loaded, compute_base_cache(tiny_base, prompts, handoff_tokens=2),
+                              batch["tail_ids"], batch["tail_mask"])
+        with tiny_base.base_weights() as m:  # the base alone gives other logits: the adapter was trained
+            plain = decoder_forward(m, compute_base_cache(tiny_base, prompts, handoff_tokens=2),
+                                    batch["tail_ids"], batch["tail_mask"])
+    real = batch["tail_mask"].bool()
+    assert torch.allclose(got[real], want[real], atol=1e-5, rtol=0)
+    assert (plain[real] - want[real]).abs().max() > 1e-3
