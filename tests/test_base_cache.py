@@ -50,14 +50,14 @@ def _rows(tokenizer, shape: str):
 def _reference(model, prompts, responses, k):
     """Per row: logits of a plain unpadded full forward over prompt+response, at the tail positions."""
     out = []
-    for p, r in zip(prompts, responses):
+    for p, r in zip(prompts, responses, strict=True):
         logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0]
         out.append(logits[len(p) - k:])  # (k + len(r), v)
     return out
 
 
 def _tails(prompts, responses, k, pad_id):
-    tails = [list(p[-k:]) + list(r) for p, r in zip(prompts, responses)]
+    tails = [list(p[-k:]) + list(r) for p, r in zip(prompts, responses, strict=True)]
     return tails, *right_pad(tails, pad_id)
 
 
@@ -143,7 +143,7 @@ def test_cache_copied_from_elsewhere_gives_same_logits(tiny_base, tmp_path):
 
     own = ccft.compute_base_cache(tiny_base, prompts, handoff_tokens=k)
     cloned = own.clone()
-    assert cloned.equal(own) and all(a.data_ptr() != b.data_ptr() for a, b in zip(cloned.keys, own.keys))
+    assert cloned.equal(own) and all(a.data_ptr() != b.data_ptr() for a, b in zip(cloned.keys, own.keys, strict=True))
 
     # rebuilt from tensors that went through torch.save/torch.load (a cache stored elsewhere)
     buf = io.BytesIO()

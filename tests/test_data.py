@@ -60,7 +60,7 @@ def test_k6_gsm8k_rows(tokenizer, gsm8k_rows):
     ds = build_dataset(rows, tok, max_length=4096)
     assert len(ds) == len(rows) and ds.dropped_too_long == 0
     bos, eos = tok.bos_token_id, tok.eos_token_id
-    for i, (row, ex) in enumerate(zip(rows, ds.examples)):
+    for i, (row, ex) in enumerate(zip(rows, ds.examples, strict=True)):
         assert ex.index == i
         text, want_prompt = _template_ids(tok, [{"role": "user", "content": row["prompt"]}])
         assert list(ex.prompt_ids) == want_prompt
@@ -196,7 +196,7 @@ def test_max_length_drops_and_counts_never_truncates(tokenizer, gsm8k_rows):
     assert 0 < want_dropped < len(rows)
     assert ds.dropped_too_long == want_dropped and len(ds) == len(rows) - want_dropped
     assert ds.stats == {"rows": len(rows), "kept": len(rows) - want_dropped}
-    kept = [e for e, n in zip(full.examples, lengths) if n <= limit]
+    kept = [e for e, n in zip(full.examples, lengths, strict=True) if n <= limit]
     assert [e.input_ids for e in ds.examples] == [e.input_ids for e in kept]  # untouched, EOS kept
     assert all(e.response_ids[-1] == tokenizer.eos_token_id for e in ds.examples)
     with pytest.raises(ccft.DataError, match="max_length=5"):

@@ -21,7 +21,7 @@ LORA_FALSE = {"init_lora_weights": False}
 def _batch(tok, k=1):
     prompts = [tokenize_prompt(tok, p) for p in PROMPTS]
     responses = [tokenize_response(tok, r) for r in RESPONSES]
-    tails = [p[-k:] + r for p, r in zip(prompts, responses)]
+    tails = [p[-k:] + r for p, r in zip(prompts, responses, strict=True)]
     tail_ids, tail_mask = right_pad(tails, tok.pad_token_id)
     return prompts, responses, tails, tail_ids, tail_mask
 
@@ -53,7 +53,7 @@ def test_lora_adapter_changes_decode_but_not_prefill(tiny_base):
 
     # not vacuous: the same prefill with the adapter active gives different K/V
     own = prefill(decoder.model, prompts, pad_token_id=tok.pad_token_id)
-    assert max((a - b).abs().max().item() for a, b in zip(own.keys, before.keys)) > 1e-3
+    assert max((a - b).abs().max().item() for a, b in zip(own.keys, before.keys, strict=True)) > 1e-3
 
     with torch.no_grad():
         dec_logits = ccft.decoder_forward(decoder, after, tail_ids, tail_mask)
@@ -110,7 +110,7 @@ def test_k1_interleaved_decoders_share_one_cache(tiny_base, kind):
     a, b = _two_decoders(tiny_base, kind)
     cache = ccft.compute_base_cache(tiny_base, prompts)
     snapshot = cache.clone()
-    kw = dict(mode="prefillshare", cache=cache, max_new_tokens=6, batch_size=8)
+    kw = dict(mode="prefillshare", cache=cache, max_new_tokens=4, batch_size=8)
 
     with torch.no_grad():
         la1 = ccft.decoder_forward(a, cache, tail_ids, tail_mask)
@@ -127,7 +127,7 @@ def test_k1_interleaved_decoders_share_one_cache(tiny_base, kind):
     assert torch.equal(la1, la2), "A's logits changed after B ran"
     assert _real_diff(la1, lb, tails) > 1e-2, "A and B must be different decoders for this test to mean anything"
     assert [g.token_ids for g in ga1] != [g.token_ids for g in gb]
-    assert all(len(g.token_ids) == 6 for g in ga1 + gb)
+    assert all(len(g.token_ids) == 4 for g in ga1 + gb)
     assert cache.equal(snapshot), "C_base was mutated by interleaved decoding"
     assert [t.shape for t in cache.keys] == [t.shape for t in snapshot.keys]  # the cache did not grow
     cache.check_unmodified()
@@ -138,7 +138,7 @@ def test_lora_gradient_reaches_adapter_only(tiny_base):
     tok = tiny_base.tokenizer
     k = 1
     prompts = [tokenize_prompt(tok, p) for p in PROMPTS]
-    examples = [Example(tuple(p), tuple(tokenize_response(tok, r))) for p, r in zip(prompts, RESPONSES)]
+    examples = [Example(tuple(p), tuple(tokenize_response(tok, r))) for p, r in zip(prompts, RESPONSES, strict=True)]
     batch = Collator(tok.pad_token_id, handoff_tokens=k)(examples)
     base_state = {n: v.clone() for n, v in tiny_base.model.state_dict().items()}
     decoder = ccft.make_decoder(tiny_base, "lora", lora=LORA_FALSE, method="ccft")
@@ -183,3 +183,26 @@ def test_full_decoder_gradient_stays_in_the_copy(tiny_base):
     assert all(g is not None for g in grads) and sum(g.abs().sum() for g in grads) > 0
     assert all(p.grad is None and not p.requires_grad for p in tiny_base.model.parameters())
     assert all(t.grad is None for t in cache.keys + cache.values)
+
+
+def test_loaded_lora_decoders_with_same_folder_name_do_not_overwrite(tiny_base, tmp_path):
+    """K1: runs/a/final and runs/b/final loaded onto one base stay two different decoders."""
+    tok = tiny_base.tokenizer
+    prompts, _, tails, tail_ids, tail_mask = _batch(tok)
+    cache = ccft.compute_base_cache(tiny_base, prompts)
+    a, b = _two_decoders(tiny_base, "lora")
+    with torch.no_grad():
+        want_a = ccft.decoder_forward(a, cache, tail_ids, tail_mask)
+        want_b = ccft.decoder_forward(b, cache, tail_ids, tail_mask)
+    ccft.save_decoder(a, tmp_path / "a" / "final")
+    ccft.save_decoder(b, tmp_path / "b" / "final")
+    la = ccft.load_decoder(tmp_path / "a" / "final", base=tiny_base)
+    lb = ccft.load_decoder(tmp_path / "b" / "final", base=tiny_base)
+    assert la.meta["adapter_name"] != lb.meta["adapter_name"]
+    with torch.no_grad():
+        got_a = ccft.decoder_forward(la, cache, tail_ids, tail_mask)
+        got_b = ccft.decoder_forward(lb, cache, tail_ids, tail_mask)
+    assert _real_diff(got_a, want_a, tails) <= 1e-6 and _real_diff(got_b, want_b, tails) <= 1e-6
+    assert _real_diff(got_a, got_b, tails) > 1e-2
+    with pytest.raises(ccft.ConfigError, match="adapter_name='math' is already used"):
+        ccft.load_decoder(tmp_path / "b" / "final", base=tiny_base, adapter_name="math")

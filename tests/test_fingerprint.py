@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import make_tiny_folder
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 import ccft
 from ccft.base_cache import prefill
 from ccft.data import right_pad, tokenize_prompt, tokenize_response
+from conftest import make_tiny_folder
 
 PROMPTS = ["How many legs do 3 spiders have?", "Name the largest planet in the solar system, please."]
 RESPONSES = ["3 * 8 = 24 legs.\n#### 24", "Jupiter."]
@@ -214,7 +214,7 @@ def test_prefillshare_really_reads_c_base(base):
     own = prefill(decoder.model, prompts, pad_token_id=tok.pad_token_id, fingerprint=base.fingerprint,
                   producer="self")
     responses = [tokenize_response(tok, r) for r in RESPONSES]
-    tails = [p[-1:] + r for p, r in zip(prompts, responses)]
+    tails = [p[-1:] + r for p, r in zip(prompts, responses, strict=True)]
     tail_ids, tail_mask = right_pad(tails, tok.pad_token_id)
     with torch.no_grad():
         shared = ccft.decoder_forward(decoder, c_base, tail_ids, tail_mask)
@@ -233,7 +233,7 @@ def test_prefillshare_really_reads_c_base(base):
     n = 4
     for mode, kw in (("prefillshare", {"cache": c_base}), ("full-ft", {})):
         gens = ccft.generate(prompts, mode=mode, decoder=decoder, max_new_tokens=n, stop=None, **kw)
-        forced_tails = [p[-1:] + gen.token_ids for p, gen in zip(prompts, gens)]
+        forced_tails = [p[-1:] + gen.token_ids for p, gen in zip(prompts, gens, strict=True)]
         ids, mask = right_pad(forced_tails, tok.pad_token_id)
         with torch.no_grad():
             logits = (ccft.decoder_forward(decoder, c_base, ids, mask) if mode == "prefillshare"

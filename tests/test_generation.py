@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_folder
 from transformers import AutoModelForCausalLM
 
 import ccft
 from ccft.data import right_pad, tokenize_prompt, tokenize_response
+from conftest import make_tiny_folder
 
 N_NEW = 8
 MIN_MARGIN = 1e-3  # top-1 minus top-2 logit on every greedy step: 100x the fp32 tolerance
@@ -52,7 +52,7 @@ def _hf_greedy(model, prompt, eos, pad, n=N_NEW):
 
 def test_base_mode_equals_hf_generate(sharp, prompts):
     tok = sharp.tokenizer
-    for p in prompts:
+    for p in prompts[:5]:
         hf = _hf_greedy(sharp.model, p, tok.eos_token_id, tok.pad_token_id)
         (ours,) = ccft.generate([p], mode="base", base=sharp, max_new_tokens=N_NEW, batch_size=1)
         assert tok.eos_token_id not in hf, "the sharp model is expected to run to max_new_tokens here"
@@ -81,7 +81,7 @@ def test_batch_size_does_not_change_greedy_output(sharp, prompts):
                [(x.token_ids, x.text, x.finish_reason) for x in eight], mode
         assert all(len(x.token_ids) == N_NEW for x in one)
         if mode == "prefillshare":  # each row follows the teacher-forced argmax on C_base, with a clear margin
-            tails = [p[-1:] + x.token_ids for p, x in zip(prompts, one)]
+            tails = [p[-1:] + x.token_ids for p, x in zip(prompts, one, strict=True)]
             ids, mask = right_pad(tails, tok.pad_token_id)
             with torch.no_grad():
                 logits = ccft.decoder_forward(decoder, snapshot, ids, mask)[:, :N_NEW]
@@ -109,7 +109,7 @@ def test_stop_strings_cut_text_per_row(sharp, prompts):
         assert got[0].token_ids == free[0].token_ids[:n] and n < N_NEW
         assert stop in tok.decode(got[0].token_ids, skip_special_tokens=True)  # the last token completed it
         assert stop not in tok.decode(got[0].token_ids[:-1], skip_special_tokens=True)
-        for f, g in zip(free[1:], got[1:]):  # other rows run on, unaffected
+        for f, g in zip(free[1:], got[1:], strict=True):  # other rows run on, unaffected
             assert (g.token_ids, g.text, g.finish_reason) == (f.token_ids, f.text, "length")
     nothing = ccft.generate(rows, mode="base", base=sharp, max_new_tokens=N_NEW, stop=["never-appears-xyz", ""])
     assert [(g.token_ids, g.finish_reason) for g in nothing] == [(f.token_ids, "length") for f in free]
@@ -124,7 +124,8 @@ def test_max_new_tokens_sets_length(sharp, prompts):
 def test_eos_stops_a_row(sharp_dir, sharp, prompts, tmp_path):
     """A model that emits the real EOS id: our generate == HF generate, finish_reason 'eos', EOS not in the ids."""
     tok = sharp.tokenizer
-    free = ccft.generate(prompts, mode="base", base=sharp, max_new_tokens=N_NEW, batch_size=4)
+    prompts = prompts[:5]
+    free = ccft.generate(prompts, mode="base", base=sharp, max_new_tokens=N_NEW, batch_size=3)
     target = free[0].token_ids[3]  # make EOS win wherever this token would have been chosen
     model = AutoModelForCausalLM.from_pretrained(sharp_dir)
     with torch.no_grad():
@@ -132,9 +133,9 @@ def test_eos_stops_a_row(sharp_dir, sharp, prompts, tmp_path):
     model.save_pretrained(tmp_path / "eos")
     tok.save_pretrained(tmp_path / "eos")
     base = ccft.load_base(str(tmp_path / "eos"))
-    got = ccft.generate(prompts, mode="base", base=base, max_new_tokens=N_NEW, batch_size=4)
+    got = ccft.generate(prompts, mode="base", base=base, max_new_tokens=N_NEW, batch_size=3)
     reasons = []
-    for p, g in zip(prompts, got):
+    for p, g in zip(prompts, got, strict=True):
         hf = _hf_greedy(base.model, p, tok.eos_token_id, tok.pad_token_id)
         if hf and hf[-1] == tok.eos_token_id:
             assert g.finish_reason == "eos" and not g.truncated
@@ -171,7 +172,7 @@ def _decoder_logits(decoder, base, k):
     prompts = [tokenize_prompt(tok, p) for p in ("What is 12 + 30?", "Spell the word 'cat' backwards, then stop.")]
     responses = [tokenize_response(tok, r) for r in ("12 + 30 = 42\n#### 42", "tac")]
     cache = ccft.compute_base_cache(base, prompts, handoff_tokens=k)
-    ids, mask = right_pad([p[-k:] + r for p, r in zip(prompts, responses)], tok.pad_token_id)
+    ids, mask = right_pad([p[-k:] + r for p, r in zip(prompts, responses, strict=True)], tok.pad_token_id)
     with torch.no_grad():
         return ccft.decoder_forward(decoder, cache, ids, mask), prompts
 

@@ -19,11 +19,12 @@ from .errors import (  # noqa: E402
 )
 from .fingerprint import check_compatible  # noqa: E402
 from .generation import MODES, Generation, generate  # noqa: E402
+from .inference import SharedPrefillEngine  # noqa: E402
 from .models import DEFAULT_BASE, Base, load_base  # noqa: E402
 
 __all__ = [
     "BaseCache", "compute_base_cache", "load_decoder", "save_decoder", "Decoder", "decoder_forward",
     "full_forward", "make_decoder", "CacheMutatedError", "CCFTError", "ConfigError", "DataError",
     "FingerprintMismatchError", "IncompatibleModelError", "check_compatible", "MODES", "Generation", "generate",
-    "DEFAULT_BASE", "Base", "load_base",
+    "DEFAULT_BASE", "Base", "load_base", "SharedPrefillEngine",
 ]

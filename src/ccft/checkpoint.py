@@ -72,7 +72,7 @@ def decoder_meta(decoder: Decoder, **extra: Any) -> dict:
     return meta
 
 
-def save_decoder(decoder: Decoder, path: str | Path, **extra_meta: Any) -> Path:
+def save_decoder(decoder: Decoder, path: str | Path, *, state_dict: dict | None = None, **extra_meta: Any) -> Path:
     """Write ``decoder`` into folder ``path``: weights (HF) or adapter (PEFT), tokenizer, then ``ccft.json``.
 
     Files are staged in a temporary sub-folder and moved in one by one; ``ccft.json`` is removed
@@ -86,13 +86,15 @@ def save_decoder(decoder: Decoder, path: str | Path, **extra_meta: Any) -> Path:
     try:
         if decoder.kind == "lora":
             name = decoder.meta.get("adapter_name", "default")
-            decoder.model.save_pretrained(str(tmp), selected_adapters=[name])
+            decoder.model.save_pretrained(str(tmp), selected_adapters=[name],
+                                          **({"state_dict": state_dict} if state_dict is not None else {}))
             if name != "default" and (tmp / name).is_dir():  # PEFT nests non-default adapters
                 for p in (tmp / name).iterdir():
                     os.replace(p, tmp / p.name)
                 (tmp / name).rmdir()
         else:
-            decoder.model.save_pretrained(str(tmp))
+            # state_dict: the gathered weights of a partitioned (DeepSpeed ZeRO-3) decoder.
+            decoder.model.save_pretrained(str(tmp), **({"state_dict": state_dict} if state_dict is not None else {}))
         decoder.base.tokenizer.save_pretrained(str(tmp))
         (path / META_FILE).unlink(missing_ok=True)
         for p in sorted(tmp.iterdir()):
@@ -144,6 +146,11 @@ def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | tor
         name = adapter_name or path.name.replace(".", "_") or "default"
         if base.adapter_hosts:
             host = base.adapter_hosts[0]
+            if name in host.peft_config:  # loading would silently overwrite another decoder's adapter (K1)
+                if adapter_name:
+                    raise ConfigError(f"adapter_name={adapter_name!r} is already used by another decoder on this "
+                                      "base; pass a different adapter_name")
+                name = next(f"{name}_{i}" for i in range(2, 10**6) if f"{name}_{i}" not in host.peft_config)
             host.load_adapter(str(path), adapter_name=name, is_trainable=False)
             model = host
         else:

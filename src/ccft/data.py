@@ -123,6 +123,43 @@ def _as_ids(out) -> list[int]:
     return list(out)
 
 
+_TOOL_PROBE = "ccft_probe_function_4f2a"
+
+#: System text for templates without tool support (Hermes convention; see ccft.evals.tool_calls).
+TOOLS_SYSTEM_TEXT = ("You may call one or more functions to assist with the user query. The functions "
+                     "are described as JSON schemas within <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
+                     "To call a function, reply with a JSON object of its name and arguments within "
+                     "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, "
+                     "\"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+def _template_renders_tools(tokenizer) -> bool:
+    """Does the chat template show a ``tools=`` list in the prompt? (Many, e.g. SmolLM2's, ignore it.)"""
+    cached = getattr(tokenizer, "_ccft_renders_tools", None)
+    if cached is None:
+        tool = {"type": "function", "function": {"name": _TOOL_PROBE, "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[tool],
+                                                 tokenize=False, add_generation_prompt=True)
+            cached = _TOOL_PROBE in text
+        except Exception:  # noqa: BLE001 - a template that fails on tools does not support them
+            cached = False
+        try:
+            tokenizer._ccft_renders_tools = cached
+        except AttributeError:  # pragma: no cover - slotted tokenizer
+            pass
+    return cached
+
+
+def _tools_in_system_turn(messages: list[dict], tools: list) -> list[dict]:
+    """Put the tool schemas into the system turn (appended to an existing one)."""
+    text = TOOLS_SYSTEM_TEXT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}] + list(messages[1:])
+    return [{"role": "system", "content": text}] + list(messages)
+
+
 def tokenize_prompt(tokenizer, prompt: str | list[dict], *, chat_template: bool | str = "auto",
                     system_prompt: str | None = None, tools: list | None = None) -> list[int]:
     """Token ids of a prompt exactly as training and inference see it.
@@ -134,6 +171,9 @@ def tokenize_prompt(tokenizer, prompt: str | list[dict], *, chat_template: bool 
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if system_prompt and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": system_prompt}] + messages
+        if tools and not _template_renders_tools(tokenizer):
+            messages = _tools_in_system_turn(messages, tools)  # never drop the tools silently
+            tools = None
         kwargs = {"tools": tools} if tools else {}
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         ids = _as_ids(tokenizer(text, add_special_tokens=False))
@@ -162,6 +202,13 @@ def split_row(row: dict, index: int = -1) -> tuple[str | list[dict], str, list |
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise DataError(f"{where}: `messages` must be a non-empty list of {{role, content}}")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise DataError(f"{where}: messages[{j}] must be a mapping with a string `role`")
+            content = m.get("content")
+            if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
+                raise DataError(f"{where}: messages[{j}] ({m.get('role')}) needs a string `content`, "
+                                f"got {type(content).__name__}")
         last = msgs[-1]
         if last.get("role") != "assistant":
             raise DataError(f"{where}: the chat has no final assistant turn to supervise "

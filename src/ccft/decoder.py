@@ -107,8 +107,10 @@ def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tai
     # Tail pads (right padding) get positions past the row; they are masked and never supervised.
     positions[:, prefix_ids.shape[1]:] = prefix_mask.sum(-1, keepdim=True) + torch.arange(
         tail_ids.shape[1], device=ids.device)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
-    return out.logits[:, prefix_ids.shape[1]:]
+    t = tail_ids.shape[1]
+    # Only the tail's logits are needed: skip the vocabulary projection over the prompt.
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=t)
+    return out.logits[:, -t:]
 
 
 @dataclass(eq=False)
@@ -170,7 +172,16 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
         ConfigError: unknown kind.
     """
     if kind == "full":
-        model = copy.deepcopy(base.model)
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():
+            # The base was loaded partitioned (zero.Init): a deep copy would share its empty shards.
+            # Load the same stored weights again, partitioned for this decoder.
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(base.path, dtype=base.dtype)
+        else:
+            model = copy.deepcopy(base.model)
         model.requires_grad_(True)
         model.train()
     elif kind == "lora":
