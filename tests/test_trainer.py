@@ -37,6 +37,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------ helpers
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tiny models are latency-bound: one intra-op thread is fastest, and it avoids the large slowdown
+    of OpenMP barriers when other processes share the cores. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def short_data(tmp_path_factory) -> Path:
     """24 short rows of different prompt and response lengths (a few tokens each), as a JSONL file."""
@@ -207,8 +217,10 @@ def test_full_ft_loss_equals_masked_causal_lm_loss(tmp_path, tiny_dir, short_dat
 
 
 def _one_step(tiny_dir, out, data, *, gc: bool):
-    """One optimizer step of a LoRA CCFT run (perturbed B), returning loss, pre-step grads, C_base snapshots,
-    the base and the batch prompts, and how often layer 0's attention ran."""
+    """One optimizer step of a LoRA CCFT run (perturbed B, no clipping) through ``trainer.train()``.
+
+    Returns the trainer, the base, the C_base snapshots (cache, clone at creation, inputs), the gradients
+    just before the optimizer step, and how many times layer 0's attention ran."""
     cfg, _ = config(tiny_dir, out, data, max_steps=1, gradient_checkpointing=str(gc).lower(), max_grad_norm=0)
     base, decoder, train_set, _, trainer = setup(cfg)
     perturb(decoder.model, lora_only=True)
@@ -216,8 +228,7 @@ def _one_step(tiny_dir, out, data, *, gc: bool):
     grads = GradCapture(trainer.model)
     trainer.add_callback(grads)
     calls = []
-    attn = base.model.get_decoder().layers[0].self_attn if hasattr(base.model, "get_decoder") else None
-    handle = attn.register_forward_hook(lambda *a: calls.append(1))
+    handle = base.model.get_decoder().layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
     try:
         trainer.train()
     finally:
@@ -239,7 +250,7 @@ def test_base_cache_unchanged_and_checkpointing_equal(tmp_path, tiny_dir, short_
         cache.check_unmodified()
         # The base is unchanged by the step: recomputing C_base for the same rows gives the same bits.
         prompts = [row[m.bool()].tolist() + [int(t)] for row, m, t in
-                   zip(inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"][:, 0])]
+                   zip(inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"][:, 0], strict=True)]
         recomputed = compute_base_cache(base, prompts)
         assert recomputed.equal(snap)
         losses[gc] = trainer.state.log_history[0]["loss"]
@@ -361,14 +372,18 @@ def test_killed_run_leaves_only_complete_checkpoints_and_resumes_exactly(tmp_pat
     out = tmp_path / "killed"
     marker = tmp_path / "blocked"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(marker), str(torch.get_num_threads()),
-                             *overrides(tiny_dir, out, short_data, **kw)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    log = tmp_path / "child.log"  # a file, not a pipe: a full pipe would block the child
+    with log.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(marker), str(torch.get_num_threads()),
+                                 *overrides(tiny_dir, out, short_data, **kw)],
+                                stdout=sink, stderr=subprocess.STDOUT, env=env)
     try:
+        # The uninterrupted reference runs meanwhile (the child spends its first seconds importing).
+        straight = run_training(config(tiny_dir, tmp_path / "straight", short_data, max_steps=8)[0])
         deadline = time.monotonic() + 600  # guard against a hang only; no timing is asserted
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert marker.exists(), proc.communicate(timeout=60)[0].decode()[-3000:] if proc.poll() is not None else ""
+        assert marker.exists(), log.read_text(errors="replace")[-3000:]
         assert (out / "checkpoint-3").is_dir()
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
@@ -396,7 +411,6 @@ def test_killed_run_leaves_only_complete_checkpoints_and_resumes_exactly(tmp_pat
         f"checkpoint-{i}" for i in range(1, 9)]
     assert all(_complete_checkpoint(out / f"checkpoint-{i}") for i in range(1, 9))
 
-    straight = run_training(config(tiny_dir, tmp_path / "straight", short_data, max_steps=8)[0])
     a, b = lora_weights(straight.decoder), lora_weights(resumed.decoder)
     assert set(a) == set(b) and a
     for n in a:
@@ -409,10 +423,19 @@ def test_killed_run_leaves_only_complete_checkpoints_and_resumes_exactly(tmp_pat
 # ------------------------------------------------------------------ 7: the loss goes down on real data
 
 
+@pytest.fixture(scope="module")
+def sharp_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny model whose lm_head is scaled up: with the default init, the final RMSNorm bounds every logit
+    near 0, so a LoRA adapter (which cannot touch lm_head) could hardly move the loss off ln(vocab)."""
+    from conftest import make_tiny_folder
+
+    return make_tiny_folder(tmp_path_factory.mktemp("sharp"), tokenizer, seed=1, scale=8.0)
+
+
 @pytest.mark.parametrize("method", ["ccft", "full-ft"])
-def test_loss_goes_down_on_gsm8k_and_eval_nll_is_token_weighted(tmp_path, tiny_dir, method):
-    cfg, _ = config(tiny_dir, tmp_path / "run", "gsm8k:train", method=method, train_rows=24, max_steps=20,
-                    per_device_train_batch_size=2, lr_scheduler_type="constant", chat_template="auto",
+def test_loss_goes_down_on_gsm8k_and_eval_nll_is_token_weighted(tmp_path, sharp_dir, method):
+    cfg, _ = config(sharp_dir, tmp_path / "run", "gsm8k:train", method=method, train_rows=24, max_steps=20,
+                    per_device_train_batch_size=1, lr_scheduler_type="constant",
                     eval_data="gsm8k:test", eval_rows=8, per_device_eval_batch_size=4)
     base, decoder, train_set, eval_set, trainer = setup(cfg)
     assert len(train_set) == 24 and len(eval_set) == 8
@@ -420,7 +443,7 @@ def test_loss_goes_down_on_gsm8k_and_eval_nll_is_token_weighted(tmp_path, tiny_d
     losses = [v for _, v in sorted(curve(trainer.state.log_history).items())]
     assert len(losses) == 20 and all(math.isfinite(v) for v in losses)
     last5 = sum(losses[-5:]) / 5
-    assert last5 < losses[0] - 0.5, (losses[0], last5)
+    assert last5 < losses[0] - 1.0, (losses[0], last5)  # seen here: 11.9 -> 9.9 (ccft), 9.5 (full-ft)
 
     metrics = trainer.evaluate()
     nll = metrics["eval_loss"]

@@ -31,6 +31,14 @@ RESOURCES = Path(__file__).resolve().parent / "resources"
 BUILTIN_DATASETS: dict[str, dict[str, Any]] = {
     "gsm8k": {"train": RESOURCES / "gsm8k" / "train.jsonl", "test": RESOURCES / "gsm8k" / "test.jsonl",
               "columns": {"prompt": "question", "response": "answer"}},
+    # Code: MBPP train split (task ids 601-974) in HumanEval's completion format; train with
+    # chat_template=false so rows look like HumanEval / MultiPL-E prompts (resources/mbpp/README.md).
+    "mbpp": {"train": RESOURCES / "mbpp" / "train.jsonl", "columns": None},
+    # Code, five languages: MBXP canonical solutions of the same train ids (resources/mbxp/README.md).
+    "mbxp": {"train": RESOURCES / "mbxp" / "train.jsonl", "columns": None},
+    # Function calling: the 300 bundled glaive conversations as {messages, tools} rows, one per
+    # assistant turn; tool calls written as <tool_call>{...}</tool_call> (ccft.evals.tool_calls).
+    "glaive-tools": {"train": RESOURCES / "glaive_tools" / "train.jsonl", "columns": None},
 }
 
 
@@ -69,6 +77,9 @@ class TrainConfig(TrainingArguments):
         chat_template: ``auto`` | true | false; system_prompt: optional system turn.
     Numerics:
         dtype: ``float32`` (CPU) | ``bfloat16`` | ``float16`` for base and decoder weights.
+    Speed:
+        train_path: ``auto`` | ``two-pass`` | ``one-pass`` (CCFT with LoRA; see ``ccft.fastpath``).
+        base_cache_store: folder of precomputed C_base (``ccft precompute``), used when it matches.
     """
 
     output_dir: str = field(default="runs/ccft", metadata={"help": "Run folder: the final decoder (with ccft.json) and its checkpoint-N/ folders."})
@@ -92,6 +103,10 @@ class TrainConfig(TrainingArguments):
     chat_template: bool | str = field(default="auto", metadata={"help": "auto | true | false."})
     system_prompt: str | None = field(default=None, metadata={"help": "Optional system turn."})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16."})
+    train_path: str = field(default="auto", metadata={
+        "help": "auto | two-pass | one-pass: how CCFT computes C_base for LoRA decoders (auto: the faster)."})
+    base_cache_store: str | None = field(default=None, metadata={
+        "help": "Folder of precomputed C_base (`ccft precompute`); stale or corrupt shards are recomputed."})
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -104,6 +119,22 @@ class TrainConfig(TrainingArguments):
             raise ConfigError(f"dtype={self.dtype!r}; use one of float32, bfloat16, float16")
         if str(self.chat_template).lower() not in ("auto", "true", "false"):
             raise ConfigError(f"chat_template={self.chat_template!r}; use auto, true or false")
+        if self.train_path not in ("auto", "two-pass", "one-pass"):
+            raise ConfigError(f"train_path={self.train_path!r}; use auto, two-pass or one-pass")
+        if self.train_path == "one-pass" and (self.decoder_kind != "lora" or self.method != "ccft"):
+            raise ConfigError("train_path=one-pass applies to method=ccft with decoder_kind=lora only; "
+                              "use train_path=auto")
+        for name, low in (("per_device_train_batch_size", 1), ("per_device_eval_batch_size", 1),
+                          ("gradient_accumulation_steps", 1), ("lora_r", 1), ("data_offset", 0)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"{name}={getattr(self, name)}; it must be ≥ {low}")
+        for name in ("train_rows", "eval_rows"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}; give a positive row count or leave it unset (all rows)")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout={self.lora_dropout}; it must be in [0, 1)")
+        if not self.lora_target_modules and self.decoder_kind == "lora":
+            raise ConfigError("lora_target_modules is empty; name the modules that get adapters (e.g. [q_proj, v_proj])")
         if self.max_length < 2:
             raise ConfigError(f"max_length={self.max_length}; it must be ≥ 2")
         if self.gradient_checkpointing and not self.gradient_checkpointing_kwargs:
@@ -221,7 +252,16 @@ def parse_overrides(overrides: list[str] | None) -> dict:
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not key=value (e.g. max_steps=10)")
         key = key.strip()
-        parsed = yaml.safe_load(value) if value.strip() else None
+        text = value.strip()
+        try:
+            parsed = yaml.safe_load(value) if text else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key}={value!r} is not a valid YAML value "
+                              f"({getattr(e, 'problem', None) or e}); fix the brackets or quotes") from None
+        if isinstance(parsed, (str, dict, list)) and not text.startswith(("{", "[", "'", '"')):
+            # Unquoted text stays as typed: YAML would read `Answer: briefly` as a mapping and cut
+            # `after #### N` at the comment sign. Collections use flow syntax: [a, b], {k: v}.
+            parsed = text
         if key.startswith("eval."):
             out.setdefault("eval", {})[key[5:]] = parsed
         else:
@@ -268,8 +308,11 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
     bad = [m for m in ecfg.modes if m not in ("base", "full-ft", "naive", "prefillshare")]
     if bad:
         raise ConfigError(f"{where}: eval.modes has unknown mode(s) {bad}; use base, full-ft, naive, prefillshare")
-    resolve_data(cfg.train_data, cfg.columns)
-    if cfg.eval_data:
-        resolve_data(cfg.eval_data, cfg.columns)
+    for key in ("train_data", "eval_data"):
+        if getattr(cfg, key):
+            try:
+                resolve_data(getattr(cfg, key), cfg.columns)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {key}: {e}") from None
     merged = dict(train_kw, eval=eval_kw)
     return cfg, ecfg, merged

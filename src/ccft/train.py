@@ -76,11 +76,41 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
     set_seed(cfg.seed)  # same decoder init whatever was loaded before
     lora = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
             "target_modules": list(cfg.lora_target_modules)}
+    if cfg.decoder_kind == "lora":
+        names = [n for n, _ in base.model.named_modules()]
+        missing = [t for t in cfg.lora_target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing:
+            from .errors import ConfigError
+
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
+            raise ConfigError(f"lora_target_modules {missing} match no module of base {cfg.base}; "
+                              f"its module names include {leaves[:12]}")
     decoder = make_decoder(base, cfg.decoder_kind, lora=lora, method=cfg.method, handoff_tokens=cfg.handoff_tokens)
     pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.tokenizer.eos_token_id
+    store = None
+    if cfg.base_cache_store and cfg.method == "ccft":
+        from .cache_store import open_store_for_training
+
+        with cfg.main_process_first(desc="C_base store"):  # one writer; the other processes then reuse it
+            store = open_store_for_training(cfg.base_cache_store, base, train_set,
+                                            handoff_tokens=cfg.handoff_tokens, eval_set=eval_set)
     trainer = CacheConditionedTrainer(model=decoder.model, args=cfg, base=base, train_dataset=train_set,
-                                      eval_dataset=eval_set, data_collator=Collator(pad, cfg.handoff_tokens))
+                                      eval_dataset=eval_set, data_collator=Collator(pad, cfg.handoff_tokens),
+                                      cache_store=store)
     return base, decoder, train_set, eval_set, trainer
+
+
+def check_process_group(trainer) -> None:
+    """Refuse a multi-process launch whose processes did not join one group (they would each train alone)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and trainer.accelerator.num_processes != world:
+        from .errors import ConfigError
+
+        raise ConfigError(f"launched {world} processes but accelerate formed a group of "
+                          f"{trainer.accelerator.num_processes}; on a machine without GPUs set use_cpu=true "
+                          "(`ccft train --num-processes N` does this for you)")
 
 
 def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | None = None,
@@ -88,6 +118,7 @@ def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | N
     """Set up, train (resuming from the newest complete checkpoint when ``resume``) and save a decoder."""
     start = time.time()
     base, decoder, train_set, eval_set, trainer = setup(cfg, base=base)
+    check_process_group(trainer)
     out = Path(cfg.output_dir)
     last = get_last_checkpoint(str(out)) if resume and out.is_dir() else None
     if last:
@@ -98,8 +129,18 @@ def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | N
                  "dropped_too_long": train_set.dropped_too_long, "max_length": cfg.max_length,
                  "supervised_tokens": train_set.supervised_tokens,
                  "eval_data": cfg.eval_data, "eval_rows": len(eval_set) if eval_set else 0}
-    save_decoder(decoder, out, data=data_meta, recipe=recipe or {}, steps=trainer.state.global_step,
-                 seed=cfg.seed, train_path="two-pass")
-    (out / "log_history.json").write_text(json.dumps(history, indent=2))
+    acc = trainer.accelerator
+    acc.wait_for_everyone()
+    state_dict = None
+    from .distributed import zero_stage
+
+    if zero_stage(acc) == 3:  # gather the partitioned decoder (a collective: every process takes part)
+        state_dict = acc.get_state_dict(trainer.model_wrapped)
+    if acc.is_main_process:  # one writer per run folder under accelerate / DeepSpeed launches
+        save_decoder(decoder, out, state_dict=state_dict, data=data_meta, recipe=recipe or {}, steps=trainer.state.global_step,
+                     seed=cfg.seed, train_path=trainer.train_path,
+                     distributed={"num_processes": acc.num_processes, "type": str(acc.distributed_type).split(".")[-1]})
+        (out / "log_history.json").write_text(json.dumps(history, indent=2))
+    acc.wait_for_everyone()
     return TrainResult(decoder=decoder, output_dir=out, log_history=history, train_rows=len(train_set),
                        dropped_too_long=train_set.dropped_too_long, seconds=time.time() - start, trainer=trainer)

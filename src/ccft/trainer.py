@@ -30,6 +30,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .base_cache import _prefill_tensors
 from .data import IGNORE_INDEX
 from .decoder import decoder_forward, full_forward
+from .fastpath import gate_for_step, one_pass_forward, resolve_train_path
 
 
 def response_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +49,12 @@ class CacheConditionedTrainer(Trainer):
         model: the decoder's trainable module (``Decoder.model``: ``PeftModel`` or full-weight copy).
         args: ``ccft.TrainConfig``; ``args.method`` picks ccft or full-ft.
         base: the frozen ``ccft.Base`` that computes C_base (unused by full-ft).
+        cache_store: optional ``ccft.cache_store.CacheStore`` holding precomputed C_base for the rows
+            (``ccft precompute``); rows it lacks are prefilled as usual.
         train_dataset / eval_dataset: ``ccft.data.TokenizedDataset``; data_collator: ``ccft.data.Collator``.
+    Paths (``args.train_path``, resolved into ``self.train_path``; see ``ccft.fastpath``): CCFT runs
+    ``two-pass`` (no-grad base prefill, then the decoder on the tail) or, LoRA only, ``one-pass``
+    (one forward, LoRA gated off on the prefix); Full-FT runs ``self-prefill``.
     Supports: LoRA and full weights, gradient accumulation, gradient checkpointing, eval NLL,
     ``report_to`` (wandb/tensorboard), resume from checkpoint, accelerate/DeepSpeed launches.
     Raises:
@@ -58,12 +64,23 @@ class CacheConditionedTrainer(Trainer):
     # compute_loss divides by the global supervised-token count itself.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, base=None, **kwargs):
+    def __init__(self, *args, base=None, cache_store=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.base = base
+        self.cache_store = cache_store
         self.method = getattr(self.args, "method", "ccft")
         if self.method == "ccft" and base is None:
             raise ValueError("method='ccft' needs the frozen base: CacheConditionedTrainer(..., base=ccft.load_base(...))")
+        from peft import PeftModel
+
+        self._decoder_kind = "lora" if isinstance(self.model, PeftModel) else "full"
+        self.train_path = resolve_train_path(getattr(self.args, "train_path", "auto"), method=self.method,
+                                             decoder_kind=self._decoder_kind, model=self.model)
+        self._gate = None  # the LoRA token gate of the running one-pass step
+        if base is not None and self.method == "ccft" and self.is_deepspeed_enabled:
+            from .distributed import place_frozen_base
+
+            place_frozen_base(base, self.accelerator, decoder_kind=self._decoder_kind)
         # Count supervised tokens over labels[:, 1:] for every micro-batch of the step (our loss shifts labels).
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = True
@@ -74,18 +91,41 @@ class CacheConditionedTrainer(Trainer):
                                    "num_supervised"]
 
     def _base_cache(self, inputs):
-        with self.base.base_weights() as model:
+        if self.cache_store is not None:
+            cache = self.cache_store.batch_cache(inputs["prefix_ids"], inputs["prefix_mask"],
+                                                 inputs["tail_ids"][:, : self.args.handoff_tokens], base=self.base)
+            if cache is not None:
+                return cache
+        # A full-weight decoder's base is a separate, frozen copy: run it in inference mode (its K/V
+        # become inference tensors, which torch itself refuses to modify in place).
+        mode = torch.inference_mode() if self._decoder_kind == "full" else torch.no_grad()
+        with self.base.base_weights() as model, mode:
             return _prefill_tensors(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"][:, : self.args.handoff_tokens],
                                     handoff_tokens=self.args.handoff_tokens, fingerprint=self.base.fingerprint)
 
     def tail_logits(self, model, inputs) -> torch.Tensor:
         """Decoder logits over the tail ``(b, t, v)`` for this trainer's method."""
+        if self.method == "ccft" and self.train_path == "one-pass":
+            self.last_base_cache = None  # C_base is never materialised: the prefix runs inside the forward
+            return one_pass_forward(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"],
+                                    inputs["tail_mask"], gate=self._gate)
         if self.method == "ccft":
             cache = self._base_cache(inputs)
             self.last_base_cache = cache
             return decoder_forward(model, cache, inputs["tail_ids"], inputs["tail_mask"])
         return full_forward(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"],
                             inputs["tail_mask"])
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The stock step; on the one-pass path the LoRA token gate stays on through the backward
+        (gradient checkpointing recomputes the gated forward there)."""
+        one_pass = self.method == "ccft" and self.train_path == "one-pass"
+        with gate_for_step(self.accelerator.unwrap_model(model), one_pass) as gate:
+            self._gate = gate
+            try:
+                return super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self._gate = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logits = self.tail_logits(model, inputs)
