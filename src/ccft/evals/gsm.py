@@ -1,0 +1,46 @@
+"""GSM8K as a task of the evaluation API (zero-shot chat; strict and flexible exact match, CASES.md K7).
+
+Prompt: the question as one user turn of the tokenizer's chat template (the same rows and
+template ``ccft train`` uses for ``gsm8k:train``, so a math specialist sees its training format).
+Reference: the GSM8K answer (chain of thought ending ``#### N``), also the NLL reference text.
+Metrics: ``exact_match_strict`` (first ``#### N``) and ``exact_match_flexible`` (last number), from
+``ccft.evals.extract``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..config import RESOURCES
+from .extract import exact_match, extract_flexible, extract_reference, extract_strict
+from .tasks import Item, Task
+
+__all__ = ["GSM8KTask", "tasks"]
+
+
+@dataclass
+class GSM8KTask(Task):
+    name: str = "gsm8k"
+    prompt_style: str = "chat"
+    max_new_tokens: int = 256
+    default_limit: int | None = 50
+    metrics: tuple[str, ...] = ("exact_match_strict", "exact_match_flexible")
+    license: str = "MIT (openai/grade-school-math)"
+    data: str = "src/ccft/resources/gsm8k/test.jsonl (1,319 rows)"
+
+    def _load_all(self) -> list[Item]:
+        path = RESOURCES / "gsm8k" / "test.jsonl"
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return [Item(id=f"gsm8k/test/{i}", prompt=r["question"], reference=r["answer"],
+                     metadata={"answer": extract_reference(r["answer"])}) for i, r in enumerate(rows)]
+
+    def score(self, item: Item, generation: str) -> dict[str, float]:
+        text = self.postprocess(item, generation)
+        ref = item.metadata["answer"]
+        return {"exact_match_strict": float(exact_match(extract_strict(text), ref)),
+                "exact_match_flexible": float(exact_match(extract_flexible(text), ref))}
+
+
+def tasks() -> list[Task]:
+    return [GSM8KTask()]

@@ -1,0 +1,228 @@
+"""Sharing sweep (PrefillShare Fig. 2): response NLL (and accuracy where cheap) against the sharing ratio ρ.
+
+For a Full-FT decoder (curve ``naive``) and a CCFT decoder (curve ``prefillshare``), at every ρ in
+``rhos`` and along each axis (``positions``, ``layers``; see ``ccft.evals.sharing``), the sweep
+scores the same items of a task: per-item response NLL per token on the reference answer, and,
+for the first ``gen_rows`` items, a greedy generation scored by the task. Two references are
+measured on the same items: ``full-ft`` (the Full-FT decoder on its own prefill: the accuracy
+reference; equal to the naive curve at ρ=0) and ``base``.
+
+Output folder: ``meta.json`` (task, model, data, n, hardware, settings), ``points.jsonl`` (one line
+per finished (curve, axis, ρ) point with its per-item numbers; a rerun skips finished points) and
+``sweep.json`` (summary with 95% bootstrap CIs and paired deltas against ``full-ft``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..decoder import Decoder
+from ..errors import ConfigError
+from .runner import (
+    append_jsonl,
+    batch_nll,
+    describe_base,
+    normalize_scores,
+    prepare,
+    read_jsonl,
+    task_description,
+    task_name,
+    task_stop,
+)
+from .sharing import AXES, recompute_tokens, row_nlls, shared_forward, shared_generate, shared_layer_list
+from .stats import mean_ci, paired_bootstrap_delta
+
+RHOS = (0.0, 0.25, 0.5, 0.75, 1.0)
+CURVES = {"naive": "full-ft", "prefillshare": "ccft"}  # curve -> decoder method
+
+
+def _key(label: str, over: str | None, rho: float | None) -> str:
+    return f"{label}|{over}|{rho}"
+
+
+@torch.no_grad()
+def _point(task, base, decoder: Decoder | None, prep, *, label: str, over: str | None, rho: float | None,
+           batch_size: int, gen_rows: int, max_new_tokens: int, bar) -> dict:
+    rows = [i for i in range(prep.n) if prep.references[i] is not None]
+    rows.sort(key=lambda i: len(prep.prompts[i]))
+    nll: dict[int, tuple[float, int]] = {}
+    for s in range(0, len(rows), batch_size):
+        chunk = rows[s:s + batch_size]
+        prompts = [prep.prompts[i] for i in chunk]
+        refs = [prep.references[i] for i in chunk]
+        if over is None:  # a reference: full-ft (own prefill) or base
+            k = decoder.handoff_tokens if decoder is not None else 1
+            vals = batch_nll(label, base, decoder, prompts, refs, handoff_tokens=k)
+        else:
+            vals = row_nlls(*shared_forward(base, decoder, prompts, refs, over=over, rho=rho))
+        nll.update(zip(chunk, vals, strict=True))
+        bar.update(len(chunk))
+    point = {"label": label, "over": over, "rho": rho, "ids": [prep.ids[i] for i in sorted(nll)],
+             "nll": [nll[i][0] / max(1, nll[i][1]) for i in sorted(nll)],
+             "nll_tokens": [nll[i][1] for i in sorted(nll)]}
+    if over == "layers":
+        point["shared_layers"] = shared_layer_list(rho, base.config.num_hidden_layers)
+    elif over == "positions":
+        k0 = decoder.handoff_tokens
+        point["recomputed_mean"] = sum(recompute_tokens(len(prep.prompts[i]), rho, k0) for i in sorted(nll)) / max(1, len(nll))
+    if gen_rows > 0:
+        gi = list(range(min(gen_rows, prep.n)))
+        scores, texts = [], []
+        for s in range(0, len(gi), batch_size):
+            chunk = gi[s:s + batch_size]
+            by_stop: dict[tuple, list[int]] = {}
+            for i in chunk:
+                by_stop.setdefault(tuple(task_stop(task, prep.items[i])), []).append(i)
+            for stop, idx in by_stop.items():
+                prompts = [prep.prompts[i] for i in idx]
+                kw = dict(max_new_tokens=max_new_tokens, stop=list(stop))
+                if over is None:
+                    from ..generation import generate
+
+                    gens = generate(prompts, mode=label, base=base, decoder=decoder, batch_size=len(idx), **kw)
+                else:
+                    gens = shared_generate(base, decoder, prompts, over=over, rho=rho, **kw)
+                for i, g in zip(idx, gens, strict=True):
+                    scores.append((i, normalize_scores(task.score(prep.items[i], g.text))))
+                    texts.append((i, g.text))
+            bar.update(len(chunk))
+        scores.sort(key=lambda x: x[0])
+        texts.sort(key=lambda x: x[0])
+        point["gen_ids"] = [prep.ids[i] for i, _ in scores]
+        point["scores"] = [s for _, s in scores]
+        point["texts"] = [t for _, t in texts]
+    return point
+
+
+def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, rhos: Sequence[float] = RHOS,
+              axes: Sequence[str] = AXES, limit: int | None = None, batch_size: int = 8, gen_rows: int = 0,
+              max_new_tokens: int | None = None, progress: bool = True, overwrite: bool = False,
+              decoder_paths: dict[str, str] | None = None, n_resamples: int = 2000) -> dict:
+    """Run (or resume) the sharing sweep; returns the ``sweep.json`` summary.
+
+    Args:
+        decoders: ``{"naive": full_ft_decoder, "prefillshare": ccft_decoder}`` (either may be missing).
+        rhos: sharing ratios in [0, 1]; axes: ``positions`` and/or ``layers``.
+        gen_rows: items (the first ones) also generated greedily and scored by the task at each point.
+    Raises:
+        ConfigError: bad ρ / axis, no decoder, or a folder holding a sweep with other settings.
+    """
+    if not decoders:
+        raise ConfigError("the sweep needs a Full-FT decoder (naive curve) and/or a CCFT decoder (prefillshare curve)")
+    bad = [a for a in axes if a not in AXES]
+    if bad:
+        raise ConfigError(f"unknown sharing axis {bad}; use {', '.join(AXES)}")
+    for r in rhos:
+        recompute_tokens(10, r)  # validates the range
+    handoffs = {d.handoff_tokens for d in decoders.values()}
+    if len(handoffs) > 1:
+        raise ConfigError(f"decoders with different handoff_tokens {sorted(handoffs)}; sweep them separately")
+    from ..evaluate import hardware
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prep = prepare(task, base.tokenizer, limit if limit is not None else getattr(task, "default_limit", None),
+                   handoffs.pop())
+    max_new = int(max_new_tokens or getattr(task, "max_new_tokens", None) or 256)
+    settings = {"task": task_name(task), "limit": limit, "gen_rows": gen_rows, "max_new_tokens": max_new,
+                "item_ids_sha": _ids_sha(prep)}
+    meta_path, points_path = out / "meta.json", out / "points.jsonl"
+    if overwrite:
+        points_path.unlink(missing_ok=True)
+        meta_path.unlink(missing_ok=True)
+    if meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        if old.get("settings") != settings or old.get("base_fingerprint") != base.fingerprint:
+            raise ConfigError(f"{out} holds a sweep with other settings or another base; pass --overwrite or use "
+                              "another --out folder")
+    desc = {label: {"path": (decoder_paths or {}).get(label), "method": d.method, "kind": d.kind,
+                    "fingerprint": d.meta.get("base_fingerprint")} for label, d in decoders.items()}
+    meta = {"kind": "ccft-sweep", "task": task_name(task), "settings": settings, "model": describe_base(base),
+            "base_fingerprint": base.fingerprint, "data": task_description(task), "n_items": prep.n,
+            "hardware": hardware(), "num_layers": base.config.num_hidden_layers, "decoders": desc,
+            "rhos": list(rhos), "axes": list(axes), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+    from ..checkpoint import atomic_write_text
+
+    atomic_write_text(meta_path, json.dumps(meta, indent=2))
+    done = {_key(p["label"], p["over"], p["rho"]): p for p in read_jsonl(points_path)}
+    plan: list[tuple[str, str | None, float | None]] = []
+    if "naive" in decoders:
+        plan.append(("full-ft", None, None))
+    plan.append(("base", None, None))
+    for label in ("naive", "prefillshare"):
+        if label in decoders:
+            plan += [(label, over, float(r)) for over in axes for r in rhos]
+    todo = [p for p in plan if _key(*p) not in done]
+    per_point = prep.n + min(gen_rows, prep.n)
+    bar = tqdm(total=len(plan) * per_point, initial=(len(plan) - len(todo)) * per_point, unit="item",
+               desc=f"sweep {task_name(task)}", disable=not progress, dynamic_ncols=True, file=sys.stderr)
+    try:
+        for label, over, rho in todo:
+            dec = decoders.get(label) if label != "full-ft" else decoders["naive"]
+            bar.set_postfix_str(f"{label} {over or 'own prefill'} {'' if rho is None else f'ρ={rho:g}'}")
+            point = _point(task, base, dec, prep, label=label, over=over, rho=rho, batch_size=batch_size,
+                           gen_rows=gen_rows, max_new_tokens=max_new, bar=bar)
+            append_jsonl(points_path, [point])
+            done[_key(label, over, rho)] = point
+    finally:
+        bar.close()
+    summary = summarize_sweep(meta, list(done.values()), n_resamples=n_resamples)
+    atomic_write_text(out / "sweep.json", json.dumps(summary, indent=2))
+    return summary
+
+
+def _ids_sha(prep) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for i, p in zip(prep.ids, prep.prompts, strict=True):
+        h.update(f"{i}:{len(p)}:{sum(p)};".encode())
+    return h.hexdigest()[:16]
+
+
+def summarize_sweep(meta: dict, points: list[dict], *, n_resamples: int = 2000, seed: int = 0) -> dict:
+    """``sweep.json``: per point mean NLL with 95% CI, paired delta vs ``full-ft`` own prefill, accuracy if scored."""
+    ref = next((p for p in points if p["label"] == "full-ft" and p["over"] is None), None)
+    ref_nll = dict(zip(ref["ids"], ref["nll"], strict=True)) if ref else {}
+    ref_scores = dict(zip(ref.get("gen_ids", []), ref.get("scores", []), strict=True)) if ref else {}
+    rows = []
+    for p in points:
+        r = {"label": p["label"], "over": p["over"], "rho": p["rho"], "n": len(p["nll"])}
+        for k in ("shared_layers", "recomputed_mean"):
+            if k in p:
+                r[k] = p[k]
+        if p["nll"]:
+            m = mean_ci(p["nll"], n_resamples=n_resamples, seed=seed)
+            r.update(nll=m["mean"], nll_ci=list(m["ci"]))
+            pairs = [(x, ref_nll[i]) for i, x in zip(p["ids"], p["nll"], strict=True) if i in ref_nll]
+            if pairs and ref is not p:
+                d = paired_bootstrap_delta([a for a, _ in pairs], [b for _, b in pairs], n_resamples=n_resamples,
+                                           seed=seed)
+                r["delta_nll_vs_full_ft"] = {"delta": d["delta"], "ci": list(d["ci"]), "n": d["n"]}
+        if p.get("scores"):
+            keys = sorted({k for s in p["scores"] for k in s})
+            r["metrics"] = {}
+            for k in keys:
+                vals = [s[k] for s in p["scores"] if k in s]
+                m = mean_ci(vals, n_resamples=n_resamples, seed=seed)
+                r["metrics"][k] = {"mean": m["mean"], "ci": list(m["ci"]), "n": len(vals)}
+                pairs = [(s[k], ref_scores[i][k]) for i, s in zip(p["gen_ids"], p["scores"], strict=True)
+                         if i in ref_scores and k in s and k in ref_scores[i]]
+                if pairs and ref is not p:
+                    d = paired_bootstrap_delta([a for a, _ in pairs], [b for _, b in pairs], n_resamples=n_resamples,
+                                               seed=seed)
+                    r["metrics"][k]["delta_vs_full_ft"] = {"delta": d["delta"], "ci": list(d["ci"]), "n": d["n"]}
+        rows.append(r)
+    order = {"full-ft": 0, "base": 1, "naive": 2, "prefillshare": 3}
+    rows.sort(key=lambda r: (order.get(r["label"], 9), r["over"] or "", -1 if r["rho"] is None else r["rho"]))
+    return {"kind": "ccft-sweep", "meta": meta, "points": rows, "per_item": points}
+
+
+__all__ = ["RHOS", "CURVES", "run_sweep", "summarize_sweep"]

@@ -1,0 +1,100 @@
+"""K8: per-language availability, hand-written fixtures, MBXP canonical solutions, no doubled stop token."""
+
+from __future__ import annotations
+
+import pytest
+
+from ccft.evals import execution
+from ccft.evals.execution import LANGUAGES, check_language, run_program
+from ccft.evals.multipl_e import (
+    FIXTURE_PROBLEM,
+    FIXTURES,
+    MBXP_FILES,
+    MULTIPL_E_LANGUAGES,
+    mbxp_canonical_jobs,
+)
+from ccft.evals.tasks import get_task
+
+
+def test_every_multipl_e_language_has_a_toolchain_and_fixtures():
+    assert set(MULTIPL_E_LANGUAGES) <= set(LANGUAGES)
+    assert set(FIXTURES) == set(MULTIPL_E_LANGUAGES)
+
+
+@pytest.mark.parametrize("lang", MULTIPL_E_LANGUAGES)
+def test_availability_is_reported_never_silent(lang):
+    av = check_language(lang)
+    assert av.language == lang
+    if av.available:
+        assert av.version and av.reason == ""
+    else:
+        assert av.reason  # says what is missing
+
+
+@pytest.mark.parametrize("lang", MULTIPL_E_LANGUAGES)
+def test_fixtures_pass_and_fail_as_written(lang):
+    """Correct add() passes, wrong add() fails, raw generation with the stop string passes after truncation."""
+    if not check_language(lang).available:
+        pytest.skip(f"{lang} unavailable here: {check_language(lang).reason}")
+    task = get_task(f"multipl-e-{lang}")
+    item = next(it for it in task.load() if it.id == FIXTURE_PROBLEM)
+    good, bad, raw = FIXTURES[lang]
+    assert [s["passed"] for s in task.score_many([(item, good), (item, bad), (item, raw)], workers=3)] == [1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("lang", ["cpp", "rs", "sh", "java"])
+def test_stop_token_is_not_appended_twice_for_brace_languages(lang):
+    task = get_task(f"multipl-e-{lang}")
+    item = next(it for it in task.load() if it.id == FIXTURE_PROBLEM)
+    stop = item.metadata["stop"][0]
+    raw = FIXTURES[lang][2]
+    assert stop in raw
+    completion = task.postprocess(item, raw)
+    assert stop not in completion and completion == raw[: raw.index(stop)]
+    program, _ = task.build_program(item, completion)
+    assert program == item.prompt + completion + "\n" + item.metadata["tests"]
+    # the closing brace comes from the tests, once: braces balance in the assembled program
+    assert program.count("{") == program.count("}")
+
+
+@pytest.mark.parametrize("lang", sorted(MBXP_FILES))
+def test_mbxp_canonical_solutions_pass_here(lang):
+    if not check_language(lang).available:
+        pytest.skip(f"{lang} unavailable here")
+    jobs = mbxp_canonical_jobs(lang, limit=2)
+    assert len(jobs) == 2
+    results = execution.run_programs([kw for _, kw in jobs], workers=2)
+    assert [r.status for r in results] == ["passed", "passed"], [r.detail for r in results]
+
+
+def test_missing_toolchain_is_unavailable_not_zero(monkeypatch):
+    fake = execution.Language("cobol", "COBOL", "main.cob", ("cobc-not-installed",), ("./main",), "")
+    monkeypatch.setitem(execution.LANGUAGES, "cobol", fake)
+    av = check_language("cobol", refresh=True)
+    assert not av.available and "cobc-not-installed" in av.reason
+    res = run_program("cobol", "IDENTIFICATION DIVISION.")
+    assert res.status == "unavailable" and not res.passed
+
+    item = get_task("multipl-e-cpp").load(1)[0]
+    task = get_task("multipl-e-cpp", language="cobol")
+    scores = task.score_many([(item, "x")])
+    assert scores == [{"available": 0.0}]
+    agg = task.aggregate({item.id: scores})
+    assert "pass@1" not in agg and agg["unavailable_items"] == 1.0
+    report = task.check_environment()
+    assert report["available"] is False and report["ok"] is True and "cobc-not-installed" in report["reason"]
+
+
+def test_compile_error_and_runtime_error_statuses():
+    if not check_language("cpp").available:
+        pytest.skip("g++ unavailable")
+    assert run_program("cpp", "int main() { return }").status == "compile_error"
+    assert run_program("cpp", "#include <cstdlib>\nint main() { abort(); }").status == "failed"
+    assert run_program("cpp", "int main() { return 0; }").status == "passed"
+
+
+def test_perl_error_marker_fails_even_with_exit_zero():
+    if not check_language("pl").available:
+        pytest.skip("perl unavailable")
+    assert run_program("pl", "print \"ERROR: boom\\n\"; exit 0;").status == "failed"
+    assert run_program("pl", "print \"ok\\n\"; exit 0;").status == "passed"

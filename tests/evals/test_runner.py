@@ -1,0 +1,299 @@
+"""Eval runner: four modes on the same items (values checked against independent forwards and ccft.generate),
+batch-size independence (K7), per-item resume after an interruption, settings guard, the ``ccft eval`` CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from harness_fixtures import ToyTask, decoders
+
+import ccft
+from ccft.data import tokenize_response
+from ccft.errors import ConfigError
+from ccft.evals.runner import EvalSettings, ModeSpec, get_task, read_jsonl, run_task
+from ccft.evals.stats import mean_ci, paired_bootstrap_delta
+from conftest import make_tiny_folder
+
+MODES = ("base", "full-ft", "naive", "prefillshare")
+
+
+@pytest.fixture(scope="module")
+def sharp_dir(tmp_path_factory, tokenizer):
+    """Clear logit margins (lm_head × 30) so greedy choices are far from ties."""
+    return make_tiny_folder(tmp_path_factory.mktemp("runner_sharp"), tokenizer, seed=3, scale=30.0)
+
+
+@pytest.fixture(scope="module")
+def setup(sharp_dir):
+    base = ccft.load_base(str(sharp_dir))
+    ff, cc = decoders(base)
+    specs = [ModeSpec("base"), ModeSpec("full-ft", ff, "ff"), ModeSpec("naive", ff, "ff"),
+             ModeSpec("prefillshare", cc, "cc")]
+    return base, ff, cc, specs
+
+
+@pytest.fixture(scope="module")
+def full_run(setup, tmp_path_factory):
+    base, _, _, specs = setup
+    out = tmp_path_factory.mktemp("full_run")
+    return run_task(ToyTask(), base, specs, out, settings=EvalSettings(), batch_size=8, progress=False), out
+
+
+def _hf_nll(model, prompt, response):
+    """Mean NLL per token of ``response`` after ``prompt``: one plain HF forward, no ccft code."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    n = len(prompt)
+    tgt = torch.tensor(response)
+    return float(-logp[n - 1:n - 1 + len(response)].gather(-1, tgt[:, None]).mean())
+
+
+def test_modes_run_same_items_with_real_values(setup, full_run):
+    base, ff, cc, _ = setup
+    res, out = full_run
+    task = ToyTask()
+    items = task.load()
+    tok = base.tokenizer
+    prompts = [task.prompt_ids(tok, it) for it in items]
+    refs = [tokenize_response(tok, task.reference_text(it)) for it in items]
+    assert set(res.records) == set(MODES)
+    for mode in MODES:
+        assert [r["id"] for r in res.records[mode]] == [it["id"] for it in items]
+    # self-prefill NLL == a plain HF forward over prompt + response
+    for mode, model in (("base", base.model), ("full-ft", ff.model)):
+        for r, p, y in zip(res.records[mode], prompts, refs, strict=True):
+            assert r["nll"] == pytest.approx(_hf_nll(model, p, y), abs=1e-4)
+    # shared modes == decoder_forward on C_base of the same prompt ids, row by row
+    for mode, dec in (("naive", ff), ("prefillshare", cc)):
+        for r, p, y in zip(res.records[mode], prompts, refs, strict=True):
+            cache = ccft.compute_base_cache(base, [p])
+            with torch.no_grad():
+                logits = ccft.decoder_forward(dec, cache, torch.tensor([[p[-1]] + y]))
+            logp = torch.log_softmax(logits[0].float(), -1)
+            want = float(-logp[:-1].gather(-1, torch.tensor(y)[:, None]).mean())
+            assert r["nll"] == pytest.approx(want, abs=1e-5)
+    # naive reads C_base: its NLL differs from the same decoder's own prefill
+    assert any(abs(a["nll"] - b["nll"]) > 1e-3 for a, b in zip(res.records["naive"], res.records["full-ft"], strict=True))
+    # generations == ccft.generate with the same settings; scores == task.score of that text
+    for mode, dec in (("base", None), ("full-ft", ff), ("naive", ff), ("prefillshare", cc)):
+        gens = ccft.generate(prompts, mode=mode, base=base, decoder=dec, max_new_tokens=task.max_new_tokens,
+                             stop=task.stop, batch_size=9)
+        for r, g, it in zip(res.records[mode], gens, items, strict=True):
+            assert (r["text"], r["finish_reason"]) == (g.text, g.finish_reason)
+            assert r["scores"] == {k: float(v) for k, v in task.score(it, g.text).items()}
+    # summary numbers are the means / bootstrap CIs of the item records; deltas are paired by item
+    s = res.summary
+    for mode in MODES:
+        nll = [r["nll"] for r in res.records[mode]]
+        m = mean_ci(nll)
+        assert s["modes"][mode]["nll"] == pytest.approx(m["mean"])
+        assert s["modes"][mode]["nll_ci"] == pytest.approx(list(m["ci"]))
+        long = [r["scores"]["long"] for r in res.records[mode]]
+        assert s["modes"][mode]["metrics"]["long"]["mean"] == pytest.approx(sum(long) / len(long))
+        assert s["modes"][mode]["task_aggregate"] == {"items": 9, "long_count": sum(long)}
+        assert s["modes"][mode]["n"] == 9 and s["modes"][mode]["complete"]
+    d = paired_bootstrap_delta([r["nll"] for r in res.records["naive"]], [r["nll"] for r in res.records["full-ft"]])
+    assert s["deltas_vs_full_ft"]["naive"]["nll"]["delta"] == pytest.approx(d["delta"])
+    assert s["deltas_vs_full_ft"]["naive"]["nll"]["ci"] == pytest.approx(list(d["ci"]))
+    assert "full-ft" not in s["deltas_vs_full_ft"]
+    # every number names model, data, n and hardware
+    meta = json.loads((out / "toy" / "meta.json").read_text())
+    assert meta["n_items"] == 9 and meta["data"] == task.data and "float32" in meta["model"] and meta["hardware"]
+    assert meta["settings"]["max_new_tokens"] == 6 and meta["settings"]["prompting"] == task.prompting
+    assert json.loads((out / "toy" / "summary.json").read_text())["modes"]["naive"]["n"] == 9
+
+
+def test_greedy_scores_identical_at_batch_size_1_and_8(setup, full_run, tmp_path):
+    """K7: batching (left padding, length sorting, chunking) changes no generation, score or NLL.
+
+    full-ft stands for the self-prefill path (base is the same code), prefillshare for the C_base path (naive too).
+    """
+    base, _, _, specs = setup
+    eight, _ = full_run
+    two = [s for s in specs if s.mode in ("full-ft", "prefillshare")]
+    one = run_task(ToyTask(), base, two, tmp_path, settings=EvalSettings(), batch_size=1, progress=False)
+    for mode in ("full-ft", "prefillshare"):
+        a, b = one.records[mode], eight.records[mode]
+        assert [(r["id"], r["text"], r["finish_reason"], r["scores"]) for r in a] == \
+               [(r["id"], r["text"], r["finish_reason"], r["scores"]) for r in b]
+        assert [r["nll"] for r in a] == pytest.approx([r["nll"] for r in b], abs=1e-5)
+        assert len({r["text"] for r in a}) > 1  # the model does not emit one constant string
+
+
+def test_interrupted_eval_resumes_without_redoing_items(setup, full_run, tmp_path):
+    base, _, _, specs = setup
+    specs = [s for s in specs if s.mode in ("base", "prefillshare")]
+    first: list[tuple[str, str]] = []
+
+    def interrupt_after_5(mode, rec):
+        first.append((mode, rec["id"]))
+        if len(first) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_task(ToyTask(), base, specs, tmp_path, batch_size=4, progress=False, on_item=interrupt_after_5)
+    path = tmp_path / "toy" / "items.base.jsonl"
+    assert len(read_jsonl(path)) == 5
+    with open(path, "a") as f:  # a process killed in the middle of a write leaves a torn line
+        f.write('{"id": "toy/8", "nll": 1.')
+    second: list[tuple[str, str]] = []
+    res = run_task(ToyTask(), base, specs, tmp_path, batch_size=4, progress=False,
+                   on_item=lambda m, r: second.append((m, r["id"])))
+    assert not set(first) & set(second), "an item finished before the interruption was computed again"
+    assert len(second) == 2 * 9 - 5 and res.computed == {"base": 4, "prefillshare": 9}
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()].count("toy/8") == 1
+    full, _ = full_run
+    for mode in ("base", "prefillshare"):
+        assert [(r["id"], r["text"], r["scores"]) for r in res.records[mode]] == \
+               [(r["id"], r["text"], r["scores"]) for r in full.records[mode]]
+        assert res.summary["modes"][mode]["nll"] == pytest.approx(full.summary["modes"][mode]["nll"], abs=1e-6)
+    # a third run has nothing left to do
+    again = run_task(ToyTask(), base, specs, tmp_path, batch_size=4, progress=False)
+    assert again.computed == {"base": 0, "prefillshare": 0}
+
+
+def test_other_settings_refused_unless_overwrite(setup, tmp_path):
+    base, _, cc, _ = setup
+    specs = [ModeSpec("prefillshare", cc, "cc")]
+    run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(limit=2), progress=False)
+    with pytest.raises(ConfigError, match="other settings"):
+        run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(limit=2, max_new_tokens=3), progress=False)
+    res = run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(limit=2, max_new_tokens=3), progress=False,
+                   overwrite=True)
+    assert res.computed == {"prefillshare": 2} and all(r["new_tokens"] <= 3 for r in res.records["prefillshare"])
+    with pytest.raises(ConfigError, match="needs a decoder"):
+        run_task(ToyTask(), base, [ModeSpec("naive")], tmp_path, progress=False)
+
+
+def test_gsm8k_task_and_registry():
+    task = get_task("gsm8k")
+    assert task.name == "gsm8k" or getattr(task, "name", "").startswith("gsm8k")
+    with pytest.raises(ConfigError, match="unknown task"):
+        get_task("no-such-task")
+
+
+def test_cli_eval_writes_and_resumes(setup, tmp_path, capsys):
+    from ccft.cli.main import main
+
+    base, ff, cc, _ = setup
+    ccft.save_decoder(ff, tmp_path / "ff")
+    ccft.save_decoder(cc, tmp_path / "cc")
+    argv = ["eval", "--task", "gsm8k", "--decoder", str(tmp_path / "ff"), "--decoder", str(tmp_path / "cc"),
+            "--limit", "2", "--max-new-tokens", "3", "--batch-size", "2", "--no-progress", "--bootstrap", "200",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    s = json.loads((tmp_path / "out" / "gsm8k.json").read_text())
+    assert set(s["modes"]) == set(MODES) and all(m["n"] == 2 for m in s["modes"].values())
+    assert {"exact_match_strict", "exact_match_flexible"} <= set(s["modes"]["prefillshare"]["metrics"])
+    assert "(computed now: 2)" in first
+    assert (tmp_path / "out" / "gsm8k.md").read_text().startswith("### gsm8k")
+    assert main(argv) == 0
+    assert first.count("(computed now: 2)") == 4 and capsys.readouterr().out.count("(computed now: 0)") == 4
+    assert main(argv[:1] + ["--mode", "prefillshare", "--limit", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "needs a decoder" in capsys.readouterr().err
+
+
+class _SampledTask(ToyTask):
+    """n=3 samples per item, batch scoring through ``score_many`` (as the code tasks do)."""
+
+    samples = 3
+    name = "toy-sampled"
+
+    def __init__(self):
+        super().__init__(3)
+        self.calls = 0
+
+    def score_many(self, pairs):
+        self.calls += 1
+        return [self.score(item, text) for item, text in pairs]
+
+
+class _NoToolchainTask(ToyTask):
+    name = "toy-missing"
+
+    def check_environment(self, limit=None):
+        return {"task": self.name, "available": False, "reason": "toolchain `frob` not installed", "ok": True}
+
+    def score(self, item, text):  # pragma: no cover - must never be called
+        raise AssertionError("an unavailable task must not be scored")
+
+
+def test_samples_and_unavailable_toolchain(setup, tmp_path):
+    from ccft.report import build_report
+
+    base, _, cc, _ = setup
+    specs = [ModeSpec("prefillshare", cc, "cc")]
+    task = _SampledTask()
+    res = run_task(task, base, specs, tmp_path, progress=False, batch_size=3)
+    recs = res.records["prefillshare"]
+    assert task.calls == 3 and all(len(r["samples"]) == 3 for r in recs)
+    meta = res.summary["meta"]["settings"]
+    assert meta["samples"] == 3 and meta["do_sample"] and meta["temperature"] == 0.8
+    for r in recs:  # the item's score is the mean over its samples; the texts are scored as generated
+        for s in r["samples"]:
+            assert s["scores"] == {k: float(v) for k, v in task.score(None, s["text"]).items()}
+        assert r["scores"]["long"] == pytest.approx(sum(s["scores"]["long"] for s in r["samples"]) / 3)
+    assert res.summary["modes"]["prefillshare"]["task_aggregate"]["items"] == 3
+    assert res.summary["modes"]["prefillshare"]["task_aggregate"]["long_count"] == \
+        sum(s["scores"]["long"] for r in recs for s in r["samples"])
+
+    res = run_task(_NoToolchainTask(3), base, specs, tmp_path, progress=False)
+    recs = res.records["prefillshare"]
+    assert all("nll" in r and "scores" not in r and "text" not in r for r in recs)
+    assert res.summary["meta"]["unavailable"] == "toolchain `frob` not installed"
+    assert "metrics" not in res.summary["modes"]["prefillshare"]
+    build_report([str(tmp_path)], tmp_path / "rep")
+    md = (tmp_path / "rep" / "README.md").read_text()
+    assert "| toy-missing | prefillshare | long | unavailable |" in md
+    assert "**unavailable**: toolchain `frob` not installed" in md and "| toy-missing | no |" in md
+
+
+def test_engine_path_equals_reference_generation(setup, full_run, tmp_path):
+    """--engine: naive / prefillshare decode through SharedPrefillEngine; same texts as the reference path."""
+    pytest.importorskip("ccft.inference")
+    base, _, _, specs = setup
+    shared = [s for s in specs if s.mode in ("naive", "prefillshare")]
+    res = run_task(ToyTask(), base, shared, tmp_path, settings=EvalSettings(engine=True), batch_size=4,
+                   progress=False)
+    assert res.summary["meta"]["settings"]["decode_path"] == "SharedPrefillEngine"
+    ref, _ = full_run
+    for mode in ("naive", "prefillshare"):
+        assert [(r["text"], r["finish_reason"], r["scores"]) for r in res.records[mode]] == \
+               [(r["text"], r["finish_reason"], r["scores"]) for r in ref.records[mode]]
+
+
+def test_sigkill_mid_run_then_resume(sharp_dir, setup, tmp_path):
+    """A process killed with SIGKILL (no cleanup at all) after 3 items: the rerun does only the rest."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    script = f"""
+import os, signal, sys
+sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]
+import ccft
+from harness_fixtures import ToyTask
+from ccft.evals.runner import EvalSettings, ModeSpec, run_task
+base = ccft.load_base({str(sharp_dir)!r})
+done = []
+def kill(mode, rec):
+    done.append(rec["id"])
+    if len(done) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+run_task(ToyTask(), base, [ModeSpec("base")], {str(tmp_path)!r}, settings=EvalSettings(limit=5), batch_size=2,
+         progress=False, on_item=kill)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert len(read_jsonl(tmp_path / "toy" / "items.base.jsonl")) == 3
+    base = setup[0]
+    again: list[str] = []
+    res = run_task(ToyTask(), base, [ModeSpec("base")], tmp_path, settings=EvalSettings(limit=5), batch_size=2,
+                   progress=False, on_item=lambda m, r: again.append(r["id"]))
+    assert len(again) == 2 and res.summary["modes"]["base"]["n"] == 5
+    assert len({r["id"] for r in res.records["base"]}) == 5
