@@ -1,73 +1,148 @@
-"""``ccft eval --task gsm8k --mode MODE [--decoder DIR ...] [--limit N]``: the first evaluation.
+"""``ccft eval --task T [--task T2 ...] --mode M [--mode M2 ...] --decoder DIR ... [--limit N] [--out DIR]``.
 
-Scores one or more modes on the same GSM8K test rows: response NLL per token and strict /
-flexible exact match from batched greedy generation, with 95% bootstrap CIs; writes
-``OUT/gsm8k.json`` and ``OUT/gsm8k.md``.
+Scores every requested mode on the same items of each task (response NLL per token on the task's
+reference answers, plus greedy generations scored by the task), with 95% bootstrap CIs and paired
+deltas against ``full-ft``. Results go to ``OUT/TASK/`` (``meta.json``, ``items.MODE.jsonl`` written
+per item, ``summary.json``) plus ``OUT/TASK.json`` / ``OUT/TASK.md``. Rerunning the same command
+resumes: finished items are read back, never recomputed. ``ccft report OUT -o REPORT`` turns one or
+more such folders into tables and plots.
+
+Examples::
+
+    ccft eval --task gsm8k --mode full-ft --mode naive --mode prefillshare \\
+        --decoder runs/demo/full-ft --decoder runs/demo/ccft --limit 50 --out reports/eval
+    ccft eval --task gsm8k --mode base --base smollm2-135m-instruct --limit 20
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+MODES = ("base", "full-ft", "naive", "prefillshare")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="evaluate decoders in base / full-ft / naive / prefillshare mode")
-    p.add_argument("--task", default="gsm8k", choices=["gsm8k"])
-    p.add_argument("--mode", action="append", required=True,
-                   choices=["base", "full-ft", "naive", "prefillshare"], help="repeat for several modes")
+    p = sub.add_parser("eval", help="evaluate decoders in base / full-ft / naive / prefillshare mode on tasks",
+                       description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p.add_argument("--task", action="append", default=None,
+                   help="task name from the registry (repeat for several; default: gsm8k; `--task list` lists them)")
+    p.add_argument("--mode", action="append", default=None, choices=list(MODES),
+                   help="repeat for several modes (default: every mode the given decoders allow)")
     p.add_argument("--decoder", action="append", default=[],
                    help="decoder folder (repeat: a ccft one for prefillshare, a full-ft one for full-ft/naive)")
-    p.add_argument("--base", default=None, help="base model (default: the one recorded by the decoder)")
-    p.add_argument("--limit", type=int, default=50, help="test rows for NLL and exact match")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--out", default="reports/eval", help="output folder")
+    p.add_argument("--base", default=None, help="base model (default: the one recorded by the decoders)")
+    p.add_argument("--limit", type=int, default=None, help="items per task (default: the task's default)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's setting")
+    p.add_argument("--batch-size", type=int, default=8, help="items per batch (does not change results)")
+    p.add_argument("--nll-only", action="store_true", help="reference NLL only, no generation")
+    p.add_argument("--engine", action="store_true",
+                   help="naive / prefillshare generations through ccft.SharedPrefillEngine (default: the reference "
+                        "ccft.generate path it is tested against)")
+    p.add_argument("--samples", type=int, default=None, help="samples per item (default: the task's; >1 samples)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs")
+    p.add_argument("--overwrite", action="store_true", help="discard earlier results in OUT instead of resuming")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--out", default="reports/eval", help="output folder (one sub-folder per task)")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
+    """(base, {method: (decoder, path)}) for the given decoder folders; fails before loading anything when a
+    folder is not a decoder or a mode in ``modes`` has no decoder of its method."""
     from ..checkpoint import load_decoder, read_meta
-    from ..config import BUILTIN_DATASETS
-    from ..data import build_dataset, load_rows
     from ..errors import ConfigError
-    from ..evaluate import (decoder_for_mode, gsm8k_exact_match, hardware, paired_deltas, row_nll,
-                            summarize_mode)
-    from ..models import DEFAULT_BASE, describe_model, load_base
+    from ..models import DEFAULT_BASE, load_base
 
-    metas = {d: read_meta(d) for d in args.decoder}  # fails fast on a non-decoder folder
-    base_name = args.base or next((m["base"].get("path") or m["base"]["name"] for m in metas.values()), DEFAULT_BASE)
-    base = load_base(base_name)
+    metas = {d: read_meta(d) for d in decoder_dirs}  # fails fast on a non-decoder folder
+    methods = {m.get("method") for m in metas.values()}
+    for mode in modes or []:
+        key = {"full-ft": "full-ft", "naive": "full-ft", "prefillshare": "ccft"}.get(mode)
+        if key is not None and key not in methods:
+            raise ConfigError(f"mode {mode!r} needs a decoder trained with method={key!r}; pass it with --decoder")
+    base_name = base_name or next((m["base"].get("path") or m["base"]["name"] for m in metas.values()), DEFAULT_BASE)
+    dtypes = {m.get("dtype", "float32") for m in metas.values()}
+    base = load_base(base_name, dtype=next(iter(dtypes)) if len(dtypes) == 1 else "float32", device=device)
     decoders = {}
-    for d in args.decoder:
+    for d in decoder_dirs:
         dec = load_decoder(d, base=base)
         if dec.method in decoders:
-            raise ConfigError(f"two decoders trained with method={dec.method!r}; pass one per method")
-        decoders[dec.method] = dec
-    for mode in args.mode:
-        decoder_for_mode(mode, decoders)  # every mode has its decoder before any compute
-    spec = BUILTIN_DATASETS[args.task]
-    rows = load_rows(str(spec["test"]), columns=spec["columns"], limit=args.limit)
-    handoff = next(iter(decoders.values())).handoff_tokens if decoders else 1
-    ds = build_dataset(rows, base.tokenizer, max_length=100_000, handoff_tokens=handoff)
-    per_mode, report = {}, {}
-    for mode in args.mode:
-        dec = decoder_for_mode(mode, decoders)
-        nll = row_nll(mode, base, dec, ds, batch_size=args.batch_size, progress=True)
-        em = gsm8k_exact_match(mode, base, dec, [e.prompt_ids for e in ds.examples], [r["response"] for r in rows],
-                               max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, progress=True)
-        per_mode[mode] = {"nll_rows": nll, "em_strict_rows": em.strict, "em_flexible_rows": em.flexible}
-        report[mode] = summarize_mode(nll, em)
-        print(f"[ccft] {mode:12s} nll={report[mode]['nll']:.4f} strict={report[mode]['exact_match_strict']:.3f} "
-              f"flexible={report[mode]['exact_match_flexible']:.3f} n={len(nll)} truncated={em.truncated}")
-    result = {"task": args.task, "model": describe_model(base.name), "hardware": hardware(),
-              "decoders": {m: str(d) for m, d in zip([x.method for x in decoders.values()], args.decoder)},
-              "modes": report, "deltas_vs_full_ft": paired_deltas(per_mode), "per_row": per_mode}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.task}.json").write_text(json.dumps(result, indent=2))
-    from ..report import modes_table
+            raise ConfigError(f"two decoders trained with method={dec.method!r} ({decoders[dec.method][1]} and {d}); "
+                              "pass one per method")
+        decoders[dec.method] = (dec, str(d))
+    return base, decoders
 
-    (out / f"{args.task}.md").write_text(f"# {args.task}\n\n{modes_table(result)}\n")
-    print(f"[ccft] wrote {out / (args.task + '.json')}")
+
+def mode_specs(modes, decoders):
+    """``ModeSpec`` per mode, checking each has its decoder (ConfigError otherwise)."""
+    from ..errors import ConfigError
+    from ..evals.runner import ModeSpec
+
+    specs = []
+    for mode in modes:
+        if mode == "base":
+            specs.append(ModeSpec("base"))
+            continue
+        key = "ccft" if mode == "prefillshare" else "full-ft"
+        if key not in decoders:
+            raise ConfigError(f"mode {mode!r} needs a decoder trained with method={key!r}; pass it with --decoder")
+        dec, path = decoders[key]
+        specs.append(ModeSpec(mode, dec, path))
+    return specs
+
+
+def default_modes(decoders) -> list[str]:
+    modes = ["base"]
+    if "full-ft" in decoders:
+        modes += ["full-ft", "naive"]
+    if "ccft" in decoders:
+        modes += ["prefillshare"]
+    return modes
+
+
+def run(args) -> int:
+    from ..errors import ConfigError
+    from ..evals.runner import EvalSettings, get_task, run_task, task_names
+    from ..report import task_markdown
+
+    tasks = args.task or ["gsm8k"]
+    if tasks == ["list"]:
+        print("\n".join(task_names()))
+        return 0
+    task_objs = [get_task(t) for t in tasks]  # unknown names fail before loading any model
+    base, decoders = load_models(args.decoder, args.base, args.mode, device=args.device)
+    modes = list(dict.fromkeys(args.mode or default_modes(decoders)))
+    specs = mode_specs(modes, decoders)
+    handoffs = {d.handoff_tokens for d, _ in decoders.values()}
+    if len(handoffs) > 1:
+        raise ConfigError(f"the decoders were trained with different handoff_tokens {sorted(handoffs)}; "
+                          "evaluate them in separate runs")
+    handoff = handoffs.pop() if handoffs else 1
+    out = Path(args.out)
+    for task in task_objs:
+        settings = EvalSettings(limit=args.limit if args.limit is not None else getattr(task, "default_limit", None),
+                                max_new_tokens=args.max_new_tokens, generate=not args.nll_only, seed=args.seed,
+                                handoff_tokens=handoff, samples=args.samples, engine=args.engine)
+        try:
+            res = run_task(task, base, specs, out, settings=settings, batch_size=args.batch_size,
+                           progress=not args.no_progress, overwrite=args.overwrite, n_resamples=args.bootstrap)
+        except KeyboardInterrupt:
+            print(f"\n[ccft] interrupted: finished items are saved in {out}/; rerun the same command to resume",
+                  file=sys.stderr, flush=True)
+            return 130
+        s = res.summary
+        for mode, m in s["modes"].items():
+            metrics = " ".join(f"{k}={v['mean']:.3f}" for k, v in m.get("metrics", {}).items())
+            nll = f"nll={m['nll']:.4f}" if "nll" in m else ""
+            print(f"[ccft] {s['task']:12s} {mode:12s} {nll} {metrics} n={m['n']} "
+                  f"(computed now: {res.computed.get(mode, 0)})", flush=True)
+        name = s["task"]
+        from ..checkpoint import atomic_write_text
+
+        atomic_write_text(out / f"{name}.json", json.dumps({k: v for k, v in s.items()}, indent=2, default=str))
+        atomic_write_text(out / f"{name}.md", task_markdown(s))
+        print(f"[ccft] wrote {out / name}/ and {out / (name + '.md')}", flush=True)
     return 0

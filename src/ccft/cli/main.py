@@ -9,11 +9,12 @@ from ..errors import CCFTError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import demo, eval as eval_cmd, train
+    from . import bench, demo, precompute, report, sweep, train
+    from . import eval as eval_cmd
 
     parser = argparse.ArgumentParser(prog="ccft", description="Cache-conditioned fine-tuning (PrefillShare).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (train, eval_cmd, demo):
+    for mod in (train, eval_cmd, demo, report, sweep, precompute, bench):
         mod.add_parser(sub)
     return parser
 

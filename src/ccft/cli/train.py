@@ -1,7 +1,8 @@
 """``ccft train RECIPE.yaml [key=value ...]``: train a CCFT or Full-FT decoder from a recipe.
 
-Multi-process runs launch through accelerate as usual:
-``accelerate launch -m ccft.cli.main train RECIPE.yaml``.
+Multi-process runs launch through accelerate: ``ccft train RECIPE.yaml --num-processes 2
+[--accelerate-config recipes/accelerate/zero2.yaml]`` re-runs this command under ``accelerate launch``
+(``accelerate launch -m ccft.cli.main train RECIPE.yaml`` works as well).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ def add_parser(sub) -> None:
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in output_dir")
     p.add_argument("--dry-run", action="store_true", help="validate the recipe and data, then stop")
     p.add_argument("--help-config", action="store_true", help="list the ccft fields of TrainConfig")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="launch N processes through accelerate (data parallel; CPU processes use gloo)")
+    p.add_argument("--accelerate-config", default=None,
+                   help="accelerate config to launch with: recipes/accelerate/{ddp,zero2,zero3}.yaml")
     p.set_defaults(func=run)
 
 
@@ -34,6 +39,13 @@ def run(args) -> int:
         print("... plus every transformers.TrainingArguments field (learning_rate, max_steps, ...)")
         return 0
     cfg, _, raw = load_recipe(args.recipe, args.overrides)
+    if (args.accelerate_config or (args.num_processes or 1) > 1) and not args.dry_run:
+        from ..distributed import inside_launcher, relaunch
+
+        if not inside_launcher():
+            argv = ["train"] + ([args.recipe] if args.recipe else []) + list(args.overrides or [])
+            argv += ["--no-resume"] if args.no_resume else []
+            return relaunch(argv, num_processes=args.num_processes, config_file=args.accelerate_config)
     if args.dry_run:
         from transformers import AutoTokenizer
 
@@ -48,6 +60,8 @@ def run(args) -> int:
     from ..train import run_training
 
     result = run_training(cfg, recipe=raw, resume=not args.no_resume)
+    if not result.trainer.is_world_process_zero():
+        return 0
     curve = result.loss_curve
     first, last = (curve[0][1], curve[-1][1]) if curve else (float("nan"), float("nan"))
     print(f"[ccft] trained {cfg.method} decoder -> {result.output_dir} ({result.train_rows} rows, "

@@ -1,0 +1,309 @@
+"""Decode benchmark: ``SharedPrefillEngine`` against HF ``generate``, same model, prompts and greedy settings.
+
+    python -m benchmarks.decode --out decode.json        # or: ccft bench decode --out decode.json
+
+For each batch size: TTFT and decode tokens/s of both (one run, medians over ``--repeats``), their
+ratio, and the roofline of the decode step on this machine:
+
+* bytes per step: every weight read once (an untied embedding only for the looked-up rows) plus
+  every row's KV (a prefix shared by rows is counted once), at the mean context of the run;
+* FLOPs per step: 2 · batch · (matmul parameters) + attention;
+* measured memory bandwidth (the faster of a large reduction and a large matrix-vector product)
+  and measured matmul throughput at the real shapes (cache-resident weights, so it is compute);
+* roofline tokens/s = batch / max(bytes / bandwidth, Σ FLOPs / throughput); the fraction is the
+  engine's decode tokens/s over it.
+
+Every row runs exactly ``--new-tokens`` tokens on both sides (HF: ``min_new_tokens``; engine:
+``ignore_eos``). ``--random-weights`` builds a random model in SmolLM2-135M's shape, so nothing is
+downloaded or shipped (the GPU check uses it). The JSON's top level carries ``speedup_batch1``,
+``speedup_batch16`` and ``roofline_fraction_batch1`` / ``_batch16`` when those sizes ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+#: SmolLM2-135M-Instruct's architecture (what ``--random-weights`` builds)
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                     rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=2)
+
+
+class StubTokenizer:
+    """Just enough of a tokenizer for random-weight runs (ids only, no text)."""
+
+    def __init__(self, vocab: int, eos: int = 2, pad: int = 2):
+        self.vocab, self.eos_token_id, self.pad_token_id, self.bos_token_id = vocab, eos, pad, 1
+        self.chat_template = None
+        self.special_tokens_map = {"eos_token": "<eos>"}
+
+    def __len__(self) -> int:
+        return self.vocab
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def get_vocab(self) -> dict:
+        return {f"<{i}>": i for i in range(self.vocab)}
+
+
+def load(model: str, *, random_weights: bool, device: str, dtype: torch.dtype):
+    """A ``ccft.Base`` (real embedded/folder model, or random weights in SmolLM2's shape)."""
+    import ccft
+
+    if not random_weights:
+        base = ccft.load_base(model, dtype=dtype, device=device)
+        return base, ccft.models.describe_model(model)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SMOLLM2_SHAPE)
+    m = LlamaForCausalLM(cfg).to(dtype=dtype, device=device).eval()
+    m.requires_grad_(False)
+    base = ccft.Base(model=m, tokenizer=StubTokenizer(cfg.vocab_size), fingerprint="random-smollm2-shape",
+                     name="random", path="")
+    return base, "random weights in SmolLM2-135M's shape"
+
+
+def make_prompts(base, batch: int, prompt_tokens: int | None, real: bool) -> list[list[int]]:
+    """``batch`` prompts: GSM8K test questions (real tokenizer) or random ids of GSM8K-like lengths."""
+    if real:
+        from ccft.data import tokenize_prompt
+
+        path = Path(__file__).resolve().parents[1] / "src" / "ccft" / "resources" / "gsm8k" / "test.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out = []
+        for r in rows[:batch]:
+            ids = tokenize_prompt(base.tokenizer, r["question"])
+            out.append(ids[:prompt_tokens] if prompt_tokens else ids)
+        return out
+    g = torch.Generator().manual_seed(batch)
+    n = prompt_tokens or 120
+    vocab = base.model.config.vocab_size
+    return [torch.randint(3, vocab, (n - 10 + (7 * i) % 21,), generator=g).tolist() for i in range(batch)]
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class _Clock:
+    """An HF streamer that records when each new token arrives (the first ``put`` is the prompt)."""
+
+    def __init__(self, device):
+        self.device, self.times = device, []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def run_hf(base, prompts, new_tokens: int) -> dict:
+    from ccft.data import left_pad
+
+    model = base.model
+    pad = base.tokenizer.pad_token_id
+    ids, mask = left_pad(prompts, pad)
+    ids, mask = ids.to(base.device), mask.to(base.device)
+    clock = _Clock(base.device)
+    _sync(base.device)
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, pad_token_id=pad, streamer=clock, top_p=None, top_k=None,
+                         temperature=None)
+    _sync(base.device)
+    t_end = time.perf_counter()
+    first = clock.times[1]
+    return {"ttft_s": first - t0, "decode_s": t_end - first, "tokens": out[:, ids.shape[1]:].tolist()}
+
+
+@torch.no_grad()
+def run_engine(engine, prompts, new_tokens: int) -> dict:
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    handle = engine.prefill(prompts)
+    ids = [engine.add_request(handle, i, max_new_tokens=new_tokens, ignore_eos=True) for i in range(len(prompts))]
+    tokens = {r: [] for r in ids}
+    first = None
+    while engine.active:
+        for o in engine.step():
+            tokens[o.request_id].append(o.token_id)
+        if first is None:
+            first = time.perf_counter()  # step() returns host ints: already synchronised
+    t_end = time.perf_counter()
+    handle.release()
+    return {"ttft_s": first - t0, "decode_s": t_end - first, "tokens": [tokens[r] for r in ids]}
+
+
+def _timeit(fn, min_time: float = 0.3, device="cpu") -> float:
+    fn()
+    _sync(device)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if dt >= min_time and n >= 3:
+            return dt / n
+
+
+def memory_bandwidth(device, dtype, size_mb: int = 512) -> dict:
+    """Read bandwidth in bytes/s: a large reduction and a large matrix-vector product (the faster wins)."""
+    n = size_mb * 2 ** 20 // torch.finfo(dtype).bits * 8
+    cols = 576
+    a = torch.randn(n // cols, cols, device=device).to(dtype)
+    x = torch.randn(1, cols, device=device).to(dtype)
+    nbytes = a.numel() * a.element_size()
+    t_sum = _timeit(a.sum, device=device)
+    t_mv = _timeit(lambda: F.linear(x, a), device=device)
+    return {"reduction_Bps": nbytes / t_sum, "matvec_Bps": nbytes / t_mv, "bandwidth_Bps": nbytes / min(t_sum, t_mv)}
+
+
+def matmul_seconds(shapes: dict[tuple[int, int], int], batch: int, device, dtype) -> float:
+    """Σ count · FLOPs / throughput over the step's matmul shapes ``(out, in) -> count``, each measured
+    with a cache-resident weight slice (≤ 2 MB), i.e. the compute time of those matmuls."""
+    total = 0.0
+    elt = torch.finfo(dtype).bits // 8
+    for (out_f, in_f), count in shapes.items():
+        rows = max(16, min(out_f, (2 * 2 ** 20) // (in_f * elt)))
+        w = torch.randn(rows, in_f, device=device).to(dtype)
+        x = torch.randn(batch, in_f, device=device).to(dtype)
+        t = _timeit(lambda w=w, x=x: F.linear(x, w), min_time=0.1, device=device)
+        flops_per_s = 2 * batch * rows * in_f / t
+        total += count * 2 * batch * out_f * in_f / flops_per_s
+    return total
+
+
+def roofline(base, batch: int, prompts, new_tokens: int, bw: float, device, dtype) -> dict:
+    cfg = base.model.config
+    L, D = cfg.num_hidden_layers, cfg.hidden_size
+    H = cfg.num_attention_heads
+    h = getattr(cfg, "num_key_value_heads", None) or H
+    d = getattr(cfg, "head_dim", None) or D // H
+    inter, V = cfg.intermediate_size, cfg.vocab_size
+    elt = torch.finfo(dtype).bits // 8
+    seen, weight_bytes = set(), 0
+    for p in base.model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            weight_bytes += p.numel() * p.element_size()
+    emb = base.model.get_input_embeddings().weight
+    if emb.data_ptr() != base.model.get_output_embeddings().weight.data_ptr():
+        weight_bytes -= emb.numel() * emb.element_size() - batch * D * elt  # only looked-up rows are read
+    ctx = sum(len(p) for p in prompts) / len(prompts) + new_tokens / 2  # mean context over the decode
+    kv_bytes = batch * L * 2 * h * d * elt * ctx
+    bytes_step = weight_bytes + kv_bytes
+    shapes = {(H * d, D): L, (h * d, D): 2 * L, (D, H * d): L, (inter, D): 2 * L, (D, inter): L, (V, D): 1}
+    mm_params = sum(o * i * c for (o, i), c in shapes.items())
+    attn_flops = batch * L * H * d * ctx * 4
+    flops_step = 2 * batch * mm_params + attn_flops
+    t_mem = bytes_step / bw
+    t_compute = matmul_seconds(shapes, batch, device, dtype) * (1 + attn_flops / (2 * batch * mm_params))
+    t_step = max(t_mem, t_compute)
+    return {"bytes_per_step": bytes_step, "flops_per_step": flops_step, "memory_bound_s": t_mem,
+            "compute_bound_s": t_compute, "bound": "memory" if t_mem >= t_compute else "compute",
+            "roofline_tok_s": batch / t_step}
+
+
+def run(args) -> dict:
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    from ccft.inference import SharedPrefillEngine
+
+    base, description = load(args.model, random_weights=args.random_weights, device=args.device, dtype=dtype)
+    engine = SharedPrefillEngine(base, max_batch=max(args.batch_sizes), decode=args.decode,
+                                 max_tail_tokens=max(64, 2 * args.new_tokens))
+    bw = memory_bandwidth(args.device, dtype)
+    result = {"model": description, "device": _device_name(args.device), "dtype": args.dtype,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "decode_mode": engine.decode_mode,
+              "attention": engine.attention, "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "bandwidth_GBps": bw["bandwidth_Bps"] / 1e9, "bandwidth_detail_GBps":
+                  {k: v / 1e9 for k, v in bw.items()}, "batches": {}}
+    for batch in args.batch_sizes:
+        prompts = make_prompts(base, batch, args.prompt_tokens, real=not args.random_weights)
+        hf_runs, eng_runs = [], []
+        run_hf(base, prompts, min(4, args.new_tokens))  # warm-up
+        run_engine(engine, prompts, min(4, args.new_tokens))
+        for _ in range(args.repeats):  # interleaved, so drift in machine load hits both alike
+            hf_runs.append(run_hf(base, prompts, args.new_tokens))
+            eng_runs.append(run_engine(engine, prompts, args.new_tokens))
+        steps = args.new_tokens - 1
+
+        def summary(runs, batch=batch, steps=steps):
+            ttft = statistics.median(r["ttft_s"] for r in runs)
+            dec = statistics.median(r["decode_s"] for r in runs)
+            return {"ttft_s": ttft, "decode_s": dec, "decode_tok_s": batch * steps / dec}
+
+        hf, eng = summary(hf_runs), summary(eng_runs)
+        agree = sum(a == b for a, b in zip(hf_runs[0]["tokens"], eng_runs[0]["tokens"], strict=True)) / batch
+        roof = roofline(base, batch, prompts, args.new_tokens, bw["bandwidth_Bps"], args.device, dtype)
+        result["batches"][str(batch)] = {
+            "prompt_tokens_mean": sum(map(len, prompts)) / batch, "hf": hf, "engine": eng,
+            "speedup": eng["decode_tok_s"] / hf["decode_tok_s"], "ttft_ratio": hf["ttft_s"] / eng["ttft_s"],
+            "roofline": roof, "roofline_fraction": eng["decode_tok_s"] / roof["roofline_tok_s"],
+            "hf_roofline_fraction": hf["decode_tok_s"] / roof["roofline_tok_s"], "greedy_rows_identical": agree}
+        for key, val in (("speedup", "speedup"), ("roofline_fraction", "roofline_fraction")):
+            result[f"{key}_batch{batch}"] = result["batches"][str(batch)][val]
+    return result
+
+
+def _device_name(device) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()} CPU"
+
+
+def table(result: dict) -> str:
+    lines = [f"decode benchmark: {result['model']} ({result['dtype']}) on {result['device']}, "
+             f"{result['threads']} threads, engine decode={result['decode_mode']}, "
+             f"{result['new_tokens']} new tokens, bandwidth {result['bandwidth_GBps']:.1f} GB/s",
+             "| batch | HF tok/s | engine tok/s | speedup | HF TTFT ms | engine TTFT ms | roofline tok/s (bound) "
+             "| engine / roofline | HF / roofline |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for b, r in result["batches"].items():
+        lines.append(f"| {b} | {r['hf']['decode_tok_s']:.1f} | {r['engine']['decode_tok_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {1e3 * r['hf']['ttft_s']:.0f} | {1e3 * r['engine']['ttft_s']:.0f} | "
+                     f"{r['roofline']['roofline_tok_s']:.1f} ({r['roofline']['bound']}) | "
+                     f"{100 * r['roofline_fraction']:.0f}% | {100 * r['hf_roofline_fraction']:.0f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ccft.cli.bench import add_decode_arguments
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.splitlines()[0])
+    add_decode_arguments(p)
+    args = p.parse_args(argv)
+    return report(run(args), args.out)
+
+
+def report(result: dict, out: str | None) -> int:
+    print(table(result))
+    print(json.dumps({k: v for k, v in result.items() if k.startswith(("speedup_", "roofline_fraction_"))}))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""``ccft precompute RECIPE.yaml [key=value ...] [--out DIR]``: write C_base for a recipe's data to a store.
+
+Prints the size estimate (layers × 2 × kv_heads × head_dim × prefix tokens × dtype bytes) before the base
+is loaded, refuses when the store would not fit the free disk space, reuses valid shards and recomputes
+stale or corrupt ones. Train on it with ``ccft train RECIPE.yaml base_cache_store=DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("precompute", help="precompute C_base for a recipe's data into a store (sharded safetensors)",
+                       description="Compute the base model's prefix KV (C_base) for every training (and eval) row "
+                                   "of a recipe once, into memory-mappable safetensors shards keyed by base "
+                                   "fingerprint + token ids.")
+    p.add_argument("recipe", nargs="?", help="recipe YAML (recipes/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--out", default=None, help="store folder (default: the recipe's base_cache_store, "
+                                                "else OUTPUT_DIR/c_base)")
+    p.add_argument("--estimate-only", action="store_true", help="print the size estimate and stop")
+    p.add_argument("--verify", choices=["sha256", "size"], default="sha256",
+                   help="how existing shards are checked (default: full sha256)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per prefill batch")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..cache_store import StoreError, bytes_per_token, estimate_bytes, human, precompute, prefixes_of
+    from ..config import load_recipe
+    from ..models import load_base, parse_dtype, resolve_model_path
+    from ..train import load_split
+
+    cfg, _, _ = load_recipe(args.recipe, args.overrides)
+    out = Path(args.out or cfg.base_cache_store or Path(cfg.output_dir) / "c_base")
+    path = resolve_model_path(cfg.base)
+    tok = AutoTokenizer.from_pretrained(path)
+    train = load_split(cfg.train_data, tok, cfg, cfg.train_rows, cfg.data_offset)
+    examples = list(train.examples)
+    if cfg.eval_data:
+        examples += list(load_split(cfg.eval_data, tok, cfg, cfg.eval_rows).examples)
+    config = AutoConfig.from_pretrained(path)
+    dtype = parse_dtype(cfg.dtype)
+    prefixes = prefixes_of(examples, cfg.handoff_tokens)
+    tokens = sum(len(p) for p in prefixes)
+    need = estimate_bytes(config, dtype, tokens)
+    out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out).free
+    print(f"[ccft] estimate: {len(prefixes)} prefixes, {tokens} prefix tokens × {bytes_per_token(config, dtype)} B "
+          f"= {human(need)} for C_base ({cfg.dtype}); {human(free)} free at {out}", flush=True)
+    if args.estimate_only:
+        return 0
+    if need * 1.05 + (64 << 20) > free:
+        raise StoreError(f"C_base needs ≈ {human(need)} but only {human(free)} is free at {out}; free space, "
+                         "pick another --out, or use fewer rows / a shorter max_length")
+    base = load_base(cfg.base, dtype=cfg.dtype)
+    report = precompute(base, examples, out, handoff_tokens=cfg.handoff_tokens, batch_size=args.batch_size,
+                        verify=args.verify, log=lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    print(f"[ccft] C_base store at {out}; train with `ccft train {args.recipe or 'RECIPE'} base_cache_store={out}`")
+    return 0

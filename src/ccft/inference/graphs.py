@@ -1,0 +1,112 @@
+"""Running the static decode step: eagerly, under ``torch.compile``, or captured as CUDA graphs.
+
+``StaticRunner`` pads a lane's active rows to a batch bucket, picks tail / prefix width buckets,
+builds the fixed-shape ``StaticInputs`` and runs ``model.decode_step_static``:
+
+* ``static``: eagerly (the CPU check of exactly the function that is captured);
+* ``compile``: through ``torch.compile(dynamic=False)``; one compilation per key;
+* ``cuda_graph``: the first step of a key runs once for real (warm-up, which also compiles the
+  Triton kernel), is captured into a ``torch.cuda.CUDAGraph`` whose input buffers are that key's
+  ``StaticInputs``, and is replayed after copying each step's inputs into those buffers. The
+  logits are cloned out of the graph's output buffer before the next replay (K1).
+
+Key = (batch bucket, tail width, prefix width, adapters on the lane, tail-pool and arena
+generations). Widths are powers of two, so captures/compilations are bounded by
+log2(max_batch) · log2(max_tail_tokens) · log2(longest prefix) per lane and adapter count; a pool
+or arena that grew (new addresses) drops that lane's graphs. ``captures`` counts them (tests).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import model as M
+from .kv import bucket
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import SharedPrefillEngine, _Lane
+
+MIN_WIDTH = 16
+
+
+class StaticRunner:
+    """Static-shape decode for one lane (see the module docstring)."""
+
+    def __init__(self, engine: "SharedPrefillEngine", lane: "_Lane", mode: str, attention: str):
+        self.engine, self.lane, self.mode, self.attention = engine, lane, mode, attention
+        self.captures = 0  # graphs captured / compilations triggered (distinct keys)
+        self._graphs: dict[tuple, tuple] = {}
+        self._generations: tuple[int, int] | None = None
+        self._compiled = None
+        self._keys: set[tuple] = set()
+        self._pool = None
+
+    def key(self, n_rows: int, max_tail: int, max_prefix: int) -> tuple:
+        lane = self.lane
+        pool = lane.pool
+        b = min(bucket(n_rows), pool.slots)
+        tail_width = min(bucket(max_tail, MIN_WIDTH), pool.capacity)
+        prefix_width = bucket(max_prefix, MIN_WIDTH) if self.attention == "gather" else 0
+        return (b, tail_width, prefix_width, len(lane.weights.adapters), pool.generation,
+                self.engine.arena.generation)
+
+    def run(self, rows, tokens, positions, write) -> torch.Tensor:
+        """Logits ``(len(rows), V)`` of one decode step for the lane's active rows (slots 0..n-1)."""
+        n = len(rows)
+        key = self.key(n, max(write) + 1, max(r.prefix_len for r in rows))
+        b, tail_width, prefix_width = key[:3]
+        inp = self.engine.static_inputs(self.lane, rows, tokens, positions, write, b)
+        gens = key[4:]
+        if gens != self._generations:  # buffers moved: graphs bound to the old addresses are stale
+            self._graphs.clear()
+            self._generations = gens
+        if self.mode == "cuda_graph":
+            return self._replay(key, inp, tail_width, prefix_width)[:n].clone()
+        if self.mode == "compile":
+            if key not in self._keys:
+                self._keys.add(key)
+                self.captures += 1
+            fn = self._compiled_fn()
+        else:
+            fn = M.decode_step_static
+        return fn(*self._args(inp, tail_width, prefix_width))[:n]
+
+    def _args(self, inp, tail_width, prefix_width):
+        lane, arena = self.lane, self.engine.arena
+        return (lane.weights, inp, arena.k, arena.v, lane.pool.k, lane.pool.v, tail_width, prefix_width,
+                self.attention)
+
+    def _compiled_fn(self):
+        if self._compiled is None:
+            self._compiled = torch.compile(torch.no_grad()(M.decode_step_static), dynamic=False)
+        return self._compiled
+
+    @torch.no_grad()
+    def _replay(self, key, inp, tail_width, prefix_width) -> torch.Tensor:
+        entry = self._graphs.get(key)
+        if entry is None:
+            graph, out, warm = self._capture(inp, tail_width, prefix_width)
+            self._graphs[key] = (graph, inp, out)  # ``inp`` is now the graph's input buffer set
+            return warm  # the warm-up ran this step for real; the graph replays from the next step on
+        graph, static, out = entry
+        for dst, src in zip(static.tensors(), inp.tensors(), strict=True):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        return out
+
+    def _capture(self, inp, tail_width, prefix_width):
+        args = self._args(inp, tail_width, prefix_width)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            warm = M.decode_step_static(*args)  # compiles kernels; writes exactly what the replays write
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = M.decode_step_static(*args)
+        self.captures += 1
+        return graph, out, warm

@@ -1,0 +1,189 @@
+"""Static KV storage: the shared prefix arena and the per-lane tail pools.
+
+Both are preallocated buffers written at explicit positions (gpt-fast style); nothing grows per
+token. They grow only between steps, by doubling (a new buffer, old contents copied), which
+bumps ``generation`` so captured decode graphs bound to the old addresses are dropped.
+
+* ``PrefixArena``: C_base of every live ``PrefixHandle``. One flat buffer per layer for keys and
+  one for values, ``(L, capacity_elements)``; a handle of b prompts with prefix length p owns one
+  contiguous region viewed per layer as ``(b, h, p, d)`` (left-padded like ``BaseCache``, pad
+  slots zero). Regions are allocated first-fit and freed when the handle's refcount drops to 0.
+  After the prefill writes it, a region is only ever read.
+* ``TailPool``: the decoder's own K/V (handoff tokens + generated tokens) of every active row of
+  one lane, ``(L, slots, h, capacity, d)``. Active rows occupy slots ``0..R-1`` (compacted on
+  finish) so a decode step reads ``[:R]`` as a view; a row's slot is zeroed on admission, so
+  attention reads only memory written for this request (K3).
+
+Shape notation: L layers, h KV heads, d head dim, b rows, p prefix length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CCFTError
+
+
+class CapacityError(CCFTError, ValueError):
+    """A request does not fit the engine's configured capacities (batch slots, tail or prefix tokens)."""
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two ≥ max(n, minimum)."""
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def _full(shape, fill: float, dtype, device) -> torch.Tensor:
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+class PrefixArena:
+    """Flat preallocated storage for prefix K/V regions (see module docstring).
+
+    Args:
+        num_layers, kv_heads, head_dim, dtype, device: the base model's KV geometry.
+        capacity_tokens: initial capacity in token slots (a region of b rows × p tokens uses b·p).
+        max_tokens: hard cap; an allocation beyond it raises CapacityError (None: unbounded).
+        fill: value of never-written memory (0; NaN in tests so a read of unwritten memory shows).
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, *,
+                 capacity_tokens: int = 1024, max_tokens: int | None = None, fill: float = 0.0):
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.unit = kv_heads * head_dim  # elements per token per layer
+        self.dtype, self.device, self.fill = dtype, torch.device(device), float(fill)
+        self.max_tokens = max_tokens
+        cap = max(1, int(capacity_tokens))
+        if max_tokens is not None:
+            cap = min(cap, int(max_tokens))
+        self.k = _full((num_layers, cap * self.unit), self.fill, dtype, self.device)
+        self.v = _full((num_layers, cap * self.unit), self.fill, dtype, self.device)
+        self.capacity = cap  # tokens
+        self.free_ranges: list[tuple[int, int]] = [(0, cap)]  # (start token, size), sorted, merged
+        self.used: dict[int, int] = {}  # start token -> size
+        self.generation = 0
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(self.used.values())
+
+    def allocate(self, tokens: int) -> int:
+        """Reserve ``tokens`` contiguous token slots; returns the start slot. Grows the arena if needed."""
+        tokens = max(1, int(tokens))
+        start = self._fit(tokens)
+        if start is None:
+            self._grow(tokens)
+            start = self._fit(tokens)
+        assert start is not None
+        self.used[start] = tokens
+        return start
+
+    def _fit(self, tokens: int) -> int | None:
+        for i, (s, n) in enumerate(self.free_ranges):
+            if n >= tokens:
+                if n == tokens:
+                    self.free_ranges.pop(i)
+                else:
+                    self.free_ranges[i] = (s + tokens, n - tokens)
+                return s
+        return None
+
+    def _grow(self, tokens: int) -> None:
+        old_cap = self.capacity
+        new_cap = bucket(max(2 * old_cap, old_cap + tokens))
+        if self.max_tokens is not None:
+            new_cap = min(new_cap, int(self.max_tokens))
+        tail_free = next((n for s, n in self.free_ranges if s + n == old_cap), 0)
+        if new_cap - old_cap + tail_free < tokens:
+            raise CapacityError(
+                f"the prefix arena holds at most max_prefix_tokens={self.max_tokens} token slots "
+                f"({self.used_tokens} in use, {tokens} requested); release finished PrefixHandles or "
+                "raise max_prefix_tokens")
+        k = _full((self.num_layers, new_cap * self.unit), self.fill, self.dtype, self.device)
+        v = _full((self.num_layers, new_cap * self.unit), self.fill, self.dtype, self.device)
+        k[:, : old_cap * self.unit].copy_(self.k)
+        v[:, : old_cap * self.unit].copy_(self.v)
+        self.k, self.v, self.capacity = k, v, new_cap
+        self._release_range(old_cap, new_cap - old_cap)
+        self.generation += 1
+
+    def free(self, start: int) -> None:
+        """Return the region starting at ``start`` to the free list."""
+        size = self.used.pop(start)
+        self._release_range(start, size)
+
+    def _release_range(self, start: int, size: int) -> None:
+        ranges = sorted(self.free_ranges + [(start, size)])
+        merged: list[tuple[int, int]] = []
+        for s, n in ranges:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((s, n))
+        self.free_ranges = merged
+
+    def view(self, which: str, layer: int, start: int, rows: int, length: int) -> torch.Tensor:
+        """The ``(rows, h, length, d)`` view of a region in layer ``layer`` of ``k`` or ``v``."""
+        buf = self.k if which == "k" else self.v
+        a = start * self.unit
+        return buf[layer, a: a + rows * length * self.unit].view(rows, self.kv_heads, length, self.head_dim)
+
+
+class TailPool:
+    """Per-lane static tail caches ``(L, slots, h, capacity, d)`` for keys and values (see module docstring).
+
+    Args:
+        slots, capacity: initial sizes (grown by doubling up to ``max_slots`` / ``max_capacity``).
+        fill: value of never-written memory (0; NaN in tests).
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, *,
+                 slots: int = 1, capacity: int = 64, max_slots: int = 64, max_capacity: int = 4096,
+                 fill: float = 0.0):
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.dtype, self.device, self.fill = dtype, torch.device(device), float(fill)
+        self.max_slots, self.max_capacity = int(max_slots), int(max_capacity)
+        self.slots = min(bucket(slots), self.max_slots)
+        self.capacity = min(bucket(capacity), self.max_capacity)
+        self.k = self._alloc(self.slots, self.capacity)
+        self.v = self._alloc(self.slots, self.capacity)
+        self.generation = 0
+
+    def _alloc(self, slots: int, capacity: int) -> torch.Tensor:
+        return _full((self.num_layers, slots, self.kv_heads, capacity, self.head_dim), self.fill, self.dtype,
+                     self.device)
+
+    def ensure(self, slots: int, capacity: int) -> None:
+        """Grow (by doubling) so that ``slots`` rows of ``capacity`` tokens fit; contents are kept."""
+        if slots > self.max_slots:
+            raise CapacityError(f"{slots} active rows exceed max_batch={self.max_slots}; finish or abort requests, "
+                                "or raise max_batch")
+        if capacity > self.max_capacity:
+            raise CapacityError(f"a request needs {capacity} tail tokens (handoff + max_new_tokens) but "
+                                f"max_tail_tokens={self.max_capacity}; lower max_new_tokens or raise max_tail_tokens")
+        if slots <= self.slots and capacity <= self.capacity:
+            return
+        new_slots = min(max(self.slots, bucket(slots)), self.max_slots)
+        new_cap = min(max(self.capacity, bucket(capacity)), self.max_capacity)
+        k, v = self._alloc(new_slots, new_cap), self._alloc(new_slots, new_cap)
+        k[:, : self.slots, :, : self.capacity].copy_(self.k)
+        v[:, : self.slots, :, : self.capacity].copy_(self.v)
+        self.k, self.v, self.slots, self.capacity = k, v, new_slots, new_cap
+        self.generation += 1
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero a slot before a new request uses it."""
+        self.k[:, slot].zero_()
+        self.v[:, slot].zero_()
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` tail positions of slot ``src`` into slot ``dst`` (compaction)."""
+        if src == dst:
+            return
+        self.clear_slot(dst)
+        self.k[:, dst, :, :length].copy_(self.k[:, src, :, :length])
+        self.v[:, dst, :, :length].copy_(self.v[:, src, :, :length])
+
+
+__all__ = ["PrefixArena", "TailPool", "CapacityError", "bucket"]

@@ -1,0 +1,310 @@
+"""The engine's own Llama forward over ``LaneWeights``: prefill, extend, and ``decode_one_token``.
+
+Same arithmetic as ``transformers``' Llama (RMSNorm in fp32, RoPE from the model's rotary module,
+SiLU-gated MLP, PEFT's ``W x + B (A x) * scaling``), but with the KV written into static buffers at
+explicit positions and the decode attention split at the shared prefix (``attention.py``).
+
+* ``prefill``: the base (no adapter) over a left-padded batch of prefixes, K/V written straight
+  into the handle's arena region (pad slots zeroed).
+* ``extend``: a few tokens of one row (the first k-1 handoff tokens), written into its tail slot.
+* ``decode_step_eager``: one token for every active row of a lane; host-side prefix grouping.
+* ``decode_step_static``: the same step with static shapes and no host sync (padded batch bucket,
+  tail / prefix width buckets, per-adapter row masks): the function a CUDA graph captures.
+
+Shape notation: B rows, t tokens, D hidden, H / h query / KV heads, d head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .attention import (
+    PrefixGroup,
+    PrefixMeta,
+    cascade_attention_rowwise,
+    key_bias,
+    merge,
+    prefix_attention_gathered,
+    prefix_attention_grouped,
+    tail_attention,
+)
+from .weights import Adapter, LaneWeights, Linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: ``weight * (x * rsqrt(mean(x²) + eps))``, statistics in fp32."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one kernel, same arithmetic
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin == roll(x, d/2) * sin_signed``
+    (``sin_signed``: sin with its first half negated); bit-identical to transformers' RoPE."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+@dataclass
+class LoraPlan:
+    """Which adapter applies to which rows of a batch.
+
+    ``entries``: ``(adapter, selector)`` with selector None (every row), a long index tensor of rows
+    (eager) or a ``(B, 1)`` 0/1 mask in the model dtype (static shapes).
+    """
+
+    entries: list[tuple[Adapter, torch.Tensor | None]] = field(default_factory=list)
+
+
+NO_LORA = LoraPlan()
+
+
+def project(x: torch.Tensor, lin: Linear, name: str, layer: int, lora: LoraPlan) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` plus, for each adapter in ``lora`` adapting this projection, its delta on its rows."""
+    y = lin(x)
+    for adapter, sel in lora.entries:
+        lw = adapter.layers[layer].get(name)
+        if lw is None:
+            continue
+        if sel is None:
+            y = y + F.linear(F.linear(x, lw.a), lw.b) * lw.scaling
+        elif sel.dtype == torch.long:
+            y = y.index_add(0, sel, F.linear(F.linear(x.index_select(0, sel), lw.a), lw.b) * lw.scaling)
+        else:
+            y = y + (F.linear(F.linear(x, lw.a), lw.b) * lw.scaling) * sel
+    return y
+
+
+def _lora_into(y: torch.Tensor, x: torch.Tensor, name: str, layer: int, lora: LoraPlan, col: int) -> None:
+    """Add the LoRA deltas of projection ``name`` into columns ``col:`` of a packed output ``y`` (in place)."""
+    for adapter, sel in lora.entries:
+        lw = adapter.layers[layer].get(name)
+        if lw is None:
+            continue
+        out = y[..., col: col + lw.b.shape[0]]
+        if sel is None:
+            out.add_(F.linear(F.linear(x, lw.a), lw.b) * lw.scaling)
+        elif sel.dtype == torch.long:
+            out.index_add_(0, sel, F.linear(F.linear(x.index_select(0, sel), lw.a), lw.b) * lw.scaling)
+        else:
+            out.add_((F.linear(F.linear(x, lw.a), lw.b) * lw.scaling) * sel)
+
+
+def _mlp(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan) -> torch.Tensor:
+    layer = lw.layers[i]
+    h = rms_norm(x, layer.mlp_norm, lw.eps)
+    p = layer.proj
+    if layer.gate_up is not None:
+        gu = layer.gate_up(h)
+        inter = gu.shape[-1] // 2
+        _lora_into(gu, h, "gate_proj", i, lora, 0)
+        _lora_into(gu, h, "up_proj", i, lora, inter)
+        act = F.silu(gu[..., :inter]) * gu[..., inter:]
+    else:
+        act = F.silu(project(h, p["gate_proj"], "gate_proj", i, lora)) * project(h, p["up_proj"], "up_proj", i, lora)
+    return x + project(act, p["down_proj"], "down_proj", i, lora)
+
+
+def _qkv(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan, cos, sin):
+    """Normed input -> q ``(..., H, d)``, k, v ``(..., h, d)`` with RoPE applied to q and k."""
+    layer = lw.layers[i]
+    h = rms_norm(x, layer.attn_norm, lw.eps)
+    lead = x.shape[:-1]
+    if layer.qkv is not None:
+        nq, nk = lw.heads * lw.head_dim, lw.kv_heads * lw.head_dim
+        y = layer.qkv(h)
+        _lora_into(y, h, "q_proj", i, lora, 0)
+        _lora_into(y, h, "k_proj", i, lora, nq)
+        _lora_into(y, h, "v_proj", i, lora, nq + nk)
+        qk = rope(y[..., : nq + nk].view(*lead, lw.heads + lw.kv_heads, lw.head_dim), cos, sin)
+        v = y[..., nq + nk:].view(*lead, lw.kv_heads, lw.head_dim)
+        return qk[..., : lw.heads, :], qk[..., lw.heads:, :], v
+    p = layer.proj
+    q = project(h, p["q_proj"], "q_proj", i, lora).view(*lead, lw.heads, lw.head_dim)
+    k = project(h, p["k_proj"], "k_proj", i, lora).view(*lead, lw.kv_heads, lw.head_dim)
+    v = project(h, p["v_proj"], "v_proj", i, lora).view(*lead, lw.kv_heads, lw.head_dim)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
+def _cos_sin(lw: LaneWeights, x: torch.Tensor, positions: torch.Tensor):
+    """cos and signed sin (see ``rope``) of ``positions (...)``, shaped ``(..., 1, d)`` (broadcast over heads)."""
+    flat = positions.reshape(1, -1)
+    cos, sin = lw.rotary(x, flat)
+    shape = (*positions.shape, 1, lw.head_dim)
+    half = lw.head_dim // 2
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return cos.reshape(shape), sin.reshape(shape)
+
+
+def logits_of(x: torch.Tensor, lw: LaneWeights) -> torch.Tensor:
+    return lw.lm_head(rms_norm(x, lw.norm, lw.eps))
+
+
+@torch.no_grad()
+def prefill(lw: LaneWeights, ids: torch.Tensor, mask: torch.Tensor, write_k, write_v) -> None:
+    """Run the base over left-padded prefixes and write their K/V.
+
+    Args:
+        ids, mask: ``(b, p)`` left-padded prefix ids and their attention mask.
+        write_k, write_v: ``layer -> (b, h, p, d)`` destination views (the handle's arena region).
+    """
+    b, p = ids.shape
+    real = mask.bool()
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
+    # A left-pad query sees only itself (finite values; never read: pad keys are masked for real queries
+    # and their K/V slots are zeroed below).
+    allowed = (causal[None] & real[:, None, :]) | torch.eye(p, dtype=torch.bool, device=ids.device)[None]
+    x = F.embedding(ids, lw.embed)
+    cos, sin = _cos_sin(lw, x, positions)
+    pad = ~real[:, None, :, None]
+    for i in range(lw.num_layers):
+        q, k, v = _qkv(x, lw, i, NO_LORA, cos, sin)  # (b, p, H|h, d)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        write_k(i).copy_(k.masked_fill(pad, 0.0))
+        write_v(i).copy_(v.masked_fill(pad, 0.0))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=lw.scale,
+                                           enable_gqa=lw.heads != lw.kv_heads)
+        x = x + project(o.transpose(1, 2).reshape(b, p, -1), lw.layers[i].proj["o_proj"], "o_proj", i, NO_LORA)
+        x = _mlp(x, lw, i, NO_LORA)
+
+
+@torch.no_grad()
+def extend(lw: LaneWeights, tokens: torch.Tensor, start_position: int, prefix_k, prefix_v, key_start: int,
+           tail_k: torch.Tensor, tail_v: torch.Tensor, tail_start: int, lora: LoraPlan) -> torch.Tensor:
+    """Process ``t`` tokens of one row (attending to its prefix and its tail so far); returns logits ``(t, V)``.
+
+    Args:
+        tokens: ``(t,)``.  start_position: RoPE position of the first token.
+        prefix_k, prefix_v: ``layer -> (h, p, d)`` the row's prefix; keys ≥ ``key_start`` are real.
+        tail_k, tail_v: ``(L, h, capacity, d)`` the row's tail slot; the tokens are written at
+            ``tail_start .. tail_start+t-1``.
+    """
+    t = tokens.shape[0]
+    positions = start_position + torch.arange(t, device=tokens.device)
+    x = F.embedding(tokens, lw.embed)
+    cos, sin = _cos_sin(lw, x, positions)
+    end = tail_start + t
+    for i in range(lw.num_layers):
+        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (t, H|h, d)
+        tail_k[i, :, tail_start:end] = k.transpose(0, 1)
+        tail_v[i, :, tail_start:end] = v.transpose(0, 1)
+        keys = torch.cat([prefix_k(i)[:, key_start:], tail_k[i, :, :end]], dim=1)[None]
+        vals = torch.cat([prefix_v(i)[:, key_start:], tail_v[i, :, :end]], dim=1)[None]
+        n_pre = keys.shape[2] - end
+        allowed = torch.ones(t, keys.shape[2], dtype=torch.bool, device=tokens.device)
+        allowed[:, n_pre:] = torch.arange(end, device=tokens.device)[None, :] <= (tail_start + torch.arange(
+            t, device=tokens.device))[:, None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=allowed[None, None],
+                                           scale=lw.scale, enable_gqa=lw.heads != lw.kv_heads)
+        x = x + project(o[0].transpose(0, 1).reshape(t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _mlp(x, lw, i, lora)
+    return logits_of(x, lw)
+
+
+@torch.no_grad()
+def decode_step_eager(lw: LaneWeights, tokens: torch.Tensor, positions: torch.Tensor, pool_k: torch.Tensor,
+                      pool_v: torch.Tensor, write_pos: torch.Tensor, tail_len: torch.Tensor, tail_width: int,
+                      groups: list[PrefixGroup], lora: LoraPlan) -> torch.Tensor:
+    """``decode_one_token`` for rows ``0..B-1`` of a lane's tail pool; returns logits ``(B, V)``.
+
+    Args:
+        tokens, positions: ``(B,)`` input token and its RoPE position per row.
+        pool_k, pool_v: ``(L, slots, h, capacity, d)`` the lane's tail pool; row r is slot r.
+        write_pos: ``(B,)`` tail index where this token's K/V is written; tail_len = write_pos + 1.
+        tail_width: keys read per row (≥ max tail_len; only the first tail_len[r] are attended).
+        groups: the prefix groups covering the rows (``attention.prefix_attention_grouped``).
+    """
+    b = tokens.shape[0]
+    rows = torch.arange(b, device=tokens.device)
+    x = F.embedding(tokens, lw.embed)
+    cos, sin = _cos_sin(lw, x, positions)
+    g = groups[0]
+    rowwise = len(groups) == 1 and g.rows is None and g.offset == 0 and g.key_start.shape[0] == b
+    if rowwise:  # every row reads its own prefix row, in order: the masks are built once per step
+        width = g.k(0).shape[2]
+        prefix_bias = key_bias(g.key_start, torch.full_like(g.key_start, width), width)
+        tail_bias = key_bias(torch.zeros_like(tail_len), tail_len, tail_width)
+    for i in range(lw.num_layers):
+        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (B, H|h, d)
+        pool_k[i, rows, :, write_pos] = k
+        pool_v[i, rows, :, write_pos] = v
+        kt, vt = pool_k[i, :b, :, :tail_width], pool_v[i, :b, :, :tail_width]
+        if rowwise:
+            o = cascade_attention_rowwise(q, g.k(i), g.v(i), prefix_bias, kt, vt, tail_bias, lw.scale)
+            o = o.to(x.dtype).reshape(b, -1)
+        else:
+            o_t, lse_t = tail_attention(q, kt, vt, tail_len, lw.scale)
+            o_p, lse_p = prefix_attention_grouped(q, groups, i, lw.scale)
+            o = merge(o_p, lse_p, o_t, lse_t).to(x.dtype).reshape(b, -1)
+        x = x + project(o, lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _mlp(x, lw, i, lora)
+    return logits_of(x, lw)
+
+
+@dataclass
+class StaticInputs:
+    """Fixed-shape inputs of one static decode step (batch bucket B); the CUDA graph's input buffers.
+
+    tokens, positions, write_pos, tail_len: ``(B,)`` long.  lora_masks: ``(A, B, 1)`` in the model
+    dtype, one 0/1 row mask per adapter of the lane (A may be 0).  meta: the prefix placement.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    write_pos: torch.Tensor
+    tail_len: torch.Tensor
+    lora_masks: torch.Tensor
+    meta: PrefixMeta
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tokens, self.positions, self.write_pos, self.tail_len, self.lora_masks, *self.meta.tensors()]
+
+
+def decode_step_static(lw: LaneWeights, inp: StaticInputs, arena_k: torch.Tensor, arena_v: torch.Tensor,
+                       pool_k: torch.Tensor, pool_v: torch.Tensor, tail_width: int, prefix_width: int,
+                       prefix_impl: str = "gather") -> torch.Tensor:
+    """``decode_one_token`` with static shapes and no host synchronisation; returns logits ``(B, V)``.
+
+    Every shape depends only on (B, tail_width, prefix_width, number of adapters), so one capture
+    per such key replays for any rows, positions, prefixes and adapter assignment.
+
+    Args:
+        arena_k, arena_v: ``(L, elements)`` the prefix arena.
+        pool_k, pool_v: the lane's tail pool, ``slots ≥ B``; padded rows write into their own unused slots.
+        tail_width: tail keys read per row (bucket ≥ max tail_len).
+        prefix_width: gather width for ``prefix_impl="gather"`` (bucket ≥ longest real prefix).
+        prefix_impl: ``"gather"`` (torch) or ``"triton"`` (the shared-prefix kernel).
+    """
+    b = inp.tokens.shape[0]
+    d = lw.head_dim
+    rows = torch.arange(b, device=inp.tokens.device)
+    lora = LoraPlan([(a, inp.lora_masks[j]) for j, a in enumerate(lw.adapters)])
+    x = F.embedding(inp.tokens, lw.embed)
+    cos, sin = _cos_sin(lw, x, inp.positions)
+    for i in range(lw.num_layers):
+        q, k, v = _qkv(x, lw, i, lora, cos, sin)
+        pool_k[i, rows, :, inp.write_pos] = k
+        pool_v[i, rows, :, inp.write_pos] = v
+        o_t, lse_t = tail_attention(q, pool_k[i, :b, :, :tail_width], pool_v[i, :b, :, :tail_width], inp.tail_len,
+                                    lw.scale)
+        ak, av = arena_k[i].view(-1, d), arena_v[i].view(-1, d)
+        if prefix_impl == "triton":
+            from .triton_kernels import prefix_attention_triton
+
+            o_p, lse_p = prefix_attention_triton(q, ak, av, inp.meta, lw.kv_heads, lw.scale)
+        else:
+            o_p, lse_p = prefix_attention_gathered(q, ak, av, inp.meta, lw.kv_heads, prefix_width, lw.scale)
+        o = merge(o_p, lse_p, o_t, lse_t).to(x.dtype).reshape(b, -1)
+        x = x + project(o, lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _mlp(x, lw, i, lora)
+    return logits_of(x, lw)
+
+
+__all__ = ["rms_norm", "rope", "LoraPlan", "project", "prefill", "extend", "decode_step_eager", "StaticInputs",
+           "decode_step_static"]
