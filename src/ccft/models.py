@@ -124,6 +124,9 @@ def describe_model(name_or_path: str) -> str:
     """Human-readable model description for reports (names the quantisation of embedded models)."""
     if name_or_path in EMBEDDED_MODELS:
         return EMBEDDED_MODELS[name_or_path][2]
+    source = Path(str(name_or_path)) / "CCFT_SOURCE.txt"  # a converted embedded model names its origin
+    if source.is_file():
+        return source.read_text().splitlines()[0].strip()
     return str(name_or_path)
 
 
