@@ -9,9 +9,11 @@ ratio, and the roofline of the decode step on this machine:
   every row's KV (a prefix shared by rows is counted once), at the mean context of the run;
 * FLOPs per step: 2 · batch · (matmul parameters) + attention;
 * measured memory bandwidth (the faster of a large reduction and a large matrix-vector product)
-  and measured matmul throughput at the real shapes (cache-resident weights, so it is compute);
-* roofline tokens/s = batch / max(bytes / bandwidth, Σ FLOPs / throughput); the fraction is the
-  engine's decode tokens/s over it.
+  and measured matmul throughput at the real shapes: one step's matmuls, every layer's own
+  weights, timed with the fastest kernel at hand (PyTorch's ``F.linear``, or the engine's packed
+  oneDNN weights on CPU); attention FLOPs are charged at the same rate;
+* roofline tokens/s = batch / max(bytes / bandwidth, FLOPs / throughput) (the slower bound); the
+  fraction is the engine's decode tokens/s over it (HF's is reported too).
 
 Every row runs exactly ``--new-tokens`` tokens on both sides (HF: ``min_new_tokens``; engine:
 ``ignore_eos``). ``--random-weights`` builds a random model in SmolLM2-135M's shape, so nothing is
@@ -174,29 +176,65 @@ def memory_bandwidth(device, dtype, size_mb: int = 512) -> dict:
     return {"reduction_Bps": nbytes / t_sum, "matvec_Bps": nbytes / t_mv, "bandwidth_Bps": nbytes / min(t_sum, t_mv)}
 
 
-def matmul_seconds(shapes: dict[tuple[int, int], int], batch: int, device, dtype) -> float:
-    """Σ count · FLOPs / throughput over the step's matmul shapes ``(out, in) -> count``, each measured
-    with a cache-resident weight slice (≤ 2 MB), i.e. the compute time of those matmuls."""
-    total = 0.0
-    elt = torch.finfo(dtype).bits // 8
-    for (out_f, in_f), count in shapes.items():
-        rows = max(16, min(out_f, (2 * 2 ** 20) // (in_f * elt)))
-        w = torch.randn(rows, in_f, device=device).to(dtype)
-        x = torch.randn(batch, in_f, device=device).to(dtype)
-        t = _timeit(lambda w=w, x=x: F.linear(x, w), min_time=0.1, device=device)
-        flops_per_s = 2 * batch * rows * in_f / t
-        total += count * 2 * batch * out_f * in_f / flops_per_s
-    return total
+def _min_time(fn, device, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
-def roofline(base, batch: int, prompts, new_tokens: int, bw: float, device, dtype) -> dict:
+@torch.no_grad()
+def matmul_seconds(base, engine, batch: int) -> dict:
+    """Measured time of one decode step's matmuls at their real shapes (every layer's own weights, so
+    nothing stays cache-resident that would not in a real step), with each kernel at hand: PyTorch's
+    ``F.linear`` on the model's weights, and the engine's packed / oneDNN-prepacked weights."""
+    dev = base.device
+    cfg = base.model.config
+    D, inter = cfg.hidden_size, cfg.intermediate_size
+    x = torch.randn(batch, D, device=dev, dtype=base.dtype)
+    xi = torch.randn(batch, inter, device=dev, dtype=base.dtype)
+    xo = torch.randn(batch, engine.lanes["base"].weights.heads * engine.lanes["base"].weights.head_dim, device=dev,
+                     dtype=base.dtype)
+    lw = engine.lanes["base"].weights
+    layers = base.model.model.layers
+
+    def plain():
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
+                F.linear(x, lin.weight)
+            F.linear(xo, a.o_proj.weight)
+            F.linear(xi, m.down_proj.weight)
+        F.linear(x, base.model.lm_head.weight)
+
+    def engine_weights():
+        for layer in lw.layers:
+            p = layer.proj
+            for lin in ([layer.qkv] if layer.qkv is not None else [p["q_proj"], p["k_proj"], p["v_proj"]]):
+                lin(x)
+            for lin in ([layer.gate_up] if layer.gate_up is not None else [p["gate_proj"], p["up_proj"]]):
+                lin(x)
+            p["o_proj"](xo)
+            p["down_proj"](xi)
+        lw.lm_head(x)
+
+    t_plain, t_engine = _min_time(plain, dev), _min_time(engine_weights, dev)
+    return {"torch_linear_s": t_plain, "engine_kernels_s": t_engine, "best_s": min(t_plain, t_engine)}
+
+
+def roofline(base, engine, batch: int, prompts, new_tokens: int, bw: float) -> dict:
     cfg = base.model.config
     L, D = cfg.num_hidden_layers, cfg.hidden_size
     H = cfg.num_attention_heads
     h = getattr(cfg, "num_key_value_heads", None) or H
     d = getattr(cfg, "head_dim", None) or D // H
     inter, V = cfg.intermediate_size, cfg.vocab_size
-    elt = torch.finfo(dtype).bits // 8
+    elt = base.dtype.itemsize
     seen, weight_bytes = set(), 0
     for p in base.model.parameters():
         if p.data_ptr() not in seen:
@@ -208,16 +246,18 @@ def roofline(base, batch: int, prompts, new_tokens: int, bw: float, device, dtyp
     ctx = sum(len(p) for p in prompts) / len(prompts) + new_tokens / 2  # mean context over the decode
     kv_bytes = batch * L * 2 * h * d * elt * ctx
     bytes_step = weight_bytes + kv_bytes
-    shapes = {(H * d, D): L, (h * d, D): 2 * L, (D, H * d): L, (inter, D): 2 * L, (D, inter): L, (V, D): 1}
-    mm_params = sum(o * i * c for (o, i), c in shapes.items())
+    mm_params = L * (D * (H * d + 2 * h * d) + H * d * D + 3 * D * inter) + V * D
     attn_flops = batch * L * H * d * ctx * 4
     flops_step = 2 * batch * mm_params + attn_flops
     t_mem = bytes_step / bw
-    t_compute = matmul_seconds(shapes, batch, device, dtype) * (1 + attn_flops / (2 * batch * mm_params))
+    mm = matmul_seconds(base, engine, batch)
+    # FLOPs / measured matmul throughput (the attention FLOPs at the same rate)
+    t_compute = mm["best_s"] * (1 + attn_flops / (2 * batch * mm_params))
     t_step = max(t_mem, t_compute)
     return {"bytes_per_step": bytes_step, "flops_per_step": flops_step, "memory_bound_s": t_mem,
-            "compute_bound_s": t_compute, "bound": "memory" if t_mem >= t_compute else "compute",
-            "roofline_tok_s": batch / t_step}
+            "matmul_bound_s": t_compute, "matmul_detail_s": mm,
+            "matmul_GFLOPs_per_s": 2 * batch * mm_params / mm["best_s"] / 1e9,
+            "bound": "memory" if t_mem >= t_compute else "matmul", "roofline_tok_s": batch / t_step}
 
 
 def run(args) -> dict:
@@ -254,7 +294,7 @@ def run(args) -> dict:
 
         hf, eng = summary(hf_runs), summary(eng_runs)
         agree = sum(a == b for a, b in zip(hf_runs[0]["tokens"], eng_runs[0]["tokens"], strict=True)) / batch
-        roof = roofline(base, batch, prompts, args.new_tokens, bw["bandwidth_Bps"], args.device, dtype)
+        roof = roofline(base, engine, batch, prompts, args.new_tokens, bw["bandwidth_Bps"])
         result["batches"][str(batch)] = {
             "prompt_tokens_mean": sum(map(len, prompts)) / batch, "hf": hf, "engine": eng,
             "speedup": eng["decode_tok_s"] / hf["decode_tok_s"], "ttft_ratio": hf["ttft_s"] / eng["ttft_s"],

@@ -73,11 +73,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Merge two partial attentions ``out (..., d)`` with their ``lse (...)`` (log-sum-exp weights). fp32."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    wa = torch.exp(lse_a - lse).unsqueeze(-1)
-    wb = torch.exp(lse_b - lse).unsqueeze(-1)
-    return out_a * wa + out_b * wb
+    """Merge two partial attentions ``out (..., d)`` with their ``lse (...)`` (log-sum-exp weights). fp32.
+
+    The weight of part a is ``exp(lse_a) / (exp(lse_a) + exp(lse_b)) = sigmoid(lse_a - lse_b)``, so the
+    merge is one ``lerp``; a part with no valid key (lse -inf) gets weight 0.
+    """
+    w = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    return torch.lerp(out_b, out_a, w)
 
 
 def tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,

@@ -95,7 +95,12 @@ def _lora_into(y: torch.Tensor, x: torch.Tensor, name: str, layer: int, lora: Lo
             out.add_((F.linear(F.linear(x, lw.a), lw.b) * lw.scaling) * sel)
 
 
+def _adapts(lora: LoraPlan, layer: int, names: tuple[str, ...]) -> bool:
+    return any(n in a.layers[layer] for a, _ in lora.entries for n in names)
+
+
 def _mlp(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan) -> torch.Tensor:
+    """``x + down(silu(gate(h)) * up(h))``, h = RMSNorm(x); fused oneDNN calls where no adapter intervenes."""
     layer = lw.layers[i]
     h = rms_norm(x, layer.mlp_norm, lw.eps)
     p = layer.proj
@@ -105,9 +110,19 @@ def _mlp(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan) -> torch.Tens
         _lora_into(gu, h, "gate_proj", i, lora, 0)
         _lora_into(gu, h, "up_proj", i, lora, inter)
         act = F.silu(gu[..., :inter]) * gu[..., inter:]
+    elif not _adapts(lora, i, ("gate_proj", "up_proj")):
+        act = p["up_proj"].mul(h, p["gate_proj"].silu(h))
     else:
         act = F.silu(project(h, p["gate_proj"], "gate_proj", i, lora)) * project(h, p["up_proj"], "up_proj", i, lora)
-    return x + project(act, p["down_proj"], "down_proj", i, lora)
+    return _residual(x, act, p["down_proj"], "down_proj", i, lora)
+
+
+def _residual(x: torch.Tensor, inp: torch.Tensor, lin: Linear, name: str, layer: int, lora: LoraPlan) -> torch.Tensor:
+    """``x + lin(inp)`` plus the adapters' deltas of ``name`` on their rows."""
+    y = lin.add(inp, x)
+    if _adapts(lora, layer, (name,)):
+        _lora_into(y, inp, name, layer, lora, 0)
+    return y
 
 
 def _qkv(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan, cos, sin):
@@ -170,7 +185,7 @@ def prefill(lw: LaneWeights, ids: torch.Tensor, mask: torch.Tensor, write_k, wri
         write_v(i).copy_(v.masked_fill(pad, 0.0))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=lw.scale,
                                            enable_gqa=lw.heads != lw.kv_heads)
-        x = x + project(o.transpose(1, 2).reshape(b, p, -1), lw.layers[i].proj["o_proj"], "o_proj", i, NO_LORA)
+        x = _residual(x, o.transpose(1, 2).reshape(b, p, -1), lw.layers[i].proj["o_proj"], "o_proj", i, NO_LORA)
         x = _mlp(x, lw, i, NO_LORA)
 
 
@@ -202,7 +217,7 @@ def extend(lw: LaneWeights, tokens: torch.Tensor, start_position: int, prefix_k,
             t, device=tokens.device))[:, None]
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=allowed[None, None],
                                            scale=lw.scale, enable_gqa=lw.heads != lw.kv_heads)
-        x = x + project(o[0].transpose(0, 1).reshape(t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _residual(x, o[0].transpose(0, 1).reshape(t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
         x = _mlp(x, lw, i, lora)
     return logits_of(x, lw)
 
@@ -242,7 +257,7 @@ def decode_step_eager(lw: LaneWeights, tokens: torch.Tensor, positions: torch.Te
             o_t, lse_t = tail_attention(q, kt, vt, tail_len, lw.scale)
             o_p, lse_p = prefix_attention_grouped(q, groups, i, lw.scale)
             o = merge(o_p, lse_p, o_t, lse_t).to(x.dtype).reshape(b, -1)
-        x = x + project(o, lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _residual(x, o, lw.layers[i].proj["o_proj"], "o_proj", i, lora)
         x = _mlp(x, lw, i, lora)
     return logits_of(x, lw)
 
@@ -301,7 +316,7 @@ def decode_step_static(lw: LaneWeights, inp: StaticInputs, arena_k: torch.Tensor
         else:
             o_p, lse_p = prefix_attention_gathered(q, ak, av, inp.meta, lw.kv_heads, prefix_width, lw.scale)
         o = merge(o_p, lse_p, o_t, lse_t).to(x.dtype).reshape(b, -1)
-        x = x + project(o, lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _residual(x, o, lw.layers[i].proj["o_proj"], "o_proj", i, lora)
         x = _mlp(x, lw, i, lora)
     return logits_of(x, lw)
 
