@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -260,6 +261,13 @@ def roofline(base, engine, batch: int, prompts, new_tokens: int, bw: float) -> d
             "bound": "memory" if t_mem >= t_compute else "matmul", "roofline_tok_s": batch / t_step}
 
 
+def _loadavg() -> float | None:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run(args) -> dict:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -271,6 +279,7 @@ def run(args) -> dict:
     base, description = load(args.model, random_weights=args.random_weights, device=args.device, dtype=dtype)
     engine = SharedPrefillEngine(base, max_batch=max(args.batch_sizes), decode=args.decode,
                                  max_tail_tokens=max(64, 2 * args.new_tokens))
+    load_before = _loadavg()
     bw = memory_bandwidth(args.device, dtype)
     result = {"model": description, "device": _device_name(args.device), "dtype": args.dtype,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "decode_mode": engine.decode_mode,
@@ -302,6 +311,8 @@ def run(args) -> dict:
             "hf_roofline_fraction": hf["decode_tok_s"] / roof["roofline_tok_s"], "greedy_rows_identical": agree}
         for key, val in (("speedup", "speedup"), ("roofline_fraction", "roofline_fraction")):
             result[f"{key}_batch{batch}"] = result["batches"][str(batch)][val]
+    # 1-minute load average before and after: other processes on the machine show up as lower numbers
+    result["load_average"] = {"before": load_before, "after": _loadavg(), "cpus": os.cpu_count()}
     return result
 
 
@@ -314,7 +325,8 @@ def _device_name(device) -> str:
 def table(result: dict) -> str:
     lines = [f"decode benchmark: {result['model']} ({result['dtype']}) on {result['device']}, "
              f"{result['threads']} threads, engine decode={result['decode_mode']}, "
-             f"{result['new_tokens']} new tokens, bandwidth {result['bandwidth_GBps']:.1f} GB/s",
+             f"{result['new_tokens']} new tokens, bandwidth {result['bandwidth_GBps']:.1f} GB/s, "
+             f"load average {result['load_average']['before']} -> {result['load_average']['after']}",
              "| batch | HF tok/s | engine tok/s | speedup | HF TTFT ms | engine TTFT ms | roofline tok/s (bound) "
              "| engine / roofline | HF / roofline |",
              "|---|---|---|---|---|---|---|---|---|"]

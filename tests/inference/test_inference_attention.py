@@ -147,9 +147,10 @@ def test_identity_layout_reads_views_without_copies():
     torch.testing.assert_close(merge(og, lg, ot, lt), ref, atol=1e-6, rtol=0)
     # the eager fast path: both score blocks under one softmax (same decomposition, no K/V concatenation)
     key_start = torch.tensor([p - n for n in lengths])
-    out = cascade_attention_rowwise(q, arena.view("k", 0, start, 3, p), arena.view("v", 0, start, 3, p),
-                                    key_bias(key_start, torch.full_like(key_start, p), p), tk, tv,
-                                    key_bias(torch.zeros_like(tail_len), tail_len, tk.shape[2]), 0.25)
+    bias = torch.cat([key_bias(key_start, torch.full_like(key_start, p), p),
+                      key_bias(torch.zeros_like(tail_len), tail_len, tk.shape[2])], dim=-1)
+    out = cascade_attention_rowwise(q, arena.view("k", 0, start, 3, p), arena.view("v", 0, start, 3, p), tk, tv,
+                                    bias, 0.25)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
 
 

@@ -206,7 +206,8 @@ class SharedPrefillEngine:
             else ``"gather"``), ``"gather"`` or ``"triton"``.
         pack_weights: keep each lane's weights packed ([q;k;v], [gate;up]) and prepacked for oneDNN
             (about 2x faster CPU decode; one extra copy of the lane's weights, taken at registration,
-            so later in-place edits of the model's weights are not seen). Default: True on CPU.
+            so later in-place edits of the model's weights are not seen). Default: True on CPU
+            unless ``decode="compile"``.
         fill: value of never-written cache memory (0; tests use NaN to catch reads of it, K3).
     Raises:
         IncompatibleModelError: a model the engine cannot run, or a decoder that cannot read the base's KV.
@@ -239,7 +240,12 @@ class SharedPrefillEngine:
             raise ConfigError(f"attention='triton' needs triton on a CUDA device (or TRITON_INTERPRET=1 on CPU) and a "
                               f"power-of-two head_dim ≥ 16 (this model: {bw.head_dim}); use attention='gather'")
         self.decode_mode, self.attention = decode, attention
-        self.pack_weights = device.type == "cpu" if pack_weights is None else bool(pack_weights)
+        if pack_weights is None:
+            pack_weights = device.type == "cpu" and decode != "compile"
+        if pack_weights and decode == "compile":
+            raise ConfigError("pack_weights=True cannot be combined with decode='compile' (torch.compile does its own "
+                              "weight handling); leave pack_weights unset")
+        self.pack_weights = bool(pack_weights)
         self.max_batch, self.max_tail_tokens = int(max_batch), int(max_tail_tokens)
         self.fill = float(fill)
         self.num_layers = bw.num_layers

@@ -37,7 +37,7 @@ from .weights import Adapter, LaneWeights, Linear
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: ``weight * (x * rsqrt(mean(x²) + eps))``, statistics in fp32."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one kernel, same arithmetic
+        return torch.rms_norm(x, weight.shape, weight, eps)  # same arithmetic, fewer Python layers
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -243,15 +243,15 @@ def decode_step_eager(lw: LaneWeights, tokens: torch.Tensor, positions: torch.Te
     rowwise = len(groups) == 1 and g.rows is None and g.offset == 0 and g.key_start.shape[0] == b
     if rowwise:  # every row reads its own prefix row, in order: the masks are built once per step
         width = g.k(0).shape[2]
-        prefix_bias = key_bias(g.key_start, torch.full_like(g.key_start, width), width)
-        tail_bias = key_bias(torch.zeros_like(tail_len), tail_len, tail_width)
+        bias = torch.cat([key_bias(g.key_start, torch.full_like(g.key_start, width), width),
+                          key_bias(torch.zeros_like(tail_len), tail_len, tail_width)], dim=-1)
     for i in range(lw.num_layers):
         q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (B, H|h, d)
         pool_k[i, rows, :, write_pos] = k
         pool_v[i, rows, :, write_pos] = v
         kt, vt = pool_k[i, :b, :, :tail_width], pool_v[i, :b, :, :tail_width]
         if rowwise:
-            o = cascade_attention_rowwise(q, g.k(i), g.v(i), prefix_bias, kt, vt, tail_bias, lw.scale)
+            o = cascade_attention_rowwise(q, g.k(i), g.v(i), kt, vt, bias, lw.scale)
             o = o.to(x.dtype).reshape(b, -1)
         else:
             o_t, lse_t = tail_attention(q, kt, vt, tail_len, lw.scale)

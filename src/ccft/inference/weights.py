@@ -24,6 +24,13 @@ _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 SUPPORTED_MODEL_TYPES = ("llama",)
 
 
+try:  # bound once: the op lookup costs more than the call on a decode step's small matrices
+    _ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+    _ONEDNN_BINARY = torch.ops.mkldnn._linear_pointwise.binary
+except (AttributeError, RuntimeError):  # pragma: no cover - PyTorch built without oneDNN
+    _ONEDNN_LINEAR = _ONEDNN_BINARY = None
+
+
 @dataclass
 class Linear:
     """``y = x @ weight.T + bias``; ``weight (out, in)``.
@@ -37,31 +44,31 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return _ONEDNN_LINEAR(x, self.packed, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(self(x))`` (one fused oneDNN call when packed)."""
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
+            return _ONEDNN_LINEAR(x, self.packed, self.bias, "swish", [], "")
         return torch.nn.functional.silu(self(x))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``self(x) * other`` (one fused oneDNN call when packed)."""
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+            return _ONEDNN_BINARY(x, other, self.packed, self.bias, "mul")
         return self(x) * other
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``other + self(x)`` (one fused oneDNN call when packed)."""
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
+            return _ONEDNN_BINARY(x, other, self.packed, self.bias, "add")
         return other + self(x)
 
 
 def onednn_available() -> bool:
     """True when PyTorch's oneDNN prepacked linear (CPU) can be used."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return (torch.backends.mkldnn.is_available() and _ONEDNN_LINEAR is not None
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
