@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_check.sh OUTDIR
 #
-# Writes OUTDIR/env.txt, OUTDIR/gpu_tests.txt, OUTDIR/decode.txt and OUTDIR/decode.json.
+# Writes OUTDIR/env.txt, OUTDIR/gpu_tests.txt, OUTDIR/decode{,_bf16}.txt and OUTDIR/decode{,_bf16}.json.
 # Needs transformers, peft, pytest and tqdm importable (triton comes with CUDA torch). A machine
 # without network can install them from a folder of wheels: WHEELHOUSE=/path scripts/gpu_check.sh OUT
 # (make one elsewhere with `pip download -d wheels -c constraints.txt transformers peft pytest tqdm`).
@@ -14,6 +14,7 @@ OUT="${1:?usage: scripts/gpu_check.sh OUTDIR}"
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if ! $PY -c "import transformers, peft, pytest, tqdm" 2>/dev/null; then
@@ -43,12 +44,16 @@ PYEOF
 
 status=0
 echo "== gpu tests" | tee "$OUT/gpu_tests.txt"
-timeout 170 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/inference/test_inference_gpu.py \
+timeout 150 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/inference/test_inference_gpu.py \
   2>&1 | tee -a "$OUT/gpu_tests.txt" || status=1
 
 echo "== decode benchmark (random weights, SmolLM2-135M shape, fp32)" | tee "$OUT/decode.txt"
-timeout 170 $PY -m benchmarks.decode --random-weights --device cuda --batch-sizes 1 16 64 --new-tokens 64 \
+timeout 150 $PY -m benchmarks.decode --random-weights --device cuda --batch-sizes 1 16 64 --new-tokens 64 \
   --repeats 3 --out "$OUT/decode.json" 2>&1 | tee -a "$OUT/decode.txt" || status=1
+
+echo "== decode benchmark (random weights, SmolLM2-135M shape, bf16)" | tee "$OUT/decode_bf16.txt"
+timeout 90 $PY -m benchmarks.decode --random-weights --device cuda --dtype bfloat16 --batch-sizes 1 16 64 \
+  --new-tokens 64 --repeats 3 --out "$OUT/decode_bf16.json" 2>&1 | tee -a "$OUT/decode_bf16.txt" || status=1
 
 echo "gpu_check: exit $status (tests: $OUT/gpu_tests.txt, benchmark: $OUT/decode.json)"
 exit $status
