@@ -185,3 +185,31 @@ def test_triton_kernel_on_cuda_equals_gather():
         out, lse = prefix_attention_triton(qp, arena.k[0].view(-1, d), arena.v[0].view(-1, d), meta, kv_heads, scale)
         ot, lt = tail_attention(q, tk, tv, tail_len, scale)
         torch.testing.assert_close(merge(out[: len(rows)], lse[: len(rows)], ot, lt), ref, atol=1e-5, rtol=0)
+
+
+def test_graphs_recaptured_after_buffers_grow():
+    """Growing the prefix arena / tail pool drops the lane's graphs (and their memory pool); the next
+    captures take a fresh pool and still equal the reference (regression: capturing into the dead
+    pool's handle tripped the caching allocator's use-count assertion)."""
+    import ccft
+    from ccft.inference import SharedPrefillEngine
+
+    base = _base()
+    eng = SharedPrefillEngine(base, decode="cuda_graph", max_batch=16)
+    small = _prompts(1, seed=3)
+    with eng.prefill(small) as h:
+        got = eng.generate(h, max_new_tokens=N_NEW)
+    runner = eng.lanes["base"].runner
+    first = runner.captures
+    gens = (eng.lanes["base"].pool.generation, eng.arena.generation)
+    big = [p * 6 for p in _prompts(16, seed=4)]  # more rows and longer prefixes: both buffers grow
+    with eng.prefill(big) as h:
+        got = eng.generate(h, max_new_tokens=3 * N_NEW)
+    assert (eng.lanes["base"].pool.generation, eng.arena.generation) != gens
+    assert runner.captures > first
+    ref = ccft.generate(big, mode="base", base=base, max_new_tokens=3 * N_NEW)
+    assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+    with eng.prefill(small) as h:  # and back to a small bucket on the grown buffers
+        got = eng.generate(h, max_new_tokens=N_NEW)
+    assert [g.token_ids for g in got] == [r.token_ids for r in ccft.generate(small, mode="base", base=base,
+                                                                           max_new_tokens=N_NEW)]

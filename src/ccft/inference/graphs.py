@@ -61,6 +61,9 @@ class StaticRunner:
         gens = key[4:]
         if gens != self._generations:  # buffers moved: graphs bound to the old addresses are stale
             self._graphs.clear()
+            # the memory pool dies with the last graph that used it: capturing into its old handle
+            # trips the caching allocator's use-count assertion, so the next capture takes a new one
+            self._pool = None
             self._generations = gens
         if self.mode == "cuda_graph":
             return self._replay(key, inp, tail_width, prefix_width)[:n].clone()
