@@ -394,11 +394,18 @@ class SharedPrefillEngine:
     # ------------------------------------------------------------------ step API
     def add_request(self, handle: PrefixHandle, row: int = 0, *, decoder: str = BASE, max_new_tokens: int | None = None,
                     stop: Sequence[str] | str | None = None, sampling: SamplingParams | None = None,
-                    forced_tokens: Sequence[int] | None = None, ignore_eos: bool = False) -> int:
+                    forced_tokens: Sequence[int] | None = None, ignore_eos: bool = False,
+                    suffix_ids: Sequence[int] | None = None) -> int:
         """Admit one prompt row of ``handle`` for ``decoder``; it decodes from the next ``step()``.
 
         Args:
             row: the prompt's index in the handle.
+            suffix_ids: prompt tokens that follow the handle's prompt for this request only (an
+                agent's own instruction after a shared context). The request's prompt is
+                ``handle prompt + suffix_ids``: the handle's producer (the base) computes the KV of
+                all but its last k tokens into this request's tail slot (so the shared prefix is
+                stored once for every request that reads it), the decoder recomputes the last k
+                (the handoff). Equal to prefilling the whole prompt (tested).
             max_new_tokens: default 256 (with ``forced_tokens``: their count).
             stop: stop strings (the text is cut before the first one); EOS always stops.
             forced_tokens: teacher forcing: feed these tokens (and report them) instead of sampled
@@ -435,7 +442,8 @@ class SharedPrefillEngine:
         if len(lane.rows) >= self.max_batch:
             raise CapacityError(f"{len(lane.rows)} rows are active on lane {lane.key!r} (max_batch={self.max_batch}); "
                                 "step until some finish, abort some, or raise max_batch")
-        lane.pool.ensure(len(lane.rows) + 1, k + max_new_tokens)
+        tail = list(handle.tail_ids[row]) + [int(t) for t in (suffix_ids or [])]
+        lane.pool.ensure(len(lane.rows) + 1, len(tail) + max_new_tokens)
         slot = len(lane.rows)
         lane.pool.clear_slot(slot)
         sampling = sampling or SamplingParams()
@@ -444,18 +452,33 @@ class SharedPrefillEngine:
             gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
         if isinstance(stop, str):
             stop = [stop]
-        tail = handle.tail_ids[row]
+        n_pre = len(tail) - k  # suffix tokens the producer computes (C_base of the suffix)
         req = _Request(next(self._rid), handle, row, entry, int(max_new_tokens), [s for s in (stop or []) if s],
-                       sampling, gen, forced_tokens, bool(ignore_eos), next_token=int(tail[-1]), tail_written=k - 1)
+                       sampling, gen, forced_tokens, bool(ignore_eos), next_token=int(tail[-1]),
+                       tail_written=len(tail) - 1)
+        kf, vf = (lambda i: handle.keys(i)[row]), (lambda i: handle.values(i)[row])
+        if n_pre > 0:
+            pw, plora = self._producer_weights(handle, entry)
+            M.extend(pw, torch.tensor(tail[:n_pre], device=self.device), req.prefix_len, kf, vf,
+                     int(handle.key_start[row]), lane.pool.k[:, slot], lane.pool.v[:, slot], 0, plora)
         if k > 1:  # the first k-1 handoff tokens: one small forward for this row now
             lora = self._lora_plan_single(entry)
-            M.extend(lane.weights, torch.tensor(tail[:-1], device=self.device), req.prefix_len,
-                     lambda i: handle.keys(i)[row], lambda i: handle.values(i)[row], int(handle.key_start[row]),
-                     lane.pool.k[:, slot], lane.pool.v[:, slot], 0, lora)
+            M.extend(lane.weights, torch.tensor(tail[n_pre:-1], device=self.device), req.prefix_len + n_pre, kf, vf,
+                     int(handle.key_start[row]), lane.pool.k[:, slot], lane.pool.v[:, slot], n_pre, lora)
         handle.refs += 1
         lane.rows.append(req)
         self._requests[req.id] = req
         return req.id
+
+    def _producer_weights(self, handle: PrefixHandle, entry: _DecoderEntry):
+        """Weights and LoRA plan of the model that wrote ``handle`` (the base unless a decoder prefilled it)."""
+        producer = getattr(handle, "producer", None)
+        if producer in (None, BASE):
+            return self._base_lane.weights, M.NO_LORA
+        if producer != entry.name:
+            raise FingerprintMismatchError(f"the handle was prefilled by decoder {producer!r}; decoder {entry.name!r} "
+                                           "cannot extend it (prefill with the base or with this decoder)")
+        return entry.lane.weights, self._lora_plan_single(entry)
 
     @property
     def active(self) -> int:
