@@ -1,4 +1,4 @@
-"""``ccft bench decode [--out FILE] ...``: side-by-side benchmarks that print ratios and write JSON.
+"""``ccft bench {decode,train,serve} [--out FILE] ...``: side-by-side benchmarks that print ratios and write JSON.
 
 The benchmark code lives in the source checkout's ``benchmarks/`` folder (``benchmarks/decode.py``:
 the inference engine against HF ``generate``, with the roofline of the decode step); this module
@@ -55,12 +55,22 @@ def add_train_arguments(p) -> None:
         p.add_argument("--out", default=None)
 
 
+def add_serve_arguments(p) -> None:
+    """Arguments of ``ccft bench serve`` (benchmarks/serve_bench.py, light imports at module level)."""
+    try:
+        _module("benchmarks.serve_bench").add_arguments(p)
+    except Exception:  # noqa: BLE001 - not a checkout: `run` explains it when the command is used
+        p.add_argument("--out", default=None)
+
+
 #: subcommand -> (module in benchmarks/, help, argument adder)
 BENCHMARKS = {
     "decode": ("benchmarks.decode", "inference engine vs HF generate: tokens/s, TTFT, roofline fraction",
                add_decode_arguments),
     "train": ("benchmarks.train_bench", "ccft Full-FT vs CCFT (each path) vs TRL SFTTrainer: tokens/s, step time, "
               "peak memory, fraction of the FLOP-count speedup", add_train_arguments),
+    "serve": ("benchmarks.serve_bench", "multi-agent serving, PrefillShare vs --no-share on one KV budget: p50/p95 "
+              "latency, TTFT, throughput, prefix hit ratio, peak KV vs Eq. 9", add_serve_arguments),
 }
 
 

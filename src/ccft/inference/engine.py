@@ -80,17 +80,25 @@ class PrefixHandle:
         batch_size: b prompts.  lengths: real prefix length per row (``n - k``; the first decoder
             position).  tail_ids: per row the k handoff tokens the decoder recomputes.
         handoff_tokens: k.  fingerprint: the base fingerprint.
+        producer: who wrote the K/V: ``"base"`` (C_base, shared mode; any decoder may read it) or a
+            decoder's name (the no-share baseline: that decoder prefilled its own prompt; only it may
+            read it).  producer_key: the producer's key (``engine.producer_key``).
     The region is refcounted: the user's reference (dropped by ``release()`` or leaving a ``with``
-    block) plus one per active request; it is freed when the count reaches 0.
+    block) plus one per active request; it is freed when the count reaches 0 (and then drops its
+    references on prefix-store blocks, ``prefill_cached(hold=True)``).
     """
 
     _ids = itertools.count()
 
     def __init__(self, engine: "SharedPrefillEngine", start: int, width: int, lengths: list[int],
-                 tail_ids: list[list[int]], handoff_tokens: int, fingerprint: str):
+                 tail_ids: list[list[int]], handoff_tokens: int, fingerprint: str, producer: str = BASE,
+                 producer_key: str | None = None):
         self.engine, self.start, self.width = engine, start, width
         self.lengths, self.tail_ids, self.handoff_tokens = lengths, tail_ids, handoff_tokens
         self.fingerprint = fingerprint
+        self.producer = producer
+        self.producer_key = producer_key if producer_key is not None else fingerprint
+        self._held: tuple = ()  # (store, blocks) whose references this handle holds until it is freed
         self.id = next(self._ids)
         self.refs = 1
         self.released = False
@@ -123,7 +131,7 @@ class PrefixHandle:
         mask = (torch.arange(self.width, device=self.key_start.device)[None, :] >= self.key_start[:, None]).long()
         tail = torch.tensor(self.tail_ids, dtype=torch.long, device=self.key_start.device)
         return _make([self.keys(i).clone() for i in range(n)], [self.values(i).clone() for i in range(n)], mask,
-                     tail, self.handoff_tokens, self.fingerprint, "base")
+                     tail, self.handoff_tokens, self.fingerprint, self.producer)
 
     def _check_alive(self) -> None:
         if self.freed:
@@ -143,7 +151,9 @@ class PrefixHandle:
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else ("released" if self.released else "live")
-        return f"PrefixHandle(id={self.id}, rows={self.batch_size}, width={self.width}, refs={self.refs}, {state})"
+        who = "" if self.producer == BASE else f", producer={self.producer!r}"
+        return (f"PrefixHandle(id={self.id}, rows={self.batch_size}, width={self.width}, refs={self.refs}{who}, "
+                f"{state})")
 
 
 @dataclass
@@ -153,6 +163,7 @@ class _DecoderEntry:
     adapter_index: int | None  # index in lane.weights.adapters, None: the lane's own weights
     eos: set[int]
     decoder: Decoder | None
+    key: str | None = None  # producer key (no-share prefill by this decoder), computed on first use
 
 
 @dataclass
@@ -332,38 +343,161 @@ class SharedPrefillEngine:
                 "the base; a decoder must read the base's token ids")
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, prompts: Sequence[Sequence[int]], *, handoff_tokens: int | None = None) -> PrefixHandle:
+    def prefill(self, prompts: Sequence[Sequence[int]], *, handoff_tokens: int | None = None,
+                producer: str | None = None) -> PrefixHandle:
         """Run the base once over ``prompt[:n-k]`` of every prompt into a new arena region.
 
         Args:
             prompts: b lists of prompt token ids (each ≥ k+1 tokens).
             handoff_tokens: k ≥ 1, the last k prompt tokens the decoder recomputes. Default: the k the
-                registered decoders were trained with (when they agree), else 1.
+                registered decoders were trained with (when they agree), else 1 (with ``producer``:
+                that decoder's k).
+            producer: None (or ``"base"``): the base writes C_base (shared mode). A decoder's name: the
+                no-share baseline, that decoder prefills with its own weights (a full-weight decoder's
+                weights, or the base with its LoRA adapter active); only that decoder may then read
+                the handle (``add_request`` refuses the others).
         Returns:
             a ``PrefixHandle`` (release it, or use it as a context manager).
+        Raises:
+            ConfigError: no prompt, a prompt shorter than k+1 tokens, k < 1, an unknown producer.
         """
-        if handoff_tokens is None:
-            ks = {e.decoder.handoff_tokens for e in self.decoders.values() if e.decoder is not None}
-            handoff_tokens = ks.pop() if len(ks) == 1 else 1
-        k = int(handoff_tokens)
-        if k < 1:
-            raise ConfigError(f"handoff_tokens={k}; it must be ≥ 1")
+        k = self._handoff(handoff_tokens, producer)
         if not prompts:
             raise ConfigError("prefill needs at least one prompt")
         short = [i for i, p in enumerate(prompts) if len(p) < k + 1]
         if short:
             raise ConfigError(f"prompts {short} have fewer than handoff_tokens+1={k + 1} tokens")
+        lw, lora, pname, pkey = self._producer(producer)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         ids, mask = left_pad([list(p[:-k]) for p in prompts], pad or 0)
-        handle = self._new_handle(mask.sum(-1).tolist(), ids.shape[1], [list(p[-k:]) for p in prompts], k)
+        handle = self._new_handle(mask.sum(-1).tolist(), ids.shape[1], [list(p[-k:]) for p in prompts], k, pname,
+                                  pkey)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        lw = self._base_lane.weights
         # Rows in chunks so the (rows, heads, p, p) attention scores stay below ~256 MB.
         per = max(1, int(2 ** 26 // max(1, lw.heads * ids.shape[1] ** 2)))
         for r0 in range(0, ids.shape[0], per):
             rs = slice(r0, min(ids.shape[0], r0 + per))
-            M.prefill(lw, ids[rs], mask[rs], lambda i, rs=rs: handle.keys(i)[rs], lambda i, rs=rs: handle.values(i)[rs])
+            M.prefill(lw, ids[rs], mask[rs], lambda i, rs=rs: handle.keys(i)[rs],
+                      lambda i, rs=rs: handle.values(i)[rs], lora)
         return handle
+
+    def prefill_cached(self, prompt: Sequence[int], store, *, producer: str | None = None,
+                       handoff_tokens: int | None = None, hold: bool = True,
+                       chunk_tokens: int | None = None) -> tuple[PrefixHandle, int]:
+        """Prefill ONE prompt's ``prompt[:n-k]`` into a new batch-1 handle, reusing K/V from a prefix store.
+
+        The longest chain of full blocks of ``prompt[:n-k]`` cached in ``store`` under this producer and
+        dtype is copied into the handle's region; only the remaining tokens are computed (chunked
+        prefill attending to the copied prefix, ``model.prefill_chunk``); the newly completed full
+        blocks are then inserted into the store. Equal to ``prefill([prompt], producer=producer)``
+        (K/V within fp32 rounding; tested with greedy decodes).
+
+        Args:
+            prompt: the prompt's token ids (≥ k+1).
+            store: a ``ccft.serving.PrefixKVStore`` (any object with its ``block_tokens``, ``match``,
+                ``insert`` and ``release``).
+            producer: as in ``prefill``: None / ``"base"`` (shared mode, keyed by the base fingerprint)
+                or a decoder's name (no-share baseline, keyed by ``producer_key(name)``).
+            handoff_tokens: k, as in ``prefill``.
+            hold: keep one reference on every block covering this prompt until the handle is freed
+                (blocks in use by live requests are not evicted); False: drop them on return.
+            chunk_tokens: tokens computed per chunked-prefill pass (default: as many as keep the
+                ``(heads, chunk, n)`` attention scores under ~256 MB, at least 64).
+        Returns:
+            ``(handle, hit_tokens)``: hit_tokens = prompt positions copied from the store (a multiple
+            of ``store.block_tokens``, ≤ n-k).
+        Raises:
+            ConfigError: as ``prefill``.  CapacityError: the arena is full.
+        """
+        if chunk_tokens is not None and int(chunk_tokens) < 1:
+            raise ConfigError(f"chunk_tokens={chunk_tokens}; it must be ≥ 1 (or None)")
+        k = self._handoff(handoff_tokens, producer)
+        prompt = [int(t) for t in prompt]
+        if len(prompt) < k + 1:
+            raise ConfigError(f"the prompt has {len(prompt)} tokens, fewer than handoff_tokens+1={k + 1}")
+        lw, lora, pname, pkey = self._producer(producer)
+        prefix = prompt[:-k]
+        n = len(prefix)
+        bt = int(store.block_tokens)
+        blocks = store.match(pkey, lw.dtype, prefix)
+        new: list = []
+        handle = None
+        try:
+            handle = self._new_handle([n], n, [prompt[-k:]], k, pname, pkey)
+            rk = self.arena.view_layers("k", handle.start, 1, n)[:, 0]  # (L, h, n, d)
+            rv = self.arena.view_layers("v", handle.start, 1, n)[:, 0]
+            for j, blk in enumerate(blocks):
+                rk[:, :, j * bt:(j + 1) * bt].copy_(blk.k)
+                rv[:, :, j * bt:(j + 1) * bt].copy_(blk.v)
+            hit = len(blocks) * bt
+            if hit < n:
+                ids = torch.tensor(prefix[hit:], dtype=torch.long, device=self.device)
+                # query chunks so the (heads, chunk, n) attention scores stay below ~256 MB
+                chunk = int(chunk_tokens) if chunk_tokens else max(64, 2 ** 26 // max(1, lw.heads * n))
+                for s in range(hit, n, chunk):
+                    M.prefill_chunk(lw, ids[s - hit: s - hit + chunk], s, rk, rv, lora)
+            new = store.insert(pkey, lw.dtype, prefix, rk, rv, start_block=len(blocks))
+        except BaseException:
+            store.release(blocks)
+            if handle is not None:
+                handle.release()
+            raise
+        if hold:
+            handle._held = (store, blocks + new)
+        else:
+            store.release(blocks + new)
+        return handle, hit
+
+    def producer_key(self, producer: str | None = None) -> str:
+        """The key K/V written by ``producer`` is stored under (prefix store, ``PrefixHandle.producer_key``).
+
+        None / ``"base"``: the base fingerprint. A decoder's name: ``"{base fingerprint}+{name}/{weights id}"``,
+        weights id = 16 hex digits of a digest of the decoder's own weights (its LoRA A/B and scalings,
+        or a full-weight decoder's parameters), computed on first use (weights edited in place later
+        are not seen: register the edited decoder under a new name).
+        """
+        return self._producer(producer)[3]
+
+    def _producer(self, producer: str | None):
+        """(lane weights, LoRA plan, producer name, producer key) of the model that prefills."""
+        if producer is None or producer == BASE:
+            return self._base_lane.weights, M.NO_LORA, BASE, self.base.fingerprint
+        entry = self.decoders.get(producer)
+        if entry is None:
+            raise ConfigError(f"unknown producer {producer!r}; use None (the base) or a registered decoder: "
+                              f"{', '.join(n for n in self.decoders if n != BASE) or '(none)'}")
+        if entry.key is None:
+            entry.key = f"{self.base.fingerprint}+{producer}/{self._weights_id(entry)}"
+        return entry.lane.weights, self._lora_plan_single(entry), producer, entry.key
+
+    def _weights_id(self, entry: _DecoderEntry) -> str:
+        import hashlib
+
+        from ..fingerprint import weights_digest_module
+
+        if entry.adapter_index is None:
+            model = entry.decoder.model if entry.decoder is not None else entry.lane.weights.owner
+            return weights_digest_module(model)[:16]
+        h = hashlib.sha256()
+        for i, layer in enumerate(entry.lane.weights.adapters[entry.adapter_index].layers):
+            for name, lw in sorted(layer.items()):
+                h.update(f"{i}.{name}:{lw.scaling!r}".encode())
+                for t in (lw.a, lw.b):
+                    h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def _handoff(self, handoff_tokens: int | None, producer: str | None = None) -> int:
+        if handoff_tokens is None:
+            entry = self.decoders.get(producer) if producer not in (None, BASE) else None
+            if entry is not None and entry.decoder is not None:
+                handoff_tokens = entry.decoder.handoff_tokens
+            else:
+                ks = {e.decoder.handoff_tokens for e in self.decoders.values() if e.decoder is not None}
+                handoff_tokens = ks.pop() if len(ks) == 1 else 1
+        k = int(handoff_tokens)
+        if k < 1:
+            raise ConfigError(f"handoff_tokens={k}; it must be ≥ 1")
+        return k
 
     def prefill_cache(self, cache: BaseCache) -> PrefixHandle:
         """Import a precomputed ``C_base`` (``ccft.compute_base_cache``) into a new arena region (a copy).
@@ -381,15 +515,21 @@ class SharedPrefillEngine:
         cache.check_unmodified()
         return handle
 
-    def _new_handle(self, lengths: list[int], width: int, tail_ids: list[list[int]], k: int) -> PrefixHandle:
+    def _new_handle(self, lengths: list[int], width: int, tail_ids: list[list[int]], k: int, producer: str = BASE,
+                    producer_key: str | None = None) -> PrefixHandle:
         start = self.arena.allocate(len(lengths) * width)
-        return PrefixHandle(self, start, width, [int(n) for n in lengths], tail_ids, k, self.base.fingerprint)
+        return PrefixHandle(self, start, width, [int(n) for n in lengths], tail_ids, k, self.base.fingerprint,
+                            producer, producer_key)
 
     def _unref(self, handle: PrefixHandle) -> None:
         handle.refs -= 1
         if handle.refs == 0 and not handle.freed:
             self.arena.free(handle.start)
             handle.freed = True
+            if handle._held:
+                store, blocks = handle._held
+                handle._held = ()
+                store.release(blocks)
 
     # ------------------------------------------------------------------ step API
     def add_request(self, handle: PrefixHandle, row: int = 0, *, decoder: str = BASE, max_new_tokens: int | None = None,
@@ -424,6 +564,12 @@ class SharedPrefillEngine:
             raise ConfigError(f"unknown decoder {decoder!r}; registered: {', '.join(self.decoders)}")
         if not 0 <= row < handle.batch_size:
             raise ConfigError(f"row={row} but the handle has {handle.batch_size} prompts")
+        if handle.producer != BASE and handle.producer != decoder:
+            raise FingerprintMismatchError(
+                f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} with its own weights "
+                f"(no-share prefill), but decoder {decoder!r} was asked to read it; a decoder reads only C_base "
+                f"written by the base (prefill with producer=None) or K/V it wrote itself (prefill with "
+                f"producer={decoder!r})")
         entry = self.decoders[decoder]
         if entry.decoder is not None and entry.decoder.handoff_tokens != handle.handoff_tokens:
             raise ConfigError(f"decoder {decoder!r} was trained with handoff_tokens={entry.decoder.handoff_tokens} "

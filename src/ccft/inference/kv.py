@@ -129,6 +129,13 @@ class PrefixArena:
         a = start * self.unit
         return buf[layer, a: a + rows * length * self.unit].view(rows, self.kv_heads, length, self.head_dim)
 
+    def view_layers(self, which: str, start: int, rows: int, length: int) -> torch.Tensor:
+        """The ``(L, rows, h, length, d)`` view of a region in every layer of ``k`` or ``v``."""
+        buf = self.k if which == "k" else self.v
+        a = start * self.unit
+        return buf[:, a: a + rows * length * self.unit].view(self.num_layers, rows, self.kv_heads, length,
+                                                             self.head_dim)
+
 
 class TailPool:
     """Per-lane static tail caches ``(L, slots, h, capacity, d)`` for keys and values (see module docstring).

@@ -7,6 +7,7 @@ explicit positions and the decode attention split at the shared prefix (``attent
 * ``prefill``: the base (no adapter) over a left-padded batch of prefixes, K/V written straight
   into the handle's arena region (pad slots zeroed).
 * ``extend``: a few tokens of one row (the first k-1 handoff tokens), written into its tail slot.
+* ``prefill_chunk``: the rest of one prompt after K/V already in its region (prefix-store hits).
 * ``decode_step_eager``: one token for every active row of a lane; host-side prefix grouping.
 * ``decode_step_static``: the same step with static shapes and no host sync (padded batch bucket,
   tail / prefix width buckets, per-adapter row masks): the function a CUDA graph captures.
@@ -74,7 +75,8 @@ def project(x: torch.Tensor, lin: Linear, name: str, layer: int, lora: LoraPlan)
         if sel is None:
             y = y + F.linear(F.linear(x, lw.a), lw.b) * lw.scaling
         elif sel.dtype == torch.long:
-            y = y.index_add(0, sel, F.linear(F.linear(x.index_select(0, sel), lw.a), lw.b) * lw.scaling)
+            # index_put_ (rows are distinct): ~50x faster on CPU than index_add on a strided output
+            y.index_put_((sel,), F.linear(F.linear(x.index_select(0, sel), lw.a), lw.b) * lw.scaling, accumulate=True)
         else:
             y = y + (F.linear(F.linear(x, lw.a), lw.b) * lw.scaling) * sel
     return y
@@ -90,7 +92,8 @@ def _lora_into(y: torch.Tensor, x: torch.Tensor, name: str, layer: int, lora: Lo
         if sel is None:
             out.add_(F.linear(F.linear(x, lw.a), lw.b) * lw.scaling)
         elif sel.dtype == torch.long:
-            out.index_add_(0, sel, F.linear(F.linear(x.index_select(0, sel), lw.a), lw.b) * lw.scaling)
+            out.index_put_((sel,), F.linear(F.linear(x.index_select(0, sel), lw.a), lw.b) * lw.scaling,
+                           accumulate=True)
         else:
             out.add_((F.linear(F.linear(x, lw.a), lw.b) * lw.scaling) * sel)
 
@@ -161,12 +164,15 @@ def logits_of(x: torch.Tensor, lw: LaneWeights) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill(lw: LaneWeights, ids: torch.Tensor, mask: torch.Tensor, write_k, write_v) -> None:
-    """Run the base over left-padded prefixes and write their K/V.
+def prefill(lw: LaneWeights, ids: torch.Tensor, mask: torch.Tensor, write_k, write_v,
+            lora: LoraPlan = NO_LORA) -> None:
+    """Run the lane (the base; with ``lora``, a LoRA decoder on it) over left-padded prefixes and write their K/V.
 
     Args:
         ids, mask: ``(b, p)`` left-padded prefix ids and their attention mask.
         write_k, write_v: ``layer -> (b, h, p, d)`` destination views (the handle's arena region).
+        lora: adapters applied (default none: the base). The no-share baseline prefills with a LoRA
+            decoder's own weights (``LoraPlan([(adapter, None)])``).
     """
     b, p = ids.shape
     real = mask.bool()
@@ -179,19 +185,22 @@ def prefill(lw: LaneWeights, ids: torch.Tensor, mask: torch.Tensor, write_k, wri
     cos, sin = _cos_sin(lw, x, positions)
     pad = ~real[:, None, :, None]
     for i in range(lw.num_layers):
-        q, k, v = _qkv(x, lw, i, NO_LORA, cos, sin)  # (b, p, H|h, d)
+        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, p, H|h, d)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         write_k(i).copy_(k.masked_fill(pad, 0.0))
         write_v(i).copy_(v.masked_fill(pad, 0.0))
+        if i == lw.num_layers - 1:
+            break  # only the K/V are kept: the last layer's attention and MLP outputs are never read
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=lw.scale,
                                            enable_gqa=lw.heads != lw.kv_heads)
-        x = _residual(x, o.transpose(1, 2).reshape(b, p, -1), lw.layers[i].proj["o_proj"], "o_proj", i, NO_LORA)
-        x = _mlp(x, lw, i, NO_LORA)
+        x = _residual(x, o.transpose(1, 2).reshape(b, p, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _mlp(x, lw, i, lora)
 
 
 @torch.no_grad()
 def extend(lw: LaneWeights, tokens: torch.Tensor, start_position: int, prefix_k, prefix_v, key_start: int,
-           tail_k: torch.Tensor, tail_v: torch.Tensor, tail_start: int, lora: LoraPlan) -> torch.Tensor:
+           tail_k: torch.Tensor, tail_v: torch.Tensor, tail_start: int, lora: LoraPlan, *,
+           logits: bool = True) -> torch.Tensor | None:
     """Process ``t`` tokens of one row (attending to its prefix and its tail so far); returns logits ``(t, V)``.
 
     Args:
@@ -199,6 +208,7 @@ def extend(lw: LaneWeights, tokens: torch.Tensor, start_position: int, prefix_k,
         prefix_k, prefix_v: ``layer -> (h, p, d)`` the row's prefix; keys ≥ ``key_start`` are real.
         tail_k, tail_v: ``(L, h, capacity, d)`` the row's tail slot; the tokens are written at
             ``tail_start .. tail_start+t-1``.
+        logits: False: only write the K/V (the last layer's attention and MLP are skipped); returns None.
     """
     t = tokens.shape[0]
     positions = start_position + torch.arange(t, device=tokens.device)
@@ -209,6 +219,8 @@ def extend(lw: LaneWeights, tokens: torch.Tensor, start_position: int, prefix_k,
         q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (t, H|h, d)
         tail_k[i, :, tail_start:end] = k.transpose(0, 1)
         tail_v[i, :, tail_start:end] = v.transpose(0, 1)
+        if not logits and i == lw.num_layers - 1:
+            return None
         keys = torch.cat([prefix_k(i)[:, key_start:], tail_k[i, :, :end]], dim=1)[None]
         vals = torch.cat([prefix_v(i)[:, key_start:], tail_v[i, :, :end]], dim=1)[None]
         n_pre = keys.shape[2] - end
@@ -220,6 +232,25 @@ def extend(lw: LaneWeights, tokens: torch.Tensor, start_position: int, prefix_k,
         x = _residual(x, o[0].transpose(0, 1).reshape(t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
         x = _mlp(x, lw, i, lora)
     return logits_of(x, lw)
+
+
+@torch.no_grad()
+def prefill_chunk(lw: LaneWeights, tokens: torch.Tensor, start: int, region_k: torch.Tensor, region_v: torch.Tensor,
+                  lora: LoraPlan = NO_LORA) -> None:
+    """Chunked prefill of one unpadded prompt: tokens at positions ``start .. start+t-1`` attend to the
+    K/V already in the row's region at ``0 .. start-1`` (e.g. copied from a prefix store, or an
+    earlier chunk) and causally to each other; their K/V are written at ``start .. start+t-1``.
+
+    ``extend`` with an empty prefix and the region as the "tail"; ``start=0`` over the whole prompt
+    is ``prefill`` of a batch of one (same shapes, same arithmetic).
+
+    Args:
+        tokens: ``(t,)`` token ids.  start: position (and region index) of the first one.
+        region_k, region_v: ``(L, h, P, d)`` the row's region, ``P ≥ start + t``.
+        lora: adapters applied (default none: the base).
+    """
+    extend(lw, tokens, start, lambda i: region_k[i, :, :0], lambda i: region_v[i, :, :0], 0, region_k, region_v,
+           start, lora, logits=False)
 
 
 @torch.no_grad()
@@ -321,5 +352,5 @@ def decode_step_static(lw: LaneWeights, inp: StaticInputs, arena_k: torch.Tensor
     return logits_of(x, lw)
 
 
-__all__ = ["rms_norm", "rope", "LoraPlan", "project", "prefill", "extend", "decode_step_eager", "StaticInputs",
+__all__ = ["rms_norm", "rope", "LoraPlan", "project", "prefill", "extend", "prefill_chunk", "decode_step_eager", "StaticInputs",
            "decode_step_static"]

@@ -1,0 +1,156 @@
+"""Scheduler on the engine: outputs equal the reference path, one prefill per shared context, the KV
+budget holds, requests join / leave / cancel between steps, and live KV returns to 0 (issue #5 step 1)."""
+
+from __future__ import annotations
+
+import pytest
+
+import ccft
+from ccft.data import tokenize_prompt
+from ccft.errors import ConfigError
+from ccft.inference import SharedPrefillEngine
+from ccft.serving.scheduler import PromptTooLongError, QueueFullError, Scheduler, ServeRequest
+from conftest import make_tiny_folder
+
+N_NEW = 5
+AGENTS = ("base", "math", "code", "full")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tokenizer):
+    base = ccft.load_base(str(make_tiny_folder(tmp_path_factory.mktemp("sched"), tokenizer, seed=5, scale=30.0)))
+    full = ccft.make_decoder(base, "full", method="ccft")
+    full.model.eval()
+    decs = {"full": full}
+    for i, name in enumerate(("math", "code")):
+        import torch
+
+        torch.manual_seed(20 + i)
+        d = ccft.make_decoder(base, "lora", lora={"r": 4, "lora_alpha": 8, "init_lora_weights": False},
+                              method="ccft", adapter_name=name)
+        d.model.eval()
+        decs[name] = d
+    return base, decs
+
+
+@pytest.fixture(scope="module")
+def texts(gsm8k_rows, tokenizer):
+    return [tokenize_prompt(tokenizer, r["prompt"], chat_template=False) for r in gsm8k_rows[:8]]
+
+
+def _requests(texts, n_ctx=2, shared=24, unique=(3, 5, 7, 9)):
+    """n_ctx shared contexts, each read by every agent with its own suffix."""
+    out = []
+    for c in range(n_ctx):
+        ctx = texts[c][:shared]
+        for j, agent in enumerate(AGENTS):
+            prompt = ctx + texts[4 + j][: unique[j]]
+            out.append(ServeRequest(agent, prompt, shared_len=len(ctx), max_new_tokens=N_NEW, session_id=f"s{c}"))
+    return out
+
+
+def _reference(world, r):
+    base, decs = world
+    if r.decoder == "base":
+        return ccft.generate([list(r.prompt_ids)], mode="base", base=base, max_new_tokens=r.max_new_tokens)[0]
+    return ccft.generate([list(r.prompt_ids)], mode="prefillshare", decoder=decs[r.decoder],
+                         max_new_tokens=r.max_new_tokens)[0]
+
+
+@pytest.fixture(scope="module")
+def refs(world, texts):
+    return [_reference(world, r).token_ids for r in _requests(texts)]
+
+
+def test_shared_outputs_equal_reference_one_prefill_per_context(world, texts, refs):
+    base, decs = world
+    sched = Scheduler(SharedPrefillEngine(base, decoders=decs, fill=float("nan")), share=True)
+    tickets = [sched.submit(r) for r in _requests(texts)]
+    sched.run_until_idle()
+    assert [t.state for t in tickets] == ["done"] * len(tickets)
+    assert [t.result.token_ids for t in tickets] == refs
+    assert [t.tokens for t in tickets] == refs  # streamed tokens = final output
+    assert sched.counters["prefills"] == 2  # one per shared context, 4 agents each
+    assert sched.live_bytes == 0 and sched.engine.arena.used_tokens == 0
+    # Eq. 9 (live KV): one context copy + each agent's own tokens and generation
+    bpt = sched.bytes_per_token
+    ctx_prefix = 24 - 1  # handoff k = 1: the last context token goes to each request's tail
+    tails = sum(u + 1 + N_NEW for u in (3, 5, 7, 9))
+    assert sched.peak_live_bytes == 2 * (ctx_prefix + tails) * bpt  # both contexts admitted at once
+
+
+def test_no_share_outputs_equal_reference_and_use_n_copies(world, texts, refs):
+    base, decs = world
+    eng = SharedPrefillEngine(base, decoders=decs, fill=float("nan"))
+    if not hasattr(eng, "prefill_cached"):
+        pytest.skip("no-share prefill (engine.prefill_cached) not built yet")
+    sched = Scheduler(eng, share=False)
+    reqs = _requests(texts)[:4]
+    tickets = [sched.submit(r) for r in reqs]
+    sched.run_until_idle()
+    assert [t.state for t in tickets] == ["done"] * 4
+    assert sched.counters["prefills"] == 4  # every model prefills its own prompt
+    bpt = sched.bytes_per_token
+    assert sched.peak_live_bytes == sum(24 - 1 + u + 1 + N_NEW for u in (3, 5, 7, 9)) * bpt
+    # base and the full-weight decoder read their own KV exactly as in shared mode for "base"
+    assert tickets[0].result.token_ids == refs[0]
+
+
+def test_budget_queues_instead_of_exceeding(world, texts, refs):
+    base, decs = world
+    bpt = None
+    eng = SharedPrefillEngine(base, decoders=decs)
+    probe = Scheduler(eng)
+    bpt = probe.bytes_per_token
+    one_ctx = (23 + sum(u + 1 + N_NEW for u in (3, 5, 7, 9))) * bpt  # exactly one context with its 4 agents
+    sched = Scheduler(eng, kv_budget_bytes=one_ctx)
+    tickets = [sched.submit(r) for r in _requests(texts)]
+    sched.run_until_idle()
+    assert [t.result.token_ids for t in tickets] == refs
+    assert sched.peak_total_bytes <= one_ctx
+    assert sched.counters["admission_waits"] > 0  # the second context waited for the first
+    assert sched.live_bytes == 0
+
+
+def test_requests_join_and_leave_between_steps(world, texts, refs):
+    base, decs = world
+    sched = Scheduler(SharedPrefillEngine(base, decoders=decs))
+    reqs = _requests(texts)
+    first = [sched.submit(r) for r in reqs[:3]]
+    sched.step()
+    sched.step()
+    later = [sched.submit(r) for r in reqs[3:]]  # join while the first ones are mid-decode
+    sched.step()
+    assert sched.active > 3
+    sched.run_until_idle()
+    assert [t.result.token_ids for t in first + later] == refs
+
+
+def test_cancel_frees_kv_and_others_continue(world, texts, refs):
+    base, decs = world
+    sched = Scheduler(SharedPrefillEngine(base, decoders=decs))
+    reqs = _requests(texts)[:4]
+    tickets = [sched.submit(r) for r in reqs]
+    sched.step()
+    tickets[1].cancel()
+    queued = sched.submit(reqs[2])
+    queued.cancel()
+    sched.run_until_idle()
+    assert tickets[1].state == "cancelled" and queued.state == "cancelled"
+    assert [tickets[i].result.token_ids for i in (0, 2, 3)] == [refs[i] for i in (0, 2, 3)]
+    assert sched.live_bytes == 0 and sched.engine.active == 0 and sched.engine.arena.used_tokens == 0
+
+
+def test_submit_errors(world, texts):
+    base, decs = world
+    eng = SharedPrefillEngine(base, decoders=decs)
+    sched = Scheduler(eng, kv_budget_bytes=10 * Scheduler(eng).bytes_per_token, max_queue=1)
+    with pytest.raises(ConfigError, match="unknown decoder 'nope'"):
+        sched.submit(ServeRequest("nope", texts[0][:10]))
+    with pytest.raises(PromptTooLongError, match="kv_budget_bytes"):
+        sched.submit(ServeRequest("math", texts[0][:20]))
+    with pytest.raises(ConfigError, match="shared_len"):
+        sched.submit(ServeRequest("math", texts[0][:5], shared_len=9))
+    sched.submit(ServeRequest("math", texts[0][:3], max_new_tokens=2))
+    with pytest.raises(QueueFullError, match="max_queue=1"):
+        sched.submit(ServeRequest("math", texts[0][:3], max_new_tokens=2))
