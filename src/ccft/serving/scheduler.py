@@ -343,6 +343,8 @@ class Scheduler:
             need = (tail + r.max_new_tokens) * self.bytes_per_token
             if ctx is None:
                 need += ctx_tokens * self.bytes_per_token
+                if self.store is not None:  # the prefill may copy up to its context's full blocks into the store
+                    need += ctx_tokens // self.store.block_tokens * self.store.block_tokens * self.bytes_per_token
             if not self._make_room(need):
                 self.counters["admission_waits"] += 1
                 return
