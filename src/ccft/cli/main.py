@@ -1,4 +1,4 @@
-"""``ccft`` entry point: ``ccft {train,eval,demo} ...``."""
+"""``ccft`` entry point: ``ccft {train,eval,demo,report,sweep,precompute,bench,serve} ...``."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from ..errors import CCFTError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, demo, precompute, report, sweep, train
+    from . import bench, demo, precompute, report, serve, sweep, train
     from . import eval as eval_cmd
 
     parser = argparse.ArgumentParser(prog="ccft", description="Cache-conditioned fine-tuning (PrefillShare).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (train, eval_cmd, demo, report, sweep, precompute, bench):
+    for mod in (train, eval_cmd, demo, report, sweep, precompute, bench, serve):
         mod.add_parser(sub)
     return parser
 

@@ -1,0 +1,129 @@
+"""``ccft serve``: an OpenAI-compatible HTTP server for the base and its decoders on one shared prefill.
+
+    ccft serve --decoder math=runs/math --decoder code=runs/code --port 8000
+    ccft serve replay --url http://127.0.0.1:8000 --trace react.jsonl --out replay.json
+
+The first form loads the base (``--model``: an embedded name or an HF folder), registers each
+``--decoder NAME=PATH`` on a ``SharedPrefillEngine``, wraps it in a ``Scheduler`` (PrefillShare
+unless ``--no-share``; a prefix K/V store of ``--block-tokens`` blocks unless ``--block-tokens 0``;
+``--kv-budget-mb`` caps live KV + store) and serves ``ccft.serving.server.create_app`` with uvicorn.
+The second replays a workload trace (``ccft.serving.workloads``) or a JSONL file of requests
+against a running server and prints TTFT / latency quantiles. Heavy imports happen only when run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the shared-prefill engine "
+                                     "(`ccft serve replay` replays a workload against one)")
+    p.add_argument("--model", default=None, help="base model: embedded name or HF folder (default: ccft.DEFAULT_BASE)")
+    p.add_argument("--decoder", action="append", default=[], metavar="NAME=PATH",
+                   help="serve the decoder folder PATH as model NAME (repeatable); 'base' is always served")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--no-share", action="store_true",
+                   help="per-model baseline: every decoder prefills its own prompt (no shared prefill)")
+    p.add_argument("--kv-budget-mb", type=float, default=None, help="cap on live KV + prefix store (MiB)")
+    p.add_argument("--max-batch", type=int, default=16, help="active rows per engine lane")
+    p.add_argument("--max-tail-tokens", type=int, default=4096,
+                   help="per request: its own prompt tokens after the shared context + max_tokens")
+    p.add_argument("--block-tokens", type=int, default=16,
+                   help="prefix store block size in tokens (0: no prefix store)")
+    p.add_argument("--max-queue", type=int, default=4096, help="queued requests beyond which the server answers 503")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a chat request without one")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+    sp = p.add_subparsers(dest="serve_command", required=False)
+    r = sp.add_parser("replay", help="replay a workload trace (JSONL) against a running server")
+    r.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    r.add_argument("--trace", required=True, help="a ccft trace (workloads.Trace.save) or JSONL of request dicts")
+    r.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival offsets (0: no waiting)")
+    r.add_argument("--no-stream", action="store_true", help="plain JSON responses (no TTFT)")
+    r.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout (s)")
+    r.add_argument("--ignore-eos", action="store_true", help="every request decodes max_tokens tokens")
+    r.add_argument("--out", default=None, help="write the summary and per-request records (JSON) here")
+    r.set_defaults(func=run_replay)
+
+
+def _decoders(specs: list[str]) -> dict[str, str]:
+    from ..errors import ConfigError
+
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--decoder {spec!r}: use NAME=PATH (e.g. --decoder math=runs/math)")
+        if name in out or name == "base":
+            raise ConfigError(f"--decoder {spec!r}: the name {name!r} is already used; pick another")
+        out[name] = path
+    return out
+
+
+def build_scheduler(args):
+    """(scheduler, tokenizer) from ``ccft serve`` arguments."""
+    import torch
+
+    import ccft
+
+    from ..serving.scheduler import Scheduler
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    decoders = _decoders(args.decoder)
+    base = ccft.load_base(args.model or ccft.DEFAULT_BASE, dtype=args.dtype, device=device)
+    engine = ccft.SharedPrefillEngine(base, decoders=decoders, max_batch=args.max_batch,
+                                      max_tail_tokens=args.max_tail_tokens)
+    store = None
+    if args.block_tokens:
+        from ..serving.prefix_store import PrefixKVStore
+
+        store = PrefixKVStore(block_tokens=args.block_tokens, budget_bytes=None)  # the scheduler's budget covers it
+    budget = None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2 ** 20)
+    scheduler = Scheduler(engine, share=not args.no_share, store=store, kv_budget_bytes=budget,
+                          max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens)
+    return scheduler, base.tokenizer
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from ..serving.server import create_app
+
+    scheduler, tokenizer = build_scheduler(args)
+    app = create_app(scheduler, tokenizer, default_max_tokens=args.default_max_tokens)
+    names = ", ".join(scheduler.engine.decoders)
+    print(f"ccft serve: models {names} on http://{args.host}:{args.port} "
+          f"({'shared prefill' if scheduler.share else 'no sharing'}, "
+          f"{'prefix store' if scheduler.store is not None else 'no prefix store'})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def run_replay(args) -> int:
+    from ..serving.client import load_requests, summarize
+    from ..serving.client import run_replay as replay
+
+    requests = load_requests(args.trace)
+    extra = {"ignore_eos": True} if args.ignore_eos else {}
+    records = replay(args.url, requests, stream=not args.no_stream, time_scale=args.time_scale,
+                     timeout=args.timeout, extra=extra)
+    summary = summarize(records)
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        from pathlib import Path
+
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"summary": summary, "records": [r.to_dict() for r in records]}, indent=1))
+    return 0 if summary["ok"] == summary["requests"] else 1
