@@ -403,6 +403,16 @@ def test_replay_cli(served, prompt_ids, tmp_path, offline):
     data = json.loads(out.read_text())
     assert data["summary"]["ok"] == 3
     assert [r["text"] for r in data["records"]] == [offline(prompt_ids[i], "math", 3).text for i in range(3)]
+    # agents the server does not serve, remapped at replay (`--model-map AGENT=MODEL`, `*` for the rest)
+    rows = [{"model": a, "prompt": prompt_ids[i], "max_tokens": 3} for i, a in enumerate(("planner", "code", "tools"))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["serve", "replay", "--url", served.url, "--trace", str(path), "--out", str(out)]) == 1  # 404s
+    assert main(["serve", "replay", "--url", served.url, "--trace", str(path), "--out", str(out),
+                 "--model-map", "planner=math", "--model-map", "*=base"]) == 0
+    data = json.loads(out.read_text())
+    assert [r["text"] for r in data["records"]] == [offline(prompt_ids[0], "math", 3).text,
+                                                     offline(prompt_ids[1], "base", 3).text,
+                                                     offline(prompt_ids[2], "base", 3).text]
 
 
 # ---------------------------------------------------------------------------------------- (d) chat
@@ -761,3 +771,18 @@ def test_replay_request_checks():
         _check([ReplayRequest("a", "base", [1, 2], depends_on=("b",)), ReplayRequest("b", "base", [1, 2])])
     with pytest.raises(ccft.ConfigError, match="twice"):
         _check([ReplayRequest("a", "base", [1, 2]), ReplayRequest("a", "base", [1, 2])])
+
+
+def test_trace_cli_writes_a_loadable_trace(smol_dir, tmp_path):
+    from ccft.cli.main import main
+    from ccft.serving.client import load_requests
+    from ccft.serving.workloads import Trace
+
+    out = tmp_path / "trace.jsonl"
+    assert main(["serve", "trace", "--out", str(out), "--model", str(smol_dir), "--sessions", "2", "--turns", "2",
+                 "--shared-tokens", "48", "--unique-tokens", "8", "--growth-tokens", "16", "--rate", "0"]) == 0
+    trace = Trace.load(out)
+    assert len(trace) == 2 * 2 * 4 and trace.agents == ["planner", "math", "code", "tools"]
+    assert all(r.prompt_len == r.shared_len + 8 and r.arrival == 0.0 for r in trace)
+    reqs = load_requests(out)
+    assert [r.model for r in reqs] == [r.agent for r in trace]

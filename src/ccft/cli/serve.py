@@ -18,8 +18,12 @@ import sys
 
 
 def add_parser(sub) -> None:
+    import argparse
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the shared-prefill engine "
-                                     "(`ccft serve replay` replays a workload against one)")
+                                     "(`ccft serve trace` writes a multi-agent workload, `ccft serve replay` "
+                                     "replays it against a server)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="base model: embedded name or HF folder (default: ccft.DEFAULT_BASE)")
     p.add_argument("--decoder", action="append", default=[], metavar="NAME=PATH",
                    help="serve the decoder folder PATH as model NAME (repeatable); 'base' is always served")
@@ -27,7 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--no-share", action="store_true",
                    help="per-model baseline: every decoder prefills its own prompt (no shared prefill)")
-    p.add_argument("--kv-budget-mb", type=float, default=None, help="cap on live KV + prefix store (MiB)")
+    p.add_argument("--kv-budget-mb", type=float, default=None, help="cap on live KV + prefix store (MiB); default: no cap")
     p.add_argument("--max-batch", type=int, default=16, help="active rows per engine lane")
     p.add_argument("--max-tail-tokens", type=int, default=4096,
                    help="per request: its own prompt tokens after the shared context + max_tokens")
@@ -41,8 +45,25 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
-    sp = p.add_subparsers(dest="serve_command", required=False)
-    r = sp.add_parser("replay", help="replay a workload trace (JSONL) against a running server")
+    sp = p.add_subparsers(dest="serve_command", required=False, metavar="[trace | replay]")
+    t = sp.add_parser("trace", help="write a ReAct / Reflexion multi-agent workload trace (JSONL)",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--kind", default="react", choices=["react", "reflexion"])
+    t.add_argument("--out", required=True, help="the JSONL file to write")
+    t.add_argument("--model", default=None, help="base model whose tokenizer makes the token ids (default: the embedded one)")
+    t.add_argument("--agents", nargs="+", default=["planner", "math", "code", "tools"],
+                   help="agent names (= the model names requests use; remap at replay with --model-map)")
+    t.add_argument("--sessions", type=int, default=4)
+    t.add_argument("--turns", type=int, default=3)
+    t.add_argument("--shared-tokens", type=int, default=512)
+    t.add_argument("--unique-tokens", type=int, default=32)
+    t.add_argument("--growth-tokens", type=int, default=64)
+    t.add_argument("--max-new-tokens", type=int, default=32)
+    t.add_argument("--rate", type=float, default=1.0, help="Poisson session arrivals per second (0: all at t=0)")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=run_trace)
+    r = sp.add_parser("replay", help="replay a workload trace (JSONL) against a running server",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     r.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     r.add_argument("--trace", required=True, help="a ccft trace (workloads.Trace.save) or JSONL of request dicts")
     r.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival offsets (0: no waiting)")
@@ -50,6 +71,8 @@ def add_parser(sub) -> None:
     r.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout (s)")
     r.add_argument("--ignore-eos", action="store_true", help="every request decodes max_tokens tokens")
     r.add_argument("--out", default=None, help="write the summary and per-request records (JSON) here")
+    r.add_argument("--model-map", action="append", default=[], metavar="AGENT=MODEL",
+                   help="send AGENT's requests to the served model MODEL (repeat; `*=base` maps every other agent)")
     r.set_defaults(func=run_replay)
 
 
@@ -114,7 +137,7 @@ def run_replay(args) -> int:
     from ..serving.client import load_requests, summarize
     from ..serving.client import run_replay as replay
 
-    requests = load_requests(args.trace)
+    requests = apply_model_map(load_requests(args.trace), args.model_map)
     extra = {"ignore_eos": True} if args.ignore_eos else {}
     records = replay(args.url, requests, stream=not args.no_stream, time_scale=args.time_scale,
                      timeout=args.timeout, extra=extra)
@@ -127,3 +150,37 @@ def run_replay(args) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"summary": summary, "records": [r.to_dict() for r in records]}, indent=1))
     return 0 if summary["ok"] == summary["requests"] else 1
+
+
+def apply_model_map(requests, specs: list[str]):
+    """Requests with their ``model`` remapped by ``AGENT=MODEL`` specs (``*`` = every agent not named)."""
+    from ..errors import ConfigError
+
+    mapping = {}
+    for spec in specs:
+        agent, sep, model = spec.partition("=")
+        if not sep or not agent or not model:
+            raise ConfigError(f"--model-map {spec!r}: expected AGENT=MODEL (e.g. planner=base or '*=base')")
+        mapping[agent] = model
+    if not mapping:
+        return requests
+    for r in requests:
+        r.model = mapping.get(r.model, mapping.get("*", r.model))
+    return requests
+
+
+def run_trace(args) -> int:
+    """``ccft serve trace``: generate a workload with the base model's tokenizer and save it."""
+    from transformers import AutoTokenizer
+
+    from ..models import DEFAULT_BASE, resolve_model_path
+    from ..serving import workloads
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model or DEFAULT_BASE))
+    trace = workloads.generate(args.kind, sessions=args.sessions, turns=args.turns, agents=list(args.agents),
+                               shared_tokens=args.shared_tokens, unique_tokens=args.unique_tokens,
+                               growth_tokens=args.growth_tokens, max_new_tokens=args.max_new_tokens,
+                               rate=args.rate or None, seed=args.seed, tokenizer=tok)
+    path = trace.save(args.out)
+    print(f"wrote {path}: {len(trace)} requests, {args.sessions} sessions, agents {', '.join(trace.agents)}")
+    return 0
