@@ -213,3 +213,40 @@ def test_graphs_recaptured_after_buffers_grow():
         got = eng.generate(h, max_new_tokens=N_NEW)
     assert [g.token_ids for g in got] == [r.token_ids for r in ccft.generate(small, mode="base", base=base,
                                                                            max_new_tokens=N_NEW)]
+
+
+def test_scheduler_shared_prefill_store_and_suffixes_on_cuda():
+    """Serving path on CUDA: prefix store + chunked prefill, per-agent suffixes in the tail, captured decode;
+    every request equals the reference on its whole prompt, and the no-share baseline equals each
+    decoder's own prefill (``ccft.generate(mode="full-ft")``)."""
+    import dataclasses
+
+    import ccft
+    from ccft.inference import SharedPrefillEngine
+    from ccft.serving import PrefixKVStore, Scheduler, ServeRequest
+
+    base = _base()
+    decs = _decoders(base)
+    g = torch.Generator().manual_seed(7)
+    ctx = [torch.randint(3, 256, (40 + 9 * t,), generator=g).tolist() for t in range(2)]
+    ctx[1][:40] = ctx[0]  # the second turn extends the first: store hits
+    reqs = [ServeRequest(name, c + torch.randint(3, 256, (3 + i,), generator=g).tolist(), shared_len=len(c),
+                         max_new_tokens=N_NEW) for c in ctx for i, name in enumerate(("base", "math", "code", "full"))]
+    for share in (True, False):
+        eng = SharedPrefillEngine(base, decoders=decs, decode="cuda_graph", fill=float("nan"))
+        sched = Scheduler(eng, share=share, store=PrefixKVStore(block_tokens=16))
+        tickets = [sched.submit(r) for r in reqs[:4]]
+        sched.run_until_idle()
+        tickets += [sched.submit(r) for r in reqs[4:]]
+        sched.run_until_idle()
+        for t, r in zip(tickets, reqs, strict=True):
+            p = [list(r.prompt_ids)]
+            if r.decoder == "base":
+                ref = ccft.generate(p, mode="base", base=base, max_new_tokens=N_NEW)[0]
+            elif share:
+                ref = ccft.generate(p, mode="prefillshare", decoder=decs[r.decoder], max_new_tokens=N_NEW)[0]
+            else:  # the decoder on its own prefill (the reference path's full-ft mode, same weights)
+                own = dataclasses.replace(decs[r.decoder], method="full-ft")
+                ref = ccft.generate(p, mode="full-ft", decoder=own, max_new_tokens=N_NEW)[0]
+            assert t.state == "done" and t.result.token_ids == ref.token_ids, (share, r.decoder)
+        assert sched.stats()["prefix_hit_tokens"] > 0 and sched.live_bytes == 0
