@@ -242,6 +242,11 @@ class Scheduler:
     def store_bytes(self) -> int:
         return 0 if self.store is None else int(self.store.bytes_in_use)
 
+    @property
+    def running(self) -> bool:
+        """True while the background loop (``start``) is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
     def idle(self) -> bool:
         return not self._queue and not self._running
 

@@ -590,8 +590,7 @@ class _App:
 
     def health(self) -> tuple[int, dict]:
         s = self.scheduler
-        thread = getattr(s, "_thread", None)
-        alive = thread is not None and thread.is_alive()
+        alive = s.running
         body = {"status": "ok" if alive else "scheduler not running", "queue_depth": s.queue_depth,
                 "active_requests": s.active, "live_kv_bytes": s.live_bytes, "prefix_store_bytes": s.store_bytes,
                 "models": list(self.models)}
@@ -640,7 +639,7 @@ def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequ
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        running = getattr(scheduler, "_thread", None) is not None
+        running = scheduler.running
         if not running:
             scheduler.start()
             state.started_scheduler = True
