@@ -122,15 +122,8 @@ def replay(scheduler, trace) -> dict:
     return {"tickets": list(tickets.values()), "makespan_s": makespan}
 
 
-def _pct(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return None
-    i = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
-    return xs[i]
-
-
 def run_point(engine, trace, *, share: bool, budget: int | None, block_tokens: int) -> dict:
+    from ccft.serving.client import quantile
     from ccft.serving.prefix_store import PrefixKVStore
     from ccft.serving.scheduler import Scheduler
 
@@ -147,8 +140,8 @@ def run_point(engine, trace, *, share: bool, budget: int | None, block_tokens: i
         raise RuntimeError("KV or requests left over after the replay")
     sessions = len(trace.sessions())
     return {"share": share, "requests": len(ts), "sessions": sessions, "makespan_s": out["makespan_s"],
-            "latency_p50_s": _pct(lat, 50), "latency_p95_s": _pct(lat, 95), "ttft_p50_s": _pct(ttft, 50),
-            "ttft_p95_s": _pct(ttft, 95), "tpot_median_s": statistics.median(tpot) if tpot else None,
+            "latency_p50_s": quantile(lat, 0.50), "latency_p95_s": quantile(lat, 0.95), "ttft_p50_s": quantile(ttft, 0.50),
+            "ttft_p95_s": quantile(ttft, 0.95), "tpot_median_s": statistics.median(tpot) if tpot else None,
             "throughput_tok_s": gen / out["makespan_s"], "sessions_per_min": 60 * sessions / out["makespan_s"],
             "generated_tokens": gen, "prefix_hit_ratio": stats["prefix_hit_ratio"],
             "store_hit_ratio": store.stats()["hit_ratio"], "peak_live_kv_bytes": stats["peak_live_kv_bytes"],
@@ -175,7 +168,7 @@ def run(args) -> dict:
 
     torch.set_num_threads(args.threads)
     base, engine, desc = build(args)
-    bpt = engine.num_layers * 2 * engine.arena.unit * engine.arena.dtype.itemsize
+    bpt = engine.kv_bytes_per_token
 
     def trace_for(n):
         return workloads.generate(args.workload, sessions=n, turns=args.turns, agents=list(AGENTS),

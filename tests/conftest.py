@@ -68,3 +68,36 @@ def gsm8k_rows():
     """GSM8K train rows as {prompt, response}."""
     rows = [json.loads(line) for line in (GSM8K / "train.jsonl").read_text().splitlines() if line.strip()]
     return [{"prompt": r["question"], "response": r["answer"]} for r in rows]
+
+
+def perturb(model, seed: int, scale: float = 0.05) -> None:
+    """Add seeded noise to every ``*proj.weight`` of ``model`` in place (a decoder that differs from the base)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight"):
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def make_lora(base, name: str, seed: int, r: int, handoff: int = 1, targets=None, *, method: str | None = "ccft"):
+    """A LoRA decoder ``name`` on ``base`` with random B too (``init_lora_weights=False``: an ignored adapter shows)."""
+    import ccft
+
+    torch.manual_seed(seed)
+    cfg = {"r": r, "lora_alpha": 2 * r, "init_lora_weights": False}
+    if targets:
+        cfg["target_modules"] = targets
+    dec = ccft.make_decoder(base, "lora", lora=cfg, method=method, adapter_name=name, handoff_tokens=handoff)
+    dec.model.eval()
+    return dec
+
+
+def make_full(base, seed: int, handoff: int = 1, *, method: str | None = "ccft"):
+    """A read-only full-weight decoder: a copy of ``base`` (make it before attaching adapters) with seeded noise."""
+    import ccft
+
+    dec = ccft.make_decoder(base, "full", method=method, handoff_tokens=handoff)
+    dec.model.eval()
+    dec.model.requires_grad_(False)
+    perturb(dec.model, seed)
+    return dec

@@ -8,6 +8,7 @@ import torch
 import ccft
 from ccft.base_cache import prefill
 from ccft.data import IGNORE_INDEX, Collator, Example, right_pad, tokenize_prompt, tokenize_response
+from conftest import perturb
 
 PROMPTS = [
     "Janet's ducks lay 16 eggs per day. How much does she make every day at the farmers' market?",
@@ -28,14 +29,6 @@ def _batch(tok, k=1):
 
 def _real_diff(a, b, tails):
     return max((a[i, : len(t)] - b[i, : len(t)]).abs().max().item() for i, t in enumerate(tails))
-
-
-def _perturb(model, seed, scale=0.05):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("proj.weight"):
-                p.add_(scale * torch.randn(p.shape, generator=g))
 
 
 def test_lora_adapter_changes_decode_but_not_prefill(tiny_base):
@@ -79,7 +72,7 @@ def test_full_decoder_equals_base_until_perturbed(tiny_base):
         same = ccft.decoder_forward(decoder, cache, tail_ids, tail_mask)
     assert _real_diff(same, ref, tails) <= 1e-6
 
-    _perturb(decoder.model, seed=1)
+    perturb(decoder.model, seed=1)
     with torch.no_grad():
         moved = ccft.decoder_forward(decoder, cache, tail_ids, tail_mask)
     assert _real_diff(moved, ref, tails) > 1e-2
@@ -97,8 +90,8 @@ def _two_decoders(base, kind):
     else:
         a = ccft.make_decoder(base, "full", method="ccft")
         b = ccft.make_decoder(base, "full", method="ccft")
-        _perturb(a.model, seed=1)
-        _perturb(b.model, seed=2)
+        perturb(a.model, seed=1)
+        perturb(b.model, seed=2)
     return a, b
 
 

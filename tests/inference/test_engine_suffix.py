@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_inference_engine import _full, _lora
 
 import ccft
 from ccft.data import tokenize_prompt
 from ccft.inference import SharedPrefillEngine
+from conftest import make_full as _full
+from conftest import make_lora as _lora
 from conftest import make_tiny_folder
 
 N_NEW = 6

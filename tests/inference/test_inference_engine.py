@@ -14,6 +14,8 @@ import ccft
 from ccft.data import right_pad, tokenize_prompt
 from ccft.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
 from ccft.inference import CapacityError, SamplingParams, SharedPrefillEngine
+from conftest import make_full as _full
+from conftest import make_lora as _lora
 from conftest import make_tiny_folder
 
 N_NEW = 6
@@ -36,32 +38,6 @@ def prompts(gsm8k_rows, tokenizer):
     """Six real prompts cut to different lengths (4 .. 29 tokens): ragged prefixes, left padding."""
     ids = [tokenize_prompt(tokenizer, r["prompt"], chat_template=False) for r in gsm8k_rows[:6]]
     return [p[: 4 + 5 * i] for i, p in enumerate(ids)]
-
-
-def _perturb(model, seed, scale=0.05):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("proj.weight"):
-                p.add_(scale * torch.randn(p.shape, generator=g))
-
-
-def _lora(base, name, seed, r, handoff=1, targets=None):
-    torch.manual_seed(seed)
-    cfg = {"r": r, "lora_alpha": 2 * r, "init_lora_weights": False}
-    if targets:
-        cfg["target_modules"] = targets
-    dec = ccft.make_decoder(base, "lora", lora=cfg, method="ccft", adapter_name=name, handoff_tokens=handoff)
-    dec.model.eval()
-    return dec
-
-
-def _full(base, seed, handoff=1):
-    full = ccft.make_decoder(base, "full", method="ccft", handoff_tokens=handoff)
-    full.model.eval()
-    full.model.requires_grad_(False)
-    _perturb(full.model, seed)
-    return full
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from ccft.base_cache import prefill as hf_prefill
 from ccft.data import tokenize_prompt
 from ccft.errors import ConfigError, FingerprintMismatchError
 from ccft.serving import PrefixKVStore
-from conftest import make_tiny_folder
+from conftest import make_full, make_lora, make_tiny_folder
 
 ATOL = 1e-5
 NAN = float("nan")
@@ -161,25 +161,11 @@ def test_budget_smaller_than_a_block_stores_nothing():
 
 # --------------------------------------------------------------------------------------------- engine
 def _lora(base, name, seed, r, targets=None, handoff=1):
-    torch.manual_seed(seed)
-    cfg = {"r": r, "lora_alpha": 2 * r, "init_lora_weights": False}
-    if targets:
-        cfg["target_modules"] = targets
-    dec = ccft.make_decoder(base, "lora", lora=cfg, adapter_name=name, handoff_tokens=handoff)
-    dec.model.eval()
-    return dec
+    return make_lora(base, name, seed, r, handoff, targets, method=None)
 
 
 def _full(base, seed, handoff=1):
-    dec = ccft.make_decoder(base, "full", handoff_tokens=handoff)
-    dec.model.eval()
-    dec.model.requires_grad_(False)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in dec.model.named_parameters():
-            if name.endswith("proj.weight"):
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return dec
+    return make_full(base, seed, handoff, method=None)
 
 
 def _decoders(base, handoff=1):

@@ -10,7 +10,7 @@ from ccft.data import tokenize_prompt
 from ccft.errors import ConfigError
 from ccft.inference import SharedPrefillEngine
 from ccft.serving.scheduler import PromptTooLongError, QueueFullError, Scheduler, ServeRequest
-from conftest import make_tiny_folder
+from conftest import make_lora, make_tiny_folder
 
 N_NEW = 5
 AGENTS = ("base", "math", "code", "full")
@@ -19,18 +19,9 @@ AGENTS = ("base", "math", "code", "full")
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tokenizer):
     base = ccft.load_base(str(make_tiny_folder(tmp_path_factory.mktemp("sched"), tokenizer, seed=5, scale=30.0)))
-    full = ccft.make_decoder(base, "full", method="ccft")
+    full = ccft.make_decoder(base, "full", method="ccft")  # before any adapter: an unperturbed copy of the base
     full.model.eval()
-    decs = {"full": full}
-    for i, name in enumerate(("math", "code")):
-        import torch
-
-        torch.manual_seed(20 + i)
-        d = ccft.make_decoder(base, "lora", lora={"r": 4, "lora_alpha": 8, "init_lora_weights": False},
-                              method="ccft", adapter_name=name)
-        d.model.eval()
-        decs[name] = d
-    return base, decs
+    return base, {"full": full, **{name: make_lora(base, name, 20 + i, 4) for i, name in enumerate(("math", "code"))}}
 
 
 @pytest.fixture(scope="module")

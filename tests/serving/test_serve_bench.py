@@ -7,12 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import ccft
 from ccft.inference import SharedPrefillEngine
 from ccft.serving import workloads
-from conftest import make_tiny_folder
+from conftest import make_lora, make_tiny_folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import serve_bench  # noqa: E402
@@ -23,13 +22,7 @@ AGENTS = list(serve_bench.AGENTS)
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tokenizer):
     base = ccft.load_base(str(make_tiny_folder(tmp_path_factory.mktemp("serve"), tokenizer, seed=2)))
-    decs = {}
-    for i, name in enumerate(AGENTS):
-        torch.manual_seed(i)
-        d = ccft.make_decoder(base, "lora", lora={"r": 4, "init_lora_weights": False}, method="ccft",
-                              adapter_name=name)
-        d.model.eval()
-        decs[name] = d
+    decs = {name: make_lora(base, name, i, 4) for i, name in enumerate(AGENTS)}
     return SharedPrefillEngine(base, decoders=decs, max_batch=32)
 
 
@@ -47,7 +40,7 @@ def test_replay_both_modes_same_work(engine, tokenizer):
     assert shared["generated_tokens"] == no_share["generated_tokens"] == 3 * n
     assert shared["prefills"] == 4 and no_share["prefills"] == 16  # one per session-turn vs one per agent call
     # peak live KV: both sessions in their last turn (context 128 + 16) at once; Eq. 9 with the generation included
-    bpt = engine.num_layers * 2 * engine.arena.unit * engine.arena.dtype.itemsize
+    bpt = engine.kv_bytes_per_token
     assert shared["peak_live_kv_bytes"] == 2 * (144 - 1 + 4 * (8 + 1 + 3)) * bpt
     assert no_share["peak_live_kv_bytes"] == 2 * 4 * (144 - 1 + 8 + 1 + 3) * bpt
     assert shared["prefix_hit_ratio"] > no_share["prefix_hit_ratio"] > 0  # the second turn reuses blocks
@@ -55,7 +48,7 @@ def test_replay_both_modes_same_work(engine, tokenizer):
 
 def test_replay_under_budget_queues(engine, tokenizer):
     trace = _trace(tokenizer, 2)
-    bpt = engine.num_layers * 2 * engine.arena.unit * engine.arena.dtype.itemsize
+    bpt = engine.kv_bytes_per_token
     budget = 2 * (128 + 16 - 1 + 4 * 12) * bpt + 128 * bpt  # roughly what sharing needs, far below no-share's
     r = serve_bench.run_point(engine, trace, share=False, budget=budget, block_tokens=16)
     assert r["requests"] == 16 and r["admission_waits"] > 0

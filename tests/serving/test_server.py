@@ -27,7 +27,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import ccft
@@ -38,7 +37,7 @@ from ccft.serving.prefix_store import PrefixKVStore
 from ccft.serving.scheduler import Scheduler
 from ccft.serving.server import BackgroundServer, create_app
 from ccft.serving.text_stream import IncrementalDetokenizer
-from conftest import make_tiny_folder
+from conftest import make_lora, make_tiny_folder
 
 DECODERS = ("base", "math", "code")
 WAIT = 120.0  # seconds: bound on every wait (against hangs only; nothing asserts on time)
@@ -50,14 +49,7 @@ MAX_TOKENS = (4, 6)
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tokenizer):
     base = ccft.load_base(str(make_tiny_folder(tmp_path_factory.mktemp("serve"), tokenizer, seed=11, scale=30.0)))
-    decs = {}
-    for i, name in enumerate(("math", "code")):
-        torch.manual_seed(40 + i)
-        d = ccft.make_decoder(base, "lora", lora={"r": 4, "lora_alpha": 8, "init_lora_weights": False},
-                              method="ccft", adapter_name=name)
-        d.model.eval()
-        decs[name] = d
-    return base, decs
+    return base, {name: make_lora(base, name, 40 + i, 4) for i, name in enumerate(("math", "code"))}
 
 
 @pytest.fixture(scope="module")

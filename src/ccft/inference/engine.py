@@ -277,6 +277,8 @@ class SharedPrefillEngine:
         self.max_batch, self.max_tail_tokens = int(max_batch), int(max_tail_tokens)
         self.fill = float(fill)
         self.num_layers = bw.num_layers
+        #: bytes of K and V per token over all layers: layers × 2 × kv_heads × head_dim × dtype bytes
+        self.kv_bytes_per_token = bw.num_layers * 2 * bw.kv_heads * bw.head_dim * bw.dtype.itemsize
         self.arena = PrefixArena(bw.num_layers, bw.kv_heads, bw.head_dim, bw.dtype, device,
                                  capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
                                  max_tokens=max_prefix_tokens, fill=self.fill)
@@ -625,7 +627,7 @@ class SharedPrefillEngine:
                        tail_written=len(tail) - 1)
         kf, vf = (lambda i: handle.keys(i)[row]), (lambda i: handle.values(i)[row])
         if n_pre > 0:
-            pw, plora = self._producer_weights(handle, entry)
+            pw, plora = self._producer(handle.producer)[:2]  # checked above: the base, or this decoder
             M.extend(pw, torch.tensor(tail[:n_pre], device=self.device), req.prefix_len, kf, vf,
                      int(handle.key_start[row]), lane.pool.k[:, slot], lane.pool.v[:, slot], 0, plora)
         if k > 1:  # the first k-1 handoff tokens: one small forward for this row now
@@ -636,16 +638,6 @@ class SharedPrefillEngine:
         lane.rows.append(req)
         self._requests[req.id] = req
         return req.id
-
-    def _producer_weights(self, handle: PrefixHandle, entry: _DecoderEntry):
-        """Weights and LoRA plan of the model that wrote ``handle`` (the base unless a decoder prefilled it)."""
-        producer = getattr(handle, "producer", None)
-        if producer in (None, BASE):
-            return self._base_lane.weights, M.NO_LORA
-        if producer != entry.name:
-            raise FingerprintMismatchError(f"the handle was prefilled by decoder {producer!r}; decoder {entry.name!r} "
-                                           "cannot extend it (prefill with the base or with this decoder)")
-        return entry.lane.weights, self._lora_plan_single(entry)
 
     @property
     def active(self) -> int:

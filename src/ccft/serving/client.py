@@ -276,15 +276,19 @@ def run_replay(url: str, requests: Sequence[ReplayRequest], **kwargs) -> list[Re
     return asyncio.run(replay(url, requests, **kwargs))
 
 
+def quantile(xs: Sequence[float], p: float) -> float | None:
+    """The ``p``-quantile (0..1) of ``xs`` by the nearest rank of the sorted values; None when empty."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(p * (len(xs) - 1))))]
+
+
 def _quantiles(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0}
-    xs = sorted(xs)
-
-    def q(p: float) -> float:
-        return xs[min(len(xs) - 1, max(0, round(p * (len(xs) - 1))))]
-
-    return {"n": len(xs), "mean": statistics.fmean(xs), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": xs[-1]}
+    return {"n": len(xs), "mean": statistics.fmean(xs), "p50": quantile(xs, 0.5), "p90": quantile(xs, 0.9),
+            "p99": quantile(xs, 0.99), "max": max(xs)}
 
 
 def summarize(records: Sequence[ReplayRecord]) -> dict:

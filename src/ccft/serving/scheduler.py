@@ -155,8 +155,7 @@ class Scheduler:
         self.engine, self.share, self.store = engine, bool(share), store
         self.kv_budget_bytes = None if kv_budget_bytes is None else int(kv_budget_bytes)
         self.max_queue, self.max_prompt_tokens = int(max_queue), max_prompt_tokens
-        arena = engine.arena
-        self.bytes_per_token = engine.num_layers * 2 * arena.unit * arena.dtype.itemsize
+        self.bytes_per_token = engine.kv_bytes_per_token
         self._queue: collections.deque[Ticket] = collections.deque()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -331,7 +330,8 @@ class Scheduler:
 
     def _context_key(self, r: ServeRequest, ctx_tokens: int) -> tuple:
         producer = BASE if self.share else r.decoder
-        return (producer, self._handoff(r.decoder), tuple(r.prompt_ids[: ctx_tokens + self._handoff(r.decoder)]))
+        k = self._handoff(r.decoder)
+        return (producer, k, tuple(r.prompt_ids[: ctx_tokens + k]))
 
     def _admit(self) -> None:
         while True:
@@ -392,8 +392,6 @@ class Scheduler:
         t0 = time.perf_counter()
         if self.store is not None:
             handle, hit = self.engine.prefill_cached(prompt, self.store, producer=producer, handoff_tokens=k)
-        elif producer is None:
-            handle, hit = self.engine.prefill([prompt], handoff_tokens=k), 0
         else:
             handle, hit = self.engine.prefill([prompt], producer=producer, handoff_tokens=k), 0
         self.prefill_seconds += time.perf_counter() - t0
