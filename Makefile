@@ -21,8 +21,9 @@ test: venv  ## the test suite (tiny models, CPU, CI-fast)
 test-slow: venv  ## real-model tests on the embedded SmolLM2
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-lint: venv
+lint: venv  ## ruff + the import contract (.importlinter; docs/design.md, "Layers")
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 
 demo: venv  ## the main job: CCFT + Full-FT on GSM8K, four-mode evaluation, reports/demo/
 	$(VENV)/bin/ccft demo recipes/demo.yaml

@@ -67,7 +67,9 @@ def load(model: str, *, random_weights: bool, device: str, dtype: torch.dtype):
 
     if not random_weights:
         base = ccft.load_base(model, dtype=dtype, device=device)
-        return base, ccft.models.describe_model(model)
+        from ccft.core.models import describe_model
+
+        return base, describe_model(model)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -82,7 +84,7 @@ def load(model: str, *, random_weights: bool, device: str, dtype: torch.dtype):
 def make_prompts(base, batch: int, prompt_tokens: int | None, real: bool) -> list[list[int]]:
     """``batch`` prompts: GSM8K test questions (real tokenizer) or random ids of GSM8K-like lengths."""
     if real:
-        from ccft.data import tokenize_prompt
+        from ccft.core.tokens import tokenize_prompt
 
         path = Path(__file__).resolve().parents[1] / "src" / "ccft" / "resources" / "gsm8k" / "test.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -117,7 +119,7 @@ class _Clock:
 
 @torch.no_grad()
 def run_hf(base, prompts, new_tokens: int) -> dict:
-    from ccft.data import left_pad
+    from ccft.core.tokens import left_pad
 
     model = base.model
     pad = base.tokenizer.pad_token_id

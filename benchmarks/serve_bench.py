@@ -86,7 +86,9 @@ def build(args):
         decoders[name] = d
     engine = SharedPrefillEngine(base, decoders=decoders, max_batch=args.max_batch)
     kinds = {n: ("folder " + given[n]) if n in given else "random LoRA r=8" for n in AGENTS}
-    return base, engine, {"model": ccft.models.describe_model(args.model), "decoders": kinds}
+    from ccft.core.models import describe_model
+
+    return base, engine, {"model": describe_model(args.model), "decoders": kinds}
 
 
 def replay(scheduler, trace) -> dict:

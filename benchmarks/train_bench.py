@@ -53,7 +53,7 @@ def theory_speedup(kind: str, p: int, r: int) -> float:
 
 def build_rows(tokenizer, n: int, p: int, r: int) -> list[tuple[list[int], list[int]]]:
     """n rows of exactly p prompt ids and r response ids (the last is EOS) from the bundled GSM8K train set."""
-    from ccft.config import BUILTIN_DATASETS
+    from ccft.train.config import BUILTIN_DATASETS
 
     lines = Path(BUILTIN_DATASETS["gsm8k"]["train"]).read_text().splitlines()
     recs = [json.loads(line) for line in lines if line.strip()]
@@ -139,7 +139,7 @@ def run_case(spec: dict) -> dict:
     torch.manual_seed(0)
     from transformers import AutoTokenizer
 
-    from ccft.models import resolve_model_path
+    from ccft.core.models import resolve_model_path
 
     path = resolve_model_path(spec["model"])
     tok = AutoTokenizer.from_pretrained(path)
@@ -169,9 +169,9 @@ def run_case(spec: dict) -> dict:
 
 def _ccft_trainer(spec, rows, out):
     from ccft import load_base, make_decoder
-    from ccft.config import TrainConfig
-    from ccft.data import Collator, Example, TokenizedDataset
-    from ccft.trainer import CacheConditionedTrainer
+    from ccft.train.config import TrainConfig
+    from ccft.train.data import Collator, Example, TokenizedDataset
+    from ccft.train.trainer import CacheConditionedTrainer
 
     method = "full-ft" if spec["method"] == "ccft-full-ft" else "ccft"
     train_path = {"ccft-two-pass": "two-pass", "ccft-one-pass": "one-pass"}.get(spec["method"], "auto")
@@ -211,20 +211,20 @@ def run_store_case(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     from ccft import load_base
-    from ccft.cache_store import CacheStore, bytes_per_token, precompute
-    from ccft.data import Collator, Example
+    from ccft.train.cache_store import CacheStore, bytes_per_token, precompute
+    from ccft.train.data import Collator, Example
 
     base = load_base(spec["model"])
     rows = build_rows(base.tokenizer, spec["batch"] * spec["steps"], spec["P"], spec["R"])
     examples = [Example(tuple(p), tuple(r), i) for i, (p, r) in enumerate(rows)]
     collate = Collator(base.tokenizer.eos_token_id, 1)
     batches = [collate(examples[i:i + spec["batch"]]) for i in range(0, len(examples), spec["batch"])]
-    from ccft.base_cache import _prefill_tensors
+    from ccft.core.cache import prefill_tensors
 
     def prefill_all():
         for b in batches:
             with torch.no_grad(), base.base_weights() as m:
-                _prefill_tensors(m, b["prefix_ids"], b["prefix_mask"], b["tail_ids"][:, :1], handoff_tokens=1,
+                prefill_tensors(m, b["prefix_ids"], b["prefix_mask"], b["tail_ids"][:, :1], handoff_tokens=1,
                                  fingerprint=base.fingerprint)
 
     prefill_all()  # warm-up
@@ -313,7 +313,7 @@ def run(args) -> dict:
 
 
 def _ratios(case: dict, clock: str) -> None:
-    from ccft.fastpath import DEFAULT_LORA_PATH
+    from ccft.train.fastpath import DEFAULT_LORA_PATH
 
     runs = case["runs"]
     key = "cpu_s" if clock == "cpu" else "step_s"

@@ -18,7 +18,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The embedded SmolLM2 converted to an HF folder (tokenizer used by the tiny models)."""
-    from ccft.models import convert_embedded
+    from ccft.core.models import convert_embedded
 
     return convert_embedded("smollm2-135m-instruct", quiet=True)
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ccft
-from ccft.base_cache import BaseCache, prefill
-from ccft.data import right_pad, tokenize_response
+from ccft.core.cache import BaseCache, prefill
+from ccft.core.tokens import right_pad, tokenize_response
 
 TOL = 1e-5
 

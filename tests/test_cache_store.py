@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from ccft import load_base
-from ccft.base_cache import _prefill_tensors
-from ccft.cache_store import (
+from ccft.cli.main import main
+from ccft.core.cache import prefill_tensors
+from ccft.train.cache_store import (
     MANIFEST,
     CacheStore,
     StoreError,
@@ -20,10 +21,9 @@ from ccft.cache_store import (
     estimate_bytes,
     precompute,
 )
-from ccft.cli.main import main
-from ccft.config import load_recipe
-from ccft.data import Collator, build_dataset
-from ccft.train import setup
+from ccft.train.config import load_recipe
+from ccft.train.data import Collator, build_dataset
+from ccft.train.run import setup
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,7 +73,7 @@ def test_stored_c_base_equals_the_prefill_for_a_padded_batch(tmp_path, tiny_base
     batch = Collator(tokenizer.pad_token_id, k)(ds.examples)
     stored = store.batch_cache(batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k], base=tiny_base)
     with tiny_base.base_weights() as m:
-        live = _prefill_tensors(m, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k],
+        live = prefill_tensors(m, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k],
                                 handoff_tokens=k, fingerprint=tiny_base.fingerprint)
     assert stored is not None and stored.fingerprint == tiny_base.fingerprint and stored.producer == "base"
     assert torch.equal(stored.attention_mask, live.attention_mask) and torch.equal(stored.tail_ids, live.tail_ids)

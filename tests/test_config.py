@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ccft import ConfigError
-from ccft.config import EvalConfig, TrainConfig, load_recipe, parse_overrides
+from ccft.train.config import EvalConfig, TrainConfig, load_recipe, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -83,13 +83,13 @@ def test_bad_recipe_files(tmp_path):
 
 
 def test_errors_are_raised_before_any_model_loads(monkeypatch):
-    import ccft.models
+    import ccft.core.models
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(ccft.models, "load_base", boom)
-    monkeypatch.setattr(ccft.models, "convert_embedded", boom)
+    monkeypatch.setattr(ccft.core.models, "load_base", boom)
+    monkeypatch.setattr(ccft.core.models, "convert_embedded", boom)
     with pytest.raises(ConfigError, match="max_steps"):
         load_recipe(None, ["max_steps=abc"])
     load_recipe(None, ["max_steps=3"])  # the default (embedded) base is not touched by parsing either
@@ -164,7 +164,7 @@ def test_recipe_parses_names_its_command_and_dry_runs(recipe, tmp_path, tiny_dir
     cfg, ecfg, raw = load_recipe(recipe)  # parses as shipped
     assert cfg.method in ("ccft", "full-ft") and raw
 
-    from ccft.train import setup
+    from ccft.train.run import setup
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

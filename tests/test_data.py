@@ -14,15 +14,8 @@ import torch
 from transformers import AutoTokenizer
 
 import ccft
-from ccft.data import (
-    IGNORE_INDEX,
-    Collator,
-    build_dataset,
-    load_rows,
-    tokenize_prompt,
-    tokenize_response,
-    tokenize_row,
-)
+from ccft.core.tokens import IGNORE_INDEX, tokenize_prompt, tokenize_response
+from ccft.train.data import Collator, build_dataset, load_rows, tokenize_row
 
 N_GSM8K = 320
 

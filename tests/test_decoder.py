@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import ccft
-from ccft.base_cache import prefill
-from ccft.data import IGNORE_INDEX, Collator, Example, right_pad, tokenize_prompt, tokenize_response
+from ccft.core.cache import prefill
+from ccft.core.tokens import IGNORE_INDEX, right_pad, tokenize_prompt, tokenize_response
+from ccft.train.data import Collator, Example
 from conftest import perturb
 
 PROMPTS = [

@@ -21,10 +21,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from ccft.config import load_recipe
-from ccft.distributed import accelerate_command, inside_launcher
-from ccft.errors import ConfigError
-from ccft.train import run_training
+from ccft.core.errors import ConfigError
+from ccft.train.config import load_recipe
+from ccft.train.distributed import accelerate_command, inside_launcher
+from ccft.train.run import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCEL = ROOT / "recipes" / "accelerate"
@@ -160,7 +160,7 @@ def test_accelerate_command_and_refusals(monkeypatch):
 
 
 def test_processes_that_do_not_form_a_group_are_refused(recipe, tmp_path, monkeypatch):
-    from ccft.train import check_process_group, setup
+    from ccft.train.run import check_process_group, setup
 
     cfg, _, _ = load_recipe(recipe, [f"output_dir={tmp_path}", "max_steps=1"])
     *_, trainer = setup(cfg)

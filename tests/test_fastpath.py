@@ -13,19 +13,19 @@ import pytest
 import torch
 
 from ccft import ConfigError, load_base, make_decoder
-from ccft.base_cache import _prefill_tensors
-from ccft.config import load_recipe
-from ccft.data import Collator, build_dataset
-from ccft.decoder import decoder_forward, full_forward
-from ccft.fastpath import (
+from ccft.core.cache import prefill_tensors
+from ccft.core.decoder import decoder_forward, full_forward
+from ccft.train.config import load_recipe
+from ccft.train.data import Collator, build_dataset
+from ccft.train.fastpath import (
     DEFAULT_LORA_PATH,
     LoraTokenGate,
     one_pass_forward,
     one_pass_unsupported,
     resolve_train_path,
 )
-from ccft.train import run_training, setup
-from ccft.trainer import response_nll_sum
+from ccft.train.run import run_training, setup
+from ccft.train.trainer import response_nll_sum
 
 LOSS_TOL = 2e-6   # fp32 losses ≈ ln(vocab) ≈ 10.8; the paths differ in summation order only
 GRAD_TOL = 1e-5   # relative to the largest gradient entry of the tensor
@@ -62,7 +62,7 @@ def batch_for(tokenizer, k: int, n: int = 5) -> dict:
 
 def two_pass_logits(base, model, batch, k):
     with base.base_weights() as m:
-        cache = _prefill_tensors(m, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k],
+        cache = prefill_tensors(m, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k],
                                  handoff_tokens=k, fingerprint=base.fingerprint)
     return decoder_forward(model, cache, batch["tail_ids"], batch["tail_mask"])
 
@@ -208,7 +208,7 @@ def test_trainer_loss_curves_equal_across_paths_and_record_the_path(tmp_path, ti
         assert trainer.train_path == path
         trainer.train()
         curves[path] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        from ccft.checkpoint import save_decoder
+        from ccft.core.checkpoint import save_decoder
 
         save_decoder(decoder, tmp_path / path / "final", train_path=trainer.train_path)
         metas[path] = json.loads((tmp_path / path / "final" / "ccft.json").read_text())

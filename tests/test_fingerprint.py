@@ -10,8 +10,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 import ccft
-from ccft.base_cache import prefill
-from ccft.data import right_pad, tokenize_prompt, tokenize_response
+from ccft.core.cache import prefill
+from ccft.core.tokens import right_pad, tokenize_prompt, tokenize_response
 from conftest import make_tiny_folder
 
 PROMPTS = ["How many legs do 3 spiders have?", "Name the largest planet in the solar system, please."]
@@ -244,6 +244,6 @@ def test_prefillshare_really_reads_c_base(base):
 
 
 def _prefix(prompts, tok):
-    from ccft.data import left_pad
+    from ccft.core.tokens import left_pad
 
     return left_pad([p[:-1] for p in prompts], tok.pad_token_id)

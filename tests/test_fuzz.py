@@ -22,12 +22,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ccft import CCFTError, DataError, load_base, make_decoder
-from ccft.base_cache import _prefill_tensors
-from ccft.config import load_recipe
-from ccft.data import IGNORE_INDEX, Collator, build_dataset
-from ccft.decoder import decoder_forward
-from ccft.train import setup
-from ccft.trainer import response_nll_sum
+from ccft.core.cache import prefill_tensors
+from ccft.core.decoder import decoder_forward
+from ccft.core.tokens import IGNORE_INDEX
+from ccft.train.config import load_recipe
+from ccft.train.data import Collator, build_dataset
+from ccft.train.run import setup
+from ccft.train.trainer import response_nll_sum
 
 FUZZ = settings(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -113,7 +114,7 @@ def test_rows_tokenise_to_supervised_batches_or_raise_data_error(tokenizer, fuzz
     batch = Collator(tokenizer.pad_token_id, k)(ds.examples)
     check_batch(batch, ds.examples, k)
     with torch.no_grad(), base.base_weights() as m:
-        cache = _prefill_tensors(m, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k],
+        cache = prefill_tensors(m, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k],
                                  handoff_tokens=k, fingerprint=base.fingerprint)
     with torch.no_grad():
         nll, count = response_nll_sum(decoder_forward(decoder.model, cache, batch["tail_ids"], batch["tail_mask"]),

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import ccft
-from ccft.data import right_pad, tokenize_prompt, tokenize_response
+from ccft.core.tokens import right_pad, tokenize_prompt, tokenize_response
 from conftest import make_tiny_folder
 
 N_NEW = 8

@@ -1,7 +1,7 @@
 """CacheConditionedTrainer and the training recipe: loss values, invariants 2-4 (DESIGN.md §2), K1, crash safety.
 
 Every test runs a tiny random GQA Llama (fp32) with the real SmolLM2 tokenizer. Reference values are
-computed independently of ``ccft.decoder``: a plain HF model prefills each row unpadded, a deep copy of
+computed independently of ``ccft.core.decoder``: a plain HF model prefills each row unpadded, a deep copy of
 its cache is handed to the decoder, which runs the tail at explicit positions. Short synthetic rows
 (no chat template) keep the steps cheap; only the "loss goes down" test uses real GSM8K rows.
 """
@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import ccft
-from ccft.base_cache import compute_base_cache
-from ccft.config import load_recipe
-from ccft.decoder import decoder_forward
-from ccft.train import run_training, setup
+from ccft.core.cache import compute_base_cache
+from ccft.core.decoder import decoder_forward
+from ccft.train.config import load_recipe
+from ccft.train.run import run_training, setup
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -343,8 +343,8 @@ from pathlib import Path
 import torch
 torch.set_num_threads(int(sys.argv[2]))
 from transformers import Trainer
-from ccft.config import load_recipe
-from ccft.train import run_training
+from ccft.train.config import load_recipe
+from ccft.train.run import run_training
 
 marker = Path(sys.argv[1])
 orig = Trainer._save_optimizer_and_scheduler

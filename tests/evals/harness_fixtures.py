@@ -40,7 +40,7 @@ class ToyTask:
         return [{"id": f"toy/{i}", "question": r["question"], "answer": r["answer"]} for i, r in enumerate(rows)]
 
     def prompt_ids(self, tokenizer, item):
-        from ccft.data import tokenize_prompt
+        from ccft.core.tokens import tokenize_prompt
 
         return tokenize_prompt(tokenizer, item["question"][:120], chat_template=False)
 

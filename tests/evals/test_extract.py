@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ccft.errors import DataError
+from ccft.core.errors import DataError
 from ccft.evals.extract import (
     EXTRACTORS,
     exact_match,

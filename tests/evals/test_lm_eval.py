@@ -18,7 +18,7 @@ import torch
 from harness_fixtures import perturb
 
 import ccft
-from ccft.errors import ConfigError
+from ccft.core.errors import ConfigError
 from conftest import make_tiny_folder
 
 lm_eval = pytest.importorskip("lm_eval")

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from ccft.errors import ConfigError
+from ccft.core.errors import ConfigError
+from ccft.evals.report import build_report, headline_table, modes_table, reading
 from ccft.evals.stats import mean_ci, paired_bootstrap_delta
 from ccft.evals.sweep import summarize_sweep
-from ccft.report import build_report, headline_table, modes_table, reading
 
 pytest.importorskip("matplotlib", reason="ccft report draws its plots with matplotlib (pin it with the test extras)")
 

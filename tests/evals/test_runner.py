@@ -10,8 +10,8 @@ import torch
 from harness_fixtures import ToyTask, decoders
 
 import ccft
-from ccft.data import tokenize_response
-from ccft.errors import ConfigError
+from ccft.core.errors import ConfigError
+from ccft.core.tokens import tokenize_response
 from ccft.evals.runner import EvalSettings, ModeSpec, get_task, read_jsonl, run_task
 from ccft.evals.stats import mean_ci, paired_bootstrap_delta
 from conftest import make_tiny_folder
@@ -223,7 +223,7 @@ class _NoToolchainTask(ToyTask):
 
 
 def test_samples_and_unavailable_toolchain(setup, tmp_path):
-    from ccft.report import build_report
+    from ccft.evals.report import build_report
 
     base, _, cc, _ = setup
     specs = [ModeSpec("prefillshare", cc, "cc")]

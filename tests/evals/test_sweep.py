@@ -14,10 +14,11 @@ import torch
 from harness_fixtures import ToyTask, decoders, perturb
 
 import ccft
-from ccft.data import Collator, Example, tokenize_prompt, tokenize_response
-from ccft.errors import ConfigError
+from ccft.core.errors import ConfigError
+from ccft.core.tokens import tokenize_prompt, tokenize_response
 from ccft.evals.sharing import recompute_tokens, row_nlls, shared_forward, shared_generate, shared_layer_list
 from ccft.evals.sweep import run_sweep
+from ccft.train.data import Collator, Example
 from conftest import make_tiny_folder
 
 TOL = 1e-5

@@ -309,7 +309,7 @@ def test_bfcl_without_checker_is_unavailable(monkeypatch):
 
 
 def test_glaive_rows_convert_one_row_per_assistant_turn():
-    from ccft.config import resolve_data
+    from ccft.train.config import resolve_data
 
     shared = Path(__file__).resolve().parents[3] / "shared" / "data" / "tools_glaive" / "glaive_toolcall_en_demo.json"
     src = json.loads(shared.read_text()) if shared.is_file() else None
@@ -328,7 +328,7 @@ def test_glaive_rows_convert_one_row_per_assistant_turn():
 
 
 def test_tools_reach_the_prompt_for_any_template(tokenizer):
-    from ccft.data import tokenize_prompt
+    from ccft.core.tokens import tokenize_prompt
 
     tools = [openai_tool({"name": "get_weather", "description": "Weather", "parameters": {
         "type": "dict", "properties": {"city": {"type": "string"}}, "required": ["city"]}})]

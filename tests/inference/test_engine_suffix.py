@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ccft
-from ccft.data import tokenize_prompt
+from ccft.core.tokens import tokenize_prompt
 from ccft.inference import SharedPrefillEngine
 from conftest import make_full as _full
 from conftest import make_lora as _lora

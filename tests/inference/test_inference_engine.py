@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ccft
-from ccft.data import right_pad, tokenize_prompt
-from ccft.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
+from ccft.core.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
+from ccft.core.tokens import right_pad, tokenize_prompt
 from ccft.inference import CapacityError, SamplingParams, SharedPrefillEngine
 from conftest import make_full as _full
 from conftest import make_lora as _lora

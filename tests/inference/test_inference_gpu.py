@@ -115,7 +115,7 @@ def test_cuda_graph_greedy_equals_reference(attention, batch):
 def test_cuda_graph_teacher_forced_logits_mixed_batch():
     """Rows of base + two adapters in one captured step, plus the full lane; logits == decoder_forward."""
     import ccft
-    from ccft.data import right_pad
+    from ccft.core.tokens import right_pad
     from ccft.inference import SharedPrefillEngine
 
     base = _base(scale=1.0)

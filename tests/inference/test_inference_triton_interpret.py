@@ -44,7 +44,7 @@ def test_engine_with_triton_attention_equals_reference(tmp_path, gsm8k_rows, tok
     """The static decode step with the kernel (what a CUDA graph captures) == ccft.generate, LoRA rows mixed in."""
     pytest.importorskip("triton")
     import ccft
-    from ccft.data import tokenize_prompt
+    from ccft.core.tokens import tokenize_prompt
     from ccft.inference import SharedPrefillEngine
     from conftest import make_tiny_folder
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import ccft
-from ccft.base_cache import prefill as hf_prefill
-from ccft.data import tokenize_prompt
-from ccft.errors import ConfigError, FingerprintMismatchError
+from ccft.core.cache import prefill as hf_prefill
+from ccft.core.errors import ConfigError, FingerprintMismatchError
+from ccft.core.tokens import tokenize_prompt
 from ccft.serving import PrefixKVStore
 from conftest import make_full, make_lora, make_tiny_folder
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ccft.errors import ConfigError
+from ccft.core.errors import ConfigError
 from ccft.serving.router import (
     ROUTERS,
     LeastLoadedRouter,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import ccft
-from ccft.data import tokenize_prompt
-from ccft.errors import ConfigError
+from ccft.core.errors import ConfigError
+from ccft.core.tokens import tokenize_prompt
 from ccft.inference import SharedPrefillEngine
 from ccft.serving.scheduler import PromptTooLongError, QueueFullError, Scheduler, ServeRequest
 from conftest import make_lora, make_tiny_folder

@@ -30,7 +30,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import ccft
-from ccft.data import tokenize_prompt
+from ccft.core.tokens import tokenize_prompt
 from ccft.inference import SamplingParams, SharedPrefillEngine
 from ccft.serving.client import ReplayRequest, replay, requests_from_dicts, requests_from_trace, summarize
 from ccft.serving.prefix_store import PrefixKVStore

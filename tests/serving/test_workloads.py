@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from ccft.errors import ConfigError, DataError
+from ccft.core.errors import ConfigError, DataError
 from ccft.serving import workloads
 from ccft.serving.workloads import KVTokens, Trace, generate, kv_tokens
 

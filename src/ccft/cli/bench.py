@@ -22,7 +22,7 @@ def _checkout() -> Path | None:
 def _module(name: str):
     root = _checkout()
     if root is None:
-        from ..errors import ConfigError
+        from ccft.core.errors import ConfigError
 
         raise ConfigError("`ccft bench` runs the benchmarks of a source checkout (its benchmarks/ folder); run it "
                           "from the ccft repository or install ccft with `pip install -e .`")

@@ -41,8 +41,8 @@ def _phase(times: dict, name: str):
 
 
 def _train_or_reuse(cfg, raw: dict):
-    from ..checkpoint import read_meta
-    from ..train import run_training
+    from ccft.core.checkpoint import read_meta
+    from ccft.train.run import run_training
 
     out = Path(cfg.output_dir)
     if (out / "ccft.json").is_file():
@@ -58,12 +58,12 @@ def _train_or_reuse(cfg, raw: dict):
 def run(args) -> int:
     import torch
 
-    from ..checkpoint import load_decoder
-    from ..config import TrainConfig, load_recipe, resolve_data
-    from ..data import build_dataset, load_rows
-    from ..evaluate import gsm8k_exact_match, hardware, paired_deltas, row_nll, summarize_mode
-    from ..models import describe_model, load_base, resolve_model_path
-    from ..report import modes_table, reading
+    from ccft.core.checkpoint import load_decoder
+    from ccft.core.models import describe_model, load_base, resolve_model_path
+    from ccft.evals.evaluate import gsm8k_exact_match, hardware, paired_deltas, row_nll, summarize_mode
+    from ccft.evals.report import modes_table, reading
+    from ccft.train.config import TrainConfig, load_recipe, resolve_data
+    from ccft.train.data import build_dataset, load_rows
 
     times: dict[str, float] = {}
     total = time.time()
@@ -131,7 +131,7 @@ def run(args) -> int:
         times["total"] = round(time.time() - total, 1)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        from ..checkpoint import atomic_write_text
+        from ccft.core.checkpoint import atomic_write_text
 
         atomic_write_text(out / "results.json", json.dumps(result, indent=2))
         atomic_write_text(out / "README.md", demo_readme(result, args.recipe))
@@ -143,7 +143,7 @@ def run(args) -> int:
 
 
 def demo_readme(result: dict, recipe: str) -> str:
-    from ..report import modes_table, reading
+    from ccft.evals.report import modes_table, reading
 
     t = result["phase_seconds"]
     curve = result["loss_curve"]

@@ -53,9 +53,9 @@ def add_parser(sub) -> None:
 def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
     """(base, {method: (decoder, path)}) for the given decoder folders; fails before loading anything when a
     folder is not a decoder or a mode in ``modes`` has no decoder of its method."""
-    from ..checkpoint import load_decoder, read_meta
-    from ..errors import ConfigError
-    from ..models import DEFAULT_BASE, load_base
+    from ccft.core.checkpoint import load_decoder, read_meta
+    from ccft.core.errors import ConfigError
+    from ccft.core.models import DEFAULT_BASE, load_base
 
     metas = {d: read_meta(d) for d in decoder_dirs}  # fails fast on a non-decoder folder
     methods = {m.get("method") for m in metas.values()}
@@ -78,8 +78,8 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
 
 def mode_specs(modes, decoders):
     """``ModeSpec`` per mode, checking each has its decoder (ConfigError otherwise)."""
-    from ..errors import ConfigError
-    from ..evals.runner import ModeSpec
+    from ccft.core.errors import ConfigError
+    from ccft.evals.runner import ModeSpec
 
     specs = []
     for mode in modes:
@@ -104,9 +104,9 @@ def default_modes(decoders) -> list[str]:
 
 
 def run(args) -> int:
-    from ..errors import ConfigError
-    from ..evals.runner import EvalSettings, get_task, run_task, task_names
-    from ..report import task_markdown
+    from ccft.core.errors import ConfigError
+    from ccft.evals.report import task_markdown
+    from ccft.evals.runner import EvalSettings, get_task, run_task, task_names
 
     tasks = args.task or ["gsm8k"]
     if tasks == ["list"]:
@@ -140,7 +140,7 @@ def run(args) -> int:
             print(f"[ccft] {s['task']:12s} {mode:12s} {nll} {metrics} n={m['n']} "
                   f"(computed now: {res.computed.get(mode, 0)})", flush=True)
         name = s["task"]
-        from ..checkpoint import atomic_write_text
+        from ccft.core.checkpoint import atomic_write_text
 
         atomic_write_text(out / f"{name}.json", json.dumps({k: v for k, v in s.items()}, indent=2, default=str))
         atomic_write_text(out / f"{name}.md", task_markdown(s))

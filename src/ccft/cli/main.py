@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import CCFTError
+from ccft.core.errors import CCFTError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, demo, precompute, report, serve, sweep, train
-    from . import eval as eval_cmd
+    from ccft.cli import bench, demo, precompute, report, serve, sweep, train
+    from ccft.cli import eval as eval_cmd
 
     parser = argparse.ArgumentParser(prog="ccft", description="Cache-conditioned fine-tuning (PrefillShare).")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -33,10 +33,17 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
-    from ..cache_store import StoreError, bytes_per_token, estimate_bytes, human, precompute, prefixes_of
-    from ..config import load_recipe
-    from ..models import load_base, parse_dtype, resolve_model_path
-    from ..train import load_split
+    from ccft.core.models import load_base, parse_dtype, resolve_model_path
+    from ccft.train.cache_store import (
+        StoreError,
+        bytes_per_token,
+        estimate_bytes,
+        human,
+        precompute,
+        prefixes_of,
+    )
+    from ccft.train.config import load_recipe
+    from ccft.train.run import load_split
 
     cfg, _, _ = load_recipe(args.recipe, args.overrides)
     out = Path(args.out or cfg.base_cache_store or Path(cfg.output_dir) / "c_base")

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..report import build_report
+    from ccft.evals.report import build_report
 
     report = build_report(args.runs, args.out, title=args.title)
     print(f"[ccft] report: {len(report['tasks'])} task(s), {len(report['sweeps'])} sweep(s) -> "

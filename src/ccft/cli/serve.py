@@ -77,7 +77,7 @@ def add_parser(sub) -> None:
 
 
 def _decoders(specs: list[str]) -> dict[str, str]:
-    from ..errors import ConfigError
+    from ccft.core.errors import ConfigError
 
     out: dict[str, str] = {}
     for spec in specs:
@@ -95,8 +95,7 @@ def build_scheduler(args):
     import torch
 
     import ccft
-
-    from ..serving.scheduler import Scheduler
+    from ccft.serving.scheduler import Scheduler
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,7 +108,7 @@ def build_scheduler(args):
                                       max_tail_tokens=args.max_tail_tokens)
     store = None
     if args.block_tokens:
-        from ..serving.prefix_store import PrefixKVStore
+        from ccft.serving.prefix_store import PrefixKVStore
 
         store = PrefixKVStore(block_tokens=args.block_tokens, budget_bytes=None)  # the scheduler's budget covers it
     budget = None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2 ** 20)
@@ -121,7 +120,7 @@ def build_scheduler(args):
 def run(args) -> int:
     import uvicorn
 
-    from ..serving.server import create_app
+    from ccft.serving.server import create_app
 
     scheduler, tokenizer = build_scheduler(args)
     app = create_app(scheduler, tokenizer, default_max_tokens=args.default_max_tokens)
@@ -134,8 +133,8 @@ def run(args) -> int:
 
 
 def run_replay(args) -> int:
-    from ..serving.client import load_requests, summarize
-    from ..serving.client import run_replay as replay
+    from ccft.serving.client import load_requests, summarize
+    from ccft.serving.client import run_replay as replay
 
     requests = apply_model_map(load_requests(args.trace), args.model_map)
     extra = {"ignore_eos": True} if args.ignore_eos else {}
@@ -154,7 +153,7 @@ def run_replay(args) -> int:
 
 def apply_model_map(requests, specs: list[str]):
     """Requests with their ``model`` remapped by ``AGENT=MODEL`` specs (``*`` = every agent not named)."""
-    from ..errors import ConfigError
+    from ccft.core.errors import ConfigError
 
     mapping = {}
     for spec in specs:
@@ -173,8 +172,8 @@ def run_trace(args) -> int:
     """``ccft serve trace``: generate a workload with the base model's tokenizer and save it."""
     from transformers import AutoTokenizer
 
-    from ..models import DEFAULT_BASE, resolve_model_path
-    from ..serving import workloads
+    from ccft.core.models import DEFAULT_BASE, resolve_model_path
+    from ccft.serving import workloads
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model or DEFAULT_BASE))
     trace = workloads.generate(args.kind, sessions=args.sessions, turns=args.turns, agents=list(args.agents),

@@ -36,9 +36,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..evals.runner import get_task
-    from ..evals.sweep import CURVES, run_sweep
-    from .eval import load_models
+    from ccft.cli.eval import load_models
+    from ccft.evals.runner import get_task
+    from ccft.evals.sweep import CURVES, run_sweep
 
     task = get_task(args.task)
     base, decoders = load_models(args.decoder, args.base, device=args.device)

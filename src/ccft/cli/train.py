@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..config import TrainConfig, load_recipe
+    from ccft.train.config import TrainConfig, load_recipe
 
     if args.help_config:
         from transformers import TrainingArguments
@@ -40,7 +40,7 @@ def run(args) -> int:
         return 0
     cfg, _, raw = load_recipe(args.recipe, args.overrides)
     if (args.accelerate_config or (args.num_processes or 1) > 1) and not args.dry_run:
-        from ..distributed import inside_launcher, relaunch
+        from ccft.train.distributed import inside_launcher, relaunch
 
         if not inside_launcher():
             argv = ["train"] + ([args.recipe] if args.recipe else []) + list(args.overrides or [])
@@ -49,15 +49,15 @@ def run(args) -> int:
     if args.dry_run:
         from transformers import AutoTokenizer
 
-        from ..models import resolve_model_path
-        from ..train import load_split
+        from ccft.core.models import resolve_model_path
+        from ccft.train.run import load_split
 
         tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.base))
         ds = load_split(cfg.train_data, tok, cfg, cfg.train_rows, cfg.data_offset)
         print(f"[ccft] recipe OK: method={cfg.method} decoder={cfg.decoder_kind} base={cfg.base} "
               f"train rows={len(ds)} (dropped {ds.dropped_too_long} > max_length={cfg.max_length})")
         return 0
-    from ..train import run_training
+    from ccft.train.run import run_training
 
     result = run_training(cfg, recipe=raw, resume=not args.no_resume)
     if not result.trainer.is_world_process_zero():

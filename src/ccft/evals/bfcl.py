@@ -32,8 +32,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tasks import EnvironmentCheckError, Item, Task, data_dir
-from .tool_calls import format_tool_call, openai_tool, parse_tool_calls
+from ccft.evals.tasks import EnvironmentCheckError, Item, Task, data_dir
+from ccft.evals.tool_calls import format_tool_call, openai_tool, parse_tool_calls
 
 __all__ = ["CHECKER_PINS", "BFCLMultipleTask", "checker_python", "run_checker", "setup_checker_env", "tasks"]
 
@@ -105,7 +105,7 @@ def _close_checkers() -> None:
 
 def checker_python() -> str | None:
     """The interpreter with bfcl-eval: ``$CCFT_BFCL_PYTHON``, ``<repo>/.venv-bfcl``, or ``$CCFT_HOME/bfcl-venv``."""
-    from ..models import ccft_home
+    from ccft.core.models import ccft_home
 
     candidates = [os.environ.get("CCFT_BFCL_PYTHON", ""), str(_REPO / ".venv-bfcl" / "bin" / "python"),
                   str(ccft_home() / "bfcl-venv" / "bin" / "python")]

@@ -18,8 +18,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .execution import ExecResult, check_language, run_programs
-from .tasks import Item, Task, pass_at_k_summary
+from ccft.evals.execution import ExecResult, check_language, run_programs
+from ccft.evals.tasks import Item, Task, pass_at_k_summary
 
 __all__ = ["CodeTask"]
 

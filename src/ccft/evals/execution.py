@@ -29,7 +29,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .sandbox import Limits, RunResult, Sandbox, isolation
+from ccft.evals.sandbox import Limits, RunResult, Sandbox, isolation
 
 __all__ = ["LANGUAGES", "Availability", "ExecResult", "Language", "availability_table", "check_language",
            "run_program", "run_programs"]

@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 
-from ..errors import DataError
+from ccft.core.errors import DataError
 
 __all__ = [
     "EXTRACTORS",

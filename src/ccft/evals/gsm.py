@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..config import RESOURCES
-from .extract import exact_match, extract_flexible, extract_reference, extract_strict
-from .tasks import Item, Task
+from ccft.evals.extract import exact_match, extract_flexible, extract_reference, extract_strict
+from ccft.evals.tasks import Item, Task
+from ccft.train.config import RESOURCES
 
 __all__ = ["GSM8KTask", "tasks"]
 

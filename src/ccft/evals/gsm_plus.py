@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 
-from ..errors import DataError
-from .extract import _FLEX, normalize_number
-from .tasks import Item, Task, data_dir
+from ccft.core.errors import DataError
+from ccft.evals.extract import _FLEX, normalize_number
+from ccft.evals.tasks import Item, Task, data_dir
 
 __all__ = ["ABSTAIN", "PERTURBATION_TYPES", "GSMPlusTask", "abstains", "extract_plus_flexible",
            "extract_plus_strict", "parse_answer", "tasks"]

@@ -41,10 +41,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .code import CodeTask
-from .execution import check_language, run_programs
-from .sandbox import Limits, Sandbox
-from .tasks import EnvironmentCheckError, Item, data_dir
+from ccft.evals.code import CodeTask
+from ccft.evals.execution import check_language, run_programs
+from ccft.evals.sandbox import Limits, Sandbox
+from ccft.evals.tasks import EnvironmentCheckError, Item, data_dir
 
 __all__ = ["HUMANEVAL_STOP", "HumanEvalPlusTask", "HumanEvalTask", "extract_code_block", "tasks"]
 
@@ -243,7 +243,7 @@ class HumanEvalPlusTask(HumanEvalTask):
 
     # -- expected outputs (ground truth), computed once in the sandbox and cached on disk
     def _cache_path(self) -> Path:
-        from ..models import ccft_home
+        from ccft.core.models import ccft_home
 
         digest = hashlib.sha256((data_dir() / self.file).read_bytes()).hexdigest()[:16]
         tag = f"py{sys.version_info.major}{sys.version_info.minor}"

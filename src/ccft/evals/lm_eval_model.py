@@ -34,11 +34,11 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
-from ..data import left_pad, right_pad
-from ..decoder import decoder_forward, full_forward
-from ..errors import ConfigError
-from ..generation import check_mode, generate
-from .sharing import ragged_prefill
+from ccft.core.decoder import decoder_forward, full_forward
+from ccft.core.errors import ConfigError
+from ccft.core.generation import check_mode, generate
+from ccft.core.tokens import left_pad, right_pad
+from ccft.evals.sharing import ragged_prefill
 
 
 def _as_bool(x) -> bool:
@@ -69,8 +69,8 @@ class CCFTLM(TemplateLM):
                  max_batch_size: Any = None, max_length: int | None = None, max_gen_toks: int = 256,
                  add_bos_token: bool = False, **kwargs):
         super().__init__()
-        from ..checkpoint import load_decoder, read_meta
-        from ..models import DEFAULT_BASE, load_base
+        from ccft.core.checkpoint import load_decoder, read_meta
+        from ccft.core.models import DEFAULT_BASE, load_base
 
         unknown = {k: v for k, v in kwargs.items() if v is not None}
         if unknown:

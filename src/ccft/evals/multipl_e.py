@@ -27,9 +27,9 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .code import CodeTask
-from .execution import check_language, language, run_programs
-from .tasks import EnvironmentCheckError, Item, data_dir, truncate_at_stop
+from ccft.evals.code import CodeTask
+from ccft.evals.execution import check_language, language, run_programs
+from ccft.evals.tasks import EnvironmentCheckError, Item, data_dir, truncate_at_stop
 
 __all__ = ["FIXTURES", "MBXP_FILES", "MULTIPL_E_LANGUAGES", "MultiPLETask", "mbxp_canonical_jobs", "tasks"]
 

@@ -41,13 +41,14 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..base_cache import compute_base_cache
-from ..data import Collator, Example, tokenize_response
-from ..decoder import Decoder, decoder_forward, full_forward
-from ..errors import ConfigError
-from ..generation import check_mode, generate
-from .sharing import row_nlls
-from .stats import mean_ci, paired_bootstrap_delta
+from ccft.core.cache import compute_base_cache
+from ccft.core.decoder import Decoder, decoder_forward, full_forward
+from ccft.core.errors import ConfigError
+from ccft.core.generation import check_mode, generate
+from ccft.core.tokens import tokenize_response
+from ccft.evals.sharing import row_nlls
+from ccft.evals.stats import mean_ci, paired_bootstrap_delta
+from ccft.train.data import Collator, Example
 
 MODE_ORDER = ("base", "full-ft", "naive", "prefillshare")
 REFERENCE_MODE = "full-ft"
@@ -72,15 +73,15 @@ class GSM8KTask:
     data = "GSM8K test (openai/grade-school-math, MIT), bundled in ccft/resources/gsm8k"
 
     def load(self, limit: int | None = None) -> list[dict]:
-        from ..config import BUILTIN_DATASETS
-        from ..data import load_rows
+        from ccft.train.config import BUILTIN_DATASETS
+        from ccft.train.data import load_rows
 
         spec = BUILTIN_DATASETS["gsm8k"]
         rows = load_rows(str(spec["test"]), limit=limit)
         return [{"id": f"gsm8k/test/{i}", "question": r["question"], "answer": r["answer"]} for i, r in enumerate(rows)]
 
     def prompt_ids(self, tokenizer, item) -> list[int]:
-        from ..data import tokenize_prompt
+        from ccft.core.tokens import tokenize_prompt
 
         return tokenize_prompt(tokenizer, item["question"])
 
@@ -88,7 +89,7 @@ class GSM8KTask:
         return item["answer"]
 
     def score(self, item, text: str) -> dict:
-        from .extract import exact_match, extract_flexible, extract_reference, extract_strict
+        from ccft.evals.extract import exact_match, extract_flexible, extract_reference, extract_strict
 
         ref = extract_reference(item["answer"])
         return {"exact_match_strict": exact_match(extract_strict(text), ref),
@@ -102,7 +103,7 @@ def get_task(name: str, **overrides):
     """A task by name: ``ccft.evals.tasks.get_task`` when it knows it, else the runner's built-ins (gsm8k)."""
     err: Exception | None = None
     try:
-        from . import tasks as registry
+        from ccft.evals import tasks as registry
     except ImportError as e:  # pragma: no cover - depends on the checkout
         registry, err = None, e
     if registry is not None and hasattr(registry, "get_task"):
@@ -123,7 +124,7 @@ def task_names() -> list[str]:
     """Every task name the registry (``ccft.evals.tasks.TASKS``) and the runner's built-ins know."""
     names = set(_FALLBACK_TASKS)
     try:
-        from . import tasks as registry
+        from ccft.evals import tasks as registry
 
         names |= set(getattr(registry, "TASKS", {}))
     except Exception:  # noqa: BLE001 - listing names must not fail because one task module is broken
@@ -310,7 +311,7 @@ def _prompt_hash(ids: Sequence[int]) -> str:
 
 
 def _write_json(path: Path, obj) -> None:
-    from ..checkpoint import atomic_write_text
+    from ccft.core.checkpoint import atomic_write_text
 
     atomic_write_text(path, json.dumps(obj, indent=2, default=str))
 
@@ -388,7 +389,7 @@ def score_texts(task, pairs: Sequence[tuple[Any, str]]) -> list:
 def make_engine(base, modes: Sequence[ModeSpec], max_batch: int = 16):
     """A ``SharedPrefillEngine`` holding the decoders of the C_base modes (``naive``, ``prefillshare``)."""
     try:
-        from ..inference import SharedPrefillEngine
+        from ccft.inference import SharedPrefillEngine
     except ImportError as e:  # pragma: no cover - depends on the checkout
         raise ConfigError(f"--engine needs ccft.inference.SharedPrefillEngine ({e})") from e
     decs = {s.mode: s.decoder for s in modes if s.mode in ("naive", "prefillshare")}
@@ -397,7 +398,7 @@ def make_engine(base, modes: Sequence[ModeSpec], max_batch: int = 16):
 
 def _engine_generate(engine, mode: str, prompts, *, handoff_tokens: int, max_new_tokens: int, stop, do_sample: bool,
                      temperature: float, top_p: float, seed: int):
-    from ..inference import SamplingParams
+    from ccft.inference import SamplingParams
 
     sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, seed=seed)
     with engine.prefill(prompts, handoff_tokens=handoff_tokens) as handle:
@@ -535,7 +536,7 @@ class TaskResult:
 
 
 def describe_base(base) -> str:
-    from ..models import describe_model
+    from ccft.core.models import describe_model
 
     desc = describe_model(base.name)
     dtype = str(base.dtype).replace("torch.", "")
@@ -570,7 +571,7 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
         (folder / "meta.json").unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     prep = prepare(task, base.tokenizer, settings.limit, settings.handoff_tokens)
-    from ..evaluate import hardware
+    from ccft.evals.evaluate import hardware
 
     want = settings.as_dict(task)
     environment = None

@@ -22,10 +22,10 @@ from typing import Sequence
 
 import torch
 
-from ..base_cache import BaseCache, _make, compute_base_cache, prefill
-from ..data import IGNORE_INDEX, right_pad
-from ..decoder import Decoder, decoder_forward
-from ..errors import ConfigError
+from ccft.core.cache import BaseCache, compute_base_cache, prefill
+from ccft.core.decoder import Decoder, decoder_forward
+from ccft.core.errors import ConfigError
+from ccft.core.tokens import IGNORE_INDEX, right_pad
 
 AXES = ("positions", "layers")
 
@@ -80,12 +80,12 @@ def ragged_prefill(model, prefixes: Sequence[Sequence[int]], *, pad_token_id: in
         keys = tuple(k[:, :, :0].contiguous() for k in probe.keys)
         values = tuple(v[:, :, :0].contiguous() for v in probe.values)
         mask = torch.zeros((b, 0), dtype=torch.long, device=device)
-        return _make(keys, values, mask, tail_ids.to(device), 1, fingerprint, producer)
+        return BaseCache.from_tensors(keys, values, mask, tail_ids.to(device), 1, fingerprint, producer)
     # prefill() splits prompt[:-1] | prompt[-1:]; a dummy last token makes the prefix exactly ``p``.
     rows = [list(p) + [pad_token_id] for p in prefixes]
     cache = prefill(model, rows, handoff_tokens=1, pad_token_id=pad_token_id, fingerprint=fingerprint,
                     producer=producer)
-    return _make(cache.keys, cache.values, cache.attention_mask, tail_ids.to(device), 1, fingerprint, producer)
+    return BaseCache.from_tensors(cache.keys, cache.values, cache.attention_mask, tail_ids.to(device), 1, fingerprint, producer)
 
 
 def _tail_batch(tails: Sequence[Sequence[int]], recomputed: Sequence[int], pad: int, device):
@@ -134,7 +134,7 @@ def layer_cache(base, decoder: Decoder, prompts: Sequence[Sequence[int]], *, rho
                   fingerprint=c_base.fingerprint, producer="self")
     keys = tuple(c_base.keys[i] if i in shared else own.keys[i] for i in range(L))
     values = tuple(c_base.values[i] if i in shared else own.values[i] for i in range(L))
-    return _make(keys, values, c_base.attention_mask, c_base.tail_ids, k, c_base.fingerprint, "mixed")
+    return BaseCache.from_tensors(keys, values, c_base.attention_mask, c_base.tail_ids, k, c_base.fingerprint, "mixed")
 
 
 @torch.no_grad()
@@ -188,7 +188,7 @@ def shared_generate(base, decoder: Decoder, prompts: Sequence[Sequence[int]], *,
     Over positions, rows with the same k are decoded together (the recomputed tokens form the first step).
     Returns one ``ccft.Generation`` per prompt, in order.
     """
-    from ..generation import decode_on_cache
+    from ccft.core.generation import decode_on_cache
 
     model = decoder.activate()
     tok = base.tokenizer
@@ -203,7 +203,7 @@ def shared_generate(base, decoder: Decoder, prompts: Sequence[Sequence[int]], *,
         rows = [i for i, x in enumerate(ks) if x == k]
         cache, _ = position_cache(base, [prompts[i] for i in rows], rho, ks=[k] * len(rows))
         cache.check_reader(decoder.fingerprint, decoder.dtype)
-        fixed = _make(cache.keys, cache.values, cache.attention_mask,
+        fixed = BaseCache.from_tensors(cache.keys, cache.values, cache.attention_mask,
                       torch.tensor([list(prompts[i][len(prompts[i]) - k:]) for i in rows], dtype=torch.long,
                                    device=cache.device), k, cache.fingerprint, cache.producer)
         for i, g in zip(rows, decode_on_cache(decoder.activate(), tok, fixed, **gen_kwargs), strict=True):

@@ -23,9 +23,9 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..decoder import Decoder
-from ..errors import ConfigError
-from .runner import (
+from ccft.core.decoder import Decoder
+from ccft.core.errors import ConfigError
+from ccft.evals.runner import (
     append_jsonl,
     batch_nll,
     describe_base,
@@ -36,8 +36,15 @@ from .runner import (
     task_name,
     task_stop,
 )
-from .sharing import AXES, recompute_tokens, row_nlls, shared_forward, shared_generate, shared_layer_list
-from .stats import mean_ci, paired_bootstrap_delta
+from ccft.evals.sharing import (
+    AXES,
+    recompute_tokens,
+    row_nlls,
+    shared_forward,
+    shared_generate,
+    shared_layer_list,
+)
+from ccft.evals.stats import mean_ci, paired_bootstrap_delta
 
 RHOS = (0.0, 0.25, 0.5, 0.75, 1.0)
 CURVES = {"naive": "full-ft", "prefillshare": "ccft"}  # curve -> decoder method
@@ -84,7 +91,7 @@ def _point(task, base, decoder: Decoder | None, prep, *, label: str, over: str |
                 prompts = [prep.prompts[i] for i in idx]
                 kw = dict(max_new_tokens=max_new_tokens, stop=list(stop))
                 if over is None:
-                    from ..generation import generate
+                    from ccft.core.generation import generate
 
                     gens = generate(prompts, mode=label, base=base, decoder=decoder, batch_size=len(idx), **kw)
                 else:
@@ -124,7 +131,7 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
     handoffs = {d.handoff_tokens for d in decoders.values()}
     if len(handoffs) > 1:
         raise ConfigError(f"decoders with different handoff_tokens {sorted(handoffs)}; sweep them separately")
-    from ..evaluate import hardware
+    from ccft.evals.evaluate import hardware
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,7 +155,7 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
             "base_fingerprint": base.fingerprint, "data": task_description(task), "n_items": prep.n,
             "hardware": hardware(), "num_layers": base.config.num_hidden_layers, "decoders": desc,
             "rhos": list(rhos), "axes": list(axes), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
-    from ..checkpoint import atomic_write_text
+    from ccft.core.checkpoint import atomic_write_text
 
     atomic_write_text(meta_path, json.dumps(meta, indent=2))
     done = {_key(p["label"], p["over"], p["rho"]): p for p in read_jsonl(points_path)}

@@ -66,8 +66,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import DataError
-from .stats import pass_at_k
+from ccft.core.errors import DataError
+from ccft.evals.stats import pass_at_k
 
 __all__ = ["TASKS", "EnvironmentCheckError", "Item", "Task", "data_dir", "get_task", "register_task",
            "truncate_at_stop"]
@@ -141,13 +141,13 @@ class Task:
 
     def prompt_ids(self, tokenizer, item: Item) -> list[int]:
         """Token ids of the prompt exactly as the decoder and the base prefill see them."""
-        from ..data import _as_ids, tokenize_prompt
+        from ccft.core.tokens import as_ids, tokenize_prompt
 
         prompt = self.prompt_text(item)
         if self.prompt_style == "completion":
             if not isinstance(prompt, str):
                 raise DataError(f"task {self.name}: completion prompts must be strings")
-            ids = _as_ids(tokenizer(prompt, add_special_tokens=True))
+            ids = as_ids(tokenizer(prompt, add_special_tokens=True))
             bos = tokenizer.bos_token_id
             while bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
                 ids = ids[1:]
@@ -309,7 +309,7 @@ def get_task(name: str, **overrides: Any) -> Task:
 
 
 def _register_builtin() -> None:
-    from . import bfcl, gsm, gsm_plus, humaneval, multipl_e
+    from ccft.evals import bfcl, gsm, gsm_plus, humaneval, multipl_e
 
     for module in (gsm, gsm_plus, humaneval, bfcl, multipl_e):
         for task in module.tasks():

@@ -7,7 +7,7 @@ the shared prefix (``attention``; Triton kernel in ``triton_kernels``); the stat
 captured as CUDA graphs on GPUs (``graphs``). ``ccft.generate`` is the slow reference it equals.
 """
 
-from .engine import BASE, PrefixHandle, SamplingParams, SharedPrefillEngine, StepOutput
-from .kv import CapacityError
+from ccft.inference.engine import BASE, PrefixHandle, SamplingParams, SharedPrefillEngine, StepOutput
+from ccft.inference.kv import CapacityError
 
 __all__ = ["SharedPrefillEngine", "PrefixHandle", "SamplingParams", "StepOutput", "CapacityError", "BASE"]

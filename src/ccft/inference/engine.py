@@ -35,17 +35,18 @@ from typing import Sequence
 
 import torch
 
-from ..base_cache import BaseCache
-from ..data import left_pad
-from ..decoder import Decoder
-from ..errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
-from ..fingerprint import check_compatible, tokenizer_digest
-from ..generation import Generation, _eos_ids
-from . import model as M
-from .attention import PrefixGroup, build_prefix_meta
-from .graphs import StaticRunner
-from .kv import CapacityError, PrefixArena, TailPool
-from .weights import LaneWeights, check_supported, lane_weights, lora_adapter, pack
+from ccft.core.cache import BaseCache
+from ccft.core.decoder import Decoder
+from ccft.core.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
+from ccft.core.fingerprint import check_compatible, tokenizer_digest
+from ccft.core.generation import Generation
+from ccft.core.sampling import SamplingParams, select_tokens
+from ccft.core.tokens import eos_token_ids, left_pad
+from ccft.inference import model as M
+from ccft.inference.attention import PrefixGroup, build_prefix_meta
+from ccft.inference.graphs import StaticRunner
+from ccft.inference.kv import CapacityError, PrefixArena, TailPool
+from ccft.inference.weights import LaneWeights, check_supported, lane_weights, lora_adapter, pack
 
 
 def _inference(fn):
@@ -66,16 +67,6 @@ def _inference(fn):
 
 BASE = "base"  #: decoder name of the base model itself (decodes on its own C_base: ``mode="base"``)
 DECODE_MODES = ("eager", "static", "cuda_graph", "compile")
-
-
-@dataclass
-class SamplingParams:
-    """Greedy by default. ``do_sample``: multinomial over ``softmax(logits / temperature)`` cut to ``top_p``."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
 
 
 @dataclass
@@ -142,12 +133,10 @@ class PrefixHandle:
 
     def to_base_cache(self) -> BaseCache:
         """A ``BaseCache`` copy of this prefix (for the reference path ``ccft.generate(cache=...)``)."""
-        from ..base_cache import _make
-
         n = self.engine.num_layers
         mask = (torch.arange(self.width, device=self.key_start.device)[None, :] >= self.key_start[:, None]).long()
         tail = torch.tensor(self.tail_ids, dtype=torch.long, device=self.key_start.device)
-        return _make([self.keys(i).clone() for i in range(n)], [self.values(i).clone() for i in range(n)], mask,
+        return BaseCache.from_tensors([self.keys(i).clone() for i in range(n)], [self.values(i).clone() for i in range(n)], mask,
                      tail, self.handoff_tokens, self.fingerprint, self.producer)
 
     def _check_alive(self) -> None:
@@ -256,7 +245,7 @@ class SharedPrefillEngine:
             raise ConfigError(f"decode={decode!r}; use one of auto, {', '.join(DECODE_MODES)}")
         if decode == "cuda_graph" and device.type != "cuda":
             raise ConfigError("decode='cuda_graph' needs the model on a CUDA device; use 'eager' or 'static' on CPU")
-        from .triton_kernels import kernel_supports, triton_available
+        from ccft.inference.triton_kernels import kernel_supports, triton_available
 
         bw = lane_weights(base.model)
         if attention == "auto":
@@ -285,7 +274,7 @@ class SharedPrefillEngine:
         self._base_lane = self._new_lane(BASE, bw)
         self.lanes: dict[str, _Lane] = {BASE: self._base_lane}
         self.decoders: dict[str, _DecoderEntry] = {
-            BASE: _DecoderEntry(BASE, self._base_lane, None, _eos_ids(self.tokenizer, base.model), None)}
+            BASE: _DecoderEntry(BASE, self._base_lane, None, eos_token_ids(self.tokenizer, base.model), None)}
         self._requests: dict[int, _Request] = {}
         self._rid = itertools.count()
         for name, dec in (decoders or {}).items():
@@ -317,7 +306,7 @@ class SharedPrefillEngine:
         if isinstance(decoder, (str, Path)):
             from transformers import AutoTokenizer
 
-            from ..checkpoint import load_decoder, read_meta
+            from ccft.core.checkpoint import load_decoder, read_meta
 
             meta = read_meta(decoder)
             want = meta.get("base_fingerprint")
@@ -340,7 +329,7 @@ class SharedPrefillEngine:
         if decoder.dtype != self.base.dtype:
             raise IncompatibleModelError(f"decoder {name!r} is {decoder.dtype} but the base is {self.base.dtype}; "
                                          "load both in one dtype (C_base is read as is)")
-        eos = _eos_ids(self.tokenizer, decoder.model)
+        eos = eos_token_ids(self.tokenizer, decoder.model)
         if decoder.kind == "lora":
             if decoder.model.get_base_model() is not self.base.model:
                 raise IncompatibleModelError(f"LoRA decoder {name!r} is attached to another copy of the base model; "
@@ -494,7 +483,7 @@ class SharedPrefillEngine:
     def _weights_id(self, entry: _DecoderEntry) -> str:
         import hashlib
 
-        from ..fingerprint import weights_digest_module
+        from ccft.core.fingerprint import weights_digest_module
 
         if entry.adapter_index is None:
             model = entry.decoder.model if entry.decoder is not None else entry.lane.weights.owner
@@ -716,13 +705,7 @@ class SharedPrefillEngine:
         if sampled:
             greedy = greedy.clone()
             for i in sampled:
-                s = rows[i].sampling
-                probs = torch.softmax(logits[i].float() / max(s.temperature, 1e-6), dim=-1)
-                if s.top_p < 1.0:
-                    sp, order = probs.sort(descending=True)
-                    keep = sp.cumsum(-1) - sp < s.top_p
-                    probs = torch.zeros_like(probs).scatter(-1, order, sp * keep)
-                greedy[i] = torch.multinomial(probs, 1, generator=rows[i].generator)[0]
+                greedy[i] = select_tokens(logits[i:i + 1], rows[i].sampling, rows[i].generator)[0]
         return greedy.tolist()
 
     @_inference

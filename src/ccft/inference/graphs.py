@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import model as M
-from .kv import bucket
+from ccft.inference import model as M
+from ccft.inference.kv import bucket
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import SharedPrefillEngine, _Lane
+    from ccft.inference.engine import SharedPrefillEngine, _Lane
 
 MIN_WIDTH = 16
 

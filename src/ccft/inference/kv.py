@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CCFTError
+from ccft.core.errors import CCFTError
 
 
 class CapacityError(CCFTError, ValueError):

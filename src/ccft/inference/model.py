@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .attention import (
+from ccft.inference.attention import (
     PrefixGroup,
     PrefixMeta,
     cascade_attention_rowwise,
@@ -32,7 +32,7 @@ from .attention import (
     prefix_attention_grouped,
     tail_attention,
 )
-from .weights import Adapter, LaneWeights, Linear
+from ccft.inference.weights import Adapter, LaneWeights, Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -341,7 +341,7 @@ def decode_step_static(lw: LaneWeights, inp: StaticInputs, arena_k: torch.Tensor
                                     lw.scale)
         ak, av = arena_k[i].view(-1, d), arena_v[i].view(-1, d)
         if prefix_impl == "triton":
-            from .triton_kernels import prefix_attention_triton
+            from ccft.inference.triton_kernels import prefix_attention_triton
 
             o_p, lse_p = prefix_attention_triton(q, ak, av, inp.meta, lw.kv_heads, lw.scale)
         else:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import IncompatibleModelError
+from ccft.core.errors import IncompatibleModelError
 
 #: the projections a LoRA adapter may target (all Linear layers of a Llama block)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -6,7 +6,13 @@ wrote them, K5), and — alongside it — the scheduler, router, workload genera
 built on ``ccft.SharedPrefillEngine``'s step API.
 """
 
-from .prefix_store import Block, PrefixKVStore  # noqa: F401
-from .router import ROUTERS, Router, SessionAffinityRouter, WorkerState, make_router  # noqa: F401
-from .scheduler import PromptTooLongError, QueueFullError, Scheduler, ServeRequest, Ticket  # noqa: F401
-from .workloads import KVTokens, Request, Trace, TraceReplay, kv_tokens  # noqa: F401
+from ccft.serving.prefix_store import Block, PrefixKVStore  # noqa: F401
+from ccft.serving.router import ROUTERS, Router, SessionAffinityRouter, WorkerState, make_router  # noqa: F401
+from ccft.serving.scheduler import (  # noqa: F401
+    PromptTooLongError,
+    QueueFullError,
+    Scheduler,
+    ServeRequest,
+    Ticket,
+)
+from ccft.serving.workloads import KVTokens, Request, Trace, TraceReplay, kv_tokens  # noqa: F401

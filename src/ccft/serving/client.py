@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..errors import ConfigError
+from ccft.core.errors import ConfigError
 
 __all__ = ["ReplayRequest", "ReplayRecord", "requests_from_dicts", "requests_from_trace", "load_requests", "replay",
            "run_replay", "summarize"]
@@ -134,7 +134,7 @@ def load_requests(path: str | Path, *, tokenizer=None) -> list[ReplayRequest]:
         raise ConfigError(f"--trace: {path} is empty")
     head = json.loads(first)
     if isinstance(head, dict) and head.get("type") == "meta":
-        from .workloads import Trace
+        from ccft.serving.workloads import Trace
 
         return requests_from_trace(Trace.load(path, tokenizer=tokenizer))
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

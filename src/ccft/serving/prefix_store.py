@@ -49,7 +49,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..errors import ConfigError
+from ccft.core.errors import ConfigError
 
 
 @dataclass(eq=False)

@@ -32,7 +32,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import ConfigError
+from ccft.core.errors import ConfigError
 
 __all__ = [
     "ROUTERS", "LeastLoadedRouter", "RoundRobinRouter", "Router", "SessionAffinityRouter", "WorkerState",

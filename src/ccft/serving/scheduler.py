@@ -43,9 +43,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..errors import CCFTError, ConfigError
-from ..generation import Generation
-from ..inference import BASE, SamplingParams, SharedPrefillEngine
+from ccft.core.errors import CCFTError, ConfigError
+from ccft.core.generation import Generation
+from ccft.inference import BASE, SamplingParams, SharedPrefillEngine
 
 
 class QueueFullError(CCFTError, RuntimeError):

@@ -74,11 +74,11 @@ except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(f"ccft's HTTP server needs the `serve` extra ({e.name} is missing): "
                       "pip install 'ccft[serve]'") from e
 
-from ..data import tokenize_prompt
-from ..errors import CCFTError, ConfigError
-from ..inference import BASE, SamplingParams
-from .scheduler import PromptTooLongError, QueueFullError, Scheduler, ServeRequest, Ticket
-from .text_stream import IncrementalDetokenizer
+from ccft.core.errors import CCFTError, ConfigError
+from ccft.core.tokens import tokenize_prompt
+from ccft.inference import BASE, SamplingParams
+from ccft.serving.scheduler import PromptTooLongError, QueueFullError, Scheduler, ServeRequest, Ticket
+from ccft.serving.text_stream import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 

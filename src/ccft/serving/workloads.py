@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, DataError
+from ccft.core.errors import ConfigError, DataError
 
 __all__ = [
     "DEFAULT_AGENTS", "KINDS", "KVTokens", "Request", "Trace", "TraceReplay", "describe", "generate", "kv_tokens",
@@ -460,7 +460,7 @@ def _ids(out) -> list[int]:
 
 
 def _tokenizer_info(tokenizer) -> dict:
-    from ..fingerprint import tokenizer_digest
+    from ccft.core.fingerprint import tokenizer_digest
 
     name = str(getattr(tokenizer, "name_or_path", "") or "")
     return {"name": Path(name).name if name else "", "vocab_size": len(tokenizer),

@@ -19,13 +19,13 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .base_cache import compute_base_cache
-from .data import Collator, TokenizedDataset
-from .decoder import Decoder, decoder_forward, full_forward
-from .evals.extract import exact_match, extract_flexible, extract_reference, extract_strict
-from .evals.stats import mean_ci, paired_bootstrap_delta
-from .generation import check_mode, generate
-from .trainer import response_nll_sum
+from ccft.core.cache import compute_base_cache
+from ccft.core.decoder import Decoder, decoder_forward, full_forward
+from ccft.core.generation import check_mode, generate
+from ccft.evals.extract import exact_match, extract_flexible, extract_reference, extract_strict
+from ccft.evals.stats import mean_ci, paired_bootstrap_delta
+from ccft.train.data import Collator, TokenizedDataset
+from ccft.train.trainer import response_nll_sum
 
 SELF_PREFILL = ("base", "full-ft")
 

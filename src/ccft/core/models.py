@@ -11,16 +11,15 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
-from .fingerprint import fingerprint_folder
+from ccft.core.errors import ConfigError
+from ccft.core.fingerprint import fingerprint_folder
+from ccft.core.io import atomic_write_dir
 
 #: name -> (python package, GGUF file inside it, description used in reports)
 EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
@@ -95,19 +94,12 @@ def convert_embedded(name: str, *, quiet: bool = False) -> Path:
         raise RuntimeError(f"converting {name}: missing {missing}, unexpected {unexpected}")
     plain.tie_weights()
     model = plain
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
-    try:
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "CCFT_SOURCE.txt").write_text(f"{EMBEDDED_MODELS[name][2]}\nconverted from {gguf}\n")
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    atomic_write_dir(target, write, keep_existing=True)  # another process may have finished first
     if not quiet:
         print(f"[ccft] converted {name}", file=sys.stderr, flush=True)
     return target

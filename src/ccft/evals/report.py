@@ -367,7 +367,7 @@ def plot_sweep(sweep: dict, path) -> None:
 
 def _legacy_summary(data: dict, path) -> dict:
     """A demo ``results.json`` (or an old ``ccft eval`` ``gsm8k.json``) as an eval summary with item records."""
-    from .evals.runner import paired_deltas_by_id, summarize_records
+    from ccft.evals.runner import paired_deltas_by_id, summarize_records
 
     per_row = data.get("per_row") or {}
     records = {}
@@ -395,12 +395,12 @@ def collect_runs(paths) -> tuple[list[dict], list[dict]]:
     import json
     from pathlib import Path
 
-    from .evals.runner import load_task_folder
+    from ccft.evals.runner import load_task_folder
 
     evals, sweeps, seen = [], [], set()
     for root in map(Path, paths):
         if not root.exists():
-            from .errors import ConfigError
+            from ccft.core.errors import ConfigError
 
             raise ConfigError(f"{root} does not exist; pass result folders written by `ccft eval` / `ccft sweep`")
         files = [root] if root.is_file() else sorted(root.rglob("*.json"))
@@ -430,8 +430,8 @@ def build_report(paths, out_dir, *, title: str = "ccft report") -> dict:
     import time
     from pathlib import Path
 
-    from .checkpoint import atomic_write_text
-    from .errors import ConfigError
+    from ccft.core.checkpoint import atomic_write_text
+    from ccft.core.errors import ConfigError
 
     evals, sweeps = collect_runs(paths)
     if not evals and not sweeps:
@@ -479,7 +479,7 @@ def build_report(paths, out_dir, *, title: str = "ccft report") -> dict:
         md += ["## Sharing sweep", ""]
         for i, sw in enumerate(sweeps):
             md.append(sweep_markdown(sw, plots.get(f"sweep:{i}")))
-    from .evaluate import hardware
+    from ccft.evals.evaluate import hardware
 
     report = {"title": title, "generated": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [str(p) for p in paths],
               "report_hardware": hardware(), "plots": plots, "plot_error": plot_error,

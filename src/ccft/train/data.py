@@ -25,9 +25,17 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .errors import DataError
-
-IGNORE_INDEX = -100
+from ccft.core.errors import DataError
+from ccft.core.tokens import (  # noqa: F401 - re-exported: the data API in one import
+    IGNORE_INDEX,
+    TOOLS_SYSTEM_TEXT,
+    as_ids,
+    left_pad,
+    right_pad,
+    tokenize_prompt,
+    tokenize_response,
+    use_chat_template,
+)
 
 
 @dataclass(frozen=True)
@@ -106,95 +114,6 @@ def load_rows(source: Any, columns: dict[str, str] | None = None, limit: int | N
     return rows
 
 
-# ---------------------------------------------------------------- tokenising
-
-def _use_template(tokenizer, chat_template: bool | str) -> bool:
-    has = bool(getattr(tokenizer, "chat_template", None))
-    if chat_template == "auto":
-        return has
-    if chat_template and not has:
-        raise DataError("chat_template=True but the tokenizer has no chat template; set chat_template=false")
-    return bool(chat_template)
-
-
-def _as_ids(out) -> list[int]:
-    if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a mapping
-        out = out["input_ids"]
-    return list(out)
-
-
-_TOOL_PROBE = "ccft_probe_function_4f2a"
-
-#: System text for templates without tool support (Hermes convention; see ccft.evals.tool_calls).
-TOOLS_SYSTEM_TEXT = ("You may call one or more functions to assist with the user query. The functions "
-                     "are described as JSON schemas within <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
-                     "To call a function, reply with a JSON object of its name and arguments within "
-                     "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, "
-                     "\"arguments\": <args-json-object>}}\n</tool_call>")
-
-
-def _template_renders_tools(tokenizer) -> bool:
-    """Does the chat template show a ``tools=`` list in the prompt? (Many, e.g. SmolLM2's, ignore it.)"""
-    cached = getattr(tokenizer, "_ccft_renders_tools", None)
-    if cached is None:
-        tool = {"type": "function", "function": {"name": _TOOL_PROBE, "description": "probe",
-                                                 "parameters": {"type": "object", "properties": {}}}}
-        try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[tool],
-                                                 tokenize=False, add_generation_prompt=True)
-            cached = _TOOL_PROBE in text
-        except Exception:  # noqa: BLE001 - a template that fails on tools does not support them
-            cached = False
-        try:
-            tokenizer._ccft_renders_tools = cached
-        except AttributeError:  # pragma: no cover - slotted tokenizer
-            pass
-    return cached
-
-
-def _tools_in_system_turn(messages: list[dict], tools: list) -> list[dict]:
-    """Put the tool schemas into the system turn (appended to an existing one)."""
-    text = TOOLS_SYSTEM_TEXT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-    if messages and messages[0].get("role") == "system":
-        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}] + list(messages[1:])
-    return [{"role": "system", "content": text}] + list(messages)
-
-
-def tokenize_prompt(tokenizer, prompt: str | list[dict], *, chat_template: bool | str = "auto",
-                    system_prompt: str | None = None, tools: list | None = None) -> list[int]:
-    """Token ids of a prompt exactly as training and inference see it.
-
-    ``prompt`` is a string (one user turn when a chat template is used) or a list of chat messages
-    (ending before the assistant turn to generate). Exactly one BOS at most.
-    """
-    if _use_template(tokenizer, chat_template):
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if system_prompt and not any(m.get("role") == "system" for m in messages):
-            messages = [{"role": "system", "content": system_prompt}] + messages
-        if tools and not _template_renders_tools(tokenizer):
-            messages = _tools_in_system_turn(messages, tools)  # never drop the tools silently
-            tools = None
-        kwargs = {"tools": tools} if tools else {}
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-        ids = _as_ids(tokenizer(text, add_special_tokens=False))
-    else:
-        if not isinstance(prompt, str):
-            raise DataError("chat messages need a chat template; set chat_template=auto or true")
-        text = (system_prompt + "\n\n" + prompt) if system_prompt else prompt
-        ids = _as_ids(tokenizer(text, add_special_tokens=True))
-    bos = tokenizer.bos_token_id
-    while bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
-        ids = ids[1:]  # a template that writes BOS plus a tokenizer that adds one: keep one
-    return ids
-
-
-def tokenize_response(tokenizer, response: str) -> list[int]:
-    """Response ids followed by the tokenizer's EOS id (the supervised tokens)."""
-    if tokenizer.eos_token_id is None:
-        raise DataError("the tokenizer has no eos_token; set tokenizer.eos_token before building data")
-    return _as_ids(tokenizer(response, add_special_tokens=False)) + [tokenizer.eos_token_id]
-
-
 def split_row(row: dict, index: int = -1) -> tuple[str | list[dict], str, list | None]:
     """(prompt or prompt messages, response text, tools) of a row in any accepted format; DataError otherwise."""
     where = f"row {index}" if index >= 0 else "row"
@@ -225,6 +144,9 @@ def split_row(row: dict, index: int = -1) -> tuple[str | list[dict], str, list |
             raise DataError(f"{where}: no `prompt` (or `messages`) field; row has {sorted(row)}; "
                             "map your columns with columns={'prompt': ..., 'response': ...}")
         prompt = row["prompt"]
+        if not isinstance(prompt, (str, list)):
+            raise DataError(f"{where}: `prompt` must be a string (or a list of chat messages), "
+                            f"got {type(prompt).__name__}")
         response = row.get("response", row.get("completion"))
         tools = None
         if response is None:
@@ -275,30 +197,6 @@ def build_dataset(rows: Iterable[dict] | Any, tokenizer, *, max_length: int = 51
 
 
 # ---------------------------------------------------------------- batching
-
-def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad id lists -> ``ids (b, s)``, ``mask (b, s)`` (1 = real token)."""
-    width = max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
-    return ids, mask
-
-
-def right_pad(seqs: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad id lists -> ``ids (b, s)``, ``mask (b, s)``."""
-    width = width or max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids, mask
-
-
 @dataclass
 class Collator:
     """Batch Examples for both methods, in one layout.

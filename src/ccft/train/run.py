@@ -18,12 +18,12 @@ from typing import Any
 from transformers import set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from .checkpoint import save_decoder
-from .config import TrainConfig, resolve_data
-from .data import Collator, TokenizedDataset, build_dataset, load_rows
-from .decoder import Decoder, make_decoder
-from .models import Base, load_base
-from .trainer import CacheConditionedTrainer
+from ccft.core.checkpoint import save_decoder
+from ccft.core.decoder import Decoder, make_decoder
+from ccft.core.models import Base, load_base
+from ccft.train.config import TrainConfig, resolve_data
+from ccft.train.data import Collator, TokenizedDataset, build_dataset, load_rows
+from ccft.train.trainer import CacheConditionedTrainer
 
 
 @dataclass
@@ -64,7 +64,7 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
         # Tokenise with the base's tokenizer before loading weights, so bad data fails fast.
         from transformers import AutoTokenizer
 
-        from .models import resolve_model_path
+        from ccft.core.models import resolve_model_path
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.base))
     else:
@@ -80,7 +80,7 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
         names = [n for n, _ in base.model.named_modules()]
         missing = [t for t in cfg.lora_target_modules if not any(n == t or n.endswith("." + t) for n in names)]
         if missing:
-            from .errors import ConfigError
+            from ccft.core.errors import ConfigError
 
             leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
             raise ConfigError(f"lora_target_modules {missing} match no module of base {cfg.base}; "
@@ -89,7 +89,7 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
     pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.tokenizer.eos_token_id
     store = None
     if cfg.base_cache_store and cfg.method == "ccft":
-        from .cache_store import open_store_for_training
+        from ccft.train.cache_store import open_store_for_training
 
         with cfg.main_process_first(desc="C_base store"):  # one writer; the other processes then reuse it
             store = open_store_for_training(cfg.base_cache_store, base, train_set,
@@ -106,7 +106,7 @@ def check_process_group(trainer) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and trainer.accelerator.num_processes != world:
-        from .errors import ConfigError
+        from ccft.core.errors import ConfigError
 
         raise ConfigError(f"launched {world} processes but accelerate formed a group of "
                           f"{trainer.accelerator.num_processes}; on a machine without GPUs set use_cpu=true "
@@ -132,7 +132,7 @@ def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | N
     acc = trainer.accelerator
     acc.wait_for_everyone()
     state_dict = None
-    from .distributed import zero_stage
+    from ccft.train.distributed import zero_stage
 
     if zero_stage(acc) == 3:  # gather the partitioned decoder (a collective: every process takes part)
         state_dict = acc.get_state_dict(trainer.model_wrapped)

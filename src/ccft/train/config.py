@@ -20,12 +20,12 @@ from typing import Any
 import yaml
 from transformers import TrainingArguments
 
-from .errors import ConfigError
-from .models import DEFAULT_BASE, DTYPES
+from ccft.core.errors import ConfigError
+from ccft.core.models import DEFAULT_BASE, DTYPES
 
 METHODS = ("ccft", "full-ft")
 DECODER_KINDS = ("lora", "full")
-RESOURCES = Path(__file__).resolve().parent / "resources"
+RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 
 #: Built-in datasets: name -> split files and the column mapping to {prompt, response}.
 BUILTIN_DATASETS: dict[str, dict[str, Any]] = {

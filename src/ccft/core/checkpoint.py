@@ -17,43 +17,14 @@ from typing import Any
 
 import torch
 
-from . import __version__
-from .decoder import Decoder
-from .errors import ConfigError, FingerprintMismatchError
-from .fingerprint import check_compatible
-from .models import Base, load_base
+from ccft.core.decoder import Decoder
+from ccft.core.errors import ConfigError, FingerprintMismatchError
+from ccft.core.fingerprint import check_compatible
+from ccft.core.io import atomic_write_dir, atomic_write_text  # noqa: F401 - atomic_write_text re-exported
+from ccft.core.models import Base, load_base
+from ccft.core.version import __version__
 
 META_FILE = "ccft.json"
-
-
-def atomic_write_dir(target: str | Path, write) -> Path:
-    """Call ``write(tmp_dir)`` then move ``tmp_dir`` to ``target`` (replacing it) as atomically as the OS allows."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        write(tmp)
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, old / "x")
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write a text file via a temporary file and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def decoder_meta(decoder: Decoder, **extra: Any) -> dict:
@@ -162,7 +133,7 @@ def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | tor
     else:
         from transformers import AutoModelForCausalLM
 
-        from .models import parse_dtype
+        from ccft.core.models import parse_dtype
 
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype)).to(base.device)
         model.eval()

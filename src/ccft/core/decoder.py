@@ -12,52 +12,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from .base_cache import BaseCache, cache_kwarg
-from .errors import ConfigError
-from .fingerprint import check_compatible
-
-
-class PrefixLayer(DynamicLayer):
-    """A cache layer holding a constant prefix: ``update`` returns ``cat(prefix, new)`` and stores nothing.
-
-    Because it never grows, a forward can be replayed (gradient-checkpoint recompute) and sees the
-    same keys, and the prefix tensors are never written (K1).
-    """
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.keys, self.values = keys, values
-        self.is_initialized = True
-        self.device = keys.device
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-
-
-class PrefixCache(DynamicCache):
-    """Read-only cache over C_base for teacher-forced forwards; see ``PrefixLayer``."""
-
-    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
-        super().__init__()
-        self.layers = [PrefixLayer(k, v) for k, v in zip(keys, values)]
-
-
-def _allow_readonly_cache_under_checkpointing(model) -> None:
-    # transformers drops the cache argument of checkpointed layers (a writer would append twice on the
-    # backward replay). PrefixCache only reads, so its layers may keep it: without this, a decoder under
-    # gradient checkpointing would silently ignore C_base.
-    if getattr(model, "_ccft_ckpt_cache_ok", False):
-        return
-    for m in model.modules():
-        if hasattr(type(m), "_can_checkpoint_with_cache"):
-            m._can_checkpoint_with_cache = True
-    model._ccft_ckpt_cache_ok = True
+from ccft.core.cache import BaseCache, allow_readonly_cache_under_checkpointing, cache_kwarg
+from ccft.core.errors import ConfigError
+from ccft.core.fingerprint import check_compatible
 
 
 def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: torch.Tensor | None = None,
@@ -83,7 +44,7 @@ def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: 
     t = tail_ids.shape[1]
     positions = cache.lengths.to(device)[:, None] + torch.arange(t, device=device)[None, :]
     mask = torch.cat([cache.attention_mask.to(device), tail_mask], dim=1)
-    _allow_readonly_cache_under_checkpointing(model)
+    allow_readonly_cache_under_checkpointing(model)
     kwargs = {cache_kwarg(model): cache.as_prefix_cache()}
     out = model(input_ids=tail_ids, attention_mask=mask, position_ids=positions, use_cache=False, **kwargs)
     if check:

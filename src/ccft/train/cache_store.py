@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +39,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .errors import CCFTError
+from ccft.core.errors import CCFTError
+from ccft.core.io import atomic_write_file, atomic_write_text
 
 FORMAT = "ccft-cbase-1"
 MANIFEST = "manifest.json"
@@ -183,7 +182,7 @@ class CacheStore:
             tail_ids: ``(b, k)`` the handoff tokens.
             base: the ``ccft.Base`` the trainer uses; its fingerprint and dtype must match the store's.
         """
-        from .base_cache import _make
+        from ccft.core.cache import BaseCache
 
         if base.fingerprint != self.fingerprint or base.dtype != self.dtype:
             return None
@@ -206,7 +205,7 @@ class CacheStore:
             n = lengths[i]
             ks[:, i, :, p - n:] = k
             vs[:, i, :, p - n:] = v
-        return _make(tuple(ks.unbind(0)), tuple(vs.unbind(0)), prefix_mask, tail_ids, tail_ids.shape[1],
+        return BaseCache.from_tensors(tuple(ks.unbind(0)), tuple(vs.unbind(0)), prefix_mask, tail_ids, tail_ids.shape[1],
                      self.fingerprint, "base")
 
     def close(self) -> None:
@@ -224,10 +223,7 @@ def _read_manifest(path: Path) -> dict | None:
 
 
 def _write_manifest(path: Path, manifest: dict) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.", dir=path)
-    with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, path / MANIFEST)
+    atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=1))
 
 
 def check_shards(path: Path, manifest: dict, *, verify: str = "sha256") -> list[str]:
@@ -272,7 +268,7 @@ def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: in
     Prints the size estimate first; refuses with StoreError when the missing entries would not fit the
     free disk space. Reuses valid entries; rebuilds a stale store; recomputes corrupt shards' entries.
     """
-    from .base_cache import prefill
+    from ccft.core.cache import prefill
 
     start = time.time()
     path = Path(path)
@@ -333,10 +329,8 @@ def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: in
 
         name = f"shard-{next_id:05d}.safetensors"
         next_id += 1
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=path)
-        os.close(fd)
-        save_file(pending, tmp, metadata={"format": FORMAT, "fingerprint": base.fingerprint})
-        os.replace(tmp, path / name)
+        atomic_write_file(path / name, lambda tmp: save_file(pending, tmp, metadata={
+            "format": FORMAT, "fingerprint": base.fingerprint}))
         manifest["shards"][name] = {"bytes": (path / name).stat().st_size, "sha256": _sha256(path / name),
                                     "keys": pending_keys}
         _write_manifest(path, manifest)  # after every shard: an interrupted run keeps what it finished

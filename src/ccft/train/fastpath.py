@@ -35,7 +35,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import ConfigError
+from ccft.core.errors import ConfigError
 
 TRAIN_PATHS = ("auto", "two-pass", "one-pass")
 #: What ``train_path=auto`` uses for CCFT with LoRA decoders. Chosen by measurement

@@ -1,4 +1,4 @@
-"""C_base: the frozen base model's per-layer K/V for the prompt prefix (DESIGN.md §1, K1, K2, K5).
+"""C_base: the frozen base model's per-layer K/V for the prompt prefix (docs/design.md, "C_base").
 
 ``compute_base_cache`` runs the base once, under ``torch.no_grad``, over ``prompt[:n-k]`` of a
 left-padded batch with per-row positions (k = ``handoff_tokens``). The result is an immutable
@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from .data import left_pad
-from .errors import CacheMutatedError, FingerprintMismatchError
+from ccft.core.errors import CacheMutatedError, FingerprintMismatchError
+from ccft.core.tokens import left_pad, pad_token_id
 
 
 def cache_kwarg(model) -> str:
@@ -83,6 +85,22 @@ class BaseCache:
             raise CacheMutatedError("a C_base tensor was modified in place; C_base is a constant. "
                                     "Give every consumer its own cache (BaseCache.as_dynamic_cache()).")
 
+    @classmethod
+    def from_tensors(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], attention_mask: torch.Tensor,
+                     tail_ids: torch.Tensor, handoff_tokens: int, fingerprint: str, producer: str = "base"
+                     ) -> "BaseCache":
+        """Wrap existing tensors as a BaseCache and record their version counters (the immutability check).
+
+        Args:
+            keys, values: per layer ``(b, h, p, d)``, left-padded with zeroed pad slots.
+            attention_mask: ``(b, p)``, 1 on real prefix tokens. tail_ids: ``(b, k)`` handoff tokens.
+            fingerprint: the base fingerprint of the model that computed them; producer: ``base``
+                (a decoder may read it), ``self`` (a model's own prefill) or another label.
+        """
+        keys, values = tuple(keys), tuple(values)
+        return cls(keys, values, attention_mask, tail_ids, handoff_tokens, fingerprint, producer,
+                   _versions(keys + values))
+
     def as_dynamic_cache(self):
         """A fresh ``DynamicCache`` over these tensors, for generation (its updates concatenate into new tensors)."""
         from transformers import DynamicCache
@@ -91,9 +109,7 @@ class BaseCache:
         return DynamicCache(ddp_cache_data=list(zip(self.keys, self.values)))
 
     def as_prefix_cache(self, shared_layers: Sequence[int] | None = None):
-        """A read-only ``PrefixCache`` for teacher-forced forwards (training, scoring); see ``decoder.PrefixCache``."""
-        from .decoder import PrefixCache
-
+        """A read-only ``PrefixCache`` for teacher-forced forwards (training, scoring); see ``PrefixCache``."""
         self.check_unmodified()
         return PrefixCache(self.keys, self.values)
 
@@ -105,20 +121,20 @@ class BaseCache:
         start = mask.shape[1] - width
         keys = tuple(k.index_select(0, idx.to(k.device))[:, :, start:] for k in self.keys)
         values = tuple(v.index_select(0, idx.to(v.device))[:, :, start:] for v in self.values)
-        return _make(keys, values, mask[:, start:], self.tail_ids.index_select(0, idx), self.handoff_tokens,
+        return BaseCache.from_tensors(keys, values, mask[:, start:], self.tail_ids.index_select(0, idx), self.handoff_tokens,
                      self.fingerprint, self.producer)
 
     def to(self, dtype: torch.dtype | None = None, device=None) -> "BaseCache":
         """An explicit conversion (e.g. bf16 cache for an fp32 reader); the fingerprint is kept."""
         conv = lambda t: t.to(device=device or t.device, dtype=dtype or t.dtype)  # noqa: E731
-        return _make(tuple(map(conv, self.keys)), tuple(map(conv, self.values)),
+        return BaseCache.from_tensors(tuple(map(conv, self.keys)), tuple(map(conv, self.values)),
                      self.attention_mask.to(device or self.attention_mask.device),
                      self.tail_ids.to(device or self.tail_ids.device), self.handoff_tokens, self.fingerprint,
                      self.producer)
 
     def clone(self) -> "BaseCache":
         """A deep copy (used by tests to snapshot C_base)."""
-        return _make(tuple(k.clone() for k in self.keys), tuple(v.clone() for v in self.values),
+        return BaseCache.from_tensors(tuple(k.clone() for k in self.keys), tuple(v.clone() for v in self.values),
                      self.attention_mask.clone(), self.tail_ids.clone(), self.handoff_tokens, self.fingerprint,
                      self.producer)
 
@@ -145,10 +161,43 @@ class BaseCache:
                 f"cache.to(dtype={dtype}) or load the decoder in {self.dtype}")
 
 
-def _make(keys, values, mask, tail, k, fingerprint, producer) -> BaseCache:
-    keys = tuple(keys)
-    values = tuple(values)
-    return BaseCache(keys, values, mask, tail, k, fingerprint, producer, _versions(keys + values))
+class PrefixLayer(DynamicLayer):
+    """A cache layer holding a constant prefix: ``update`` returns ``cat(prefix, new)`` and stores nothing.
+
+    Because it never grows, a forward can be replayed (gradient-checkpoint recompute) and sees the
+    same keys, and the prefix tensors are never written (K1).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.is_initialized = True
+        self.device = keys.device
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+class PrefixCache(DynamicCache):
+    """Read-only cache over C_base for teacher-forced forwards; see ``PrefixLayer``."""
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
+        super().__init__()
+        self.layers = [PrefixLayer(k, v) for k, v in zip(keys, values)]
+
+
+def allow_readonly_cache_under_checkpointing(model) -> None:
+    """Let ``model``'s checkpointed layers keep a ``PrefixCache`` argument (it is read-only; see below)."""
+    # transformers drops the cache argument of checkpointed layers (a writer would append twice on the
+    # backward replay). PrefixCache only reads, so its layers may keep it: without this, a decoder under
+    # gradient checkpointing would silently ignore C_base.
+    if getattr(model, "_ccft_ckpt_cache_ok", False):
+        return
+    for m in model.modules():
+        if hasattr(type(m), "_can_checkpoint_with_cache"):
+            m._can_checkpoint_with_cache = True
+    model._ccft_ckpt_cache_ok = True
+
 
 
 def _versions(tensors) -> tuple[int, ...]:
@@ -167,9 +216,16 @@ def _accepts(model, name: str) -> bool:
 
 
 @torch.no_grad()
-def _prefill_tensors(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor, *,
+def prefill_tensors(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor, *,
                      handoff_tokens: int, fingerprint: str = "", producer: str = "base") -> BaseCache:
-    """Prefill a left-padded batch ``prefix_ids (b, p)`` with per-row positions; returns its BaseCache."""
+    """Prefill a left-padded batch with per-row positions and return its KV cache (no checks).
+
+    Args:
+        prefix_ids, prefix_mask: ``(b, p)`` left-padded ids and mask (1 = real token).
+        tail_ids: ``(b, k)`` the handoff tokens kept with the cache.
+    Returns:
+        BaseCache with keys/values ``(b, h, p, d)``, pad slots zeroed.
+    """
     positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
     # Only the K/V are kept: compute the LM head for one position, not the whole prefix (≈20% of a
     # small model's prefill FLOPs are in the vocabulary projection).
@@ -183,7 +239,7 @@ def _prefill_tensors(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,
         # through a masked attention weight (0 * NaN = NaN).
         keys.append(layer.keys.masked_fill(pad, 0.0).contiguous())
         values.append(layer.values.masked_fill(pad, 0.0).contiguous())
-    return _make(keys, values, prefix_mask, tail_ids, handoff_tokens, fingerprint, producer)
+    return BaseCache.from_tensors(keys, values, prefix_mask, tail_ids, handoff_tokens, fingerprint, producer)
 
 
 def prefill(model, prompts: Sequence[Sequence[int]], *, handoff_tokens: int = 1, pad_token_id: int = 0,
@@ -204,7 +260,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], *, handoff_tokens: int = 1,
     device = next(model.parameters()).device
     prefix_ids, prefix_mask = left_pad([list(p[:-k]) for p in prompts], pad_token_id)
     tail = torch.tensor([list(p[-k:]) for p in prompts], dtype=torch.long, device=device)
-    return _prefill_tensors(model, prefix_ids.to(device), prefix_mask.to(device), tail, handoff_tokens=k,
+    return prefill_tensors(model, prefix_ids.to(device), prefix_mask.to(device), tail, handoff_tokens=k,
                             fingerprint=fingerprint, producer=producer)
 
 
@@ -220,12 +276,10 @@ def compute_base_cache(base, prompts: Sequence[Sequence[int]], *, handoff_tokens
     Raises:
         ValueError: a prompt shorter than k+1 tokens, or k < 1.
     """
-    pad = base.tokenizer.pad_token_id
-    if pad is None:
-        pad = base.tokenizer.eos_token_id or 0
+    pad = pad_token_id(base.tokenizer)
     with base.base_weights() as model:
         return prefill(model, prompts, handoff_tokens=handoff_tokens, pad_token_id=pad,
                        fingerprint=base.fingerprint, producer="base")
 
 
-__all__ = ["BaseCache", "compute_base_cache", "prefill", "cache_kwarg"]
+__all__ = ["BaseCache", "PrefixCache", "compute_base_cache", "prefill", "prefill_tensors", "cache_kwarg"]

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .base_cache import _prefill_tensors
-from .data import IGNORE_INDEX
-from .decoder import decoder_forward, full_forward
-from .fastpath import gate_for_step, one_pass_forward, resolve_train_path
+from ccft.core.cache import prefill_tensors
+from ccft.core.decoder import decoder_forward, full_forward
+from ccft.core.tokens import IGNORE_INDEX
+from ccft.train.fastpath import gate_for_step, one_pass_forward, resolve_train_path
 
 
 def response_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +78,7 @@ class CacheConditionedTrainer(Trainer):
                                              decoder_kind=self._decoder_kind, model=self.model)
         self._gate = None  # the LoRA token gate of the running one-pass step
         if base is not None and self.method == "ccft" and self.is_deepspeed_enabled:
-            from .distributed import place_frozen_base
+            from ccft.train.distributed import place_frozen_base
 
             place_frozen_base(base, self.accelerator, decoder_kind=self._decoder_kind)
         # Count supervised tokens over labels[:, 1:] for every micro-batch of the step (our loss shifts labels).
@@ -100,7 +100,7 @@ class CacheConditionedTrainer(Trainer):
         # become inference tensors, which torch itself refuses to modify in place).
         mode = torch.inference_mode() if self._decoder_kind == "full" else torch.no_grad()
         with self.base.base_weights() as model, mode:
-            return _prefill_tensors(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"][:, : self.args.handoff_tokens],
+            return prefill_tensors(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"][:, : self.args.handoff_tokens],
                                     handoff_tokens=self.args.handoff_tokens, fingerprint=self.base.fingerprint)
 
     def tail_logits(self, model, inputs) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import IncompatibleModelError
+from ccft.core.errors import IncompatibleModelError
 
 _VOLATILE_CONFIG_KEYS = {
     "dtype", "torch_dtype", "transformers_version", "_name_or_path", "name_or_path", "quantization_config",

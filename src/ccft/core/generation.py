@@ -1,4 +1,4 @@
-"""Reference batched generation for the four modes (DESIGN.md §1).
+"""Reference batched generation for the four modes (docs/design.md, "Modes"; ``ccft.core.modes``).
 
   * ``base``:         the base model prefills its own prompt and decodes.
   * ``full-ft``:      a Full-FT decoder prefills its own prompt and decodes (the accuracy reference).
@@ -18,12 +18,12 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .base_cache import BaseCache, cache_kwarg, compute_base_cache, prefill
-from .decoder import Decoder
-from .errors import ConfigError
-
-MODES = ("base", "full-ft", "naive", "prefillshare")
-_MODE_METHOD = {"full-ft": "full-ft", "naive": "full-ft", "prefillshare": "ccft"}
+from ccft.core.cache import BaseCache, cache_kwarg, compute_base_cache, prefill
+from ccft.core.decoder import Decoder
+from ccft.core.modes import MODES, check_mode  # noqa: F401 - MODES re-exported
+from ccft.core.sampling import SamplingParams, select_tokens
+from ccft.core.text import StopMatcher
+from ccft.core.tokens import eos_token_ids, pad_token_id
 
 
 @dataclass
@@ -39,43 +39,6 @@ class Generation:
         return self.finish_reason == "length"
 
 
-def check_mode(mode: str, decoder: Decoder | None) -> None:
-    """Raise ConfigError unless ``mode`` is known and matches the decoder's training ``method``."""
-    if mode not in MODES:
-        raise ConfigError(f"mode={mode!r}; use one of {', '.join(MODES)}")
-    if mode == "base":
-        return
-    if decoder is None:
-        raise ConfigError(f"mode={mode!r} needs a decoder (--decoder PATH)")
-    want = _MODE_METHOD[mode]
-    if decoder.method is not None and decoder.method != want:
-        raise ConfigError(f"mode={mode!r} needs a decoder trained with method={want!r}, but this decoder was "
-                          f"trained with method={decoder.method!r}; use mode="
-                          f"{'prefillshare' if decoder.method == 'ccft' else 'full-ft or naive'}")
-
-
-def _eos_ids(tokenizer, model) -> set[int]:
-    ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(gen_eos, int):
-        ids.add(gen_eos)
-    elif gen_eos:
-        ids.update(gen_eos)
-    return {i for i in ids if i is not None}
-
-
-def _select(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float, gen) -> torch.Tensor:
-    if not do_sample:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-
-
 @torch.no_grad()
 def decode_on_cache(model, tokenizer, cache: BaseCache, *, max_new_tokens: int = 256,
                     stop: Sequence[str] | str | None = None, do_sample: bool = False, temperature: float = 1.0,
@@ -84,13 +47,12 @@ def decode_on_cache(model, tokenizer, cache: BaseCache, *, max_new_tokens: int =
 
     Stop strings and EOS are handled per row; the text is cut before the first stop string.
     """
-    if isinstance(stop, str):
-        stop = [stop]
-    stop = [s for s in (stop or []) if s]
+    stop = StopMatcher(stop)
+    params = SamplingParams(do_sample, temperature, top_p, seed)
     device = next(model.parameters()).device
     b, k = cache.tail_ids.shape
-    eos = _eos_ids(tokenizer, model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    eos = eos_token_ids(tokenizer, model)
+    pad = pad_token_id(tokenizer)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     kv = cache.as_dynamic_cache()
     name = cache_kwarg(model)
@@ -104,7 +66,7 @@ def decode_on_cache(model, tokenizer, cache: BaseCache, *, max_new_tokens: int =
     for step in range(max_new_tokens):
         logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                        **{name: kv}).logits[:, -1]
-        nxt = _select(logits, do_sample, temperature, top_p, gen).cpu()
+        nxt = select_tokens(logits, params, gen).cpu()
         for i in range(b):
             if reason[i] is not None:
                 continue
@@ -114,8 +76,8 @@ def decode_on_cache(model, tokenizer, cache: BaseCache, *, max_new_tokens: int =
                 continue
             out_ids[i].append(tok)
             if stop:
-                text = tokenizer.decode(out_ids[i], skip_special_tokens=True)
-                cut = min((text.find(s) for s in stop if s in text), default=-1)
+                text = tokenizer.decode(out_ids[i], skip_special_tokens=True)  # reference: full decode
+                cut = stop.find(text)
                 if cut >= 0:
                     reason[i], texts[i] = "stop", text[:cut]
         if all(r is not None for r in reason):
@@ -151,11 +113,11 @@ def generate(prompts: Sequence[Sequence[int]], *, mode: str, base=None, decoder:
         ConfigError: unknown mode or a mode that does not match the decoder's method.
         FingerprintMismatchError: ``cache`` comes from another base or dtype.
     """
-    check_mode(mode, decoder)
+    spec = check_mode(mode, decoder)
     base = base if base is not None else decoder.base
     k = handoff_tokens or (decoder.handoff_tokens if decoder is not None else 1)
     tok = base.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_token_id(tok)
     results: list[Generation | None] = [None] * len(prompts)
     # Similar lengths together: less padding, and results do not depend on it (tests check batch 1 == batch 8).
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -164,7 +126,7 @@ def generate(prompts: Sequence[Sequence[int]], *, mode: str, base=None, decoder:
               top_p=top_p, seed=seed)
     for chunk in tqdm(chunks, desc=f"generate [{mode}]", disable=not progress, leave=False):
         batch = [prompts[i] for i in chunk]
-        if mode in ("naive", "prefillshare"):
+        if spec.shared_prefill:
             if cache is not None:
                 c = cache.select(chunk)
             else:
@@ -173,7 +135,7 @@ def generate(prompts: Sequence[Sequence[int]], *, mode: str, base=None, decoder:
             if decoder.kind == "lora":
                 decoder.model.set_adapter(decoder.meta.get("adapter_name", "default"))
             outs = decode_on_cache(decoder.model, tok, c, **kw)
-        elif mode == "base":
+        elif not spec.needs_decoder:
             with base.base_weights() as model:
                 c = prefill(model, batch, handoff_tokens=k, pad_token_id=pad, producer="self")
                 outs = decode_on_cache(model, tok, c, **kw)

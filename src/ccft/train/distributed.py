@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from .errors import ConfigError
+from ccft.core.errors import ConfigError
 
 
 def inside_launcher() -> bool:

@@ -1,0 +1,62 @@
+"""Atomic writes: a reader (or a resumed run) sees the old file or folder or the new one, never half of one.
+
+Each helper writes into a temporary sibling in the same folder (same file system) and moves it into
+place with ``os.replace``; a crash leaves at most a hidden ``.NAME.*`` temporary that the next write
+ignores. Used for decoder checkpoints, converted models, reports, eval results and the C_base store.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+
+def atomic_write_file(path: str | Path, write: Callable[[str], None]) -> Path:
+    """Call ``write(tmp_path)`` to produce the file, then move it to ``path`` (replacing it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    return atomic_write_file(path, write)
+
+
+def atomic_write_dir(target: str | Path, write: Callable[[Path], None], *, keep_existing: bool = False) -> Path:
+    """Call ``write(tmp_dir)`` then move ``tmp_dir`` to ``target`` as atomically as the OS allows.
+
+    An existing ``target`` is replaced, or with ``keep_existing=True`` kept when it appeared meanwhile
+    (another process finished the same write first). Returns ``target``."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists() and keep_existing:
+            return target
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / "x")
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
