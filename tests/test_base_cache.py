@@ -1,4 +1,4 @@
-"""C_base: invariant 1 (DESIGN.md §2) and fault kinds K2 (positions/masks), K3 (numerics), K1 (mutation).
+"""C_base: invariant 1 (docs/design.md, "Invariants") and fault kinds K2 (positions/masks), K3 (numerics), K1 (mutation).
 
 Reference path everywhere: a plain, unpadded forward of the base over ``prompt + response`` for
 one row at a time (default positions 0..n+r-1, no cache, no mask). Tolerance: 1e-5 in fp32.

@@ -47,6 +47,8 @@ MOVED_MODULES = {
     "ccft.report": "ccft.evals.report",
 }
 
+_SUBPACKAGES = ("core", "train", "inference", "serving", "evals", "cli")
+
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
@@ -77,7 +79,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
-    if f"ccft.{name}" in MOVED_MODULES:
+    if f"ccft.{name}" in MOVED_MODULES or name in _SUBPACKAGES:
         return importlib.import_module(f"ccft.{name}")
     raise AttributeError(f"module 'ccft' has no attribute {name!r}")
 

@@ -45,6 +45,12 @@ def test_old_from_import_still_works():
     assert build_dataset is new_build
 
 
+def test_subpackages_load_on_attribute_access():
+    code = "import ccft; print(ccft.train.data.Collator.__name__, ccft.inference.SharedPrefillEngine.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["Collator", "SharedPrefillEngine"]
+
+
 def test_unknown_attribute():
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         ccft.nope  # noqa: B018

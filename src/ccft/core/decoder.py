@@ -1,4 +1,4 @@
-"""Decode modules θ_i and the reference forward on C_base (DESIGN.md §1-2).
+"""Decode modules θ_i and the reference forward on C_base (docs/design.md, "Terms" and "Invariants").
 
 A decoder is a full-weight copy of the base or a LoRA adapter (PEFT) on the base's single weight
 copy. ``decoder_forward`` is the two-pass reference every fast path is tested against: the base's

@@ -18,8 +18,8 @@ class IncompatibleModelError(CCFTError, ValueError):
 
 
 class FingerprintMismatchError(CCFTError, ValueError):
-    """A decoder or a C_base was produced for a different base model (DESIGN.md K5)."""
+    """A decoder or a C_base was produced for a different base model (docs/design.md, K5)."""
 
 
 class CacheMutatedError(CCFTError, RuntimeError):
-    """A C_base tensor was modified in place; C_base is a constant (DESIGN.md invariant 2)."""
+    """A C_base tensor was modified in place; C_base is a constant (docs/design.md, "Invariants" 2)."""

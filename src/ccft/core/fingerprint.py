@@ -1,4 +1,4 @@
-"""Base fingerprint and base/decoder compatibility checks (DESIGN.md §1, CASES.md K5).
+"""Base fingerprint and base/decoder compatibility checks (docs/design.md, "Terms" and K5).
 
 The fingerprint is a SHA-256 over three parts, each hashed separately:
   * the model config, minus bookkeeping keys (dtype, transformers version, name, quantisation marker);
