@@ -21,6 +21,14 @@ def test_every_multipl_e_language_has_a_toolchain_and_fixtures():
     assert set(FIXTURES) == set(MULTIPL_E_LANGUAGES)
 
 
+def test_runtimes_with_thread_pools_get_more_processes():
+    """Declared per language: JVM, Go and Node (js, ts) run with 256 processes, the rest with 64."""
+    assert {n for n, lang in LANGUAGES.items() if lang.max_procs == 256} == {"java", "go", "js", "ts"}
+    assert {lang.max_procs for lang in LANGUAGES.values()} == {64, 256}
+    node = [LANGUAGES["js"], LANGUAGES["ts"]]
+    assert all(lang.memory_kind == "data" and "NODE_PATH" in lang.env for lang in node)
+
+
 @pytest.mark.parametrize("lang", MULTIPL_E_LANGUAGES)
 def test_availability_is_reported_never_silent(lang):
     av = check_language(lang)

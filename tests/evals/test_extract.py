@@ -1,4 +1,4 @@
-"""GSM8K answer extraction: golden table of CASES.md K7 faults and every reference in the test split."""
+"""GSM8K answer extraction: golden table of docs/design.md K7 faults and every reference in the test split."""
 
 from __future__ import annotations
 

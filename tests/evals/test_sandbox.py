@@ -6,15 +6,20 @@ at the ``basic`` level too. Timeouts here are the sandbox's mechanism, never ass
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import socket
+import subprocess
 import sys
 import threading
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from ccft.evals.sandbox import UID_BASE, Limits, Sandbox, isolation, run_once
+from ccft.evals.sandbox import GUARD, LAUNCHER, UID_BASE, Limits, Sandbox, isolation, run_once
+from ccft.evals.sandbox_launcher import DEFAULT_PATH, decode_exit, encode_exit, uid_processes
 from ccft.evals.tasks import get_task
 
 LEVEL = str(isolation()["level"])
@@ -187,3 +192,52 @@ def test_hostile_humaneval_completions_score_as_failed(name):
     item = task.load(1)[0]  # HumanEval/0 has_close_elements
     assert task.score(item, HOSTILE_COMPLETIONS[name]) == {"passed": 0.0}
     assert not os.path.exists("/tmp/ccft-hostile-write")
+
+
+# ------------------------------------------------------------------ the launcher and the guard
+
+def _imported_modules(path: str) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(Path(path).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("path", [LAUNCHER, GUARD], ids=["launcher", "guard"])
+def test_child_side_files_use_only_the_standard_library(path):
+    """They run as ``python -I -S FILE`` / as ``sitecustomize``: the ccft package is not importable there."""
+    mods = _imported_modules(path)
+    assert "os" in mods and mods <= set(sys.stdlib_module_names) | {"__future__"}, mods
+
+
+def test_launcher_runs_by_path_without_the_package(tmp_path):
+    cfg = {"workdir": str(tmp_path), "level": "basic", "limits": asdict(Limits()),
+           "env": {"PATH": DEFAULT_PATH}, "argv": [sys.executable, "-c", "import os; print(6 * 7, os.getcwd())"],
+           "expose": {}}
+    r = subprocess.run([sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)], capture_output=True, text=True,
+                       env={"PATH": DEFAULT_PATH}, cwd="/", timeout=60)
+    assert (r.returncode, r.stdout.split()) == (0, ["42", str(tmp_path)]), r.stderr
+
+
+def test_exit_status_of_a_signal_death_round_trips():
+    assert (encode_exit(0), encode_exit(3), encode_exit(-9)) == (0, 3, 137)
+    assert all(decode_exit(encode_exit(-s)) == -s for s in range(1, 65))
+    assert [decode_exit(c) for c in (0, 1, 126, 127, 128, 193, 255)] == [0, 1, 126, 127, 128, 193, 255]
+
+
+def test_uid_processes_finds_this_process():
+    assert os.getpid() in uid_processes(os.getuid())
+
+
+def test_guard_installs_nothing_when_imported_as_a_module():
+    src = ("import ccft.evals.sandbox_guard, socket, subprocess, sys\n"
+           "socket.socket().close()\n"
+           "subprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
+           "print('unguarded')\n")
+    env = {"PATH": DEFAULT_PATH, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    r = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, env=env, timeout=60)
+    assert r.stdout.strip() == "unguarded", r.stderr

@@ -1,4 +1,4 @@
-"""Bootstrap CIs, paired deltas and pass@k against brute force (CASES.md K8: pass@k for c=0, k>n)."""
+"""Bootstrap CIs, paired deltas and pass@k against brute force (docs/design.md K8: pass@k for c=0, k>n)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ccft.evals import bfcl
+from ccft.core.errors import DataError
+from ccft.evals import bfcl, task_base, tasks
 from ccft.evals.gsm_plus import (
     ABSTAIN,
     PERTURBATION_TYPES,
@@ -35,6 +36,55 @@ def test_registry_holds_every_task_with_declared_settings():
         d = task.describe()
         assert d["task"] == name and d["metrics"] and d["license"] and d["max_new_tokens"] > 0
         assert task.prompt_style in ("chat", "completion")
+
+
+def test_registry_reexports_the_task_api_and_lists_names():
+    for name in ("Item", "Task", "EnvironmentCheckError", "data_dir", "data_rows", "read_jsonl", "truncate_at_stop",
+                 "pass_at_k_summary", "sample_counts"):
+        assert getattr(tasks, name) is getattr(task_base, name)
+    assert tasks.task_names() == sorted(EXPECTED_TASKS)
+    with pytest.raises(ValueError, match="needs a name"):
+        tasks.register_task(task_base.Task())
+
+
+def test_read_jsonl_plain_gz_and_errors(tmp_path):
+    import gzip
+
+    he = task_base.data_rows("humaneval/HumanEval.jsonl.gz")
+    with gzip.open(task_base.data_dir() / "humaneval" / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as f:
+        assert he == [json.loads(line) for line in f if line.strip()]
+    assert len(he) == 164 and he[0]["task_id"] == "HumanEval/0"
+    bfcl_rows = task_base.data_rows("bfcl/BFCL_v4_multiple.json")  # JSON Lines despite the suffix
+    assert len(bfcl_rows) == 200 and bfcl_rows[0]["id"] == "multiple_0"
+    (tmp_path / "ok.jsonl").write_text('{"a": 1}\n\n  \n{"a": 2}\n', encoding="utf-8")
+    assert task_base.read_jsonl(tmp_path / "ok.jsonl") == [{"a": 1}, {"a": 2}]
+    (tmp_path / "bad.jsonl").write_text('{"a": 1}\n{"a": \n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not a JSON line"):
+        task_base.read_jsonl(tmp_path / "bad.jsonl")
+    with pytest.raises(DataError, match="does not exist"):
+        task_base.data_rows("no/such/file.jsonl")
+
+
+class _BosTokenizer:
+    """Adds BOS (id 1) like a Llama tokenizer; the text's own leading ``<s>`` is one more BOS."""
+
+    bos_token_id = 1
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [1] if add_special_tokens else []
+        if text.startswith("<s>"):
+            ids.append(1)
+            text = text[3:]
+        return {"input_ids": ids + [ord(c) for c in text]}
+
+
+def test_completion_prompt_keeps_one_bos():
+    task = get_task("humaneval")
+    tok = _BosTokenizer()
+    assert task.prompt_ids(tok, Item("a", "<s>ab", None)) == [1, 97, 98]  # doubled BOS kept once (K6)
+    assert task.prompt_ids(tok, Item("b", "ab", None)) == [1, 97, 98]
+    with pytest.raises(DataError, match="completion prompts must be strings"):
+        task.prompt_ids(tok, Item("c", [{"role": "user", "content": "x"}], None))
 
 
 def test_get_task_overrides_and_errors():

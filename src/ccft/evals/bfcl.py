@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ccft.evals.tasks import EnvironmentCheckError, Item, Task, data_dir
+from ccft.evals.task_base import EnvironmentCheckError, Item, Task, data_rows
 from ccft.evals.tool_calls import format_tool_call, openai_tool, parse_tool_calls
 
 __all__ = ["CHECKER_PINS", "BFCLMultipleTask", "checker_python", "run_checker", "setup_checker_env", "tasks"]
@@ -173,13 +173,9 @@ class BFCLMultipleTask(Task):
     last_results: list = field(default_factory=list, repr=False, compare=False)
 
     def _load_all(self) -> list[Item]:
-        folder = data_dir() / "bfcl"
-        rows = [json.loads(x) for x in (folder / "BFCL_v4_multiple.json").read_text().splitlines() if x.strip()]
-        answers = {a["id"]: a["ground_truth"] for a in
-                   (json.loads(x) for x in (folder / "BFCL_v4_multiple.possible_answer.json").read_text().splitlines()
-                    if x.strip())}
+        answers = {a["id"]: a["ground_truth"] for a in data_rows("bfcl/BFCL_v4_multiple.possible_answer.json")}
         items = []
-        for r in rows:
+        for r in data_rows("bfcl/BFCL_v4_multiple.json"):
             if len(r["question"]) != 1:
                 raise EnvironmentCheckError(f"BFCL {r['id']}: expected one turn, got {len(r['question'])}")
             items.append(Item(id=r["id"], prompt=r["question"][0], reference=answers[r["id"]],

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ccft.evals.execution import ExecResult, check_language, run_programs
-from ccft.evals.tasks import Item, Task, pass_at_k_summary
+from ccft.evals.task_base import Item, Task, pass_at_k_summary, sample_counts
 
 __all__ = ["CodeTask"]
 
@@ -71,8 +71,7 @@ class CodeTask(Task):
         unavailable = len(per_item) - len(scored)
         if unavailable:
             out["unavailable_items"] = float(unavailable)
-        out["n_items"] = float(len(per_item))
-        out["n_samples"] = float(sum(len(v) for v in per_item.values()))
+        out.update(sample_counts(per_item))
         return out
 
     def per_item_scores(self, per_item: Mapping[str, Sequence[Mapping[str, float]]],

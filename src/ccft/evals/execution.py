@@ -5,7 +5,7 @@ compile and run commands (``{python}``, ``{javatuples}``, ``{rustc}`` are resolv
 extra environment, memory-limit kind, and a *probe* program that uses the language's test
 dependencies (javatuples, luaunit, Test::Deep, test/unit, lodash, ...). A language is
 **available** only when its tools are on ``PATH`` and its probe passes inside the sandbox — the
-exact environment the generated programs get (CASES.md K8: a missing toolchain or test library is
+exact environment the generated programs get (docs/design.md K8: a missing toolchain or test library is
 reported as unavailable, never scored as 0).
 
 Verdicts follow MultiPL-E's evaluators (exit status 0 = pass; a compile step that fails is
@@ -56,6 +56,7 @@ class Language:
     memory_mb: int = 1024
     compile_memory_mb: int = 2048
     compile_timeout_s: float = 60.0
+    max_procs: int = 64  # processes/threads of the run step (RLIMIT_NPROC); runtimes with thread pools need more
     fail_markers: tuple[str, ...] = ()  # a run whose stdout/stderr contains one of these fails
     version_cmd: tuple[str, ...] = ()
 
@@ -81,7 +82,11 @@ def _rustc() -> str:
     return real if os.path.isfile(real) else exe
 
 
-_NODE_PATH = "/usr/share/nodejs:/usr/lib/node_modules:/usr/local/lib/node_modules"
+#: Node.js runtimes (js, ts): where Debian and npm put global modules (lodash for MBXP); V8 reserves
+#: far more address space than it uses, so its memory limit is on the data segment; its thread pool
+#: needs more than the default process limit.
+_NODE = {"env": {"NODE_PATH": "/usr/share/nodejs:/usr/lib/node_modules:/usr/local/lib/node_modules"},
+         "memory_kind": "data", "memory_mb": 2048, "max_procs": 256}
 
 LANGUAGES: dict[str, Language] = {
     "python": Language(
@@ -98,24 +103,22 @@ LANGUAGES: dict[str, Language] = {
         deps="org.javatuples (Debian libjavatuples-java)",
         compile=("javac", "-J-Xmx512m", "-encoding", "UTF8", "-cp", "{javatuples}", "-d", ".", "{src}"),
         env={"JAVA_TOOL_OPTIONS": "-Xmx512m -XX:-UsePerfData -Xss8m"}, memory_kind="data", memory_mb=2048,
-        compile_memory_mb=3072, version_cmd=("java", "-version")),
+        compile_memory_mb=3072, max_procs=256, version_cmd=("java", "-version")),
     "js": Language(
         "js", "JavaScript", "main.js", ("node",), ("node", "{src}"),
         "const assert = require('node:assert');\nconst _ = require('lodash');\nassert.deepEqual(_.isEqual([1], [1]), true);\n",
-        deps="lodash for MBXP tests (Debian node-lodash)", env={"NODE_PATH": _NODE_PATH}, memory_kind="data",
-        memory_mb=2048, version_cmd=("node", "--version")),
+        deps="lodash for MBXP tests (Debian node-lodash)", version_cmd=("node", "--version"), **_NODE),
     "ts": Language(
         "ts", "TypeScript", "main.ts", ("tsc", "node"), ("node", "main.js"),
         "declare var require: any;\nconst assert = require('node:assert');\nassert.deepEqual([1, 2].length, 2);\n",
         deps="tsc (Debian node-typescript)", compile=("tsc", "--target", "esnext", "--lib", "esnext", "{src}"),
-        env={"NODE_PATH": _NODE_PATH}, memory_kind="data", memory_mb=2048, compile_memory_mb=3072,
-        version_cmd=("tsc", "--version")),
+        compile_memory_mb=3072, version_cmd=("tsc", "--version"), **_NODE),
     "go": Language(
         "go", "Go", "main_test.go", ("go",), ("go", "test", "{src}"),
         "package probe_test\n\nimport \"testing\"\n\nfunc TestProbe(t *testing.T) {\n\tif 1+1 != 2 {\n\t\tt.Errorf(\"x\")\n\t}\n}\n",
         env={"GOCACHE": "{workdir}/.gocache", "GOPATH": "{workdir}/go", "GOPROXY": "off", "GOFLAGS": "-mod=mod",
              "GOTELEMETRY": "off", "CGO_ENABLED": "0"},
-        memory_kind="data", memory_mb=2048, fail_markers=("FAIL",), version_cmd=("go", "version")),
+        memory_kind="data", memory_mb=2048, max_procs=256, fail_markers=("FAIL",), version_cmd=("go", "version")),
     "rs": Language(
         "rs", "Rust", "main.rs", ("rustc",), ("./main",),
         "fn main() {\n    let v: Vec<isize> = vec![1, 2];\n    assert_eq!(v.len(), 2);\n}\n",
@@ -244,7 +247,7 @@ def run_program(lang_name: str, source: str, *, timeout_s: float = 10.0, main_cl
                 status = "timeout" if res.timed_out else "compile_error"
                 return ExecResult(False, status, res.tail(), lang.name, steps)
         lim = Limits(timeout_s=timeout_s, memory_mb=lang.memory_mb, memory_kind=lang.memory_kind,
-                     max_procs=256 if lang.name in ("java", "go", "js", "ts") else 64)
+                     max_procs=lang.max_procs)
         res = sb.run(_fill(lang.run, subs), limits=lim, env=env)
         steps.append({"step": "run", "status": res.status, "returncode": res.returncode})
         verdict = _verdict(lang, res)

@@ -11,7 +11,7 @@ lm-eval's ``gsm8k`` task scores a generation with two filters (``lm_eval/tasks/g
 then ``exact_match`` on strings after deleting ``,``, ``$``, ``(?s).*#### `` and ``\\.$``. Here both
 filters return a *normalised number* (``normalize_number``) and ``exact_match`` compares numbers, so
 ``5`` == ``5.0`` == ``5.00`` and ``$1,325`` == ``1325``. Deliberate differences from lm-eval, each
-a CASES.md K7 fault:
+a docs/design.md K7 fault:
 
 * strict-match also accepts a ``$`` right after ``#### `` (``#### $1,325``), which lm-eval's regex
   rejects;
@@ -34,6 +34,7 @@ from ccft.core.errors import DataError
 
 __all__ = [
     "EXTRACTORS",
+    "FLEX_NUMBER",
     "exact_match",
     "extract_flexible",
     "extract_reference",
@@ -50,10 +51,10 @@ _NUMBER = re.compile(rf"(?P<s1>[+-]?)\$?(?P<s2>[+-]?)(?P<body>{_BODY})")
 # (U+2212) are tolerated here.
 _STRICT = re.compile("#### \\$?([-\u2212]?[0-9.,]+)")
 
-# Flexible candidates: like lm-eval's ``(-?[$0-9.,]{2,})|(-?[0-9]+)`` (optional minus, optional $,
+# Flexible candidates (public: GSM-Plus extends it with fractions): like lm-eval's ``(-?[$0-9.,]{2,})|(-?[0-9]+)`` (optional minus, optional $,
 # digits, separators, decimals; the minus may be U+2212) but each match is one well-formed number. The ``(?![0-9])`` stops
 # ``1,0000`` from being read as ``1,000`` followed by ``0``.
-_FLEX = re.compile(
+FLEX_NUMBER = re.compile(
     "[-\u2212]?\\$?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\\.[0-9]+)?|[-\u2212]?\\$?\\.[0-9]+"
 )
 
@@ -156,7 +157,7 @@ def extract_flexible(text: str) -> str | None:
     """
     if not isinstance(text, str):
         raise TypeError(f"extract_flexible expects a str, got {type(text).__name__}")
-    for candidate in reversed(_FLEX.findall(text)):
+    for candidate in reversed(FLEX_NUMBER.findall(text)):
         number = normalize_number(candidate)
         if number is not None:
             return number

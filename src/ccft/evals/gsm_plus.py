@@ -1,4 +1,4 @@
-"""GSM-Plus testmini: GSM8K under 8 perturbation types, scored per type (CASES.md K7).
+"""GSM-Plus testmini: GSM8K under 8 perturbation types, scored per type (docs/design.md K7).
 
 Data: ``evals/data/gsm_plus/gsmplus_testmini.jsonl`` (2,400 rows = 300 GSM8K test questions x 8
 perturbations; CC-BY-SA-4.0 per its data card, see ``LICENSE-NOTE.txt``). Prompt: the question as
@@ -26,15 +26,14 @@ each type and of the 7 numeric types together.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 
 from ccft.core.errors import DataError
-from ccft.evals.extract import _FLEX, normalize_number
-from ccft.evals.tasks import Item, Task, data_dir
+from ccft.evals.extract import FLEX_NUMBER, normalize_number
+from ccft.evals.task_base import Item, Task, data_rows
 
 __all__ = ["ABSTAIN", "PERTURBATION_TYPES", "GSMPlusTask", "abstains", "extract_plus_flexible",
            "extract_plus_strict", "parse_answer", "tasks"]
@@ -62,7 +61,7 @@ _ABSTAIN_PHRASES = ("does not provide enough information", "does not specify", "
 _NONE_WORD = re.compile(r"\bnone\b")
 _FRACTION = "[-\u2212]?\\$?[0-9]+/[0-9]+(?![0-9/])"
 _STRICT_PLUS = re.compile("#### \\$?(none\\b|[-\u2212]?[0-9]+/[0-9]+(?![0-9/])|[-\u2212]?[0-9.,]+)", re.IGNORECASE)
-_FLEX_PLUS = re.compile(f"(?P<frac>{_FRACTION})|(?P<num>{_FLEX.pattern})")
+_FLEX_PLUS = re.compile(f"(?P<frac>{_FRACTION})|(?P<num>{FLEX_NUMBER.pattern})")
 
 
 def _number(text: str) -> Fraction | None:
@@ -138,10 +137,8 @@ class GSMPlusTask(Task):
     data: str = "evals/data/gsm_plus/gsmplus_testmini.jsonl (2,400 rows)"
 
     def _load_all(self) -> list[Item]:
-        path = data_dir() / "gsm_plus" / "gsmplus_testmini.jsonl"
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         items = []
-        for i, r in enumerate(rows):
+        for i, r in enumerate(data_rows("gsm_plus/gsmplus_testmini.jsonl")):
             ptype = r["perturbation_type"]
             if ptype not in PERTURBATION_TYPES:
                 raise DataError(f"GSM-Plus row {i}: unknown perturbation type {ptype!r}")

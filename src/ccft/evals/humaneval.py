@@ -31,9 +31,7 @@ and sandbox used for model outputs and requires 100 % to pass (and known-bad com
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import json
 import pickle
 import re
 import secrets
@@ -41,10 +39,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ccft.core.io import atomic_write_file
 from ccft.evals.code import CodeTask
 from ccft.evals.execution import check_language, run_programs
 from ccft.evals.sandbox import Limits, Sandbox
-from ccft.evals.tasks import EnvironmentCheckError, Item, data_dir
+from ccft.evals.task_base import EnvironmentCheckError, Item, data_dir, data_rows
 
 __all__ = ["HUMANEVAL_STOP", "HumanEvalPlusTask", "HumanEvalTask", "extract_code_block", "tasks"]
 
@@ -59,11 +58,6 @@ def extract_code_block(text: str) -> str:
     """The first fenced code block of a chat reply (an unterminated block runs to the end), else the text."""
     m = _FENCE.search(text)
     return m.group(1) if m else text
-
-
-def _read_jsonl_gz(path: Path) -> list[dict]:
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 @dataclass
@@ -81,7 +75,7 @@ class HumanEvalTask(CodeTask):
             self.stop = ()
 
     def _rows(self) -> list[dict]:
-        return _read_jsonl_gz(data_dir() / self.file)
+        return data_rows(self.file)
 
     def _load_all(self) -> list[Item]:
         return [Item(id=r["task_id"], prompt=r["prompt"], reference=r["canonical_solution"],
@@ -264,12 +258,10 @@ class HumanEvalPlusTask(HumanEvalTask):
                 for it, res in zip(missing, ex.map(self._ground_truth, missing), strict=True):
                     self._expected[it.id] = res
             path = self._cache_path()
-            path.parent.mkdir(parents=True, exist_ok=True)
             old = pickle.loads(path.read_bytes()) if path.is_file() else {}
             old.update(self._expected)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(pickle.dumps(old))
-            tmp.replace(path)
+            blob = pickle.dumps(old)
+            atomic_write_file(path, lambda tmp: Path(tmp).write_bytes(blob))
         return {it.id: self._expected[it.id] for it in items}
 
     def _ground_truth(self, item: Item) -> tuple[list, float]:

@@ -9,7 +9,7 @@ Protocol (MultiPL-E's): completion prompting on the raw prompt; the row's ``stop
 generation *before* the stop string, and the program is ``prompt + completion + "\\n" + tests``.
 For brace languages the tests begin with the closing brace the stop string cut (``\\n}`` for
 cpp/rs/sh, ``\\n    }\\n`` for java), so the brace appears exactly once — the stop string is never
-appended back (CASES.md K8). Verdict: exit status 0 (Perl: and no ``ERROR``; Go: ``go test`` without
+appended back (docs/design.md K8). Verdict: exit status 0 (Perl: and no ``ERROR``; Go: ``go test`` without
 ``FAIL``), in the sandbox of ``ccft.evals.execution``.
 
 Availability (K8): a language is scored only if :func:`ccft.evals.execution.check_language` finds
@@ -23,13 +23,12 @@ The bundled MultiPL-E rows have no reference solutions, so ``reference_text`` is
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 
 from ccft.evals.code import CodeTask
 from ccft.evals.execution import check_language, language, run_programs
-from ccft.evals.tasks import EnvironmentCheckError, Item, data_dir, truncate_at_stop
+from ccft.evals.task_base import EnvironmentCheckError, Item, data_rows, truncate_at_stop
 
 __all__ = ["FIXTURES", "MBXP_FILES", "MULTIPL_E_LANGUAGES", "MultiPLETask", "mbxp_canonical_jobs", "tasks"]
 
@@ -67,8 +66,7 @@ MBXP_KNOWN_BROKEN = frozenset({"MBJSP/2", "MBJSP/18", "MBJSP/26", "MBJSP/29", "M
 
 @lru_cache(maxsize=None)
 def _rows(lang: str) -> tuple[dict, ...]:
-    path = data_dir() / "multipl_e_humaneval" / f"humaneval-{lang}.jsonl"
-    return tuple(json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    return tuple(data_rows(f"multipl_e_humaneval/humaneval-{lang}.jsonl"))
 
 
 def mbxp_canonical_jobs(lang: str, limit: int | None = 10) -> list[tuple[str, dict]]:
@@ -77,12 +75,8 @@ def mbxp_canonical_jobs(lang: str, limit: int | None = 10) -> list[tuple[str, di
     test`` (mxeval's assembly)."""
     if lang not in MBXP_FILES:
         return []
-    path = data_dir() / "mbxp" / MBXP_FILES[lang]
     jobs = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
+    for r in data_rows(f"mbxp/{MBXP_FILES[lang]}"):
         if not r.get("canonical_solution") or r["task_id"] in MBXP_KNOWN_BROKEN:
             continue
         src = r["prompt"] + r["canonical_solution"] + "\n" + r["test"]

@@ -1,8 +1,10 @@
-"""Sandboxed execution of untrusted programs: one process tree per program, limits, no network.
+"""Sandboxed execution of untrusted programs: one process tree per program, limits, no network (docs/design.md K10).
 
-Every call of :meth:`Sandbox.run` starts a small launcher (this file run as a script with
-``python -I -S``, standard library only) that applies the limits and then ``exec``s the program, so
-nothing runs between ``fork`` and ``exec`` in the evaluating process (which has torch threads).
+This module is the host side (:class:`Sandbox`, :class:`Limits`, :class:`RunResult`,
+:func:`isolation`). Every call of :meth:`Sandbox.run` starts the launcher
+(``ccft.evals.sandbox_launcher`` run as a script with ``python -I -S``, standard library only) that
+applies the limits and then ``exec``s the program, so nothing runs between ``fork`` and ``exec`` in
+the evaluating process (which has torch threads).
 
 What is enforced depends on what the machine allows; :func:`isolation` reports it and every
 :class:`RunResult` carries the level it ran under (``"namespaces"`` or ``"basic"``).
@@ -22,8 +24,8 @@ What is enforced depends on what the machine allows; :func:`isolation` reports i
   * the program runs as the evaluating user; limits below, a new session killed as a whole at the
     wall-time limit, ``RLIMIT_NPROC`` relative to the user's current process count (the kernel
     ignores it for root);
-  * Python programs only: an audit hook (``sitecustomize``) that refuses sockets, process creation
-    and writes outside the working directory. Other languages get no network or filesystem
+  * Python programs only: an audit hook (``ccft.evals.sandbox_guard`` as ``sitecustomize``) that
+    refuses sockets, process creation and writes outside the working directory. Other languages get no network or filesystem
     isolation in this mode: :func:`isolation` says so and the eval reports it.
 
 Always, both levels: a fresh temporary working directory (deleted afterwards), a scrubbed
@@ -52,23 +54,22 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["Limits", "RunResult", "Sandbox", "isolation", "run_once"]
+from ccft.evals import sandbox_launcher
+from ccft.evals.sandbox_launcher import (
+    DEFAULT_PATH,
+    UID_BASE,
+    decode_exit,
+    exposed_paths,
+    sandbox_uid,
+    uid_processes,
+)
 
-# Linux constants (include/uapi/linux/sched.h, mount.h, prctl.h).
-_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-_CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC = 32, 1024, 2048, 4096, 16384
-_MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
-_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
-_MNT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": _MS_NOATIME,
-              "nodiratime": _MS_NODIRATIME, "relatime": _MS_RELATIME, "strictatime": _MS_STRICTATIME}
+__all__ = ["GUARD", "LAUNCHER", "UID_BASE", "Limits", "RunResult", "Sandbox", "exposed_paths", "isolation", "run_once"]
 
-#: First uid/gid of the sandbox range (one uid per concurrent run, so RLIMIT_NPROC is per run).
-UID_BASE = 1_500_000
-_UID_SPAN = 400_000
-
-_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The launcher script, run as ``python -I -S LAUNCHER CONFIG_JSON``.
+LAUNCHER = os.path.abspath(sandbox_launcher.__file__)
+#: The ``basic`` level's Python guard, copied as ``sitecustomize.py`` (a file, never imported here).
+GUARD = os.path.join(os.path.dirname(LAUNCHER), "sandbox_guard.py")
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,8 @@ def _can_unshare() -> bool:
         return False
     d = os.path.realpath(tempfile.mkdtemp(prefix="ccft-probe-"))
     try:  # a throwaway process tries the exact namespaces and mounts the launcher uses
-        r = subprocess.run([sys.executable, "-I", "-S", os.path.abspath(__file__), "--probe", d],
-                           capture_output=True, timeout=20, env={"PATH": _DEFAULT_PATH})
+        r = subprocess.run([sys.executable, "-I", "-S", LAUNCHER, "--probe", d],
+                           capture_output=True, timeout=20, env={"PATH": DEFAULT_PATH})
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
@@ -196,40 +197,6 @@ def isolation(refresh: bool = False) -> dict[str, object]:
 
 # ------------------------------------------------------------------ the sandbox
 
-_PY_GUARD = r'''
-import os, sys
-_CWD = os.path.realpath(os.getcwd())
-_OK_DEV = ("/dev/null", "/dev/stdout", "/dev/stderr")
-def _inside(p):
-    try:
-        p = os.path.realpath(os.fsdecode(p) if not isinstance(p, int) else "/proc/self/fd/%d" % p)
-    except Exception:
-        return False
-    return p == _CWD or p.startswith(_CWD + os.sep) or p in _OK_DEV
-def _hook(event, args):
-    if event == "open":
-        path, mode, flags = args
-        if isinstance(path, int):
-            return
-        writing = (mode is not None and any(c in str(mode) for c in "wax+")) or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
-        if writing and not _inside(path):
-            raise PermissionError("sandbox: writing outside the working directory is not allowed: %r" % (path,))
-    elif event in ("os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.chmod", "os.chown", "os.link", "os.symlink", "os.truncate", "os.utime", "shutil.rmtree"):
-        for p in args[:2]:
-            if isinstance(p, (str, bytes, os.PathLike)) and not _inside(p):
-                raise PermissionError("sandbox: %s outside the working directory is not allowed" % event)
-    elif event == "socket.__new__":
-        fam = args[1]
-        if fam not in (getattr(__import__("socket"), "AF_UNIX", 1),):
-            raise PermissionError("sandbox: network sockets are not allowed")
-    elif event in ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo"):
-        raise PermissionError("sandbox: network access is not allowed")
-    elif event in ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn", "os.kill", "os.killpg"):
-        raise PermissionError("sandbox: %s is not allowed" % event)
-sys.addaudithook(_hook)
-'''
-
-
 class Sandbox:
     """A fresh temporary working directory in which several commands run (compile, then run).
 
@@ -261,7 +228,7 @@ class Sandbox:
         (self.path / "home").mkdir()
         if self.level == "basic":
             self._guard_dir = Path(tempfile.mkdtemp(prefix="ccft-guard-"))
-            (self._guard_dir / "sitecustomize.py").write_text(_PY_GUARD)
+            shutil.copyfile(GUARD, self._guard_dir / "sitecustomize.py")
             os.chmod(self._guard_dir, 0o755)
             os.chmod(self._guard_dir / "sitecustomize.py", 0o644)
         return self
@@ -287,7 +254,7 @@ class Sandbox:
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """The scrubbed environment of a run: nothing is inherited from the evaluator."""
         assert self.path is not None
-        env = {"PATH": _DEFAULT_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(self.path / "home"),
+        env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(self.path / "home"),
                "TMPDIR": str(self.path / "tmp"), "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
                "PYTHONIOENCODING": "utf-8"}
         if self._guard_dir is not None:
@@ -299,73 +266,34 @@ class Sandbox:
             stdin: bytes | None = None) -> RunResult:
         """Run ``argv`` in the working directory under ``limits``; see the module docstring."""
         assert self.path is not None, "use Sandbox as a context manager"
-        if "/" not in argv[0] and shutil.which(argv[0], path=(env or {}).get("PATH", _DEFAULT_PATH)) is None:
+        if "/" not in argv[0] and shutil.which(argv[0], path=(env or {}).get("PATH", DEFAULT_PATH)) is None:
             raise FileNotFoundError(f"sandbox: executable {argv[0]!r} not found on PATH")
         run_env = self.env(env)
         exe = shutil.which(argv[0], path=run_env["PATH"]) or argv[0]
         needs = [exe, sys.executable, sys.prefix, sys.base_prefix, *self.expose]
         cfg = {"workdir": str(self.path), "level": self.level, "limits": asdict(limits),
-               "env": run_env, "argv": list(argv), "root": os.geteuid() == 0,
-               "expose": exposed_paths(needs)}
-        launcher = [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(cfg)]
+               "env": run_env, "argv": list(argv), "expose": exposed_paths(needs)}
+        launcher = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)]
         t0 = time.monotonic()
         proc = subprocess.Popen(launcher, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                env={"PATH": _DEFAULT_PATH}, cwd=str(self.path))
+                                env={"PATH": DEFAULT_PATH}, cwd=str(self.path))
         out, err, timed_out, truncated = _collect(proc, limits, stdin)
         if self.level == "namespaces":
-            _reap_uid(UID_BASE + proc.pid % _UID_SPAN)
+            _reap_uid(sandbox_uid(proc.pid))
         rc = proc.returncode
-        if rc is not None and rc >= 128 + 1 and rc <= 128 + 64 and self.level == "namespaces":
-            rc = -(rc - 128)  # the launcher reports a signal death of the program as 128 + signal
+        if rc is not None and self.level == "namespaces":
+            rc = decode_exit(rc)  # the launcher reports a signal death of the program as 128 + signal
         return RunResult(argv=list(argv), returncode=rc, stdout=out.decode("utf-8", "replace"),
                          stderr=err.decode("utf-8", "replace"), timed_out=timed_out, output_truncated=truncated,
                          duration_s=time.monotonic() - t0, isolation=self.level)
-
-
-def _hidden_ancestor(path: str) -> tuple[str, str] | None:
-    """(first ancestor of ``path`` that others cannot traverse, its child on the way), or None."""
-    parts = Path(path).parts
-    for i in range(1, len(parts)):
-        anc = str(Path(*parts[:i]))
-        try:
-            if not os.stat(anc).st_mode & 0o001:
-                return anc, parts[i]
-        except OSError:
-            return None
-    return None
-
-
-def exposed_paths(paths: list[str]) -> dict[str, list[str]]:
-    """Which folders to re-expose (read-only) so the sandbox uid can reach ``paths``.
-
-    Toolchains are often installed under a home directory others cannot enter (``/root/.pyenv``,
-    ``/root/.rustup``). In the ``namespaces`` level such a home is replaced by an empty read-only
-    tmpfs in which only the needed top-level folders reappear, so the rest of it (tokens, keys,
-    caches) stays invisible. Returns ``{hidden ancestor: [child names]}``.
-    """
-    out: dict[str, set[str]] = {}
-    for p in paths:
-        if not p:
-            continue
-        hit = _hidden_ancestor(os.path.realpath(p))
-        if hit is not None:
-            out.setdefault(hit[0], set()).add(hit[1])
-    return {k: sorted(v) for k, v in out.items()}
 
 
 def _reap_uid(uid: int, wait_s: float = 10.0) -> None:
     """Return once no process of the run's uid is left (the PID namespace tears down asynchronously)."""
     deadline = time.monotonic() + wait_s
     while True:
-        left = []
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    if os.stat(f"/proc/{d}").st_uid == uid:
-                        left.append(int(d))
-                except OSError:
-                    pass
+        left = uid_processes(uid)
         if not left:
             return
         if time.monotonic() > deadline:
@@ -445,187 +373,3 @@ def run_once(files: dict[str, str | bytes], argv: list[str], *, limits: Limits =
         for name, content in files.items():
             sb.write(name, content)
         return sb.run(argv, limits=limits, env=env)
-
-
-# ------------------------------------------------------------------ the launcher (runs as a script)
-
-def _libc():
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
-    libc.unshare.argtypes = [ctypes.c_int]
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    return libc
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        import ctypes
-
-        e = ctypes.get_errno()
-        raise OSError(e, f"{what}: {os.strerror(e)}")
-
-
-def _unescape(s: str) -> str:
-    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def _hide_homes(libc, workdir: str, expose: dict[str, list[str]]) -> None:
-    """Cover each hidden ancestor with an empty tmpfs and bind back only its exposed children."""
-    for i, (anc, children) in enumerate(sorted(expose.items())):
-        stage = os.path.join(workdir, f".ccft-stage-{i}")
-        os.mkdir(stage)
-        _check(libc.mount(anc.encode(), stage.encode(), None, _MS_BIND | _MS_REC, None), f"stage {anc}")
-        _check(libc.mount(b"tmpfs", anc.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755,size=64k"),
-               f"cover {anc}")
-        for child in children:
-            src, dst = os.path.join(stage, child), os.path.join(anc, child)
-            if os.path.isdir(src):
-                os.mkdir(dst)
-            else:
-                open(dst, "w").close()
-            _check(libc.mount(src.encode(), dst.encode(), None, _MS_BIND | _MS_REC, None), f"expose {dst}")
-        _check(libc.umount2(stage.encode(), 2), f"unstage {anc}")  # MNT_DETACH
-        os.rmdir(stage)
-
-
-def _readonly_everything_but(libc, workdir: str, expose: dict[str, list[str]] | None = None) -> None:
-    """In a private mount namespace: hide restricted homes, keep ``workdir`` writable, all else read-only."""
-    _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
-    _check(libc.mount(workdir.encode(), workdir.encode(), None, _MS_BIND | _MS_REC, None), "bind workdir")
-    _hide_homes(libc, workdir, expose or {})
-    with open("/proc/self/mountinfo") as f:
-        mounts = [line.split() for line in f]
-    for parts in mounts:
-        point = _unescape(parts[4])
-        if point == workdir or point.startswith("/proc"):
-            continue
-        flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
-        for opt in parts[5].split(","):
-            flags |= _MNT_FLAGS.get(opt, 0)
-        if libc.mount(None, point.encode(), None, flags, None) != 0 and point in ("/", "/tmp", "/dev/shm"):
-            _check(-1, f"remount {point} read-only")
-
-
-def _set_limits(limits: dict, root: bool) -> None:
-    import resource
-
-    mem = int(limits["memory_mb"]) * 1024 * 1024
-    kind = resource.RLIMIT_AS if limits["memory_kind"] == "as" else resource.RLIMIT_DATA
-    resource.setrlimit(kind, (mem, mem))
-    fsize = int(limits["max_file_mb"]) * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    cpu = int(limits["timeout_s"]) + 2
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    nofile = int(limits["max_open_files"])
-    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-    nproc = int(limits["max_procs"])
-    if not root:  # RLIMIT_NPROC counts all of the user's processes: allow the ones already running
-        uid = os.getuid()
-        mine = 0
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    if os.stat(f"/proc/{d}").st_uid == uid:
-                        mine += 1
-                except OSError:
-                    pass
-        nproc += mine
-    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-
-
-def _chown_tree(path: str, uid: int, gid: int) -> None:
-    os.chown(path, uid, gid)
-    for dirpath, dirnames, filenames in os.walk(path):
-        for n in dirnames + filenames:
-            os.lchown(os.path.join(dirpath, n), uid, gid)
-
-
-def _drop_privileges(libc, uid: int, gid: int) -> None:
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-    import signal as _signal
-
-    libc.prctl(_PR_SET_PDEATHSIG, _signal.SIGKILL, 0, 0, 0)  # cleared by setuid: set it afterwards
-    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-
-
-def _exec(cfg: dict) -> None:
-    os.chdir(cfg["workdir"])
-    argv = cfg["argv"]
-    exe = shutil.which(argv[0], path=cfg["env"].get("PATH", _DEFAULT_PATH)) or argv[0]
-    os.execve(exe, argv, cfg["env"])
-
-
-def _launch(cfg: dict) -> int:
-    import signal as _signal
-
-    uid = gid = UID_BASE + os.getpid() % _UID_SPAN
-    if cfg["level"] != "namespaces":  # basic: same user (toolchains may live in its home), limits only
-        _set_limits(cfg["limits"], root=False)
-        _exec(cfg)
-        return 127  # not reached
-    libc = _libc()
-    _chown_tree(cfg["workdir"], uid, gid)
-    _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS), "unshare")
-    init = os.fork()
-    if init == 0:  # PID 1 of the new PID namespace
-        try:
-            libc.prctl(_PR_SET_PDEATHSIG, _signal.SIGKILL, 0, 0, 0)
-            _readonly_everything_but(libc, cfg["workdir"], cfg.get("expose"))
-            _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mount /proc")
-            child = os.fork()
-            if child == 0:
-                try:
-                    _set_limits(cfg["limits"], root=True)
-                    _drop_privileges(libc, uid, gid)
-                    _exec(cfg)
-                except BaseException as e:  # noqa: BLE001 - report and fail the run
-                    os.write(2, f"sandbox: cannot start {cfg['argv'][0]!r}: {e}\n".encode())
-                os._exit(127)
-            status = 0
-            while True:  # reap everything; leave when the program itself has exited
-                pid, st = os.wait()
-                if pid == child:
-                    status = st
-                    break
-            code = os.waitstatus_to_exitcode(status)
-            os._exit(code if code >= 0 else 128 - code)
-        except BaseException as e:  # noqa: BLE001
-            os.write(2, f"sandbox: setup failed: {e}\n".encode())
-            os._exit(126)
-    _, st = os.waitpid(init, 0)
-    code = os.waitstatus_to_exitcode(st)
-    return code if code >= 0 else 128 - code
-
-
-def _probe(d: str) -> int:
-    """Can this machine give the ``namespaces`` level? (run by ``isolation()`` in a throwaway process)"""
-    libc = _libc()
-    try:
-        _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS), "unshare")
-        pid = os.fork()
-        if pid == 0:
-            try:
-                _readonly_everything_but(libc, d, exposed_paths([sys.executable]))
-                _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "proc")
-                os._exit(0)
-            except BaseException:  # noqa: BLE001
-                os._exit(1)
-        _, st = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(st) != 0:
-            return 1
-    except OSError:
-        return 1
-    print("probe-ok")
-    return 0
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--probe"]:
-        sys.exit(_probe(sys.argv[2]))
-    sys.exit(_launch(json.loads(sys.argv[1])))

@@ -6,10 +6,10 @@ A function call is written by the assistant as (Hermes / Qwen-2.5 convention)::
     {"name": "search_recipes", "arguments": {"ingredients": ["chicken"]}}
     </tool_call>
 
-Training rows are ``{"messages": [...], "tools": [...]}`` (``ccft.data`` accepts them); ``tools``
+Training rows are ``{"messages": [...], "tools": [...]}`` (``ccft.train.data`` accepts them); ``tools``
 is a list of OpenAI-style ``{"type": "function", "function": {name, description, parameters}}``
 entries handed to the tokenizer's chat template (``apply_chat_template(tools=...)``). A template
-that does not render tools gets them in a system turn instead (``ccft.data.tokenize_prompt``), so
+that does not render tools gets them in a system turn instead (``ccft.core.tokens.tokenize_prompt``), so
 the model always sees the functions it may call. Tool results are ``{"role": "tool"}`` turns.
 
 * :func:`glaive_to_rows` converts glaive-function-calling rows in the LLaMA-Factory / ShareGPT
