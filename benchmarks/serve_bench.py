@@ -245,8 +245,10 @@ def plots(result: dict, folder: str | None) -> list[str]:
                  f"{result['device']} ({result['threads']} threads), KV budget "
                  f"{result['kv_budget_bytes'] / 2 ** 20:.0f} MiB", fontsize=9)
     fig.tight_layout()
+    from ccft.core.io import atomic_write_file
+
     path = str(Path(folder) / "serve_sweep.png")
-    fig.savefig(path, dpi=110)
+    atomic_write_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return [path]
 
@@ -279,8 +281,9 @@ def report(result: dict, out: str | None) -> int:
     print(json.dumps({k: result[k] for k in ("p95_latency_ratio", "throughput_ratio", "hit_ratio_min",
                                              "kv_bytes_vs_eq9")}))
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2, default=str))
+        from ccft.core.io import atomic_write_text
+
+        atomic_write_text(out, json.dumps(result, indent=2, default=str))
         print(f"wrote {out}", file=sys.stderr)
     return 0
 

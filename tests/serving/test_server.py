@@ -36,7 +36,6 @@ from ccft.serving.client import ReplayRequest, replay, requests_from_dicts, requ
 from ccft.serving.prefix_store import PrefixKVStore
 from ccft.serving.scheduler import Scheduler
 from ccft.serving.server import BackgroundServer, create_app
-from ccft.serving.text_stream import IncrementalDetokenizer
 from conftest import make_lora, make_tiny_folder
 
 DECODERS = ("base", "math", "code")
@@ -211,7 +210,7 @@ async def _complete(client: httpx.AsyncClient, body: dict, *, chat: bool = False
                 "usage": data["usage"], "object": data["object"], "chunks": 0}
     body["stream_options"] = {"include_usage": True}
     out = {"status": 0, "text": "", "token_ids": [], "finish_reason": None, "usage": None, "chunks": 0,
-           "prompt_token_ids": None, "done": False, "roles": []}
+           "prompt_token_ids": None, "done": False, "roles": [], "deltas": []}
     async with client.stream("POST", path, json=body) as r:
         out["status"] = r.status_code
         if r.status_code != 200:
@@ -235,11 +234,12 @@ async def _complete(client: httpx.AsyncClient, body: dict, *, chat: bool = False
                 out["chunks"] += 1
                 out["object"] = data["object"]
                 if chat:
-                    out["text"] += c["delta"].get("content", "")
+                    out["deltas"].append(c["delta"].get("content", ""))
                     if "role" in c["delta"]:
                         out["roles"].append(c["delta"]["role"])
                 else:
-                    out["text"] += c["text"]
+                    out["deltas"].append(c["text"])
+                out["text"] += out["deltas"][-1]
                 out["token_ids"] += c["token_ids"]
                 if "prompt_token_ids" in c:
                     out["prompt_token_ids"] = c["prompt_token_ids"]
@@ -274,29 +274,6 @@ def _metrics(url: str) -> dict:
 def _sum(metrics: dict, name: str, **labels) -> float:
     want = set(labels.items())
     return sum(v for (n, lab), v in metrics.items() if n == name and want <= lab)
-
-
-# ---------------------------------------------------------------------------------------- text streaming
-def test_incremental_detokenizer_multibyte_and_stop(tokenizer):
-    text = "Prix: 12€ — 東京 🙂🚀 naïve café, done.\n\nEnd"
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    final = tokenizer.decode(ids, skip_special_tokens=True)
-    assert final == text
-    assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "the test needs tokens that split a character"
-    d = IncrementalDetokenizer(tokenizer)
-    deltas = [d.push([i]) for i in ids]
-    assert all("\ufffd" not in x for x in deltas)
-    assert "".join(deltas) + d.finish(final) == final
-    # a stop string spanning tokens: nothing of it (or after it) is ever emitted
-    stop = "\n\nE"
-    d = IncrementalDetokenizer(tokenizer, [stop, "never"])
-    sent = ""
-    for i in ids:
-        sent += d.push([i])
-        assert stop not in sent and "\n" not in sent  # "\n" could start the stop string: held back
-    cut = text[: text.find(stop)]
-    assert sent == cut.rstrip("\n")[: len(sent)] and cut.startswith(sent)
-    assert sent + d.finish(cut) == cut
 
 
 # ---------------------------------------------------------------------------------------- (a) load
@@ -430,6 +407,59 @@ def test_chat_renders_template_and_equals_offline(served, tokenizer, gsm8k_rows,
         assert got["prompt_token_ids"] == rendered
     assert plain["object"] == "chat.completion" and streamed["object"] == "chat.completion.chunk"
     assert streamed["roles"] == ["assistant"]  # the role comes once, with the first chunk
+    served.wait_idle()
+
+
+FORCED_TEXT = "Prix: 12€ — 東京 🙂🚀 naïve café, done.\n\nEnd 漢字かな한국어 ✓"
+
+
+def test_streamed_text_equals_final_text_multibyte(served, prompt_ids, tokenizer):
+    """Forced multi-byte output (emoji, CJK) with stop strings spanning tokens, through the real server:
+    the streamed deltas concatenate to exactly the non-streamed text (K7), which is the text cut before
+    the earliest stop string; no delta holds an incomplete character or any part of a stop string."""
+    forced = tokenizer(FORCED_TEXT, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(forced, skip_special_tokens=True) == FORCED_TEXT
+    assert any("\ufffd" in tokenizer.decode([i]) for i in forced), "the test needs tokens that split a character"
+    engine = served.engine
+    add_request = engine.add_request
+
+    def forcing(handle, row=0, **kw):  # the decoder "generates" FORCED_TEXT (teacher forcing in the engine)
+        return add_request(handle, row, forced_tokens=forced[:kw["max_new_tokens"]], **kw)
+
+    stops = [None, "🚀 na", ["\n\nE", "never"], ["京 🙂", "é, d"], "字かな한"]
+
+    async def go():
+        async with _client(served.url) as c:
+            out = []
+            for stop in stops:
+                for chat in (False, True):
+                    base = ({"messages": [{"role": "user", "content": "Say it."}]} if chat
+                            else {"prompt": prompt_ids[4]})
+                    body = {**base, "model": "math", "max_tokens": len(forced), "stop": stop}
+                    plain = await _complete(c, body, chat=chat)
+                    streamed = await _complete(c, {**body, "stream": True}, chat=chat)
+                    out.append((stop, plain, streamed))
+            return out
+
+    engine.add_request = forcing
+    try:
+        results = _run(go())
+    finally:
+        engine.add_request = add_request
+    for stop, plain, streamed in results:
+        stop_list = [stop] if isinstance(stop, str) else (stop or [])
+        cuts = [FORCED_TEXT.find(x) for x in stop_list if x in FORCED_TEXT]
+        expect = FORCED_TEXT[:min(cuts)] if cuts else FORCED_TEXT
+        assert plain["status"] == streamed["status"] == 200
+        assert plain["text"] == expect == streamed["text"], (stop, plain["text"], streamed["deltas"])
+        assert streamed["token_ids"] == plain["token_ids"] and plain["token_ids"] == forced[:len(plain["token_ids"])]
+        assert plain["finish_reason"] == streamed["finish_reason"] == ("stop" if cuts else "length")
+        assert streamed["chunks"] > 2  # it really streamed
+        sent = ""
+        for delta in streamed["deltas"]:
+            assert "\ufffd" not in delta
+            sent += delta
+            assert expect.startswith(sent) and not any(x in sent for x in stop_list)
     served.wait_idle()
 
 
@@ -757,12 +787,12 @@ def test_ccft_serve_cli_end_to_end(world, tmp_path, prompt_ids, offline):
 
 
 def test_replay_request_checks():
-    from ccft.serving.client import _check
+    from ccft.serving.client import check_requests
 
     with pytest.raises(ccft.ConfigError, match="not earlier"):
-        _check([ReplayRequest("a", "base", [1, 2], depends_on=("b",)), ReplayRequest("b", "base", [1, 2])])
+        check_requests([ReplayRequest("a", "base", [1, 2], depends_on=("b",)), ReplayRequest("b", "base", [1, 2])])
     with pytest.raises(ccft.ConfigError, match="twice"):
-        _check([ReplayRequest("a", "base", [1, 2]), ReplayRequest("a", "base", [1, 2])])
+        check_requests([ReplayRequest("a", "base", [1, 2]), ReplayRequest("a", "base", [1, 2])])
 
 
 def test_trace_cli_writes_a_loadable_trace(smol_dir, tmp_path):

@@ -203,6 +203,23 @@ def test_save_load_round_trip(name, request, tmp_path, tokenizer):
     assert loaded.save(tmp_path / "again.jsonl").read_bytes() == path.read_bytes()
 
 
+def test_save_is_atomic(tmp_path, react, monkeypatch):
+    """A save that fails midway leaves the previous file whole and no temporary behind (docs/design.md,
+    "Atomic writes")."""
+    path = react.save(tmp_path / "t.jsonl")
+    before = path.read_bytes()
+
+    def broken(self):
+        yield '{"type":"meta"}'
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(Trace, "lines", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        react.save(path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["t.jsonl"]
+
+
 def test_load_errors(tmp_path, react):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"type": "request"}\n')

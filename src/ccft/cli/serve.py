@@ -6,7 +6,7 @@
 The first form loads the base (``--model``: an embedded name or an HF folder), registers each
 ``--decoder NAME=PATH`` on a ``SharedPrefillEngine``, wraps it in a ``Scheduler`` (PrefillShare
 unless ``--no-share``; a prefix K/V store of ``--block-tokens`` blocks unless ``--block-tokens 0``;
-``--kv-budget-mb`` caps live KV + store) and serves ``ccft.serving.server.create_app`` with uvicorn.
+``--kv-budget-mb`` caps live KV + store) and serves ``ccft.serving.app.create_app`` with uvicorn.
 The second replays a workload trace (``ccft.serving.workloads``) or a JSONL file of requests
 against a running server and prints TTFT / latency quantiles. Heavy imports happen only when run.
 """
@@ -120,7 +120,7 @@ def build_scheduler(args):
 def run(args) -> int:
     import uvicorn
 
-    from ccft.serving.server import create_app
+    from ccft.serving.app import create_app
 
     scheduler, tokenizer = build_scheduler(args)
     app = create_app(scheduler, tokenizer, default_max_tokens=args.default_max_tokens)
@@ -143,11 +143,10 @@ def run_replay(args) -> int:
     summary = summarize(records)
     print(json.dumps(summary, indent=2))
     if args.out:
-        from pathlib import Path
+        from ccft.core.io import atomic_write_text
 
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"summary": summary, "records": [r.to_dict() for r in records]}, indent=1))
+        atomic_write_text(args.out, json.dumps({"summary": summary, "records": [r.to_dict() for r in records]},
+                                               indent=1))
     return 0 if summary["ok"] == summary["requests"] else 1
 
 

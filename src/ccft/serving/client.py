@@ -32,8 +32,8 @@ from typing import Any, Iterable, Sequence
 
 from ccft.core.errors import ConfigError
 
-__all__ = ["ReplayRequest", "ReplayRecord", "requests_from_dicts", "requests_from_trace", "load_requests", "replay",
-           "run_replay", "summarize"]
+__all__ = ["ReplayRequest", "ReplayRecord", "requests_from_dicts", "requests_from_trace", "load_requests",
+           "check_requests", "replay", "run_replay", "summarize", "quantile"]
 
 
 @dataclass
@@ -142,7 +142,8 @@ def load_requests(path: str | Path, *, tokenizer=None) -> list[ReplayRequest]:
 
 
 # ---------------------------------------------------------------------------------------- replay
-def _check(requests: Sequence[ReplayRequest]) -> None:
+def check_requests(requests: Sequence[ReplayRequest]) -> None:
+    """Raise ``ConfigError`` for a duplicate request id or a dependency that is not an earlier request."""
     seen: set[str] = set()
     for r in requests:
         if r.request_id in seen:
@@ -242,7 +243,7 @@ async def replay(url: str, requests: Sequence[ReplayRequest], *, stream: bool = 
     import httpx
 
     requests = list(requests)
-    _check(requests)
+    check_requests(requests)
     finished = {r.request_id: asyncio.Event() for r in requests}
     own = client is None
     if own:

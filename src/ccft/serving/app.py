@@ -1,0 +1,314 @@
+"""``create_app``: an OpenAI-compatible HTTP server over a ``Scheduler`` (``ccft serve``).
+
+Every decoder of the scheduler's engine is a *model* (``"base"`` is the base model itself); all of
+them decode on the base's shared prefill (docs/design.md, "Modes": ``prefillshare`` for CCFT
+decoders). Endpoints:
+
+* ``POST /v1/completions``: a ``CompletionRequest`` body (``ccft.serving.schemas``): ``model``,
+  ``prompt`` (a string, tokenized as ``tokenize_prompt(tokenizer, prompt, chat_template=False)``,
+  or a list of token ids, used as they are), ``max_tokens`` (default 16), ``stop``, ``temperature``
+  / ``top_p`` / ``seed`` (``temperature`` 0 or absent: greedy decoding, the default), ``stream``
+  (server-sent events ``data: {...}`` then ``data: [DONE]``; ``stream_options: {"include_usage":
+  true}`` adds a final usage chunk). The response carries ``id``, ``object``, ``created``,
+  ``model``, ``choices[{text, index, finish_reason, logprobs: null}]`` and ``usage``.
+  ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens`` reached).
+* ``POST /v1/chat/completions``: a ``ChatCompletionRequest``: ``messages`` rendered with the
+  tokenizer's chat template (``add_generation_prompt=True``; ``tools`` are rendered too, tool calls
+  are not parsed), the same options (``max_completion_tokens`` is an alias of ``max_tokens``;
+  default ``default_max_tokens``), chat-shaped responses (``message``) and stream chunks
+  (``delta``; the first chunk also carries the role).
+* ``GET /v1/models`` (and ``/v1/models/{model}``), ``GET /health``, ``GET /metrics`` (Prometheus
+  text format, one registry per app; ``ccft.serving.metrics.ServerMetrics``).
+
+ccft extensions of the request: ``shared_prefix_tokens`` (how many leading prompt tokens are
+context shared with other requests, ``ServeRequest.shared_len``; a placement hint only, the output
+does not depend on it), ``ignore_eos``, ``return_token_ids``, ``session_id``.
+
+Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: a malformed body or a
+missing / wrong-typed / unsupported field → 400 naming the field; an unknown model → 404 listing the
+served ones; a prompt that can never be served (``PromptTooLongError``, or prompt + ``max_tokens``
+beyond the model's positions) → 400 with code ``context_length_exceeded``; a full queue
+(``QueueFullError``) → 503 with ``Retry-After``; a request the engine failed → 500. When a client
+disconnects before its response is complete (streaming or not), its ticket is cancelled: the
+scheduler aborts the engine row and frees its KV (docs/design.md, fault class K9).
+
+Threading: the scheduler loop runs in its own thread (``Scheduler.start``, started in the app's
+lifespan unless it already runs, stopped on shutdown when the app started it). Its callbacks only
+hand tokens to the asyncio loop (``ccft.serving.streaming.TokenSink``); text is decoded on the loop
+with the app's own copy of the tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Mapping, Sequence
+
+from ccft.serving.extra import serve_extra_missing
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+except ImportError as e:  # pragma: no cover - depends on the installation
+    raise serve_extra_missing(e) from e
+
+from ccft.core.errors import CCFTError, ConfigError
+from ccft.core.tokens import tokenize_prompt
+from ccft.inference import BASE
+from ccft.serving.metrics import CONTENT_TYPE, ServerMetrics
+from ccft.serving.scheduler import PromptTooLongError, QueueFullError, Scheduler, ServeRequest, Ticket
+from ccft.serving.schemas import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Reply,
+    error_response,
+    parse_request,
+)
+from ccft.serving.streaming import DONE, StreamText, TokenSink, sse_events, watch_disconnect
+
+log = logging.getLogger(__name__)
+
+__all__ = ["create_app", "ServerState"]
+
+
+class ServerState:
+    """The state behind one FastAPI app (``app.state.ccft``; see ``create_app``)."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, models: dict[str, str], *, default_max_tokens: int,
+                 completions_default_max_tokens: int, max_model_len: int | None, retry_after_s: int):
+        self.scheduler, self.tokenizer, self.models = scheduler, tokenizer, models
+        self.default_max_tokens = default_max_tokens
+        self.completions_default_max_tokens = completions_default_max_tokens
+        self.max_model_len, self.retry_after_s = max_model_len, retry_after_s
+        self.metrics = ServerMetrics(scheduler)
+        self.created = int(time.time())
+        engine = scheduler.engine
+        cfg = getattr(getattr(engine, "base", None), "config", None)
+        self.vocab_size = getattr(cfg, "vocab_size", None)
+        self.base_name = getattr(getattr(engine, "base", None), "name", BASE)
+        self.started_scheduler = False
+
+    # ------------------------------------------------------------------ helpers
+    def resolve(self, model: str) -> str:
+        """The decoder name behind the public model name. Raises ``APIError`` 404 (``model_not_found``)."""
+        if model not in self.models:
+            self.metrics.rejected("", "unknown_model")
+            raise APIError(404, f"The model '{model}' does not exist; served models: {', '.join(self.models)}",
+                           param="model", code="model_not_found")
+        return self.models[model]
+
+    def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids (``ccft.core.tokens.tokenize_prompt``; docs/design.md, "Token boundary").
+
+        Raises:
+            APIError: 400 when a chat request meets a tokenizer without a chat template, or the template
+                refuses the conversation.
+        """
+        if isinstance(req, CompletionRequest):
+            if isinstance(req.prompt, str):
+                return tokenize_prompt(self.tokenizer, req.prompt, chat_template=False)
+            return list(req.prompt)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt",
+                           param="messages")
+        messages = [m.template_dict() for m in req.messages]
+        try:
+            return tokenize_prompt(self.tokenizer, messages, chat_template=True, tools=req.tools or None)
+        except Exception as e:  # noqa: BLE001 - a template that refuses the conversation (roles, ...)
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+
+    def check_length(self, prompt_ids: list[int], req, max_tokens: int) -> None:
+        """400 when ``shared_prefix_tokens`` exceeds the prompt or prompt + ``max_tokens`` exceed ``max_model_len``."""
+        n = len(prompt_ids)
+        if req.shared_prefix_tokens is not None and req.shared_prefix_tokens > n:
+            raise APIError(400, f"'shared_prefix_tokens'={req.shared_prefix_tokens} exceeds the prompt's {n} tokens",
+                           param="shared_prefix_tokens")
+        field = req.max_tokens_field
+        if self.max_model_len is not None and n + max_tokens > self.max_model_len:
+            self.metrics.rejected(req.model, "prompt_too_long")
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                                f"prompt has {n} tokens and {field}={max_tokens}; shorten the prompt or lower "
+                                f"{field}", param=field, code="context_length_exceeded")
+
+    def submit(self, decoder: str, prompt_ids: list[int], req, max_tokens: int, sink: TokenSink) -> Ticket:
+        """Hand the request to the scheduler. Raises ``APIError`` 503 (queue full) or 400 (never servable)."""
+        request = ServeRequest(decoder, prompt_ids, shared_len=req.shared_prefix_tokens, max_new_tokens=max_tokens,
+                               stop=req.stop, sampling=req.sampling(), ignore_eos=bool(req.ignore_eos),
+                               session_id=req.session_id)
+        try:
+            return self.scheduler.submit(request, on_token=sink.on_token if req.stream else None,
+                                         on_done=sink.on_done)
+        except QueueFullError as e:
+            self.metrics.rejected(req.model, "queue_full")
+            raise APIError(503, f"the server is busy: {e}", type="server_error", code="queue_full",
+                           headers={"Retry-After": str(self.retry_after_s)}) from None
+        except PromptTooLongError as e:
+            self.metrics.rejected(req.model, "prompt_too_long")
+            raise APIError(400, f"{e} (HTTP fields: max_new_tokens = {req.max_tokens_field}, shared_len = "
+                                "shared_prefix_tokens)", param="prompt", code="context_length_exceeded") from None
+        except CCFTError as e:
+            self.metrics.rejected("", "invalid")
+            msg = str(e)
+            param = ("shared_prefix_tokens" if "shared_len" in msg else
+                     req.max_tokens_field if "max_new_tokens" in msg else "prompt")
+            raise APIError(400, msg, param=param) from None
+
+    # ------------------------------------------------------------------ endpoint
+    async def generate(self, request: Request, *, chat: bool):
+        """``POST /v1/completions`` (``chat=False``) or ``/v1/chat/completions``: JSON or an SSE stream."""
+        try:
+            req = parse_request(await request.body(), chat=chat, vocab_size=self.vocab_size)
+            max_tokens = req.new_tokens(self.default_max_tokens if chat else self.completions_default_max_tokens)
+            decoder = self.resolve(req.model)
+            prompt_ids = self.prompt_ids(req)
+            self.check_length(prompt_ids, req, max_tokens)
+        except APIError as e:
+            if e.status == 400 and e.code != "context_length_exceeded":
+                self.metrics.rejected("", "invalid")
+            raise
+        model = req.model
+        sink = TokenSink(asyncio.get_running_loop(), lambda t: self.metrics.finished(model, t))
+        ticket = self.submit(decoder, prompt_ids, req, max_tokens, sink)
+        reply = Reply(chat, model, list(prompt_ids), return_token_ids=bool(req.return_token_ids),
+                      include_usage=req.include_usage)
+        watcher = asyncio.ensure_future(watch_disconnect(request, ticket))
+        if req.stream:
+            events = sse_events(ticket, sink, reply, StreamText(self.tokenizer, req.stop), watcher)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            while await sink.queue.get() is not DONE:
+                pass
+        finally:
+            watcher.cancel()
+            if not ticket.done.is_set():
+                ticket.cancel()  # the handler was cancelled (the client is gone, or the server stops)
+        if ticket.state != "done" or ticket.result is None:
+            if ticket.state == "cancelled":
+                return error_response(499, "the request was cancelled (client disconnected)", code="cancelled")
+            return error_response(500, f"the request failed: {ticket.error}", type="server_error")
+        return JSONResponse(reply.completion(ticket.result))
+
+    # ------------------------------------------------------------------ other endpoints
+    def model_card(self, name: str) -> dict:
+        """The ``/v1/models`` entry of a served model (``parent``: the base, for decoders)."""
+        decoder = self.models[name]
+        entry = self.scheduler.engine.decoders[decoder]
+        d = getattr(entry, "decoder", None)
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "ccft",
+                "root": self.base_name if decoder == BASE else (getattr(d, "path", None) or decoder),
+                "parent": None if decoder == BASE else self.base_name,
+                "max_model_len": self.max_model_len}
+
+    def health(self) -> tuple[int, dict]:
+        """(status, body) of ``/health``: 200 while the scheduler loop runs, else 503."""
+        s = self.scheduler
+        alive = s.running
+        body = {"status": "ok" if alive else "scheduler not running", "queue_depth": s.queue_depth,
+                "active_requests": s.active, "live_kv_bytes": s.live_bytes, "prefix_store_bytes": s.store_bytes,
+                "models": list(self.models)}
+        return (200 if alive else 503), body
+
+
+def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequence[str] | Mapping[str, str] | None = None,
+               default_max_tokens: int = 256, completions_default_max_tokens: int = 16,
+               max_model_len: int | None = None, retry_after_s: int = 1, title: str = "ccft serve") -> FastAPI:
+    """An OpenAI-compatible FastAPI app over ``scheduler`` (see the module docstring).
+
+    Args:
+        scheduler: the ``Scheduler`` (its engine's decoders are the models). Started in the app's
+            lifespan unless it already runs; stopped on shutdown if the app started it.
+        tokenizer: the tokenizer of the base (default: the engine's). The app works on its own copy.
+        served_model_names: which decoders to serve (default: all of ``engine.decoders``, ``"base"``
+            included), or a mapping public name → decoder name (aliases).
+        default_max_tokens: ``max_tokens`` of a chat request that sets none.
+        completions_default_max_tokens: ``max_tokens`` of a completion request that sets none (16, as OpenAI).
+        max_model_len: longest prompt + ``max_tokens`` accepted (default: the model's
+            ``max_position_embeddings``).
+        retry_after_s: the ``Retry-After`` header of a 503 (queue full).
+    Raises:
+        ConfigError: a served name that is not a decoder of the engine.
+    """
+    engine = scheduler.engine
+    if tokenizer is None or tokenizer is getattr(engine, "tokenizer", None):
+        tokenizer = engine.tokenizer
+    tokenizer = copy.deepcopy(tokenizer)  # the engine decodes stop strings on the scheduler thread with its own
+    if served_model_names is None:
+        models = {n: n for n in engine.decoders}
+    elif isinstance(served_model_names, Mapping):
+        models = dict(served_model_names)
+    else:
+        models = {n: n for n in served_model_names}
+    unknown = sorted(d for d in models.values() if d not in engine.decoders)
+    if unknown or not models:
+        raise ConfigError(f"served_model_names: {unknown or 'none'} are not decoders of the engine; registered: "
+                          f"{', '.join(engine.decoders)}")
+    if max_model_len is None:
+        cfg = getattr(getattr(engine, "base", None), "config", None)
+        max_model_len = getattr(cfg, "max_position_embeddings", None)
+    state = ServerState(scheduler, tokenizer, models, default_max_tokens=int(default_max_tokens),
+                        completions_default_max_tokens=int(completions_default_max_tokens),
+                        max_model_len=max_model_len, retry_after_s=int(retry_after_s))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        running = scheduler.running
+        if not running:
+            scheduler.start()
+            state.started_scheduler = True
+        try:
+            yield
+        finally:
+            if state.started_scheduler:
+                scheduler.stop()
+                state.started_scheduler = False
+
+    app = FastAPI(title=title, lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.ccft = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), code=None,
+                              type="invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):  # pragma: no cover - a bug; keep serving
+        log.exception("unhandled error in %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await state.generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await state.generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [state.model_card(n) for n in state.models]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        state.resolve(model)
+        return state.model_card(model)
+
+    @app.get("/health")
+    async def health():
+        status, body = state.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,126 @@
+"""``ServerMetrics``: the Prometheus metrics of one ``ccft serve`` app (``GET /metrics``).
+
+Latencies are measured by the scheduler (``Ticket`` times, ``time.perf_counter()`` seconds from
+submit); token counts come from the tickets; queue, KV and prefix-store figures are read from the
+scheduler when ``/metrics`` is scraped. See docs/server.md, "Metrics".
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ccft.serving.extra import serve_extra_missing
+
+try:
+    import prometheus_client as prom
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+except ImportError as e:  # pragma: no cover - depends on the installation
+    raise serve_extra_missing(e) from e
+
+from ccft.serving.scheduler import Scheduler, Ticket
+from ccft.serving.schemas import FINISH_REASONS
+
+__all__ = ["ServerMetrics", "LATENCY_BUCKETS", "TPOT_BUCKETS", "CONTENT_TYPE"]
+
+#: latency histogram buckets (seconds): CPU serving reaches tens of seconds under load
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+#: the media type of ``ServerMetrics.render()``
+CONTENT_TYPE = prom.CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """Prometheus metrics of one app, in their own ``CollectorRegistry`` (``registry``).
+
+    Histograms by ``model``: ``ccft_time_to_first_token_seconds`` (submit → first token, measured
+    by the scheduler), ``ccft_time_per_output_token_seconds`` (mean per token after the first, one
+    observation per request), ``ccft_e2e_request_latency_seconds`` (submit → end of a completed
+    request). Counters: ``ccft_requests_total{model, outcome}`` with outcome ``stop`` / ``length``
+    (completed, by finish reason), ``cancelled`` (client went away), ``error`` (engine failure),
+    ``queue_full``, ``prompt_too_long``, ``invalid`` (400), ``unknown_model`` (404, model "");
+    ``ccft_prompt_tokens_total`` and ``ccft_generation_tokens_total`` by model. Read from the
+    scheduler at scrape time: gauges ``ccft_queue_depth``, ``ccft_active_requests``,
+    ``ccft_live_kv_bytes`` (``Scheduler.live_bytes``), ``ccft_prefix_store_bytes``,
+    ``ccft_prefix_hit_ratio`` (context tokens copied from the prefix store / context tokens of
+    every prefill; a context already live is not prefilled again and is not counted),
+    ``ccft_kv_budget_bytes`` (when set) and counters ``ccft_scheduler_<name>_total`` for the
+    scheduler's counters (prefills, prefill_tokens, prefix_hit_tokens, decode_steps, ...).
+    """
+
+    SCHEDULER_COUNTERS = ("submitted", "admitted", "prefills", "prefill_tokens", "prefix_hit_tokens", "decode_steps",
+                          "decode_rows", "admission_waits", "done", "cancelled", "error", "rejected_queue_full")
+
+    def __init__(self, scheduler: Scheduler):
+        self.registry = prom.CollectorRegistry()
+        self.scheduler = scheduler
+        r = self.registry
+        self.ttft = prom.Histogram("ccft_time_to_first_token_seconds", "Seconds from submit to the first token",
+                                   ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = prom.Histogram("ccft_time_per_output_token_seconds",
+                                   "Mean seconds per output token after the first (one observation per request)",
+                                   ["model"], buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = prom.Histogram("ccft_e2e_request_latency_seconds",
+                                  "Seconds from submit to the end of a completed request", ["model"],
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = prom.Counter("ccft_requests", "Requests by outcome", ["model", "outcome"], registry=r)
+        self.prompt_tokens = prom.Counter("ccft_prompt_tokens", "Prompt tokens of completed requests", ["model"],
+                                          registry=r)
+        self.generation_tokens = prom.Counter("ccft_generation_tokens", "Tokens generated (every request)",
+                                              ["model"], registry=r)
+        r.register(_SchedulerCollector(scheduler, self.SCHEDULER_COUNTERS))
+
+    def finished(self, model: str, ticket: Ticket) -> None:
+        """Record a ticket that ended (on the asyncio loop)."""
+        if ticket.ttft is not None:
+            self.ttft.labels(model).observe(ticket.ttft)
+        self.generation_tokens.labels(model).inc(len(ticket.tokens))
+        if ticket.state == "done" and ticket.result is not None:
+            if ticket.latency is not None:
+                self.e2e.labels(model).observe(ticket.latency)
+            if ticket.tpot is not None:
+                self.tpot.labels(model).observe(ticket.tpot)
+            self.prompt_tokens.labels(model).inc(len(ticket.request.prompt_ids))
+            outcome = FINISH_REASONS.get(ticket.result.finish_reason, ticket.result.finish_reason)
+        else:
+            outcome = ticket.state
+        self.requests.labels(model, outcome).inc()
+
+    def rejected(self, model: str, outcome: str) -> None:
+        """Count a request answered without reaching the engine (``outcome``: invalid, unknown_model, ...)."""
+        self.requests.labels(model, outcome).inc()
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format (media type ``CONTENT_TYPE``)."""
+        return prom.generate_latest(self.registry)
+
+
+class _SchedulerCollector:
+    """Scheduler gauges and counters, read when /metrics is scraped."""
+
+    def __init__(self, scheduler: Scheduler, counter_names: Sequence[str]):
+        self.s, self.names = scheduler, counter_names
+
+    def describe(self):
+        return []  # collected lazily; nothing to check at registration
+
+    def collect(self):
+        s = self.s
+        counters = s.counters
+
+        def gauge(name, doc, value):
+            return GaugeMetricFamily(name, doc, value=float(value))
+
+        yield gauge("ccft_queue_depth", "Requests waiting for admission", s.queue_depth)
+        yield gauge("ccft_active_requests", "Requests decoding in the engine", s.active)
+        yield gauge("ccft_live_kv_bytes", "Live KV bytes: context handles + tail slots reserved by active requests",
+                    s.live_bytes)
+        yield gauge("ccft_prefix_store_bytes", "Bytes of K/V blocks in the prefix store", s.store_bytes)
+        hit, miss = counters.get("prefix_hit_tokens", 0), counters.get("prefill_tokens", 0)
+        yield gauge("ccft_prefix_hit_ratio", "Context tokens copied from the prefix store / context tokens prefilled",
+                    hit / (hit + miss) if hit + miss else 0.0)
+        if s.kv_budget_bytes is not None:
+            yield gauge("ccft_kv_budget_bytes", "KV byte budget (live KV + prefix store)", s.kv_budget_bytes)
+        for name in self.names:
+            c = CounterMetricFamily(f"ccft_scheduler_{name}", f"Scheduler counter {name!r}")
+            c.add_metric([], float(counters.get(name, 0)))
+            yield c

@@ -1,0 +1,433 @@
+"""Wire format of ``ccft serve``: request bodies as pydantic models, the OpenAI error object, and the
+response / stream-chunk shapes.
+
+Request bodies are validated by pydantic in strict JSON mode (``"5"`` is not an integer, ``true`` is
+not a number, ``NaN`` / ``Infinity`` are refused), as OpenAI-compatible servers do. A body that does
+not validate is answered 400 with an OpenAI error object naming the first offending field in
+``param`` (``max_tokens``, ``stream_options.include_usage``, ``messages[0].content``) and a message
+that says what to send instead (docs/design.md, fault class K9: hostile requests get an answer,
+not a crash). Unknown fields are ignored (clients send ``user``, ``metadata``, ...); fields of the
+OpenAI API this server does not implement (``n``, ``logprobs``, penalties, ...) are accepted only
+with their no-op value.
+
+The ccft extensions of the request (``shared_prefix_tokens``, ``ignore_eos``, ``return_token_ids``,
+``session_id``) are documented on ``CompletionRequest`` and in ``docs/server.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ccft.serving.extra import serve_extra_missing
+
+try:
+    from fastapi.responses import JSONResponse
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+    from pydantic_core import PydanticCustomError
+except ImportError as e:  # pragma: no cover - depends on the installation
+    raise serve_extra_missing(e) from e
+
+from ccft.core.generation import Generation
+from ccft.core.sampling import SamplingParams
+
+__all__ = ["APIError", "error_response", "FINISH_REASONS", "json_type", "StreamOptions", "ChatMessage",
+           "CompletionRequest", "ChatCompletionRequest", "parse_request", "Reply"]
+
+#: Generation.finish_reason → OpenAI finish_reason
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+# ---------------------------------------------------------------------------------------- errors
+class APIError(Exception):
+    """An error answered as an OpenAI error object ``{"error": {message, type, param, code}}`` with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, type=self.type, param=self.param, code=self.code,
+                              headers=self.headers)
+
+
+def error_response(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    """The OpenAI-shaped error response ``{"error": {"message", "type", "param", "code"}}``."""
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def json_type(v: Any) -> str:
+    """The JSON type name of a parsed JSON value (``null``, ``string``, ``integer``, ``number``, ...)."""
+    return "null" if v is None else {"str": "string", "int": "integer", "float": "number", "bool": "boolean",
+                                     "list": "array", "dict": "object"}.get(type(v).__name__, type(v).__name__)
+
+
+def _invalid(detail: str, sub: str = "") -> PydanticCustomError:
+    """A validation error whose message is ``'<field><sub>'<detail>`` (the field path is filled in from its location)."""
+    return PydanticCustomError("ccft_invalid", "{detail}", {"detail": detail, "sub": sub})
+
+
+_TYPE_NAMES = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean", "string_type": "a string",
+               "list_type": "an array", "dict_type": "an object", "model_type": "an object"}
+
+
+def _param(loc: tuple) -> str:
+    """A pydantic error location as a field path: ``("messages", 0, "content")`` → ``messages[0].content``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _api_error(err: dict) -> APIError:
+    """The 400 ``APIError`` of one pydantic error (the first one of a ``ValidationError``)."""
+    kind, loc, value = err["type"], tuple(err["loc"]), err.get("input")
+    if not loc:  # the body itself
+        if kind == "json_invalid":
+            why = (err.get("ctx") or {}).get("error", err["msg"])
+            return APIError(400, f"the request body is not valid JSON ({why}); send a JSON object")
+        return APIError(400, f"the request body must be a JSON object, got {json_type(value)}")
+    param = _param(loc)
+    if kind == "ccft_invalid":
+        message = f"'{param}{err['ctx']['sub']}'{err['ctx']['detail']}"
+    elif kind == "missing":
+        message = f"'{param}' is required"
+    elif kind in _TYPE_NAMES:
+        message = f"'{param}' must be {_TYPE_NAMES[kind]}, got {json_type(value)} ({json.dumps(value)[:80]})"
+    elif kind == "finite_number":
+        message = f"'{param}' must be a finite number, got {value}"
+    else:  # pragma: no cover - every constraint of the models below is one of the kinds above
+        message = f"'{param}': {err['msg']}"
+    return APIError(400, message, param=param)
+
+
+# ---------------------------------------------------------------------------------------- requests
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage`` (and ``"usage": null`` to the others)."""
+
+    include_usage: bool | None = None
+
+
+class ChatMessage(BaseModel):
+    """One chat message. ``content``: a string or a list of text parts (joined); other keys (``name``,
+    ``tool_calls``, ...) are passed to the chat template as they are."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Any = Field(None, validate_default=True)
+    content: Any = Field(None, validate_default=True)
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, role: Any) -> str:
+        if not isinstance(role, str) or not role:
+            raise _invalid(" must be a string (system, user, assistant, tool)")
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content: Any) -> str:
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise _invalid(' must be a text part ({"type": "text", "text": ...}); other parts are not '
+                                   "supported", sub=f"[{j}]")
+                texts.append(part["text"])
+            return "".join(texts)
+        if content is None:
+            return ""
+        if not isinstance(content, str):
+            raise _invalid(f" must be a string or an array of text parts, got {json_type(content)}")
+        return content
+
+    def template_dict(self) -> dict:
+        """The message as the chat template reads it (extra keys first, then ``role`` and ``content``)."""
+        return {**(self.model_extra or {}), "role": self.role, "content": self.content}
+
+
+_NOT_IMPLEMENTED = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},)}
+
+
+class _GenerationRequest(_Strict):
+    """The options both endpoints share (see ``CompletionRequest``)."""
+
+    #: fields of the OpenAI API this server does not implement → the no-op values it accepts
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple]] = _NOT_IMPLEMENTED
+
+    # not implemented (declared first: they are reported before anything else)
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    # the OpenAI options
+    model: str
+    max_tokens: int | None = None
+    stop: Any = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # ccft extensions
+    shared_prefix_tokens: int | None = None
+    ignore_eos: bool | None = None
+    return_token_ids: bool | None = None
+    session_id: str | None = None
+
+    @field_validator("*")
+    @classmethod
+    def _not_implemented(cls, v: Any, info: ValidationInfo) -> Any:
+        ok = cls.NOT_IMPLEMENTED.get(info.field_name)
+        if ok is not None and v is not None and v not in ok:
+            raise _invalid(f"={json.dumps(v)[:80]} is not supported by this server (accepted: "
+                           f"{', '.join(json.dumps(o) for o in ok)}); drop the field")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _at_least_one(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise _invalid(f"={v}; it must be ≥ 1")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: Any) -> list[str] | None:
+        if stop is None:
+            return None
+        if isinstance(stop, str):
+            return [stop] if stop else None
+        if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            return [s for s in stop if s] or None
+        raise _invalid(f" must be a string or an array of strings, got {json_type(stop)}")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float | None) -> float | None:
+        if v is not None and v < 0:
+            raise _invalid(f"={v}; it must be ≥ 0 (0: greedy)")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float | None) -> float | None:
+        if v is not None and not 0 < v <= 1:
+            raise _invalid(f"={v}; it must be in (0, 1]")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v < 2 ** 63:
+            raise _invalid(f"={v}; it must be in 0 .. 2**63-1")
+        return v
+
+    @field_validator("shared_prefix_tokens")
+    @classmethod
+    def _shared(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise _invalid(f"={v}; it must be ≥ 0")
+        return v
+
+    # ------------------------------------------------------------------ what the server does with it
+    @property
+    def max_tokens_field(self) -> str:
+        """The field that set the token budget (named in length errors)."""
+        return "max_tokens"
+
+    def new_tokens(self, default: int) -> int:
+        """``max_tokens`` (``default`` when absent)."""
+        return default if self.max_tokens is None else self.max_tokens
+
+    def sampling(self) -> SamplingParams:
+        """Greedy when ``temperature`` is 0 or absent; else nucleus sampling seeded by ``seed`` (a fresh
+        random seed without one: call once per request). ``ccft.core.sampling``, docs/design.md "Sampling"."""
+        if not self.temperature:
+            return SamplingParams()
+        return SamplingParams(do_sample=True, temperature=float(self.temperature),
+                              top_p=1.0 if self.top_p is None else float(self.top_p),
+                              seed=secrets.randbits(63) if self.seed is None else self.seed)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options is not None and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    """The body of ``POST /v1/completions``.
+
+    ``prompt``: a string (tokenized as ``tokenize_prompt(tokenizer, prompt, chat_template=False)``), a
+    non-empty list of token ids (used as they are; each in ``0 .. vocab_size-1``, the vocabulary size
+    passed as validation context ``{"vocab_size": n}``), or a batch of one of either. ``max_tokens``
+    (≥ 1; default 16, as OpenAI), ``stop`` (a string or a list; empty strings ignored),
+    ``temperature`` (≥ 0; 0 or absent: greedy) / ``top_p`` (in (0, 1]) / ``seed`` (0 .. 2**63-1),
+    ``stream`` and ``stream_options.include_usage``.
+
+    ccft extensions: ``shared_prefix_tokens`` (≥ 0: leading prompt tokens that are context shared
+    with other requests, ``ServeRequest.shared_len``), ``ignore_eos``, ``return_token_ids``,
+    ``session_id``.
+    """
+
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple]] = {**_NOT_IMPLEMENTED, "best_of": (1,), "echo": (False,),
+                                                   "logprobs": (0,), "suffix": ("",)}
+
+    best_of: Any = None
+    echo: Any = None
+    logprobs: Any = None
+    suffix: Any = None
+    prompt: Any = Field(None, validate_default=True)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, p: Any, info: ValidationInfo) -> str | list[int]:
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of one
+        if isinstance(p, str):
+            return p
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            vocab = (info.context or {}).get("vocab_size")
+            bad = [t for t in p if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                span = f"0..{vocab - 1}" if vocab is not None else "0.."
+                raise _invalid(f" holds token ids outside {span}: {bad[:5]}")
+            return list(p)
+        if p is None:
+            raise _invalid(" is required")
+        if isinstance(p, list) and p and all(isinstance(t, (str, list)) for t in p):
+            raise _invalid(f" holds {len(p)} prompts; this server takes one prompt per request")
+        raise _invalid(f" must be a string or a non-empty array of token ids, got {json_type(p)}")
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """The body of ``POST /v1/chat/completions``: ``messages`` (a non-empty list of ``ChatMessage``),
+    ``tools`` (rendered by the chat template; tool calls are not parsed), ``max_completion_tokens``
+    (an alias of ``max_tokens`` that wins when both are set) and the options of ``CompletionRequest``."""
+
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple]] = {**_NOT_IMPLEMENTED, "logprobs": (False,), "top_logprobs": (0,),
+                                                   "response_format": ({"type": "text"},)}
+
+    logprobs: Any = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] | None = Field(None, validate_default=True)
+    tools: list[Any] | None = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _at_least_one_completion(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise _invalid(f"={v}; it must be ≥ 1")
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, messages: list[ChatMessage] | None) -> list[ChatMessage]:
+        if messages is None:
+            raise _invalid(" is required")
+        if not messages:
+            raise _invalid(" is empty; send at least one message")
+        return messages
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def new_tokens(self, default: int) -> int:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super().new_tokens(default)
+
+
+def parse_request(raw: bytes | str, *, chat: bool, vocab_size: int | None = None
+                  ) -> CompletionRequest | ChatCompletionRequest:
+    """Validate a raw request body (JSON bytes) for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``.
+
+    Raises:
+        APIError: 400 naming the first field that does not validate (``param``), or the body when it
+            is not a JSON object.
+    """
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        return model.model_validate_json(raw, context={"vocab_size": vocab_size})
+    except ValidationError as e:
+        raise _api_error(e.errors(include_url=False)[0]) from None
+
+
+# ---------------------------------------------------------------------------------------- responses
+@dataclass
+class Reply:
+    """The response shapes of one request: the JSON body (``completion``) or its stream chunks.
+
+    ``rid``: ``cmpl-…`` / ``chatcmpl-…``; ``created``: Unix seconds. With ``return_token_ids`` each
+    choice carries ``token_ids`` (the first stream chunk and the JSON body also ``prompt_token_ids``).
+    """
+
+    chat: bool
+    model: str
+    prompt_ids: list[int]
+    return_token_ids: bool = False
+    include_usage: bool = False
+    rid: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        if not self.rid:
+            self.rid = f"{'chatcmpl' if self.chat else 'cmpl'}-{secrets.token_hex(12)}"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def usage(self, completion_tokens: int) -> dict:
+        n = len(self.prompt_ids)
+        return {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
+
+    def completion(self, g: Generation) -> dict:
+        """The non-streaming response body of a finished ``Generation``."""
+        finish = FINISH_REASONS.get(g.finish_reason, g.finish_reason)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": g.text}, "finish_reason": finish,
+                      "logprobs": None}
+        else:
+            choice = {"text": g.text, "index": 0, "finish_reason": finish, "logprobs": None}
+        if self.return_token_ids:
+            choice.update(prompt_token_ids=list(self.prompt_ids), token_ids=list(g.token_ids))
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                "usage": self.usage(len(g.token_ids))}
+
+    def chunk(self, text: str, ids: list[int], finish: str | None = None, *, first: bool = False) -> dict:
+        """One stream chunk: ``text`` with the ``ids`` that produced it (chat: a ``delta``, with the role
+        in the ``first`` chunk)."""
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"text": text, "index": 0, "finish_reason": finish, "logprobs": None}
+        if self.return_token_ids:
+            choice["token_ids"] = list(ids)
+            if first:
+                choice["prompt_token_ids"] = list(self.prompt_ids)
+        out = {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model,
+               "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, g: Generation) -> dict:
+        """The last chunk of a stream with ``include_usage``: no choices, the usage."""
+        return {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": [], "usage": self.usage(len(g.token_ids))}
