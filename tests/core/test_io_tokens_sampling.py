@@ -20,6 +20,18 @@ def test_atomic_write_text_replaces_and_leaves_no_temporary(tmp_path):
     assert sorted(x.name for x in p.parent.iterdir()) == ["a.txt"]
 
 
+def test_atomic_writes_get_the_mode_of_a_plain_write(tmp_path):
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    plain_dir = tmp_path / "plain_dir"
+    plain_dir.mkdir()
+    atomic_write_text(tmp_path / "a.txt", "x")
+    atomic_write_dir(tmp_path / "d", lambda d: None)
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    assert mode(tmp_path / "a.txt") == mode(plain)  # 0644 under the usual umask 022, not mkstemp's 0600
+    assert mode(tmp_path / "d") == mode(plain_dir)
+
+
 def test_atomic_write_file_failure_keeps_old_version(tmp_path):
     p = tmp_path / "a.bin"
     p.write_bytes(b"old")

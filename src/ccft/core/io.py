@@ -14,6 +14,16 @@ from pathlib import Path
 from typing import Callable
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+#: read once at import (os.umask can only be read by setting it, which races with other threads)
+UMASK = _current_umask()
+
+
 def atomic_write_file(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)`` to produce the file, then move it to ``path`` (replacing it)."""
     path = Path(path)
@@ -22,6 +32,7 @@ def atomic_write_file(path: str | Path, write: Callable[[str], None]) -> Path:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes 0600; give the file the mode a plain open() would
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -47,6 +58,7 @@ def atomic_write_dir(target: str | Path, write: Callable[[Path], None], *, keep_
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         write(tmp)
+        os.chmod(tmp, 0o777 & ~UMASK)  # mkdtemp makes 0700; give the folder the mode a plain mkdir() would
         if target.exists() and keep_existing:
             return target
         if target.exists():

@@ -73,7 +73,7 @@ class TextStream:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self._pieces: list[str] = []
         self._backend = _backend(tokenizer)
         if self._backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
             from tokenizers.decoders import DecodeStream
@@ -93,8 +93,16 @@ class TextStream:
             if piece:
                 delta.append(piece)
         out = "".join(delta)
-        self.text += out
+        if out:
+            self._pieces.append(out)
         return out
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (joined on demand: pushing stays linear in the output length)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def _step(self, token: int) -> str:
         if self._stream is not None:
