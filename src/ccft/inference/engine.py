@@ -1,5 +1,10 @@
 """``SharedPrefillEngine``: one shared prefill, many decoders, static caches, step-level API.
 
+The serving side of PrefillShare (arXiv 2602.12029): the frozen base prefills each prompt's KV once
+(``C_base``) and any number of decoders decode on it (docs/design.md, "Terms", "Modes": decoding on
+C_base is mode ``base``, ``naive`` or ``prefillshare`` by the decoder; ``prefill(producer=name)`` is
+the decoder's own prefill, the no-share baseline of mode ``full-ft``).
+
 Life cycle::
 
     engine = ccft.SharedPrefillEngine(base, decoders={"math": "runs/math", "code": "runs/code"})
@@ -102,6 +107,7 @@ class SharedPrefillEngine:
     Raises:
         IncompatibleModelError: a model the engine cannot run, or a decoder that cannot read the base's KV.
         FingerprintMismatchError: a decoder conditioned on another base.
+        ConfigError: an unknown ``decode`` / ``attention``, or one this device cannot run.
     """
 
     def __init__(self, base, decoders: dict | None = None, *, max_batch: int = 16, max_tail_tokens: int = 4096,

@@ -53,7 +53,7 @@ class StaticRunner:
         self._generations: tuple[int, int] | None = None
         self._compiled = None
         self._keys: set[tuple] = set()
-        self._pool = None
+        self._mempool = None
 
     def key(self, n_rows: int, max_tail: int, max_prefix: int) -> tuple:
         """(batch bucket, tail width, prefix width, adapters, pool generation, arena generation)."""
@@ -78,7 +78,7 @@ class StaticRunner:
             self._graphs.clear()
             # the memory pool dies with the last graph that used it: capturing into its old handle
             # trips the caching allocator's use-count assertion, so the next capture takes a new one
-            self._pool = None
+            self._mempool = None
             self._generations = gens
         if self.mode == "cuda_graph":
             return self._replay(key, inp, tail_width, prefix_width)[:n].clone()
@@ -120,10 +120,10 @@ class StaticRunner:
         with torch.cuda.stream(stream):
             warm = M.decode_step_static(*args)  # compiles kernels; writes exactly what the replays write
         torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._mempool):
             out = M.decode_step_static(*args)
         self.captures += 1
         return graph, out, warm
