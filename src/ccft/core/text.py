@@ -66,6 +66,7 @@ class TextStream:
     Attributes:
         text: everything emitted so far (== ``tokenizer.decode(ids, skip_special_tokens=True)`` once the
             last multi-byte character is complete).
+        pending: what is held back, as a full decode renders it now (see ``pending``).
     """
 
     _WINDOW = 6  # ids of context the slow-tokenizer fallback re-decodes before the new ones
@@ -81,8 +82,9 @@ class TextStream:
             self._stream = DecodeStream(skip_special_tokens=True)
         else:
             self._stream = None
-            self._prefix = 0  # ids before this index are fully emitted context
-            self._read = 0
+        # ids[_prefix:_read] decode to a suffix of ``text`` (context); ids[_read:] are held back
+        self._prefix = 0
+        self._read = 0
 
     def push(self, ids: Iterable[int]) -> str:
         """Append generated ids; return the new text (possibly "" while a character is incomplete)."""
@@ -104,12 +106,32 @@ class TextStream:
             self._pieces = ["".join(self._pieces)]
         return self._pieces[0] if self._pieces else ""
 
+    @property
+    def pending(self) -> str:
+        """The text of the ids pushed after the last non-empty delta, as a full decode renders it now
+        (an incomplete UTF-8 character as U+FFFD), so ``text + pending ==
+        tokenizer.decode(ids, skip_special_tokens=True)`` after every push. "" when nothing is held
+        back; otherwise costs a decode of a short window of recent ids. A stop rule that must see what
+        a full decode sees (``ccft.core.generation``) scans ``text + pending``."""
+        if len(self.ids) == self._read:
+            return ""
+        before = self._decode(self._prefix, self._read)
+        now = self._decode(self._prefix, len(self.ids))
+        if now.startswith(before):
+            return now[len(before):]
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)[len(self.text):]  # pragma: no cover
+
+    def _decode(self, a: int, b: int) -> str:
+        return self.tokenizer.decode(self.ids[a:b], skip_special_tokens=True)
+
     def _step(self, token: int) -> str:
         if self._stream is not None:
-            return self._stream.step(self._backend, token) or ""
-        dec = lambda a, b: self.tokenizer.decode(self.ids[a:b], skip_special_tokens=True)  # noqa: E731
-        before = dec(self._prefix, self._read)
-        now = dec(self._prefix, len(self.ids))
+            piece = self._stream.step(self._backend, token) or ""
+            if piece:  # the stream's window moves on as tokenizers' DecodeStream does (prefix = last read)
+                self._prefix, self._read = self._read, len(self.ids)
+            return piece
+        before = self._decode(self._prefix, self._read)
+        now = self._decode(self._prefix, len(self.ids))
         if len(now) > len(before) and not now.endswith(_REPLACEMENT):
             piece = now[len(before):]
             self._prefix, self._read = max(0, len(self.ids) - self._WINDOW), len(self.ids)

@@ -1,5 +1,10 @@
 """``SharedPrefillEngine``: one shared prefill, many decoders, static caches, step-level API.
 
+The serving side of PrefillShare (arXiv 2602.12029): the frozen base prefills each prompt's KV once
+(``C_base``) and any number of decoders decode on it (docs/design.md, "Terms", "Modes": decoding on
+C_base is mode ``base``, ``naive`` or ``prefillshare`` by the decoder; ``prefill(producer=name)`` is
+the decoder's own prefill, the no-share baseline of mode ``full-ft``).
+
 Life cycle::
 
     engine = ccft.SharedPrefillEngine(base, decoders={"math": "runs/math", "code": "runs/code"})
@@ -12,11 +17,20 @@ Scheduler view (continuous batching): ``add_request(handle, row, decoder=...)`` 
 ``finish(rid)`` / ``abort(rid)`` end a request early; requests join and leave between steps.
 ``generate`` is built on these.
 
-Decoders are grouped into *lanes* by weights: the base and every LoRA decoder on it form one lane
-(one matmul over all their rows, each row adding its own adapter's ``B A x``); each full-weight
-decoder is a lane of its own. Every active row of a lane has a slot in the lane's static tail
-pool; its decode attention reads its prompt's prefix from the shared arena (read once for all rows
-and decoders sharing it) and its own tail (``attention.py``).
+Decoders are grouped into *lanes* by weights (``lanes``): the base and every LoRA decoder on it
+form one lane, each full-weight decoder is a lane of its own. Every active row of a lane has a
+slot in the lane's static tail pool; its decode attention reads its prompt's prefix from the
+shared arena (read once for all rows and decoders sharing it) and its own tail (``attention``).
+
+The parts, one concept per module of ``ccft.inference``:
+
+* ``handles``: ``PrefixHandle``, a refcounted arena region holding a batch of prefixes;
+* ``lanes``: the decoder / lane registry and producers (who wrote a prefix, and its key);
+* ``prefill``: the computations behind the prefill entry points and a request's tail;
+* ``requests``: an admitted row (token bookkeeping, EOS / stop strings / length) and ``StepOutput``;
+* ``planner``: per-step plans (prefix groups, LoRA rows, static inputs);
+* ``graphs``: the static step run eagerly, compiled or captured as CUDA graphs;
+* ``model``, ``attention``, ``kv``, ``weights``: the forward, its attention, its buffers, its weights.
 
 Decode modes (``decode=``):
   * ``eager`` (CPU default): host-side grouping of rows by prefix, exact-width views, no copies.
@@ -24,12 +38,15 @@ Decode modes (``decode=``):
   * ``cuda_graph`` (CUDA default): that step captured once per (lane, batch bucket, tail bucket,
     prefix bucket, adapter count) and replayed; outputs copied out before the next replay.
   * ``compile``: that step through ``torch.compile`` (CPU or CUDA), same buckets, bounded recompiles.
+
+Every fast path equals the reference path ``ccft.core.generation`` (docs/design.md, "Invariants
+the tests hold" 6; fault classes K1-K5 and K12 for its entry points).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -37,16 +54,19 @@ import torch
 
 from ccft.core.cache import BaseCache
 from ccft.core.decoder import Decoder
-from ccft.core.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
-from ccft.core.fingerprint import check_compatible, tokenizer_digest
+from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.generation import Generation
-from ccft.core.sampling import SamplingParams, select_tokens
-from ccft.core.tokens import eos_token_ids, left_pad
+from ccft.core.sampling import SamplingParams
+from ccft.core.text import StopMatcher
+from ccft.core.tokens import left_pad, pad_token_id
 from ccft.inference import model as M
-from ccft.inference.attention import PrefixGroup, build_prefix_meta
-from ccft.inference.graphs import StaticRunner
-from ccft.inference.kv import CapacityError, PrefixArena, TailPool
-from ccft.inference.weights import LaneWeights, check_supported, lane_weights, lora_adapter, pack
+from ccft.inference import planner
+from ccft.inference.handles import BASE, PrefixHandle
+from ccft.inference.kv import CapacityError, PrefixArena
+from ccft.inference.lanes import Lane, LaneRegistry
+from ccft.inference.prefill import import_cache, prefill_from_store, prefill_rows, prefill_tail
+from ccft.inference.requests import Request, StepOutput, choose_tokens
+from ccft.inference.weights import check_supported, lane_weights
 
 
 def _inference(fn):
@@ -55,7 +75,6 @@ def _inference(fn):
     CPU step). Every method that writes the engine's buffers is wrapped, so buffers (re)allocated
     inside are only ever written inside inference mode; returned tensors are inference tensors
     (read them freely, clone them to modify them)."""
-    import functools
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -65,149 +84,7 @@ def _inference(fn):
     return wrapper
 
 
-BASE = "base"  #: decoder name of the base model itself (decodes on its own C_base: ``mode="base"``)
 DECODE_MODES = ("eager", "static", "cuda_graph", "compile")
-
-
-@dataclass
-class StepOutput:
-    """One row's result of ``step()``: the token chosen this step (an EOS token too), and, when the
-    request ended with it, its ``Generation``. ``logits (V,)`` when ``step(return_logits=True)``."""
-
-    request_id: int
-    token_id: int
-    finished: bool
-    generation: Generation | None = None
-    logits: torch.Tensor | None = None
-
-
-class PrefixHandle:
-    """A batch of prompts prefilled by the base into the engine's prefix arena (read-only).
-
-    Attributes:
-        batch_size: b prompts.  lengths: real prefix length per row (``n - k``; the first decoder
-            position).  tail_ids: per row the k handoff tokens the decoder recomputes.
-        handoff_tokens: k.  fingerprint: the base fingerprint.
-        producer: who wrote the K/V: ``"base"`` (C_base, shared mode; any decoder may read it) or a
-            decoder's name (the no-share baseline: that decoder prefilled its own prompt; only it may
-            read it).  producer_key: the producer's key (``engine.producer_key``).
-    The region is refcounted: the user's reference (dropped by ``release()`` or leaving a ``with``
-    block) plus one per active request; it is freed when the count reaches 0 (and then drops its
-    references on prefix-store blocks, ``prefill_cached(hold=True)``).
-    """
-
-    _ids = itertools.count()
-
-    def __init__(self, engine: "SharedPrefillEngine", start: int, width: int, lengths: list[int],
-                 tail_ids: list[list[int]], handoff_tokens: int, fingerprint: str, producer: str = BASE,
-                 producer_key: str | None = None):
-        self.engine, self.start, self.width = engine, start, width
-        self.lengths, self.tail_ids, self.handoff_tokens = lengths, tail_ids, handoff_tokens
-        self.fingerprint = fingerprint
-        self.producer = producer
-        self.producer_key = producer_key if producer_key is not None else fingerprint
-        self._held: tuple = ()  # (store, blocks) whose references this handle holds until it is freed
-        self.id = next(self._ids)
-        self.refs = 1
-        self.released = False
-        self.freed = False
-        self.key_start = torch.tensor([width - n for n in lengths], dtype=torch.long, device=engine.device)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.lengths)
-
-    def keys(self, layer: int) -> torch.Tensor:
-        """``(b, h, p, d)`` view of this handle's prefix keys in ``layer`` (left-padded; pads are 0)."""
-        self._check_alive()
-        return self.engine.arena.view("k", layer, self.start, self.batch_size, self.width)
-
-    def values(self, layer: int) -> torch.Tensor:
-        self._check_alive()
-        return self.engine.arena.view("v", layer, self.start, self.batch_size, self.width)
-
-    def snapshot(self) -> list[torch.Tensor]:
-        """Clones of every layer's keys then values (tests compare them bit for bit, K1)."""
-        n = self.engine.num_layers
-        return [self.keys(i).clone() for i in range(n)] + [self.values(i).clone() for i in range(n)]
-
-    def to_base_cache(self) -> BaseCache:
-        """A ``BaseCache`` copy of this prefix (for the reference path ``ccft.generate(cache=...)``)."""
-        n = self.engine.num_layers
-        mask = (torch.arange(self.width, device=self.key_start.device)[None, :] >= self.key_start[:, None]).long()
-        tail = torch.tensor(self.tail_ids, dtype=torch.long, device=self.key_start.device)
-        return BaseCache.from_tensors([self.keys(i).clone() for i in range(n)], [self.values(i).clone() for i in range(n)], mask,
-                     tail, self.handoff_tokens, self.fingerprint, self.producer)
-
-    def _check_alive(self) -> None:
-        if self.freed:
-            raise ConfigError(f"PrefixHandle {self.id} was released and its prefix freed; prefill the prompts again")
-
-    def release(self) -> None:
-        """Drop the user's reference; the prefix is freed once no active request reads it."""
-        if not self.released:
-            self.released = True
-            self.engine._unref(self)
-
-    def __enter__(self) -> "PrefixHandle":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        state = "freed" if self.freed else ("released" if self.released else "live")
-        who = "" if self.producer == BASE else f", producer={self.producer!r}"
-        return (f"PrefixHandle(id={self.id}, rows={self.batch_size}, width={self.width}, refs={self.refs}{who}, "
-                f"{state})")
-
-
-@dataclass
-class _DecoderEntry:
-    name: str
-    lane: "_Lane"
-    adapter_index: int | None  # index in lane.weights.adapters, None: the lane's own weights
-    eos: set[int]
-    decoder: Decoder | None
-    key: str | None = None  # producer key (no-share prefill by this decoder), computed on first use
-
-
-@dataclass
-class _Lane:
-    key: str
-    weights: LaneWeights
-    pool: TailPool
-    rows: list["_Request"] = field(default_factory=list)  # slot order: rows[i] is in slot i
-    runner: StaticRunner | None = None
-
-
-@dataclass(eq=False)
-class _Request:
-    id: int
-    handle: PrefixHandle
-    row: int
-    entry: _DecoderEntry
-    max_new_tokens: int
-    stop: list[str]
-    sampling: SamplingParams
-    generator: torch.Generator | None
-    forced: list[int] | None
-    ignore_eos: bool
-    next_token: int
-    tail_written: int
-    out_ids: list[int] = field(default_factory=list)
-    reason: str | None = None
-    text: str | None = None
-
-    @property
-    def prefix_len(self) -> int:
-        return self.handle.lengths[self.row]
-
-    def generation(self, tokenizer) -> Generation:
-        text = self.text if self.text is not None else tokenizer.decode(self.out_ids, skip_special_tokens=True)
-        return Generation(text=text, token_ids=list(self.out_ids), finish_reason=self.reason or "length")
-
-
 class SharedPrefillEngine:
     """One base model's shared prefill and N decoders decoding on it (see the module docstring).
 
@@ -225,10 +102,12 @@ class SharedPrefillEngine:
             (about 2x faster CPU decode; one extra copy of the lane's weights, taken at registration,
             so later in-place edits of the model's weights are not seen). Default: True on CPU
             unless ``decode="compile"``.
-        fill: value of never-written cache memory (0; tests use NaN to catch reads of it, K3).
+        fill: value of never-written cache memory (0; tests use NaN to catch reads of it, K3 in
+            docs/design.md).
     Raises:
         IncompatibleModelError: a model the engine cannot run, or a decoder that cannot read the base's KV.
         FingerprintMismatchError: a decoder conditioned on another base.
+        ConfigError: an unknown ``decode`` / ``attention``, or one this device cannot run.
     """
 
     def __init__(self, base, decoders: dict | None = None, *, max_batch: int = 16, max_tail_tokens: int = 4096,
@@ -271,29 +150,23 @@ class SharedPrefillEngine:
         self.arena = PrefixArena(bw.num_layers, bw.kv_heads, bw.head_dim, bw.dtype, device,
                                  capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
                                  max_tokens=max_prefix_tokens, fill=self.fill)
-        self._base_lane = self._new_lane(BASE, bw)
-        self.lanes: dict[str, _Lane] = {BASE: self._base_lane}
-        self.decoders: dict[str, _DecoderEntry] = {
-            BASE: _DecoderEntry(BASE, self._base_lane, None, eos_token_ids(self.tokenizer, base.model), None)}
-        self._requests: dict[int, _Request] = {}
+        self._registry = LaneRegistry(base, bw, self.arena, max_batch=self.max_batch,
+                                      max_tail_tokens=self.max_tail_tokens, fill=self.fill,
+                                      pack_weights=self.pack_weights, decode_mode=decode, attention=attention)
+        #: lane key -> ``lanes.Lane`` (``"base"``: the base and its LoRA decoders; one per full-weight decoder)
+        self.lanes: dict[str, Lane] = self._registry.lanes
+        #: decoder name -> ``lanes.DecoderEntry`` (``"base"`` included; ``.decoder`` is the ``ccft.Decoder``)
+        self.decoders = self._registry.decoders
+        self._requests: dict[int, Request] = {}
         self._rid = itertools.count()
         for name, dec in (decoders or {}).items():
             self.add_decoder(name, dec)
 
     # ------------------------------------------------------------------ decoders
-    def _new_lane(self, key: str, weights: LaneWeights) -> _Lane:
-        if self.pack_weights:
-            pack(weights)
-        pool = TailPool(weights.num_layers, weights.kv_heads, weights.head_dim, weights.dtype, self.device,
-                        slots=1, capacity=64, max_slots=self.max_batch, max_capacity=self.max_tail_tokens,
-                        fill=self.fill)
-        lane = _Lane(key, weights, pool)
-        if self.decode_mode != "eager":
-            lane.runner = StaticRunner(self, lane, self.decode_mode, self.attention)
-        return lane
-
     def add_decoder(self, name: str, decoder: Decoder | str | Path, *, tokenizer=None) -> None:
         """Register a decoder under ``name`` (a ``ccft.Decoder``, or a decoder folder loaded onto the base).
+
+        A LoRA decoder joins the base's lane as one more adapter; a full-weight decoder gets its own.
 
         Raises:
             FingerprintMismatchError: the decoder was conditioned on another base.
@@ -301,60 +174,17 @@ class SharedPrefillEngine:
                 or it is a model / LoRA variant the engine does not run.
             ConfigError: ``name`` already used.
         """
-        if name in self.decoders:
-            raise ConfigError(f"a decoder named {name!r} is already registered; pick another name")
-        if isinstance(decoder, (str, Path)):
-            from transformers import AutoTokenizer
-
-            from ccft.core.checkpoint import load_decoder, read_meta
-
-            meta = read_meta(decoder)
-            want = meta.get("base_fingerprint")
-            if want and want != self.base.fingerprint:
-                raise FingerprintMismatchError(
-                    f"decoder {decoder} was trained on base {want} but this engine's base is {self.base.fingerprint} "
-                    f"({self.base.name}); serve it with the base it was trained on")
-            if tokenizer is None and (Path(decoder) / "tokenizer_config.json").is_file():
-                tokenizer = AutoTokenizer.from_pretrained(str(decoder))
-            self._check_tokenizer(name, tokenizer)
-            decoder = load_decoder(decoder, base=self.base, adapter_name=name)
-        if not isinstance(decoder, Decoder):
-            raise ConfigError(f"decoder {name!r}: expected a ccft.Decoder or a decoder folder, got {type(decoder)}")
-        if decoder.fingerprint != self.base.fingerprint:
-            raise FingerprintMismatchError(
-                f"decoder {name!r} was conditioned on base {decoder.fingerprint} but this engine's base is "
-                f"{self.base.fingerprint} ({self.base.name}); use the base it was trained on")
-        self._check_tokenizer(name, tokenizer)
-        check_compatible(self.base.config, decoder.model.config)
-        if decoder.dtype != self.base.dtype:
-            raise IncompatibleModelError(f"decoder {name!r} is {decoder.dtype} but the base is {self.base.dtype}; "
-                                         "load both in one dtype (C_base is read as is)")
-        eos = eos_token_ids(self.tokenizer, decoder.model)
-        if decoder.kind == "lora":
-            if decoder.model.get_base_model() is not self.base.model:
-                raise IncompatibleModelError(f"LoRA decoder {name!r} is attached to another copy of the base model; "
-                                             "load it with ccft.load_decoder(path, base=engine.base)")
-            adapter = lora_adapter(decoder.model, decoder.meta.get("adapter_name", "default"))
-            lane = self._base_lane
-            lane.weights.adapters.append(adapter)
-            self.decoders[name] = _DecoderEntry(name, lane, len(lane.weights.adapters) - 1, eos, decoder)
-        else:
-            check_supported(decoder.model.config)
-            lane = self._new_lane(name, lane_weights(decoder.model, allow_adapters=False))
-            self.lanes[name] = lane
-            self.decoders[name] = _DecoderEntry(name, lane, None, eos, decoder)
-
-    def _check_tokenizer(self, name: str, tokenizer) -> None:
-        if tokenizer is not None and tokenizer_digest(tokenizer) != tokenizer_digest(self.tokenizer):
-            raise IncompatibleModelError(
-                f"decoder {name!r} uses a different tokenizer (vocabulary, special tokens or chat template) than "
-                "the base; a decoder must read the base's token ids")
+        self._registry.add(name, decoder, tokenizer=tokenizer)
 
     # ------------------------------------------------------------------ prefill
     @_inference
     def prefill(self, prompts: Sequence[Sequence[int]], *, handoff_tokens: int | None = None,
                 producer: str | None = None) -> PrefixHandle:
         """Run the base once over ``prompt[:n-k]`` of every prompt into a new arena region.
+
+        The prefixes are left-padded with ``pad_token_id`` (masked; pad slots zeroed) to the longest,
+        and each row's positions start at its first real token, as ``ccft.compute_base_cache``
+        (docs/design.md, "C_base"; K2).
 
         Args:
             prompts: b lists of prompt token ids (each ≥ k+1 tokens).
@@ -369,25 +199,19 @@ class SharedPrefillEngine:
             a ``PrefixHandle`` (release it, or use it as a context manager).
         Raises:
             ConfigError: no prompt, a prompt shorter than k+1 tokens, k < 1, an unknown producer.
+            CapacityError: the arena is full (``max_prefix_tokens``).
         """
-        k = self._handoff(handoff_tokens, producer)
+        k = self._registry.handoff(handoff_tokens, producer)
         if not prompts:
             raise ConfigError("prefill needs at least one prompt")
         short = [i for i, p in enumerate(prompts) if len(p) < k + 1]
         if short:
             raise ConfigError(f"prompts {short} have fewer than handoff_tokens+1={k + 1} tokens")
-        lw, lora, pname, pkey = self._producer(producer)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        ids, mask = left_pad([list(p[:-k]) for p in prompts], pad or 0)
-        handle = self._new_handle(mask.sum(-1).tolist(), ids.shape[1], [list(p[-k:]) for p in prompts], k, pname,
-                                  pkey)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        # Rows in chunks so the (rows, heads, p, p) attention scores stay below ~256 MB.
-        per = max(1, int(2 ** 26 // max(1, lw.heads * ids.shape[1] ** 2)))
-        for r0 in range(0, ids.shape[0], per):
-            rs = slice(r0, min(ids.shape[0], r0 + per))
-            M.prefill(lw, ids[rs], mask[rs], lambda i, rs=rs: handle.keys(i)[rs],
-                      lambda i, rs=rs: handle.values(i)[rs], lora)
+        prod = self._registry.producer(producer)
+        ids, mask = left_pad([list(p[:-k]) for p in prompts], pad_token_id(self.tokenizer))
+        handle = self._new_handle(mask.sum(-1).tolist(), ids.shape[1], [list(p[-k:]) for p in prompts], k, prod.name,
+                                  prod.key)
+        prefill_rows(prod, ids.to(self.device), mask.to(self.device), handle)
         return handle
 
     @_inference
@@ -399,8 +223,8 @@ class SharedPrefillEngine:
         The longest chain of full blocks of ``prompt[:n-k]`` cached in ``store`` under this producer and
         dtype is copied into the handle's region; only the remaining tokens are computed (chunked
         prefill attending to the copied prefix, ``model.prefill_chunk``); the newly completed full
-        blocks are then inserted into the store. Equal to ``prefill([prompt], producer=producer)``
-        (K/V within fp32 rounding; tested with greedy decodes).
+        blocks are then inserted into the store (``prefill.prefill_from_store``). Equal to
+        ``prefill([prompt], producer=producer)`` (K/V within fp32 rounding; tested with greedy decodes).
 
         Args:
             prompt: the prompt's token ids (≥ k+1).
@@ -421,41 +245,22 @@ class SharedPrefillEngine:
         """
         if chunk_tokens is not None and int(chunk_tokens) < 1:
             raise ConfigError(f"chunk_tokens={chunk_tokens}; it must be ≥ 1 (or None)")
-        k = self._handoff(handoff_tokens, producer)
+        k = self._registry.handoff(handoff_tokens, producer)
         prompt = [int(t) for t in prompt]
         if len(prompt) < k + 1:
             raise ConfigError(f"the prompt has {len(prompt)} tokens, fewer than handoff_tokens+1={k + 1}")
-        lw, lora, pname, pkey = self._producer(producer)
+        prod = self._registry.producer(producer)
         prefix = prompt[:-k]
-        n = len(prefix)
-        bt = int(store.block_tokens)
-        blocks = store.match(pkey, lw.dtype, prefix)
-        new: list = []
-        handle = None
+        handle = self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key)
         try:
-            handle = self._new_handle([n], n, [prompt[-k:]], k, pname, pkey)
-            rk = self.arena.view_layers("k", handle.start, 1, n)[:, 0]  # (L, h, n, d)
-            rv = self.arena.view_layers("v", handle.start, 1, n)[:, 0]
-            for j, blk in enumerate(blocks):
-                rk[:, :, j * bt:(j + 1) * bt].copy_(blk.k)
-                rv[:, :, j * bt:(j + 1) * bt].copy_(blk.v)
-            hit = len(blocks) * bt
-            if hit < n:
-                ids = torch.tensor(prefix[hit:], dtype=torch.long, device=self.device)
-                # query chunks so the (heads, chunk, n) attention scores stay below ~256 MB
-                chunk = int(chunk_tokens) if chunk_tokens else max(64, 2 ** 26 // max(1, lw.heads * n))
-                for s in range(hit, n, chunk):
-                    M.prefill_chunk(lw, ids[s - hit: s - hit + chunk], s, rk, rv, lora)
-            new = store.insert(pkey, lw.dtype, prefix, rk, rv, start_block=len(blocks))
+            blocks, hit = prefill_from_store(prod, prefix, handle, self.arena, store, chunk_tokens)
         except BaseException:
-            store.release(blocks)
-            if handle is not None:
-                handle.release()
+            handle.release()
             raise
         if hold:
-            handle._held = (store, blocks + new)
+            handle.hold(store, blocks)
         else:
-            store.release(blocks + new)
+            store.release(blocks)
         return handle, hit
 
     def producer_key(self, producer: str | None = None) -> str:
@@ -465,49 +270,11 @@ class SharedPrefillEngine:
         weights id = 16 hex digits of a digest of the decoder's own weights (its LoRA A/B and scalings,
         or a full-weight decoder's parameters), computed on first use (weights edited in place later
         are not seen: register the edited decoder under a new name).
+
+        Raises:
+            ConfigError: an unknown producer.
         """
-        return self._producer(producer)[3]
-
-    def _producer(self, producer: str | None):
-        """(lane weights, LoRA plan, producer name, producer key) of the model that prefills."""
-        if producer is None or producer == BASE:
-            return self._base_lane.weights, M.NO_LORA, BASE, self.base.fingerprint
-        entry = self.decoders.get(producer)
-        if entry is None:
-            raise ConfigError(f"unknown producer {producer!r}; use None (the base) or a registered decoder: "
-                              f"{', '.join(n for n in self.decoders if n != BASE) or '(none)'}")
-        if entry.key is None:
-            entry.key = f"{self.base.fingerprint}+{producer}/{self._weights_id(entry)}"
-        return entry.lane.weights, self._lora_plan_single(entry), producer, entry.key
-
-    def _weights_id(self, entry: _DecoderEntry) -> str:
-        import hashlib
-
-        from ccft.core.fingerprint import weights_digest_module
-
-        if entry.adapter_index is None:
-            model = entry.decoder.model if entry.decoder is not None else entry.lane.weights.owner
-            return weights_digest_module(model)[:16]
-        h = hashlib.sha256()
-        for i, layer in enumerate(entry.lane.weights.adapters[entry.adapter_index].layers):
-            for name, lw in sorted(layer.items()):
-                h.update(f"{i}.{name}:{lw.scaling!r}".encode())
-                for t in (lw.a, lw.b):
-                    h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
-        return h.hexdigest()[:16]
-
-    def _handoff(self, handoff_tokens: int | None, producer: str | None = None) -> int:
-        if handoff_tokens is None:
-            entry = self.decoders.get(producer) if producer not in (None, BASE) else None
-            if entry is not None and entry.decoder is not None:
-                handoff_tokens = entry.decoder.handoff_tokens
-            else:
-                ks = {e.decoder.handoff_tokens for e in self.decoders.values() if e.decoder is not None}
-                handoff_tokens = ks.pop() if len(ks) == 1 else 1
-        k = int(handoff_tokens)
-        if k < 1:
-            raise ConfigError(f"handoff_tokens={k}; it must be ≥ 1")
-        return k
+        return self._registry.producer(producer).key
 
     @_inference
     def prefill_cache(self, cache: BaseCache) -> PrefixHandle:
@@ -517,12 +284,9 @@ class SharedPrefillEngine:
             FingerprintMismatchError: the cache was written by another base, another dtype, or not by a base.
         """
         cache.check_reader(self.base.fingerprint, self.base.dtype)
-        lengths = cache.lengths.tolist()
-        handle = self._new_handle(lengths, cache.attention_mask.shape[1], cache.tail_ids.tolist(),
+        handle = self._new_handle(cache.lengths.tolist(), cache.attention_mask.shape[1], cache.tail_ids.tolist(),
                                   cache.handoff_tokens)
-        for i in range(self.num_layers):
-            handle.keys(i).copy_(cache.keys[i])
-            handle.values(i).copy_(cache.values[i])
+        import_cache(cache, handle)
         cache.check_unmodified()
         return handle
 
@@ -531,16 +295,6 @@ class SharedPrefillEngine:
         start = self.arena.allocate(len(lengths) * width)
         return PrefixHandle(self, start, width, [int(n) for n in lengths], tail_ids, k, self.base.fingerprint,
                             producer, producer_key)
-
-    def _unref(self, handle: PrefixHandle) -> None:
-        handle.refs -= 1
-        if handle.refs == 0 and not handle.freed:
-            self.arena.free(handle.start)
-            handle.freed = True
-            if handle._held:
-                store, blocks = handle._held
-                handle._held = ()
-                store.release(blocks)
 
     # ------------------------------------------------------------------ step API
     @_inference
@@ -559,7 +313,10 @@ class SharedPrefillEngine:
                 stored once for every request that reads it), the decoder recomputes the last k
                 (the handoff). Equal to prefilling the whole prompt (tested).
             max_new_tokens: default 256 (with ``forced_tokens``: their count).
-            stop: stop strings (the text is cut before the first one); EOS always stops.
+            stop: stop strings (``ccft.core.text.StopMatcher``: the text is cut before the earliest
+                one); EOS (``ccft.core.tokens.eos_token_ids`` of the decoder) always stops.
+            sampling: ``ccft.core.sampling.SamplingParams`` (default greedy); a sampled request draws
+                from its own generator seeded with ``sampling.seed``.
             forced_tokens: teacher forcing: feed these tokens (and report them) instead of sampled
                 ones; the step logits are still the model's. ``max_new_tokens`` defaults to their count.
             ignore_eos: keep decoding past EOS (benchmarks: every row runs ``max_new_tokens`` steps).
@@ -567,6 +324,9 @@ class SharedPrefillEngine:
             the request id.
         Raises:
             CapacityError: no free slot (``max_batch``) or ``k + max_new_tokens > max_tail_tokens``.
+            ConfigError: a released or foreign handle, an unknown decoder, a row out of range, a
+                decoder trained with another k, ``max_new_tokens`` < 1 or beyond the forced tokens.
+            FingerprintMismatchError: the handle holds another decoder's own K/V (no-share prefill, K5).
         """
         if handle.engine is not self:
             raise ConfigError("this PrefixHandle belongs to another engine")
@@ -595,7 +355,6 @@ class SharedPrefillEngine:
             max_new_tokens = len(forced_tokens) if forced_tokens is not None else 256
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens}; it must be ≥ 1")
-        k = handle.handoff_tokens
         lane = entry.lane
         if len(lane.rows) >= self.max_batch:
             raise CapacityError(f"{len(lane.rows)} rows are active on lane {lane.key!r} (max_batch={self.max_batch}); "
@@ -608,22 +367,13 @@ class SharedPrefillEngine:
         gen = None
         if sampling.do_sample:
             gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
-        if isinstance(stop, str):
-            stop = [stop]
-        n_pre = len(tail) - k  # suffix tokens the producer computes (C_base of the suffix)
-        req = _Request(next(self._rid), handle, row, entry, int(max_new_tokens), [s for s in (stop or []) if s],
-                       sampling, gen, forced_tokens, bool(ignore_eos), next_token=int(tail[-1]),
-                       tail_written=len(tail) - 1)
-        kf, vf = (lambda i: handle.keys(i)[row]), (lambda i: handle.values(i)[row])
-        if n_pre > 0:
-            pw, plora = self._producer(handle.producer)[:2]  # checked above: the base, or this decoder
-            M.extend(pw, torch.tensor(tail[:n_pre], device=self.device), req.prefix_len, kf, vf,
-                     int(handle.key_start[row]), lane.pool.k[:, slot], lane.pool.v[:, slot], 0, plora)
-        if k > 1:  # the first k-1 handoff tokens: one small forward for this row now
-            lora = self._lora_plan_single(entry)
-            M.extend(lane.weights, torch.tensor(tail[n_pre:-1], device=self.device), req.prefix_len + n_pre, kf, vf,
-                     int(handle.key_start[row]), lane.pool.k[:, slot], lane.pool.v[:, slot], n_pre, lora)
-        handle.refs += 1
+        req = Request(next(self._rid), handle, row, decoder, entry.adapter_index, entry.eos, self.tokenizer,
+                      int(max_new_tokens), StopMatcher(stop), sampling, gen, forced_tokens, bool(ignore_eos),
+                      next_token=int(tail[-1]), tail_written=len(tail) - 1)
+        # the handle's producer is the base or this decoder (checked above)
+        prefill_tail(handle, row, tail, self._registry.producer(handle.producer), lane.weights, entry.lora_plan(),
+                     lane.pool.k[:, slot], lane.pool.v[:, slot])
+        handle.acquire()
         lane.rows.append(req)
         self._requests[req.id] = req
         return req.id
@@ -650,86 +400,65 @@ class SharedPrefillEngine:
                 outputs += self._step_lane(lane, return_logits)
         return outputs
 
-    def _step_lane(self, lane: _Lane, return_logits: bool) -> list[StepOutput]:
+    def _step_lane(self, lane: Lane, return_logits: bool) -> list[StepOutput]:
         rows = lane.rows
-        dev = self.device
         tokens = [r.next_token for r in rows]
         write = [r.tail_written for r in rows]
         positions = [r.prefix_len + r.tail_written for r in rows]
         if lane.runner is None:
-            t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+            t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
             write_t = t(write)
             logits = M.decode_step_eager(lane.weights, t(tokens), t(positions), lane.pool.k, lane.pool.v, write_t,
-                                         write_t + 1, max(write) + 1, self._prefix_groups(rows),
-                                         self._lora_plan(lane, rows))
+                                         write_t + 1, max(write) + 1, planner.prefix_groups(rows, self.device),
+                                         planner.lora_plan(lane.weights, rows, self.device))
         else:
             logits = lane.runner.run(rows, tokens, positions, write)
-        chosen = self._select(logits, rows)
+        chosen = choose_tokens(logits, rows)
         outputs = []
         done = []
         for i, (req, tok) in enumerate(zip(rows, chosen, strict=True)):
-            if req.forced is not None:
-                tok = req.forced[len(req.out_ids)]
+            tok = req.token_to_feed(tok)
             req.tail_written += 1
-            finished = self._advance(req, tok)
+            finished = req.advance(tok)
             out = StepOutput(req.id, tok, finished, logits=logits[i] if return_logits else None)
             if finished:
-                out.generation = req.generation(self.tokenizer)
+                out.generation = req.generation()
                 done.append(req)
             outputs.append(out)
         for req in done:
             self._remove(req)
         return outputs
 
-    def _advance(self, req: _Request, tok: int) -> bool:
-        """Record token ``tok`` for ``req``; True when the request is finished."""
-        if tok in req.entry.eos and not req.ignore_eos:
-            req.reason = "eos"
-            return True
-        req.out_ids.append(tok)
-        if req.stop:
-            text = self.tokenizer.decode(req.out_ids, skip_special_tokens=True)
-            cut = min((text.find(s) for s in req.stop if s in text), default=-1)
-            if cut >= 0:
-                req.reason, req.text = "stop", text[:cut]
-                return True
-        if len(req.out_ids) >= req.max_new_tokens:
-            req.reason = "length"
-            return True
-        req.next_token = tok
-        return False
-
-    def _select(self, logits: torch.Tensor, rows: list[_Request]) -> list[int]:
-        greedy = logits.argmax(-1)
-        sampled = [i for i, r in enumerate(rows) if r.sampling.do_sample and r.forced is None]
-        if sampled:
-            greedy = greedy.clone()
-            for i in sampled:
-                greedy[i] = select_tokens(logits[i:i + 1], rows[i].sampling, rows[i].generator)[0]
-        return greedy.tolist()
-
     @_inference
     def finish(self, request_id: int) -> Generation:
-        """End an active request now and return what it generated (``finish_reason="stop"``)."""
+        """End an active request now and return what it generated (``finish_reason="stop"``).
+
+        Raises:
+            ConfigError: the request is not active.
+        """
         req = self._get(request_id)
         req.reason = req.reason or "stop"
-        gen = req.generation(self.tokenizer)
+        gen = req.generation()
         self._remove(req)
         return gen
 
     @_inference
     def abort(self, request_id: int) -> None:
-        """Drop an active request and its output."""
+        """Drop an active request and its output.
+
+        Raises:
+            ConfigError: the request is not active.
+        """
         self._remove(self._get(request_id))
 
-    def _get(self, request_id: int) -> _Request:
+    def _get(self, request_id: int) -> Request:
         try:
             return self._requests[request_id]
         except KeyError:
             raise ConfigError(f"request {request_id} is not active (finished, aborted or unknown)") from None
 
-    def _remove(self, req: _Request) -> None:
-        lane = req.entry.lane
+    def _remove(self, req: Request) -> None:
+        lane = self.decoders[req.decoder].lane
         slot = lane.rows.index(req)
         last = len(lane.rows) - 1
         if slot != last:  # compaction: the last row moves into the freed slot
@@ -738,69 +467,11 @@ class SharedPrefillEngine:
             lane.rows[slot] = moved
         lane.rows.pop()
         del self._requests[req.id]
-        self._unref(req.handle)
+        req.handle.unref()
 
-    # ------------------------------------------------------------------ plans
-    def _prefix_groups(self, rows: list[_Request]) -> list[PrefixGroup]:
-        by_handle: dict[int, list[tuple[int, _Request]]] = {}
-        for i, r in enumerate(rows):
-            by_handle.setdefault(r.handle.id, []).append((i, r))
-        groups = []
-        for members in by_handle.values():
-            h = members[0][1].handle
-            kf = (lambda hh: lambda i: hh.keys(i))(h)
-            vf = (lambda hh: lambda i: hh.values(i))(h)
-            first = members[0][0]
-            if len(members) == h.batch_size and all(i == first + r.row for i, r in members):
-                groups.append(PrefixGroup(kf, vf, h.key_start, None, first))
-                continue
-            per: dict[int, list[int]] = {}
-            for i, r in members:
-                per.setdefault(r.row, []).append(i)
-            used = sorted(per)
-            m = max(len(v) for v in per.values())
-            table = torch.full((len(used), m), -1, dtype=torch.long)
-            for j, u in enumerate(used):
-                table[j, : len(per[u])] = torch.tensor(per[u])
-            used_t = None if len(used) == h.batch_size else torch.tensor(used, device=self.device)
-            groups.append(PrefixGroup(kf, vf, h.key_start, table.to(self.device), 0, used_t))
-        return groups
-
-    def _lora_plan(self, lane: _Lane, rows: list[_Request]) -> M.LoraPlan:
-        if not lane.weights.adapters:
-            return M.NO_LORA
-        by_adapter: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            if r.entry.adapter_index is not None:
-                by_adapter.setdefault(r.entry.adapter_index, []).append(i)
-        entries = []
-        for a, idx in by_adapter.items():
-            sel = None if len(idx) == len(rows) else torch.tensor(idx, dtype=torch.long, device=self.device)
-            entries.append((lane.weights.adapters[a], sel))
-        return M.LoraPlan(entries)
-
-    def _lora_plan_single(self, entry: _DecoderEntry) -> M.LoraPlan:
-        if entry.adapter_index is None:
-            return M.NO_LORA
-        return M.LoraPlan([(entry.lane.weights.adapters[entry.adapter_index], None)])
-
-    def static_inputs(self, lane: _Lane, rows: list[_Request], tokens, positions, write, batch: int):
-        """Host-built ``StaticInputs`` for ``rows`` padded to ``batch`` (used by ``StaticRunner``)."""
-        n = len(rows)
-        pad = batch - n
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        tokens = t(list(tokens) + [0] * pad)
-        positions = t(list(positions) + [0] * pad)
-        write_pos = t(list(write) + [0] * pad)
-        tail_len = write_pos + 1
-        n_ad = len(lane.weights.adapters)
-        masks = torch.zeros((n_ad, batch, 1), dtype=lane.weights.dtype, device=self.device)
-        for i, r in enumerate(rows):
-            if r.entry.adapter_index is not None:
-                masks[r.entry.adapter_index, i] = 1
-        meta = build_prefix_meta([(r.handle.start, r.row, r.handle.width, r.prefix_len) for r in rows], batch,
-                                 lane.weights.kv_heads, self.device)
-        return M.StaticInputs(tokens, positions, write_pos, tail_len, masks, meta)
+    def static_inputs(self, lane: Lane, rows: list[Request], tokens, positions, write, batch: int) -> M.StaticInputs:
+        """Host-built ``StaticInputs`` for ``rows`` of ``lane`` padded to ``batch`` (``planner.static_inputs``)."""
+        return planner.static_inputs(lane.weights, rows, tokens, positions, write, batch, self.device)
 
     # ------------------------------------------------------------------ generate
     @_inference

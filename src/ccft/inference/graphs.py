@@ -1,69 +1,84 @@
 """Running the static decode step: eagerly, under ``torch.compile``, or captured as CUDA graphs.
 
 ``StaticRunner`` pads a lane's active rows to a batch bucket, picks tail / prefix width buckets,
-builds the fixed-shape ``StaticInputs`` and runs ``model.decode_step_static``:
+builds the fixed-shape ``StaticInputs`` (``planner.static_inputs``) and runs ``model.decode_step_static``:
 
 * ``static``: eagerly (the CPU check of exactly the function that is captured);
 * ``compile``: through ``torch.compile(dynamic=False)``; one compilation per key;
 * ``cuda_graph``: the first step of a key runs once for real (warm-up, which also compiles the
   Triton kernel), is captured into a ``torch.cuda.CUDAGraph`` whose input buffers are that key's
   ``StaticInputs``, and is replayed after copying each step's inputs into those buffers. The
-  logits are cloned out of the graph's output buffer before the next replay (K1).
+  logits are cloned out of the graph's output buffer before the next replay (fault class K1 in
+  docs/design.md).
 
 Key = (batch bucket, tail width, prefix width, adapters on the lane, tail-pool and arena
 generations). Widths are powers of two, so captures/compilations are bounded by
 log2(max_batch) · log2(max_tail_tokens) · log2(longest prefix) per lane and adapter count; a pool
-or arena that grew (new addresses) drops that lane's graphs. ``captures`` counts them (tests).
+or arena that grew (new addresses) drops that lane's graphs. ``captures`` counts them (tests, K4).
+
+The runner sees a lane only through its weights and tail pool and the engine's prefix arena (all
+grown in place), and its rows only through what ``planner.static_inputs`` reads.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Sequence
 
 import torch
 
 from ccft.inference import model as M
-from ccft.inference.kv import bucket
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ccft.inference.engine import SharedPrefillEngine, _Lane
+from ccft.inference.kv import PrefixArena, TailPool, bucket
+from ccft.inference.planner import static_inputs
+from ccft.inference.requests import Request
+from ccft.inference.weights import LaneWeights
 
 MIN_WIDTH = 16
 
 
 class StaticRunner:
-    """Static-shape decode for one lane (see the module docstring)."""
+    """Static-shape decode for one lane (see the module docstring).
 
-    def __init__(self, engine: "SharedPrefillEngine", lane: "_Lane", mode: str, attention: str):
-        self.engine, self.lane, self.mode, self.attention = engine, lane, mode, attention
+    Args:
+        weights, pool: the lane's weights (adapters may be added later) and tail pool.
+        arena: the engine's prefix arena.  mode: ``"static"``, ``"compile"`` or ``"cuda_graph"``.
+        attention: prefix attention, ``"gather"`` or ``"triton"``.  device: where inputs are built.
+    """
+
+    def __init__(self, weights: LaneWeights, pool: TailPool, arena: PrefixArena, mode: str, attention: str,
+                 device):
+        self.weights, self.pool, self.arena = weights, pool, arena
+        self.mode, self.attention, self.device = mode, attention, device
         self.captures = 0  # graphs captured / compilations triggered (distinct keys)
         self._graphs: dict[tuple, tuple] = {}
         self._generations: tuple[int, int] | None = None
         self._compiled = None
         self._keys: set[tuple] = set()
-        self._pool = None
+        self._mempool = None
 
     def key(self, n_rows: int, max_tail: int, max_prefix: int) -> tuple:
-        lane = self.lane
-        pool = lane.pool
+        """(batch bucket, tail width, prefix width, adapters, pool generation, arena generation)."""
+        pool = self.pool
         b = min(bucket(n_rows), pool.slots)
         tail_width = min(bucket(max_tail, MIN_WIDTH), pool.capacity)
         prefix_width = bucket(max_prefix, MIN_WIDTH) if self.attention == "gather" else 0
-        return (b, tail_width, prefix_width, len(lane.weights.adapters), pool.generation,
-                self.engine.arena.generation)
+        return (b, tail_width, prefix_width, len(self.weights.adapters), pool.generation, self.arena.generation)
 
-    def run(self, rows, tokens, positions, write) -> torch.Tensor:
-        """Logits ``(len(rows), V)`` of one decode step for the lane's active rows (slots 0..n-1)."""
+    def run(self, rows: Sequence[Request], tokens: Sequence[int], positions: Sequence[int],
+            write: Sequence[int]) -> torch.Tensor:
+        """Logits ``(len(rows), V)`` of one decode step for the lane's active rows (slots 0..n-1).
+
+        Args: per row its input token, RoPE position and tail write index.
+        """
         n = len(rows)
         key = self.key(n, max(write) + 1, max(r.prefix_len for r in rows))
         b, tail_width, prefix_width = key[:3]
-        inp = self.engine.static_inputs(self.lane, rows, tokens, positions, write, b)
+        inp = static_inputs(self.weights, rows, tokens, positions, write, b, self.device)
         gens = key[4:]
         if gens != self._generations:  # buffers moved: graphs bound to the old addresses are stale
             self._graphs.clear()
             # the memory pool dies with the last graph that used it: capturing into its old handle
             # trips the caching allocator's use-count assertion, so the next capture takes a new one
-            self._pool = None
+            self._mempool = None
             self._generations = gens
         if self.mode == "cuda_graph":
             return self._replay(key, inp, tail_width, prefix_width)[:n].clone()
@@ -77,9 +92,8 @@ class StaticRunner:
         return fn(*self._args(inp, tail_width, prefix_width))[:n]
 
     def _args(self, inp, tail_width, prefix_width):
-        lane, arena = self.lane, self.engine.arena
-        return (lane.weights, inp, arena.k, arena.v, lane.pool.k, lane.pool.v, tail_width, prefix_width,
-                self.attention)
+        arena, pool = self.arena, self.pool
+        return (self.weights, inp, arena.k, arena.v, pool.k, pool.v, tail_width, prefix_width, self.attention)
 
     def _compiled_fn(self):
         if self._compiled is None:
@@ -106,10 +120,10 @@ class StaticRunner:
         with torch.cuda.stream(stream):
             warm = M.decode_step_static(*args)  # compiles kernels; writes exactly what the replays write
         torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._mempool):
             out = M.decode_step_static(*args)
         self.captures += 1
         return graph, out, warm

@@ -1,0 +1,134 @@
+"""``PrefixHandle``: a batch of prompts prefilled into the engine's prefix arena, refcounted.
+
+A handle owns one contiguous region of ``SharedPrefillEngine.arena`` (``kv.PrefixArena``) holding
+the K/V of ``prompt[:n-k]`` for each of its b prompts, left-padded to width p, viewed per layer as
+``(b, kv_heads, p, head_dim)`` (pad slots zero). After the prefill writes it the region is only
+read (docs/design.md, "C_base"; fault class K1). Who wrote it is recorded (``producer``) and checked
+by every reader (K5).
+
+The region lives while anyone references it: the user (until ``release()``) and each active
+request reading one of its rows (``acquire()`` on admission, ``unref()`` when the request leaves).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ccft.core.cache import BaseCache
+from ccft.core.errors import ConfigError
+
+BASE = "base"  #: decoder name of the base model itself (decodes on its own C_base: ``mode="base"``)
+
+
+class PrefixHandle:
+    """A batch of prompts prefilled by the base into the engine's prefix arena (read-only).
+
+    Attributes:
+        engine: the ``SharedPrefillEngine`` whose arena holds the region.
+        start, width: the region's first arena slot and its per-row width p (tokens).
+        batch_size: b prompts.  lengths: real prefix length per row (``n - k``; the first decoder
+            position).  tail_ids: per row the k handoff tokens the decoder recomputes.
+        handoff_tokens: k.  fingerprint: the base fingerprint.
+        producer: who wrote the K/V: ``"base"`` (C_base, shared mode; any decoder may read it) or a
+            decoder's name (the no-share baseline: that decoder prefilled its own prompt; only it may
+            read it).  producer_key: the producer's key (``engine.producer_key``).
+        key_start: ``(b,)`` long, the first real key slot per row (``width - lengths``).
+        refs: references held (the user's and one per active request).
+    The region is freed when ``refs`` reaches 0 (and then the handle drops its references on
+    prefix-store blocks, ``hold``).
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, engine, start: int, width: int, lengths: list[int], tail_ids: list[list[int]],
+                 handoff_tokens: int, fingerprint: str, producer: str = BASE, producer_key: str | None = None):
+        self.engine, self.start, self.width = engine, start, width
+        self.lengths, self.tail_ids, self.handoff_tokens = lengths, tail_ids, handoff_tokens
+        self.fingerprint = fingerprint
+        self.producer = producer
+        self.producer_key = producer_key if producer_key is not None else fingerprint
+        self.held: tuple = ()  # (store, blocks) whose references this handle holds until it is freed
+        self.id = next(self._ids)
+        self.refs = 1
+        self.released = False
+        self.freed = False
+        self.key_start = torch.tensor([width - n for n in lengths], dtype=torch.long, device=engine.device)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """``(b, h, p, d)`` view of this handle's prefix keys in ``layer`` (left-padded; pads are 0).
+
+        Raises:
+            ConfigError: the handle was freed.
+        """
+        self._check_alive()
+        return self.engine.arena.view("k", layer, self.start, self.batch_size, self.width)
+
+    def values(self, layer: int) -> torch.Tensor:
+        """``(b, h, p, d)`` view of this handle's prefix values in ``layer`` (as ``keys``)."""
+        self._check_alive()
+        return self.engine.arena.view("v", layer, self.start, self.batch_size, self.width)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Clones of every layer's keys then values (tests compare them bit for bit, K1)."""
+        n = self.engine.num_layers
+        return [self.keys(i).clone() for i in range(n)] + [self.values(i).clone() for i in range(n)]
+
+    def to_base_cache(self) -> BaseCache:
+        """A ``BaseCache`` copy of this prefix (for the reference path ``ccft.generate(cache=...)``)."""
+        n = self.engine.num_layers
+        mask = (torch.arange(self.width, device=self.key_start.device)[None, :] >= self.key_start[:, None]).long()
+        tail = torch.tensor(self.tail_ids, dtype=torch.long, device=self.key_start.device)
+        return BaseCache.from_tensors([self.keys(i).clone() for i in range(n)],
+                                      [self.values(i).clone() for i in range(n)], mask, tail, self.handoff_tokens,
+                                      self.fingerprint, self.producer)
+
+    def _check_alive(self) -> None:
+        if self.freed:
+            raise ConfigError(f"PrefixHandle {self.id} was released and its prefix freed; prefill the prompts again")
+
+    # ------------------------------------------------------------------ references
+    def hold(self, store, blocks: list) -> None:
+        """Keep the references on prefix-store ``blocks`` (of ``store``) until this handle is freed."""
+        self.held = (store, list(blocks))
+
+    def acquire(self) -> None:
+        """One more reference (an admitted request reads a row of this handle)."""
+        self.refs += 1
+
+    def unref(self) -> None:
+        """Drop one reference; at 0 the arena region is freed and held store blocks are released."""
+        self.refs -= 1
+        if self.refs == 0 and not self.freed:
+            self.engine.arena.free(self.start)
+            self.freed = True
+            if self.held:
+                store, blocks = self.held
+                self.held = ()
+                store.release(blocks)
+
+    def release(self) -> None:
+        """Drop the user's reference; the prefix is freed once no active request reads it."""
+        if not self.released:
+            self.released = True
+            self.unref()
+
+    def __enter__(self) -> "PrefixHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else ("released" if self.released else "live")
+        who = "" if self.producer == BASE else f", producer={self.producer!r}"
+        return (f"PrefixHandle(id={self.id}, rows={self.batch_size}, width={self.width}, refs={self.refs}{who}, "
+                f"{state})")
+
+
+__all__ = ["BASE", "PrefixHandle"]

@@ -1,0 +1,245 @@
+"""The engine's decoders and the lanes they run in; who may write a prefix (producers).
+
+Decoders are grouped into *lanes* by weights: the base and every LoRA decoder on it form one lane
+(one matmul over all their rows, each row adding its own adapter's ``B A x``); each full-weight
+decoder is a lane of its own. A lane owns a static tail pool (one slot per active row, ``kv.TailPool``)
+and, outside eager decode, a ``graphs.StaticRunner``.
+
+``LaneRegistry.add`` checks a decoder against the base before it is registered: same base
+fingerprint (a decoder reads only the C_base of the base it was conditioned on), same tokenizer,
+layer count, KV geometry, RoPE and dtype, and a model / LoRA variant the engine runs
+(docs/design.md, "C_base"; fault class K5).
+
+A *producer* is the model that writes a prefix: the base (C_base, shared mode) or, for the no-share
+baseline, one decoder with its own weights. Its key names whose K/V a prefix store holds
+(``Producer.key``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from ccft.core.decoder import Decoder
+from ccft.core.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
+from ccft.core.fingerprint import check_compatible, tokenizer_digest, weights_digest_module
+from ccft.core.tokens import eos_token_ids
+from ccft.inference import model as M
+from ccft.inference.graphs import StaticRunner
+from ccft.inference.handles import BASE
+from ccft.inference.kv import PrefixArena, TailPool
+from ccft.inference.planner import single_lora_plan
+from ccft.inference.requests import Request
+from ccft.inference.weights import LaneWeights, check_supported, lane_weights, lora_adapter, pack
+
+
+@dataclass
+class Lane:
+    """One set of weights and its active rows.
+
+    Attributes:
+        key: the lane's name (``"base"``, or the full-weight decoder's name).
+        weights: what the forward reads (the base lane also holds every LoRA adapter on the base).
+        pool: the tail pool; ``rows[i]`` is in slot i (compacted when a request leaves).
+        rows: the active requests, in slot order.  runner: the static-step runner (None: eager decode).
+    """
+
+    key: str
+    weights: LaneWeights
+    pool: TailPool
+    rows: list[Request] = field(default_factory=list)
+    runner: StaticRunner | None = None
+
+
+@dataclass
+class DecoderEntry:
+    """A registered decoder.
+
+    Attributes:
+        name: its name.  lane: the lane it runs in.
+        adapter_index: its adapter in ``lane.weights.adapters``; None: the lane's own weights.
+        eos: the ids that end its generations (``ccft.core.tokens.eos_token_ids``).
+        decoder: the ``ccft.Decoder`` (None for the base).
+        key: its producer key, computed on first use (``LaneRegistry.producer``).
+    """
+
+    name: str
+    lane: Lane
+    adapter_index: int | None
+    eos: set[int]
+    decoder: Decoder | None
+    key: str | None = None
+
+    def lora_plan(self) -> M.LoraPlan:
+        """Its adapter over every row of a batch (none for the lane's own weights)."""
+        return single_lora_plan(self.lane.weights, self.adapter_index)
+
+    def weights_id(self) -> str:
+        """16 hex digits of a SHA-256 of its own weights: its LoRA A/B and scalings, or a full-weight
+        decoder's parameters and buffers (``ccft.core.fingerprint.weights_digest_module``)."""
+        if self.adapter_index is None:
+            model = self.decoder.model if self.decoder is not None else self.lane.weights.owner
+            return weights_digest_module(model)[:16]
+        h = hashlib.sha256()
+        for i, layer in enumerate(self.lane.weights.adapters[self.adapter_index].layers):
+            for name, lw in sorted(layer.items()):
+                h.update(f"{i}.{name}:{lw.scaling!r}".encode())
+                for t in (lw.a, lw.b):
+                    h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+class Producer(NamedTuple):
+    """The model that writes a prefix: its lane weights, its LoRA plan, its name and key."""
+
+    weights: LaneWeights
+    lora: M.LoraPlan
+    name: str
+    key: str
+
+
+class LaneRegistry:
+    """The decoders of one engine and their lanes (see the module docstring).
+
+    Args:
+        base: the ``ccft.Base``.  base_weights: its ``LaneWeights`` (the base lane).
+        arena: the engine's prefix arena (read by static runners).
+        max_batch: slots per tail pool.  max_tail_tokens: per-slot capacity limit.
+        fill: value of never-written tail memory (K3).  pack_weights: pack each lane's weights.
+        decode_mode: ``"eager"`` (no runner) or a static mode of ``graphs.StaticRunner``.
+        attention: prefix attention of the static step.
+    Attributes:
+        lanes: lane key -> ``Lane``.  decoders: decoder name -> ``DecoderEntry`` (``"base"`` included).
+    """
+
+    def __init__(self, base, base_weights: LaneWeights, arena: PrefixArena, *, max_batch: int, max_tail_tokens: int,
+                 fill: float, pack_weights: bool, decode_mode: str, attention: str):
+        self.base, self.tokenizer, self.device, self.arena = base, base.tokenizer, base.device, arena
+        self.max_batch, self.max_tail_tokens, self.fill = max_batch, max_tail_tokens, fill
+        self.pack_weights, self.decode_mode, self.attention = pack_weights, decode_mode, attention
+        self.base_lane = self.new_lane(BASE, base_weights)
+        self.lanes: dict[str, Lane] = {BASE: self.base_lane}
+        self.decoders: dict[str, DecoderEntry] = {
+            BASE: DecoderEntry(BASE, self.base_lane, None, eos_token_ids(self.tokenizer, base.model), None)}
+
+    def new_lane(self, key: str, weights: LaneWeights) -> Lane:
+        """A lane over ``weights`` (packed first when ``pack_weights``) with a one-slot tail pool that grows."""
+        if self.pack_weights:
+            pack(weights)
+        pool = TailPool(weights.num_layers, weights.kv_heads, weights.head_dim, weights.dtype, self.device,
+                        slots=1, capacity=64, max_slots=self.max_batch, max_capacity=self.max_tail_tokens,
+                        fill=self.fill)
+        lane = Lane(key, weights, pool)
+        if self.decode_mode != "eager":
+            lane.runner = StaticRunner(weights, pool, self.arena, self.decode_mode, self.attention, self.device)
+        return lane
+
+    def add(self, name: str, decoder: Decoder | str | Path, *, tokenizer=None) -> DecoderEntry:
+        """Register ``decoder`` (a ``ccft.Decoder``, or a decoder folder loaded onto the base) as ``name``.
+
+        A LoRA decoder joins the base lane as one more adapter; a full-weight decoder gets its own lane.
+
+        Raises:
+            FingerprintMismatchError: the decoder was conditioned on another base.
+            IncompatibleModelError: its tokenizer, layer count, KV geometry, RoPE or dtype differ from
+                the base's, or it is a model / LoRA variant the engine does not run.
+            ConfigError: ``name`` already used, or not a decoder.
+        """
+        if name in self.decoders:
+            raise ConfigError(f"a decoder named {name!r} is already registered; pick another name")
+        if isinstance(decoder, (str, Path)):
+            decoder, tokenizer = self._load(name, decoder, tokenizer)
+        if not isinstance(decoder, Decoder):
+            raise ConfigError(f"decoder {name!r}: expected a ccft.Decoder or a decoder folder, got {type(decoder)}")
+        base = self.base
+        if decoder.fingerprint != base.fingerprint:
+            raise FingerprintMismatchError(
+                f"decoder {name!r} was conditioned on base {decoder.fingerprint} but this engine's base is "
+                f"{base.fingerprint} ({base.name}); use the base it was trained on")
+        self._check_tokenizer(name, tokenizer)
+        check_compatible(base.config, decoder.model.config)
+        if decoder.dtype != base.dtype:
+            raise IncompatibleModelError(f"decoder {name!r} is {decoder.dtype} but the base is {base.dtype}; "
+                                         "load both in one dtype (C_base is read as is)")
+        eos = eos_token_ids(self.tokenizer, decoder.model)
+        if decoder.kind == "lora":
+            if decoder.model.get_base_model() is not base.model:
+                raise IncompatibleModelError(f"LoRA decoder {name!r} is attached to another copy of the base model; "
+                                             "load it with ccft.load_decoder(path, base=engine.base)")
+            adapter = lora_adapter(decoder.model, decoder.meta.get("adapter_name", "default"))
+            lane = self.base_lane
+            lane.weights.adapters.append(adapter)
+            entry = DecoderEntry(name, lane, len(lane.weights.adapters) - 1, eos, decoder)
+        else:
+            check_supported(decoder.model.config)
+            lane = self.new_lane(name, lane_weights(decoder.model, allow_adapters=False))
+            self.lanes[name] = lane
+            entry = DecoderEntry(name, lane, None, eos, decoder)
+        self.decoders[name] = entry
+        return entry
+
+    def _load(self, name: str, folder: str | Path, tokenizer):
+        from transformers import AutoTokenizer
+
+        from ccft.core.checkpoint import load_decoder, read_meta
+
+        meta = read_meta(folder)
+        want = meta.get("base_fingerprint")
+        if want and want != self.base.fingerprint:
+            raise FingerprintMismatchError(
+                f"decoder {folder} was trained on base {want} but this engine's base is {self.base.fingerprint} "
+                f"({self.base.name}); serve it with the base it was trained on")
+        if tokenizer is None and (Path(folder) / "tokenizer_config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self._check_tokenizer(name, tokenizer)
+        return load_decoder(folder, base=self.base, adapter_name=name), tokenizer
+
+    def _check_tokenizer(self, name: str, tokenizer) -> None:
+        if tokenizer is not None and tokenizer_digest(tokenizer) != tokenizer_digest(self.tokenizer):
+            raise IncompatibleModelError(
+                f"decoder {name!r} uses a different tokenizer (vocabulary, special tokens or chat template) than "
+                "the base; a decoder must read the base's token ids")
+
+    def producer(self, producer: str | None) -> Producer:
+        """The model that prefills for ``producer``: None / ``"base"``: the base, keyed by its fingerprint;
+        a decoder's name: that decoder, keyed ``"{base fingerprint}+{name}/{weights id}"``
+        (``DecoderEntry.weights_id``, computed on first use: weights edited in place later are not seen).
+
+        Raises:
+            ConfigError: an unknown producer.
+        """
+        if producer is None or producer == BASE:
+            return Producer(self.base_lane.weights, M.NO_LORA, BASE, self.base.fingerprint)
+        entry = self.decoders.get(producer)
+        if entry is None:
+            raise ConfigError(f"unknown producer {producer!r}; use None (the base) or a registered decoder: "
+                              f"{', '.join(n for n in self.decoders if n != BASE) or '(none)'}")
+        if entry.key is None:
+            entry.key = f"{self.base.fingerprint}+{producer}/{entry.weights_id()}"
+        return Producer(entry.lane.weights, entry.lora_plan(), producer, entry.key)
+
+    def handoff(self, handoff_tokens: int | None, producer: str | None = None) -> int:
+        """k: ``handoff_tokens``, else the producer decoder's k, else the k the registered decoders
+        agree on, else 1.
+
+        Raises:
+            ConfigError: k < 1.
+        """
+        if handoff_tokens is None:
+            entry = self.decoders.get(producer) if producer not in (None, BASE) else None
+            if entry is not None and entry.decoder is not None:
+                handoff_tokens = entry.decoder.handoff_tokens
+            else:
+                ks = {e.decoder.handoff_tokens for e in self.decoders.values() if e.decoder is not None}
+                handoff_tokens = ks.pop() if len(ks) == 1 else 1
+        k = int(handoff_tokens)
+        if k < 1:
+            raise ConfigError(f"handoff_tokens={k}; it must be ≥ 1")
+        return k
+
+
+__all__ = ["Lane", "DecoderEntry", "Producer", "LaneRegistry"]

@@ -1,0 +1,113 @@
+"""Host-side plans of one decode step: which prefix each row reads, which adapter each row applies.
+
+The rows of a lane (``Request``s in slot order, row r in tail slot r) are described to the model
+in two ways:
+
+* eager step (``model.decode_step_eager``): ``prefix_groups`` groups rows by the handle they read
+  (the shared prefix is read once per group, ``attention.prefix_attention_grouped``) and
+  ``lora_plan`` lists, per adapter of the lane, the rows that apply it (index tensors);
+* static step (``model.decode_step_static``, what ``graphs.StaticRunner`` runs and captures):
+  ``static_inputs`` pads the rows to a batch bucket and gives fixed-shape tensors (per-row token,
+  RoPE position, tail write index; per-adapter 0/1 row masks; the prefix placement in the arena).
+
+Both describe the same arithmetic (docs/design.md, "Invariants the tests hold" 6; fault class K4).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ccft.inference import model as M
+from ccft.inference.attention import PrefixGroup, build_prefix_meta
+from ccft.inference.requests import Request
+from ccft.inference.weights import LaneWeights
+
+
+def prefix_groups(rows: Sequence[Request], device) -> list[PrefixGroup]:
+    """The prefix groups covering ``rows`` (batch index i is ``rows[i]``).
+
+    Rows reading one handle form one group: a handle whose every row is present, in order and
+    contiguous, reads its region directly (``rows=None``); otherwise a ``(used prompts, m)`` table
+    maps each prompt row used to the batch rows reading it (-1 padded), with ``used`` the prompt
+    rows gathered when not all are.
+    """
+    by_handle: dict[int, list[tuple[int, Request]]] = {}
+    for i, r in enumerate(rows):
+        by_handle.setdefault(r.handle.id, []).append((i, r))
+    groups = []
+    for members in by_handle.values():
+        h = members[0][1].handle
+        kf = (lambda hh: lambda i: hh.keys(i))(h)
+        vf = (lambda hh: lambda i: hh.values(i))(h)
+        first = members[0][0]
+        if len(members) == h.batch_size and all(i == first + r.row for i, r in members):
+            groups.append(PrefixGroup(kf, vf, h.key_start, None, first))
+            continue
+        per: dict[int, list[int]] = {}
+        for i, r in members:
+            per.setdefault(r.row, []).append(i)
+        used = sorted(per)
+        m = max(len(v) for v in per.values())
+        table = torch.full((len(used), m), -1, dtype=torch.long)
+        for j, u in enumerate(used):
+            table[j, : len(per[u])] = torch.tensor(per[u])
+        used_t = None if len(used) == h.batch_size else torch.tensor(used, device=device)
+        groups.append(PrefixGroup(kf, vf, h.key_start, table.to(device), 0, used_t))
+    return groups
+
+
+def lora_plan(weights: LaneWeights, rows: Sequence[Request], device) -> M.LoraPlan:
+    """Per adapter of the lane, the batch rows that apply it (None: every row); rows of the lane's
+    own weights apply none. PEFT's ``W x + B (A x) · scaling`` per row (``model.project``)."""
+    if not weights.adapters:
+        return M.NO_LORA
+    by_adapter: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r.adapter_index is not None:
+            by_adapter.setdefault(r.adapter_index, []).append(i)
+    entries = []
+    for a, idx in by_adapter.items():
+        sel = None if len(idx) == len(rows) else torch.tensor(idx, dtype=torch.long, device=device)
+        entries.append((weights.adapters[a], sel))
+    return M.LoraPlan(entries)
+
+
+def single_lora_plan(weights: LaneWeights, adapter_index: int | None) -> M.LoraPlan:
+    """The plan of one decoder over all rows: its adapter (``adapter_index`` in ``weights.adapters``), or none."""
+    if adapter_index is None:
+        return M.NO_LORA
+    return M.LoraPlan([(weights.adapters[adapter_index], None)])
+
+
+def static_inputs(weights: LaneWeights, rows: Sequence[Request], tokens: Sequence[int], positions: Sequence[int],
+                  write: Sequence[int], batch: int, device) -> M.StaticInputs:
+    """Host-built ``StaticInputs`` for ``rows`` padded to ``batch`` rows.
+
+    Args:
+        tokens, positions, write: per row the input token, its RoPE position and its tail write index.
+        batch: the batch bucket (≥ len(rows)); padded rows feed token 0 at position 0 into their own
+            unused slots, apply no adapter and read no prefix.
+    Returns:
+        ``StaticInputs``: ``(batch,)`` long tokens / positions / write_pos / tail_len (write_pos + 1),
+        ``(adapters, batch, 1)`` row masks in the lane dtype, and the prefix placement
+        (``attention.build_prefix_meta``).
+    """
+    n = len(rows)
+    pad = batch - n
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    tokens_t = t(list(tokens) + [0] * pad)
+    positions_t = t(list(positions) + [0] * pad)
+    write_pos = t(list(write) + [0] * pad)
+    tail_len = write_pos + 1
+    masks = torch.zeros((len(weights.adapters), batch, 1), dtype=weights.dtype, device=device)
+    for i, r in enumerate(rows):
+        if r.adapter_index is not None:
+            masks[r.adapter_index, i] = 1
+    meta = build_prefix_meta([(r.handle.start, r.row, r.handle.width, r.prefix_len) for r in rows], batch,
+                             weights.kv_heads, device)
+    return M.StaticInputs(tokens_t, positions_t, write_pos, tail_len, masks, meta)
+
+
+__all__ = ["prefix_groups", "lora_plan", "single_lora_plan", "static_inputs"]

@@ -1,0 +1,120 @@
+"""Writing prefixes: a batch of prompts, one prompt on top of a prefix store, a request's own tail.
+
+The computations behind the engine's prefill entry points (``SharedPrefillEngine.prefill``,
+``prefill_cached``, ``prefill_cache``) and the tail written when a request is admitted
+(``add_request``). Each runs the producer's weights (``lanes.Producer``: the base for C_base, or a
+decoder's own weights for the no-share baseline) and writes K/V at explicit positions; none reads
+or writes anything outside the region or slot it is given (docs/design.md, "C_base"; K1, K2).
+
+Shape notation: L layers, b rows, h KV heads, p prefix width, d head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ccft.core.cache import BaseCache
+from ccft.inference import model as M
+from ccft.inference.handles import PrefixHandle
+from ccft.inference.kv import PrefixArena
+from ccft.inference.lanes import Producer
+from ccft.inference.weights import LaneWeights
+
+#: attention scores of one prefill pass are kept below this many elements (~256 MB in fp32)
+SCORE_ELEMENTS = 2 ** 26
+
+
+def prefill_rows(producer: Producer, ids: torch.Tensor, mask: torch.Tensor, handle: PrefixHandle) -> None:
+    """Run the producer over left-padded prefixes and write their K/V into ``handle``'s region.
+
+    Args:
+        ids, mask: ``(b, p)`` left-padded ``prompt[:n-k]`` ids and attention mask, b = handle.batch_size,
+            p = handle.width.
+    Rows go in chunks so the ``(rows, heads, p, p)`` attention scores stay below ``SCORE_ELEMENTS``.
+    Per-row positions start at 0 at the first real token (``model.prefill``), as in
+    ``ccft.core.cache.compute_base_cache``, which it equals (tested).
+    """
+    w = producer.weights
+    per = max(1, int(SCORE_ELEMENTS // max(1, w.heads * ids.shape[1] ** 2)))
+    for r0 in range(0, ids.shape[0], per):
+        rs = slice(r0, min(ids.shape[0], r0 + per))
+        M.prefill(w, ids[rs], mask[rs], lambda i, rs=rs: handle.keys(i)[rs], lambda i, rs=rs: handle.values(i)[rs],
+                  producer.lora)
+
+
+def prefill_from_store(producer: Producer, prefix: Sequence[int], handle: PrefixHandle, arena: PrefixArena, store,
+                       chunk_tokens: int | None = None) -> tuple[list, int]:
+    """Fill a batch-1 ``handle`` (width n = len(prefix)) from a prefix store, computing only the rest.
+
+    The longest chain of full blocks of ``prefix`` cached in ``store`` under ``producer.key`` and its
+    dtype is copied into the region; the remaining tokens are computed by chunked prefill attending
+    to what is already there (``model.prefill_chunk``); the newly completed full blocks are then
+    inserted into the store.
+
+    Args:
+        store: a ``ccft.serving.PrefixKVStore`` (``block_tokens``, ``match``, ``insert``, ``release``).
+        chunk_tokens: tokens computed per pass (default: as many as keep the ``(heads, chunk, n)``
+            attention scores below ``SCORE_ELEMENTS``, at least 64).
+    Returns:
+        ``(blocks, hit_tokens)``: every store block covering the prefix, each with one reference
+        taken for the caller (matched, then inserted), and the positions copied from the store (a
+        multiple of ``store.block_tokens``).
+    Raises:
+        whatever the store or the forward raises; the references taken are dropped first.
+    """
+    w = producer.weights
+    n = len(prefix)
+    bt = int(store.block_tokens)
+    blocks = store.match(producer.key, w.dtype, prefix)
+    try:
+        rk = arena.view_layers("k", handle.start, 1, n)[:, 0]  # (L, h, n, d)
+        rv = arena.view_layers("v", handle.start, 1, n)[:, 0]
+        for j, blk in enumerate(blocks):
+            rk[:, :, j * bt:(j + 1) * bt].copy_(blk.k)
+            rv[:, :, j * bt:(j + 1) * bt].copy_(blk.v)
+        hit = len(blocks) * bt
+        if hit < n:
+            ids = torch.tensor(prefix[hit:], dtype=torch.long, device=arena.device)
+            chunk = int(chunk_tokens) if chunk_tokens else max(64, SCORE_ELEMENTS // max(1, w.heads * n))
+            for s in range(hit, n, chunk):
+                M.prefill_chunk(w, ids[s - hit: s - hit + chunk], s, rk, rv, producer.lora)
+        new = store.insert(producer.key, w.dtype, prefix, rk, rv, start_block=len(blocks))
+    except BaseException:
+        store.release(blocks)
+        raise
+    return blocks + new, hit
+
+
+def import_cache(cache: BaseCache, handle: PrefixHandle) -> None:
+    """Copy a ``BaseCache``'s keys and values ``(b, h, p, d)`` per layer into ``handle``'s region (bit for bit)."""
+    for i in range(len(cache.keys)):
+        handle.keys(i).copy_(cache.keys[i])
+        handle.values(i).copy_(cache.values[i])
+
+
+def prefill_tail(handle: PrefixHandle, row: int, tail: Sequence[int], producer: Producer, weights: LaneWeights,
+                 lora: M.LoraPlan, slot_k: torch.Tensor, slot_v: torch.Tensor) -> None:
+    """Write a request's tail before its first decode step.
+
+    ``tail`` = the row's k handoff tokens + the request's suffix tokens; the last one is fed by the
+    first ``step()``. The producer computes the K/V of the suffix part the decoder does not
+    recompute (``tail[:-k]``, positions from the row's prefix length), the decoder (``weights``,
+    ``lora``) the first k-1 of its k recomputed tokens; both attend to the row's prefix and to the
+    slot so far, and are written into the slot ``slot_k, slot_v (L, h, capacity, d)`` from index 0.
+    """
+    k = handle.handoff_tokens
+    n_pre = len(tail) - k  # suffix tokens the producer computes (C_base of the suffix)
+    prefix_len, key_start = handle.lengths[row], int(handle.key_start[row])
+    kf, vf = (lambda i: handle.keys(i)[row]), (lambda i: handle.values(i)[row])
+    device = slot_k.device
+    if n_pre > 0:
+        M.extend(producer.weights, torch.tensor(tail[:n_pre], device=device), prefix_len, kf, vf, key_start,
+                 slot_k, slot_v, 0, producer.lora)
+    if k > 1:  # the first k-1 handoff tokens: one small forward for this row now
+        M.extend(weights, torch.tensor(tail[n_pre:-1], device=device), prefix_len + n_pre, kf, vf, key_start,
+                 slot_k, slot_v, n_pre, lora)
+
+
+__all__ = ["SCORE_ELEMENTS", "prefill_rows", "prefill_from_store", "import_cache", "prefill_tail"]

@@ -1,0 +1,129 @@
+"""One admitted row of the step API: ``Request`` (token bookkeeping, stopping) and ``StepOutput``.
+
+A request is one prompt row of a ``PrefixHandle`` decoded by one decoder. Per step it receives the
+token chosen for it (``choose_tokens``: the one sampler, ``ccft.core.sampling``; or its next forced
+token) and ``advance`` records it and says whether the request ended:
+
+* EOS ends it (``finish_reason="eos"``; the EOS id is not part of the output) unless ``ignore_eos``;
+* a stop string ends it (``"stop"``): the text is cut just before the earliest one
+  (``ccft.core.text.StopMatcher``). The text is grown by a per-request ``TextStream`` and only the
+  part a new delta can complete is scanned (``StopMatcher.scan_from``), so the check costs
+  O(delta + longest stop string) per token, not a decode of the whole output;
+* ``max_new_tokens`` ends it (``"length"``).
+
+The result equals the reference path (``ccft.core.generation.decode_on_cache``: full decode of
+the ids so far, cut at ``StopMatcher.find``): the scanned text is ``stream.text + stream.pending``,
+which is that full decode (an incomplete trailing UTF-8 character as U+FFFD, and complete text the
+stream still holds back with it), so both find the first stop string at the same token and cut at
+the same index (docs/design.md, "Stop strings and streaming"; fault class K7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ccft.core.generation import Generation
+from ccft.core.sampling import SamplingParams, select_tokens
+from ccft.core.text import StopMatcher, TextStream
+from ccft.inference.handles import PrefixHandle
+
+
+@dataclass
+class StepOutput:
+    """One row's result of ``step()``: the token chosen this step (an EOS token too), and, when the
+    request ended with it, its ``Generation``. ``logits (V,)`` when ``step(return_logits=True)``."""
+
+    request_id: int
+    token_id: int
+    finished: bool
+    generation: Generation | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """An active request (see the module docstring).
+
+    Attributes:
+        id: the request id.  handle, row: the prompt it decodes.  decoder: the decoder's name.
+        adapter_index: the decoder's adapter in its lane (None: the lane's own weights).
+        eos: ids that end it.  tokenizer: decodes its ids (stop strings, the final text).
+        next_token: the token fed at the next step.  tail_written: tokens in its tail slot.
+        out_ids: the generated ids (EOS excluded).  reason: ``"eos"``, ``"stop"``, ``"length"`` once ended.
+    """
+
+    id: int
+    handle: PrefixHandle
+    row: int
+    decoder: str
+    adapter_index: int | None
+    eos: set[int]
+    tokenizer: object
+    max_new_tokens: int
+    stop: StopMatcher
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    forced: list[int] | None
+    ignore_eos: bool
+    next_token: int
+    tail_written: int
+    out_ids: list[int] = field(default_factory=list)
+    reason: str | None = None
+    text: str | None = None
+    stream: TextStream | None = None
+
+    def __post_init__(self) -> None:
+        if self.stop and self.stream is None:
+            self.stream = TextStream(self.tokenizer)
+
+    @property
+    def prefix_len(self) -> int:
+        """The real prefix length of its row (its first decoder position)."""
+        return self.handle.lengths[self.row]
+
+    def token_to_feed(self, chosen: int) -> int:
+        """The token this step records: the next forced token (teacher forcing), else ``chosen``."""
+        return self.forced[len(self.out_ids)] if self.forced is not None else chosen
+
+    def advance(self, tok: int) -> bool:
+        """Record token ``tok``; True when the request is finished (EOS, stop string, ``max_new_tokens``)."""
+        if tok in self.eos and not self.ignore_eos:
+            self.reason = "eos"
+            return True
+        self.out_ids.append(tok)
+        if self.stream is not None:
+            new_from = len(self.stream.text)
+            self.stream.push([tok])
+            text = self.stream.text + self.stream.pending  # == the full decode of out_ids
+            cut = self.stop.scan_from(text, new_from)
+            if cut >= 0:
+                self.reason, self.text = "stop", text[:cut]
+                return True
+        if len(self.out_ids) >= self.max_new_tokens:
+            self.reason = "length"
+            return True
+        self.next_token = tok
+        return False
+
+    def generation(self) -> Generation:
+        """What it generated: the text cut at the stop string, else the full decode of ``out_ids``."""
+        text = self.text if self.text is not None else self.tokenizer.decode(self.out_ids, skip_special_tokens=True)
+        return Generation(text=text, token_ids=list(self.out_ids), finish_reason=self.reason or "length")
+
+
+def choose_tokens(logits: torch.Tensor, rows: list[Request]) -> list[int]:
+    """The next token of each row: ``logits (len(rows), V)`` -> ids. Greedy unless a row samples
+    (``ccft.core.sampling.select_tokens`` with the row's own seeded generator, so a row's draws do
+    not depend on the batch; docs/design.md, "Sampling"). Forced rows take the greedy value (ignored)."""
+    chosen = logits.argmax(-1)
+    sampled = [i for i, r in enumerate(rows) if r.sampling.do_sample and r.forced is None]
+    if sampled:
+        chosen = chosen.clone()
+        for i in sampled:
+            chosen[i] = select_tokens(logits[i:i + 1], rows[i].sampling, rows[i].generator)[0]
+    return chosen.tolist()
+
+
+__all__ = ["StepOutput", "Request", "choose_tokens"]
