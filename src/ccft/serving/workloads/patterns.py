@@ -39,16 +39,7 @@ offset and ``depends_on``: a request is released at ``max(arrival, finish of its
 dependencies)`` (:class:`TraceReplay` does the book-keeping). Everything is deterministic in
 ``seed`` (and the tokenizer).
 
-The file format is described in ``ccft.serving.workloads.trace``.
-
-Example::
-
-    from ccft.serving import workloads
-    trace = workloads.generate("react", sessions=32, turns=4, shared_tokens=1024, unique_tokens=64,
-                               growth_tokens=128, max_new_tokens=64, rate=2.0, seed=0,
-                               tokenizer=tokenizer)
-    trace.save("react.jsonl");  trace = workloads.Trace.load("react.jsonl")
-    print(trace.kv_tokens())    # Eq. 9: KV tokens with and without a shared prefill
+The file format is described in ``ccft.serving.workloads.trace``; an example is in the package docstring.
 """
 
 from __future__ import annotations
