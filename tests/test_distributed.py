@@ -1,5 +1,5 @@
 """Multi-process training through accelerate on CPU (gloo): the loss equals the single-process run on the
-same global batch (the loss is normalised by the GLOBAL supervised-token count, DESIGN.md invariant 4).
+same global batch (the loss is normalised by the GLOBAL supervised-token count, docs/design.md, invariant 4).
 
 Each multi-process run goes through the real entry point, ``ccft train RECIPE --num-processes 2
 [--accelerate-config recipes/accelerate/X.yaml]``, which re-launches itself under ``accelerate launch``.

@@ -1,4 +1,5 @@
-"""CacheConditionedTrainer and the training recipe: loss values, invariants 2-4 (DESIGN.md §2), K1, crash safety.
+"""CacheConditionedTrainer and the training recipe: loss values, invariants 2-4 (docs/design.md,
+"Invariants the tests hold"), K1, crash safety (docs/design.md, "Atomic writes").
 
 Every test runs a tiny random GQA Llama (fp32) with the real SmolLM2 tokenizer. Reference values are
 computed independently of ``ccft.core.decoder``: a plain HF model prefills each row unpadded, a deep copy of

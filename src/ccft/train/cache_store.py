@@ -41,6 +41,7 @@ import torch
 
 from ccft.core.errors import CCFTError
 from ccft.core.io import atomic_write_file, atomic_write_text
+from ccft.core.tokens import pad_token_id
 
 FORMAT = "ccft-cbase-1"
 MANIFEST = "manifest.json"
@@ -338,7 +339,7 @@ def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: in
 
     # Sort by length so batches pad little; one left-padded prefill per batch (positions per row).
     order = sorted(todo, key=len)
-    pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else (base.tokenizer.eos_token_id or 0)
+    pad = pad_token_id(base.tokenizer)
     for s in range(0, len(order), batch_size):
         chunk = order[s:s + batch_size]
         # ``prefill`` runs prompt[:-1]: give it prefix + one dummy handoff token.

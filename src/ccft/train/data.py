@@ -1,4 +1,4 @@
-"""Rows -> token ids, labels and batches for CCFT and Full-FT (DESIGN.md §2.5, CASES.md K6).
+"""Rows -> token ids, labels and batches for CCFT and Full-FT (docs/design.md, "Token boundary"; fault class K6).
 
 Accepted rows (any mix, after an optional ``columns`` rename mapping):
   * ``{"prompt": str, "response": str}``

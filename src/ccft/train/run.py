@@ -21,6 +21,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from ccft.core.checkpoint import save_decoder
 from ccft.core.decoder import Decoder, make_decoder
 from ccft.core.models import Base, load_base
+from ccft.core.tokens import pad_token_id
 from ccft.train.config import TrainConfig, resolve_data
 from ccft.train.data import Collator, TokenizedDataset, build_dataset, load_rows
 from ccft.train.trainer import CacheConditionedTrainer
@@ -86,7 +87,6 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
             raise ConfigError(f"lora_target_modules {missing} match no module of base {cfg.base}; "
                               f"its module names include {leaves[:12]}")
     decoder = make_decoder(base, cfg.decoder_kind, lora=lora, method=cfg.method, handoff_tokens=cfg.handoff_tokens)
-    pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.tokenizer.eos_token_id
     store = None
     if cfg.base_cache_store and cfg.method == "ccft":
         from ccft.train.cache_store import open_store_for_training
@@ -94,9 +94,9 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
         with cfg.main_process_first(desc="C_base store"):  # one writer; the other processes then reuse it
             store = open_store_for_training(cfg.base_cache_store, base, train_set,
                                             handoff_tokens=cfg.handoff_tokens, eval_set=eval_set)
+    collator = Collator(pad_token_id(base.tokenizer), cfg.handoff_tokens)
     trainer = CacheConditionedTrainer(model=decoder.model, args=cfg, base=base, train_dataset=train_set,
-                                      eval_dataset=eval_set, data_collator=Collator(pad, cfg.handoff_tokens),
-                                      cache_store=store)
+                                      eval_dataset=eval_set, data_collator=collator, cache_store=store)
     return base, decoder, train_set, eval_set, trainer
 
 

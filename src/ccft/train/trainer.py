@@ -1,6 +1,6 @@
 """``CacheConditionedTrainer``: a ``transformers.Trainer`` that overrides only the loss (and eval NLL).
 
-CCFT loss (PrefillShare, arXiv 2602.12029; DESIGN.md §1):
+CCFT loss (PrefillShare, arXiv 2602.12029, §3; docs/design.md, "Terms"):
 
     L(θ_i) = − Σ_t log p_θi(r_t | C_base(prompt[:n−k]), prompt[n−k:], r_<t)
 
