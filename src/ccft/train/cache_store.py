@@ -179,7 +179,7 @@ class CacheStore:
         """The ``BaseCache`` of a collated batch from stored entries, or None if any row is missing.
 
         Args:
-            prefix_ids, prefix_mask: ``(b, p)`` left-padded, as ``ccft.data.Collator`` makes them.
+            prefix_ids, prefix_mask: ``(b, p)`` left-padded, as ``ccft.train.data.Collator`` makes them.
             tail_ids: ``(b, k)`` the handoff tokens.
             base: the ``ccft.Base`` the trainer uses; its fingerprint and dtype must match the store's.
         """

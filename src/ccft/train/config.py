@@ -83,7 +83,7 @@ class TrainConfig(TrainingArguments):
     Numerics:
         dtype: ``float32`` (CPU) | ``bfloat16`` | ``float16`` for base and decoder weights.
     Speed:
-        train_path: ``auto`` | ``two-pass`` | ``one-pass`` (CCFT with LoRA; see ``ccft.fastpath``).
+        train_path: ``auto`` | ``two-pass`` | ``one-pass`` (CCFT with LoRA; see ``ccft.train.fastpath``).
         base_cache_store: folder of precomputed C_base (``ccft precompute``), used when it matches.
     """
 
