@@ -102,6 +102,27 @@ def test_ddp_two_cpu_processes_equal_one_process_on_the_same_global_batch(recipe
     assert_same_weights(tmp_path / "ddp", tmp_path / "single", "adapter_model.safetensors")
 
 
+def test_ddp_checkpoints_are_complete_and_the_best_one_is_kept(recipe, tmp_path):
+    """Both processes write into the staging folder before the rename (barriers around it): the checkpoint holds
+    both processes' RNG states; with load_best_model_at_end and save_total_limit=1 the best one (by eval_loss,
+    greater_is_better=true: the earlier step, as the loss falls) is the one kept and the final decoder."""
+    out = tmp_path / "ddp"
+    _, meta = two_processes(recipe, out, eval_data=recipe.parent / "rows.jsonl", eval_strategy="steps", eval_steps=1,
+                            save_strategy="steps", save_steps=1, save_total_limit=1, load_best_model_at_end="true",
+                            metric_for_best_model="eval_loss", greater_is_better="true")
+    history = json.loads((out / "log_history.json").read_text())
+    evals = {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}
+    assert sorted(evals) == [1, 2] and evals[1] > evals[2], evals
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
+    assert not (out / ".staging").exists()
+    ckpt = out / "checkpoint-1"
+    assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file()
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["best_model_checkpoint"] == str(ckpt) and state["global_step"] == 1
+    assert_same_weights(out, ckpt, "adapter_model.safetensors")
+    assert meta["steps"] == 2
+
+
 @needs_deepspeed
 def test_zero2_two_cpu_processes_equal_one_process(recipe, tmp_path):
     single = single_process(recipe, tmp_path / "single")
