@@ -90,6 +90,16 @@ def human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def check_free_space(path: str | Path, need: int, what: str = "C_base") -> None:
+    """Refuse (``StoreError``) when ``need`` bytes, plus 5 % and 64 MiB of headroom (safetensors headers,
+    the manifest, file-system slack), would not fit the free disk space at folder ``path``."""
+    free = shutil.disk_usage(path).free
+    if need * 1.05 + (64 << 20) > free:
+        raise StoreError(f"{what} needs ≈ {human(need)} but only {human(free)} is free at {path}; free space, "
+                         "choose another folder, use fewer rows or a shorter max_length, or train without a "
+                         "store (the prefill is computed on the fly)")
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -308,11 +318,7 @@ def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: in
     report.reused = len(prefixes) - len(todo)
     need = estimate_bytes(base.config, base.dtype, sum(len(p) for p in todo))
     if check_disk and todo:
-        free = shutil.disk_usage(path).free
-        if need * 1.05 + (64 << 20) > free:
-            raise StoreError(f"C_base for {len(todo)} prefixes needs ≈ {human(need)} but only {human(free)} is free "
-                             f"at {path}; free space, choose another folder, use fewer rows or a shorter "
-                             "max_length, or train without a store (the prefill is computed on the fly)")
+        check_free_space(path, need, f"C_base for {len(todo)} prefixes")
     if todo:
         log(f"[ccft] computing C_base for {len(todo)} prefixes ({human(need)}); reusing {report.reused}")
     _write_manifest(path, manifest)
@@ -381,4 +387,4 @@ def open_store_for_training(path: str | Path, base, train_set, *, handoff_tokens
 
 
 __all__ = ["CacheStore", "StoreError", "StoreReport", "precompute", "open_store_for_training", "estimate_bytes",
-           "bytes_per_token", "entry_key", "kv_shape", "check_shards"]
+           "bytes_per_token", "entry_key", "kv_shape", "check_shards", "check_free_space"]
