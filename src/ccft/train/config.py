@@ -27,6 +27,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from ccft.core.errors import ConfigError
 from ccft.core.models import DEFAULT_BASE, DTYPES
+from ccft.core.modes import MODES
 
 METHODS = ("ccft", "full-ft")
 DECODER_KINDS = ("lora", "full")
@@ -172,7 +173,7 @@ class EvalConfig:
     em_rows: int = 50
     max_new_tokens: int = 256
     batch_size: int = 16
-    modes: list[str] = field(default_factory=lambda: ["base", "full-ft", "naive", "prefillshare"])
+    modes: list[str] = field(default_factory=lambda: list(MODES))
     bootstrap: int = 2000
     seed: int = 0
 
@@ -322,9 +323,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
     except (ConfigError, ValueError, TypeError) as e:  # __post_init__ of TrainConfig / TrainingArguments
         raise ConfigError(f"{where}: {e}") from None
     (ecfg,) = _parser(EvalConfig)[0].parse_dict(eval_kw)
-    bad = [m for m in ecfg.modes if m not in ("base", "full-ft", "naive", "prefillshare")]
+    bad = [m for m in ecfg.modes if m not in MODES]
     if bad:
-        raise ConfigError(f"{where}: eval.modes has unknown mode(s) {bad}; use base, full-ft, naive, prefillshare")
+        raise ConfigError(f"{where}: eval.modes has unknown mode(s) {bad}; use {', '.join(MODES)}")
     for key in ("train_data", "eval_data"):
         if getattr(cfg, key):
             try:
