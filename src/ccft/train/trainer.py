@@ -52,6 +52,15 @@ def response_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     return nll, (targets != IGNORE_INDEX).sum()
 
 
+def response_nll_rows(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``response_nll_sum`` per row: summed NLL ``(b,)`` (fp32) and supervised-token count ``(b,)``."""
+    targets = labels[:, 1:]
+    lg = logits[:, :-1].float()
+    nll = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                          reduction="none").view(targets.shape)
+    return nll.sum(-1), (targets != IGNORE_INDEX).sum(-1)
+
+
 class CacheConditionedTrainer(Trainer):
     """Trainer for CCFT and Full-FT decoders.
 
@@ -97,7 +106,7 @@ class CacheConditionedTrainer(Trainer):
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = True
         self.last_base_cache = None  # the C_base of the latest step (tests check it is unchanged)
-        self._eval_totals: list[torch.Tensor] = []  # summed eval NLL and supervised tokens (evaluation_loop)
+        self._eval_totals = torch.zeros(2, dtype=torch.float64)  # eval NLL and supervised tokens (evaluation_loop)
 
     def _set_signature_columns_if_needed(self):
         """Keep the row fields ``ccft.train.data.Collator`` reads (``remove_unused_columns``).
@@ -161,7 +170,8 @@ class CacheConditionedTrainer(Trainer):
         """One eval batch: ``(loss, logits (b, t, v), labels (b, t))`` over the tail, the loss being the batch's
         response NLL per supervised token; logits and labels only when ``compute_metrics`` needs them
         (the logit at j predicts ``labels[:, j + 1]``, the causal-LM convention of ``EvalPrediction``).
-        The batch's summed NLL and token count are added to the totals ``evaluation_loop`` reports."""
+        The rows' summed NLL and token counts (gathered from all processes) are added to the totals
+        ``evaluation_loop`` reports."""
         inputs = self._prepare_inputs(inputs)
         one_pass = self.method == "ccft" and self.train_path == "one-pass"
         with torch.no_grad(), gate_for_step(self.accelerator.unwrap_model(model), one_pass) as gate:
@@ -170,10 +180,11 @@ class CacheConditionedTrainer(Trainer):
                 logits = self.tail_logits(model, inputs)
             finally:
                 self._gate = None
-            nll, count = response_nll_sum(logits, inputs["labels"])
-        self._eval_totals[0] += nll.double()
-        self._eval_totals[1] += count.double()
-        loss = (nll / count.clamp(min=1)).detach()
+            nll, count = response_nll_rows(logits, inputs["labels"])
+        # Per row, so that the rows accelerate repeats to even out the last batch across processes drop out.
+        rows = self.accelerator.gather_for_metrics(torch.stack([nll.double(), count.double()], dim=-1))
+        self._eval_totals += rows.sum(0)
+        loss = (nll.sum() / count.sum().clamp(min=1)).detach()
         if prediction_loss_only:
             return loss, None, None
         return loss, logits.detach(), inputs["labels"]
@@ -183,12 +194,10 @@ class CacheConditionedTrainer(Trainer):
         """The stock loop (``compute_metrics``, ``preprocess_logits_for_metrics``, gathering), with
         ``{prefix}_loss`` replaced by the held-out response NLL per supervised token, token-weighted over the
         whole set and all processes, and ``{prefix}_tokens``, the supervised-token count."""
-        device = self.args.device
-        self._eval_totals = [torch.zeros((), dtype=torch.float64, device=device),
-                             torch.zeros((), dtype=torch.float64, device=device)]
+        self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
         output = super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
                                          ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        total, count = (self.accelerator.reduce(t, reduction="sum") for t in self._eval_totals)
+        total, count = self._eval_totals
         metrics = dict(output.metrics)
         metrics[f"{metric_key_prefix}_loss"] = float(total / count.clamp(min=1))
         metrics[f"{metric_key_prefix}_tokens"] = int(count)
