@@ -43,22 +43,21 @@ from ccft.train.fastpath import gate_for_step, one_pass_forward, resolve_train_p
 STAGING_DIR = ".staging"
 
 
-def response_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token NLL and token count. ``logits (b, t, v)`` at j predict ``labels (b, t)`` at j+1."""
-    targets = labels[:, 1:]
-    lg = logits[:, :-1].float()
-    nll = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                          reduction="sum")
-    return nll, (targets != IGNORE_INDEX).sum()
-
-
 def response_nll_rows(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``response_nll_sum`` per row: summed NLL ``(b,)`` (fp32) and supervised-token count ``(b,)``."""
+    """Next-token NLL summed per row ``(b,)`` (fp32) and supervised-token count per row ``(b,)``.
+
+    ``logits (b, t, v)`` at position j predict ``labels (b, t)`` at j + 1; ``IGNORE_INDEX`` labels are skipped."""
     targets = labels[:, 1:]
     lg = logits[:, :-1].float()
     nll = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                           reduction="none").view(targets.shape)
     return nll.sum(-1), (targets != IGNORE_INDEX).sum(-1)
+
+
+def response_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token NLL and token count over the batch (``response_nll_rows`` summed)."""
+    nll, count = response_nll_rows(logits, labels)
+    return nll.sum(), count.sum()
 
 
 class CacheConditionedTrainer(Trainer):
