@@ -124,6 +124,34 @@ def test_overrides_parse_yaml_scalars():
     assert raw["learning_rate"] == 1e-4 and raw["eval"] == {"nll_rows": 7}
 
 
+def test_values_convert_as_hf_argument_parser_converts_the_command_line(tmp_path):
+    """A recipe value means what ``--key=value`` means to ``transformers.HfArgumentParser`` (the reference)."""
+    from transformers import HfArgumentParser
+
+    cli = ["--learning_rate=3e-4", "--max_steps=7", "--save_strategy=steps", "--save_steps=5",
+           "--lr_scheduler_type=cosine", "--gradient_checkpointing=true", "--lora_target_modules", "q_proj", "v_proj",
+           "--chat_template=false", "--eval_rows=3", "--use_cpu=yes", "--warmup_steps=2", "--report_to=none"]
+    (want,) = HfArgumentParser(TrainConfig).parse_args_into_dataclasses(cli)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 3e-4\nmax_steps: 7\nsave_strategy: steps\nsave_steps: 5\n"
+                      "lr_scheduler_type: cosine\ngradient_checkpointing: true\nlora_target_modules: [q_proj, v_proj]\n"
+                      "chat_template: false\neval_rows: 3\nuse_cpu: yes\nwarmup_steps: 2\n")
+    got, _, raw = load_recipe(recipe)
+    for key in ("learning_rate", "max_steps", "save_strategy", "save_steps", "lr_scheduler_type",
+                "gradient_checkpointing", "lora_target_modules", "chat_template", "eval_rows", "use_cpu",
+                "warmup_steps", "report_to"):
+        assert getattr(got, key) == getattr(want, key), key
+    assert got.learning_rate == 3e-4 and got.max_steps == 7 and got.chat_template_flag is False
+    assert got.lora_target_modules == ["q_proj", "v_proj"] and got.use_cpu is True
+    # The recorded recipe holds plain values (enum choices as their text) for ccft.json.
+    assert raw["save_strategy"] == "steps" and raw["lr_scheduler_type"] == "cosine" and raw["chat_template"] == "false"
+    # A value the parser refuses names the key, the file and the parser's reason.
+    with pytest.raises(ConfigError, match=r"r\.yaml: key 'save_strategy' expects .*invalid choice: 'sometimes'"):
+        load_recipe(recipe, ["save_strategy=sometimes"])
+    with pytest.raises(ConfigError, match=r"key 'eval_data' expects str \| None, got \['a'\]"):
+        load_recipe(recipe, ["eval_data=[a]"])
+
+
 def test_override_text_with_a_colon_stays_text():
     cfg, _, _ = load_recipe(None, ["system_prompt=Answer: briefly, then give #### N", "chat_template=true"])
     assert cfg.system_prompt == "Answer: briefly, then give #### N" and cfg.chat_template_flag is True

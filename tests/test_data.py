@@ -91,6 +91,22 @@ def test_pad_equals_eos_still_supervises_final_eos(tokenizer, k):
     assert batch["labels"][short, k + n - 1].item() == tok.eos_token_id
 
 
+def test_collator_reads_mapping_rows_like_examples(tokenizer):
+    """Rows as mappings of ``Collator.features`` (a ``datasets.Dataset`` of tokenised rows) batch like Examples."""
+    rows = [{"prompt": "What is 2+2?", "response": "4"},
+            {"prompt": "Explain gravity briefly.", "response": "Mass attracts mass."}]
+    ds = build_dataset(rows, tokenizer, handoff_tokens=2)
+    mappings = [{"prompt_ids": list(e.prompt_ids), "response_ids": list(e.response_ids), "other": 1}
+                for e in ds.examples]
+    assert Collator.features == ("prompt_ids", "response_ids")
+    collate = Collator(tokenizer.pad_token_id, handoff_tokens=2)
+    want, got = collate(ds.examples), collate(mappings)
+    assert set(got) == set(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    _check_collated(got, ds.examples, 2)
+
+
 @pytest.mark.parametrize("chat_template", [False, "auto"])
 @pytest.mark.parametrize("prompt,response", [
     ("Call the tool with the arguments [1, 2]", '{"name": "add", "arguments": {"a": 1, "b": 2}}'),

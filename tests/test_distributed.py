@@ -1,5 +1,5 @@
 """Multi-process training through accelerate on CPU (gloo): the loss equals the single-process run on the
-same global batch (the loss is normalised by the GLOBAL supervised-token count, DESIGN.md invariant 4).
+same global batch (the loss is normalised by the GLOBAL supervised-token count, docs/design.md, invariant 4).
 
 Each multi-process run goes through the real entry point, ``ccft train RECIPE --num-processes 2
 [--accelerate-config recipes/accelerate/X.yaml]``, which re-launches itself under ``accelerate launch``.
@@ -100,6 +100,48 @@ def test_ddp_two_cpu_processes_equal_one_process_on_the_same_global_batch(recipe
     assert meta["distributed"] == {"num_processes": 2, "type": "MULTI_CPU"}
     assert meta["train_path"] == "two-pass"
     assert_same_weights(tmp_path / "ddp", tmp_path / "single", "adapter_model.safetensors")
+
+
+def test_ddp_eval_checkpoints_and_the_best_one_kept(recipe, tmp_path, tiny_dir):
+    """Two processes: the eval NLL over 7 rows (uneven: accelerate repeats a row to even out the processes) is
+    the single-process one, token-weighted; both processes write into the staging folder before the rename
+    (barriers around it), so the checkpoint holds both RNG states; with load_best_model_at_end and
+    save_total_limit=1 the best one (by eval_loss, greater_is_better=true: the earlier step, as the loss falls)
+    is the one kept and the final decoder."""
+    from transformers import AutoTokenizer
+
+    from ccft.train.data import build_dataset, load_rows
+
+    rows = recipe.parent / "rows.jsonl"
+    evals = dict(eval_data=rows, eval_rows=7, eval_strategy="steps", eval_steps=1)
+    cfg, _, raw = load_recipe(recipe, [f"output_dir={tmp_path / 'single'}", "per_device_train_batch_size=4"]
+                              + [f"{k}={v}" for k, v in evals.items()])
+    before = torch.get_num_threads()
+    try:
+        single = run_training(cfg, recipe=raw, resume=False).log_history
+    finally:
+        torch.set_num_threads(before)
+    out = tmp_path / "ddp"
+    _, meta = two_processes(recipe, out, **evals, save_strategy="steps", save_steps=1, save_total_limit=1,
+                            load_best_model_at_end="true", metric_for_best_model="eval_loss",
+                            greater_is_better="true")
+    multi = json.loads((out / "log_history.json").read_text())
+    tokens = build_dataset(load_rows(str(rows))[:7], AutoTokenizer.from_pretrained(str(tiny_dir)),
+                           chat_template=False, handoff_tokens=2).supervised_tokens
+    want = {h["step"]: h["eval_loss"] for h in single if "eval_loss" in h}
+    got = {h["step"]: h["eval_loss"] for h in multi if "eval_loss" in h}
+    assert sorted(got) == sorted(want) == [1, 2] and got[1] > got[2], (got, want)
+    assert all(abs(got[s] - want[s]) <= LOSS_RTOL * want[s] for s in want), (got, want)
+    assert [h["eval_tokens"] for h in multi if "eval_tokens" in h] == [tokens, tokens]  # no row counted twice
+
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
+    assert not (out / ".staging").exists()
+    ckpt = out / "checkpoint-1"
+    assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file()
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["best_model_checkpoint"] == str(ckpt) and state["global_step"] == 1
+    assert_same_weights(out, ckpt, "adapter_model.safetensors")
+    assert meta["steps"] == 2
 
 
 @needs_deepspeed

@@ -1,4 +1,5 @@
-"""CacheConditionedTrainer and the training recipe: loss values, invariants 2-4 (DESIGN.md §2), K1, crash safety.
+"""CacheConditionedTrainer and the training recipe: loss values, invariants 2-4 (docs/design.md,
+"Invariants the tests hold"), K1, crash safety (docs/design.md, "Atomic writes").
 
 Every test runs a tiny random GQA Llama (fp32) with the real SmolLM2 tokenizer. Reference values are
 computed independently of ``ccft.core.decoder``: a plain HF model prefills each row unpadded, a deep copy of
@@ -19,7 +20,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,7 @@ import ccft
 from ccft.core.cache import compute_base_cache
 from ccft.core.decoder import decoder_forward
 from ccft.train.config import load_recipe
+from ccft.train.data import TokenizedDataset
 from ccft.train.run import run_training, setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -494,3 +498,132 @@ def test_run_folder_records_metadata_and_reloads(tmp_path, tiny_dir, tiny_base, 
     real = batch["tail_mask"].bool()
     assert torch.allclose(got[real], want[real], atol=1e-5, rtol=0)
     assert (plain[real] - want[real]).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------ 9: the Trainer hooks
+
+
+def test_unused_column_removal_keeps_the_fields_the_collator_reads(tmp_path, tiny_dir, short_data):
+    """``_set_signature_columns_if_needed`` (the hook transformers calls) keeps ``Collator.features``: a
+    ``datasets.Dataset`` of tokenised rows loses its other columns, not the ids, and batches like the Examples."""
+    import datasets
+    from transformers import Trainer
+
+    from ccft.train.data import Collator
+
+    cfg, _ = config(tiny_dir, tmp_path / "run", short_data, per_device_eval_batch_size=5)
+    assert cfg.remove_unused_columns  # the stock default
+    base, decoder, train_set, _, trainer = setup(cfg)
+    examples = train_set.examples[:10]
+    table = datasets.Dataset.from_list([{"prompt_ids": list(e.prompt_ids), "response_ids": list(e.response_ids),
+                                         "text": f"row {i}"} for i, e in enumerate(examples)])
+
+    # The stock hook keeps the model's forward arguments, none of which the collator reads.
+    probe = SimpleNamespace(_signature_columns=None, model=trainer.model, label_names=trainer.label_names)
+    Trainer._set_signature_columns_if_needed(probe)
+    assert "input_ids" in probe._signature_columns and "prompt_ids" not in probe._signature_columns
+
+    calls = []
+    hook = trainer._set_signature_columns_if_needed
+    trainer._set_signature_columns_if_needed = lambda: (calls.append(1), hook())[1]
+    loader = trainer.get_eval_dataloader(table)
+    assert calls, "transformers did not call _set_signature_columns_if_needed"
+    assert trainer._signature_columns == list(Collator.features) == ["prompt_ids", "response_ids"]
+    assert loader.dataset.column_names == ["prompt_ids", "response_ids"]  # `text` removed
+    batches = list(loader)
+    assert [len(b["labels"]) for b in batches] == [5, 5]
+    for i, batch in enumerate(batches):
+        want = trainer.data_collator(examples[5 * i: 5 * i + 5])
+        assert set(batch) == set(want) == {"prefix_ids", "prefix_mask", "tail_ids", "tail_mask", "labels",
+                                           "num_supervised"}
+        for key in want:
+            assert torch.equal(batch[key], want[key]), key
+    # The same rows as a datasets.Dataset and as Examples give the same held-out NLL.
+    from_table, from_examples = trainer.evaluate(table), trainer.evaluate(TokenizedDataset(list(examples)))
+    assert from_table["eval_tokens"] == from_examples["eval_tokens"] == sum(len(e.response_ids) for e in examples)
+    assert from_table["eval_loss"] == from_examples["eval_loss"]
+
+
+def test_evaluate_calls_compute_metrics_with_the_tail_logits(tmp_path, tiny_dir, short_data):
+    cfg, _ = config(tiny_dir, tmp_path / "run", short_data, eval_data=str(short_data), eval_rows=7,
+                    per_device_eval_batch_size=3)
+    base, decoder, train_set, eval_set, trainer = setup(cfg)
+    perturb(decoder.model, lora_only=True)
+    without = trainer.evaluate()
+    assert set(without) >= {"eval_loss", "eval_tokens"}
+
+    seen = []
+
+    def compute_metrics(pred):
+        seen.append(pred)
+        return {"known": 42.0, "rows": len(pred.label_ids)}
+
+    trainer.compute_metrics = compute_metrics
+    metrics = trainer.evaluate()
+    assert len(seen) == 1
+    assert metrics["eval_known"] == 42.0 and metrics["eval_rows"] == 7
+    assert metrics["eval_loss"] == without["eval_loss"] and metrics["eval_tokens"] == without["eval_tokens"]
+    # What compute_metrics received: each row's tail logits and labels (padded with -100 across batches),
+    # equal to the row run alone.
+    logits, labels = seen[0].predictions, seen[0].label_ids
+    assert logits.shape[0] == labels.shape[0] == 7 and logits.shape[-1] == decoder.model.config.vocab_size
+    trainer.model.eval()
+    for i, ex in enumerate(eval_set):
+        one = trainer.data_collator([ex])
+        with torch.no_grad():
+            want = trainer.tail_logits(trainer.model, one)[0]
+        t = want.shape[0]
+        assert np.array_equal(labels[i, :t], one["labels"][0].numpy()) and (labels[i, t:] == -100).all()
+        assert np.allclose(logits[i, :t], want.numpy(), atol=1e-5, rtol=0), i
+
+
+@pytest.mark.parametrize("greater_is_better", [False, True])
+def test_load_best_model_at_end_keeps_the_best_checkpoint(tmp_path, tiny_dir, short_data, greater_is_better):
+    """Checkpoints every step, save_total_limit=1, load_best_model_at_end on eval_loss: the one checkpoint left
+    is the best step's and the final decoder equals it. ``greater_is_better=True`` makes the best an early step
+    (the eval loss falls), so the best is not simply the latest checkpoint."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    cfg, raw = config(tiny_dir, out, short_data, max_steps=4, eval_data=str(short_data), eval_rows=6,
+                      eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, save_total_limit=1,
+                      load_best_model_at_end="true", metric_for_best_model="eval_loss",
+                      greater_is_better=str(greater_is_better).lower())
+
+    class StepWeights(TrainerCallback):
+        def __init__(self):
+            self.weights = {}
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.weights[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()
+                                               if "lora_" in n}
+
+    base, decoder, train_set, eval_set, trainer = setup(cfg)
+    steps = StepWeights()
+    trainer.add_callback(steps)
+    trainer.train()
+
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    assert sorted(evals) == [1, 2, 3, 4] and len(set(evals.values())) == 4
+    best = (max if greater_is_better else min)(evals, key=evals.get)
+    if greater_is_better:
+        assert best != 4, evals
+    kept = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
+    assert kept == [f"checkpoint-{best}"], (kept, evals)
+    assert trainer.state.best_model_checkpoint == str(out / f"checkpoint-{best}")
+    assert trainer.state.best_global_step == best
+    assert not (out / ".staging").exists()
+    state = json.loads((out / f"checkpoint-{best}" / "trainer_state.json").read_text())
+    assert state["best_model_checkpoint"] == str(out / f"checkpoint-{best}")  # a resume finds it
+
+    stored = load_file(str(out / f"checkpoint-{best}" / "adapter_model.safetensors"))
+    final = lora_weights(decoder)
+    assert len(stored) == len(final) > 0
+    for name, w in final.items():
+        assert torch.equal(w, steps.weights[best][name]), name  # the final model is the best step's
+    for key, w in stored.items():
+        match = [n for n in final if n.replace(".default", "") == key]
+        assert len(match) == 1, key
+        assert torch.equal(w, final[match[0]]), key  # ... and the kept checkpoint holds it
+    if best != 4:
+        assert any(not torch.equal(final[n], steps.weights[4][n]) for n in final)  # not the last step's

@@ -35,8 +35,8 @@ def run(args) -> int:
 
     from ccft.core.models import load_base, parse_dtype, resolve_model_path
     from ccft.train.cache_store import (
-        StoreError,
         bytes_per_token,
+        check_free_space,
         estimate_bytes,
         human,
         precompute,
@@ -64,9 +64,7 @@ def run(args) -> int:
           f"= {human(need)} for C_base ({cfg.dtype}); {human(free)} free at {out}", flush=True)
     if args.estimate_only:
         return 0
-    if need * 1.05 + (64 << 20) > free:
-        raise StoreError(f"C_base needs ≈ {human(need)} but only {human(free)} is free at {out}; free space, "
-                         "pick another --out, or use fewer rows / a shorter max_length")
+    check_free_space(out, need)
     base = load_base(cfg.base, dtype=cfg.dtype)
     report = precompute(base, examples, out, handoff_tokens=cfg.handoff_tokens, batch_size=args.batch_size,
                         verify=args.verify, log=lambda m: print(m, file=sys.stderr, flush=True))

@@ -61,14 +61,26 @@ def atomic_write_dir(target: str | Path, write: Callable[[Path], None], *, keep_
         os.chmod(tmp, 0o777 & ~UMASK)  # mkdtemp makes 0700; give the folder the mode a plain mkdir() would
         if target.exists() and keep_existing:
             return target
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, old / "x")
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+        replace_dir(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def replace_dir(staged: str | Path, target: str | Path) -> Path:
+    """Move the finished folder ``staged`` to ``target`` (same file system), replacing an existing ``target``.
+
+    For folders written by someone else into a staging place (a ``transformers.Trainer`` checkpoint):
+    an existing ``target`` is first renamed into a hidden ``.NAME.old-*`` sibling, then ``staged`` is
+    renamed to ``target`` and the old copy deleted, so ``target`` is only ever absent between two renames
+    and never half written. Returns ``target``; ``OSError`` from the renames propagates."""
+    staged, target = Path(staged), Path(target)
+    if not target.exists():
+        os.replace(staged, target)
+        return target
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.replace(target, old / "x")
+    os.replace(staged, target)
+    shutil.rmtree(old, ignore_errors=True)
     return target

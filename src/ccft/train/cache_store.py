@@ -41,6 +41,7 @@ import torch
 
 from ccft.core.errors import CCFTError
 from ccft.core.io import atomic_write_file, atomic_write_text
+from ccft.core.tokens import pad_token_id
 
 FORMAT = "ccft-cbase-1"
 MANIFEST = "manifest.json"
@@ -87,6 +88,16 @@ def human(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def check_free_space(path: str | Path, need: int, what: str = "C_base") -> None:
+    """Refuse (``StoreError``) when ``need`` bytes, plus 5 % and 64 MiB of headroom (safetensors headers,
+    the manifest, file-system slack), would not fit the free disk space at folder ``path``."""
+    free = shutil.disk_usage(path).free
+    if need * 1.05 + (64 << 20) > free:
+        raise StoreError(f"{what} needs ≈ {human(need)} but only {human(free)} is free at {path}; free space, "
+                         "choose another folder, use fewer rows or a shorter max_length, or train without a "
+                         "store (the prefill is computed on the fly)")
 
 
 def _sha256(path: Path) -> str:
@@ -178,7 +189,7 @@ class CacheStore:
         """The ``BaseCache`` of a collated batch from stored entries, or None if any row is missing.
 
         Args:
-            prefix_ids, prefix_mask: ``(b, p)`` left-padded, as ``ccft.data.Collator`` makes them.
+            prefix_ids, prefix_mask: ``(b, p)`` left-padded, as ``ccft.train.data.Collator`` makes them.
             tail_ids: ``(b, k)`` the handoff tokens.
             base: the ``ccft.Base`` the trainer uses; its fingerprint and dtype must match the store's.
         """
@@ -307,11 +318,7 @@ def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: in
     report.reused = len(prefixes) - len(todo)
     need = estimate_bytes(base.config, base.dtype, sum(len(p) for p in todo))
     if check_disk and todo:
-        free = shutil.disk_usage(path).free
-        if need * 1.05 + (64 << 20) > free:
-            raise StoreError(f"C_base for {len(todo)} prefixes needs ≈ {human(need)} but only {human(free)} is free "
-                             f"at {path}; free space, choose another folder, use fewer rows or a shorter "
-                             "max_length, or train without a store (the prefill is computed on the fly)")
+        check_free_space(path, need, f"C_base for {len(todo)} prefixes")
     if todo:
         log(f"[ccft] computing C_base for {len(todo)} prefixes ({human(need)}); reusing {report.reused}")
     _write_manifest(path, manifest)
@@ -338,7 +345,7 @@ def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: in
 
     # Sort by length so batches pad little; one left-padded prefill per batch (positions per row).
     order = sorted(todo, key=len)
-    pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else (base.tokenizer.eos_token_id or 0)
+    pad = pad_token_id(base.tokenizer)
     for s in range(0, len(order), batch_size):
         chunk = order[s:s + batch_size]
         # ``prefill`` runs prompt[:-1]: give it prefix + one dummy handoff token.
@@ -380,4 +387,4 @@ def open_store_for_training(path: str | Path, base, train_set, *, handoff_tokens
 
 
 __all__ = ["CacheStore", "StoreError", "StoreReport", "precompute", "open_store_for_training", "estimate_bytes",
-           "bytes_per_token", "entry_key", "kv_shape", "check_shards"]
+           "bytes_per_token", "entry_key", "kv_shape", "check_shards", "check_free_space"]

@@ -4,24 +4,30 @@
 (optimizer, schedule, logging, ``report_to=wandb``, checkpointing, DeepSpeed) is available by name.
 A recipe is a flat YAML mapping of ``TrainConfig`` fields, plus an optional ``eval:`` mapping of
 ``EvalConfig`` fields used by ``ccft demo``/``ccft eval``; ``key=value`` overrides are parsed as YAML
-scalars. Unknown keys, wrong types and missing fields raise ``ConfigError`` naming the key and the
-fix, before any model is loaded.
+scalars. Each value is then converted by ``transformers.HfArgumentParser`` as it converts ``--key=value``
+on a command line (so ``1e-4`` is a float and ``save_strategy: no`` a strategy), lists element by element,
+and the dataclasses are built with ``HfArgumentParser.parse_dict``. Unknown keys ("did you mean"), wrong
+types and invalid values raise ``ConfigError`` naming the key and the file, before any model is loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
+import functools
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import TrainingArguments
+from transformers import HfArgumentParser, TrainingArguments
 
 from ccft.core.errors import ConfigError
 from ccft.core.models import DEFAULT_BASE, DTYPES
+from ccft.core.modes import MODES
 
 METHODS = ("ccft", "full-ft")
 DECODER_KINDS = ("lora", "full")
@@ -78,7 +84,7 @@ class TrainConfig(TrainingArguments):
     Numerics:
         dtype: ``float32`` (CPU) | ``bfloat16`` | ``float16`` for base and decoder weights.
     Speed:
-        train_path: ``auto`` | ``two-pass`` | ``one-pass`` (CCFT with LoRA; see ``ccft.fastpath``).
+        train_path: ``auto`` | ``two-pass`` | ``one-pass`` (CCFT with LoRA; see ``ccft.train.fastpath``).
         base_cache_store: folder of precomputed C_base (``ccft precompute``), used when it matches.
     """
 
@@ -100,7 +106,7 @@ class TrainConfig(TrainingArguments):
     data_offset: int = field(default=0, metadata={"help": "Skip this many rows before train_rows."})
     columns: dict[str, str] | None = field(default=None, metadata={"help": "ccft field -> source column."})
     max_length: int = field(default=512, metadata={"help": "Drop rows longer than this many tokens."})
-    chat_template: bool | str = field(default="auto", metadata={"help": "auto | true | false."})
+    chat_template: str = field(default="auto", metadata={"help": "auto | true | false (a YAML boolean works too)."})
     system_prompt: str | None = field(default=None, metadata={"help": "Optional system turn."})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16."})
     train_path: str = field(default="auto", metadata={
@@ -119,6 +125,7 @@ class TrainConfig(TrainingArguments):
             raise ConfigError(f"dtype={self.dtype!r}; use one of float32, bfloat16, float16")
         if str(self.chat_template).lower() not in ("auto", "true", "false"):
             raise ConfigError(f"chat_template={self.chat_template!r}; use auto, true or false")
+        self.chat_template = str(self.chat_template).lower()
         if self.train_path not in ("auto", "two-pass", "one-pass"):
             raise ConfigError(f"train_path={self.train_path!r}; use auto, two-pass or one-pass")
         if self.train_path == "one-pass" and (self.decoder_kind != "lora" or self.method != "ccft"):
@@ -143,8 +150,8 @@ class TrainConfig(TrainingArguments):
 
     @property
     def chat_template_flag(self) -> bool | str:
-        v = str(self.chat_template).lower()
-        return "auto" if v == "auto" else v == "true"
+        """``chat_template`` as ``ccft.core.tokens.use_chat_template`` takes it: ``"auto"``, True or False."""
+        return "auto" if self.chat_template == "auto" else self.chat_template == "true"
 
 
 @dataclass
@@ -166,81 +173,94 @@ class EvalConfig:
     em_rows: int = 50
     max_new_tokens: int = 256
     batch_size: int = 16
-    modes: list[str] = field(default_factory=lambda: ["base", "full-ft", "naive", "prefillshare"])
+    modes: list[str] = field(default_factory=lambda: list(MODES))
     bootstrap: int = 2000
     seed: int = 0
 
 
-# ------------------------------------------------------------------ validation
-
-def _type_ok(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any or tp is object:
-        return True
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return any(_type_ok(value, a) for a in args)
-    if tp is type(None):
-        return value is None
-    if origin in (list, tuple):
-        return isinstance(value, (list, tuple)) and (not args or all(_type_ok(v, args[0]) for v in value))
-    if origin is dict:
-        return isinstance(value, dict)
-    if origin is typing.Literal:
-        return value in args
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if isinstance(tp, type):
-        if issubclass(tp, __import__("enum").Enum):
-            return isinstance(value, str) and value in {e.value for e in tp}
-        return isinstance(value, tp)
-    return True  # unknown annotation: let the dataclass decide
+# ------------------------------------------------------------------ parsing
 
 
-def _coerce(value: Any, tp: Any) -> Any:
-    """Accept what YAML gives for common cases: 1e-4 read as a string, an int for a float, a scalar for a list."""
-    if _type_ok(value, tp):
+class _RecipeParser(HfArgumentParser):
+    """``HfArgumentParser`` that raises ``ValueError`` instead of printing its usage and exiting."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+@functools.lru_cache(maxsize=None)
+def _parser(cls) -> tuple[HfArgumentParser, dict[str, Any]]:
+    """The ``HfArgumentParser`` of ``cls`` (built once) and the type hints of its fields."""
+    return _RecipeParser(cls, allow_abbrev=False, add_help=False), typing.get_type_hints(cls)
+
+
+def _union(tp: Any) -> tuple:
+    """The members of a union type hint (``int | None`` -> ``(int, NoneType)``); ``(tp,)`` for any other."""
+    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+
+
+def _parse_value(cls, key: str, value: Any, where: str) -> Any:
+    """One recipe value, converted the way ``HfArgumentParser`` converts ``--key=value`` for ``cls``.
+
+    A scalar is parsed as the command-line text ``--key=value`` (a YAML boolean as ``true``/``false``, or
+    as ``no`` where that is the choice: YAML 1.1 reads ``save_strategy: no`` as false); a list element by
+    element, where the field takes a list; ``null`` and mappings as they are, where the field takes them.
+    Enum choices come back as their string value. Raises ConfigError naming ``where``, the key and its type.
+    """
+    parser, hints = _parser(cls)
+    tp = hints[key]
+    members = tuple(typing.get_origin(a) or a for a in _union(tp))
+
+    def bad(reason: str = "") -> ConfigError:
+        name = " | ".join("None" if a is type(None) else a.__name__ if isinstance(a, type) else
+                          str(a).replace("typing.", "") for a in _union(tp))
+        return ConfigError(f"{where}: key {key!r} expects {name}, got {value!r} ({type(value).__name__})"
+                           f"{' (' + reason + ')' if reason else ''}; fix the value in the recipe or override")
+
+    def parse(text: str) -> Any:
+        try:
+            parsed = getattr(parser.parse_args([f"--{key}={text}"]), key)
+        except ValueError as e:  # argparse: "argument --KEY: invalid int value: 'abc'"
+            raise bad(str(e).split(": ", 1)[-1]) from None
+        return parsed.value if isinstance(parsed, enum.Enum) else parsed
+
+    def one(item: Any) -> Any:
+        if item is None or isinstance(item, (dict, list, tuple)):
+            raise bad()
+        if not isinstance(item, bool):
+            return parse(str(item))
+        try:
+            return parse(str(item).lower())
+        except ConfigError:
+            if item is not False:
+                raise
+            return parse("no")
+
+    if value is None or isinstance(value, dict):
+        if type(value) not in members:
+            raise bad()
         return value
-    if isinstance(value, bool) and _type_ok("no", tp):
-        return "no" if value is False else "yes"  # YAML 1.1 reads `no` as false: save_strategy=no
-    if isinstance(value, str):
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            parsed = value
-        if _type_ok(parsed, tp):
-            return parsed
-        try:
-            f = float(value)
-            if _type_ok(f, tp):
-                return f
-        except ValueError:
-            pass
-    return value
+    if isinstance(value, (list, tuple)):
+        if list not in members:
+            raise bad()
+        out: list = []
+        for item in value:  # a list field parses one element per item; others give a list of values
+            parsed = one(item)
+            out.extend(parsed if isinstance(parsed, list) else [parsed])
+        return out
+    return one(value)
 
 
 def _validate(raw: dict, cls, where: str) -> dict:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    """Check every key of ``raw`` against ``cls``'s fields and convert its value (``_parse_value``)."""
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
     out = {}
     for key, value in raw.items():
         if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
+            close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{where}: unknown key {key!r}{hint} (see `ccft train --help-config` for the fields)")
-        tp = hints.get(key, Any)
-        value = _coerce(value, tp)
-        if not _type_ok(value, tp):
-            tname = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-            raise ConfigError(f"{where}: key {key!r} expects {tname}, got {value!r} "
-                              f"({type(value).__name__}); fix the value in the recipe or override")
-        out[key] = value
+        out[key] = _parse_value(cls, key, value, where)
     return out
 
 
@@ -299,15 +319,13 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
     eval_kw = _validate(eval_raw, EvalConfig, f"{where} (eval section)")
     train_kw.setdefault("report_to", "none")
     try:
-        cfg = TrainConfig(**train_kw)
-    except ConfigError as e:
+        (cfg,) = _parser(TrainConfig)[0].parse_dict(train_kw)
+    except (ConfigError, ValueError, TypeError) as e:  # __post_init__ of TrainConfig / TrainingArguments
         raise ConfigError(f"{where}: {e}") from None
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{where}: {e}") from None
-    ecfg = EvalConfig(**eval_kw)
-    bad = [m for m in ecfg.modes if m not in ("base", "full-ft", "naive", "prefillshare")]
+    (ecfg,) = _parser(EvalConfig)[0].parse_dict(eval_kw)
+    bad = [m for m in ecfg.modes if m not in MODES]
     if bad:
-        raise ConfigError(f"{where}: eval.modes has unknown mode(s) {bad}; use base, full-ft, naive, prefillshare")
+        raise ConfigError(f"{where}: eval.modes has unknown mode(s) {bad}; use {', '.join(MODES)}")
     for key in ("train_data", "eval_data"):
         if getattr(cfg, key):
             try:

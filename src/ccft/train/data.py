@@ -1,4 +1,4 @@
-"""Rows -> token ids, labels and batches for CCFT and Full-FT (DESIGN.md §2.5, CASES.md K6).
+"""Rows -> token ids, labels and batches for CCFT and Full-FT (docs/design.md, "Token boundary"; fault class K6).
 
 Accepted rows (any mix, after an optional ``columns`` rename mapping):
   * ``{"prompt": str, "response": str}``
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 
@@ -209,15 +209,21 @@ class Collator:
         Standard causal convention: the logit at position j predicts ``labels[:, j+1]``.
       * ``num_supervised`` ``()``: supervised tokens in this batch.
     Full-FT concatenates prefix and tail into one sequence with the same positions.
+    Rows are ``Example``s or mappings with the ``features`` fields (e.g. a ``datasets.Dataset`` of
+    tokenised rows); ``CacheConditionedTrainer`` keeps exactly these fields when it removes unused columns.
     """
 
     pad_token_id: int
     handoff_tokens: int = 1
+    #: The fields of a row the collator reads.
+    features: ClassVar[tuple[str, ...]] = ("prompt_ids", "response_ids")
 
-    def __call__(self, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
+    def __call__(self, examples: Sequence[Example | Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         k = self.handoff_tokens
-        prefixes = [list(e.prompt_ids[:-k]) for e in examples]
-        tails = [list(e.prompt_ids[-k:]) + list(e.response_ids) for e in examples]
+        rows = [(e["prompt_ids"], e["response_ids"]) if isinstance(e, Mapping) else (e.prompt_ids, e.response_ids)
+                for e in examples]
+        prefixes = [list(p[:-k]) for p, _ in rows]
+        tails = [list(p[-k:]) + list(r) for p, r in rows]
         prefix_ids, prefix_mask = left_pad(prefixes, self.pad_token_id)
         tail_ids, tail_mask = right_pad(tails, self.pad_token_id)
         labels = tail_ids.clone()

@@ -10,6 +10,7 @@ Raises ConfigError / DataError before the base is loaded when the recipe or data
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,10 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ccft.core.checkpoint import save_decoder
 from ccft.core.decoder import Decoder, make_decoder
+from ccft.core.errors import ConfigError
+from ccft.core.io import atomic_write_text
 from ccft.core.models import Base, load_base
+from ccft.core.tokens import pad_token_id
 from ccft.train.config import TrainConfig, resolve_data
 from ccft.train.data import Collator, TokenizedDataset, build_dataset, load_rows
 from ccft.train.trainer import CacheConditionedTrainer
@@ -80,13 +84,10 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
         names = [n for n, _ in base.model.named_modules()]
         missing = [t for t in cfg.lora_target_modules if not any(n == t or n.endswith("." + t) for n in names)]
         if missing:
-            from ccft.core.errors import ConfigError
-
             leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
             raise ConfigError(f"lora_target_modules {missing} match no module of base {cfg.base}; "
                               f"its module names include {leaves[:12]}")
     decoder = make_decoder(base, cfg.decoder_kind, lora=lora, method=cfg.method, handoff_tokens=cfg.handoff_tokens)
-    pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.tokenizer.eos_token_id
     store = None
     if cfg.base_cache_store and cfg.method == "ccft":
         from ccft.train.cache_store import open_store_for_training
@@ -94,20 +95,16 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
         with cfg.main_process_first(desc="C_base store"):  # one writer; the other processes then reuse it
             store = open_store_for_training(cfg.base_cache_store, base, train_set,
                                             handoff_tokens=cfg.handoff_tokens, eval_set=eval_set)
+    collator = Collator(pad_token_id(base.tokenizer), cfg.handoff_tokens)
     trainer = CacheConditionedTrainer(model=decoder.model, args=cfg, base=base, train_dataset=train_set,
-                                      eval_dataset=eval_set, data_collator=Collator(pad, cfg.handoff_tokens),
-                                      cache_store=store)
+                                      eval_dataset=eval_set, data_collator=collator, cache_store=store)
     return base, decoder, train_set, eval_set, trainer
 
 
 def check_process_group(trainer) -> None:
     """Refuse a multi-process launch whose processes did not join one group (they would each train alone)."""
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and trainer.accelerator.num_processes != world:
-        from ccft.core.errors import ConfigError
-
         raise ConfigError(f"launched {world} processes but accelerate formed a group of "
                           f"{trainer.accelerator.num_processes}; on a machine without GPUs set use_cpu=true "
                           "(`ccft train --num-processes N` does this for you)")
@@ -140,7 +137,7 @@ def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | N
         save_decoder(decoder, out, state_dict=state_dict, data=data_meta, recipe=recipe or {}, steps=trainer.state.global_step,
                      seed=cfg.seed, train_path=trainer.train_path,
                      distributed={"num_processes": acc.num_processes, "type": str(acc.distributed_type).split(".")[-1]})
-        (out / "log_history.json").write_text(json.dumps(history, indent=2))
+        atomic_write_text(out / "log_history.json", json.dumps(history, indent=2))
     acc.wait_for_everyone()
     return TrainResult(decoder=decoder, output_dir=out, log_history=history, train_rows=len(train_set),
                        dropped_too_long=train_set.dropped_too_long, seconds=time.time() - start, trainer=trainer)

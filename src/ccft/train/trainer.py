@@ -1,6 +1,6 @@
 """``CacheConditionedTrainer``: a ``transformers.Trainer`` that overrides only the loss (and eval NLL).
 
-CCFT loss (PrefillShare, arXiv 2602.12029; DESIGN.md §1):
+CCFT loss (PrefillShare, arXiv 2602.12029, §3; docs/design.md, "Terms"):
 
     L(θ_i) = − Σ_t log p_θi(r_t | C_base(prompt[:n−k]), prompt[n−k:], r_<t)
 
@@ -11,35 +11,53 @@ parallelism do not change it. ``C_base`` is computed by the frozen base under ``
 also keeps it under gradient checkpointing (transformers drops ordinary caches there).
 Full-FT: the same loss with the decoder prefilling its own prompt.
 
-Everything else (optimizer, schedule, accumulation, logging/``report_to``, checkpoints, resume,
-accelerate/DeepSpeed) is the stock Trainer. Checkpoints are written into a temporary folder and
-renamed into place, so a killed run never leaves a half-written ``checkpoint-N``.
+Everything else (optimizer, schedule, accumulation, logging/``report_to``, evaluation with
+``compute_metrics``, checkpoints and their rotation, ``load_best_model_at_end``, resume,
+accelerate/DeepSpeed) is the stock Trainer. Hooks overridden, all of them real ``transformers.Trainer``
+hooks: ``_set_signature_columns_if_needed`` (the row fields the collator reads), ``compute_loss``,
+``training_step`` (the one-pass LoRA gate), ``prediction_step`` / ``evaluation_loop`` (token-weighted eval
+NLL) and ``_save_checkpoint``: a checkpoint is written into ``OUTPUT_DIR/.staging/checkpoint-N`` and
+renamed into place (docs/design.md, "Atomic writes"), so a killed run never leaves a half-written
+``checkpoint-N``, while rotation and the best checkpoint refer to the run folder.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ccft.core.cache import prefill_tensors
 from ccft.core.decoder import decoder_forward, full_forward
+from ccft.core.io import replace_dir
 from ccft.core.tokens import IGNORE_INDEX
+from ccft.train.data import Collator
 from ccft.train.fastpath import gate_for_step, one_pass_forward, resolve_train_path
 
+#: Where checkpoints are written before they are renamed into ``OUTPUT_DIR/checkpoint-N``.
+STAGING_DIR = ".staging"
 
-def response_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token NLL and token count. ``logits (b, t, v)`` at j predict ``labels (b, t)`` at j+1."""
+
+def response_nll_rows(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token NLL summed per row ``(b,)`` (fp32) and supervised-token count per row ``(b,)``.
+
+    ``logits (b, t, v)`` at position j predict ``labels (b, t)`` at j + 1; ``IGNORE_INDEX`` labels are skipped."""
     targets = labels[:, 1:]
     lg = logits[:, :-1].float()
     nll = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                          reduction="sum")
-    return nll, (targets != IGNORE_INDEX).sum()
+                          reduction="none").view(targets.shape)
+    return nll.sum(-1), (targets != IGNORE_INDEX).sum(-1)
+
+
+def response_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token NLL and token count over the batch (``response_nll_rows`` summed)."""
+    nll, count = response_nll_rows(logits, labels)
+    return nll.sum(), count.sum()
 
 
 class CacheConditionedTrainer(Trainer):
@@ -49,13 +67,15 @@ class CacheConditionedTrainer(Trainer):
         model: the decoder's trainable module (``Decoder.model``: ``PeftModel`` or full-weight copy).
         args: ``ccft.TrainConfig``; ``args.method`` picks ccft or full-ft.
         base: the frozen ``ccft.Base`` that computes C_base (unused by full-ft).
-        cache_store: optional ``ccft.cache_store.CacheStore`` holding precomputed C_base for the rows
+        cache_store: optional ``ccft.train.cache_store.CacheStore`` holding precomputed C_base for the rows
             (``ccft precompute``); rows it lacks are prefilled as usual.
-        train_dataset / eval_dataset: ``ccft.data.TokenizedDataset``; data_collator: ``ccft.data.Collator``.
-    Paths (``args.train_path``, resolved into ``self.train_path``; see ``ccft.fastpath``): CCFT runs
+        train_dataset / eval_dataset: ``ccft.train.data.TokenizedDataset`` (or a ``datasets.Dataset`` with the
+            ``Collator.features`` columns); data_collator: ``ccft.train.data.Collator``.
+    Paths (``args.train_path``, resolved into ``self.train_path``; see ``ccft.train.fastpath``): CCFT runs
     ``two-pass`` (no-grad base prefill, then the decoder on the tail) or, LoRA only, ``one-pass``
     (one forward, LoRA gated off on the prefix); Full-FT runs ``self-prefill``.
-    Supports: LoRA and full weights, gradient accumulation, gradient checkpointing, eval NLL,
+    Supports: LoRA and full weights, gradient accumulation, gradient checkpointing, eval NLL with
+    ``compute_metrics``, ``load_best_model_at_end`` with ``save_total_limit``,
     ``report_to`` (wandb/tensorboard), resume from checkpoint, accelerate/DeepSpeed launches.
     Raises:
         CacheMutatedError: if anything wrote into C_base during a step.
@@ -85,10 +105,15 @@ class CacheConditionedTrainer(Trainer):
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = True
         self.last_base_cache = None  # the C_base of the latest step (tests check it is unchanged)
+        self._eval_totals = torch.zeros(2, dtype=torch.float64)  # eval NLL and supervised tokens (evaluation_loop)
 
-    def _signature_columns_if_needed(self):  # keep every collator key
-        self._signature_columns = ["prefix_ids", "prefix_mask", "tail_ids", "tail_mask", "labels",
-                                   "num_supervised"]
+    def _set_signature_columns_if_needed(self):
+        """Keep the row fields ``ccft.train.data.Collator`` reads (``remove_unused_columns``).
+
+        The stock hook keeps the model's ``forward`` arguments (``input_ids``, ...), which would strip a
+        ``datasets.Dataset`` of tokenised rows down to nothing the collator can use."""
+        if self._signature_columns is None:
+            self._signature_columns = list(Collator.features)
 
     def _base_cache(self, inputs):
         if self.cache_store is not None:
@@ -140,56 +165,72 @@ class CacheConditionedTrainer(Trainer):
                 loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         return (loss, {"logits": logits}) if return_outputs else loss
 
-    @torch.no_grad()
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        """Held-out response NLL per supervised token (token-weighted over the whole set), logged as ``eval_loss``."""
-        dataloader = self.get_eval_dataloader(eval_dataset)
-        model = self.model
-        was_training = model.training
-        model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.args.device)
-        count = torch.zeros((), dtype=torch.float64, device=self.args.device)
-        for inputs in dataloader:
-            inputs = self._prepare_inputs(inputs)
-            nll, n = response_nll_sum(self.tail_logits(model, inputs), inputs["labels"])
-            total += nll.double()
-            count += n.double()
-        total = self.accelerator.reduce(total, reduction="sum")
-        count = self.accelerator.reduce(count, reduction="sum")
-        if was_training:
-            model.train()
-        metrics = {f"{metric_key_prefix}_loss": float(total / count.clamp(min=1)),
-                   f"{metric_key_prefix}_tokens": int(count)}
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """One eval batch: ``(loss, logits (b, t, v), labels (b, t))`` over the tail, the loss being the batch's
+        response NLL per supervised token; logits and labels only when ``compute_metrics`` needs them
+        (the logit at j predicts ``labels[:, j + 1]``, the causal-LM convention of ``EvalPrediction``).
+        The rows' summed NLL and token counts (gathered from all processes) are added to the totals
+        ``evaluation_loop`` reports."""
+        inputs = self._prepare_inputs(inputs)
+        one_pass = self.method == "ccft" and self.train_path == "one-pass"
+        with torch.no_grad(), gate_for_step(self.accelerator.unwrap_model(model), one_pass) as gate:
+            self._gate = gate
+            try:
+                logits = self.tail_logits(model, inputs)
+            finally:
+                self._gate = None
+            nll, count = response_nll_rows(logits, inputs["labels"])
+        # Per row, so that the rows accelerate repeats to even out the last batch across processes drop out.
+        rows = self.accelerator.gather_for_metrics(torch.stack([nll.double(), count.double()], dim=-1))
+        self._eval_totals += rows.sum(0)
+        loss = (nll.sum() / count.sum().clamp(min=1)).detach()
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, logits.detach(), inputs["labels"]
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """The stock loop (``compute_metrics``, ``preprocess_logits_for_metrics``, gathering), with
+        ``{prefix}_loss`` replaced by the held-out response NLL per supervised token, token-weighted over the
+        whole set and all processes, and ``{prefix}_tokens``, the supervised-token count."""
+        self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
+                                         ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        total, count = self._eval_totals
+        metrics = dict(output.metrics)
+        metrics[f"{metric_key_prefix}_loss"] = float(total / count.clamp(min=1))
+        metrics[f"{metric_key_prefix}_tokens"] = int(count)
+        return output._replace(metrics=metrics)
 
     def _save_checkpoint(self, model, trial):
-        """Write ``checkpoint-N`` into a temporary folder first, then rename it into place (crash-safe)."""
-        final = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging_root = final.parent / ".staging"
-        staging_root.mkdir(parents=True, exist_ok=True)
-        real_output = self.args.output_dir
+        """Write ``checkpoint-N`` with the stock method into ``RUN_DIR/.staging``, then rename it into place.
+
+        The stock method is pointed at the staging folder; afterwards the best checkpoint it found
+        there is pointed back at the run folder (in the state and the staged ``trainer_state.json``),
+        the folder replaces any ``RUN_DIR/checkpoint-N`` (``ccft.core.io.replace_dir``), and the stock
+        rotation runs on the run folder, so ``save_total_limit`` and ``load_best_model_at_end`` keep the
+        best checkpoint. Every process takes part (a barrier before and after the rename)."""
+        run_dir = Path(self._get_output_dir(trial=trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = run_dir / STAGING_DIR
+        if self.args.should_save:  # leftovers of a killed save
+            shutil.rmtree(staging, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
         real_get = self._get_output_dir
-        self._get_output_dir = lambda trial=None: str(staging_root)  # type: ignore[method-assign]
+        self._get_output_dir = lambda trial=None: str(staging)  # type: ignore[method-assign]
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._get_output_dir = real_get  # type: ignore[method-assign]
-            self.args.output_dir = real_output
-        staged = staging_root / final.name
-        if self.args.should_save and staged.is_dir():
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(staged, final)
-            shutil.rmtree(staging_root, ignore_errors=True)
-            self._rotate_final(final.parent)
-
-    def _rotate_final(self, run_dir: Path) -> None:
-        limit = self.args.save_total_limit
-        if not limit:
-            return
-        ckpts = sorted((p for p in run_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir()),
-                       key=lambda p: int(p.name.rsplit("-", 1)[-1]))
-        for old in ckpts[:-limit]:
-            shutil.rmtree(old, ignore_errors=True)
+        best = self.state.best_model_checkpoint
+        if best is not None and Path(best).parent == staging:
+            self.state.best_model_checkpoint = str(run_dir / Path(best).name)
+            if self.args.should_save:
+                self.state.save_to_json(str(staging / name / TRAINER_STATE_NAME))
+        self.accelerator.wait_for_everyone()  # every process has written its part (RNG state, shards)
+        if self.args.should_save:
+            replace_dir(staging / name, run_dir / name)
+            shutil.rmtree(staging, ignore_errors=True)
+            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
