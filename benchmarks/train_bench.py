@@ -169,6 +169,7 @@ def run_case(spec: dict) -> dict:
 
 def _ccft_trainer(spec, rows, out):
     from ccft import load_base, make_decoder
+    from ccft.core.tokens import pad_token_id
     from ccft.train.config import TrainConfig
     from ccft.train.data import Collator, Example, TokenizedDataset
     from ccft.train.trainer import CacheConditionedTrainer
@@ -180,7 +181,7 @@ def _ccft_trainer(spec, rows, out):
     cfg = TrainConfig(method=method, decoder_kind=spec["kind"], train_path=train_path, base=spec["model"],
                       handoff_tokens=1, **_train_args(spec, out))
     ds = TokenizedDataset([Example(tuple(p), tuple(r), i) for i, (p, r) in enumerate(rows)])
-    pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.tokenizer.eos_token_id
+    pad = pad_token_id(base.tokenizer)
     trainer = CacheConditionedTrainer(model=decoder.model, args=cfg, base=base, train_dataset=ds,
                                       data_collator=Collator(pad, 1))
     return trainer, {"train_path": trainer.train_path}
@@ -211,13 +212,14 @@ def run_store_case(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     from ccft import load_base
+    from ccft.core.tokens import pad_token_id
     from ccft.train.cache_store import CacheStore, bytes_per_token, precompute
     from ccft.train.data import Collator, Example
 
     base = load_base(spec["model"])
     rows = build_rows(base.tokenizer, spec["batch"] * spec["steps"], spec["P"], spec["R"])
     examples = [Example(tuple(p), tuple(r), i) for i, (p, r) in enumerate(rows)]
-    collate = Collator(base.tokenizer.eos_token_id, 1)
+    collate = Collator(pad_token_id(base.tokenizer), 1)
     batches = [collate(examples[i:i + spec["batch"]]) for i in range(0, len(examples), spec["batch"])]
     from ccft.core.cache import prefill_tensors
 
