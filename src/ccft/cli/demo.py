@@ -101,8 +101,8 @@ def run(args) -> int:
         result = {
             "kind": "ccft-demo",
             "model": describe_model(cfg.base),
-            "data": {"train": f"GSM8K train, rows {cfg.data_offset}..{cfg.data_offset + train_rows['ccft'] - 1} "
-                              f"(chat template, response = reference solution + EOS)",
+            "data": {"train": f"{cfg.train_data}, rows {cfg.data_offset}..{cfg.data_offset + train_rows['ccft'] - 1} "
+                              f"(response = reference solution + EOS)",
                      "eval": summary["meta"]["data"]},
             "hardware": hardware(),
             "train_rows": train_rows["ccft"],
@@ -139,17 +139,20 @@ def demo_readme(result: dict, recipe: str) -> str:
                        for m, c in curve.items() if c)
     s = result["settings"]
     n_gen = es.get("generate_limit") if es.get("generate_limit") is not None else meta["n_items"]
+    decoders = (f"LoRA adapters (r={s.get('lora_r', 16)})" if s.get("decoder_kind", "lora") == "lora"
+                else "full-weight copies")
     return f"""# ccft demo: PrefillShare vs Full-FT vs naive sharing on {summary['task']}
 
 Produced by `make demo` (`ccft demo {recipe}`). Every number below was measured in that run; the
 per-item records are in `{result['eval_folder']}/` (`ccft report` reads them).
 
-- **Model**: {result['model']} (base, frozen); decoders are {s.get('decoder_kind', 'lora')} decoders (LoRA r={s.get('lora_r', 16)}) on it.
+- **Model**: {result['model']} (base, frozen); decoders are {decoders} on it.
 - **Training data**: {result['data']['train']}; {result['train_rows']} rows, {result['steps']} optimizer steps,
   batch {s.get('per_device_train_batch_size')} × accumulation {s.get('gradient_accumulation_steps', 1)},
   learning rate {s.get('learning_rate')}, seed {s.get('seed', 42)}; both decoders get the same rows, steps and seed.
-- **Evaluation data**: {meta['data']}: NLL on the first {meta['n_items']} items; generations scored on the first
-  {min(n_gen, meta['n_items'])} of them (greedy, max {es['max_new_tokens']} new tokens). Prompts: {es.get('prompting')}.
+- **Evaluation data**: {meta['data']}. NLL on the first {meta['n_items']} items; generations scored on the first
+  {min(n_gen, meta['n_items'])} of them (greedy, max {es['max_new_tokens']} new tokens).
+- **Prompts** (training and evaluation): {es.get('prompting')}.
 - **Hardware**: {result['hardware']}.
 - **Wall time per phase (s)**: {', '.join(f'{k} {v:.0f}' for k, v in t.items())}.
 

@@ -157,10 +157,12 @@ def reading(summary: dict) -> str:
     if prim and REFERENCE_MODE in vals:
         rate = _is_rate(prim, m)
         width = max(x["ci"][1] - x["ci"][0] for x in vals.values())
-        out.append(f"{prim}: " + ", ".join(f"{k} {_fmt(x['mean'], pct=rate)}" for k, x in vals.items()) +
-                   f". With n={vals[REFERENCE_MODE]['n']} items the 95% intervals are up to "
-                   + (f"{100 * width:.0f} points" if rate else f"{width:.3g}") + " wide, so differences between "
-                   "modes smaller than that are not resolved here; the NLL deltas are the sensitive measurement.")
+        line = f"{prim}: " + ", ".join(f"{k} {_fmt(x['mean'], pct=rate)}" for k, x in vals.items())
+        if width > 0:
+            line += (f". With n={vals[REFERENCE_MODE]['n']} items the 95% intervals are up to "
+                     + (f"{100 * width:.0f} points" if rate else f"{width:.3g}") + " wide, so differences between "
+                     "modes smaller than that are not resolved here; the NLL deltas are the sensitive measurement")
+        out.append(line + ".")
     return "\n\n".join(out)
 
 
