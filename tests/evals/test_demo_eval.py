@@ -167,6 +167,16 @@ def test_demo_evaluates_through_the_runner_end_to_end(demo, tmp_path):
     lines = {m: (folder / f"items.{m}.jsonl").read_text() for m in MODES}
     assert main(["demo", str(demo.recipe), "--out", str(demo.out), "--runs", str(demo.runs)]) == 0
     assert {m: (folder / f"items.{m}.jsonl").read_text() for m in MODES} == lines
+    # a demo with other eval settings starts its own evaluation folder over instead of failing
+    import shutil
+
+    shutil.copytree(demo.out, tmp_path / "again")
+    assert main(["demo", str(demo.recipe), "eval.em_rows=1", "--out", str(tmp_path / "again"), "--runs",
+                 str(demo.runs)]) == 0
+    again = _records(tmp_path / "again" / "gsm8k")
+    for mode in MODES:
+        assert [("text" in r, r["nll"]) for r in again[mode]] == [(True, r["nll"]) for r in recs[mode][:1]] + \
+               [(False, r["nll"]) for r in recs[mode][1:]]
 
 
 def test_ccft_eval_builds_the_demos_prompt_ids(demo, tmp_path, capsys):

@@ -68,7 +68,7 @@ def run(args) -> int:
     from ccft.core.models import describe_model, load_base, resolve_model_path
     from ccft.evals.evaluate import evaluate_decoders
     from ccft.evals.report import modes_table, reading
-    from ccft.evals.results import hardware
+    from ccft.evals.results import FolderConflictError, hardware
     from ccft.train.config import METHODS, TrainConfig, load_recipe
 
     times: dict[str, float] = {}
@@ -89,9 +89,13 @@ def run(args) -> int:
             histories[method], train_rows[method], reused[method] = _train_or_reuse(m_cfg, m_raw)
     base = load_base(cfg.base, dtype=cfg.dtype)
     decoders = {m: load_decoder(runs / m, base=base) for m in METHODS}
+    paths = {m: str(runs / m) for m in METHODS}
     with _phase(times, "eval"):
-        res = evaluate_decoders(base, decoders, ecfg, out, decoder_paths={m: str(runs / m) for m in METHODS},
-                                overwrite=not all(reused.values()))  # new decoders: earlier items are stale
+        try:  # new decoders: earlier items are stale
+            res = evaluate_decoders(base, decoders, ecfg, out, decoder_paths=paths, overwrite=not all(reused.values()))
+        except FolderConflictError as e:  # the folder is the demo's own output: an earlier demo with other settings
+            print(f"[ccft demo] starting the evaluation over: {e}", flush=True)
+            res = evaluate_decoders(base, decoders, ecfg, out, decoder_paths=paths, overwrite=True)
     summary = res.summary
     for mode, m in summary["modes"].items():
         metrics = " ".join(f"{k} {v['mean']:.3f} (n={v['n']})" for k, v in m.get("metrics", {}).items())

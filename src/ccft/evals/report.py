@@ -343,7 +343,7 @@ def plot_sweep(sweep: dict, path) -> None:
     for col, over in enumerate(axes_names):
         for r, (key, ylabel) in enumerate([("nll", nll_label)] + ([(metric, metric)] if metric else [])):
             ax = axes[r][col]
-            for label in ("naive", "prefillshare"):
+            for label in (m for m in MODES if get_mode(m).shared_prefill):  # the sweep's curves
                 series = sorted((p for p in pts if p["label"] == label and p["over"] == over), key=lambda p: p["rho"])
                 if key == "nll" and paired:
                     vals = [(p["rho"], p["delta_nll_vs_full_ft"]["delta"], p["delta_nll_vs_full_ft"]["ci"])

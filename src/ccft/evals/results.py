@@ -26,7 +26,7 @@ from ccft.core.errors import ConfigError
 from ccft.core.io import atomic_write_text
 from ccft.evals.records import summarize_task
 
-__all__ = ["append_jsonl", "check_resumable", "clear_task_folder", "describe_base", "folder_records", "hardware",
+__all__ = ["FolderConflictError", "append_jsonl", "check_resumable", "clear_task_folder", "describe_base", "folder_records", "hardware",
            "item_files", "load_task_folder", "read_jsonl", "write_json"]
 
 
@@ -98,6 +98,10 @@ def folder_records(folder: Path, index_of: dict[str, int] | None = None) -> dict
 # ------------------------------------------------------------------------------------------------ resume guards
 
 
+class FolderConflictError(ConfigError):
+    """A result folder holds a run that this one cannot continue (other settings, base, decoder or prompts)."""
+
+
 def check_resumable(folder: Path, meta: dict, settings: dict, base_fingerprint: str, modes: dict[str, dict]) -> None:
     """Refuse to add to a folder holding a run with other settings, another base or another decoder per mode.
 
@@ -105,21 +109,21 @@ def check_resumable(folder: Path, meta: dict, settings: dict, base_fingerprint: 
         meta: the folder's ``meta.json``; settings: ``EvalSettings.as_dict`` of this run;
         modes: ``{mode: ModeSpec.describe()}`` of this run.
     Raises:
-        ConfigError: naming what differs and the way out (``--overwrite`` or another ``--out``).
+        FolderConflictError: naming what differs and the way out (``--overwrite`` or another ``--out``).
     """
     old = meta.get("settings") or {}
     if old != settings:
         diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         diff.update({k: (v, None) for k, v in old.items() if k not in settings})
-        raise ConfigError(f"{folder} holds a run with other settings {diff} (was, now); pass --overwrite or "
+        raise FolderConflictError(f"{folder} holds a run with other settings {diff} (was, now); pass --overwrite or "
                           "use another --out folder")
     if meta.get("base_fingerprint") != base_fingerprint:
-        raise ConfigError(f"{folder} was evaluated with base {meta.get('base_fingerprint')}, not "
+        raise FolderConflictError(f"{folder} was evaluated with base {meta.get('base_fingerprint')}, not "
                           f"{base_fingerprint}; pass --overwrite or use another --out folder")
     for mode, desc in modes.items():
         was = (meta.get("modes") or {}).get(mode)
         if was and was.get("decoder_fingerprint") != desc.get("decoder_fingerprint"):
-            raise ConfigError(f"{folder}: mode {mode} was evaluated with another decoder ({was.get('decoder')}); "
+            raise FolderConflictError(f"{folder}: mode {mode} was evaluated with another decoder ({was.get('decoder')}); "
                               "pass --overwrite or use another --out folder")
 
 

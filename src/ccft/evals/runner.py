@@ -32,7 +32,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ccft.core.cache import compute_base_cache
-from ccft.core.errors import ConfigError
 from ccft.core.modes import MODES, REFERENCE_MODE, check_mode, get_mode
 from ccft.evals.generation import generate_samples, make_engine, merge_samples
 from ccft.evals.protocol import (
@@ -45,6 +44,7 @@ from ccft.evals.protocol import (
 )
 from ccft.evals.records import paired_deltas_by_id, summarize_records, summarize_task
 from ccft.evals.results import (
+    FolderConflictError,
     append_jsonl,
     check_resumable,
     clear_task_folder,
@@ -131,8 +131,9 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
     Returns:
         TaskResult with the summary (also in ``summary.json``) and every item record per mode.
     Raises:
-        ConfigError: a mode without its decoder (``ccft.core.modes.check_mode``), or a folder holding a run
-            with other settings, another base, another decoder or other prompts.
+        ConfigError: a mode without its decoder (``ccft.core.modes.check_mode``).
+        FolderConflictError: (a ConfigError) the folder holds a run with other settings, another base, another
+            decoder or other prompts.
         EnvironmentCheckError: the task's K8 environment check failed.
     """
     settings = settings or EvalSettings()
@@ -180,7 +181,7 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
             if i is None:
                 continue  # an item outside the current limit: kept in the file, not in this summary
             if r.get("prompt_sha") != prompt_hash(prep.prompts[i]):
-                raise ConfigError(f"{path}: item {r['id']} was evaluated on another prompt (the task's data or "
+                raise FolderConflictError(f"{path}: item {r['id']} was evaluated on another prompt (the task's data or "
                                   "prompting changed); pass --overwrite or use another --out folder")
             done[r["id"]] = r
         pending = [i for i in range(prep.n) if prep.ids[i] not in done]
