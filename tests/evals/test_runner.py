@@ -1,5 +1,6 @@
 """Eval runner: four modes on the same items (values checked against independent forwards and ccft.generate),
-batch-size independence (K7), per-item resume after an interruption, settings guard, the ``ccft eval`` CLI."""
+batch-size independence (K7 in docs/design.md, "Fault classes"), per-item resume after an interruption, settings
+guard, the ``ccft eval`` CLI."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from harness_fixtures import ToyTask, decoders
 import ccft
 from ccft.core.errors import ConfigError
 from ccft.core.tokens import tokenize_response
-from ccft.evals.runner import EvalSettings, ModeSpec, get_task, read_jsonl, run_task
+from ccft.evals.runner import EvalSettings, ModeSpec, get_task, read_jsonl, run_task, task_names
 from ccft.evals.stats import mean_ci, paired_bootstrap_delta
 from conftest import make_tiny_folder
 
@@ -169,10 +170,26 @@ def test_other_settings_refused_unless_overwrite(setup, tmp_path):
 
 
 def test_gsm8k_task_and_registry():
-    task = get_task("gsm8k")
-    assert task.name == "gsm8k" or getattr(task, "name", "").startswith("gsm8k")
-    with pytest.raises(ConfigError, match="unknown task"):
+    from ccft.evals.gsm import GSM8KTask
+    from ccft.evals.tasks import TASKS
+
+    task = get_task("gsm8k")  # the one GSM8K definition: the registry's
+    assert task.name == "gsm8k" and isinstance(task, GSM8KTask) and task is not TASKS["gsm8k"]
+    assert "gsm8k" in task_names() and task_names() == sorted(TASKS)
+    with pytest.raises(ConfigError, match="unknown task 'no-such-task'; known tasks: .*gsm8k"):
         get_task("no-such-task")
+
+
+def test_runner_keeps_its_public_names():
+    """Names other modules and users import from ``ccft.evals.runner`` stay importable there after the split."""
+    from ccft.evals import records, results, runner, settings
+
+    assert runner.EvalSettings is settings.EvalSettings and runner.ModeSpec is settings.ModeSpec
+    assert runner.summarize_records is records.summarize_records
+    assert runner.paired_deltas_by_id is records.paired_deltas_by_id
+    assert runner.load_task_folder is results.load_task_folder
+    for name in ("run_task", "get_task", "task_names", "batch_nll", "prepare", "read_jsonl"):
+        assert callable(getattr(runner, name))
 
 
 def test_cli_eval_writes_and_resumes(setup, tmp_path, capsys):
@@ -297,3 +314,30 @@ run_task(ToyTask(), base, [ModeSpec("base")], {str(tmp_path)!r}, settings=EvalSe
                    progress=False, on_item=lambda m, r: again.append(r["id"]))
     assert len(again) == 2 and res.summary["modes"]["base"]["n"] == 5
     assert len({r["id"] for r in res.records["base"]}) == 5
+
+
+def test_mode_specs_and_settings_follow_core_modes(setup):
+    from types import SimpleNamespace
+
+    from ccft.evals.settings import default_modes, mode_specs, shared_handoff
+
+    _, ff, cc, _ = setup
+    specs = mode_specs(MODES, {"full-ft": ff, "ccft": cc}, {"full-ft": "ff", "ccft": "cc"})
+    assert [(s.mode, s.decoder, s.decoder_path) for s in specs] == [
+        ("base", None, None), ("full-ft", ff, "ff"), ("naive", ff, "ff"), ("prefillshare", cc, "cc")]
+    assert default_modes(["ccft"]) == ["base", "prefillshare"]
+    assert default_modes(["full-ft", "ccft"]) == list(MODES) and default_modes([]) == ["base"]
+    with pytest.raises(ConfigError, match="needs a full-ft decoder"):
+        mode_specs(["naive"], {"ccft": cc})
+    with pytest.raises(ConfigError, match="trained with method='ccft'"):
+        mode_specs(["naive"], {"full-ft": cc})
+    assert shared_handoff([]) == 1 and shared_handoff([ff, cc]) == 1
+    with pytest.raises(ConfigError, match="different handoff_tokens"):
+        shared_handoff([SimpleNamespace(handoff_tokens=1), SimpleNamespace(handoff_tokens=2)])
+    # generate_limit enters the resume key only when set: folders written without it still resume
+    task = ToyTask(3)
+    assert "generate_limit" not in EvalSettings().as_dict(task)
+    limited = EvalSettings(generate_limit=2)
+    assert limited.as_dict(task)["generate_limit"] == 2
+    assert [limited.generates(i) for i in range(3)] == [True, True, False]
+    assert not EvalSettings(generate=False).generates(0)

@@ -1,4 +1,4 @@
-"""Partial prefill sharing and the sharing sweep (DESIGN.md §1 "sharing ratio ρ").
+"""Partial prefill sharing and the sharing sweep (docs/design.md, "Terms": sharing ratio ρ).
 
 Invariants (fp32, ≤ 1e-5): ρ=1 on either axis is exactly ``decoder_forward`` on C_base; ρ=0 is the
 decoder's own prefill (``full_forward``); a decoder equal to the base gives the base's NLL at every ρ;
@@ -195,7 +195,7 @@ def test_run_sweep_references_resume_and_cli(sharp, tmp_path, capsys):
     ref = pts[("full-ft", None, None)]["nll"]
     assert pts[("naive", "layers", 0.0)]["nll"] == pytest.approx(ref, abs=TOL)  # ρ=0: own prefill
     assert pts[("naive", "positions", 0.0)]["nll"] == pytest.approx(ref, abs=TOL)
-    from ccft.evals.runner import batch_nll, prepare
+    from ccft.evals.scoring import batch_nll, prepare
 
     prep = prepare(task, base.tokenizer, None)
     ps = [a / b for a, b in batch_nll("prefillshare", base, cc, prep.prompts, prep.references)]

@@ -4,11 +4,16 @@ Phases (wall time of each is recorded):
   setup         convert the embedded base once, validate the recipe and data
   train_ccft    CCFT decoder (C_base from the frozen base)
   train_full_ft Full-FT decoder: same rows, steps, seed and adapter
-  eval_nll      response NLL/token of base, full-ft, naive, prefillshare on held-out GSM8K test rows
-  eval_em       strict / flexible exact match from batched greedy generation on the first em_rows of those
-  report        reports/demo/results.json and reports/demo/README.md
+  eval          base, full-ft, naive, prefillshare on held-out items of the recipe's ``eval.task`` (GSM8K
+                test): response NLL/token on the first ``eval.nll_rows``, exact match from batched greedy
+                generation on the first ``eval.em_rows`` of them. This is ``ccft eval`` with the recipe's
+                settings (``ccft.evals.evaluate.evaluate_decoders``: the eval runner, the registry's task,
+                the prompts rendered as the decoders were trained)
+  report        OUT/TASK/ (the runner's result folder: meta.json, items.MODE.jsonl, summary.json),
+                OUT/results.json (training facts + the eval summary) and OUT/README.md
 A finished training run (its folder has ccft.json with the same recipe) is reused, and an
-interrupted one resumes from its last checkpoint, so rerunning the demo never redoes finished work.
+interrupted one resumes from its last checkpoint; the evaluation resumes item by item unless a
+decoder was (re)trained in this run. Rerunning the demo never redoes finished work.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ def _phase(times: dict, name: str):
     return _T()
 
 
-def _train_or_reuse(cfg, raw: dict):
+def _train_or_reuse(cfg, raw: dict) -> tuple[list[dict], int, bool]:
+    """(log history, train rows, reused) of the decoder ``cfg`` describes: a finished run with the same recipe
+    and steps is reused, anything else trains (resuming from the newest checkpoint)."""
     from ccft.core.checkpoint import read_meta
     from ccft.train.run import run_training
 
@@ -50,71 +57,57 @@ def _train_or_reuse(cfg, raw: dict):
         if meta.get("recipe") == raw and meta.get("steps") == cfg.max_steps:
             print(f"[ccft demo] reusing finished run {out}", flush=True)
             history = json.loads((out / "log_history.json").read_text())
-            return history, meta["data"]["train_rows"]
+            return history, meta["data"]["train_rows"], True
     result = run_training(cfg, recipe=raw)
-    return result.log_history, result.train_rows
+    return result.log_history, result.train_rows, False
 
 
 def run(args) -> int:
-    import torch
-
     from ccft.core.checkpoint import load_decoder
+    from ccft.core.io import atomic_write_text
     from ccft.core.models import describe_model, load_base, resolve_model_path
-    from ccft.evals.evaluate import gsm8k_exact_match, hardware, paired_deltas, row_nll, summarize_mode
+    from ccft.evals.evaluate import evaluate_decoders
     from ccft.evals.report import modes_table, reading
-    from ccft.train.config import TrainConfig, load_recipe, resolve_data
-    from ccft.train.data import build_dataset, load_rows
+    from ccft.evals.results import FolderConflictError, hardware
+    from ccft.train.config import METHODS, TrainConfig, load_recipe
 
     times: dict[str, float] = {}
     total = time.time()
     cfg, ecfg, raw = load_recipe(args.recipe, args.overrides)
     runs = Path(args.runs)
+    out = Path(args.out)
     with _phase(times, "setup"):
         resolve_model_path(cfg.base)  # converts the embedded model once
-    histories, train_rows = {}, {}
-    for method in ("ccft", "full-ft"):
+    histories, train_rows, reused = {}, {}, {}
+    for method in METHODS:
         m_raw = dict(raw, method=method, output_dir=str(runs / method))
         m_raw.pop("eval", None)
         m_cfg = TrainConfig(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)
                                   if f.init and f.name in raw}, "method": method,
                                "output_dir": str(runs / method)})
         with _phase(times, f"train_{method.replace('-', '_')}"):
-            histories[method], train_rows[method] = _train_or_reuse(m_cfg, m_raw)
+            histories[method], train_rows[method], reused[method] = _train_or_reuse(m_cfg, m_raw)
     base = load_base(cfg.base, dtype=cfg.dtype)
-    decoders = {m: load_decoder(runs / m, base=base) for m in ("ccft", "full-ft")}
-    path, columns = resolve_data("gsm8k:test")
-    rows = load_rows(path, columns=columns, limit=ecfg.nll_rows)
-    ds = build_dataset(rows, base.tokenizer, max_length=100_000, handoff_tokens=cfg.handoff_tokens,
-                       chat_template=cfg.chat_template_flag, system_prompt=cfg.system_prompt)
-    which = {"base": None, "full-ft": decoders["full-ft"], "naive": decoders["full-ft"],
-             "prefillshare": decoders["ccft"]}
-    per_mode, nlls, ems = {}, {}, {}
-    with _phase(times, "eval_nll"), torch.no_grad():
-        for mode in ecfg.modes:
-            nlls[mode] = row_nll(mode, base, which[mode], ds, batch_size=ecfg.batch_size, progress=True)
-            print(f"[ccft demo] {mode:12s} NLL/token {sum(nlls[mode]) / len(nlls[mode]):.4f} "
-                  f"(n={len(nlls[mode])})", flush=True)
-    prompts = [e.prompt_ids for e in ds.examples[: ecfg.em_rows]]
-    answers = [r["response"] for r in rows[: ecfg.em_rows]]
-    with _phase(times, "eval_em"), torch.no_grad():
-        for mode in ecfg.modes:
-            ems[mode] = gsm8k_exact_match(mode, base, which[mode], prompts, answers,
-                                          max_new_tokens=ecfg.max_new_tokens, batch_size=ecfg.batch_size,
-                                          progress=True)
-            print(f"[ccft demo] {mode:12s} EM strict {sum(ems[mode].strict)}/{len(prompts)} flexible "
-                  f"{sum(ems[mode].flexible)}/{len(prompts)} truncated {ems[mode].truncated}", flush=True)
+    decoders = {m: load_decoder(runs / m, base=base) for m in METHODS}
+    paths = {m: str(runs / m) for m in METHODS}
+    with _phase(times, "eval"):
+        try:  # new decoders: earlier items are stale
+            res = evaluate_decoders(base, decoders, ecfg, out, decoder_paths=paths, overwrite=not all(reused.values()))
+        except FolderConflictError as e:  # the folder is the demo's own output: an earlier demo with other settings
+            print(f"[ccft demo] starting the evaluation over: {e}", flush=True)
+            res = evaluate_decoders(base, decoders, ecfg, out, decoder_paths=paths, overwrite=True)
+    summary = res.summary
+    for mode, m in summary["modes"].items():
+        metrics = " ".join(f"{k} {v['mean']:.3f} (n={v['n']})" for k, v in m.get("metrics", {}).items())
+        print(f"[ccft demo] {mode:12s} NLL/token {m.get('nll', float('nan')):.4f} (n={m['n']}) {metrics} "
+              f"truncated {m.get('truncated', 0)}", flush=True)
     with _phase(times, "report"):
-        modes = {}
-        for mode in ecfg.modes:
-            modes[mode] = summarize_mode(nlls[mode], ems[mode], n_resamples=ecfg.bootstrap, seed=ecfg.seed)
-            per_mode[mode] = {"nll_rows": nlls[mode], "em_strict_rows": ems[mode].strict,
-                              "em_flexible_rows": ems[mode].flexible}
         result = {
+            "kind": "ccft-demo",
             "model": describe_model(cfg.base),
-            "data": {"train": f"GSM8K train, rows {cfg.data_offset}..{cfg.data_offset + train_rows['ccft'] - 1} "
-                              f"(chat template, response = reference solution + EOS)",
-                     "eval_nll": f"GSM8K test, first {len(ds)} rows", "eval_em": f"GSM8K test, first {len(prompts)} rows",
-                     "licence": "GSM8K: MIT (openai/grade-school-math)"},
+            "data": {"train": f"{cfg.train_data}, rows {cfg.data_offset}..{cfg.data_offset + train_rows['ccft'] - 1} "
+                              f"(response = reference solution + EOS)",
+                     "eval": summary["meta"]["data"]},
             "hardware": hardware(),
             "train_rows": train_rows["ccft"],
             "steps": cfg.max_steps,
@@ -123,53 +116,57 @@ def run(args) -> int:
             "eval_curve": {m: [[h["step"], h["eval_loss"]] for h in histories[m] if "eval_loss" in h]
                            for m in histories},
             "phase_seconds": times,
-            "modes": modes,
-            "deltas_vs_full_ft": paired_deltas(per_mode, n_resamples=ecfg.bootstrap, seed=ecfg.seed),
-            "per_row": per_mode,
-            "samples": {m: ems[m].samples[:3] for m in ems},
+            "eval_folder": summary["task"],
+            "eval": summary,
         }
         times["total"] = round(time.time() - total, 1)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        from ccft.core.checkpoint import atomic_write_text
-
-        atomic_write_text(out / "results.json", json.dumps(result, indent=2))
+        atomic_write_text(out / "results.json", json.dumps(result, indent=2, default=str))
         atomic_write_text(out / "README.md", demo_readme(result, args.recipe))
-    print(modes_table(result))
+    print(modes_table(summary))
     print()
-    print(reading(result))
-    print(f"\n[ccft demo] wrote {out / 'results.json'} and {out / 'README.md'} in {times['total']:.0f}s")
+    print(reading(summary))
+    print(f"\n[ccft demo] wrote {out / summary['task']}/, {out / 'results.json'} and {out / 'README.md'} in "
+          f"{times['total']:.0f}s")
     return 0
 
 
 def demo_readme(result: dict, recipe: str) -> str:
+    """``README.md`` of the demo: setup, the eval runner's per-mode table and deltas, curves, the reading."""
     from ccft.evals.report import modes_table, reading
 
+    summary = result["eval"]
+    meta = summary["meta"]
+    es = meta["settings"]
     t = result["phase_seconds"]
     curve = result["loss_curve"]
     curves = "\n".join(f"- {m}: loss {c[0][1]:.3f} (step {c[0][0]}) → {c[-1][1]:.3f} (step {c[-1][0]})"
                        for m, c in curve.items() if c)
     s = result["settings"]
-    return f"""# ccft demo: PrefillShare vs Full-FT vs naive sharing on GSM8K
+    n_gen = es.get("generate_limit") if es.get("generate_limit") is not None else meta["n_items"]
+    decoders = (f"LoRA adapters (r={s.get('lora_r', 16)})" if s.get("decoder_kind", "lora") == "lora"
+                else "full-weight copies")
+    return f"""# ccft demo: PrefillShare vs Full-FT vs naive sharing on {summary['task']}
 
-Produced by `make demo` (`ccft demo {recipe}`). Every number below was measured in that run.
+Produced by `make demo` (`ccft demo {recipe}`). Every number below was measured in that run; the
+per-item records are in `{result['eval_folder']}/` (`ccft report` reads them).
 
-- **Model**: {result['model']} (base, frozen); decoders are LoRA adapters (r={s.get('lora_r', 16)}) on it.
+- **Model**: {result['model']} (base, frozen); decoders are {decoders} on it.
 - **Training data**: {result['data']['train']}; {result['train_rows']} rows, {result['steps']} optimizer steps,
   batch {s.get('per_device_train_batch_size')} × accumulation {s.get('gradient_accumulation_steps', 1)},
   learning rate {s.get('learning_rate')}, seed {s.get('seed', 42)}; both decoders get the same rows, steps and seed.
-- **Evaluation data**: NLL on {result['data']['eval_nll']}; exact match on {result['data']['eval_em']}
-  (greedy, max {s['eval']['max_new_tokens']} new tokens).
+- **Evaluation data**: {meta['data']}. NLL on the first {meta['n_items']} items; generations scored on the first
+  {min(n_gen, meta['n_items'])} of them (greedy, max {es['max_new_tokens']} new tokens).
+- **Prompts** (training and evaluation): {es.get('prompting')}.
 - **Hardware**: {result['hardware']}.
 - **Wall time per phase (s)**: {', '.join(f'{k} {v:.0f}' for k, v in t.items())}.
 
 ## Results
 
-{modes_table(result)}
+{modes_table(summary)}
 
-NLL is the mean over rows of each row's mean negative log-likelihood per response token
-(response + EOS), teacher-forced. Intervals are 95% percentile bootstrap over rows
-({s['eval']['bootstrap']} resamples); deltas are paired (same rows resampled for both modes).
+NLL is the mean over items of each item's mean negative log-likelihood per response token
+(response + EOS), teacher-forced. Intervals are 95% percentile bootstrap over items
+({s['eval']['bootstrap']} resamples); deltas are paired (same items resampled for both modes).
 
 ## Training curves
 
@@ -177,7 +174,7 @@ NLL is the mean over rows of each row's mean negative log-likelihood per respons
 
 ## Reading
 
-{reading(result)}
+{reading(summary)}
 
 This is a CPU-scale run of a 135M model with a LoRA decoder and a few dozen steps: it shows the
 mechanism (a decoder reading another model's cache loses accuracy unless trained to do so), not

@@ -20,7 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-MODES = ("base", "full-ft", "naive", "prefillshare")
+from ccft.core.modes import MODES, get_mode
+from ccft.evals.prompting import PROMPT_FORMAT_CHOICES
 
 
 def add_parser(sub) -> None:
@@ -40,6 +41,10 @@ def add_parser(sub) -> None:
     p.add_argument("--engine", action="store_true",
                    help="naive / prefillshare generations through ccft.SharedPrefillEngine (default: the reference "
                         "ccft.generate path it is tested against)")
+    p.add_argument("--prompt-format", choices=list(PROMPT_FORMAT_CHOICES), default="decoder",
+                   help="decoder (default): render chat-task prompts with the chat template and system prompt the "
+                        "decoders were trained with (their recorded recipe), as `ccft demo` does; task: each "
+                        "task's own prompt format")
     p.add_argument("--samples", type=int, default=None, help="samples per item (default: the task's; >1 samples)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs")
@@ -60,7 +65,7 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
     metas = {d: read_meta(d) for d in decoder_dirs}  # fails fast on a non-decoder folder
     methods = {m.get("method") for m in metas.values()}
     for mode in modes or []:
-        key = {"full-ft": "full-ft", "naive": "full-ft", "prefillshare": "ccft"}.get(mode)
+        key = get_mode(mode).decoder_method
         if key is not None and key not in methods:
             raise ConfigError(f"mode {mode!r} needs a decoder trained with method={key!r}; pass it with --decoder")
     base_name = base_name or next((m["base"].get("path") or m["base"]["name"] for m in metas.values()), DEFAULT_BASE)
@@ -76,56 +81,31 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
     return base, decoders
 
 
-def mode_specs(modes, decoders):
-    """``ModeSpec`` per mode, checking each has its decoder (ConfigError otherwise)."""
-    from ccft.core.errors import ConfigError
-    from ccft.evals.runner import ModeSpec
-
-    specs = []
-    for mode in modes:
-        if mode == "base":
-            specs.append(ModeSpec("base"))
-            continue
-        key = "ccft" if mode == "prefillshare" else "full-ft"
-        if key not in decoders:
-            raise ConfigError(f"mode {mode!r} needs a decoder trained with method={key!r}; pass it with --decoder")
-        dec, path = decoders[key]
-        specs.append(ModeSpec(mode, dec, path))
-    return specs
-
-
-def default_modes(decoders) -> list[str]:
-    modes = ["base"]
-    if "full-ft" in decoders:
-        modes += ["full-ft", "naive"]
-    if "ccft" in decoders:
-        modes += ["prefillshare"]
-    return modes
-
-
 def run(args) -> int:
-    from ccft.core.errors import ConfigError
+    from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.report import task_markdown
     from ccft.evals.runner import EvalSettings, get_task, run_task, task_names
+    from ccft.evals.settings import default_modes, mode_specs, shared_handoff
 
     tasks = args.task or ["gsm8k"]
     if tasks == ["list"]:
         print("\n".join(task_names()))
         return 0
     task_objs = [get_task(t) for t in tasks]  # unknown names fail before loading any model
-    base, decoders = load_models(args.decoder, args.base, args.mode, device=args.device)
+    base, loaded = load_models(args.decoder, args.base, args.mode, device=args.device)
+    decoders = {method: dec for method, (dec, _) in loaded.items()}
+    paths = {method: path for method, (_, path) in loaded.items()}
     modes = list(dict.fromkeys(args.mode or default_modes(decoders)))
-    specs = mode_specs(modes, decoders)
-    handoffs = {d.handoff_tokens for d, _ in decoders.values()}
-    if len(handoffs) > 1:
-        raise ConfigError(f"the decoders were trained with different handoff_tokens {sorted(handoffs)}; "
-                          "evaluate them in separate runs")
-    handoff = handoffs.pop() if handoffs else 1
+    specs = mode_specs(modes, decoders, paths)
+    handoff = shared_handoff(decoders.values())
+    prompt_format = resolve_prompt_format(args.prompt_format, decoders.values())
     out = Path(args.out)
     for task in task_objs:
         settings = EvalSettings(limit=args.limit if args.limit is not None else getattr(task, "default_limit", None),
                                 max_new_tokens=args.max_new_tokens, generate=not args.nll_only, seed=args.seed,
-                                handoff_tokens=handoff, samples=args.samples, engine=args.engine)
+                                handoff_tokens=handoff, samples=args.samples, engine=args.engine,
+                                prompt_format=prompt_format)
+        print(f"[ccft] {settings.as_dict(task)['task']}: prompts: {settings.prompting(task)}", flush=True)
         try:
             res = run_task(task, base, specs, out, settings=settings, batch_size=args.batch_size,
                            progress=not args.no_progress, overwrite=args.overwrite, n_resamples=args.bootstrap)
@@ -140,9 +120,9 @@ def run(args) -> int:
             print(f"[ccft] {s['task']:12s} {mode:12s} {nll} {metrics} n={m['n']} "
                   f"(computed now: {res.computed.get(mode, 0)})", flush=True)
         name = s["task"]
-        from ccft.core.checkpoint import atomic_write_text
+        from ccft.core.io import atomic_write_text
 
-        atomic_write_text(out / f"{name}.json", json.dumps({k: v for k, v in s.items()}, indent=2, default=str))
+        atomic_write_text(out / f"{name}.json", json.dumps(s, indent=2, default=str))
         atomic_write_text(out / f"{name}.md", task_markdown(s))
         print(f"[ccft] wrote {out / name}/ and {out / (name + '.md')}", flush=True)
     return 0

@@ -1,10 +1,11 @@
 """``ccft report RUNS... -o DIR``: Markdown tables, plots and report.json from result folders.
 
-RUNS are folders written by ``ccft eval --out`` (one sub-folder per task with ``meta.json`` and
-``items.MODE.jsonl``), by ``ccft sweep --out`` (``sweep.json``) or by ``ccft demo`` (``results.json``),
-searched recursively. DIR receives ``README.md`` (headline table, one section per task with each
-mode and its paired deltas against Full-FT, the sharing sweep), one PNG per task, ``sweep.png`` and
-``report.json`` with every number and per-item record. Means and deltas are recomputed from the
+RUNS are folders written by ``ccft eval --out`` or ``ccft demo --out`` (one sub-folder per task with
+``meta.json`` and ``items.MODE.jsonl``: the eval runner's one result format), by ``ccft sweep --out``
+(``sweep.json``), or ``results.json`` files of ccft 0.1 demos, searched recursively. DIR receives
+``README.md`` (headline table, one section per task with each mode and its paired deltas against
+Full-FT, the sharing sweep), one PNG per task, ``sweep.png`` and ``report.json`` with every number
+and per-item record. Means and deltas are recomputed from the
 per-item records, so a partially finished eval reports what it has, with its n.
 
 Example::

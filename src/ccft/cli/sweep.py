@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+from ccft.evals.prompting import PROMPT_FORMAT_CHOICES
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="NLL / accuracy vs the sharing ratio ρ (over positions and layers)")
@@ -26,6 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--gen-rows", type=int, default=0,
                    help="also generate greedily on the first N items at every point and score accuracy")
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--prompt-format", choices=list(PROMPT_FORMAT_CHOICES), default="decoder",
+                   help="decoder (default): the decoders' training prompt format, as `ccft eval`; task: the task's")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--overwrite", action="store_true")
@@ -37,6 +41,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ccft.cli.eval import load_models
+    from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.runner import get_task
     from ccft.evals.sweep import CURVES, run_sweep
 
@@ -44,11 +49,12 @@ def run(args) -> int:
     base, decoders = load_models(args.decoder, args.base, device=args.device)
     curves = {label: decoders[method][0] for label, method in CURVES.items() if method in decoders}
     paths = {label: decoders[method][1] for label, method in CURVES.items() if method in decoders}
+    prompt_format = resolve_prompt_format(args.prompt_format, curves.values())
     try:
         summary = run_sweep(task, base, curves, args.out, rhos=args.rho, axes=args.over, limit=args.limit,
                             batch_size=args.batch_size, gen_rows=args.gen_rows, max_new_tokens=args.max_new_tokens,
                             progress=not args.no_progress, overwrite=args.overwrite, decoder_paths=paths,
-                            n_resamples=args.bootstrap)
+                            n_resamples=args.bootstrap, prompt_format=prompt_format)
     except KeyboardInterrupt:
         import sys
 

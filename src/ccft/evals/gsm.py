@@ -1,10 +1,13 @@
-"""GSM8K as a task of the evaluation API (zero-shot chat; strict and flexible exact match, CASES.md K7).
+"""GSM8K as a task of the evaluation API: zero-shot chat, strict and flexible exact match (the only GSM8K task).
 
 Prompt: the question as one user turn of the tokenizer's chat template (the same rows and
-template ``ccft train`` uses for ``gsm8k:train``, so a math specialist sees its training format).
+template ``ccft train`` uses for ``gsm8k:train``, so a math specialist sees its training format;
+``ccft demo`` and ``ccft eval`` render it with the decoders' recorded recipe, ``ccft.evals.prompting``).
 Reference: the GSM8K answer (chain of thought ending ``#### N``), also the NLL reference text.
 Metrics: ``exact_match_strict`` (first ``#### N``) and ``exact_match_flexible`` (last number), from
-``ccft.evals.extract``.
+``ccft.evals.extract``, on the continuation with a copy of the question at its start dropped
+(``Task.postprocess``): a generation that only repeats the question scores 0 even when the
+question's last number is the answer (K7 in docs/design.md, "Fault classes").
 """
 
 from __future__ import annotations

@@ -15,10 +15,12 @@ does not know ``ccft`` unless this module was imported in that process.)
   * ``dtype`` (``float32``), ``device`` (``cpu``), ``batch_size`` (8), ``max_length`` (the model's
     ``max_position_embeddings``), ``max_gen_toks`` (256), ``add_bos_token`` (False, as lm-eval's ``hf``).
 
-How requests run (the same layout as ``ccft eval``): for ``naive`` / ``prefillshare`` the frozen base
-prefills ``context[:-k]`` (k = the decoder's ``handoff_tokens``; fewer when the context is that
+How requests run (the same layout as ``ccft eval``; who prefills and who decodes is
+``ccft.core.modes``'s, docs/design.md, "Modes"): for the shared-prefill modes (``naive`` /
+``prefillshare``) the frozen base prefills ``context[:-k]`` (k = the decoder's ``handoff_tokens``; fewer when the context is that
 short) and the decoder processes ``context[-k:]`` + the continuation on that ``C_base``;
-``generate_until`` decodes on ``C_base``. ``base`` / ``full-ft`` run the model over its own prompt.
+``generate_until`` decodes on ``C_base`` (``ccft.core.generation.generate``). ``base`` / ``full-ft``
+run the model over its own prompt.
 ``loglikelihood`` returns ``(sum log p(continuation), greedy)``; ``loglikelihood_rolling`` uses
 lm-eval's disjoint rolling windows.
 """
@@ -36,8 +38,9 @@ from tqdm.auto import tqdm
 
 from ccft.core.decoder import decoder_forward, full_forward
 from ccft.core.errors import ConfigError
-from ccft.core.generation import check_mode, generate
-from ccft.core.tokens import left_pad, right_pad
+from ccft.core.generation import generate
+from ccft.core.modes import check_mode, get_mode
+from ccft.core.tokens import left_pad, pad_token_id, right_pad
 from ccft.evals.sharing import ragged_prefill
 
 
@@ -76,16 +79,18 @@ class CCFTLM(TemplateLM):
         if unknown:
             raise ConfigError(f"lm-eval model ccft: unknown model_args {sorted(unknown)}; known: base, decoder, mode, "
                               "dtype, device, batch_size, max_length, max_gen_toks, add_bos_token")
-        if mode != "base" and not decoder:
+        spec = get_mode(mode)
+        if spec.needs_decoder and not decoder:
             raise ConfigError(f"mode={mode!r} needs decoder=PATH in --model_args")
         meta = read_meta(decoder) if decoder else {}
         base_name = base or (meta.get("base", {}).get("path") or meta.get("base", {}).get("name")) or DEFAULT_BASE
         self._device = _pick_device(device)
         self.base = load_base(base_name, dtype=dtype, device=self._device)
-        self.decoder = load_decoder(decoder, base=self.base, dtype=dtype) if decoder else None
-        check_mode(mode, self.decoder if mode != "base" else None)
+        # mode=base with a decoder: the decoder only names the base (and handoff_tokens); the base decodes
+        self.decoder = load_decoder(decoder, base=self.base, dtype=dtype) if decoder and spec.needs_decoder else None
+        self.spec = check_mode(mode, self.decoder)
         self.mode = mode
-        self.handoff_tokens = self.decoder.handoff_tokens if self.decoder is not None else 1
+        self.handoff_tokens = int(meta.get("handoff_tokens", 1))
         self.tokenizer = self.base.tokenizer
         self.batch_size = 8 if str(batch_size).startswith("auto") else int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
@@ -126,9 +131,6 @@ class CCFTLM(TemplateLM):
 
     # -------------------------------------------------------------------- scoring
 
-    def _model(self):
-        return self.decoder.activate() if self.decoder is not None else self.base.model
-
     @torch.no_grad()
     def _batch_logprobs(self, contexts: list[list[int]], conts: list[list[int]]) -> list[tuple[float, bool]]:
         """(sum log p(cont | context), greedy) per row, in this object's mode, one forward for the batch."""
@@ -136,10 +138,10 @@ class CCFTLM(TemplateLM):
         ks = [min(k0, len(c)) for c in contexts]
         prefixes = [c[: len(c) - k] for c, k in zip(contexts, ks, strict=True)]
         tails = [c[len(c) - k:] + x for c, k, x in zip(contexts, ks, conts, strict=True)]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
+        pad = pad_token_id(self.tokenizer)
         tail_ids, tail_mask = right_pad(tails, pad)
         tail_ids, tail_mask = tail_ids.to(self._device), tail_mask.to(self._device)
-        if self.mode in ("naive", "prefillshare"):
+        if self.spec.shared_prefill:
             with self.base.base_weights() as model:
                 cache = ragged_prefill(model, prefixes, pad_token_id=pad, fingerprint=self.base.fingerprint,
                                        producer="base")
@@ -148,11 +150,11 @@ class CCFTLM(TemplateLM):
         else:
             prefix_ids, prefix_mask = left_pad(prefixes, pad)
             args = (prefix_ids.to(self._device), prefix_mask.to(self._device), tail_ids, tail_mask)
-            if self.mode == "base":
+            if self.spec.needs_decoder:  # the decoder prefills its own context
+                logits = full_forward(self.decoder, *args)
+            else:
                 with self.base.base_weights() as model:
                     logits = full_forward(model, *args)
-            else:
-                logits = full_forward(self.decoder, *args)
         logp = torch.log_softmax(logits.float(), dim=-1)
         out = []
         for i, (k, x) in enumerate(zip(ks, conts, strict=True)):
@@ -232,7 +234,7 @@ class CCFTLM(TemplateLM):
             for s in range(0, len(idx), self.batch_size):
                 sub = idx[s:s + self.batch_size]
                 gens = generate(prompts[s:s + self.batch_size], mode=self.mode, base=self.base,
-                                decoder=self.decoder if self.mode != "base" else None, max_new_tokens=max_new,
+                                decoder=self.decoder, max_new_tokens=max_new,
                                 stop=until, do_sample=do_sample, temperature=temperature or 1.0, top_p=top_p,
                                 batch_size=len(sub))
                 for i, g in zip(sub, gens, strict=True):

@@ -1,85 +1,50 @@
-"""Markdown for evaluation results: the four-mode table, paired deltas and an honest reading."""
+"""Markdown, plots and report.json for evaluation results in the runner's format (``ccft.evals.records``).
+
+``modes_table`` / ``reading`` render one task's summary (``summary.json`` of ``ccft eval`` and
+``ccft demo``); ``build_report`` collects result folders (``ccft report RUNS... -o DIR``): tables per
+task and mode, deltas vs Full-FT with paired 95% bootstrap CIs, per-task plots and the sharing-sweep
+plot, report.json. Mode names, their order and what runs in each come from ``ccft.core.modes``
+(docs/design.md, "Modes").
+"""
 
 from __future__ import annotations
 
-MODE_ORDER = ("base", "full-ft", "naive", "prefillshare")
-MODE_NOTE = {"base": "frozen base, own prefill", "full-ft": "Full-FT decoder, own prefill (reference)",
-             "naive": "Full-FT decoder on C_base", "prefillshare": "CCFT decoder on C_base (the method)"}
+import json
+import re
+import time
+from pathlib import Path
+
+from ccft.core.errors import ConfigError
+from ccft.core.io import atomic_write_text
+from ccft.core.modes import MODES, REFERENCE_MODE, get_mode
+from ccft.evals.records import paired_deltas_by_id, summarize_records
+from ccft.evals.results import hardware, load_task_folder
+
+
+def _order(mode: str) -> int:
+    """Position of a mode in ``MODES`` (unknown names last)."""
+    return MODES.index(mode) if mode in MODES else len(MODES)
+
+
+def _note(mode: str) -> str:
+    """What runs in ``mode`` (``Mode.note``), '' for a name that is not a mode."""
+    return get_mode(mode).note if mode in MODES else ""
 
 
 def _ci(ci) -> str:
     return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
 
 
-def _pct(x) -> str:
-    return "" if x is None else f"{100 * x:.1f}%"
+_DECODER_NAME = {"full-ft": "Full-FT decoder", "ccft": "CCFT decoder", None: "base"}  # by Mode.decoder_method
 
 
-def modes_table(result: dict) -> str:
-    """The per-mode Markdown table (NLL with CI, strict/flexible exact match with CI, n, truncated)."""
-    lines = ["| mode | what runs | NLL/token ↓ (95% CI) | EM strict (95% CI) | EM flexible (95% CI) | n NLL | n EM | truncated |",
-             "|---|---|---|---|---|---|---|---|"]
-    for mode in MODE_ORDER:
-        r = result["modes"].get(mode)
-        if not r:
-            continue
-        em = r.get("em_ci", {})
-        lines.append(
-            f"| {mode} | {MODE_NOTE[mode]} | {r.get('nll', float('nan')):.4f} {_ci(r.get('nll_ci'))} | "
-            f"{_pct(r.get('exact_match_strict'))} {_ci(em.get('strict'))} | "
-            f"{_pct(r.get('exact_match_flexible'))} {_ci(em.get('flexible'))} | {r.get('n', '')} | "
-            f"{r.get('em_n', '')} | {r.get('truncated', '')} |")
-    deltas = result.get("deltas_vs_full_ft") or {}
-    if deltas:
-        lines += ["", "Paired deltas against full-ft on the same rows (mode − full-ft, 95% paired bootstrap CI):", "",
-                  "| mode | ΔNLL/token | ΔEM strict | ΔEM flexible |", "|---|---|---|---|"]
-        for mode in MODE_ORDER:
-            d = deltas.get(mode)
-            if not d:
-                continue
-            cell = lambda k, pct=False, d=d: (  # noqa: E731
-                f"{(100 if pct else 1) * d[k]['delta']:+.{1 if pct else 4}f}{'pp' if pct else ''} "
-                f"[{(100 if pct else 1) * d[k]['ci'][0]:+.{1 if pct else 4}f}, "
-                f"{(100 if pct else 1) * d[k]['ci'][1]:+.{1 if pct else 4}f}]" if k in d else "")
-            lines.append(f"| {mode} | {cell('nll')} | {cell('exact_match_strict', True)} | "
-                         f"{cell('exact_match_flexible', True)} |")
-    return "\n".join(lines)
-
-
-def reading(result: dict) -> str:
-    """A plain-words reading of naive vs prefillshare vs full-ft, derived from the numbers (never hand-written)."""
-    m = result["modes"]
-    d = result.get("deltas_vs_full_ft") or {}
-    out = []
-    if {"base", "full-ft", "prefillshare"} <= m.keys():
-        out.append(f"Both decoders moved away from the base: response NLL/token {m['base']['nll']:.3f} (base) → "
-                   f"{m['full-ft']['nll']:.3f} (Full-FT, own prefill) and {m['prefillshare']['nll']:.3f} "
-                   f"(CCFT on C_base).")
-    if "naive" in d and "prefillshare" in d and "nll" in d["naive"] and "nll" in d["prefillshare"]:
-        n, p = d["naive"]["nll"], d["prefillshare"]["nll"]
-        sig = lambda x: "excludes 0" if x["ci"][0] > 0 or x["ci"][1] < 0 else "includes 0"  # noqa: E731
-        out.append(f"Naive sharing (Full-FT decoder reading C_base) costs {n['delta']:+.4f} NLL/token against "
-                   f"Full-FT (CI {_ci(n['ci'])}, {sig(n)}); PrefillShare costs {p['delta']:+.4f} "
-                   f"(CI {_ci(p['ci'])}, {sig(p)}).")
-        if n["delta"] > 0:
-            rec = 1 - p["delta"] / n["delta"]
-            out.append(f"CCFT recovers {100 * rec:.0f}% of the naive-sharing NLL gap on these rows.")
-    if "full-ft" in m and "exact_match_flexible" in m["full-ft"]:
-        em = {k: v.get("exact_match_flexible") for k, v in m.items() if "exact_match_flexible" in v}
-        widths = [v["em_ci"]["flexible"][1] - v["em_ci"]["flexible"][0] for v in m.values() if "em_ci" in v]
-        out.append("Exact match (flexible): " + ", ".join(f"{k} {_pct(v)}" for k, v in em.items()) +
-                   f". With n={m['full-ft'].get('em_n')} problems the 95% intervals are about "
-                   f"{100 * max(widths):.0f} points wide, so exact-match differences between modes of a few "
-                   "points are not resolved here; the NLL deltas are the sensitive measurement.")
-    return "\n\n".join(out)
-
-
-# ------------------------------------------------------------------------------------------------
-# Reports over result folders (`ccft report RUNS... -o DIR`): tables per task and mode, deltas vs
-# Full-FT with paired 95% bootstrap CIs, per-task plots and the sharing-sweep plot, report.json.
-
-_SWEEP_NOTE = {"naive": "Full-FT decoder", "prefillshare": "CCFT decoder", "full-ft": "Full-FT decoder, own prefill",
-               "base": "base, own prefill"}
+def _sweep_note(label: str) -> str:
+    """Which model a sweep curve or reference runs: its mode's decoder, and ', own prefill' for an own-prefill mode."""
+    if label not in MODES:
+        return ""
+    m = get_mode(label)
+    who = _DECODER_NAME[m.decoder_method]
+    return who if m.shared_prefill else f"{who}, own prefill"
 
 
 def _fmt(x, pct: bool = False, sign: bool = False) -> str:
@@ -120,46 +85,103 @@ def provenance(meta: dict, n=None) -> str:
     return (f"model: {meta.get('model')}; data: {meta.get('data')}; n = {n}; hardware: {meta.get('hardware')}")
 
 
-def task_markdown(summary: dict, plot: str | None = None) -> str:
-    """Markdown section of one task: provenance, per-mode table, paired deltas vs Full-FT, task aggregates."""
-    meta = summary.get("meta") or {}
-    modes = summary["modes"]
-    metrics = sorted({k for m in modes.values() for k in m.get("metrics", {})})
+def _metric_order(summary: dict) -> list[str]:
+    """Every metric of a summary, the primary one first."""
+    metrics = sorted({k for m in summary["modes"].values() for k in m.get("metrics", {})})
     prim = primary_metric(summary)
     if prim in metrics:
         metrics.remove(prim)
         metrics.insert(0, prim)
-    s = meta.get("settings") or {}
-    env_line = environment_line(meta)
-    lines = [f"### {summary.get('task')}", "",
-             f"- {provenance(meta)}"] + ([f"- {env_line}"] if env_line else []) + [
-             f"- decoding: greedy, max {s.get('max_new_tokens')} new tokens, same items and settings in every mode; "
-             f"prompting: {s.get('prompting') or 'as defined by the task'}; handoff_tokens = {s.get('handoff_tokens', 1)}"
-             + (f"; {s.get('samples')} samples per item (temperature {s.get('temperature')}, top-p {s.get('top_p')})"
-                if (s.get("samples") or 1) > 1 else ""),
-             ""]
-    head = ["mode", "what runs", "NLL/token ↓ (95% CI)"] + [f"{k} (95% CI)" for k in metrics] + ["n", "truncated"]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for mode in sorted(modes, key=lambda m: MODE_ORDER.index(m) if m in MODE_ORDER else 9):
+    return metrics
+
+
+def modes_table(summary: dict) -> str:
+    """One task's Markdown tables: per mode NLL/token and each metric with 95% CIs, n and truncated generations;
+    then the paired deltas against full-ft. An ``n scored`` column appears when fewer items were generated than
+    scored for NLL (``EvalSettings.generate_limit``, e.g. the demo's ``em_rows``)."""
+    modes = summary["modes"]
+    metrics = _metric_order(summary)
+    partial = any("scored_n" in m and m["scored_n"] != m.get("n") for m in modes.values())
+    head = ["mode", "what runs", "NLL/token ↓ (95% CI)"] + [f"{k} (95% CI)" for k in metrics] + ["n"]
+    head += (["n scored"] if partial else []) + ["truncated"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for mode in sorted(modes, key=_order):
         m = modes[mode]
-        row = [mode, MODE_NOTE.get(mode, ""), _cell(m.get("nll"), m.get("nll_ci"))]
+        row = [mode, _note(mode), _cell(m.get("nll"), m.get("nll_ci"))]
         for k in metrics:
             x = m.get("metrics", {}).get(k)
             row.append(_cell(x["mean"], x["ci"], pct=_is_rate(k, modes)) if x else "")
-        row += [str(m.get("n", "")) + ("" if m.get("complete", True) else " (incomplete)"), str(m.get("truncated", ""))]
+        row.append(str(m.get("n", "")) + ("" if m.get("complete", True) else " (incomplete)"))
+        if partial:
+            row.append(str(m.get("scored_n", "")))
+        row.append(str(m.get("truncated", "")))
         lines.append("| " + " | ".join(row) + " |")
     deltas = summary.get("deltas_vs_full_ft") or {}
     if deltas:
-        lines += ["", "Paired deltas against full-ft on the same items (mode − full-ft, 95% paired bootstrap CI):", ""]
+        lines += ["", f"Paired deltas against {REFERENCE_MODE} on the same items (mode − {REFERENCE_MODE}, 95% paired "
+                      "bootstrap CI):", ""]
         head = ["mode", "ΔNLL/token"] + [f"Δ{k}" for k in metrics] + ["n pairs"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for mode in sorted(deltas, key=lambda m: MODE_ORDER.index(m) if m in MODE_ORDER else 9):
+        for mode in sorted(deltas, key=_order):
             d = deltas[mode]
             row = [mode, _cell(d["nll"]["delta"], d["nll"]["ci"], sign=True) if "nll" in d else ""]
             for k in metrics:
                 row.append(_cell(d[k]["delta"], d[k]["ci"], pct=_is_rate(k, modes), sign=True) if k in d else "")
             row.append(str(max((v.get("n", 0) for v in d.values()), default=0)))
             lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def reading(summary: dict) -> str:
+    """A plain-words reading of naive vs prefillshare vs full-ft, derived from the numbers (never hand-written)."""
+    m = summary["modes"]
+    d = summary.get("deltas_vs_full_ft") or {}
+    out = []
+    if {"base", "full-ft", "prefillshare"} <= m.keys() and all("nll" in m[k] for k in ("base", "full-ft",
+                                                                                      "prefillshare")):
+        out.append(f"Both decoders moved away from the base: response NLL/token {m['base']['nll']:.3f} (base) → "
+                   f"{m['full-ft']['nll']:.3f} (Full-FT, own prefill) and {m['prefillshare']['nll']:.3f} "
+                   f"(CCFT on C_base).")
+    if "nll" in d.get("naive", {}) and "nll" in d.get("prefillshare", {}):
+        n, p = d["naive"]["nll"], d["prefillshare"]["nll"]
+        sig = lambda x: "excludes 0" if x["ci"][0] > 0 or x["ci"][1] < 0 else "includes 0"  # noqa: E731
+        out.append(f"Naive sharing (Full-FT decoder reading C_base) costs {n['delta']:+.4f} NLL/token against "
+                   f"Full-FT (CI {_ci(n['ci'])}, {sig(n)}); PrefillShare costs {p['delta']:+.4f} "
+                   f"(CI {_ci(p['ci'])}, {sig(p)}).")
+        if n["delta"] > 0:
+            out.append(f"CCFT recovers {100 * (1 - p['delta'] / n['delta']):.0f}% of the naive-sharing NLL gap on "
+                       "these items.")
+    prim = primary_metric(summary)
+    vals = {k: v["metrics"][prim] for k, v in sorted(m.items(), key=lambda kv: _order(kv[0]))
+            if prim in v.get("metrics", {})}
+    if prim and REFERENCE_MODE in vals:
+        rate = _is_rate(prim, m)
+        width = max(x["ci"][1] - x["ci"][0] for x in vals.values())
+        line = f"{prim}: " + ", ".join(f"{k} {_fmt(x['mean'], pct=rate)}" for k, x in vals.items())
+        if width > 0:
+            line += (f". With n={vals[REFERENCE_MODE]['n']} items the 95% intervals are up to "
+                     + (f"{100 * width:.0f} points" if rate else f"{width:.3g}") + " wide, so differences between "
+                     "modes smaller than that are not resolved here; the NLL deltas are the sensitive measurement")
+        out.append(line + ".")
+    return "\n\n".join(out)
+
+
+def task_markdown(summary: dict, plot: str | None = None) -> str:
+    """Markdown section of one task: provenance, ``modes_table``, task aggregates, the plot."""
+    meta = summary.get("meta") or {}
+    modes = summary["modes"]
+    s = meta.get("settings") or {}
+    env_line = environment_line(meta)
+    gen = f"greedy, max {s.get('max_new_tokens')} new tokens"
+    if s.get("generate_limit") is not None:
+        gen += f" on the first {s['generate_limit']} items"
+    lines = [f"### {summary.get('task')}", "",
+             f"- {provenance(meta)}"] + ([f"- {env_line}"] if env_line else []) + [
+             f"- decoding: {gen}, same items and settings in every mode; "
+             f"prompting: {s.get('prompting') or 'as defined by the task'}; handoff_tokens = {s.get('handoff_tokens', 1)}"
+             + (f"; {s.get('samples')} samples per item (temperature {s.get('temperature')}, top-p {s.get('top_p')})"
+                if (s.get("samples") or 1) > 1 else ""),
+             "", modes_table(summary)]
     aggs = {m: v["task_aggregate"] for m, v in modes.items() if v.get("task_aggregate")}
     if aggs:
         lines += ["", "Task aggregates (as computed by the task):", ""]
@@ -209,7 +231,7 @@ def headline_table(summaries: list[dict]) -> str:
     for j, s in enumerate(summaries, 1):
         prim = primary_metric(s)
         deltas = s.get("deltas_vs_full_ft") or {}
-        for mode in sorted(s["modes"], key=lambda m: MODE_ORDER.index(m) if m in MODE_ORDER else 9):
+        for mode in sorted(s["modes"], key=_order):
             m = s["modes"][mode]
             x = m.get("metrics", {}).get(prim) if prim else None
             rate = bool(prim) and _is_rate(prim, s["modes"])
@@ -246,7 +268,7 @@ def sweep_markdown(sweep: dict, plot: str | None = None) -> str:
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in pts:
         d = p.get("delta_nll_vs_full_ft")
-        row = [p["label"], _SWEEP_NOTE.get(p["label"], ""), p["over"] or "own prefill",
+        row = [p["label"], _sweep_note(p["label"]), p["over"] or "own prefill",
                "" if p["rho"] is None else f"{p['rho']:g}", _cell(p.get("nll"), p.get("nll_ci")),
                _cell(d["delta"], d["ci"], sign=True) if d else ""]
         for k in accs:
@@ -274,7 +296,7 @@ def _plt():
 def plot_task(summary: dict, path) -> None:
     """Bar charts per mode: the primary metric and NLL/token, with 95% CI error bars (PNG)."""
     plt = _plt()
-    modes = [m for m in MODE_ORDER if m in summary["modes"]] + [m for m in summary["modes"] if m not in MODE_ORDER]
+    modes = sorted(summary["modes"], key=_order)
     prim = primary_metric(summary)
     panels = [("NLL/token ↓", lambda m: (m.get("nll"), m.get("nll_ci")))]
     if prim:
@@ -321,7 +343,7 @@ def plot_sweep(sweep: dict, path) -> None:
     for col, over in enumerate(axes_names):
         for r, (key, ylabel) in enumerate([("nll", nll_label)] + ([(metric, metric)] if metric else [])):
             ax = axes[r][col]
-            for label in ("naive", "prefillshare"):
+            for label in (m for m in MODES if get_mode(m).shared_prefill):  # the sweep's curves
                 series = sorted((p for p in pts if p["label"] == label and p["over"] == over), key=lambda p: p["rho"])
                 if key == "nll" and paired:
                     vals = [(p["rho"], p["delta_nll_vs_full_ft"]["delta"], p["delta_nll_vs_full_ft"]["ci"])
@@ -335,7 +357,7 @@ def plot_sweep(sweep: dict, path) -> None:
                     continue
                 xs = [v[0] for v in vals]
                 ax.plot(xs, [v[1] for v in vals], "o-", color=colors[label],
-                        label=f"{label} ({_SWEEP_NOTE[label]})")
+                        label=f"{label} ({_sweep_note(label)})")
                 ax.fill_between(xs, [v[2][0] for v in vals], [v[2][1] for v in vals], color=colors[label], alpha=0.15)
             for label, style in (("full-ft", "--"), ("base", ":")):
                 p = refs.get(label)
@@ -349,7 +371,7 @@ def plot_sweep(sweep: dict, path) -> None:
                     y = (p.get("metrics", {}).get(key) or {}).get("mean")
                 if y is not None:
                     ax.axhline(y, linestyle=style, color="#1f77b4" if label == "full-ft" else "#777777",
-                               label=_SWEEP_NOTE[label])
+                               label=_sweep_note(label))
             ax.set_xlabel(f"sharing ratio ρ over {over}")
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
@@ -365,10 +387,12 @@ def plot_sweep(sweep: dict, path) -> None:
 # ------------------------------------------------------------------------------------------------ collecting runs
 
 
-def _legacy_summary(data: dict, path) -> dict:
-    """A demo ``results.json`` (or an old ``ccft eval`` ``gsm8k.json``) as an eval summary with item records."""
-    from ccft.evals.runner import paired_deltas_by_id, summarize_records
+def legacy_demo_summary(data: dict, path) -> dict:
+    """A ``results.json`` of the ccft 0.1 demo (per-row lists ``per_row``) as a summary in the runner's format.
 
+    Only a reader: ``ccft demo`` now writes a runner task folder. Kept so that ``ccft report`` still reads
+    demo results written before (such as a committed ``reports/demo/results.json``).
+    """
     per_row = data.get("per_row") or {}
     records = {}
     for mode, rows in per_row.items():
@@ -391,17 +415,17 @@ def _legacy_summary(data: dict, path) -> dict:
 
 
 def collect_runs(paths) -> tuple[list[dict], list[dict]]:
-    """(eval summaries, sweep summaries) found under ``paths`` (folders searched recursively, or files)."""
-    import json
-    from pathlib import Path
+    """(eval summaries, sweep summaries) found under ``paths`` (folders searched recursively, or files).
 
-    from ccft.evals.runner import load_task_folder
+    Task folders (``meta.json`` + ``items.MODE.jsonl``, written by ``ccft eval`` and ``ccft demo``), sweep
+    folders (``sweep.json``) and ccft 0.1 demo ``results.json`` files (``legacy_demo_summary``).
 
+    Raises:
+        ConfigError: a path that does not exist.
+    """
     evals, sweeps, seen = [], [], set()
     for root in map(Path, paths):
         if not root.exists():
-            from ccft.core.errors import ConfigError
-
             raise ConfigError(f"{root} does not exist; pass result folders written by `ccft eval` / `ccft sweep`")
         files = [root] if root.is_file() else sorted(root.rglob("*.json"))
         for f in files:
@@ -420,19 +444,16 @@ def collect_runs(paths) -> tuple[list[dict], list[dict]]:
                 data = json.loads(f.read_text())
                 if "per_row" in data and "modes" in data:
                     seen.add(f.resolve())
-                    evals.append(_legacy_summary(data, f))
+                    evals.append(legacy_demo_summary(data, f))
     return evals, sweeps
 
 
 def build_report(paths, out_dir, *, title: str = "ccft report") -> dict:
-    """Write ``out_dir/README.md``, ``out_dir/report.json`` and PNG plots from result folders; returns report.json."""
-    import json
-    import time
-    from pathlib import Path
+    """Write ``out_dir/README.md``, ``out_dir/report.json`` and PNG plots from result folders; returns report.json.
 
-    from ccft.core.checkpoint import atomic_write_text
-    from ccft.core.errors import ConfigError
-
+    Raises:
+        ConfigError: no results under ``paths``.
+    """
     evals, sweeps = collect_runs(paths)
     if not evals and not sweeps:
         raise ConfigError(f"no results under {', '.join(map(str, paths))}: expected folders written by "
@@ -479,8 +500,6 @@ def build_report(paths, out_dir, *, title: str = "ccft report") -> dict:
         md += ["## Sharing sweep", ""]
         for i, sw in enumerate(sweeps):
             md.append(sweep_markdown(sw, plots.get(f"sweep:{i}")))
-    from ccft.evals.evaluate import hardware
-
     report = {"title": title, "generated": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [str(p) for p in paths],
               "report_hardware": hardware(), "plots": plots, "plot_error": plot_error,
               "headline": [{"task": s.get("task"), "mode": mode, "primary_metric": primary_metric(s),
@@ -498,6 +517,4 @@ def build_report(paths, out_dir, *, title: str = "ccft report") -> dict:
 
 
 def _slug(s) -> str:
-    import re
-
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", str(s)).strip("-") or "task"

@@ -1,7 +1,8 @@
-"""Partial prefill sharing: the sharing ratio ρ over prompt positions and over layers (DESIGN.md §1).
+"""Partial prefill sharing: the sharing ratio ρ over prompt positions and over layers (docs/design.md, "Terms").
 
-Built only on the public primitives of ``ccft.base_cache`` / ``ccft.decoder`` (``prefill``,
-``compute_base_cache``, ``decoder_forward``); nothing here changes how PrefillShare itself runs.
+Built only on the public primitives of ``ccft.core.cache`` / ``ccft.core.decoder`` (``prefill``,
+``compute_base_cache``, ``BaseCache.from_tensors``, ``decoder_forward``); nothing here changes how
+PrefillShare itself runs.
 
 * **Over prompt positions**: per row the decoder recomputes ``k = max(h, ⌈(1−ρ)·n⌉)`` prompt tokens
   (``h`` = ``handoff_tokens``, so ρ=1 gives ``k = h``) on ``C_base`` of the first ``n−k``; ρ=0
@@ -25,14 +26,9 @@ import torch
 from ccft.core.cache import BaseCache, compute_base_cache, prefill
 from ccft.core.decoder import Decoder, decoder_forward
 from ccft.core.errors import ConfigError
-from ccft.core.tokens import IGNORE_INDEX, right_pad
+from ccft.core.tokens import IGNORE_INDEX, pad_token_id, right_pad
 
 AXES = ("positions", "layers")
-
-
-def _pad_id(tokenizer) -> int:
-    pad = tokenizer.pad_token_id
-    return pad if pad is not None else (tokenizer.eos_token_id or 0)
 
 
 def recompute_tokens(n: int, rho: float, handoff_tokens: int = 1) -> int:
@@ -60,7 +56,7 @@ def ragged_prefill(model, prefixes: Sequence[Sequence[int]], *, pad_token_id: in
                    producer: str = "base", tails: Sequence[Sequence[int]] | None = None) -> BaseCache:
     """KV cache of ``model`` over per-row prefixes of any length, including empty ones.
 
-    Unlike ``ccft.base_cache.prefill`` (one handoff k for the batch) each row keeps its own split.
+    Unlike ``ccft.core.cache.prefill`` (one handoff k for the batch) each row keeps its own split.
     A batch whose prefixes are all empty gets zero-length K/V ``(b, h, 0, d)``.
 
     Args:
@@ -101,7 +97,7 @@ def position_cache(base, prompts: Sequence[Sequence[int]], rho: float, *, handof
                    ks: Sequence[int] | None = None) -> tuple[BaseCache, list[int]]:
     """C_base over ``prompt[:n−k]`` per row at sharing ratio ρ over positions; returns (cache, ks)."""
     ks = list(ks) if ks is not None else [recompute_tokens(len(p), rho, handoff_tokens) for p in prompts]
-    pad = _pad_id(base.tokenizer)
+    pad = pad_token_id(base.tokenizer)
     prefixes = [list(p[: len(p) - k]) for p, k in zip(prompts, ks, strict=True)]
     tails = [list(p[len(p) - k:]) for p, k in zip(prompts, ks, strict=True)]
     with base.base_weights() as model:
@@ -130,7 +126,7 @@ def layer_cache(base, decoder: Decoder, prompts: Sequence[Sequence[int]], *, rho
         raise ConfigError(f"shared_layers {bad} out of range for a {L}-layer model (0..{L - 1})")
     if len(shared) == L:
         return c_base
-    own = prefill(decoder.activate(), prompts, handoff_tokens=k, pad_token_id=_pad_id(base.tokenizer),
+    own = prefill(decoder.activate(), prompts, handoff_tokens=k, pad_token_id=pad_token_id(base.tokenizer),
                   fingerprint=c_base.fingerprint, producer="self")
     keys = tuple(c_base.keys[i] if i in shared else own.keys[i] for i in range(L))
     values = tuple(c_base.values[i] if i in shared else own.values[i] for i in range(L))
@@ -154,7 +150,7 @@ def shared_forward(base, decoder: Decoder, prompts: Sequence[Sequence[int]], res
     if over not in AXES:
         raise ConfigError(f"over={over!r}; use one of {', '.join(AXES)}")
     device = next(decoder.model.parameters()).device
-    pad = _pad_id(base.tokenizer)
+    pad = pad_token_id(base.tokenizer)
     if over == "positions":
         if shared_layers is not None:
             raise ConfigError("shared_layers applies to over='layers' only")

@@ -1,11 +1,14 @@
 """Sharing sweep (PrefillShare Fig. 2): response NLL (and accuracy where cheap) against the sharing ratio ρ.
 
-For a Full-FT decoder (curve ``naive``) and a CCFT decoder (curve ``prefillshare``), at every ρ in
+The curves are the shared-prefill modes of ``ccft.core.modes`` (``Mode.shared_prefill``), each with the
+decoder that mode runs: a Full-FT decoder (curve ``naive``) and a CCFT decoder (curve ``prefillshare``).
+At every ρ in
 ``rhos`` and along each axis (``positions``, ``layers``; see ``ccft.evals.sharing``), the sweep
 scores the same items of a task: per-item response NLL per token on the reference answer, and,
 for the first ``gen_rows`` items, a greedy generation scored by the task. Two references are
-measured on the same items: ``full-ft`` (the Full-FT decoder on its own prefill: the accuracy
-reference; equal to the naive curve at ρ=0) and ``base``.
+measured on the same items: the own-prefill modes ``full-ft`` (the Full-FT decoder on its own prefill:
+the accuracy reference; equal to the naive curve at ρ=0) and ``base``. Items, prompt ids
+(``ccft.evals.prompting``), NLL (``ccft.evals.scoring``) and scores (the task's) follow the eval runner.
 
 Output folder: ``meta.json`` (task, model, data, n, hardware, settings), ``points.jsonl`` (one line
 per finished (curve, axis, ρ) point with its per-item numbers; a rerun skips finished points) and
@@ -25,17 +28,13 @@ from tqdm.auto import tqdm
 
 from ccft.core.decoder import Decoder
 from ccft.core.errors import ConfigError
-from ccft.evals.runner import (
-    append_jsonl,
-    batch_nll,
-    describe_base,
-    normalize_scores,
-    prepare,
-    read_jsonl,
-    task_description,
-    task_name,
-    task_stop,
-)
+from ccft.core.generation import generate
+from ccft.core.io import atomic_write_text
+from ccft.core.modes import MODES, REFERENCE_MODE, decoder_for_mode, get_mode
+from ccft.evals.prompting import PromptFormat
+from ccft.evals.protocol import normalize_scores, score_texts, task_description, task_name, task_stop
+from ccft.evals.results import append_jsonl, describe_base, hardware, read_jsonl
+from ccft.evals.scoring import batch_nll, prepare
 from ccft.evals.sharing import (
     AXES,
     recompute_tokens,
@@ -47,7 +46,10 @@ from ccft.evals.sharing import (
 from ccft.evals.stats import mean_ci, paired_bootstrap_delta
 
 RHOS = (0.0, 0.25, 0.5, 0.75, 1.0)
-CURVES = {"naive": "full-ft", "prefillshare": "ccft"}  # curve -> decoder method
+#: curve -> the method of the decoder it runs: every shared-prefill mode of ``ccft.core.modes``
+CURVES = {m: get_mode(m).decoder_method for m in MODES if get_mode(m).shared_prefill}
+#: the own-prefill modes measured as references, the reference mode (``full-ft``) first
+REFERENCES = tuple(sorted((m for m in MODES if not get_mode(m).shared_prefill), key=lambda m: m != REFERENCE_MODE))
 
 
 def _key(label: str, over: str | None, rho: float | None) -> str:
@@ -64,7 +66,7 @@ def _point(task, base, decoder: Decoder | None, prep, *, label: str, over: str |
         chunk = rows[s:s + batch_size]
         prompts = [prep.prompts[i] for i in chunk]
         refs = [prep.references[i] for i in chunk]
-        if over is None:  # a reference: full-ft (own prefill) or base
+        if over is None:  # a reference: an own-prefill mode (full-ft, base)
             k = decoder.handoff_tokens if decoder is not None else 1
             vals = batch_nll(label, base, decoder, prompts, refs, handoff_tokens=k)
         else:
@@ -91,13 +93,12 @@ def _point(task, base, decoder: Decoder | None, prep, *, label: str, over: str |
                 prompts = [prep.prompts[i] for i in idx]
                 kw = dict(max_new_tokens=max_new_tokens, stop=list(stop))
                 if over is None:
-                    from ccft.core.generation import generate
-
                     gens = generate(prompts, mode=label, base=base, decoder=decoder, batch_size=len(idx), **kw)
                 else:
                     gens = shared_generate(base, decoder, prompts, over=over, rho=rho, **kw)
-                for i, g in zip(idx, gens, strict=True):
-                    scores.append((i, normalize_scores(task.score(prep.items[i], g.text))))
+                raws = score_texts(task, [(prep.items[i], g.text) for i, g in zip(idx, gens, strict=True)])
+                for i, g, raw in zip(idx, gens, raws, strict=True):
+                    scores.append((i, normalize_scores(raw)))
                     texts.append((i, g.text))
             bar.update(len(chunk))
         scores.sort(key=lambda x: x[0])
@@ -111,18 +112,25 @@ def _point(task, base, decoder: Decoder | None, prep, *, label: str, over: str |
 def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, rhos: Sequence[float] = RHOS,
               axes: Sequence[str] = AXES, limit: int | None = None, batch_size: int = 8, gen_rows: int = 0,
               max_new_tokens: int | None = None, progress: bool = True, overwrite: bool = False,
-              decoder_paths: dict[str, str] | None = None, n_resamples: int = 2000) -> dict:
+              decoder_paths: dict[str, str] | None = None, n_resamples: int = 2000,
+              prompt_format: PromptFormat | None = None) -> dict:
     """Run (or resume) the sharing sweep; returns the ``sweep.json`` summary.
 
     Args:
-        decoders: ``{"naive": full_ft_decoder, "prefillshare": ccft_decoder}`` (either may be missing).
+        decoders: ``{curve: decoder}`` with curves of ``CURVES``: ``{"naive": full_ft_decoder,
+            "prefillshare": ccft_decoder}`` (either may be missing).
         rhos: sharing ratios in [0, 1]; axes: ``positions`` and/or ``layers``.
         gen_rows: items (the first ones) also generated greedily and scored by the task at each point.
+        prompt_format: the decoders' training format (``ccft.evals.prompting``); None: the task's own.
     Raises:
-        ConfigError: bad ρ / axis, no decoder, or a folder holding a sweep with other settings.
+        ConfigError: bad ρ / axis / curve, no decoder, or a folder holding a sweep with other settings.
     """
     if not decoders:
         raise ConfigError("the sweep needs a Full-FT decoder (naive curve) and/or a CCFT decoder (prefillshare curve)")
+    bad = [c for c in decoders if c not in CURVES]
+    if bad:
+        raise ConfigError(f"unknown sweep curve(s) {bad}; use {', '.join(CURVES)}")
+    by_method = {CURVES[label]: d for label, d in decoders.items()}
     bad = [a for a in axes if a not in AXES]
     if bad:
         raise ConfigError(f"unknown sharing axis {bad}; use {', '.join(AXES)}")
@@ -131,15 +139,15 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
     handoffs = {d.handoff_tokens for d in decoders.values()}
     if len(handoffs) > 1:
         raise ConfigError(f"decoders with different handoff_tokens {sorted(handoffs)}; sweep them separately")
-    from ccft.evals.evaluate import hardware
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prep = prepare(task, base.tokenizer, limit if limit is not None else getattr(task, "default_limit", None),
-                   handoffs.pop())
+                   handoffs.pop(), prompt_format)
     max_new = int(max_new_tokens or getattr(task, "max_new_tokens", None) or 256)
     settings = {"task": task_name(task), "limit": limit, "gen_rows": gen_rows, "max_new_tokens": max_new,
                 "item_ids_sha": _ids_sha(prep)}
+    if prompt_format is not None and prompt_format.applies_to(task):
+        settings["prompting"] = prompt_format.describe()
     meta_path, points_path = out / "meta.json", out / "points.jsonl"
     if overwrite:
         points_path.unlink(missing_ok=True)
@@ -155,15 +163,11 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
             "base_fingerprint": base.fingerprint, "data": task_description(task), "n_items": prep.n,
             "hardware": hardware(), "num_layers": base.config.num_hidden_layers, "decoders": desc,
             "rhos": list(rhos), "axes": list(axes), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
-    from ccft.core.checkpoint import atomic_write_text
-
     atomic_write_text(meta_path, json.dumps(meta, indent=2))
     done = {_key(p["label"], p["over"], p["rho"]): p for p in read_jsonl(points_path)}
-    plan: list[tuple[str, str | None, float | None]] = []
-    if "naive" in decoders:
-        plan.append(("full-ft", None, None))
-    plan.append(("base", None, None))
-    for label in ("naive", "prefillshare"):
+    plan: list[tuple[str, str | None, float | None]] = [
+        (m, None, None) for m in REFERENCES if not get_mode(m).needs_decoder or get_mode(m).decoder_method in by_method]
+    for label in CURVES:
         if label in decoders:
             plan += [(label, over, float(r)) for over in axes for r in rhos]
     todo = [p for p in plan if _key(*p) not in done]
@@ -172,7 +176,7 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
                desc=f"sweep {task_name(task)}", disable=not progress, dynamic_ncols=True, file=sys.stderr)
     try:
         for label, over, rho in todo:
-            dec = decoders.get(label) if label != "full-ft" else decoders["naive"]
+            dec = decoder_for_mode(label, by_method)
             bar.set_postfix_str(f"{label} {over or 'own prefill'} {'' if rho is None else f'ρ={rho:g}'}")
             point = _point(task, base, dec, prep, label=label, over=over, rho=rho, batch_size=batch_size,
                            gen_rows=gen_rows, max_new_tokens=max_new, bar=bar)
@@ -227,9 +231,9 @@ def summarize_sweep(meta: dict, points: list[dict], *, n_resamples: int = 2000, 
                                                seed=seed)
                     r["metrics"][k]["delta_vs_full_ft"] = {"delta": d["delta"], "ci": list(d["ci"]), "n": d["n"]}
         rows.append(r)
-    order = {"full-ft": 0, "base": 1, "naive": 2, "prefillshare": 3}
+    order = {m: i for i, m in enumerate(REFERENCES + tuple(CURVES))}
     rows.sort(key=lambda r: (order.get(r["label"], 9), r["over"] or "", -1 if r["rho"] is None else r["rho"]))
     return {"kind": "ccft-sweep", "meta": meta, "points": rows, "per_item": points}
 
 
-__all__ = ["RHOS", "CURVES", "run_sweep", "summarize_sweep"]
+__all__ = ["CURVES", "REFERENCES", "RHOS", "run_sweep", "summarize_sweep"]

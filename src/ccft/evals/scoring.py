@@ -1,0 +1,116 @@
+"""Teacher-forced scoring: a task's items tokenised once, and the response NLL of each under a mode.
+
+The response NLL of an item is ``− Σ_t log p(r_t | prompt, r_<t) / |r|`` over the reference answer's
+tokens plus EOS (``ccft.core.tokens.tokenize_response``; the tokens CCFT supervises, arXiv 2602.12029
+§3). Who prefills the prompt is the mode's (``ccft.core.modes``): the model itself for ``base`` /
+``full-ft`` (``full_forward``), the frozen base's ``C_base`` for ``naive`` / ``prefillshare``
+(``decoder_forward``). The handoff layout is the same in every mode: a prefix over ``prompt[:n−k]``,
+then the last ``k`` prompt tokens and the response (docs/design.md, "Terms").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ccft.core.cache import BaseCache, compute_base_cache
+from ccft.core.decoder import Decoder, decoder_forward, full_forward
+from ccft.core.errors import ConfigError
+from ccft.core.modes import check_mode
+from ccft.core.tokens import pad_token_id, tokenize_response
+from ccft.evals.prompting import PromptFormat, prompt_ids
+from ccft.evals.protocol import item_id, task_name
+from ccft.evals.sharing import row_nlls
+from ccft.train.data import Collator, Example
+
+__all__ = ["Prepared", "batch_nll", "prepare", "prompt_hash"]
+
+
+@dataclass
+class Prepared:
+    """Items of a task tokenised once: the same prompt ids and references for every mode.
+
+    Attributes:
+        items: the task's items, in its order; ids: their stable ids.
+        prompts: prompt token ids per item; references: reference response ids + EOS (None: no reference).
+    """
+
+    items: list
+    ids: list[str]
+    prompts: list[list[int]]
+    references: list[list[int] | None]
+
+    @property
+    def n(self) -> int:
+        return len(self.items)
+
+
+def prompt_hash(ids: Sequence[int]) -> str:
+    """A short hash of prompt ids (stored per item record: a resumed run must see the same prompt)."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def prepare(task, tokenizer, limit: int | None, handoff_tokens: int = 1,
+            prompt_format: PromptFormat | None = None) -> Prepared:
+    """Load and tokenise the task's first ``limit`` items (prompt ids, reference response ids + EOS).
+
+    Prompt ids follow ``ccft.evals.prompting.prompt_ids`` (``prompt_format`` None: the task's own).
+
+    Raises:
+        ConfigError: a prompt shorter than ``handoff_tokens + 1`` tokens, or item ids that are not unique.
+    """
+    items = list(task.load(limit))
+    if limit is not None:
+        items = items[:limit]
+    ids, prompts, refs = [], [], []
+    for i, item in enumerate(items):
+        ids.append(item_id(task, item, i))
+        p = prompt_ids(task, tokenizer, item, prompt_format)
+        if len(p) < handoff_tokens + 1:
+            raise ConfigError(f"task {task_name(task)} item {ids[-1]}: the prompt has {len(p)} tokens; "
+                              f"handoff_tokens={handoff_tokens} needs at least {handoff_tokens + 1}")
+        prompts.append(p)
+        ref = task.reference_text(item) if hasattr(task, "reference_text") else None
+        refs.append(tokenize_response(tokenizer, ref) if ref else None)
+    if len(set(ids)) != len(ids):
+        dup = sorted({x for x in ids if ids.count(x) > 1})[:5]
+        raise ConfigError(f"task {task_name(task)}: item ids are not unique ({dup}); resuming needs unique ids")
+    return Prepared(items, ids, prompts, refs)
+
+
+@torch.no_grad()
+def batch_nll(mode: str, base, decoder: Decoder | None, prompts: Sequence[Sequence[int]],
+              responses: Sequence[Sequence[int]], *, handoff_tokens: int = 1,
+              cache: BaseCache | None = None) -> list[tuple[float, int]]:
+    """(summed NLL in nats, token count) of each response (+ EOS) under ``mode``, one forward for the batch.
+
+    Args:
+        mode: one of ``ccft.core.modes.MODES``; decoder: the mode's decoder (None for ``base``).
+        prompts: b prompt id lists; responses: b response id lists ending with EOS.
+        cache: ``C_base`` of exactly these prompts (shared-prefill modes); computed when None.
+    Returns:
+        b pairs ``(Σ −log p, n tokens)``.
+    Raises:
+        ConfigError: the mode does not fit the decoder (``check_mode``).
+        FingerprintMismatchError: ``cache`` comes from another base or dtype (K5).
+    """
+    spec = check_mode(mode, decoder)
+    k = handoff_tokens
+    batch = Collator(pad_token_id(base.tokenizer), k)(
+        [Example(tuple(p), tuple(r)) for p, r in zip(prompts, responses, strict=True)])
+    batch = {key: v.to(base.device) for key, v in batch.items()}
+    if spec.shared_prefill:
+        if cache is None:
+            cache = compute_base_cache(base, prompts, handoff_tokens=k)
+        cache.check_reader(decoder.fingerprint, decoder.dtype)
+        logits = decoder_forward(decoder, cache, batch["tail_ids"], batch["tail_mask"])
+    elif spec.needs_decoder:  # the decoder prefills its own prompt
+        logits = full_forward(decoder, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"], batch["tail_mask"])
+    else:
+        with base.base_weights() as model:
+            logits = full_forward(model, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"],
+                                  batch["tail_mask"])
+    return row_nlls(logits, batch["labels"])
