@@ -12,11 +12,10 @@ question's last number is the answer (K7 in docs/design.md, "Fault classes").
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from ccft.evals.extract import exact_match, extract_flexible, extract_reference, extract_strict
-from ccft.evals.tasks import Item, Task
+from ccft.evals.task_base import Item, Task, read_jsonl
 from ccft.train.config import RESOURCES
 
 __all__ = ["GSM8KTask", "tasks"]
@@ -33,8 +32,7 @@ class GSM8KTask(Task):
     data: str = "src/ccft/resources/gsm8k/test.jsonl (1,319 rows)"
 
     def _load_all(self) -> list[Item]:
-        path = RESOURCES / "gsm8k" / "test.jsonl"
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = read_jsonl(RESOURCES / "gsm8k" / "test.jsonl")
         return [Item(id=f"gsm8k/test/{i}", prompt=r["question"], reference=r["answer"],
                      metadata={"answer": extract_reference(r["answer"])}) for i, r in enumerate(rows)]
 
