@@ -22,7 +22,6 @@ for them is a ``ConfigError``.
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -44,12 +43,10 @@ class PromptFormat:
     @classmethod
     def from_recipe(cls, recipe: Mapping) -> PromptFormat:
         """The format of a recipe dict (``ccft.json`` ``recipe``; missing keys take ``TrainConfig``'s defaults)."""
-        from ccft.train.config import TrainConfig
+        from ccft.train.config import TrainConfig, chat_template_flag
 
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-        value = recipe.get("chat_template", defaults["chat_template"])
-        # TrainConfig.chat_template_flag is the one parser of the recipe value ("auto" | true | false)
-        flag = TrainConfig.chat_template_flag.fget(types.SimpleNamespace(chat_template=value))
+        flag = chat_template_flag(recipe.get("chat_template", defaults["chat_template"]))  # the one parser
         return cls(flag, recipe.get("system_prompt", defaults["system_prompt"]))
 
     def applies_to(self, task) -> bool:

@@ -151,7 +151,16 @@ class TrainConfig(TrainingArguments):
     @property
     def chat_template_flag(self) -> bool | str:
         """``chat_template`` as ``ccft.core.tokens.use_chat_template`` takes it: ``"auto"``, True or False."""
-        return "auto" if self.chat_template == "auto" else self.chat_template == "true"
+        return chat_template_flag(self.chat_template)
+
+
+def chat_template_flag(value: bool | str) -> bool | str:
+    """A recipe's ``chat_template`` value (``"auto"``/``"true"``/``"false"``, or a bool as ccft 0.1 recorded
+    it in ``ccft.json``) as ``ccft.core.tokens.use_chat_template`` takes it: ``"auto"``, True or False."""
+    if isinstance(value, bool):
+        return value
+    value = str(value).strip().lower()
+    return "auto" if value == "auto" else value == "true"
 
 
 @dataclass
