@@ -23,7 +23,7 @@ from ccft.evals.sandbox_launcher import DEFAULT_PATH, decode_exit, encode_exit, 
 from ccft.evals.tasks import get_task
 
 LEVEL = str(isolation()["level"])
-LEVELS = ["basic"] + (["namespaces"] if LEVEL == "namespaces" else [])
+LEVELS = ["basic"] + ([LEVEL] if LEVEL != "basic" else [])  # basic, and namespaces (root) or userns (others)
 FAST = Limits(timeout_s=30.0, max_output_bytes=64 * 1024)  # generous: CI machines may be loaded
 
 
@@ -41,7 +41,7 @@ def test_well_behaved_program_passes(level):
 
 def test_isolation_report_names_every_guarantee():
     info = isolation()
-    assert info["level"] in ("namespaces", "basic")
+    assert info["level"] in ("namespaces", "userns", "basic")
     for key in ("network", "filesystem", "processes", "identity", "per_language", "limits"):
         assert isinstance(info[key], str) and info[key]
 
@@ -180,7 +180,7 @@ HOSTILE_COMPLETIONS = {
     "infinite loop": "    while True:\n        pass\n",
     "fork bomb": "    import os\n    while True:\n        try:\n            os.fork()\n        except OSError:\n            pass\n",
     "huge output": "    while True:\n        print('x' * 100000)\n",
-    "socket": "    import socket\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n    return False\n",
+    "socket": "    import socket\n    socket.create_connection(('127.0.0.1', 9), timeout=2)\n    return False\n",
     "write outside": "    open('/tmp/ccft-hostile-write', 'w').write('x')\n    return False\n",
     "early exit(0)": "    import sys\n    sys.exit(0)\n",
 }
@@ -249,7 +249,7 @@ def test_guard_installs_nothing_when_imported_as_a_module():
 #: programs with ``ccft.evals.execution.run_program`` (the level this user gets), checks right after
 #: each run that nothing of it is left, and prints one JSON report line.
 HARNESS = r'''
-import json, os, socket, sys, tempfile, threading
+import json, os, shutil, socket, sys, tempfile, threading
 sys.path.insert(0, sys.argv[1])
 from ccft.evals.execution import run_program
 from ccft.evals.sandbox import SandboxUnavailableError, isolation
@@ -347,6 +347,8 @@ report["accepted"] = len(accepted)
 report["outside_written"] = os.path.exists(target)
 report["secret_file"] = open(secret_file).read()
 report["secret"] = secret
+shutil.rmtree(home)
+shutil.rmtree(outside)
 print(json.dumps(report))
 '''
 
