@@ -148,3 +148,21 @@ def test_results_name_the_level_they_ran_under():
     res = sandbox.run_once({"main.py": "pass"}, [sys.executable, "main.py"])
     assert res.isolation == info["level"] == check_language("python").isolation
     assert info["level"] in ("namespaces", "userns", "basic")
+
+
+def test_forced_level_is_probed_and_named(monkeypatch):
+    """CCFT_SANDBOX_LEVEL names the one level to try; a level that does not work here is a refusal, not basic."""
+    from ccft.evals import sandbox
+
+    monkeypatch.setattr(sandbox, "_ISOLATION_CACHE", None)
+    monkeypatch.delenv(sandbox.ALLOW_ENV, raising=False)
+    monkeypatch.setenv(sandbox.LEVEL_ENV, "chroot")
+    with pytest.raises(ValueError, match="namespaces, userns, bwrap, basic"):
+        sandbox.isolation(refresh=True)
+    tried = []
+    monkeypatch.setattr(sandbox, "_probe", lambda level: tried.append(level) or False)
+    monkeypatch.setenv(sandbox.LEVEL_ENV, "bwrap")
+    info = sandbox.isolation(refresh=True)
+    assert tried == ["bwrap"] and (info["level"], info["runs_code"]) == ("basic", False)
+    with pytest.raises(sandbox.SandboxUnavailableError, match="tried: bwrap"):
+        sandbox.Sandbox()

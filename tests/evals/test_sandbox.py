@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -373,7 +374,6 @@ def _python_for(uid: int) -> str | None:
 
 def _readable_copy_of_ccft() -> str:
     """The ccft sources copied where any uid can read them (the checkout may sit in a private home)."""
-    import shutil
     import tempfile
 
     import ccft
@@ -401,16 +401,18 @@ def _processes_with(token: str) -> list[int]:
 
 
 USERS = ["root", "nobody"] if os.geteuid() == 0 else ["user"]
+#: (user, forced level): each user at the level the machine gives it; the unprivileged one also
+#: through bubblewrap (CCFT_SANDBOX_LEVEL=bwrap) where bwrap is installed.
+RUNS = [(u, None) for u in USERS] + [(USERS[-1], "bwrap")] * bool(shutil.which("bwrap", path=DEFAULT_PATH))
 
 
-@pytest.fixture(scope="module", params=USERS)
+@pytest.fixture(scope="module", params=RUNS, ids=[u + (f"-{lv}" if lv else "") for u, lv in RUNS])
 def hostile(request):
     """The harness's report for one user: ``root`` (namespaces level), ``nobody`` (uid 65534, dropped to from
-    root, the userns level) or, when the tests themselves run unprivileged, the current ``user``."""
+    root: userns, else bwrap) or, when the tests themselves run unprivileged, the current ``user``."""
     import secrets
-    import shutil
 
-    user = request.param
+    user, forced = request.param
     py = sys.executable
     kwargs: dict = {}
     if user == "nobody":
@@ -421,6 +423,8 @@ def hostile(request):
     src = _readable_copy_of_ccft()
     token = "ccft-hostile-" + secrets.token_hex(8)
     env = {"PATH": DEFAULT_PATH, "CCFT_TEST_SECRET": "ccft-secret-" + secrets.token_hex(8)}
+    if forced:
+        env["CCFT_SANDBOX_LEVEL"] = forced
     harness = os.path.join(src, "harness.py")
     Path(harness).write_text(HARNESS, encoding="utf-8")
     os.chmod(harness, 0o644)
@@ -432,7 +436,7 @@ def hostile(request):
         shutil.rmtree(src, ignore_errors=True)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
-    report["user"], report["left_after"] = user, _processes_with(token)
+    report["user"], report["forced"], report["left_after"] = user, forced, _processes_with(token)
     return report
 
 
@@ -451,11 +455,13 @@ def _contained(report) -> dict:
 
 
 def test_hostile_level_is_isolated_for_every_user(hostile):
-    """Root gets namespaces, any other user userns or a refusal (never basic without opting in)."""
+    """Root gets namespaces, any other user userns or bwrap (the one forced) or a refusal (never basic unasked)."""
     if "refused" in hostile:
         assert hostile["level"] == "basic" and "CCFT_ALLOW_UNISOLATED_CODE" in hostile["refused"]
+    elif hostile["uid"] == 0:
+        assert hostile["level"] == "namespaces"
     else:
-        assert hostile["level"] == ("namespaces" if hostile["uid"] == 0 else "userns")
+        assert hostile["level"] in ([hostile["forced"]] if hostile["forced"] else ["userns", "bwrap"])
 
 
 def test_hostile_harness_still_scores_items(hostile):

@@ -31,6 +31,12 @@ What is enforced depends on what the machine allows; :func:`isolation` reports i
     writable place. The user's home, ``/tmp``, other projects and the evaluator's ``/proc`` (its
     environment) are not there at all;
   * processes: the PID namespace as above (nothing the program starts outlives the run).
+``bwrap`` (a non-root user where ``userns`` fails but bubblewrap, ``bwrap``, is installed and works, e.g.
+setuid or allowed by an AppArmor profile; or forced with ``CCFT_SANDBOX_LEVEL=bwrap``):
+  * the same namespaces and the same new root, built by bubblewrap (``--unshare-all``,
+    ``--ro-bind`` of the system folders and the toolchain, ``--bind`` of the working directory,
+    ``--dev``, ``--proc``, ``--remount-ro /``, ``--die-with-parent``, ``--new-session``); the
+    launcher runs inside it and applies the limits.
 ``basic`` (only on explicit request: ``Sandbox(level="basic")``, ``CCFT_SANDBOX_LEVEL=basic`` or
 ``CCFT_ALLOW_UNISOLATED_CODE=1``):
   * the program runs as the evaluating user; limits below, a new session killed as a whole at the
@@ -61,6 +67,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -75,6 +82,7 @@ from ccft.core.errors import CCFTError
 from ccft.evals import sandbox_launcher
 from ccft.evals.sandbox_launcher import (
     DEFAULT_PATH,
+    SYSTEM_DIRS,
     UID_BASE,
     decode_exit,
     exposed_paths,
@@ -91,10 +99,12 @@ LAUNCHER = os.path.abspath(sandbox_launcher.__file__)
 #: The ``basic`` level's Python guard, copied as ``sitecustomize.py`` (a file, never imported here).
 GUARD = os.path.join(os.path.dirname(LAUNCHER), "sandbox_guard.py")
 #: The sandbox levels, most isolated first (see the module docstring).
-LEVELS = ("namespaces", "userns", "basic")
+LEVELS = ("namespaces", "userns", "bwrap", "basic")
+#: The levels that need a non-root user (as root the level is ``namespaces``).
+_USER_LEVELS = ("userns", "bwrap")
 #: Set to 1 to run generated code at the ``basic`` level where no isolation is available (an opt-in).
 ALLOW_ENV = "CCFT_ALLOW_UNISOLATED_CODE"
-#: Set to ``basic`` to force the ``basic`` level (also an opt-in).
+#: Set to a level to use that one (``basic`` is also an opt-in; another level is probed first).
 LEVEL_ENV = "CCFT_SANDBOX_LEVEL"
 
 
@@ -193,6 +203,13 @@ _LEVEL_INFO: dict[str, dict[str, str]] = {
                       "writable place, private /proc; the user's home and other files are not visible",
         "identity": "the evaluating user's uid in a new user namespace, no capabilities, no_new_privs",
     },
+    "bwrap": {
+        **_COMMON,
+        "filesystem": "bubblewrap: new root with system folders and the toolchain read-only, the fresh working "
+                      "directory the only writable place, private /proc; the user's home and other files are not "
+                      "visible",
+        "identity": "the evaluating user's uid in a new user namespace (bubblewrap), no capabilities",
+    },
     "basic": {
         "network": "Python only: audit hook refuses sockets; other languages: NOT isolated",
         "filesystem": "Python only: audit hook refuses writes outside the working directory; "
@@ -211,10 +228,24 @@ def unisolated_allowed() -> bool:
             or os.environ.get(LEVEL_ENV, "").strip().lower() == "basic")
 
 
+def _bwrap() -> str | None:
+    return shutil.which("bwrap", path=DEFAULT_PATH)
+
+
 def _probe(level: str) -> bool:
-    """Does the launcher's ``--probe`` run a program under ``level`` on this machine?"""
-    if not sys.platform.startswith("linux"):
+    """Does a program run under ``level`` on this machine (the launcher's ``--probe``; for ``bwrap`` a real run)?"""
+    if not sys.platform.startswith("linux") or (os.geteuid() == 0) != (level == "namespaces"):
         return False
+    if level == "bwrap":
+        if _bwrap() is None:
+            return False
+        try:
+            with Sandbox(level="bwrap") as sb:
+                res = sb.run([os.path.realpath(sys.executable), "-I", "-S", "-c", "import os; assert os.getpid() == 2"],
+                             limits=Limits(timeout_s=30))
+        except (OSError, ValueError):
+            return False
+        return res.ok
     d = os.path.realpath(tempfile.mkdtemp(prefix="ccft-probe-"))
     try:  # a throwaway process runs a program under the exact namespaces and mounts the launcher uses
         r = subprocess.run([sys.executable, "-I", "-S", LAUNCHER, "--probe", level, d],
@@ -229,27 +260,30 @@ def _probe(level: str) -> bool:
 def isolation(refresh: bool = False) -> dict[str, object]:
     """What the sandbox enforces on this machine (also written into eval results).
 
-    Returns ``{"level": "namespaces"|"userns"|"basic", "network": ..., "filesystem": ...,
+    Returns ``{"level": "namespaces"|"userns"|"bwrap"|"basic", "network": ..., "filesystem": ...,
     "processes": ..., "identity": ..., "per_language": ..., "limits": ..., "runs_code": bool,
-    "note": ...}`` with one plain-words line per guarantee. ``namespaces`` as root, ``userns`` for
-    another user, each only when its probe runs a program here; else ``basic``, where
-    ``runs_code`` is False unless the user opted in (:func:`unisolated_allowed`). The result is
-    cached; ``refresh`` probes again.
+    "note": ...}`` with one plain-words line per guarantee. ``namespaces`` as root; for another user
+    ``userns``, else ``bwrap``; each only when a program runs under it here (``LEVEL_ENV`` names the
+    one level to try). Else ``basic``, where ``runs_code`` is False unless the user opted in
+    (:func:`unisolated_allowed`). The result is cached; ``refresh`` probes again.
     """
     global _ISOLATION_CACHE
     if _ISOLATION_CACHE is not None and not refresh:
         return _ISOLATION_CACHE
-    forced = os.environ.get(LEVEL_ENV, "").strip().lower() == "basic"
-    wanted = "namespaces" if os.geteuid() == 0 else "userns"
-    level = "basic" if forced or not _probe(wanted) else wanted
+    forced = os.environ.get(LEVEL_ENV, "").strip().lower()
+    if forced and forced not in LEVELS:
+        raise ValueError(f"{LEVEL_ENV}={forced!r}; use one of {', '.join(LEVELS)}")
+    tried = [forced] if forced else ["namespaces"] if os.geteuid() == 0 else list(_USER_LEVELS)
+    level = "basic" if forced == "basic" else next((lv for lv in tried if _probe(lv)), "basic")
     info: dict[str, object] = {"level": level, **_LEVEL_INFO[level]}
     info["limits"] = "wall time, RLIMIT_AS/DATA, RLIMIT_FSIZE, RLIMIT_CPU, core 0, output cap, scrubbed env"
     info["runs_code"] = level != "basic" or unisolated_allowed()
-    if forced:
+    if forced == "basic":
         info["note"] = f"{LEVEL_ENV}=basic forces the basic level"
     elif level == "basic":
-        info["note"] = (f"the {wanted} level is not available here (unprivileged user namespaces disabled or "
-                        f"restricted, or unshare(2) refused); generated code runs only with {ALLOW_ENV}=1")
+        info["note"] = (f"no isolation is available here (tried: {', '.join(tried)}; unprivileged user namespaces "
+                        f"disabled or restricted, unshare(2) refused, no working bwrap); generated code runs only "
+                        f"with {ALLOW_ENV}=1")
     else:
         info["note"] = ""
     _ISOLATION_CACHE = info
@@ -297,7 +331,10 @@ class Sandbox:
         if self.level not in LEVELS:
             raise ValueError(f"sandbox level {self.level!r}; use one of {', '.join(LEVELS)}")
         if self.level != "basic" and (os.geteuid() == 0) != (self.level == "namespaces"):
-            raise ValueError(f"sandbox level {self.level!r} is for {'non-root users' if self.level == 'userns' else 'root'}")
+            raise ValueError(f"sandbox level {self.level!r} is for "
+                             f"{'non-root users' if self.level in _USER_LEVELS else 'root'}")
+        if self.level == "bwrap" and _bwrap() is None:
+            raise ValueError("sandbox level 'bwrap': bubblewrap (bwrap) is not installed")
         self._root = root
         self.path: Path | None = None
         self._guard_dir: Path | None = None
@@ -359,19 +396,76 @@ class Sandbox:
                "env": run_env, "argv": list(argv), "expose": exposed_paths(needs), "needs": root_paths(needs),
                "rootdir": str(self._new_root or "")}
         launcher = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)]
+        info_r = info_w = -1
+        if self.level == "bwrap":  # bubblewrap builds the namespaces; the launcher inside applies the limits
+            cfg.update(level="basic", nproc_base=len(uid_processes(os.getuid())))
+            info_r, info_w = os.pipe()
+            launcher = [*_bwrap_argv(str(self.path), cfg["needs"] + [LAUNCHER], info_w),
+                        os.path.realpath(sys.executable), "-I", "-S", LAUNCHER, json.dumps(cfg)]
         t0 = time.monotonic()
-        proc = subprocess.Popen(launcher, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                env={"PATH": DEFAULT_PATH}, cwd=str(self.path))
-        out, err, timed_out, truncated = _collect(proc, limits, stdin, namespace=self.level != "basic")
+        try:
+            proc = subprocess.Popen(launcher, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                    env={"PATH": DEFAULT_PATH}, cwd=str(self.path),
+                                    pass_fds=(info_w,) if info_w >= 0 else ())
+        finally:
+            if info_w >= 0:
+                os.close(info_w)
+        init = _bwrap_init(info_r) if info_r >= 0 else None
+        out, err, timed_out, truncated = _collect(proc, limits, stdin, namespace=self.level in ("namespaces", "userns"))
         if self.level == "namespaces":
             _reap_uid(sandbox_uid(proc.pid))
+        if init is not None:
+            _wait_pidfd(init)
         rc = proc.returncode
         if rc is not None and self.level != "basic":
             rc = decode_exit(rc)  # the launcher reports a signal death of the program as 128 + signal
         return RunResult(argv=list(argv), returncode=rc, stdout=out.decode("utf-8", "replace"),
                          stderr=err.decode("utf-8", "replace"), timed_out=timed_out, output_truncated=truncated,
                          duration_s=time.monotonic() - t0, isolation=self.level)
+
+
+def _bwrap_argv(workdir: str, needs: list[str], info_fd: int) -> list[str]:
+    """bubblewrap's command line for the ``bwrap`` level (see the module docstring), up to the command."""
+    argv = [str(_bwrap()), "--unshare-all", "--die-with-parent", "--new-session", "--info-fd", str(info_fd)]
+    shown: list[str] = []
+    for src in [*SYSTEM_DIRS, *needs]:
+        if not os.path.lexists(src) or any(src == d or src.startswith(d + "/") for d in shown):
+            continue
+        if src in SYSTEM_DIRS and os.path.islink(src):  # merged /usr: /bin -> usr/bin
+            argv += ["--symlink", os.readlink(src), src]
+        else:
+            argv += ["--ro-bind", src, src]
+        shown.append(src)
+    return argv + ["--dev", "/dev", "--proc", "/proc", "--bind", workdir, workdir, "--remount-ro", "/",
+                   "--chdir", workdir, "--"]
+
+
+def _bwrap_init(info_r: int, wait_s: float = 60.0):
+    """A pidfd of the sandbox's PID 1 from bubblewrap's ``--info-fd`` JSON (``child-pid``), or None."""
+    data = b""
+    deadline = time.monotonic() + wait_s
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(info_r, 4096) if ready else b""
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(info_r)
+    try:
+        return os.pidfd_open(int(json.loads(data)["child-pid"]))
+    except (ValueError, KeyError, OSError, AttributeError):  # no info (bwrap failed) or PID 1 already gone
+        return None
+
+
+def _wait_pidfd(pidfd: int, wait_s: float = 30.0) -> None:
+    """Wait until the process behind ``pidfd`` has exited: PID 1 of a namespace exits only after the rest of it."""
+    try:
+        select.select([pidfd], [], [], wait_s)
+    finally:
+        os.close(pidfd)
 
 
 def _reap_uid(uid: int, wait_s: float = 10.0) -> None:

@@ -17,7 +17,9 @@ the evaluating process (which has torch threads). The guarantees of each level a
   in MiB, ``memory_kind`` ``as``/``data``, ``max_procs``, ``max_file_mb`` in MiB,
   ``max_open_files``);
 * ``argv`` and ``env``: the program's command and its complete (scrubbed) environment;
-* ``expose``: ``{hidden ancestor: [child names]}`` from :func:`exposed_paths`.
+* ``expose``: ``{hidden ancestor: [child names]}`` from :func:`exposed_paths`;
+* ``needs`` (``userns``): :func:`root_paths` of the executable, the interpreter and the toolchain;
+* ``nproc_base`` (``basic`` inside bubblewrap): the user's process count outside, for ``RLIMIT_NPROC``.
 
 Exit status: the program's own, or :func:`encode_exit` of it (``128 + signal`` for a signal death),
 126 when the isolation could not be set up, 127 when the program could not be started.
@@ -396,7 +398,8 @@ def launch(cfg: dict) -> int:
     """
     level = cfg["level"]
     if level == "basic":  # same user (toolchains may live in its home), limits only
-        _set_limits(cfg["limits"], len(uid_processes(os.getuid())))
+        nproc_base = cfg.get("nproc_base")  # set by the host when this runs inside bubblewrap
+        _set_limits(cfg["limits"], len(uid_processes(os.getuid())) if nproc_base is None else int(nproc_base))
         _exec(cfg)
         return 127  # not reached
     libc = _libc()
