@@ -8,7 +8,8 @@ the evaluating process (which has torch threads). ``docs/sandbox.md`` describes 
 check them and what the tests try.
 
 What is enforced depends on what the machine allows; :func:`isolation` reports it and every
-:class:`RunResult` carries the level it ran under (``"namespaces"``, ``"userns"`` or ``"basic"``).
+:class:`RunResult` carries the level it ran under (``"namespaces"``, ``"userns"``, ``"bwrap"`` or
+``"basic"``).
 
 ``namespaces`` (running as root with ``unshare(2)`` available — CI and containers):
   * network: a new network namespace with no interfaces up — every language, no socket reaches
@@ -47,7 +48,7 @@ setuid or allowed by an AppArmor profile; or forced with ``CCFT_SANDBOX_LEVEL=bw
     calls the C library directly (ctypes) gets past it, and other languages get no network or
     filesystem isolation: :func:`isolation` says so and the eval reports it.
 
-When neither ``namespaces`` nor ``userns`` is available, :class:`Sandbox` refuses to run generated
+When no isolated level (``namespaces``, ``userns``, ``bwrap``) is available, :class:`Sandbox` refuses to run generated
 code (:class:`SandboxUnavailableError`, naming ``CCFT_ALLOW_UNISOLATED_CODE``), as human-eval's
 and lm-eval's ``code_eval`` (``HF_ALLOW_CODE_EVAL``) do.
 
@@ -157,7 +158,7 @@ class RunResult:
     timed_out: bool = False
     output_truncated: bool = False
     duration_s: float = 0.0
-    isolation: str = "basic"  # the level it ran under: namespaces | userns | basic
+    isolation: str = "basic"  # the level it ran under: namespaces | userns | bwrap | basic
 
     @property
     def ok(self) -> bool:
