@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 
 from ccft.evals.sandbox import GUARD, LAUNCHER, UID_BASE, Limits, Sandbox, isolation, run_once
-from ccft.evals.sandbox_launcher import DEFAULT_PATH, decode_exit, encode_exit, uid_processes
+from ccft.evals.sandbox_launcher import (
+    DEFAULT_PATH,
+    decode_exit,
+    encode_exit,
+    root_layout,
+    root_paths,
+    uid_processes,
+)
 from ccft.evals.tasks import get_task
 
 LEVEL = str(isolation()["level"])
@@ -228,6 +235,19 @@ def test_exit_status_of_a_signal_death_round_trips():
     assert (encode_exit(0), encode_exit(3), encode_exit(-9)) == (0, 3, 137)
     assert all(decode_exit(encode_exit(-s)) == -s for s in range(1, 65))
     assert [decode_exit(c) for c in (0, 1, 126, 127, 128, 193, 255)] == [0, 1, 126, 127, 128, 193, 255]
+
+
+def test_root_layout_shows_each_path_once():
+    """The userns/bwrap root: system folders, then the interpreter's folders, nothing inside a folder already shown."""
+    needs = root_paths([sys.executable, sys.prefix, sys.base_prefix, "/usr/bin/env"])
+    assert os.path.realpath(sys.executable) in needs and needs == sorted(needs, key=lambda p: (len(p), p))
+    layout = root_layout(needs)
+    paths = [p for p, _ in layout]
+    assert "/usr" in paths and "/usr/bin/env" not in paths and len(set(paths)) == len(paths)
+    assert all(not (a != b and b.startswith(a + "/")) for a in paths for b in paths)
+    assert all(link is None or os.readlink(p) == link for p, link in layout)
+    real = os.path.realpath(sys.executable)
+    assert any(real == p or real.startswith(p + "/") for p in paths)
 
 
 def test_uid_processes_finds_this_process():

@@ -83,10 +83,10 @@ from ccft.core.errors import CCFTError
 from ccft.evals import sandbox_launcher
 from ccft.evals.sandbox_launcher import (
     DEFAULT_PATH,
-    SYSTEM_DIRS,
     UID_BASE,
     decode_exit,
     exposed_paths,
+    root_layout,
     root_paths,
     sandbox_uid,
     uid_processes,
@@ -296,7 +296,8 @@ def _refusal(info: dict[str, object]) -> SandboxUnavailableError:
         f"sandbox: refusing to execute generated code without isolation: {info['note']}. The 'basic' level "
         f"leaves the program your user's files, environment and processes. Enable unprivileged user namespaces "
         f"(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0; on Ubuntu "
-        f"kernel.apparmor_restrict_unprivileged_userns=0) or run as root in a container, or opt in with "
+        f"kernel.apparmor_restrict_unprivileged_userns=0), install a working bubblewrap (bwrap), or run as root "
+        f"in a container; or opt in with "
         f"{ALLOW_ENV}=1 (docs/sandbox.md).")
 
 
@@ -429,15 +430,8 @@ class Sandbox:
 def _bwrap_argv(workdir: str, needs: list[str], info_fd: int) -> list[str]:
     """bubblewrap's command line for the ``bwrap`` level (see the module docstring), up to the command."""
     argv = [str(_bwrap()), "--unshare-all", "--die-with-parent", "--new-session", "--info-fd", str(info_fd)]
-    shown: list[str] = []
-    for src in [*SYSTEM_DIRS, *needs]:
-        if not os.path.lexists(src) or any(src == d or src.startswith(d + "/") for d in shown):
-            continue
-        if src in SYSTEM_DIRS and os.path.islink(src):  # merged /usr: /bin -> usr/bin
-            argv += ["--symlink", os.readlink(src), src]
-        else:
-            argv += ["--ro-bind", src, src]
-        shown.append(src)
+    for src, link in root_layout(needs):  # the same layout as the userns level's new root
+        argv += ["--symlink", link, src] if link is not None else ["--ro-bind", src, src]
     return argv + ["--dev", "/dev", "--proc", "/proc", "--bind", workdir, workdir, "--remount-ro", "/",
                    "--chdir", workdir, "--"]
 

@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["DEFAULT_PATH", "SYSTEM_DIRS", "UID_BASE", "UID_SPAN", "decode_exit", "encode_exit", "exposed_paths",
-           "launch", "probe", "sandbox_uid", "uid_processes"]
+           "launch", "probe", "root_layout", "root_paths", "sandbox_uid", "uid_processes"]
 
 # Linux constants (include/uapi/linux/sched.h, mount.h, prctl.h).
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -221,6 +221,21 @@ def root_paths(paths: list[str]) -> list[str]:
     return sorted(out, key=lambda q: (len(q), q))
 
 
+def root_layout(needs: list[str]) -> list[tuple[str, str | None]]:
+    """What the new root of the ``userns`` and ``bwrap`` levels shows read-only: ``[(path, link)]``.
+
+    :data:`SYSTEM_DIRS` and ``needs`` (:func:`root_paths`) that exist, each once (nothing inside a
+    path already shown); ``link`` is the target of a system folder that is a symbolic link (merged
+    ``/usr``: ``/bin -> usr/bin``), re-created as a link; ``None`` means bind the path.
+    """
+    shown: list[tuple[str, str | None]] = []
+    for src in [*SYSTEM_DIRS, *needs]:
+        if not os.path.lexists(src) or any(src == d or src.startswith(d + "/") for d, _ in shown):
+            continue
+        shown.append((src, os.readlink(src) if src in SYSTEM_DIRS and os.path.islink(src) else None))
+    return shown
+
+
 def _bind(libc, src: str, dst: str) -> None:
     if os.path.isdir(src):
         os.makedirs(dst, exist_ok=True)
@@ -235,16 +250,11 @@ def _build_root(libc, newroot: str, workdir: str, needs: list[str]) -> None:
     _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
     _check(libc.mount(b"tmpfs", newroot.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755,size=16m"),
            "mount the new root")
-    shown: list[str] = []
-    for src in [*SYSTEM_DIRS, *needs]:
-        if not os.path.lexists(src) or any(src == d or src.startswith(d + "/") for d in shown):
-            continue
-        dst = newroot + src
-        if src in SYSTEM_DIRS and os.path.islink(src):  # merged /usr: /bin -> usr/bin
-            os.symlink(os.readlink(src), dst)
+    for src, link in root_layout(needs):
+        if link is not None:
+            os.symlink(link, newroot + src)
         else:
-            _bind(libc, src, dst)
-        shown.append(src)
+            _bind(libc, src, newroot + src)
     dev = newroot + "/dev"
     os.makedirs(dev, exist_ok=True)
     for name in _DEVICES:
