@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from ccft.evals import execution
@@ -106,3 +108,61 @@ def test_perl_error_marker_fails_even_with_exit_zero():
         pytest.skip("perl unavailable")
     assert run_program("pl", "print \"ERROR: boom\\n\"; exit 0;").status == "failed"
     assert run_program("pl", "print \"ok\\n\"; exit 0;").status == "passed"
+
+
+# ------------------------------------------------------------------ no isolation: refuse unless opted in (K10)
+
+def test_no_isolation_refuses_generated_code_unless_opted_in(monkeypatch):
+    """Where neither namespaces nor user namespaces work, running generated code needs an explicit opt-in
+    (like HF_ALLOW_CODE_EVAL); the error names the variable, and the result says the level it ran under."""
+    from ccft.evals import sandbox
+
+    monkeypatch.setattr(sandbox, "_probe", lambda level: False)  # a machine without namespaces
+    monkeypatch.setattr(sandbox, "_ISOLATION_CACHE", None)
+    monkeypatch.delenv(sandbox.ALLOW_ENV, raising=False)
+    monkeypatch.delenv(sandbox.LEVEL_ENV, raising=False)
+    info = sandbox.isolation()
+    assert (info["level"], info["runs_code"]) == ("basic", False) and sandbox.ALLOW_ENV in str(info["note"])
+    with pytest.raises(sandbox.SandboxUnavailableError, match=sandbox.ALLOW_ENV):
+        run_program("python", "print(6 * 7)", check=False)
+    with pytest.raises(sandbox.SandboxUnavailableError, match=sandbox.ALLOW_ENV):
+        sandbox.run_once({"main.sh": "echo hi"}, ["bash", "main.sh"])
+
+    for var, value in ((sandbox.ALLOW_ENV, "1"), (sandbox.LEVEL_ENV, "basic")):
+        monkeypatch.setenv(var, value)
+        info = sandbox.isolation(refresh=True)
+        assert (info["level"], info["runs_code"]) == ("basic", True)
+        res = run_program("python", "print(6 * 7)", check=False)
+        assert (res.status, res.stdout.strip()) == ("passed", "42")
+        assert sandbox.run_once({"main.py": "pass"}, [sys.executable, "main.py"]).isolation == "basic"
+        monkeypatch.delenv(var)
+
+
+def test_results_name_the_level_they_ran_under():
+    """RunResult.isolation and Availability.isolation are the machine's level (namespaces as root, else userns)."""
+    from ccft.evals import sandbox
+
+    info = sandbox.isolation()
+    if not info["runs_code"]:
+        pytest.skip(f"no isolation here and no opt-in: {info['note']}")
+    res = sandbox.run_once({"main.py": "pass"}, [sys.executable, "main.py"])
+    assert res.isolation == info["level"] == check_language("python").isolation
+    assert info["level"] in ("namespaces", "userns", "basic")
+
+
+def test_forced_level_is_probed_and_named(monkeypatch):
+    """CCFT_SANDBOX_LEVEL names the one level to try; a level that does not work here is a refusal, not basic."""
+    from ccft.evals import sandbox
+
+    monkeypatch.setattr(sandbox, "_ISOLATION_CACHE", None)
+    monkeypatch.delenv(sandbox.ALLOW_ENV, raising=False)
+    monkeypatch.setenv(sandbox.LEVEL_ENV, "chroot")
+    with pytest.raises(ValueError, match="namespaces, userns, bwrap, basic"):
+        sandbox.isolation(refresh=True)
+    tried = []
+    monkeypatch.setattr(sandbox, "_probe", lambda level: tried.append(level) or False)
+    monkeypatch.setenv(sandbox.LEVEL_ENV, "bwrap")
+    info = sandbox.isolation(refresh=True)
+    assert tried == ["bwrap"] and (info["level"], info["runs_code"]) == ("basic", False)
+    with pytest.raises(sandbox.SandboxUnavailableError, match="tried: bwrap"):
+        sandbox.Sandbox()

@@ -224,7 +224,9 @@ def run_program(lang_name: str, source: str, *, timeout_s: float = 10.0, main_cl
 
     ``timeout_s`` bounds the run step; compile steps get ``Language.compile_timeout_s``. With
     ``check`` (default) an unavailable language returns status ``unavailable`` without running.
-    Never raises for a failing program.
+    Never raises for a failing program; raises :class:`ccft.evals.sandbox.SandboxUnavailableError`
+    when this machine gives no isolation and the user did not opt in (docs/design.md K10,
+    docs/sandbox.md).
     """
     lang = language(lang_name)
     if check:
@@ -288,7 +290,12 @@ def _version(lang: Language) -> str:
 
 
 def check_language(name: str, refresh: bool = False) -> Availability:
-    """Is ``name`` runnable here? Tools on PATH, then the probe program must pass in the sandbox."""
+    """Is ``name`` runnable here? Tools on PATH, then the probe program must pass in the sandbox.
+
+    ``Availability.isolation`` is the sandbox level the probe (and every program) runs under. Raises
+    :class:`ccft.evals.sandbox.SandboxUnavailableError` like :func:`run_program`: no isolation is not
+    an unavailable language but a refusal to run generated code at all.
+    """
     lang = language(name)
     with _AVAIL_LOCK:
         if lang.name in _AVAIL and not refresh:

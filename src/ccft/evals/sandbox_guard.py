@@ -6,7 +6,9 @@ which cannot be removed once added). The hook refuses, with ``PermissionError``:
 writing, and removing, creating, renaming, linking or changing files, outside the working directory
 (``/dev/null``, ``/dev/stdout`` and ``/dev/stderr`` excepted); sockets other than ``AF_UNIX`` and
 every connect/bind/send/name lookup; process creation, ``exec`` and signals to other processes
-(docs/design.md K10). Standard library only. Imported under any other name (as
+(docs/design.md K10). It is not isolation: a program that calls the C library through ``ctypes``
+gets past every check, which is why the ``basic`` level runs generated code only on an explicit
+opt-in (docs/sandbox.md). Standard library only. Imported under any other name (as
 ``ccft.evals.sandbox_guard``) it installs nothing.
 """
 
