@@ -28,7 +28,11 @@ def _error(body, chat: bool = False) -> APIError:
 
 @pytest.mark.parametrize("body, chat, param, message", [
     (b"{not json", False, None, "the request body is not valid JSON"),
-    (b'{"model": "\\ud800", "prompt": "x"}', False, None, "not valid JSON"),  # a lone surrogate
+    (b'{"model": "\\ud800", "prompt": "x"}', False, "model", "not valid JSON"),  # a lone surrogate, its field named
+    (b'{"model": "m", "prompt": "\\ud83d abc"}', False, "prompt", "'prompt' holds a lone UTF-16 surrogate (\\ud83d)"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "a\\udc00"}]}',
+     True, "messages[1].content", "lone UTF-16 surrogate"),
+    (b'{"model": "m", "prompt": "x", "stop": ["\\udfff"]}', False, "stop[0]", "lone UTF-16 surrogate"),
     (b"\xff\xfe", False, None, "not valid JSON"),
     (b'"text"', False, None, "the request body must be a JSON object, got string"),
     ({**PROMPT, "max_tokens": True}, False, "max_tokens", "'max_tokens' must be an integer, got boolean (true)"),
@@ -102,3 +106,9 @@ def test_reply_shapes():
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first["usage"] is None
     assert chat.chunk("", [9])["choices"][0]["delta"] == {}
     assert chat.usage_chunk(g)["choices"] == [] and chat.completion(g)["object"] == "chat.completion"
+
+
+def test_surrogate_pairs_are_text():
+    """A UTF-16 surrogate pair is the character it encodes (only a lone surrogate is refused)."""
+    r = parse_request(b'{"model": "m", "prompt": "a \\ud83d\\ude00 b"}', chat=False)
+    assert r.prompt == "a \U0001F600 b"

@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=4096, help="queued requests beyond which the server answers 503")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a chat request without one")
+    p.add_argument("--max-body-mb", type=float, default=4.0,
+                   help="longest request body (MiB); longer ones get 413 before they are read (0: no limit)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -123,7 +125,8 @@ def run(args) -> int:
     from ccft.serving.app import create_app
 
     scheduler, tokenizer = build_scheduler(args)
-    app = create_app(scheduler, tokenizer, default_max_tokens=args.default_max_tokens)
+    max_body = int(args.max_body_mb * 2 ** 20) if args.max_body_mb else None
+    app = create_app(scheduler, tokenizer, default_max_tokens=args.default_max_tokens, max_body_bytes=max_body)
     names = ", ".join(scheduler.engine.decoders)
     print(f"ccft serve: models {names} on http://{args.host}:{args.port} "
           f"({'shared prefill' if scheduler.share else 'no sharing'}, "

@@ -24,28 +24,37 @@ ccft extensions of the request: ``shared_prefix_tokens`` (how many leading promp
 context shared with other requests, ``ServeRequest.shared_len``; a placement hint only, the output
 does not depend on it), ``ignore_eos``, ``return_token_ids``, ``session_id``.
 
-Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: a malformed body or a
-missing / wrong-typed / unsupported field → 400 naming the field; an unknown model → 404 listing the
+Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: a body over
+``max_body_bytes`` → 413 (``request_too_large``), answered from the ``Content-Length`` header before
+any of the body is read (or as soon as a chunked body passes the limit); a malformed body, a
+missing / wrong-typed / unsupported field, text the tokenizer cannot encode, or control-token text
+outside a message content (``ccft.core.tokens.tokenize_prompt``) → 400 naming the field; an unknown model → 404 listing the
 served ones; a prompt that can never be served (``PromptTooLongError``, or prompt + ``max_tokens``
 beyond the model's positions) → 400 with code ``context_length_exceeded``; a full queue
 (``QueueFullError``) → 503 with ``Retry-After``; a request the engine failed → 500. When a client
 disconnects before its response is complete (streaming or not), its ticket is cancelled: the
-scheduler aborts the engine row and frees its KV (docs/design.md, fault class K9).
+scheduler aborts the engine row and frees its KV (docs/design.md, fault class K9). Every error is
+answered on the request's own connection and leaves it open (keep-alive): an exception no handler
+knows is a 500 answer, never a dropped connection (``BodyLimitAndErrors``).
 
 Threading: the scheduler loop runs in its own thread (``Scheduler.start``, started in the app's
 lifespan unless it already runs, stopped on shutdown when the app started it). Its callbacks only
-hand tokens to the asyncio loop (``ccft.serving.streaming.TokenSink``); text is decoded on the loop
-with the app's own copy of the tokenizer.
+hand tokens to the asyncio loop (``ccft.serving.streaming.TokenSink``). Request bodies are validated
+and prompts tokenized off the event loop, in one worker thread with its own copy of the tokenizer
+(``ServerState.prepare``), so a large body never stalls ``/health`` or other streams; stream text is
+decoded on the loop with another copy (linear in the output length).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ccft.serving.extra import serve_extra_missing
 
@@ -56,7 +65,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise serve_extra_missing(e) from e
 
-from ccft.core.errors import CCFTError, ConfigError
+from ccft.core.errors import CCFTError, ConfigError, DataError
 from ccft.core.tokens import tokenize_prompt
 from ccft.inference import BASE
 from ccft.serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -73,15 +82,103 @@ from ccft.serving.streaming import DONE, StreamText, TokenSink, sse_events, watc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["create_app", "ServerState"]
+__all__ = ["create_app", "ServerState", "BodyLimitAndErrors", "DEFAULT_MAX_BODY_BYTES"]
+
+#: Default limit on a request body (bytes): far above any prompt a model can take, far below what hurts.
+DEFAULT_MAX_BODY_BYTES = 4 * 2 ** 20
+
+
+class _BodyTooLarge(Exception):
+    """Raised by ``BodyLimitAndErrors``' receive channel when a chunked body passes the limit."""
+
+
+async def _send_json(send, status: int, body: dict, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class BodyLimitAndErrors:
+    """The app's outermost ASGI layer (inside Starlette's own): request-size limit and last-resort errors.
+
+    * A request whose ``Content-Length`` exceeds ``max_body_bytes`` is answered 413 at once, before any
+      of its body is read or parsed (uvicorn discards the rest of the body and keeps the connection); a
+      chunked body is counted as it arrives and answered 413 once it passes the limit.
+    * An exception that no handler answered becomes a 500 error object when no response has started,
+      or ends the started response cleanly; it is never re-raised to the server, which would close
+      the connection (docs/design.md, fault class K9: errors stay with their request).
+
+    ``on_reject(outcome)`` is called for each 413 (``"too_large"``). ``max_body_bytes=None``: no limit.
+    """
+
+    def __init__(self, app, max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES, on_reject=None):
+        self.app, self.max_body_bytes, self.on_reject = app, max_body_bytes, on_reject
+
+    def _too_large(self) -> dict:
+        if self.on_reject is not None:
+            self.on_reject("too_large")
+        return {"error": {"message": f"the request body is larger than this server's limit of {self.max_body_bytes} "
+                                     "bytes (ccft serve --max-body-mb); send a smaller request",
+                          "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        if limit is not None:
+            length = dict(scope.get("headers") or []).get(b"content-length")
+            try:
+                too_long = length is not None and int(length) > limit
+            except ValueError:
+                too_long = False  # the HTTP server refuses a malformed Content-Length itself
+            if too_long:
+                await _send_json(send, 413, self._too_large())
+                return
+        state = {"started": False, "ended": False, "received": 0}
+
+        async def send_(message) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["ended"] = True
+            await send(message)
+
+        async def receive_():
+            message = await receive()
+            if limit is not None and message["type"] == "http.request":
+                state["received"] += len(message.get("body", b""))
+                if state["received"] > limit:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, receive_, send_)
+        except _BodyTooLarge:
+            if not state["started"]:
+                await _send_json(send_, 413, self._too_large())
+        except Exception as exc:  # noqa: BLE001 - a bug: answer it, keep the connection and the server
+            log.exception("unhandled error in %s", scope.get("path"))
+            if not state["started"]:
+                await _send_json(send_, 500, {"error": {"message": f"internal error: {type(exc).__name__}: {exc}",
+                                                        "type": "server_error", "param": None, "code": None}})
+            elif not state["ended"]:
+                await send_({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class ServerState:
     """The state behind one FastAPI app (``app.state.ccft``; see ``create_app``)."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, models: dict[str, str], *, default_max_tokens: int,
-                 completions_default_max_tokens: int, max_model_len: int | None, retry_after_s: int):
+                 completions_default_max_tokens: int, max_model_len: int | None, retry_after_s: int,
+                 max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES):
         self.scheduler, self.tokenizer, self.models = scheduler, tokenizer, models
+        #: the tokenizer of the prepare thread (each copy is used by one thread only)
+        self.prompt_tokenizer = copy.deepcopy(tokenizer)
+        self.max_body_bytes = max_body_bytes
+        self._executor: ThreadPoolExecutor | None = None
         self.default_max_tokens = default_max_tokens
         self.completions_default_max_tokens = completions_default_max_tokens
         self.max_model_len, self.retry_after_s = max_model_len, retry_after_s
@@ -105,22 +202,73 @@ class ServerState:
     def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         """The prompt's token ids (``ccft.core.tokens.tokenize_prompt``; docs/design.md, "Token boundary").
 
+        A completion prompt string is tokenized as it is (control-token text included, as OpenAI-style
+        servers do); in a chat only the template's markup yields control tokens, message contents are
+        plain text (docs/design.md, fault class K9). Runs on the prepare thread (``prepare``).
+
         Raises:
-            APIError: 400 when a chat request meets a tokenizer without a chat template, or the template
-                refuses the conversation.
+            APIError: 400 naming the field: text the tokenizer cannot encode; control-token text in a
+                role, another message field or a tool schema; a chat request to a tokenizer without a
+                chat template, or a conversation the template refuses.
         """
+        tok = self.prompt_tokenizer
         if isinstance(req, CompletionRequest):
-            if isinstance(req.prompt, str):
-                return tokenize_prompt(self.tokenizer, req.prompt, chat_template=False)
-            return list(req.prompt)
-        if not getattr(self.tokenizer, "chat_template", None):
+            if not isinstance(req.prompt, str):
+                return list(req.prompt)
+            try:
+                return tokenize_prompt(tok, req.prompt, chat_template=False)
+            except Exception as e:  # noqa: BLE001 - text the tokenizer cannot encode
+                raise APIError(400, f"'prompt' cannot be tokenized ({type(e).__name__}: {e}); send valid text",
+                               param="prompt") from None
+        if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt",
                            param="messages")
         messages = [m.template_dict() for m in req.messages]
         try:
-            return tokenize_prompt(self.tokenizer, messages, chat_template=True, tools=req.tools or None)
-        except Exception as e:  # noqa: BLE001 - a template that refuses the conversation (roles, ...)
+            return tokenize_prompt(tok, messages, chat_template=True, tools=req.tools or None)
+        except DataError as e:
+            raise APIError(400, str(e), param=getattr(e, "field", None) or "messages") from None
+        except Exception as e:  # noqa: BLE001 - text the tokenizer cannot encode, or a template that refuses
+            for i, m in enumerate(req.messages):  # name the message the tokenizer cannot encode
+                try:
+                    tok(m.content, add_special_tokens=False)
+                except Exception as inner:  # noqa: BLE001
+                    raise APIError(400, f"'messages[{i}].content' cannot be tokenized ({type(inner).__name__}: "
+                                        f"{inner}); send valid text", param=f"messages[{i}].content") from None
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+
+    def prepare(self, raw: bytes, *, chat: bool) -> tuple[Any, int, str, list[int]]:
+        """(request, max_tokens, decoder, prompt ids) of a raw body: validation, model, tokenization, lengths.
+
+        CPU work on the request's text, run off the event loop (``off_loop``).
+
+        Raises:
+            APIError: 400 (invalid body or field, prompt too long), 404 (unknown model).
+        """
+        try:
+            req = parse_request(raw, chat=chat, vocab_size=self.vocab_size)
+            max_tokens = req.new_tokens(self.default_max_tokens if chat else self.completions_default_max_tokens)
+            decoder = self.resolve(req.model)
+            prompt_ids = self.prompt_ids(req)
+            self.check_length(prompt_ids, req, max_tokens)
+        except APIError as e:
+            if e.status == 400 and e.code != "context_length_exceeded":
+                self.metrics.rejected("", "invalid")
+            raise
+        return req, max_tokens, decoder, prompt_ids
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """Run ``fn`` in the app's one prepare thread (the tokenizer is used by one thread at a time)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccft-prepare")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def close(self) -> None:
+        """Stop the prepare thread (a later request starts a new one)."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
 
     def check_length(self, prompt_ids: list[int], req, max_tokens: int) -> None:
         """400 when ``shared_prefix_tokens`` exceeds the prompt or prompt + ``max_tokens`` exceed ``max_model_len``."""
@@ -161,16 +309,7 @@ class ServerState:
     # ------------------------------------------------------------------ endpoint
     async def generate(self, request: Request, *, chat: bool):
         """``POST /v1/completions`` (``chat=False``) or ``/v1/chat/completions``: JSON or an SSE stream."""
-        try:
-            req = parse_request(await request.body(), chat=chat, vocab_size=self.vocab_size)
-            max_tokens = req.new_tokens(self.default_max_tokens if chat else self.completions_default_max_tokens)
-            decoder = self.resolve(req.model)
-            prompt_ids = self.prompt_ids(req)
-            self.check_length(prompt_ids, req, max_tokens)
-        except APIError as e:
-            if e.status == 400 and e.code != "context_length_exceeded":
-                self.metrics.rejected("", "invalid")
-            raise
+        req, max_tokens, decoder, prompt_ids = await self.off_loop(self.prepare, await request.body(), chat=chat)
         model = req.model
         sink = TokenSink(asyncio.get_running_loop(), lambda t: self.metrics.finished(model, t))
         ticket = self.submit(decoder, prompt_ids, req, max_tokens, sink)
@@ -217,7 +356,8 @@ class ServerState:
 
 def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequence[str] | Mapping[str, str] | None = None,
                default_max_tokens: int = 256, completions_default_max_tokens: int = 16,
-               max_model_len: int | None = None, retry_after_s: int = 1, title: str = "ccft serve") -> FastAPI:
+               max_model_len: int | None = None, retry_after_s: int = 1, title: str = "ccft serve",
+               max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """An OpenAI-compatible FastAPI app over ``scheduler`` (see the module docstring).
 
     Args:
@@ -231,6 +371,8 @@ def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequ
         max_model_len: longest prompt + ``max_tokens`` accepted (default: the model's
             ``max_position_embeddings``).
         retry_after_s: the ``Retry-After`` header of a 503 (queue full).
+        max_body_bytes: longest request body accepted (default 4 MiB); longer ones get 413 before they
+            are read (``BodyLimitAndErrors``). ``None``: no limit.
     Raises:
         ConfigError: a served name that is not a decoder of the engine.
     """
@@ -253,7 +395,8 @@ def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequ
         max_model_len = getattr(cfg, "max_position_embeddings", None)
     state = ServerState(scheduler, tokenizer, models, default_max_tokens=int(default_max_tokens),
                         completions_default_max_tokens=int(completions_default_max_tokens),
-                        max_model_len=max_model_len, retry_after_s=int(retry_after_s))
+                        max_model_len=max_model_len, retry_after_s=int(retry_after_s),
+                        max_body_bytes=None if max_body_bytes is None else int(max_body_bytes))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -264,12 +407,15 @@ def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequ
         try:
             yield
         finally:
+            state.close()
             if state.started_scheduler:
                 scheduler.stop()
                 state.started_scheduler = False
 
     app = FastAPI(title=title, lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.ccft = state
+    app.add_middleware(BodyLimitAndErrors, max_body_bytes=state.max_body_bytes,
+                       on_reject=lambda outcome: state.metrics.rejected("", outcome))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -279,11 +425,6 @@ def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequ
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail), code=None,
                               type="invalid_request_error" if exc.status_code < 500 else "server_error")
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):  # pragma: no cover - a bug; keep serving
-        log.exception("unhandled error in %s", request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

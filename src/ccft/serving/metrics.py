@@ -37,7 +37,8 @@ class ServerMetrics:
     observation per request), ``ccft_e2e_request_latency_seconds`` (submit → end of a completed
     request). Counters: ``ccft_requests_total{model, outcome}`` with outcome ``stop`` / ``length``
     (completed, by finish reason), ``cancelled`` (client went away), ``error`` (engine failure),
-    ``queue_full``, ``prompt_too_long``, ``invalid`` (400), ``unknown_model`` (404, model "");
+    ``queue_full``, ``prompt_too_long``, ``invalid`` (400), ``too_large`` (413, model ""),
+    ``unknown_model`` (404, model "");
     ``ccft_prompt_tokens_total`` and ``ccft_generation_tokens_total`` by model. Read from the
     scheduler at scrape time: gauges ``ccft_queue_depth``, ``ccft_active_requests``,
     ``ccft_live_kv_bytes`` (``Scheduler.live_bytes``), ``ccft_prefix_store_bytes``,

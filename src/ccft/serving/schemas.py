@@ -17,8 +17,10 @@ The ccft extensions of the request (``shared_prefix_tokens``, ``ignore_eos``, ``
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -58,9 +60,19 @@ class APIError(Exception):
 
 def error_response(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    """The OpenAI-shaped error response ``{"error": {"message", "type", "param", "code"}}``."""
-    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+    """The OpenAI-shaped error response ``{"error": {"message", "type", "param", "code"}}``.
+
+    ``message`` and ``param`` may quote the request; a lone surrogate there is written as its ``\\uXXXX``
+    escape, so an error about hostile text can always be sent (docs/design.md, fault class K9)."""
+    return JSONResponse({"error": {"message": _sendable(message), "type": type, "param": _sendable(param),
+                                   "code": code}}, status_code=status, headers=headers)
+
+
+def _sendable(text: str | None) -> str | None:
+    """``text`` with lone surrogates (not encodable as UTF-8) replaced by their backslash escapes."""
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def json_type(v: Any) -> str:
@@ -357,13 +369,50 @@ def parse_request(raw: bytes | str, *, chat: bool, vocab_size: int | None = None
 
     Raises:
         APIError: 400 naming the first field that does not validate (``param``), or the body when it
-            is not a JSON object.
+            is not a JSON object; a string holding a lone UTF-16 surrogate (``"\\ud83d"``, text no
+            tokenizer can encode) is refused naming its field (docs/design.md, fault class K9).
     """
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
         return model.model_validate_json(raw, context={"vocab_size": vocab_size})
     except ValidationError as e:
-        raise _api_error(e.errors(include_url=False)[0]) from None
+        err = e.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            found = _lone_surrogate(raw)
+            if found is not None:
+                path, char = found
+                raise APIError(400, f"'{path}' holds a lone UTF-16 surrogate (\\u{ord(char):04x}), which is not "
+                                    "valid JSON text for this server; send the character itself or a surrogate "
+                                    "pair", param=path) from None
+        raise _api_error(err) from None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(raw: bytes | str) -> tuple[str, str] | None:
+    """(field path, surrogate) of the first string (key or value) of ``raw`` holding a lone surrogate, if the
+    body is JSON once lone surrogates are allowed (Python's ``json`` allows them; pydantic does not)."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    stack: deque[tuple[Any, tuple]] = deque([(value, ())])  # breadth first: the first field in document order
+    while stack:
+        v, loc = stack.popleft()
+        if isinstance(v, str):
+            m = _SURROGATE.search(v)
+            if m:
+                return _param(loc) or "(body)", m.group()
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                m = _SURROGATE.search(k)
+                if m:
+                    return _param(loc + (k,)), m.group()
+                stack.append((item, loc + (k,)))
+        elif isinstance(v, list):
+            stack.extend((item, loc + (j,)) for j, item in enumerate(v))
+    return None
 
 
 # ---------------------------------------------------------------------------------------- responses
