@@ -21,21 +21,61 @@ from ccft.core.errors import ConfigError
 from ccft.core.fingerprint import check_compatible
 
 
+def reader_dtype(model) -> torch.dtype:
+    """The dtype ``model`` computes in: the autocast dtype when autocast is on for its device, else the
+    dtype of its first parameter (``Decoder.dtype``'s rule; for LoRA the base's, not the adapters')."""
+    if isinstance(model, Decoder):
+        model = model.model
+    param = next(model.parameters())
+    if torch.is_autocast_enabled(param.device.type):
+        return torch.get_autocast_dtype(param.device.type)
+    return param.dtype
+
+
+def check_cache_reader(model, cache: BaseCache, *, fingerprint: str | None = None, allow_self: bool = False) -> None:
+    """Refuse, before any compute, a prefix cache ``model`` must not read (docs/design.md, "C_base" and K5).
+
+    Args:
+        model: a ``Decoder`` (its base fingerprint is checked) or a plain module (the fingerprint only when
+            ``fingerprint`` is given: a bare module does not know its base).
+        cache: the prefix cache it is about to read.
+        fingerprint: the reader's base fingerprint; default: ``model.fingerprint`` for a ``Decoder``.
+        allow_self: accept a cache a model wrote over its own prompt (``producer != "base"``); default: C_base only.
+    Raises:
+        CacheMutatedError: a tensor of ``cache`` was written in place since it was made.
+        FingerprintMismatchError: ``cache`` was computed by another base, in another dtype than the reader
+            computes in (``reader_dtype``), or written by a decoder (unless ``allow_self``).
+    """
+    cache.check_unmodified()
+    if fingerprint is None and isinstance(model, Decoder):
+        fingerprint = model.fingerprint
+    cache.check_reader(cache.fingerprint if fingerprint is None else fingerprint, reader_dtype(model),
+                       allow_self=allow_self)
+
+
 def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: torch.Tensor | None = None,
-                    *, check: bool = True) -> torch.Tensor:
+                    *, check: bool = True, fingerprint: str | None = None, allow_self: bool = False) -> torch.Tensor:
     """Logits of a decoder over the handoff tokens + response, conditioned on a prefix cache.
+
+    The CCFT forward (PrefillShare, arXiv 2602.12029, §3): the decoder reads ``C_base(prompt[:n-k])`` and
+    computes ``prompt[n-k:] + response``. The cache is checked before any compute (``check_cache_reader``).
 
     Args:
         model: the decoder (``PreTrainedModel`` or ``PeftModel``), or ``Decoder``.
         cache: ``C_base`` for the same rows (``ccft.compute_base_cache``).
         tail_ids: ``(b, t)`` = ``prompt[n-k:] + response (+ EOS)``, right-padded.
         tail_mask: ``(b, t)``, 1 on real tokens (default: all ones).
+        check: also re-check after the forward that nothing wrote into the cache.
+        fingerprint: the reader's base fingerprint when ``model`` is a bare module (a ``Decoder`` knows its own).
+        allow_self: read a cache a model wrote over its own prompt (studies of sharing ratios; not C_base).
     Returns:
         logits ``(b, t, v)``: position j predicts tail token j+1. Positions continue each row's real
         prompt length: row i's first tail token is at position ``cache.lengths[i]``.
     Raises:
-        CacheMutatedError: C_base was written in place.
+        FingerprintMismatchError: the cache comes from another base, another dtype, or a decoder (K5).
+        CacheMutatedError: C_base was written in place (before or during the forward; docs/design.md, K1).
     """
+    check_cache_reader(model, cache, fingerprint=fingerprint, allow_self=allow_self)
     if isinstance(model, Decoder):
         model = model.activate()
     device = tail_ids.device
