@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ccft.core.decoder import Decoder
+from ccft.core.decoder import Decoder, check_second_adapter
 from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.fingerprint import check_compatible
 from ccft.core.io import atomic_write_dir, atomic_write_text  # noqa: F401 - atomic_write_text re-exported
@@ -95,7 +95,9 @@ def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | tor
         dtype: load dtype (default: the one recorded, else float32).
         adapter_name: name for a LoRA adapter (default: the folder name), so several decoders share one base.
     Raises:
-        ConfigError: not a decoder folder.
+        ConfigError: not a decoder folder; a LoRA decoder whose ``modules_to_save`` holds the tied embedding,
+            onto a base that already carries adapters (PEFT would untie its ``lm_head``; load it onto a base of
+            its own).
         FingerprintMismatchError: ``base`` is not the base the decoder was trained on.
         IncompatibleModelError: a full-weight decoder whose shape cannot read the base's KV.
     """
@@ -115,6 +117,11 @@ def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | tor
         from peft import PeftModel
 
         name = adapter_name or path.name.replace(".", "_") or "default"
+        try:
+            saved = json.loads((path / "adapter_config.json").read_text()).get("modules_to_save")
+        except (OSError, ValueError):
+            saved = None
+        check_second_adapter(base, saved, f"decoder {path}")
         if base.adapter_hosts:
             host = base.adapter_hosts[0]
             if name in host.peft_config:  # loading would silently overwrite another decoder's adapter (K1)

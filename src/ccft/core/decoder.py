@@ -158,6 +158,38 @@ class Decoder:
         return self.model(*args, **kwargs)
 
 
+def tied_modules_to_save(base, modules_to_save) -> list[str]:
+    """The entries of a LoRA ``modules_to_save`` that name the base's tied input/output embedding (else ``[]``).
+
+    Such an adapter carries its own copy of the shared embedding matrix, which PEFT ties back to ``lm_head``
+    only when the adapter is the first one injected into the model (``PeftModel.from_pretrained``)."""
+    if not modules_to_save or not getattr(base.model.config, "tie_word_embeddings", False):
+        return []
+    model = base.model
+    embeddings = {id(m) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    names = [n for n, m in model.named_modules() if id(m) in embeddings]
+    return [t for t in modules_to_save if any(n == t or n.endswith("." + t) for n in names)]
+
+
+def check_second_adapter(base, modules_to_save, what: str) -> None:
+    """Refuse a LoRA adapter that saves the tied embedding when ``base`` already hosts adapters.
+
+    PEFT injects a second adapter into the existing host without re-tying ``lm_head`` to the adapter's
+    embedding copy: the decoder would come back with an untied ``lm_head`` (logits off by tens, no
+    warning). Loaded as the first adapter of a base, the same folder is exact.
+
+    Raises:
+        ConfigError: naming the modules and the fix (a base of its own: ``ccft.load_base`` again).
+    """
+    tied = tied_modules_to_save(base, modules_to_save)
+    if tied and base.adapter_hosts:
+        raise ConfigError(
+            f"{what} saves the tied embedding ({', '.join(tied)} in modules_to_save) and base {base.name} already "
+            "carries LoRA adapters: PEFT would load it with an untied lm_head (wrong logits). Load it onto a "
+            "base of its own (ccft.load_decoder(path, base=ccft.load_base(...)), a fresh base per such decoder), "
+            "or train without modules_to_save on the embedding")
+
+
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -170,7 +202,8 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
         lora: ``peft.LoraConfig`` fields (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
             ``init_lora_weights``...). Default: r=16, alpha=32, attention and MLP projections.
     Raises:
-        ConfigError: unknown kind.
+        ConfigError: unknown kind, or a LoRA config whose ``modules_to_save`` holds the tied embedding on a
+            base that already carries adapters (``check_second_adapter``).
     """
     if kind == "full":
         from transformers.integrations import is_deepspeed_zero3_enabled
@@ -191,6 +224,7 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
         cfg = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": DEFAULT_LORA_TARGETS,
                "task_type": "CAUSAL_LM"}
         cfg.update(lora or {})
+        check_second_adapter(base, cfg.get("modules_to_save"), f"LoRA decoder {adapter_name!r}")
         if base.adapter_hosts:
             host = base.adapter_hosts[0]
             host.add_adapter(adapter_name, LoraConfig(**cfg))
