@@ -78,12 +78,28 @@ def save_decoder(decoder: Decoder, path: str | Path, *, state_dict: dict | None 
 
 
 def read_meta(path: str | Path) -> dict:
-    """``ccft.json`` of a decoder folder; ConfigError if the folder or file is missing."""
+    """``ccft.json`` of a decoder folder.
+
+    Raises:
+        ConfigError: ``path`` is a file or has no ``ccft.json``, or ``ccft.json`` is not a UTF-8 JSON object
+            (``FILE:LINE:COL`` in the message).
+    """
+    if Path(path).is_file():
+        raise ConfigError(f"{path} is a file; a decoder is a folder (HF or PEFT files plus {META_FILE})")
     f = Path(path) / META_FILE
     if not f.is_file():
         raise ConfigError(f"{path} is not a ccft decoder folder ({META_FILE} missing); "
                           "train one with `ccft train` or save one with ccft.save_decoder")
-    return json.loads(f.read_text())
+    try:
+        meta = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{f}: not UTF-8 text (byte {e.start}); the decoder folder is damaged") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); the decoder folder is damaged, "
+                          "save it again") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{f}:1: {META_FILE} holds a JSON object, got {type(meta).__name__}")
+    return meta
 
 
 def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | torch.dtype | None = None,
