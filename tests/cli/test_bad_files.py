@@ -142,6 +142,8 @@ CASES = {
                                 [], r"output_dir 'parent/run' lies under 'parent', which is a file"),
     "base_cache_store is a file": (lambda d: (_file_at("store")(d), _append("base_cache_store: store")(d)), [],
                                    r"base_cache_store 'store' is an existing file"),
+    "resume_from_checkpoint that is a file": (lambda d: (_file_at("ckpt")(d), _append("resume_from_checkpoint: ckpt")(d)),
+                                              [], r"resume_from_checkpoint 'ckpt' is not a checkpoint folder \(a file\)"),
     "store with a broken manifest": (_corrupt_store, [], r"store is not a C_base store"),
     "base is a file": (lambda d: (_file_at("weights.bin")(d), _recipe_line("base: ", "base: weights.bin  # ")(d)),
                        [], r"base 'weights.bin' is a file"),

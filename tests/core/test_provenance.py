@@ -254,7 +254,7 @@ def test_trainer_refuses_a_store_of_another_base(world, store, tmp_path):
 # ------------------------------------------------------------------ evals (their public API)
 
 SHARING_FIX = ("ccft.evals.sharing computes C_base before checking the reader: it needs "
-               "ccft.core.generation.check_base_reader(base, decoder) first (see the report of issue #14, files14)")
+               "ccft.core.decoder.check_base_reader(base, decoder) first (see the report of issue #14, files14)")
 
 
 @pytest.mark.parametrize("other", ["foreign", "bf16"])
@@ -309,4 +309,4 @@ def test_sweep_refuses_a_decoder_of_another_base_before_compute(world, other, tm
         forwards.close()
     if forwards.calls:
         pytest.xfail("ccft.evals.sweep runs the base/decoder before the reader check: run_sweep needs "
-                     "ccft.core.generation.check_base_reader(base, decoder) for each decoder up front")
+                     "ccft.core.decoder.check_base_reader(base, decoder) for each decoder up front")

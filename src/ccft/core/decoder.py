@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ccft.core.cache import BaseCache, allow_readonly_cache_under_checkpointing, cache_kwarg
-from ccft.core.errors import ConfigError
+from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.fingerprint import check_compatible
 
 
@@ -51,6 +51,22 @@ def check_cache_reader(model, cache: BaseCache, *, fingerprint: str | None = Non
         fingerprint = model.fingerprint
     cache.check_reader(cache.fingerprint if fingerprint is None else fingerprint, reader_dtype(model),
                        allow_self=allow_self)
+
+
+def check_base_reader(base, decoder: Decoder) -> None:
+    """Refuse, before any compute, a decoder that would read C_base computed by ``base`` (K5).
+
+    Raises:
+        FingerprintMismatchError: ``decoder`` was conditioned on another base, or computes in another dtype.
+    """
+    if decoder.fingerprint != base.fingerprint:
+        raise FingerprintMismatchError(
+            f"the decoder was conditioned on base {decoder.fingerprint} but C_base would be computed by base "
+            f"{base.fingerprint}; pass the decoder's base model")
+    if reader_dtype(decoder) != base.dtype:
+        raise FingerprintMismatchError(
+            f"C_base would be computed in {base.dtype} but the decoder computes in {reader_dtype(decoder)}; load "
+            "the base and the decoder in one dtype")
 
 
 def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: torch.Tensor | None = None,

@@ -19,8 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ccft.core.cache import BaseCache, cache_kwarg, compute_base_cache, prefill
-from ccft.core.decoder import Decoder, check_cache_reader, reader_dtype
-from ccft.core.errors import FingerprintMismatchError
+from ccft.core.decoder import Decoder, check_base_reader, check_cache_reader
 from ccft.core.modes import MODES, check_mode  # noqa: F401 - MODES re-exported
 from ccft.core.sampling import SamplingParams, select_tokens
 from ccft.core.text import StopMatcher
@@ -105,22 +104,6 @@ def decode_on_cache(model, tokenizer, cache: BaseCache, *, max_new_tokens: int =
         text = texts[i] if texts[i] is not None else tokenizer.decode(out_ids[i], skip_special_tokens=True)
         result.append(Generation(text=text, token_ids=out_ids[i], finish_reason=reason[i] or "length"))
     return result
-
-
-def check_base_reader(base, decoder: Decoder) -> None:
-    """Refuse, before any compute, a decoder that would read C_base computed by ``base`` (K5).
-
-    Raises:
-        FingerprintMismatchError: ``decoder`` was conditioned on another base, or computes in another dtype.
-    """
-    if decoder.fingerprint != base.fingerprint:
-        raise FingerprintMismatchError(
-            f"the decoder was conditioned on base {decoder.fingerprint} but C_base would be computed by base "
-            f"{base.fingerprint}; pass the decoder's base model")
-    if reader_dtype(decoder) != base.dtype:
-        raise FingerprintMismatchError(
-            f"C_base would be computed in {base.dtype} but the decoder computes in {reader_dtype(decoder)}; load "
-            "the base and the decoder in one dtype")
 
 
 def generate(prompts: Sequence[Sequence[int]], *, mode: str, base=None, decoder: Decoder | None = None,

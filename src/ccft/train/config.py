@@ -154,8 +154,15 @@ class TrainConfig(TrainingArguments):
 
     @property
     def chat_template_flag(self) -> bool | str:
-        """``chat_template`` as ``ccft.core.tokens.use_chat_template`` takes it: ``"auto"``, True or False."""
-        return "auto" if self.chat_template == "auto" else self.chat_template == "true"
+        """``chat_template`` as ``ccft.core.tokens.use_chat_template`` takes it: ``"auto"``, True or False.
+
+        Accepts the parsed text (``auto``/``true``/``false``) and the raw values a recorded recipe may hold (YAML
+        booleans)."""
+        value = self.chat_template
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        return "auto" if text == "auto" else text == "true"
 
 
 @dataclass
@@ -289,9 +296,14 @@ def _key_lines(text: str) -> tuple[dict[str, int], dict[str, int]]:
 def check_paths(cfg: "TrainConfig", where: str = "config") -> None:
     """Refuse (``ConfigError``, before any model loads) output and store paths that cannot be written.
 
-    ``output_dir`` and ``base_cache_store`` must be folders or not exist yet, under a writable folder (no
-    existing file anywhere on the way); a local ``base`` path must be a model folder.
+    ``output_dir`` and ``base_cache_store`` must be folders or not exist yet, under a writable
+    folder (no existing file anywhere on the way); ``resume_from_checkpoint`` must be an existing folder; a local
+    ``base`` path must be a model folder.
     """
+    resume = getattr(cfg, "resume_from_checkpoint", None)
+    if isinstance(resume, str) and resume and not Path(resume).is_dir():
+        raise ConfigError(f"{where}: resume_from_checkpoint {resume!r} is not a checkpoint folder "
+                          f"({'a file' if Path(resume).exists() else 'it does not exist'})")
     for key in ("output_dir", "base_cache_store"):
         value = getattr(cfg, key, None)
         if not value:
