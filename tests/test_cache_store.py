@@ -12,6 +12,7 @@ import torch
 from ccft import load_base
 from ccft.cli.main import main
 from ccft.core.cache import prefill_tensors
+from ccft.core.errors import FingerprintMismatchError
 from ccft.train.cache_store import (
     MANIFEST,
     CacheStore,
@@ -131,7 +132,8 @@ def test_a_store_of_another_base_or_dtype_is_stale_and_never_served(tmp_path, ti
     ids = list(ds.examples[0].prompt_ids[:-1])
     assert entry_key(tiny_base.fingerprint, torch.float32, ids) in store
     assert entry_key(other.fingerprint, torch.float32, ids) not in store
-    assert store.batch_cache(batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :1], base=other) is None
+    with pytest.raises(FingerprintMismatchError, match="computed by base"):
+        store.batch_cache(batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :1], base=other)
     rebuilt = precompute(other, ds.examples, path, log=quiet)
     assert rebuilt.stale and "fingerprint" in rebuilt.stale and rebuilt.reused == 0
     assert CacheStore(path).fingerprint == other.fingerprint

@@ -53,32 +53,32 @@ def test_bad_recipe_files(tmp_path):
 
     listing = tmp_path / "list.yaml"
     listing.write_text("- max_steps: 3\n- lora_r: 4\n")
-    with pytest.raises(ConfigError, match=r"list\.yaml: a recipe is a mapping"):
+    with pytest.raises(ConfigError, match=r"list\.yaml:1: a recipe is a mapping of keys to values, got list"):
         load_recipe(listing)
 
     scalar = tmp_path / "scalar.yaml"
     scalar.write_text("just a string\n")
-    with pytest.raises(ConfigError, match=r"scalar\.yaml: a recipe is a mapping"):
+    with pytest.raises(ConfigError, match=r"scalar\.yaml:1: a recipe is a mapping of keys to values, got str"):
         load_recipe(scalar)
 
     broken = tmp_path / "broken.yaml"
     broken.write_text("max_steps: [1, 2\nlora_r: 4\n")
-    with pytest.raises(ConfigError, match=r"broken\.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"broken\.yaml:2:\d+: not valid YAML"):
         load_recipe(broken)
 
     typo = tmp_path / "typo.yaml"
     typo.write_text("# ccft train typo.yaml\nlora_alpah: 8\n")
-    with pytest.raises(ConfigError, match=r"typo\.yaml: unknown key 'lora_alpah'.*did you mean 'lora_alpha'"):
+    with pytest.raises(ConfigError, match=r"typo\.yaml:2: unknown key 'lora_alpah'.*did you mean 'lora_alpha'"):
         load_recipe(typo)
 
     bad_eval = tmp_path / "bad_eval.yaml"
     bad_eval.write_text("eval:\n  em_rowz: 5\n")
-    with pytest.raises(ConfigError, match=r"bad_eval\.yaml \(eval section\): unknown key 'em_rowz'"):
+    with pytest.raises(ConfigError, match=r"bad_eval\.yaml:2: unknown key 'em_rowz'"):
         load_recipe(bad_eval)
 
     bad_data = tmp_path / "bad_data.yaml"
     bad_data.write_text(f"train_data: {tmp_path / 'missing.jsonl'}\n")
-    with pytest.raises(ConfigError, match=r"bad_data\.yaml: train_data: .*missing\.jsonl"):
+    with pytest.raises(ConfigError, match=r"bad_data\.yaml:1: train_data: .*missing\.jsonl"):
         load_recipe(bad_data)
 
 

@@ -200,3 +200,60 @@ def test_loaded_lora_decoders_with_same_folder_name_do_not_overwrite(tiny_base, 
     assert _real_diff(got_a, got_b, tails) > 1e-2
     with pytest.raises(ccft.ConfigError, match="adapter_name='math' is already used"):
         ccft.load_decoder(tmp_path / "b" / "final", base=tiny_base, adapter_name="math")
+
+
+# ------------------------------------------------------------------ modules_to_save on a tied embedding
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory, tokenizer):
+    """A tiny Llama whose lm_head is its input embedding (tie_word_embeddings=True)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    path = tmp_path_factory.mktemp("tied_base")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _embedding_decoder(base, seed: int, name: str = "default"):
+    """A LoRA decoder that also trains (saves) the tied embedding, tied back to lm_head (PEFT ensure_weight_tying)."""
+    torch.manual_seed(seed)
+    dec = ccft.make_decoder(base, "lora", method="ccft", adapter_name=name,
+                            lora={"r": 2, "init_lora_weights": False, "modules_to_save": ["embed_tokens"],
+                                  "ensure_weight_tying": True})
+    with torch.no_grad():
+        for n, p in dec.model.named_parameters():
+            if "modules_to_save" in n and f".{name}." in n:
+                p.add_(torch.randn(p.shape))
+    dec.model.eval()
+    return dec
+
+
+def test_tied_embedding_adapter_loads_exactly_onto_its_own_base_and_is_refused_as_a_second(tied_dir, tmp_path):
+    """A LoRA decoder with modules_to_save on the tied embedding: exact as the first adapter of a base; as a
+    second adapter PEFT would untie its lm_head (logits off by tens, silently), so load_decoder and
+    make_decoder refuse it with a message naming the fix."""
+    tok_ids = torch.tensor([[1, 20, 300, 4000, 50, 6]])
+    base = ccft.load_base(str(tied_dir))
+    dec = _embedding_decoder(base, 0)
+    with torch.no_grad():
+        want = dec.model(input_ids=tok_ids).logits
+    path = ccft.save_decoder(dec, tmp_path / "emb")
+
+    own = ccft.load_decoder(path, base=ccft.load_base(str(tied_dir)))  # the first adapter of a fresh base
+    with torch.no_grad():
+        assert torch.equal(own.activate()(input_ids=tok_ids).logits, want)
+
+    used = ccft.load_base(str(tied_dir))
+    _embedding_decoder(used, 1, name="other")  # the base already serves a decoder
+    with pytest.raises(ccft.ConfigError, match=r"tied embedding .*already carries LoRA adapters.*base of its own"):
+        ccft.load_decoder(path, base=used)
+    with pytest.raises(ccft.ConfigError, match=r"tied embedding"):
+        _embedding_decoder(used, 2, name="third")
+    # An ordinary adapter (no embedding copy) still shares the used base.
+    plain = ccft.make_decoder(used, "lora", method="ccft", adapter_name="plain", lora={"r": 2})
+    assert plain.model is used.adapter_hosts[0]

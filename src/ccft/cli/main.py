@@ -1,8 +1,14 @@
-"""``ccft`` entry point: ``ccft {train,eval,demo,report,sweep,precompute,bench,serve} ...``."""
+"""``ccft`` entry point: ``ccft {train,eval,demo,report,sweep,precompute,bench,serve} ...``.
+
+Errors ccft raises on purpose (``CCFTError``) and files it cannot read or write end the command with one
+line on stderr, ``ccft CMD: error: ...`` naming the file (and line), and exit status 2; set ``CCFT_DEBUG=1``
+for the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ccft.core.errors import CCFTError
@@ -32,9 +38,21 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides or []) + unknown
     try:
         return int(args.func(args) or 0)
-    except CCFTError as e:
-        print(f"ccft {args.command}: error: {e}", file=sys.stderr)
+    except (CCFTError, OSError, UnicodeError) as e:
+        # A bad recipe, data file, path or folder: one line naming the file (and line), exit status 2.
+        # OSError/UnicodeError are files the command could not read or write. CCFT_DEBUG=1 shows the traceback.
+        if os.environ.get("CCFT_DEBUG"):
+            raise
+        print(f"ccft {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
+
+
+def one_line(error: BaseException) -> str:
+    """The message of ``error`` on one line (line breaks of nested messages become "; ")."""
+    text = str(error).strip() or type(error).__name__
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        text = f"{error.filename}: {error.strerror}"
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
+    from ccft.core.errors import ConfigError
     from ccft.core.models import load_base, parse_dtype, resolve_model_path
     from ccft.train.cache_store import (
         bytes_per_token,
@@ -43,16 +44,15 @@ def run(args) -> int:
         prefixes_of,
     )
     from ccft.train.config import load_recipe
-    from ccft.train.run import load_split
+    from ccft.train.run import check_run
 
     cfg, _, _ = load_recipe(args.recipe, args.overrides)
     out = Path(args.out or cfg.base_cache_store or Path(cfg.output_dir) / "c_base")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"store {str(out)!r} is an existing file, not a folder; choose another --out")
+    train, ev = check_run(cfg, store=False)
+    examples = list(train.examples) + (list(ev.examples) if ev is not None else [])
     path = resolve_model_path(cfg.base)
-    tok = AutoTokenizer.from_pretrained(path)
-    train = load_split(cfg.train_data, tok, cfg, cfg.train_rows, cfg.data_offset)
-    examples = list(train.examples)
-    if cfg.eval_data:
-        examples += list(load_split(cfg.eval_data, tok, cfg, cfg.eval_rows).examples)
     config = AutoConfig.from_pretrained(path)
     dtype = parse_dtype(cfg.dtype)
     prefixes = prefixes_of(examples, cfg.handoff_tokens)

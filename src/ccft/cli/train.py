@@ -17,7 +17,9 @@ def add_parser(sub) -> None:
     p.add_argument("recipe", nargs="?", help="recipe YAML (recipes/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in output_dir")
-    p.add_argument("--dry-run", action="store_true", help="validate the recipe and data, then stop")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the recipe, data files, base tokenizer, output_dir and store, then stop "
+                        "(nothing is written)")
     p.add_argument("--help-config", action="store_true", help="list the ccft fields of TrainConfig")
     p.add_argument("--num-processes", type=int, default=None,
                    help="launch N processes through accelerate (data parallel; CPU processes use gloo)")
@@ -47,15 +49,12 @@ def run(args) -> int:
             argv += ["--no-resume"] if args.no_resume else []
             return relaunch(argv, num_processes=args.num_processes, config_file=args.accelerate_config)
     if args.dry_run:
-        from transformers import AutoTokenizer
+        from ccft.train.run import check_run
 
-        from ccft.core.models import resolve_model_path
-        from ccft.train.run import load_split
-
-        tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.base))
-        ds = load_split(cfg.train_data, tok, cfg, cfg.train_rows, cfg.data_offset)
+        ds, ev = check_run(cfg)
+        evals = f", eval rows={len(ev)}" if ev is not None else ""
         print(f"[ccft] recipe OK: method={cfg.method} decoder={cfg.decoder_kind} base={cfg.base} "
-              f"train rows={len(ds)} (dropped {ds.dropped_too_long} > max_length={cfg.max_length})")
+              f"train rows={len(ds)} (dropped {ds.dropped_too_long} > max_length={cfg.max_length}){evals}")
         return 0
     from ccft.train.run import run_training
 

@@ -34,6 +34,12 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+#: Producers whose cache a decoder may read as its prefix without ``allow_self`` (docs/design.md, "C_base", K5):
+#: ``base`` (C_base) and ``mixed``, the layer-sharing study's cache of C_base layers and the reading decoder's
+#: own layers (``ccft.evals.sharing.layer_cache``, built from C_base of the same fingerprint).
+PREFIX_PRODUCERS = ("base", "mixed")
+
+
 @dataclass(frozen=True, eq=False)
 class BaseCache:
     """An immutable prompt-prefix KV cache produced by one base model.
@@ -146,8 +152,15 @@ class BaseCache:
                 and torch.equal(self.tail_ids, other.tail_ids))
 
     def check_reader(self, fingerprint: str, dtype: torch.dtype, *, allow_self: bool = False) -> None:
-        """Refuse a reader conditioned on another base, of another dtype, or a cache a decoder wrote (K5)."""
-        if self.producer != "base" and not allow_self:
+        """Refuse a reader conditioned on another base, of another dtype, or a cache a decoder wrote (K5).
+
+        Args:
+            fingerprint: the reader's base fingerprint; dtype: the dtype it computes in.
+            allow_self: accept producers other than those in ``PREFIX_PRODUCERS`` (a model's own prefill).
+        Raises:
+            FingerprintMismatchError: naming the producer, both fingerprints or both dtypes, and the fix.
+        """
+        if self.producer not in PREFIX_PRODUCERS and not allow_self:
             raise FingerprintMismatchError(
                 f"this cache was written by {self.producer!r}, not by the base model; decoders read only C_base "
                 "(compute it with ccft.compute_base_cache)")
@@ -282,4 +295,4 @@ def compute_base_cache(base, prompts: Sequence[Sequence[int]], *, handoff_tokens
                        fingerprint=base.fingerprint, producer="base")
 
 
-__all__ = ["BaseCache", "PrefixCache", "compute_base_cache", "prefill", "prefill_tensors", "cache_kwarg"]
+__all__ = ["PREFIX_PRODUCERS", "BaseCache", "PrefixCache", "compute_base_cache", "prefill", "prefill_tensors", "cache_kwarg"]

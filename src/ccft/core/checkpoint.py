@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ccft.core.decoder import Decoder
+from ccft.core.decoder import Decoder, check_second_adapter
 from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.fingerprint import check_compatible
 from ccft.core.io import atomic_write_dir, atomic_write_text  # noqa: F401 - atomic_write_text re-exported
@@ -78,12 +78,28 @@ def save_decoder(decoder: Decoder, path: str | Path, *, state_dict: dict | None 
 
 
 def read_meta(path: str | Path) -> dict:
-    """``ccft.json`` of a decoder folder; ConfigError if the folder or file is missing."""
+    """``ccft.json`` of a decoder folder.
+
+    Raises:
+        ConfigError: ``path`` is a file or has no ``ccft.json``, or ``ccft.json`` is not a UTF-8 JSON object
+            (``FILE:LINE:COL`` in the message).
+    """
+    if Path(path).is_file():
+        raise ConfigError(f"{path} is a file; a decoder is a folder (HF or PEFT files plus {META_FILE})")
     f = Path(path) / META_FILE
     if not f.is_file():
         raise ConfigError(f"{path} is not a ccft decoder folder ({META_FILE} missing); "
                           "train one with `ccft train` or save one with ccft.save_decoder")
-    return json.loads(f.read_text())
+    try:
+        meta = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{f}: not UTF-8 text (byte {e.start}); the decoder folder is damaged") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); the decoder folder is damaged, "
+                          "save it again") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{f}:1: {META_FILE} holds a JSON object, got {type(meta).__name__}")
+    return meta
 
 
 def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | torch.dtype | None = None,
@@ -95,7 +111,9 @@ def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | tor
         dtype: load dtype (default: the one recorded, else float32).
         adapter_name: name for a LoRA adapter (default: the folder name), so several decoders share one base.
     Raises:
-        ConfigError: not a decoder folder.
+        ConfigError: not a decoder folder; a LoRA decoder whose ``modules_to_save`` holds the tied embedding,
+            onto a base that already carries adapters (PEFT would untie its ``lm_head``; load it onto a base of
+            its own).
         FingerprintMismatchError: ``base`` is not the base the decoder was trained on.
         IncompatibleModelError: a full-weight decoder whose shape cannot read the base's KV.
     """
@@ -115,6 +133,11 @@ def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | tor
         from peft import PeftModel
 
         name = adapter_name or path.name.replace(".", "_") or "default"
+        try:
+            saved = json.loads((path / "adapter_config.json").read_text()).get("modules_to_save")
+        except (OSError, ValueError):
+            saved = None
+        check_second_adapter(base, saved, f"decoder {path}")
         if base.adapter_hosts:
             host = base.adapter_hosts[0]
             if name in host.peft_config:  # loading would silently overwrite another decoder's adapter (K1)

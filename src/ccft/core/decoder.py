@@ -17,25 +17,81 @@ from typing import Any
 import torch
 
 from ccft.core.cache import BaseCache, allow_readonly_cache_under_checkpointing, cache_kwarg
-from ccft.core.errors import ConfigError
+from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.fingerprint import check_compatible
 
 
+def reader_dtype(model) -> torch.dtype:
+    """The dtype ``model`` computes in: the autocast dtype when autocast is on for its device, else the
+    dtype of its first parameter (``Decoder.dtype``'s rule; for LoRA the base's, not the adapters')."""
+    if isinstance(model, Decoder):
+        model = model.model
+    param = next(model.parameters())
+    if torch.is_autocast_enabled(param.device.type):
+        return torch.get_autocast_dtype(param.device.type)
+    return param.dtype
+
+
+def check_cache_reader(model, cache: BaseCache, *, fingerprint: str | None = None, allow_self: bool = False) -> None:
+    """Refuse, before any compute, a prefix cache ``model`` must not read (docs/design.md, "C_base" and K5).
+
+    Args:
+        model: a ``Decoder`` (its base fingerprint is checked) or a plain module (the fingerprint only when
+            ``fingerprint`` is given: a bare module does not know its base).
+        cache: the prefix cache it is about to read.
+        fingerprint: the reader's base fingerprint; default: ``model.fingerprint`` for a ``Decoder``.
+        allow_self: accept a cache a model wrote over its own prompt (``producer != "base"``); default: C_base only.
+    Raises:
+        CacheMutatedError: a tensor of ``cache`` was written in place since it was made.
+        FingerprintMismatchError: ``cache`` was computed by another base, in another dtype than the reader
+            computes in (``reader_dtype``), or written by a decoder (unless ``allow_self``).
+    """
+    cache.check_unmodified()
+    if fingerprint is None and isinstance(model, Decoder):
+        fingerprint = model.fingerprint
+    cache.check_reader(cache.fingerprint if fingerprint is None else fingerprint, reader_dtype(model),
+                       allow_self=allow_self)
+
+
+def check_base_reader(base, decoder: Decoder) -> None:
+    """Refuse, before any compute, a decoder that would read C_base computed by ``base`` (K5).
+
+    Raises:
+        FingerprintMismatchError: ``decoder`` was conditioned on another base, or computes in another dtype.
+    """
+    if decoder.fingerprint != base.fingerprint:
+        raise FingerprintMismatchError(
+            f"the decoder was conditioned on base {decoder.fingerprint} but C_base would be computed by base "
+            f"{base.fingerprint}; pass the decoder's base model")
+    if reader_dtype(decoder) != base.dtype:
+        raise FingerprintMismatchError(
+            f"C_base would be computed in {base.dtype} but the decoder computes in {reader_dtype(decoder)}; load "
+            "the base and the decoder in one dtype")
+
+
 def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: torch.Tensor | None = None,
-                    *, check: bool = True) -> torch.Tensor:
+                    *, check: bool = True, fingerprint: str | None = None, allow_self: bool = False) -> torch.Tensor:
     """Logits of a decoder over the handoff tokens + response, conditioned on a prefix cache.
+
+    The CCFT forward (PrefillShare, arXiv 2602.12029, §3): the decoder reads ``C_base(prompt[:n-k])`` and
+    computes ``prompt[n-k:] + response``. The cache is checked before any compute (``check_cache_reader``).
 
     Args:
         model: the decoder (``PreTrainedModel`` or ``PeftModel``), or ``Decoder``.
         cache: ``C_base`` for the same rows (``ccft.compute_base_cache``).
         tail_ids: ``(b, t)`` = ``prompt[n-k:] + response (+ EOS)``, right-padded.
         tail_mask: ``(b, t)``, 1 on real tokens (default: all ones).
+        check: also re-check after the forward that nothing wrote into the cache.
+        fingerprint: the reader's base fingerprint when ``model`` is a bare module (a ``Decoder`` knows its own).
+        allow_self: read a cache a model wrote over its own prompt (studies of sharing ratios; not C_base).
     Returns:
         logits ``(b, t, v)``: position j predicts tail token j+1. Positions continue each row's real
         prompt length: row i's first tail token is at position ``cache.lengths[i]``.
     Raises:
-        CacheMutatedError: C_base was written in place.
+        FingerprintMismatchError: the cache comes from another base, another dtype, or a decoder (K5).
+        CacheMutatedError: C_base was written in place (before or during the forward; docs/design.md, K1).
     """
+    check_cache_reader(model, cache, fingerprint=fingerprint, allow_self=allow_self)
     if isinstance(model, Decoder):
         model = model.activate()
     device = tail_ids.device
@@ -118,6 +174,38 @@ class Decoder:
         return self.model(*args, **kwargs)
 
 
+def tied_modules_to_save(base, modules_to_save) -> list[str]:
+    """The entries of a LoRA ``modules_to_save`` that name the base's tied input/output embedding (else ``[]``).
+
+    Such an adapter carries its own copy of the shared embedding matrix, which PEFT ties back to ``lm_head``
+    only when the adapter is the first one injected into the model (``PeftModel.from_pretrained``)."""
+    if not modules_to_save or not getattr(base.model.config, "tie_word_embeddings", False):
+        return []
+    model = base.model
+    embeddings = {id(m) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    names = [n for n, m in model.named_modules() if id(m) in embeddings]
+    return [t for t in modules_to_save if any(n == t or n.endswith("." + t) for n in names)]
+
+
+def check_second_adapter(base, modules_to_save, what: str) -> None:
+    """Refuse a LoRA adapter that saves the tied embedding when ``base`` already hosts adapters.
+
+    PEFT injects a second adapter into the existing host without re-tying ``lm_head`` to the adapter's
+    embedding copy: the decoder would come back with an untied ``lm_head`` (logits off by tens, no
+    warning). Loaded as the first adapter of a base, the same folder is exact.
+
+    Raises:
+        ConfigError: naming the modules and the fix (a base of its own: ``ccft.load_base`` again).
+    """
+    tied = tied_modules_to_save(base, modules_to_save)
+    if tied and base.adapter_hosts:
+        raise ConfigError(
+            f"{what} saves the tied embedding ({', '.join(tied)} in modules_to_save) and base {base.name} already "
+            "carries LoRA adapters: PEFT would load it with an untied lm_head (wrong logits). Load it onto a "
+            "base of its own (ccft.load_decoder(path, base=ccft.load_base(...)), a fresh base per such decoder), "
+            "or train without modules_to_save on the embedding")
+
+
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -130,7 +218,8 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
         lora: ``peft.LoraConfig`` fields (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
             ``init_lora_weights``...). Default: r=16, alpha=32, attention and MLP projections.
     Raises:
-        ConfigError: unknown kind.
+        ConfigError: unknown kind, or a LoRA config whose ``modules_to_save`` holds the tied embedding on a
+            base that already carries adapters (``check_second_adapter``).
     """
     if kind == "full":
         from transformers.integrations import is_deepspeed_zero3_enabled
@@ -151,6 +240,7 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
         cfg = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": DEFAULT_LORA_TARGETS,
                "task_type": "CAUSAL_LM"}
         cfg.update(lora or {})
+        check_second_adapter(base, cfg.get("modules_to_save"), f"LoRA decoder {adapter_name!r}")
         if base.adapter_hosts:
             host = base.adapter_hosts[0]
             host.add_adapter(adapter_name, LoraConfig(**cfg))

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ccft.core.cache import BaseCache, cache_kwarg, compute_base_cache, prefill
-from ccft.core.decoder import Decoder
+from ccft.core.decoder import Decoder, check_base_reader, check_cache_reader
 from ccft.core.modes import MODES, check_mode  # noqa: F401 - MODES re-exported
 from ccft.core.sampling import SamplingParams, select_tokens
 from ccft.core.text import StopMatcher
@@ -42,11 +42,23 @@ class Generation:
 @torch.no_grad()
 def decode_on_cache(model, tokenizer, cache: BaseCache, *, max_new_tokens: int = 256,
                     stop: Sequence[str] | str | None = None, do_sample: bool = False, temperature: float = 1.0,
-                    top_p: float = 1.0, seed: int = 0) -> list[Generation]:
+                    top_p: float = 1.0, seed: int = 0, fingerprint: str | None = None,
+                    allow_self: bool = True) -> list[Generation]:
     """Decode up to ``max_new_tokens`` per row with ``model`` on a prefix cache (one token per step).
 
     Stop strings and EOS are handled per row; the text is cut before the first stop string.
+
+    Args:
+        model: a bare module or a ``Decoder`` (its adapter is activated, its base fingerprint checked).
+        cache: the prefix cache ``(b, h, p, d)`` per layer with ``tail_ids (b, k)``.
+        fingerprint: the reader's base fingerprint for a bare module (checked when given).
+        allow_self: accept a cache a model wrote over its own prompt (the ``base`` / ``full-ft`` modes do).
+    Raises:
+        FingerprintMismatchError, CacheMutatedError: before any compute (``ccft.core.decoder.check_cache_reader``).
     """
+    check_cache_reader(model, cache, fingerprint=fingerprint, allow_self=allow_self)
+    if isinstance(model, Decoder):
+        model = model.activate()
     stop = StopMatcher(stop)
     params = SamplingParams(do_sample, temperature, top_p, seed)
     device = next(model.parameters()).device
@@ -111,10 +123,17 @@ def generate(prompts: Sequence[Sequence[int]], *, mode: str, base=None, decoder:
         one ``Generation`` per prompt, in order; ``finish_reason == "length"`` marks a truncated row.
     Raises:
         ConfigError: unknown mode or a mode that does not match the decoder's method.
-        FingerprintMismatchError: ``cache`` comes from another base or dtype.
+        FingerprintMismatchError: ``cache`` comes from another base or dtype or was written by a decoder, or
+            ``base`` is not the decoder's base (fingerprint or dtype); raised before any compute (K5).
+        CacheMutatedError: ``cache`` was written in place.
     """
     spec = check_mode(mode, decoder)
     base = base if base is not None else decoder.base
+    if spec.shared_prefill:
+        if cache is not None:
+            check_cache_reader(decoder, cache)
+        else:
+            check_base_reader(base, decoder)
     k = handoff_tokens or (decoder.handoff_tokens if decoder is not None else 1)
     tok = base.tokenizer
     pad = pad_token_id(tok)

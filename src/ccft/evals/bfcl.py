@@ -229,12 +229,25 @@ def tasks() -> list[Task]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ccft.evals.bfcl setup [VENV]``: create the BFCL checker environment."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "setup":
-        print("usage: python -m ccft.evals.bfcl setup [VENV_DIR]", file=sys.stderr)
-        return 2
-    print(setup_checker_env(argv[1] if len(argv) > 1 else None))
+    """``python -m ccft.evals.bfcl setup [VENV_DIR]``: create the BFCL checker environment.
+
+    Returns the exit status: 0 done (``--help`` included), 2 bad arguments or a ``VENV_DIR`` that is an
+    existing file (one line on stderr).
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ccft.evals.bfcl",
+                                     description="BFCL v3 'multiple' tool-calling checker environment.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    setup = sub.add_parser("setup", help="create the checker virtual environment (bfcl-eval, pinned)",
+                           description="Create a virtual environment with the pinned BFCL checker "
+                                       f"({', '.join(CHECKER_PINS)}) and print its python.")
+    setup.add_argument("venv", nargs="?", default=None,
+                       help=f"folder of the virtual environment (default: {_REPO / '.venv-bfcl'})")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.venv is not None and Path(args.venv).exists() and not Path(args.venv).is_dir():
+        parser.exit(2, f"{parser.prog} setup: error: {args.venv} is an existing file, not a folder\n")
+    print(setup_checker_env(args.venv))
     return 0
 
 

@@ -39,7 +39,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ccft.core.errors import CCFTError
+from ccft.core.errors import CacheMutatedError, CCFTError, FingerprintMismatchError
 from ccft.core.io import atomic_write_file, atomic_write_text
 from ccft.core.tokens import pad_token_id
 
@@ -141,11 +141,17 @@ class StoreReport:
 class CacheStore:
     """An opened C_base store (read side): memory-mapped shards, lookups by prefix ids.
 
-    Raises StoreError when the folder has no valid manifest.
+    Args:
+        path: the store folder (``ccft precompute``).
+        verify: ``"sha256"`` (default) checks each shard's size and sha256 against the manifest when it is
+            first opened, ``"size"`` only its size.
+    Raises:
+        StoreError: the folder has no valid manifest.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, verify: str = "sha256"):
         self.path = Path(path)
+        self.verify = verify
         mf = self.path / MANIFEST
         try:
             self.manifest = json.loads(mf.read_text())
@@ -161,6 +167,18 @@ class CacheStore:
         self.hits = 0
         self.misses = 0
 
+    def check_reader(self, base) -> None:
+        """Refuse (``FingerprintMismatchError``) a ``ccft.Base`` that did not compute this store, or that
+        computes in another dtype (docs/design.md, "C_base", K5): its entries would be another model's K/V."""
+        if base.fingerprint != self.fingerprint:
+            raise FingerprintMismatchError(
+                f"C_base store {self.path} was computed by base {self.fingerprint} but the run's base is "
+                f"{base.fingerprint}; run `ccft precompute RECIPE` with this base (it rebuilds the store)")
+        if base.dtype != self.dtype:
+            raise FingerprintMismatchError(
+                f"C_base store {self.path} holds {self.dtype} K/V but the run's base computes in {base.dtype}; "
+                "run `ccft precompute RECIPE` with the run's dtype (it rebuilds the store)")
+
     def __contains__(self, key: str) -> bool:
         return key in self.index
 
@@ -172,6 +190,11 @@ class CacheStore:
         if handle is None:
             from safetensors import safe_open
 
+            if check_shards(self.path, {"shards": {name: self.manifest["shards"][name]}}, verify=self.verify):
+                raise CacheMutatedError(
+                    f"C_base store shard {self.path / name} is missing or changed since it was written (size, "
+                    f"sha256 or keys differ from {MANIFEST}); C_base is a constant. Run `ccft precompute RECIPE` "
+                    "to recompute its entries")
             handle = safe_open(str(self.path / name), framework="pt", device="cpu")  # mmap
             self._handles[name] = handle
         return handle
@@ -192,11 +215,15 @@ class CacheStore:
             prefix_ids, prefix_mask: ``(b, p)`` left-padded, as ``ccft.train.data.Collator`` makes them.
             tail_ids: ``(b, k)`` the handoff tokens.
             base: the ``ccft.Base`` the trainer uses; its fingerprint and dtype must match the store's.
+        Returns:
+            ``BaseCache`` with keys/values ``(b, h, p, d)`` per layer (producer ``base``), or None.
+        Raises:
+            FingerprintMismatchError: the store was computed by another base or in another dtype (K5).
+            CacheMutatedError: a shard the batch reads changed on disk since it was written.
         """
         from ccft.core.cache import BaseCache
 
-        if base.fingerprint != self.fingerprint or base.dtype != self.dtype:
-            return None
+        self.check_reader(base)
         b, p = prefix_ids.shape
         lengths = prefix_mask.sum(-1).tolist()
         rows = []
@@ -383,7 +410,9 @@ def open_store_for_training(path: str | Path, base, train_set, *, handoff_tokens
         print(msg, file=sys.stderr, flush=True)
 
     precompute(base, examples, path, handoff_tokens=handoff_tokens, verify=verify, log=log)
-    return CacheStore(path)
+    store = CacheStore(path, verify=verify)
+    store.check_reader(base)
+    return store
 
 
 __all__ = ["CacheStore", "StoreError", "StoreReport", "precompute", "open_store_for_training", "estimate_bytes",

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -58,6 +59,9 @@ def resolve_data(spec: str, columns: dict | None = None) -> tuple[str, dict | No
             raise ConfigError(f"dataset {spec!r}: unknown split {split!r}; use one of "
                               f"{[k for k in ds if k != 'columns']}")
         return str(ds[split]), columns if columns is not None else ds["columns"]
+    if Path(spec).is_dir():
+        raise ConfigError(f"data {spec!r} is a directory; give a .jsonl/.json file or a built-in dataset "
+                          f"({', '.join(BUILTIN_DATASETS)}; e.g. gsm8k:train)")
     if not Path(spec).is_file():
         raise ConfigError(f"data {spec!r} is neither a built-in dataset ({', '.join(BUILTIN_DATASETS)}"
                           "; e.g. gsm8k:train) nor an existing .jsonl/.json file")
@@ -260,17 +264,69 @@ def _parse_value(cls, key: str, value: Any, where: str) -> Any:
     return one(value)
 
 
-def _validate(raw: dict, cls, where: str) -> dict:
-    """Check every key of ``raw`` against ``cls``'s fields and convert its value (``_parse_value``)."""
+def _validate(raw: dict, cls, where: str, lines: dict[str, int] | None = None) -> dict:
+    """Check every key of ``raw`` against ``cls``'s fields and convert its value (``_parse_value``).
+
+    ``lines``: the recipe line of each key (``FILE:LINE`` in the messages); keys set by an override have none."""
     fields = [f.name for f in dataclasses.fields(cls) if f.init]
     out = {}
     for key, value in raw.items():
+        at = f"{where}:{lines[key]}" if lines and key in lines else where
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{where}: unknown key {key!r}{hint} (see `ccft train --help-config` for the fields)")
-        out[key] = _parse_value(cls, key, value, where)
+            raise ConfigError(f"{at}: unknown key {key!r}{hint} (see `ccft train --help-config` for the fields)")
+        out[key] = _parse_value(cls, key, value, at)
     return out
+
+
+def _key_lines(text: str) -> tuple[dict[str, int], dict[str, int]]:
+    """The 1-based line of each top-level key of a YAML mapping, and of each key of its ``eval`` section."""
+    top: dict[str, int] = {}
+    sub: dict[str, int] = {}
+    node = yaml.compose(text)
+    if not isinstance(node, yaml.MappingNode):
+        return top, sub
+    for k, v in node.value:
+        if isinstance(k, yaml.ScalarNode):
+            top[str(k.value)] = k.start_mark.line + 1
+            if k.value == "eval" and isinstance(v, yaml.MappingNode):
+                sub.update({str(kk.value): kk.start_mark.line + 1 for kk, _ in v.value if isinstance(kk, yaml.ScalarNode)})
+    return top, sub
+
+
+def check_paths(cfg: "TrainConfig", where: str = "config") -> None:
+    """Refuse (``ConfigError``, before any model loads) output and store paths that cannot be written.
+
+    ``output_dir`` and ``base_cache_store`` must be folders or not exist yet, under a writable
+    folder (no existing file anywhere on the way); ``resume_from_checkpoint`` must be an existing folder; a local
+    ``base`` path must be a model folder.
+    """
+    resume = getattr(cfg, "resume_from_checkpoint", None)
+    if isinstance(resume, str) and resume and not Path(resume).is_dir():
+        raise ConfigError(f"{where}: resume_from_checkpoint {resume!r} is not a checkpoint folder "
+                          f"({'a file' if Path(resume).exists() else 'it does not exist'})")
+    for key in ("output_dir", "base_cache_store"):
+        value = getattr(cfg, key, None)
+        if not value:
+            continue
+        path = Path(value)
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{where}: {key} {str(path)!r} is an existing file, not a folder; choose another "
+                              f"{key} or move the file")
+        parent = path
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ConfigError(f"{where}: {key} {str(path)!r} lies under {str(parent)!r}, which is a file")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"{where}: {key} {str(path)!r}: {str(parent)!r} is not writable by this user")
+    base = Path(str(cfg.base))
+    if base.exists() and not base.is_dir():
+        raise ConfigError(f"{where}: base {str(base)!r} is a file; give a model folder (config.json, weights, "
+                          "tokenizer), an embedded model name or a hub id")
+    if base.is_dir() and not (base / "config.json").is_file():
+        raise ConfigError(f"{where}: base folder {str(base)!r} has no config.json; give a Hugging Face model folder")
 
 
 def parse_overrides(overrides: list[str] | None) -> dict:
@@ -308,24 +364,44 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
     """
     raw: dict[str, Any] = {}
     where = "config"
+    lines: dict[str, int] = {}
+    eval_lines: dict[str, int] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"recipe {p} is a directory; give a recipe .yaml file (see recipes/ for examples)")
         if not p.is_file():
             raise ConfigError(f"recipe {p} does not exist; see recipes/ for examples")
         where = str(p)
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason}); save the recipe as UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"recipe {p} cannot be read: {e.strerror}") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+            lines, eval_lines = _key_lines(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            at = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{at}: not valid YAML: {problem}") from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"{p}: a recipe is a mapping of keys to values")
+            raise ConfigError(f"{p}:1: a recipe is a mapping of keys to values, got {type(raw).__name__}")
+        if "eval" in raw and raw["eval"] is not None and not isinstance(raw["eval"], dict):
+            raise ConfigError(f"{p}:{lines.get('eval', 1)}: `eval` is a mapping of eval keys to values")
     ov = parse_overrides(overrides)
+    for key in ov:
+        lines.pop(key, None)
     eval_raw = dict(raw.pop("eval", None) or {})
+    for key in ov.get("eval", {}):
+        eval_lines.pop(key, None)
     eval_raw.update(ov.pop("eval", {}))
     raw.update(ov)
     raw.update(extra)
-    train_kw = _validate(raw, TrainConfig, where)
-    eval_kw = _validate(eval_raw, EvalConfig, f"{where} (eval section)")
+    train_kw = _validate(raw, TrainConfig, where, lines)
+    eval_kw = _validate(eval_raw, EvalConfig, f"{where} (eval section)" if not eval_lines else where, eval_lines)
     train_kw.setdefault("report_to", "none")
     try:
         (cfg,) = _parser(TrainConfig)[0].parse_dict(train_kw)
@@ -340,6 +416,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
             try:
                 resolve_data(getattr(cfg, key), cfg.columns)
             except ConfigError as e:
-                raise ConfigError(f"{where}: {key}: {e}") from None
+                at = f"{where}:{lines[key]}" if key in lines else where
+                raise ConfigError(f"{at}: {key}: {e}") from None
+    check_paths(cfg, where)
     merged = dict(train_kw, eval=eval_kw)
     return cfg, ecfg, merged

@@ -73,24 +73,77 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
 # ---------------------------------------------------------------- loading rows
 
-def load_rows(source: Any, columns: dict[str, str] | None = None, limit: int | None = None) -> list[dict]:
+def read_data_file(path: str | Path) -> tuple[list[dict], list[int]]:
+    """Rows of a ``.jsonl`` (one JSON object a line) or ``.json`` (a list of objects) file, and each row's line.
+
+    Returns:
+        (rows, lines): ``lines[i]`` is the 1-based line of row i (the line the object starts on for ``.json``).
+    Raises:
+        DataError: naming ``FILE:LINE`` for a missing file, a directory, bytes that are not UTF-8, a line that
+            is not JSON, or a row that is not a JSON object.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"data file {path} is a directory; give a .jsonl/.json file")
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist; give a .jsonl/.json path or a list of rows")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8") from None
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+        if not isinstance(rows, list):
+            raise DataError(f"{path}:1: a .json data file holds a list of row objects, got {type(rows).__name__}")
+        starts = _json_row_lines(text, len(rows))
+    else:
+        rows, starts = [], []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}:{e.colno}: not valid JSON: {e.msg} (a .jsonl file holds one JSON "
+                                "object a line)") from None
+            starts.append(n)
+    for row, n in zip(rows, starts, strict=True):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{n}: a row must be a JSON object, got {type(row).__name__}")
+    return rows, starts
+
+
+def _json_row_lines(text: str, n: int) -> list[int]:
+    # The line each top-level element of a JSON list starts on (raw_decode walks the list element by element).
+    dec = json.JSONDecoder()
+    lines, pos = [], text.index("[") + 1
+    for _ in range(n):
+        while text[pos] in " \t\r\n,":
+            pos += 1
+        lines.append(text.count("\n", 0, pos) + 1)
+        _, pos = dec.raw_decode(text, pos)
+    return lines
+
+
+def load_rows(source: Any, columns: dict[str, str] | None = None, limit: int | None = None,
+              offset: int = 0) -> list[dict]:
     """Rows from a list of dicts, a ``.jsonl``/``.json`` path, or a ``datasets.Dataset``.
 
     Args:
         columns: rename mapping ``{"prompt": "question", "response": "answer"}`` (ccft name -> source column).
-        limit: keep the first ``limit`` rows.
+        limit: keep the first ``limit`` rows (after skipping ``offset`` rows).
     Raises:
-        DataError: unreadable file, unknown source type, or a mapped column that is missing.
+        DataError: unreadable file (``FILE:LINE``, see ``read_data_file``), unknown source type, a row that is
+            not a mapping, or a mapped column that is missing.
     """
+    where = row_locations(source)
     if isinstance(source, (str, Path)):
-        path = Path(source)
-        if not path.is_file():
-            raise DataError(f"data file {path} does not exist; give a .jsonl/.json path or a list of rows")
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".json":
-            rows = json.loads(text)
-        else:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        rows, _ = read_data_file(source)
     elif isinstance(source, list):
         rows = source
     elif hasattr(source, "to_list") and hasattr(source, "column_names"):  # datasets.Dataset
@@ -98,20 +151,39 @@ def load_rows(source: Any, columns: dict[str, str] | None = None, limit: int | N
     else:
         raise DataError(f"unsupported data source of type {type(source).__name__}; "
                         "pass a list of dicts, a .jsonl/.json path or a datasets.Dataset")
-    if limit is not None:
-        rows = rows[:limit]
+    rows = rows[offset: offset + limit if limit is not None else None]
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise DataError(f"{where(offset + i)}: a row must be a mapping, got {type(row).__name__}")
     if columns:
         out = []
         for i, row in enumerate(rows):
             new = dict(row)
             for ours, theirs in columns.items():
                 if theirs not in row:
-                    raise DataError(f"row {i}: column {theirs!r} (mapped to {ours!r}) is missing; "
+                    raise DataError(f"{where(offset + i)}: column {theirs!r} (mapped to {ours!r}) is missing; "
                                     f"row has {sorted(row)}; fix the `columns` mapping")
                 new[ours] = row[theirs]
             out.append(new)
         rows = out
     return rows
+
+
+def row_locations(source: Any):
+    """``where(i)``: ``FILE:LINE`` of row i for a data file (line numbers read once, on first use), else ``row i``."""
+    if not isinstance(source, (str, Path)):
+        return lambda i: f"row {i}"
+    lines: list[int] = []
+
+    def where(i: int) -> str:
+        if not lines:
+            try:
+                lines.extend(read_data_file(source)[1])
+            except DataError:
+                pass
+        return f"{source}:{lines[i]}" if i < len(lines) else f"{source}: row {i}"
+
+    return where
 
 
 def split_row(row: dict, index: int = -1) -> tuple[str | list[dict], str, list | None]:
@@ -169,7 +241,8 @@ def tokenize_row(tokenizer, row: dict, *, index: int = -1, chat_template: bool |
 
 def build_dataset(rows: Iterable[dict] | Any, tokenizer, *, max_length: int = 512, handoff_tokens: int = 1,
                   chat_template: bool | str = "auto", system_prompt: str | None = None,
-                  columns: dict[str, str] | None = None, limit: int | None = None) -> TokenizedDataset:
+                  columns: dict[str, str] | None = None, limit: int | None = None, offset: int = 0
+                  ) -> TokenizedDataset:
     """Tokenise rows for training or evaluation.
 
     Rows with ``len(prompt)+len(response)+1 > max_length`` are dropped and counted in
@@ -178,12 +251,21 @@ def build_dataset(rows: Iterable[dict] | Any, tokenizer, *, max_length: int = 51
     """
     if handoff_tokens < 1:
         raise DataError(f"handoff_tokens={handoff_tokens}; it must be ≥ 1 (the decoder recomputes ≥ 1 prompt token)")
-    rows = load_rows(rows, columns=columns, limit=limit)
+    source = rows
+    where = row_locations(source)
+    rows = load_rows(source, columns=columns, limit=limit, offset=offset)
     examples, dropped = [], 0
     for i, row in enumerate(rows):
-        ex = tokenize_row(tokenizer, row, index=i, chat_template=chat_template, system_prompt=system_prompt)
+        try:
+            ex = tokenize_row(tokenizer, row, index=i, chat_template=chat_template, system_prompt=system_prompt)
+        except DataError as e:
+            if isinstance(source, (str, Path)):
+                raise DataError(f"{where(offset + i)}: {e}") from None
+            raise
+        except (TypeError, ValueError, KeyError, UnicodeError) as e:  # content the template/tokenizer cannot take
+            raise DataError(f"{where(offset + i)}: this row cannot be tokenised ({type(e).__name__}: {e})") from None
         if len(ex.prompt_ids) < handoff_tokens + 1:
-            raise DataError(f"row {i}: the prompt has {len(ex.prompt_ids)} tokens; with handoff_tokens="
+            raise DataError(f"{where(offset + i)}: the prompt has {len(ex.prompt_ids)} tokens; with handoff_tokens="
                             f"{handoff_tokens} it needs at least {handoff_tokens + 1}")
         if len(ex.input_ids) > max_length:
             dropped += 1

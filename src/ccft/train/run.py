@@ -26,7 +26,7 @@ from ccft.core.io import atomic_write_text
 from ccft.core.models import Base, load_base
 from ccft.core.tokens import pad_token_id
 from ccft.train.config import TrainConfig, resolve_data
-from ccft.train.data import Collator, TokenizedDataset, build_dataset, load_rows
+from ccft.train.data import Collator, TokenizedDataset, build_dataset
 from ccft.train.trainer import CacheConditionedTrainer
 
 
@@ -55,10 +55,45 @@ class TrainResult:
 def load_split(spec: str, tokenizer, cfg: TrainConfig, rows: int | None, offset: int = 0) -> TokenizedDataset:
     """Tokenise ``rows`` rows of a data spec (built-in ``name:split`` or a file) for this config."""
     path, columns = resolve_data(spec, cfg.columns)
-    raw = load_rows(path, columns=columns)
-    raw = raw[offset: offset + rows if rows is not None else None]
-    return build_dataset(raw, tokenizer, max_length=cfg.max_length, handoff_tokens=cfg.handoff_tokens,
-                         chat_template=cfg.chat_template_flag, system_prompt=cfg.system_prompt)
+    return build_dataset(path, tokenizer, max_length=cfg.max_length, handoff_tokens=cfg.handoff_tokens,
+                         chat_template=cfg.chat_template_flag, system_prompt=cfg.system_prompt, columns=columns,
+                         limit=rows, offset=offset)
+
+
+def load_tokenizer(name_or_path: str):
+    """The base's tokenizer, loaded before any weights. Raises ConfigError naming the base when it cannot load."""
+    from transformers import AutoTokenizer
+
+    from ccft.core.models import resolve_model_path
+
+    path = resolve_model_path(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"base {name_or_path!r}: its tokenizer cannot be loaded from {path} ({first})") from None
+
+
+def check_run(cfg: TrainConfig, *, store: bool = True) -> tuple[TokenizedDataset, TokenizedDataset | None]:
+    """Everything ``--dry-run`` checks without loading weights: the base's tokenizer, the train and eval data
+    (``FILE:LINE`` for a bad row), the output folder and the C_base store (``ccft.train.config.check_paths``;
+    an existing store's manifest, unless ``store=False``: ``ccft precompute`` rebuilds it). Returns the
+    tokenised (train, eval) sets.
+
+    Raises:
+        ConfigError, DataError, StoreError: the first problem found, with the file (and line) it is in.
+    """
+    from ccft.train.cache_store import MANIFEST, CacheStore
+    from ccft.train.config import check_paths
+
+    check_paths(cfg)
+    tokenizer = load_tokenizer(cfg.base)
+    train_set = load_split(cfg.train_data, tokenizer, cfg, cfg.train_rows, cfg.data_offset)
+    eval_set = load_split(cfg.eval_data, tokenizer, cfg, cfg.eval_rows) if cfg.eval_data else None
+    folder = Path(cfg.base_cache_store) if cfg.base_cache_store and store else None
+    if folder is not None and (folder / MANIFEST).exists():
+        CacheStore(folder)  # a manifest that does not parse is a StoreError here, not a traceback in training
+    return train_set, eval_set
 
 
 def setup(cfg: TrainConfig, *, base: Base | None = None):
@@ -66,11 +101,7 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
     set_seed(cfg.seed)
     if base is None:
         # Tokenise with the base's tokenizer before loading weights, so bad data fails fast.
-        from transformers import AutoTokenizer
-
-        from ccft.core.models import resolve_model_path
-
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.base))
+        tokenizer = load_tokenizer(cfg.base)
     else:
         tokenizer = base.tokenizer
     train_set = load_split(cfg.train_data, tokenizer, cfg, cfg.train_rows, cfg.data_offset)
