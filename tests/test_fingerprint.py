@@ -218,7 +218,7 @@ def test_prefillshare_really_reads_c_base(base):
     tail_ids, tail_mask = right_pad(tails, tok.pad_token_id)
     with torch.no_grad():
         shared = ccft.decoder_forward(decoder, c_base, tail_ids, tail_mask)
-        on_own = ccft.decoder_forward(decoder, own, tail_ids, tail_mask)
+        on_own = ccft.decoder_forward(decoder, own, tail_ids, tail_mask, allow_self=True)
         selfp = ccft.full_forward(decoder, *_prefix(prompts, tok), tail_ids, tail_mask)
         base_shared = ccft.decoder_forward(base.model, c_base, tail_ids, tail_mask)
         base_self = ccft.full_forward(base.model, *_prefix(prompts, tok), tail_ids, tail_mask)

@@ -16,14 +16,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 
-#: Entry points that still fail ``--help``, with the fix their owners need (strict: a fix turns this red).
-KNOWN_BROKEN = {
-    "ccft.evals.tool_calls": "main() takes exactly two positional paths; `--help` prints usage and exits 2 "
-                             "(needs an argparse parser)",
-    "ccft.evals.sandbox_launcher": "the in-child launcher parses argv[1] as JSON; `--help` is a JSONDecodeError "
-                                   "traceback (needs a --help/usage branch before json.loads)",
-}
-
 
 def entry_modules() -> list[str]:
     found = []
@@ -58,9 +50,6 @@ def test_module_help_exits_0(module, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(SRC))
     proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path, capture_output=True, text=True,
                           env=env, timeout=1200)
-    if module in KNOWN_BROKEN:
-        assert proc.returncode != 0, f"{module} --help works now: remove it from KNOWN_BROKEN"
-        pytest.xfail(KNOWN_BROKEN[module])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage" in proc.stdout.lower() and "Traceback" not in proc.stderr
     assert not list(tmp_path.iterdir())  # --help writes nothing

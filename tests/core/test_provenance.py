@@ -253,8 +253,6 @@ def test_trainer_refuses_a_store_of_another_base(world, store, tmp_path):
 
 # ------------------------------------------------------------------ evals (their public API)
 
-SHARING_FIX = ("ccft.evals.sharing computes C_base before checking the reader: it needs "
-               "ccft.core.decoder.check_base_reader(base, decoder) first (see the report of issue #14, files14)")
 
 
 @pytest.mark.parametrize("other", ["foreign", "bf16"])
@@ -273,8 +271,7 @@ def test_sharing_refuses_another_base_before_compute(world, fn, other):
                                         max_new_tokens=2)
     finally:
         forwards.close()
-    if forwards.calls:
-        pytest.xfail(SHARING_FIX)
+    assert forwards.calls == 0  # refused before any forward
 
 
 def test_lm_eval_model_refuses_a_decoder_of_another_base(world, tmp_path, foreign_dir):
@@ -307,6 +304,5 @@ def test_sweep_refuses_a_decoder_of_another_base_before_compute(world, other, tm
                       axes=["positions"], progress=False, n_resamples=10)
     finally:
         forwards.close()
-    if forwards.calls:
-        pytest.xfail("ccft.evals.sweep runs the base/decoder before the reader check: run_sweep needs "
-                     "ccft.core.decoder.check_base_reader(base, decoder) for each decoder up front")
+    assert forwards.calls == 0  # refused before any forward
+    assert not (tmp_path / "sw").exists()  # and before anything is written

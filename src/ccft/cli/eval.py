@@ -92,6 +92,8 @@ def run(args) -> int:
         print("\n".join(task_names()))
         return 0
     task_objs = [get_task(t) for t in tasks]  # unknown names fail before loading any model
+    for task in task_objs:  # so does missing or damaged task data (one line, exit 2)
+        task.load(args.limit if args.limit is not None else getattr(task, "default_limit", None))
     base, loaded = load_models(args.decoder, args.base, args.mode, device=args.device)
     decoders = {method: dec for method, (dec, _) in loaded.items()}
     paths = {method: path for method, (_, path) in loaded.items()}

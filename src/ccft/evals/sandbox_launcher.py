@@ -479,7 +479,15 @@ def probe(level: str, tmp: str) -> int:
     return 0
 
 
+USAGE = """usage: python -I -S sandbox_launcher.py CONFIG_JSON | --probe ARG ARG
+
+The in-child side of ccft.evals.sandbox: started by Sandbox.run with one JSON argument (the run's
+configuration), never by hand. --probe is the isolation probe the host runs once per level."""
+
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["--help"], ["-h"], []):
+        print(USAGE)
+        sys.exit(0 if sys.argv[1:] else 2)
     if sys.argv[1:2] == ["--probe"]:
         sys.exit(probe(sys.argv[2], sys.argv[3]))
     sys.exit(launch(json.loads(sys.argv[1])))

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from ccft.core.cache import BaseCache, compute_base_cache, prefill
-from ccft.core.decoder import Decoder, decoder_forward
+from ccft.core.decoder import Decoder, check_base_reader, decoder_forward
 from ccft.core.errors import ConfigError
 from ccft.core.tokens import IGNORE_INDEX, pad_token_id, right_pad
 
@@ -149,6 +149,7 @@ def shared_forward(base, decoder: Decoder, prompts: Sequence[Sequence[int]], res
     """
     if over not in AXES:
         raise ConfigError(f"over={over!r}; use one of {', '.join(AXES)}")
+    check_base_reader(base, decoder)  # K5: refuse another base or dtype before any compute
     device = next(decoder.model.parameters()).device
     pad = pad_token_id(base.tokenizer)
     if over == "positions":
@@ -186,6 +187,7 @@ def shared_generate(base, decoder: Decoder, prompts: Sequence[Sequence[int]], *,
     """
     from ccft.core.generation import decode_on_cache
 
+    check_base_reader(base, decoder)  # K5: refuse another base or dtype before any compute
     model = decoder.activate()
     tok = base.tokenizer
     if over == "layers":

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ccft.core.decoder import Decoder
+from ccft.core.decoder import Decoder, check_base_reader
 from ccft.core.errors import ConfigError
 from ccft.core.generation import generate
 from ccft.core.io import atomic_write_text
@@ -139,6 +139,8 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
     handoffs = {d.handoff_tokens for d in decoders.values()}
     if len(handoffs) > 1:
         raise ConfigError(f"decoders with different handoff_tokens {sorted(handoffs)}; sweep them separately")
+    for d in decoders.values():
+        check_base_reader(base, d)  # K5: before any compute or write
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prep = prepare(task, base.tokenizer, limit if limit is not None else getattr(task, "default_limit", None),

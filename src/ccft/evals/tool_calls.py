@@ -142,17 +142,20 @@ def glaive_to_rows(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ccft.evals.tool_calls IN.json OUT.jsonl``: convert a glaive file for training."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print("usage: python -m ccft.evals.tool_calls IN.json|IN.jsonl OUT.jsonl", file=sys.stderr)
-        return 2
-    src, dst = argv
+    import argparse
+
+    from ccft.core.io import atomic_write_text
+
+    parser = argparse.ArgumentParser(prog="python -m ccft.evals.tool_calls",
+                                     description="Convert glaive function-calling conversations to ccft training rows.")
+    parser.add_argument("src", metavar="IN", help="glaive conversations: a .json list or a .jsonl file")
+    parser.add_argument("dst", metavar="OUT", help="training rows to write (.jsonl, {messages, tools} per line)")
+    args = parser.parse_args(argv)
+    src, dst = args.src, args.dst
     text = open(src, encoding="utf-8").read()
     rows = json.loads(text) if src.endswith(".json") else [json.loads(x) for x in text.splitlines() if x.strip()]
     converted = glaive_to_rows(rows)
-    with open(dst, "w", encoding="utf-8") as f:
-        for r in converted:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    atomic_write_text(dst, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in converted))
     print(f"{len(rows)} conversations -> {len(converted)} training rows in {dst}")
     return 0
 
