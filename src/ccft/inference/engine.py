@@ -268,11 +268,11 @@ class SharedPrefillEngine:
 
         None / ``"base"``: the base fingerprint. A decoder's name: ``"{base fingerprint}+{name}/{weights id}"``,
         weights id = 16 hex digits of a digest of the decoder's own weights (its LoRA A/B and scalings,
-        or a full-weight decoder's parameters), computed on first use (weights edited in place later
-        are not seen: register the edited decoder under a new name).
+        or a full-weight decoder's parameters), recomputed when their version counters moved: weights
+        edited in place get a new key (``lanes``; a packed full-weight decoder refuses the edit).
 
         Raises:
-            ConfigError: an unknown producer.
+            ConfigError: an unknown producer, or a packed full-weight decoder edited in place.
         """
         return self._registry.producer(producer).key
 
@@ -325,8 +325,10 @@ class SharedPrefillEngine:
         Raises:
             CapacityError: no free slot (``max_batch``) or ``k + max_new_tokens > max_tail_tokens``.
             ConfigError: a released or foreign handle, an unknown decoder, a row out of range, a
-                decoder trained with another k, ``max_new_tokens`` < 1 or beyond the forced tokens.
-            FingerprintMismatchError: the handle holds another decoder's own K/V (no-share prefill, K5).
+                decoder trained with another k, ``max_new_tokens`` < 1 or beyond the forced tokens, a
+                packed full-weight decoder edited in place since registration.
+            FingerprintMismatchError: the handle holds another decoder's own K/V (no-share prefill, K5),
+                or this decoder's K/V from before an in-place edit of its weights.
         """
         if handle.engine is not self:
             raise ConfigError("this PrefixHandle belongs to another engine")
@@ -342,7 +344,12 @@ class SharedPrefillEngine:
                 f"(no-share prefill), but decoder {decoder!r} was asked to read it; a decoder reads only C_base "
                 f"written by the base (prefill with producer=None) or K/V it wrote itself (prefill with "
                 f"producer={decoder!r})")
+        if handle.producer != BASE and handle.producer_key != self._registry.producer(handle.producer).key:
+            raise FingerprintMismatchError(
+                f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} before its weights were "
+                "changed in place; prefill again with the current weights")
         entry = self.decoders[decoder]
+        self._registry.check_unchanged(entry)
         if entry.decoder is not None and entry.decoder.handoff_tokens != handle.handoff_tokens:
             raise ConfigError(f"decoder {decoder!r} was trained with handoff_tokens={entry.decoder.handoff_tokens} "
                               f"but the handle was prefilled with {handle.handoff_tokens}; prefill with "
