@@ -143,3 +143,38 @@ def test_submit_errors(world, texts):
     sched.submit(ServeRequest("math", texts[0][:3], max_new_tokens=2))
     with pytest.raises(QueueFullError, match="max_queue=1"):
         sched.submit(ServeRequest("math", texts[0][:3], max_new_tokens=2))
+
+
+def _break(eng, name):
+    """Make decoder ``name`` raise in every forward of this engine (a wrong-shape LoRA A in layer 0)."""
+    import torch
+
+    from ccft.inference.weights import LoraWeights
+
+    layer = eng.lanes["base"].weights.adapters[eng.decoders[name].adapter_index].layers[0]
+    proj = next(iter(layer))
+    layer[proj] = LoraWeights(torch.zeros(3, 5), layer[proj].b, layer[proj].scaling)
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_failing_request_fails_alone(world, texts, refs, decode):
+    """A broken LoRA decoder in the base lane: its requests end in "error"; base, the other LoRA and the
+    full-weight requests batched with them in the same steps are served and equal the reference."""
+    base, decs = world
+    eng = SharedPrefillEngine(base, decoders=decs, decode=decode, fill=float("nan"))
+    _break(eng, "code")
+    sched = Scheduler(eng)
+    reqs = _requests(texts)
+    tickets = [sched.submit(r) for r in reqs]
+    sched.run_until_idle()
+    for t, r, want in zip(tickets, reqs, refs, strict=True):
+        if r.decoder == "code":
+            assert t.state == "error" and "RuntimeError" in t.error and t.result is None
+        else:
+            assert t.state == "done" and t.result.token_ids == want, r.decoder
+    assert sched.counters["failed_in_step"] == 2
+    assert sched.live_bytes == 0 and eng.active == 0 and eng.arena.used_tokens == 0
+    # the engine goes on serving: the same requests again (without the broken decoder)
+    again = [sched.submit(r) for r in reqs if r.decoder != "code"]
+    sched.run_until_idle()
+    assert [t.result.token_ids for t in again] == [w for r, w in zip(reqs, refs, strict=True) if r.decoder != "code"]
