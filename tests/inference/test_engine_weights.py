@@ -104,9 +104,12 @@ def test_lora_in_place_edit_gets_a_new_key(sharp_dir, prompts):
     with pytest.raises(FingerprintMismatchError, match="changed in place"):
         eng.add_request(h0, 0, decoder="math")
     h0.release()
-    # the store's blocks of the old weights are not served: everything is recomputed, equal to a plain prefill
+    # the store's blocks of the old weights are not served (and dropped): everything is recomputed,
+    # equal to a plain prefill
+    assert {b.producer for b in store.blocks()} == {old_key}
     h2, hit = eng.prefill_cached(prompt, store, producer="math")
     assert hit == 0 and h2.producer_key == new_key
+    assert {b.producer for b in store.blocks()} == {new_key}
     with eng.prefill([prompt], producer="math") as plain:
         torch.testing.assert_close(_kv(h2), _kv(plain), atol=1e-5, rtol=0)
     # and decoding the new handle equals the reference on the edited decoder

@@ -167,11 +167,16 @@ class SharedPrefillEngine:
         """Register a decoder under ``name`` (a ``ccft.Decoder``, or a decoder folder loaded onto the base).
 
         A LoRA decoder joins the base's lane as one more adapter; a full-weight decoder gets its own.
+        A LoRA adapter's weights are cast in place to the base dtype (PEFT keeps them in fp32 on a
+        bf16 base; the decoder object then runs in that dtype everywhere, ``ccft.generate`` included;
+        docs/design.md K11). The engine reads LoRA weights live; in-place edits of them give the
+        decoder a new producer key (``producer_key``).
 
         Raises:
             FingerprintMismatchError: the decoder was conditioned on another base.
             IncompatibleModelError: its tokenizer, layer count, KV geometry or RoPE differ from the base's,
-                or it is a model / LoRA variant the engine does not run.
+                a full-weight decoder has weights in another dtype than the base, or it is a model /
+                LoRA variant the engine does not run.
             ConfigError: ``name`` already used.
         """
         self._registry.add(name, decoder, tokenizer=tokenizer)
@@ -225,6 +230,8 @@ class SharedPrefillEngine:
         prefill attending to the copied prefix, ``model.prefill_chunk``); the newly completed full
         blocks are then inserted into the store (``prefill.prefill_from_store``). Equal to
         ``prefill([prompt], producer=producer)`` (K/V within fp32 rounding; tested with greedy decodes).
+        Blocks the producer wrote with weights since edited in place are dropped from ``store`` first
+        (its ``forget``, when it has one; they are never matched anyway: the key follows the weights).
 
         Args:
             prompt: the prompt's token ids (≥ k+1).
@@ -250,6 +257,10 @@ class SharedPrefillEngine:
         if len(prompt) < k + 1:
             raise ConfigError(f"the prompt has {len(prompt)} tokens, fewer than handoff_tokens+1={k + 1}")
         prod = self._registry.producer(producer)
+        forget = getattr(store, "forget", None)
+        stale = self.decoders[prod.name].stale_keys if prod.name != BASE else []
+        while stale and forget is not None:  # K/V of this decoder's weights from before an in-place edit
+            forget(stale.pop())
         prefix = prompt[:-k]
         handle = self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key)
         try:

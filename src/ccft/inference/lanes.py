@@ -18,7 +18,8 @@ baseline, one decoder with its own weights. Its key names whose K/V a prefix sto
 (``Producer.key``). A decoder's key follows its weights: the version counters of the tensors it
 was computed from are re-read whenever the key is asked for (each prefill, ``prefill_cached`` and
 admission), and an in-place edit (``with torch.no_grad(): p.copy_(...)``, an optimizer step) gives
-a new key, so blocks stored under the old one are never matched again. A full-weight decoder whose
+a new key, so blocks stored under the old one are never matched again (and the next
+``prefill_cached`` drops them from its store: ``PrefixKVStore.forget``). A full-weight decoder whose
 lane decodes from a packed copy taken at registration (``pack_weights``) cannot follow an edit:
 it is refused (``ConfigError``). Writes through ``.data`` bypass version counters and are not seen.
 """
@@ -85,6 +86,7 @@ class DecoderEntry:
         watched: the tensors its key is computed from (``weights_id``).
         packed: its lane decodes a copy of its weights taken at registration (packed full-weight lane).
         versions_at_registration: the version counters when registered (packed lanes refuse later edits).
+        stale_keys: its keys from before in-place edits, not yet forgotten by a prefix store.
     """
 
     name: str
@@ -97,6 +99,7 @@ class DecoderEntry:
     watched: list[torch.Tensor] = field(default_factory=list)
     packed: bool = False
     versions_at_registration: tuple[int, ...] | None = None
+    stale_keys: list[str] = field(default_factory=list)
 
     def versions(self) -> tuple[int, ...]:
         """The version counters of ``watched`` (bumped by every in-place write outside ``.data``)."""
@@ -268,8 +271,10 @@ class LaneRegistry:
         self.check_unchanged(entry)
         versions = entry.versions()
         if entry.key is None or versions != entry.key_versions:
-            entry.key = f"{self.base.fingerprint}+{producer}/{entry.weights_id()}"
-            entry.key_versions = versions
+            key = f"{self.base.fingerprint}+{producer}/{entry.weights_id()}"
+            if entry.key is not None and key != entry.key:
+                entry.stale_keys.append(entry.key)
+            entry.key, entry.key_versions = key, versions
         return Producer(entry.lane.weights, entry.lora_plan(), producer, entry.key)
 
     def handoff(self, handoff_tokens: int | None, producer: str | None = None) -> int:
