@@ -178,3 +178,29 @@ def test_a_failing_request_fails_alone(world, texts, refs, decode):
     again = [sched.submit(r) for r in reqs if r.decoder != "code"]
     sched.run_until_idle()
     assert [t.result.token_ids for t in again] == [w for r, w in zip(reqs, refs, strict=True) if r.decoder != "code"]
+
+
+def test_no_share_context_follows_in_place_weight_edits(tmp_path, tokenizer, texts):
+    """share=False with a store: after an in-place edit of a LoRA decoder, the next request with the same
+    prompt is prefilled again with the new weights (no live context, no store block of the old ones)."""
+    import torch
+
+    from ccft.serving import PrefixKVStore
+
+    base = ccft.load_base(str(make_tiny_folder(tmp_path, tokenizer, seed=5, scale=30.0)))
+    math = make_lora(base, "math", 20, 4)
+    sched = Scheduler(SharedPrefillEngine(base, decoders={"math": math}), share=False,
+                      store=PrefixKVStore(block_tokens=4))
+    req = ServeRequest("math", texts[0][:24] + texts[4][:5], shared_len=24, max_new_tokens=N_NEW)
+    first = sched.submit(req)
+    sched.step()  # admitted: its context is live while the edit happens
+    with torch.no_grad():
+        math.model.base_model.model.model.layers[0].self_attn.v_proj.lora_B["math"].weight.mul_(-3.0)
+    second = sched.submit(req)
+    sched.run_until_idle()
+    assert first.state == second.state == "done"
+    assert second.prefix_hit_tokens == 0 and sched.counters["prefills"] == 2
+    fresh = SharedPrefillEngine(base, decoders={"math": math})
+    with fresh.prefill([list(req.prompt_ids)], producer="math") as h:
+        want = fresh.generate(h, decoder="math", max_new_tokens=N_NEW)[0].token_ids
+    assert second.result.token_ids == want != first.result.token_ids

@@ -343,9 +343,15 @@ class Scheduler:
                 self._end(t, "cancelled")
 
     def _context_key(self, r: ServeRequest, ctx_tokens: int) -> tuple:
+        """(producer, its key, k, context tokens): a decoder's key follows its weights, so a context
+        prefilled before an in-place edit of them is not reused (``SharedPrefillEngine.producer_key``)."""
         producer = BASE if self.share else r.decoder
         k = self._handoff(r.decoder)
-        return (producer, k, tuple(r.prompt_ids[: ctx_tokens + k]))
+        try:
+            pkey = self.engine.producer_key(producer)
+        except CCFTError:  # e.g. a packed decoder edited in place: add_request refuses it, with the message
+            pkey = None
+        return (producer, pkey, k, tuple(r.prompt_ids[: ctx_tokens + k]))
 
     def _admit(self) -> None:
         while True:
