@@ -159,6 +159,9 @@ class SharedPrefillEngine:
         self.decoders = self._registry.decoders
         self._requests: dict[int, Request] = {}
         self._rid = itertools.count()
+        #: lane steps whose batched forward raised (then stepped in parts, ``step``), and the last such error
+        self.step_errors = 0
+        self.last_step_error: BaseException | None = None
         for name, dec in (decoders or {}).items():
             self.add_decoder(name, dec)
 
@@ -421,7 +424,8 @@ class SharedPrefillEngine:
         raises; each part moved to the front of the tail pool and decoded eagerly) until the error
         is confined to the rows that cause it. Those requests are removed; every other row is
         stepped as usual. A re-run part rewrites the K/V it wrote before (same positions, same
-        values), so nothing of the failed attempt is read.
+        values), so nothing of the failed attempt is read. An error no part reproduces (e.g. one of
+        the static step only) fails no request; ``step_errors`` / ``last_step_error`` keep count.
 
         Raises:
             StepError: some requests failed (``.failed``: request id -> exception); ``.outputs``
@@ -489,6 +493,8 @@ class SharedPrefillEngine:
             logits = self._forward(lane, len(rows))
             parts.append((rows, logits, choose_tokens(logits, rows)))
         except Exception as e:  # noqa: BLE001 - a failing request fails alone (K12)
+            self.step_errors += 1
+            self.last_step_error = e
             self._isolate(lane, rows, e, parts, bad)
             failed.update(bad)
         outputs = []
