@@ -375,3 +375,18 @@ def test_add_request_refuses_kv_written_by_another_decoder(world, prompt):
     assert eng.arena.used_tokens == 0
     with pytest.raises(ConfigError, match="handoff_tokens\\+1"):
         eng.prefill_cached(prompt[:1], store)
+
+
+def test_forget_drops_one_producers_blocks():
+    store = PrefixKVStore(block_tokens=2)
+    kv = torch.zeros(1, 1, 6, 2)
+    ids = [1, 2, 3, 4, 5, 6]
+    a = store.insert("old", torch.float32, ids, kv, kv)
+    b = store.insert("new", torch.float32, ids, kv, kv)
+    store.release(a + b)
+    per_producer = store.bytes_in_use // 2
+    assert store.forget("old") == per_producer
+    assert {blk.producer for blk in store.blocks()} == {"new"} and len(store) == 3
+    assert store.bytes_in_use == per_producer
+    assert store.match("old", torch.float32, ids) == []
+    assert len(store.match("new", torch.float32, ids)) == 3

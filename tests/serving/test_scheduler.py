@@ -143,3 +143,64 @@ def test_submit_errors(world, texts):
     sched.submit(ServeRequest("math", texts[0][:3], max_new_tokens=2))
     with pytest.raises(QueueFullError, match="max_queue=1"):
         sched.submit(ServeRequest("math", texts[0][:3], max_new_tokens=2))
+
+
+def _break(eng, name):
+    """Make decoder ``name`` raise in every forward of this engine (a wrong-shape LoRA A in layer 0)."""
+    import torch
+
+    from ccft.inference.weights import LoraWeights
+
+    layer = eng.lanes["base"].weights.adapters[eng.decoders[name].adapter_index].layers[0]
+    proj = next(iter(layer))
+    layer[proj] = LoraWeights(torch.zeros(3, 5), layer[proj].b, layer[proj].scaling)
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_failing_request_fails_alone(world, texts, refs, decode):
+    """A broken LoRA decoder in the base lane: its requests end in "error"; base, the other LoRA and the
+    full-weight requests batched with them in the same steps are served and equal the reference."""
+    base, decs = world
+    eng = SharedPrefillEngine(base, decoders=decs, decode=decode, fill=float("nan"))
+    _break(eng, "code")
+    sched = Scheduler(eng)
+    reqs = _requests(texts)
+    tickets = [sched.submit(r) for r in reqs]
+    sched.run_until_idle()
+    for t, r, want in zip(tickets, reqs, refs, strict=True):
+        if r.decoder == "code":
+            assert t.state == "error" and "RuntimeError" in t.error and t.result is None
+        else:
+            assert t.state == "done" and t.result.token_ids == want, r.decoder
+    assert sched.counters["failed_in_step"] == 2
+    assert sched.live_bytes == 0 and eng.active == 0 and eng.arena.used_tokens == 0
+    # the engine goes on serving: the same requests again (without the broken decoder)
+    again = [sched.submit(r) for r in reqs if r.decoder != "code"]
+    sched.run_until_idle()
+    assert [t.result.token_ids for t in again] == [w for r, w in zip(reqs, refs, strict=True) if r.decoder != "code"]
+
+
+def test_no_share_context_follows_in_place_weight_edits(tmp_path, tokenizer, texts):
+    """share=False with a store: after an in-place edit of a LoRA decoder, the next request with the same
+    prompt is prefilled again with the new weights (no live context, no store block of the old ones)."""
+    import torch
+
+    from ccft.serving import PrefixKVStore
+
+    base = ccft.load_base(str(make_tiny_folder(tmp_path, tokenizer, seed=5, scale=30.0)))
+    math = make_lora(base, "math", 20, 4)
+    sched = Scheduler(SharedPrefillEngine(base, decoders={"math": math}), share=False,
+                      store=PrefixKVStore(block_tokens=4))
+    req = ServeRequest("math", texts[0][:24] + texts[4][:5], shared_len=24, max_new_tokens=N_NEW)
+    first = sched.submit(req)
+    sched.step()  # admitted: its context is live while the edit happens
+    with torch.no_grad():
+        math.model.base_model.model.model.layers[0].self_attn.v_proj.lora_B["math"].weight.mul_(-3.0)
+    second = sched.submit(req)
+    sched.run_until_idle()
+    assert first.state == second.state == "done"
+    assert second.prefix_hit_tokens == 0 and sched.counters["prefills"] == 2
+    fresh = SharedPrefillEngine(base, decoders={"math": math})
+    with fresh.prefill([list(req.prompt_ids)], producer="math") as h:
+        want = fresh.generate(h, decoder="math", max_new_tokens=N_NEW)[0].token_ids
+    assert second.result.token_ids == want != first.result.token_ids

@@ -12,6 +12,6 @@ from ccft.core.sampling import SamplingParams
 from ccft.inference.engine import SharedPrefillEngine
 from ccft.inference.handles import BASE, PrefixHandle
 from ccft.inference.kv import CapacityError
-from ccft.inference.requests import StepOutput
+from ccft.inference.requests import StepError, StepOutput
 
-__all__ = ["SharedPrefillEngine", "PrefixHandle", "SamplingParams", "StepOutput", "CapacityError", "BASE"]
+__all__ = ["SharedPrefillEngine", "PrefixHandle", "SamplingParams", "StepOutput", "StepError", "CapacityError", "BASE"]

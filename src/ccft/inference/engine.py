@@ -65,7 +65,7 @@ from ccft.inference.handles import BASE, PrefixHandle
 from ccft.inference.kv import CapacityError, PrefixArena
 from ccft.inference.lanes import Lane, LaneRegistry
 from ccft.inference.prefill import import_cache, prefill_from_store, prefill_rows, prefill_tail
-from ccft.inference.requests import Request, StepOutput, choose_tokens
+from ccft.inference.requests import Request, StepError, StepOutput, choose_tokens
 from ccft.inference.weights import check_supported, lane_weights
 
 
@@ -159,6 +159,9 @@ class SharedPrefillEngine:
         self.decoders = self._registry.decoders
         self._requests: dict[int, Request] = {}
         self._rid = itertools.count()
+        #: lane steps whose batched forward raised (then stepped in parts, ``step``), and the last such error
+        self.step_errors = 0
+        self.last_step_error: BaseException | None = None
         for name, dec in (decoders or {}).items():
             self.add_decoder(name, dec)
 
@@ -167,11 +170,16 @@ class SharedPrefillEngine:
         """Register a decoder under ``name`` (a ``ccft.Decoder``, or a decoder folder loaded onto the base).
 
         A LoRA decoder joins the base's lane as one more adapter; a full-weight decoder gets its own.
+        A LoRA adapter's weights are cast in place to the base dtype (PEFT keeps them in fp32 on a
+        bf16 base; the decoder object then runs in that dtype everywhere, ``ccft.generate`` included;
+        docs/design.md K11). The engine reads LoRA weights live; in-place edits of them give the
+        decoder a new producer key (``producer_key``).
 
         Raises:
             FingerprintMismatchError: the decoder was conditioned on another base.
             IncompatibleModelError: its tokenizer, layer count, KV geometry or RoPE differ from the base's,
-                or it is a model / LoRA variant the engine does not run.
+                a full-weight decoder has weights in another dtype than the base, or it is a model /
+                LoRA variant the engine does not run.
             ConfigError: ``name`` already used.
         """
         self._registry.add(name, decoder, tokenizer=tokenizer)
@@ -225,6 +233,8 @@ class SharedPrefillEngine:
         prefill attending to the copied prefix, ``model.prefill_chunk``); the newly completed full
         blocks are then inserted into the store (``prefill.prefill_from_store``). Equal to
         ``prefill([prompt], producer=producer)`` (K/V within fp32 rounding; tested with greedy decodes).
+        Blocks the producer wrote with weights since edited in place are dropped from ``store`` first
+        (its ``forget``, when it has one; they are never matched anyway: the key follows the weights).
 
         Args:
             prompt: the prompt's token ids (≥ k+1).
@@ -250,6 +260,10 @@ class SharedPrefillEngine:
         if len(prompt) < k + 1:
             raise ConfigError(f"the prompt has {len(prompt)} tokens, fewer than handoff_tokens+1={k + 1}")
         prod = self._registry.producer(producer)
+        forget = getattr(store, "forget", None)
+        stale = self.decoders[prod.name].stale_keys if prod.name != BASE else []
+        while stale and forget is not None:  # K/V of this decoder's weights from before an in-place edit
+            forget(stale.pop())
         prefix = prompt[:-k]
         handle = self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key)
         try:
@@ -268,11 +282,11 @@ class SharedPrefillEngine:
 
         None / ``"base"``: the base fingerprint. A decoder's name: ``"{base fingerprint}+{name}/{weights id}"``,
         weights id = 16 hex digits of a digest of the decoder's own weights (its LoRA A/B and scalings,
-        or a full-weight decoder's parameters), computed on first use (weights edited in place later
-        are not seen: register the edited decoder under a new name).
+        or a full-weight decoder's parameters), recomputed when their version counters moved: weights
+        edited in place get a new key (``lanes``; a packed full-weight decoder refuses the edit).
 
         Raises:
-            ConfigError: an unknown producer.
+            ConfigError: an unknown producer, or a packed full-weight decoder edited in place.
         """
         return self._registry.producer(producer).key
 
@@ -325,8 +339,11 @@ class SharedPrefillEngine:
         Raises:
             CapacityError: no free slot (``max_batch``) or ``k + max_new_tokens > max_tail_tokens``.
             ConfigError: a released or foreign handle, an unknown decoder, a row out of range, a
-                decoder trained with another k, ``max_new_tokens`` < 1 or beyond the forced tokens.
-            FingerprintMismatchError: the handle holds another decoder's own K/V (no-share prefill, K5).
+                decoder trained with another k, ``max_new_tokens`` < 1 or beyond the forced tokens, forced
+                ids outside the vocabulary, a
+                packed full-weight decoder edited in place since registration.
+            FingerprintMismatchError: the handle holds another decoder's own K/V (no-share prefill, K5),
+                or this decoder's K/V from before an in-place edit of its weights.
         """
         if handle.engine is not self:
             raise ConfigError("this PrefixHandle belongs to another engine")
@@ -342,13 +359,21 @@ class SharedPrefillEngine:
                 f"(no-share prefill), but decoder {decoder!r} was asked to read it; a decoder reads only C_base "
                 f"written by the base (prefill with producer=None) or K/V it wrote itself (prefill with "
                 f"producer={decoder!r})")
+        if handle.producer != BASE and handle.producer_key != self._registry.producer(handle.producer).key:
+            raise FingerprintMismatchError(
+                f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} before its weights were "
+                "changed in place; prefill again with the current weights")
         entry = self.decoders[decoder]
+        self._registry.check_unchanged(entry)
         if entry.decoder is not None and entry.decoder.handoff_tokens != handle.handoff_tokens:
             raise ConfigError(f"decoder {decoder!r} was trained with handoff_tokens={entry.decoder.handoff_tokens} "
                               f"but the handle was prefilled with {handle.handoff_tokens}; prefill with "
                               f"handoff_tokens={entry.decoder.handoff_tokens}")
         if forced_tokens is not None:
             forced_tokens = [int(t) for t in forced_tokens]
+            vocab = entry.lane.weights.embed.shape[0]
+            if any(not 0 <= t < vocab for t in forced_tokens):
+                raise ConfigError(f"forced_tokens hold ids outside 0..{vocab - 1} (the vocabulary)")
             if max_new_tokens is not None and max_new_tokens > len(forced_tokens):
                 raise ConfigError(f"max_new_tokens={max_new_tokens} but only {len(forced_tokens)} forced tokens")
         if max_new_tokens is None:
@@ -393,38 +418,99 @@ class SharedPrefillEngine:
 
         Rows whose request ends (EOS, stop string, ``max_new_tokens``) leave the batch at the end of
         the step; their ``StepOutput.generation`` holds the result.
+
+        A failing request fails alone: when a lane's batched forward (or token choice) raises, the
+        lane's rows are stepped again in parts (by decoder, then halves of a part that still
+        raises; each part moved to the front of the tail pool and decoded eagerly) until the error
+        is confined to the rows that cause it. Those requests are removed; every other row is
+        stepped as usual. A re-run part rewrites the K/V it wrote before (same positions, same
+        values), so nothing of the failed attempt is read. An error no part reproduces (e.g. one of
+        the static step only) fails no request; ``step_errors`` / ``last_step_error`` keep count.
+
+        Raises:
+            StepError: some requests failed (``.failed``: request id -> exception); ``.outputs``
+                holds the step's outputs of all the others.
         """
         outputs: list[StepOutput] = []
+        failed: dict[int, BaseException] = {}
         for lane in list(self.lanes.values()):
             if lane.rows:
-                outputs += self._step_lane(lane, return_logits)
+                outputs += self._step_lane(lane, return_logits, failed)
+        if failed:
+            raise StepError(outputs, failed)
         return outputs
 
-    def _step_lane(self, lane: Lane, return_logits: bool) -> list[StepOutput]:
-        rows = lane.rows
+    def _forward(self, lane: Lane, n: int, eager: bool = False) -> torch.Tensor:
+        """Logits ``(n, V)`` of one decode step of the lane's first ``n`` rows (slots 0..n-1)."""
+        rows = lane.rows[:n]
         tokens = [r.next_token for r in rows]
         write = [r.tail_written for r in rows]
         positions = [r.prefix_len + r.tail_written for r in rows]
-        if lane.runner is None:
-            t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-            write_t = t(write)
-            logits = M.decode_step_eager(lane.weights, t(tokens), t(positions), lane.pool.k, lane.pool.v, write_t,
-                                         write_t + 1, max(write) + 1, planner.prefix_groups(rows, self.device),
-                                         planner.lora_plan(lane.weights, rows, self.device))
-        else:
-            logits = lane.runner.run(rows, tokens, positions, write)
-        chosen = choose_tokens(logits, rows)
+        if lane.runner is not None and not eager:
+            return lane.runner.run(rows, tokens, positions, write)
+        # eager: reads and writes slots 0..n-1 only (the static step's padded rows write into slots n..,
+        # which hold other live rows while a part of the lane is stepped)
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        write_t = t(write)
+        return M.decode_step_eager(lane.weights, t(tokens), t(positions), lane.pool.k, lane.pool.v, write_t,
+                                   write_t + 1, max(write) + 1, planner.prefix_groups(rows, self.device),
+                                   planner.lora_plan(lane.weights, rows, self.device))
+
+    def _to_front(self, lane: Lane, rows: list[Request]) -> None:
+        """Move ``rows`` (in order) into the lane's first slots, the others after them."""
+        index = {id(r): i for i, r in enumerate(lane.rows)}
+        order = [index[id(r)] for r in rows]
+        chosen = set(order)
+        order += [i for i in range(len(lane.rows)) if i not in chosen]
+        if order != list(range(len(lane.rows))):
+            lane.pool.permute(order)
+            lane.rows[:] = [lane.rows[i] for i in order]
+
+    def _isolate(self, lane: Lane, rows: list[Request], error: BaseException,
+                 parts: list, failed: dict[int, BaseException]) -> None:
+        """``rows`` raised ``error`` together: step them in parts (by decoder, else halves); the rows
+        of a part that still raises alone get its error in ``failed``; the others go to ``parts``."""
+        if len(rows) == 1:
+            failed[rows[0].id] = error
+            return
+        by_decoder: dict[str, list[Request]] = {}
+        for r in rows:
+            by_decoder.setdefault(r.decoder, []).append(r)
+        groups = list(by_decoder.values()) if len(by_decoder) > 1 else [rows[: len(rows) // 2], rows[len(rows) // 2:]]
+        for group in groups:
+            self._to_front(lane, group)
+            try:
+                logits = self._forward(lane, len(group), eager=True)
+                parts.append((group, logits, choose_tokens(logits, group)))
+            except Exception as e:  # noqa: BLE001 - confined to this group's rows below
+                self._isolate(lane, group, e, parts, failed)
+
+    def _step_lane(self, lane: Lane, return_logits: bool, failed: dict[int, BaseException]) -> list[StepOutput]:
+        rows = list(lane.rows)
+        parts: list[tuple[list[Request], torch.Tensor, list[int]]] = []
+        bad: dict[int, BaseException] = {}
+        try:
+            logits = self._forward(lane, len(rows))
+            parts.append((rows, logits, choose_tokens(logits, rows)))
+        except Exception as e:  # noqa: BLE001 - a failing request fails alone (K12)
+            self.step_errors += 1
+            self.last_step_error = e
+            self._isolate(lane, rows, e, parts, bad)
+            failed.update(bad)
         outputs = []
-        done = []
-        for i, (req, tok) in enumerate(zip(rows, chosen, strict=True)):
-            tok = req.token_to_feed(tok)
-            req.tail_written += 1
-            finished = req.advance(tok)
-            out = StepOutput(req.id, tok, finished, logits=logits[i] if return_logits else None)
-            if finished:
-                out.generation = req.generation()
-                done.append(req)
-            outputs.append(out)
+        # removed after the others advanced: compaction moves a row's first tail_written positions,
+        # which must include the K/V this step wrote
+        done = [req for req in rows if req.id in bad]
+        for part, logits, chosen in parts:
+            for i, (req, tok) in enumerate(zip(part, chosen, strict=True)):
+                tok = req.token_to_feed(tok)
+                req.tail_written += 1
+                finished = req.advance(tok)
+                out = StepOutput(req.id, tok, finished, logits=logits[i] if return_logits else None)
+                if finished:
+                    out.generation = req.generation()
+                    done.append(req)
+                outputs.append(out)
         for req in done:
             self._remove(req)
         return outputs
@@ -498,7 +584,17 @@ class SharedPrefillEngine:
             if not mine:
                 raise CapacityError(f"decoder {decoder!r} has no free slot (max_batch={self.max_batch} rows are "
                                     "active from other requests)")
-            for out in self.step():
+            try:
+                outs = self.step()
+            except StepError as e:
+                own = [rid for rid in e.failed if rid in mine]
+                if own:  # one of these rows failed: end the others of this call too, raise its error
+                    for rid in mine:
+                        if rid in self._requests:
+                            self.abort(rid)
+                    raise e.failed[own[0]] from e
+                outs = e.outputs
+            for out in outs:
                 if out.finished and out.request_id in mine:
                     results[mine.pop(out.request_id)] = out.generation
         return [results[r] for r in rows]

@@ -11,8 +11,10 @@ bumps ``generation`` so captured decode graphs bound to the old addresses are dr
   After the prefill writes it, a region is only ever read.
 * ``TailPool``: the decoder's own K/V (handoff tokens + generated tokens) of every active row of
   one lane, ``(L, slots, h, capacity, d)``. Active rows occupy slots ``0..R-1`` (compacted on
-  finish) so a decode step reads ``[:R]`` as a view; a row's slot is zeroed on admission, so
-  attention reads only memory written for this request (K3).
+  finish) so a decode step reads ``[:R]`` as a view; a row's slot is zeroed on admission, and
+  when the pool grows the new positions of the existing slots are zeroed too (a live row reads
+  keys up to the batch's widest tail, masked; a masked NaN key or value still makes the output
+  NaN), so attention reads only memory written for this request or zeroed (K3).
 
 Shape notation: L layers, h KV heads, d head dim, b rows, p prefix length.
 """
@@ -176,8 +178,19 @@ class TailPool:
         k, v = self._alloc(new_slots, new_cap), self._alloc(new_slots, new_cap)
         k[:, : self.slots, :, : self.capacity].copy_(self.k)
         v[:, : self.slots, :, : self.capacity].copy_(self.v)
+        # grown positions of the old slots: live rows attend to them (masked) up to the batch's widest
+        # tail, and a masked NaN (never-written memory) still yields NaN: zero them as clear_slot does
+        k[:, : self.slots, :, self.capacity:].zero_()
+        v[:, : self.slots, :, self.capacity:].zero_()
         self.k, self.v, self.slots, self.capacity = k, v, new_slots, new_cap
         self.generation += 1
+
+    def permute(self, order: list[int]) -> None:
+        """Reorder the first ``len(order)`` slots: slot i gets what slot ``order[i]`` held (all positions)."""
+        idx = torch.tensor(order, dtype=torch.long, device=self.k.device)
+        n = len(order)
+        self.k[:, :n] = self.k[:, idx]
+        self.v[:, :n] = self.v[:, idx]
 
     def clear_slot(self, slot: int) -> None:
         """Zero a slot before a new request uses it."""

@@ -8,11 +8,20 @@ and, outside eager decode, a ``graphs.StaticRunner``.
 ``LaneRegistry.add`` checks a decoder against the base before it is registered: same base
 fingerprint (a decoder reads only the C_base of the base it was conditioned on), same tokenizer,
 layer count, KV geometry, RoPE and dtype, and a model / LoRA variant the engine runs
-(docs/design.md, "C_base"; fault class K5).
+(docs/design.md, "C_base"; fault class K5). The dtype is read from the weights the engine
+multiplies: every floating parameter of a full-weight decoder; a LoRA adapter's ``lora_A`` /
+``lora_B``, which PEFT keeps in fp32 on a bf16 base, are cast to the base dtype in place at
+registration (``weights.cast_adapter``; fault class K11).
 
 A *producer* is the model that writes a prefix: the base (C_base, shared mode) or, for the no-share
 baseline, one decoder with its own weights. Its key names whose K/V a prefix store holds
-(``Producer.key``).
+(``Producer.key``). A decoder's key follows its weights: the version counters of the tensors it
+was computed from are re-read whenever the key is asked for (each prefill, ``prefill_cached`` and
+admission), and an in-place edit (``with torch.no_grad(): p.copy_(...)``, an optimizer step) gives
+a new key, so blocks stored under the old one are never matched again (and the next
+``prefill_cached`` drops them from its store: ``PrefixKVStore.forget``). A full-weight decoder whose
+lane decodes from a packed copy taken at registration (``pack_weights``) cannot follow an edit:
+it is refused (``ConfigError``). Writes through ``.data`` bypass version counters and are not seen.
 """
 
 from __future__ import annotations
@@ -34,7 +43,15 @@ from ccft.inference.handles import BASE
 from ccft.inference.kv import PrefixArena, TailPool
 from ccft.inference.planner import single_lora_plan
 from ccft.inference.requests import Request
-from ccft.inference.weights import LaneWeights, check_supported, lane_weights, lora_adapter, pack
+from ccft.inference.weights import (
+    LaneWeights,
+    adapter_tensors,
+    cast_adapter,
+    check_supported,
+    lane_weights,
+    lora_adapter,
+    pack,
+)
 
 
 @dataclass
@@ -64,7 +81,12 @@ class DecoderEntry:
         adapter_index: its adapter in ``lane.weights.adapters``; None: the lane's own weights.
         eos: the ids that end its generations (``ccft.core.tokens.eos_token_ids``).
         decoder: the ``ccft.Decoder`` (None for the base).
-        key: its producer key, computed on first use (``LaneRegistry.producer``).
+        key: its producer key, computed on first use and again after its weights change
+            (``LaneRegistry.producer``).  key_versions: the weights' version counters ``key`` was computed at.
+        watched: the tensors its key is computed from (``weights_id``).
+        packed: its lane decodes a copy of its weights taken at registration (packed full-weight lane).
+        versions_at_registration: the version counters when registered (packed lanes refuse later edits).
+        stale_keys: its keys from before in-place edits, not yet forgotten by a prefix store.
     """
 
     name: str
@@ -73,6 +95,15 @@ class DecoderEntry:
     eos: set[int]
     decoder: Decoder | None
     key: str | None = None
+    key_versions: tuple[int, ...] | None = None
+    watched: list[torch.Tensor] = field(default_factory=list)
+    packed: bool = False
+    versions_at_registration: tuple[int, ...] | None = None
+    stale_keys: list[str] = field(default_factory=list)
+
+    def versions(self) -> tuple[int, ...]:
+        """The version counters of ``watched`` (bumped by every in-place write outside ``.data``)."""
+        return tuple(-1 if t.is_inference() else t._version for t in self.watched)
 
     def lora_plan(self) -> M.LoraPlan:
         """Its adapter over every row of a batch (none for the lane's own weights)."""
@@ -162,25 +193,42 @@ class LaneRegistry:
                 f"{base.fingerprint} ({base.name}); use the base it was trained on")
         self._check_tokenizer(name, tokenizer)
         check_compatible(base.config, decoder.model.config)
-        if decoder.dtype != base.dtype:
-            raise IncompatibleModelError(f"decoder {name!r} is {decoder.dtype} but the base is {base.dtype}; "
-                                         "load both in one dtype (C_base is read as is)")
         eos = eos_token_ids(self.tokenizer, decoder.model)
         if decoder.kind == "lora":
             if decoder.model.get_base_model() is not base.model:
                 raise IncompatibleModelError(f"LoRA decoder {name!r} is attached to another copy of the base model; "
                                              "load it with ccft.load_decoder(path, base=engine.base)")
             adapter = lora_adapter(decoder.model, decoder.meta.get("adapter_name", "default"))
+            watched = adapter_tensors(cast_adapter(adapter, base.dtype))  # PEFT keeps adapters in fp32 (K11)
             lane = self.base_lane
             lane.weights.adapters.append(adapter)
-            entry = DecoderEntry(name, lane, len(lane.weights.adapters) - 1, eos, decoder)
+            entry = DecoderEntry(name, lane, len(lane.weights.adapters) - 1, eos, decoder, watched=watched)
         else:
+            dtypes = {p.dtype for p in decoder.model.parameters() if p.is_floating_point()}
+            if dtypes != {base.dtype}:
+                raise IncompatibleModelError(
+                    f"decoder {name!r} has {', '.join(sorted(map(str, dtypes)))} weights but the base is {base.dtype}; "
+                    f"load both in one dtype (C_base is read as is): e.g. decoder.model.to({base.dtype})")
             check_supported(decoder.model.config)
             lane = self.new_lane(name, lane_weights(decoder.model, allow_adapters=False))
             self.lanes[name] = lane
-            entry = DecoderEntry(name, lane, None, eos, decoder)
+            watched = [*decoder.model.parameters(), *decoder.model.buffers()]
+            entry = DecoderEntry(name, lane, None, eos, decoder, watched=watched, packed=self.pack_weights)
+        entry.versions_at_registration = entry.versions()
         self.decoders[name] = entry
         return entry
+
+    def check_unchanged(self, entry: DecoderEntry) -> None:
+        """Refuse a decoder whose lane decodes a packed copy of weights that were since edited in place.
+
+        Raises:
+            ConfigError: ``entry`` is packed and its weights' version counters moved since registration.
+        """
+        if entry.packed and entry.versions() != entry.versions_at_registration:
+            raise ConfigError(
+                f"the weights of decoder {entry.name!r} were changed in place after it was registered, but its lane "
+                "decodes the packed copy taken at registration (pack_weights=True); register the edited decoder "
+                "under a new name (add_decoder), or build the engine with pack_weights=False to read weights live")
 
     def _load(self, name: str, folder: str | Path, tokenizer):
         from transformers import AutoTokenizer
@@ -207,10 +255,12 @@ class LaneRegistry:
     def producer(self, producer: str | None) -> Producer:
         """The model that prefills for ``producer``: None / ``"base"``: the base, keyed by its fingerprint;
         a decoder's name: that decoder, keyed ``"{base fingerprint}+{name}/{weights id}"``
-        (``DecoderEntry.weights_id``, computed on first use: weights edited in place later are not seen).
+        (``DecoderEntry.weights_id``), recomputed whenever the version counters of its weights moved
+        since the key was computed (an in-place edit gets a new key: the store's blocks of the old
+        weights are not matched again).
 
         Raises:
-            ConfigError: an unknown producer.
+            ConfigError: an unknown producer, or a packed decoder edited in place (``check_unchanged``).
         """
         if producer is None or producer == BASE:
             return Producer(self.base_lane.weights, M.NO_LORA, BASE, self.base.fingerprint)
@@ -218,8 +268,13 @@ class LaneRegistry:
         if entry is None:
             raise ConfigError(f"unknown producer {producer!r}; use None (the base) or a registered decoder: "
                               f"{', '.join(n for n in self.decoders if n != BASE) or '(none)'}")
-        if entry.key is None:
-            entry.key = f"{self.base.fingerprint}+{producer}/{entry.weights_id()}"
+        self.check_unchanged(entry)
+        versions = entry.versions()
+        if entry.key is None or versions != entry.key_versions:
+            key = f"{self.base.fingerprint}+{producer}/{entry.weights_id()}"
+            if entry.key is not None and key != entry.key:
+                entry.stale_keys.append(entry.key)
+            entry.key, entry.key_versions = key, versions
         return Producer(entry.lane.weights, entry.lora_plan(), producer, entry.key)
 
     def handoff(self, handoff_tokens: int | None, producer: str | None = None) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ccft.core.errors import CCFTError
 from ccft.core.generation import Generation
 from ccft.core.sampling import SamplingParams, select_tokens
 from ccft.core.text import StopMatcher, TextStream
@@ -40,6 +41,25 @@ class StepOutput:
     finished: bool
     generation: Generation | None = None
     logits: torch.Tensor | None = None
+
+
+class StepError(CCFTError, RuntimeError):
+    """Some requests failed in a ``step()``; every other active row was stepped.
+
+    The engine retries a lane whose batched forward raised on parts of its rows (by decoder, then
+    halves) until the error is confined to the rows that cause it; those requests are removed.
+
+    Attributes:
+        outputs: the ``StepOutput`` of every row that was stepped (deliver them as usual).
+        failed: request id -> the exception its rows raised (the request is no longer active).
+    """
+
+    def __init__(self, outputs: list[StepOutput], failed: dict[int, BaseException]):
+        self.outputs, self.failed = outputs, failed
+        detail = "; ".join(f"request {rid}: {type(e).__name__}: {e}" for rid, e in list(failed.items())[:3])
+        more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""
+        super().__init__(f"{len(failed)} request(s) failed in this step and were removed, the other "
+                         f"{len(outputs)} row(s) were stepped: {detail}{more}")
 
 
 @dataclass(eq=False)
@@ -126,4 +146,4 @@ def choose_tokens(logits: torch.Tensor, rows: list[Request]) -> list[int]:
     return chosen.tolist()
 
 
-__all__ = ["StepOutput", "Request", "choose_tokens"]
+__all__ = ["StepOutput", "StepError", "Request", "choose_tokens"]

@@ -308,5 +308,29 @@ def lora_adapter(model: torch.nn.Module, adapter_name: str) -> Adapter:
     return Adapter(adapter_name, layers)
 
 
+def cast_adapter(adapter: Adapter, dtype: torch.dtype) -> Adapter:
+    """Cast ``adapter``'s LoRA weights (every ``a``, ``b``) to ``dtype`` in place and return it.
+
+    The tensors are the PEFT modules' own ``lora_A`` / ``lora_B`` parameters: their data is swapped
+    (``param.data = param.data.to(dtype)``), so the decoder's PEFT forward (``ccft.generate``, the
+    reference path) then runs in ``dtype`` too and the engine keeps reading them live. PEFT loads
+    and creates adapters in fp32 on a bf16/fp16 base (``autocast_adapter_dtype``); the engine's
+    forward multiplies them with activations in the base dtype, which needs one dtype
+    (docs/design.md, fault class K11).
+    """
+    with torch.no_grad():
+        for layer in adapter.layers:
+            for lw in layer.values():
+                for t in (lw.a, lw.b):
+                    if t.dtype != dtype:
+                        t.data = t.data.to(dtype)
+    return adapter
+
+
+def adapter_tensors(adapter: Adapter) -> list[torch.Tensor]:
+    """Every weight tensor of ``adapter`` (``a``, ``b`` of each adapted projection, in layer order)."""
+    return [t for layer in adapter.layers for _, lw in sorted(layer.items()) for t in (lw.a, lw.b)]
+
+
 __all__ = ["Linear", "LayerWeights", "LoraWeights", "Adapter", "LaneWeights", "lane_weights", "lora_adapter",
-           "check_supported", "pack", "prepack", "onednn_available", "PROJECTIONS"]
+           "cast_adapter", "adapter_tensors", "check_supported", "pack", "prepack", "onednn_available", "PROJECTIONS"]

@@ -265,6 +265,22 @@ class PrefixKVStore:
             self.evicted_bytes += victim.nbytes
         return freed
 
+    def forget(self, producer: str) -> int:
+        """Drop every block written by ``producer`` (a key no model writes any more, e.g. a decoder's key
+        from before an in-place edit of its weights; referenced blocks too, as ``clear``: their holders
+        keep their own copies). Chains never mix producers, so no other block loses its parent.
+
+        Returns:
+            bytes freed.
+        """
+        freed = 0
+        for blk in [b for b in self._blocks.values() if b.producer == str(producer)]:
+            del self._blocks[blk.key]
+            blk.stored = False
+            self.bytes_in_use -= blk.nbytes
+            freed += blk.nbytes
+        return freed
+
     def clear(self) -> None:
         """Drop every block (referenced ones too: their holders keep their own copies; a later
         ``release`` of them is harmless). Counters are kept (``reset_stats`` resets them)."""

@@ -11,6 +11,11 @@ Each ``step()``:
    rows across sessions: LoRA decoders on the base share one lane);
 3. **delivers** the new tokens (``Ticket.on_token``) and finishes requests that ended.
 
+A failing request fails alone: when a decode step raises for some rows (a broken decoder, a bad
+token), the engine confines the error to the requests that cause it (``SharedPrefillEngine.step``,
+``StepError``); only their tickets end in ``"error"``, every other request batched with them is
+served on (docs/design.md, fault classes K9, K12). A request whose admission raises fails alone too.
+
 Sharing (``share=True``, PrefillShare): the base prefills the shared context once into a
 ``PrefixHandle``; every agent request that reads the same context while it is live decodes on that
 handle, its own tokens computed by the base into its tail (``add_request(suffix_ids=...)``), so
@@ -45,7 +50,7 @@ from typing import Callable, Sequence
 
 from ccft.core.errors import CCFTError, ConfigError
 from ccft.core.generation import Generation
-from ccft.inference import BASE, SamplingParams, SharedPrefillEngine
+from ccft.inference import BASE, SamplingParams, SharedPrefillEngine, StepError
 
 
 class QueueFullError(CCFTError, RuntimeError):
@@ -257,9 +262,18 @@ class Scheduler:
             self._drop_unused_contexts()
             return 0
         t0 = time.perf_counter()
-        outs = self.engine.step()
+        failed: dict = {}
+        try:
+            outs = self.engine.step()
+        except StepError as e:  # those requests were removed by the engine; the others were stepped
+            outs, failed = e.outputs, e.failed
         now = time.perf_counter()
         self.decode_seconds += now - t0
+        for rid, err in failed.items():
+            t = self._running.get(rid)
+            if t is not None:
+                self.counters["failed_in_step"] += 1
+                self._end(t, "error", error=f"{type(err).__name__}: {err}")
         self.counters["decode_steps"] += 1
         self.counters["decode_rows"] += len(outs)
         for o in outs:
@@ -329,9 +343,15 @@ class Scheduler:
                 self._end(t, "cancelled")
 
     def _context_key(self, r: ServeRequest, ctx_tokens: int) -> tuple:
+        """(producer, its key, k, context tokens): a decoder's key follows its weights, so a context
+        prefilled before an in-place edit of them is not reused (``SharedPrefillEngine.producer_key``)."""
         producer = BASE if self.share else r.decoder
         k = self._handoff(r.decoder)
-        return (producer, k, tuple(r.prompt_ids[: ctx_tokens + k]))
+        try:
+            pkey = self.engine.producer_key(producer)
+        except CCFTError:  # e.g. a packed decoder edited in place: add_request refuses it, with the message
+            pkey = None
+        return (producer, pkey, k, tuple(r.prompt_ids[: ctx_tokens + k]))
 
     def _admit(self) -> None:
         while True:
