@@ -70,6 +70,14 @@ def gsm8k_rows():
     return [{"prompt": r["question"], "response": r["answer"]} for r in rows]
 
 
+def ragged_prompts(gsm8k_rows, tokenizer, n: int, first: int, step: int) -> list[list[int]]:
+    """``n`` real GSM8K prompts (no chat template) cut to ``first, first + step, ...`` tokens: ragged prefixes."""
+    from ccft.core.tokens import tokenize_prompt
+
+    ids = [tokenize_prompt(tokenizer, r["prompt"], chat_template=False) for r in gsm8k_rows[:n]]
+    return [p[: first + step * i] for i, p in enumerate(ids)]
+
+
 def perturb(model, seed: int, scale: float = 0.05) -> None:
     """Add seeded noise to every ``*proj.weight`` of ``model`` in place (a decoder that differs from the base)."""
     g = torch.Generator().manual_seed(seed)

@@ -24,10 +24,9 @@ import pytest
 import torch
 
 import ccft
-from ccft.core.tokens import tokenize_prompt
 from ccft.inference import SharedPrefillEngine
 from ccft.serving.scheduler import Scheduler, ServeRequest
-from conftest import make_full, make_lora, make_tiny_folder
+from conftest import make_full, make_lora, make_tiny_folder, ragged_prompts
 
 N_NEW = 8
 DTYPES = ("float32", "bfloat16")
@@ -44,8 +43,7 @@ def folder(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def prompts(gsm8k_rows, tokenizer):
-    ids = [tokenize_prompt(tokenizer, r["prompt"], chat_template=False) for r in gsm8k_rows[:4]]
-    return [p[: 6 + 6 * i] for i, p in enumerate(ids)]
+    return ragged_prompts(gsm8k_rows, tokenizer, 4, 6, 6)
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,9 @@ import torch
 
 import ccft
 from ccft.core.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
-from ccft.core.tokens import tokenize_prompt
 from ccft.inference import SharedPrefillEngine
 from ccft.serving import PrefixKVStore
-from conftest import make_full, make_lora, make_tiny_folder
+from conftest import make_full, make_lora, make_tiny_folder, ragged_prompts
 
 N_NEW = 4
 
@@ -31,8 +30,7 @@ def sharp_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def prompts(gsm8k_rows, tokenizer):
-    ids = [tokenize_prompt(tokenizer, r["prompt"], chat_template=False) for r in gsm8k_rows[:3]]
-    return [p[: 6 + 5 * i] for i, p in enumerate(ids)]
+    return ragged_prompts(gsm8k_rows, tokenizer, 3, 6, 5)
 
 
 def _adapter_dtypes(dec, name):

@@ -12,11 +12,11 @@ import torch
 
 import ccft
 from ccft.core.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
-from ccft.core.tokens import right_pad, tokenize_prompt
+from ccft.core.tokens import right_pad
 from ccft.inference import CapacityError, SamplingParams, SharedPrefillEngine
 from conftest import make_full as _full
 from conftest import make_lora as _lora
-from conftest import make_tiny_folder
+from conftest import make_tiny_folder, ragged_prompts
 
 N_NEW = 6
 ATOL = 1e-5
@@ -36,8 +36,7 @@ def sharp_dir(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module")
 def prompts(gsm8k_rows, tokenizer):
     """Six real prompts cut to different lengths (4 .. 29 tokens): ragged prefixes, left padding."""
-    ids = [tokenize_prompt(tokenizer, r["prompt"], chat_template=False) for r in gsm8k_rows[:6]]
-    return [p[: 4 + 5 * i] for i, p in enumerate(ids)]
+    return ragged_prompts(gsm8k_rows, tokenizer, 6, 4, 5)
 
 
 @pytest.fixture(scope="module")
