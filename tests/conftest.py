@@ -6,8 +6,13 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Hermetic: nothing in the suite may reach a hub (set before transformers/datasets/lm-eval are imported;
+# subprocesses inherit it).
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_var] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT / "src" / "ccft" / "resources" / "gsm8k"
