@@ -108,3 +108,10 @@ def test_sampling_matches_the_exact_distribution(temperature, top_p):
     freq = torch.bincount(draws, minlength=len(logits)).float() / n
     assert float((freq - exact).abs().sum() / 2) < 0.015  # TV distance; sampling noise at n=20k is ~0.005
     assert freq[~keep].sum() == 0  # never a token outside the nucleus
+
+
+def test_display_path(tmp_path):
+    from ccft.core.io import display_path
+
+    assert display_path(tmp_path / "runs" / "eval", start=tmp_path) == "runs/eval"
+    assert display_path("/somewhere/else/runs/full-ft", start=tmp_path) == "runs/full-ft"

@@ -84,3 +84,14 @@ def replace_dir(staged: str | Path, target: str | Path) -> Path:
     os.replace(staged, target)
     shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def display_path(path: str | Path, start: str | Path | None = None) -> str:
+    """``path`` as reports should name it: relative to ``start`` (default: the working directory) when inside
+    it, else its last two components, so no machine-specific absolute path lands in a committed report."""
+    p = Path(path).absolute()
+    base = Path(start if start is not None else os.getcwd()).absolute()
+    try:
+        return str(p.relative_to(base))
+    except ValueError:
+        return str(Path(*p.parts[-2:]))
