@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ccft-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-slow lint demo clean
+.PHONY: venv test test-slow lint demo study clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +27,9 @@ lint: venv  ## ruff + the import contract (.importlinter; docs/design.md, "Layer
 
 demo: venv  ## the main job: CCFT + Full-FT on GSM8K, four-mode evaluation, reports/demo/
 	$(VENV)/bin/ccft demo recipes/demo.yaml
+
+study: venv  ## the specialists study: math, code, tools x (CCFT, Full-FT), four modes each, reports/study/
+	$(VENV)/bin/ccft study recipes/study.yaml $(STUDY_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -45,23 +45,6 @@ def _phase(times: dict, name: str):
     return _T()
 
 
-def _train_or_reuse(cfg, raw: dict) -> tuple[list[dict], int, bool]:
-    """(log history, train rows, reused) of the decoder ``cfg`` describes: a finished run with the same recipe
-    and steps is reused, anything else trains (resuming from the newest checkpoint)."""
-    from ccft.core.checkpoint import read_meta
-    from ccft.train.run import run_training
-
-    out = Path(cfg.output_dir)
-    if (out / "ccft.json").is_file():
-        meta = read_meta(out)
-        if meta.get("recipe") == raw and meta.get("steps") == cfg.max_steps:
-            print(f"[ccft demo] reusing finished run {out}", flush=True)
-            history = json.loads((out / "log_history.json").read_text())
-            return history, meta["data"]["train_rows"], True
-    result = run_training(cfg, recipe=raw)
-    return result.log_history, result.train_rows, False
-
-
 def run(args) -> int:
     from ccft.core.checkpoint import load_decoder
     from ccft.core.io import atomic_write_text
@@ -69,7 +52,8 @@ def run(args) -> int:
     from ccft.evals.evaluate import evaluate_decoders
     from ccft.evals.report import modes_table, reading
     from ccft.evals.results import FolderConflictError, hardware
-    from ccft.train.config import METHODS, TrainConfig, load_recipe
+    from ccft.train.config import METHODS, load_recipe
+    from ccft.train.run import method_config, train_or_reuse
 
     times: dict[str, float] = {}
     total = time.time()
@@ -80,13 +64,9 @@ def run(args) -> int:
         resolve_model_path(cfg.base)  # converts the embedded model once
     histories, train_rows, reused = {}, {}, {}
     for method in METHODS:
-        m_raw = dict(raw, method=method, output_dir=str(runs / method))
-        m_raw.pop("eval", None)
-        m_cfg = TrainConfig(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)
-                                  if f.init and f.name in raw}, "method": method,
-                               "output_dir": str(runs / method)})
+        m_cfg, m_raw = method_config(cfg, raw, method, runs / method)
         with _phase(times, f"train_{method.replace('-', '_')}"):
-            histories[method], train_rows[method], reused[method] = _train_or_reuse(m_cfg, m_raw)
+            histories[method], train_rows[method], reused[method] = train_or_reuse(m_cfg, m_raw, prefix="[ccft demo]")
     base = load_base(cfg.base, dtype=cfg.dtype)
     decoders = {m: load_decoder(runs / m, base=base) for m in METHODS}
     paths = {m: str(runs / m) for m in METHODS}

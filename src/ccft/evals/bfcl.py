@@ -35,7 +35,7 @@ from pathlib import Path
 from ccft.evals.task_base import EnvironmentCheckError, Item, Task, data_rows
 from ccft.evals.tool_calls import format_tool_call, openai_tool, parse_tool_calls
 
-__all__ = ["CHECKER_PINS", "BFCLMultipleTask", "checker_python", "run_checker", "setup_checker_env", "tasks"]
+__all__ = ["CHECKER_PINS", "BFCLMultipleTask", "calls_offered_function", "checker_python", "run_checker", "setup_checker_env", "tasks"]
 
 #: What ``setup`` installs into the checker environment (torch pinned to the CPU build ccft uses;
 #: soundfile: qwen-agent, imported by bfcl-eval's model table, needs it but does not declare it).
@@ -161,13 +161,21 @@ def _first_choice(answer: dict) -> dict:
     return {k: resolve(v[0]) for k, v in answer.items() if v and v[0] != ""}
 
 
+def calls_offered_function(decoded: list[dict[str, dict]], functions: list[dict]) -> bool:
+    """True if any decoded call (``[{name: arguments}]``) names one of ``functions`` (BFCL function docs)."""
+    offered = {f["name"] for f in functions}
+    return any(name in offered for call in decoded for name in call)
+
+
 @dataclass
 class BFCLMultipleTask(Task):
     name: str = "bfcl-multiple"
     prompt_style: str = "chat"
     max_new_tokens: int = 160
     default_limit: int | None = 50
-    metrics: tuple[str, ...] = ("accuracy", "parsed")
+    #: ``parsed``: at least one call parses (``tool_calls.parse_tool_calls``); ``offered_call``: at least one
+    #: parsed call names a function the item offers (right or wrong arguments): the study's secondary metric.
+    metrics: tuple[str, ...] = ("accuracy", "offered_call", "parsed")
     license: str = "Apache-2.0 (bfcl-eval 2026.3.23 / ShishirPatil/gorilla)"
     data: str = "evals/data/bfcl/BFCL_v4_multiple.json (200 items) + possible answers"
     last_results: list = field(default_factory=list, repr=False, compare=False)
@@ -198,7 +206,9 @@ class BFCLMultipleTask(Task):
                 for (item, _), d in zip(pairs, decoded, strict=True)]
         results = run_checker(jobs)
         self.last_results = results
-        return [{"accuracy": float(r["valid"]), "parsed": float(bool(d))} for r, d in zip(results, decoded, strict=True)]
+        return [{"accuracy": float(r["valid"]), "parsed": float(bool(d)),
+                 "offered_call": float(calls_offered_function(d, item.metadata["functions"]))}
+                for r, d, (item, _) in zip(results, decoded, pairs, strict=True)]
 
     def score(self, item: Item, generation: str) -> dict[str, float]:
         return self.score_many([(item, generation)])[0]

@@ -114,16 +114,18 @@ def extract_plus_flexible(text: str) -> Fraction | None:
 
 
 def score_generation(text: str, reference: Fraction | _Abstain) -> dict[str, float]:
-    """``exact_match_strict`` / ``exact_match_flexible`` of one (already truncated) generation."""
+    """``exact_match_strict`` / ``exact_match_flexible`` of one (already truncated) generation, and
+    ``answer_format``: the strict ``#### N`` form (a number or an explicit "none") is present, right or wrong."""
     strict = extract_plus_strict(text)
+    form = {"answer_format": float(strict is not None)}
     if reference is ABSTAIN:
         says_none = abstains(text) or strict is ABSTAIN
         committed = isinstance(strict, Fraction)
         return {"exact_match_strict": float(says_none and not committed),
-                "exact_match_flexible": float(says_none)}
+                "exact_match_flexible": float(says_none)} | form
     flexible = extract_plus_flexible(text)
     return {"exact_match_strict": float(isinstance(strict, Fraction) and strict == reference),
-            "exact_match_flexible": float(flexible is not None and flexible == reference)}
+            "exact_match_flexible": float(flexible is not None and flexible == reference)} | form
 
 
 @dataclass
@@ -132,7 +134,7 @@ class GSMPlusTask(Task):
     prompt_style: str = "chat"
     max_new_tokens: int = 256
     default_limit: int | None = 80
-    metrics: tuple[str, ...] = ("exact_match_strict", "exact_match_flexible")
+    metrics: tuple[str, ...] = ("exact_match_strict", "exact_match_flexible", "answer_format")
     license: str = "CC-BY-SA-4.0 (qtli/GSM-Plus data card); derived from GSM8K (MIT)"
     data: str = "evals/data/gsm_plus/gsmplus_testmini.jsonl (2,400 rows)"
 
@@ -156,6 +158,8 @@ class GSMPlusTask(Task):
         ptype = item.metadata["perturbation_type"]
         out = dict(base)
         for k, v in base.items():
+            if k == "answer_format":
+                continue
             out[f"{k}[{ptype}]"] = v
             if ptype != "critical thinking":
                 out[f"{k}[no critical thinking]"] = v

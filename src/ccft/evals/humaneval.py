@@ -31,6 +31,7 @@ and sandbox used for model outputs and requires 100 % to pass (and known-bad com
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import pickle
 import re
@@ -45,7 +46,7 @@ from ccft.evals.execution import check_language, run_programs
 from ccft.evals.sandbox import Limits, Sandbox
 from ccft.evals.task_base import EnvironmentCheckError, Item, data_dir, data_rows
 
-__all__ = ["HUMANEVAL_STOP", "HumanEvalPlusTask", "HumanEvalTask", "extract_code_block", "tasks"]
+__all__ = ["HUMANEVAL_STOP", "HumanEvalPlusTask", "HumanEvalTask", "defines_entry_point", "extract_code_block", "tasks"]
 
 HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\n@", "\nprint", "\nif", "\n```")
 _PASS_MARK = "CCFT-PASS-"
@@ -60,12 +61,27 @@ def extract_code_block(text: str) -> str:
     return m.group(1) if m else text
 
 
+def defines_entry_point(code: str, entry_point: str) -> bool:
+    """True if ``code`` parses as Python (``ast.parse``: nothing is executed) and defines a module-level
+    function named ``entry_point``. A completion that breaks the prompt's function body, or stops inside
+    it, fails to parse."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):  # ValueError: NUL bytes in the source
+        return False
+    return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry_point
+               for node in tree.body)
+
+
 @dataclass
 class HumanEvalTask(CodeTask):
     name: str = "humaneval"
     stop: tuple[str, ...] = HUMANEVAL_STOP
     max_new_tokens: int = 384
     default_limit: int | None = 40
+    #: ``compiles``: prompt + completion parse as Python and define the entry point at module level
+    #: (``defines_entry_point``; nothing is run); the study's secondary metric for code.
+    metrics: tuple[str, ...] = ("pass@1", "compiles")
     license: str = "MIT (openai/human-eval)"
     data: str = "evals/data/humaneval/HumanEval.jsonl.gz (164 problems)"
     file: str = "humaneval/HumanEval.jsonl.gz"
@@ -116,8 +132,10 @@ class HumanEvalTask(CodeTask):
             jobs.append(kw)
         results = run_programs(jobs, workers=workers or self.workers or None)
         self.last_results = results
-        return [{"passed": float(r.passed and r.stdout.rstrip().endswith(_PASS_MARK + n))}
-                for r, n in zip(results, nonces, strict=True)]
+        compiles = [defines_entry_point(self.completion_code(item, self.postprocess(item, gen)),
+                                        item.metadata["entry_point"]) for item, gen in pairs]
+        return [{"passed": float(r.passed and r.stdout.rstrip().endswith(_PASS_MARK + n)), "compiles": float(c)}
+                for r, n, c in zip(results, nonces, compiles, strict=True)]
 
     def item_timeout(self, item: Item) -> float:
         return self.timeout_s

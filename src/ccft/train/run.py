@@ -172,3 +172,37 @@ def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | N
     acc.wait_for_everyone()
     return TrainResult(decoder=decoder, output_dir=out, log_history=history, train_rows=len(train_set),
                        dropped_too_long=train_set.dropped_too_long, seconds=time.time() - start, trainer=trainer)
+
+
+def method_config(cfg: TrainConfig, raw: dict, method: str, output_dir: str | os.PathLike) -> tuple[TrainConfig, dict]:
+    """``cfg`` (parsed from the recipe ``raw``) with ``method`` and ``output_dir`` set, and the recipe recorded
+    for that run (``raw`` with the same two keys, without its ``eval:`` section).
+
+    The keys the recipe sets are kept as given; everything else takes ``TrainConfig``'s defaults, so the
+    two methods of a comparison (``ccft``, ``full-ft``) differ only in ``method`` and ``output_dir``.
+    """
+    import dataclasses
+
+    given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig) if f.init and f.name in raw}
+    m_cfg = TrainConfig(**{**given, "method": method, "output_dir": str(output_dir)})
+    m_raw = {k: v for k, v in raw.items() if k != "eval"} | {"method": method, "output_dir": str(output_dir)}
+    return m_cfg, m_raw
+
+
+def train_or_reuse(cfg: TrainConfig, raw: dict, *, prefix: str = "[ccft]") -> tuple[list[dict], int, bool]:
+    """(log history, train rows, reused) of the decoder ``cfg`` describes.
+
+    A finished run (``cfg.output_dir/ccft.json`` recording the same recipe ``raw`` and ``cfg.max_steps``) is
+    reused; anything else trains, resuming from the newest complete checkpoint (``run_training``).
+    """
+    from ccft.core.checkpoint import read_meta
+
+    out = Path(cfg.output_dir)
+    if (out / "ccft.json").is_file():
+        meta = read_meta(out)
+        if meta.get("recipe") == raw and meta.get("steps") == cfg.max_steps:
+            print(f"{prefix} reusing finished run {out}", flush=True)
+            history = json.loads((out / "log_history.json").read_text())
+            return history, meta["data"]["train_rows"], True
+    result = run_training(cfg, recipe=raw)
+    return result.log_history, result.train_rows, False

@@ -1,0 +1,189 @@
+"""``ccft study recipes/study.yaml [KEY=value ...]``: the specialists study (``make study``; docs/study.md).
+
+Phases (wall time of each is added up over sittings in ``OUT/phases.json``):
+  setup                  convert the embedded base once, validate every recipe, set up the BFCL checker
+  train_SPEC_METHOD      each specialist's decoder from its recipe, method ``ccft`` and ``full-ft``
+  eval_SPEC              every task of the specialist in the four modes (``ccft.evals.runner``)
+  sweep_SPEC             NLL/token against the sharing ratio ρ on the specialist's first task
+  serving                the multi-agent serving benchmark with the trained CCFT decoders as agents
+  report                 OUT/report.json, OUT/README.md, plots
+Finished work is reused, interrupted work resumes (see ``ccft.evals.study``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("study", help="train the math, code and tools specialists (CCFT + Full-FT) and compare the "
+                                     "four modes on their benchmarks")
+    p.add_argument("config", nargs="?", default="recipes/study.yaml")
+    p.add_argument("overrides", nargs="*", help="KEY=value overrides, dotted for sections "
+                                               "(specialists.tools.train.max_steps=20, batch_size=8)")
+    p.add_argument("--skip-serving", action="store_true", help="leave out the serving benchmark")
+    p.set_defaults(func=run)
+
+
+def _multipl_e_tasks(spec) -> list[str]:
+    from ccft.evals.execution import check_language
+    from ccft.evals.protocol import task_names
+
+    names = [n for n in task_names() if n.startswith("multipl-e-")]
+    if spec.multipl_e == "all":
+        langs = [n.removeprefix("multipl-e-") for n in names]
+        return [f"multipl-e-{lang}" for lang in langs if check_language(lang).available]
+    return [f"multipl-e-{lang}" for lang in spec.multipl_e]
+
+
+def run(args) -> int:
+    from ccft.core.checkpoint import load_decoder
+    from ccft.core.models import load_base, resolve_model_path
+    from ccft.evals.prompting import resolve_prompt_format
+    from ccft.evals.protocol import get_task
+    from ccft.evals.runner import run_task
+    from ccft.evals.settings import EvalSettings, mode_specs, shared_handoff
+    from ccft.evals.study import (
+        StudyPhases,
+        load_study_config,
+        recipe_overrides,
+    )
+    from ccft.evals.sweep import run_sweep
+    from ccft.train.config import METHODS
+    from ccft.train.run import method_config, train_or_reuse
+
+    cfg = load_study_config(args.config, args.overrides)
+    out, runs = Path(cfg.out), Path(cfg.runs)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(int(cfg.threads))
+    phases = StudyPhases(out)
+    parsed = {name: recipe_overrides(spec) for name, spec in cfg.specialists.items()}
+    bases = {tc.base for tc, _, _ in parsed.values()}
+    if len(bases) != 1:
+        raise SystemExit(f"ccft study: the specialists' recipes name different bases {sorted(bases)}; "
+                         "the study compares decoders on one frozen base (set base= in every recipe)")
+    base_name = bases.pop()
+    dtype = next(iter(parsed.values()))[0].dtype
+    with phases("setup"):
+        resolve_model_path(base_name)
+        wants_bfcl = any("bfcl-multiple" in s.tasks for s in cfg.specialists.values())
+        if wants_bfcl:
+            from ccft.evals.bfcl import checker_python, setup_checker_env
+
+            if checker_python() is None:
+                print("[ccft study] setting up the BFCL checker environment (pip, once)", flush=True)
+                setup_checker_env()
+    base = None
+    summaries: dict[str, list[dict]] = {}
+    sweeps: dict[str, dict] = {}
+    specialists_meta: dict[str, dict] = {}
+    ccft_decoders = {}
+    trained: dict[str, dict] = {}
+    for name, spec in cfg.specialists.items():  # one specialist at a time: its numbers are complete early
+        tc, _, raw = parsed[name]
+        trained[name] = {"histories": {}, "rows": {}, "reused": {}}
+        for method in METHODS:
+            m_cfg, m_raw = method_config(tc, raw, method, runs / name / method)
+            with phases(f"train_{name}_{method.replace('-', '_')}"):
+                h, rows, reused = train_or_reuse(m_cfg, m_raw, prefix="[ccft study]")
+            trained[name]["histories"][method] = h
+            trained[name]["rows"][method] = rows
+            trained[name]["reused"][method] = reused
+            gc.collect()
+        if base is None:
+            base = load_base(base_name, dtype=dtype)
+        paths = {m: str(runs / name / m) for m in METHODS}
+        decoders = {m: load_decoder(paths[m], base=base) for m in METHODS}
+        ccft_decoders[name] = paths["ccft"]
+        fresh = not all(trained[name]["reused"].values())  # a decoder (re)trained now: earlier items are stale
+        fmt = resolve_prompt_format("decoder", decoders.values())
+        handoff = shared_handoff(decoders.values())
+        task_list = [(t, ts.limit, ts.max_new_tokens) for t, ts in spec.tasks.items()]
+        task_list += [(t, spec.multipl_e_limit, spec.multipl_e_max_new_tokens) for t in _multipl_e_tasks(spec)]
+        summaries[name] = []
+        with phases(f"eval_{name}"):
+            for task_name, limit, max_new in task_list:
+                print(f"[ccft study] {name}: {task_name} (n={limit})", flush=True)
+                settings = EvalSettings(limit=limit, max_new_tokens=max_new, seed=cfg.seed, handoff_tokens=handoff,
+                                        prompt_format=fmt, engine=True)
+                res = run_task(get_task(task_name), base, mode_specs(cfg.modes, decoders, paths), out / name,
+                               settings=settings, batch_size=cfg.batch_size, n_resamples=cfg.bootstrap,
+                               overwrite=fresh)
+                summaries[name].append(res.summary)
+        first = next(iter(spec.tasks), None)
+        if first and cfg.sweep_limit:
+            with phases(f"sweep_{name}"):
+                sweeps[name] = run_sweep(get_task(first), base, {"naive": decoders["full-ft"],
+                                                                 "prefillshare": decoders["ccft"]},
+                                         out / name / "sweep", rhos=cfg.sweep_rhos, axes=("positions",),
+                                         limit=cfg.sweep_limit, batch_size=cfg.batch_size, overwrite=fresh,
+                                         decoder_paths={"naive": paths["full-ft"], "prefillshare": paths["ccft"]},
+                                         n_resamples=cfg.bootstrap, prompt_format=fmt)
+        hist = trained[name]["histories"]
+        specialists_meta[name] = {
+            "recipe": spec.recipe, "overrides": spec.train, "runs": paths,
+            "tasks": [t for t, _, _ in task_list],
+            "training": {"train_data": tc.train_data, "train_rows": trained[name]["rows"]["ccft"],
+                         "steps": tc.max_steps, "learning_rate": tc.learning_rate,
+                         "batch": tc.per_device_train_batch_size * tc.gradient_accumulation_steps,
+                         "max_length": tc.max_length, "seed": tc.seed,
+                         "loss_curve": {m: [[x["step"], x["loss"]] for x in hist[m] if "loss" in x] for m in hist},
+                         "final_loss": {m: next((x["loss"] for x in reversed(hist[m]) if "loss" in x), None)
+                                        for m in hist}},
+        }
+        write_report(cfg, args, out, summaries, specialists_meta, sweeps, None, phases, base_name)  # partial
+    serving = None
+    if not args.skip_serving and cfg.serving.get("enabled", True):
+        with phases("serving"):
+            serving = _serving(cfg, ccft_decoders, base_name, out)
+    with phases("report"):
+        write_report(cfg, args, out, summaries, specialists_meta, sweeps, serving, phases, base_name)
+    print(f"[ccft study] wrote {out / 'report.json'} and {out / 'README.md'}")
+    return 0
+
+
+def write_report(cfg, args, out: Path, summaries, specialists_meta, sweeps, serving, phases, base_name) -> None:
+    """``OUT/report.json``, ``OUT/README.md`` and the plots from what is finished (called after each specialist)."""
+    from ccft.core.io import atomic_write_text
+    from ccft.core.models import describe_model
+    from ccft.evals.report import plot_sweep, plot_task
+    from ccft.evals.results import hardware
+    from ccft.evals.study import build_study_report, study_readme
+
+    plots = {}
+    for name, ss in summaries.items():
+        for s in ss:
+            png = out / name / f"{s['task']}.png"
+            try:
+                plot_task(s, png)
+                plots[f"{name}/{s['task']}"] = f"{name}/{png.name}"
+            except Exception as e:  # plotting must not lose the numbers
+                print(f"[ccft study] plot {png}: {e}", file=sys.stderr)
+        if sweeps.get(name):
+            try:
+                plot_sweep(sweeps[name], out / name / "sweep.png")
+                plots[f"{name}/sweep"] = f"{name}/sweep.png"
+            except Exception as e:
+                print(f"[ccft study] sweep plot: {e}", file=sys.stderr)
+    report = build_study_report(cfg, summaries, specialists_meta=specialists_meta, sweeps=sweeps,
+                                serving=serving, phases=phases.data, hardware=hardware(),
+                                model=describe_model(base_name))
+    report["plots"] = plots
+    report["complete"] = set(summaries) == set(cfg.specialists)
+    command = ("make study" if (args.config == "recipes/study.yaml" and not args.overrides)
+               else "ccft study " + " ".join([args.config, *args.overrides]))
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2, default=str))
+    atomic_write_text(out / "README.md", study_readme(report, command))
+
+
+def _serving(cfg, decoders: dict[str, str], base_name: str, out: Path) -> dict | None:
+    """The multi-agent serving benchmark with the trained CCFT decoders as agents (``ccft bench serve``)."""
+    from ccft.cli.bench import run_serve_benchmark
+
+    return run_serve_benchmark(base_name, decoders, out / "serving", **cfg.serving)
