@@ -95,6 +95,8 @@ def model_card_text(meta: Mapping, *, export: Mapping | None = None, evals: Sequ
     """
     from huggingface_hub import ModelCard
 
+    from ccft.core.models import describe_model
+
     data = card_data(meta, export=export)
     target = (export or {}).get("target")
     base = meta.get("base") or {}
@@ -112,8 +114,11 @@ def model_card_text(meta: Mapping, *, export: Mapping | None = None, evals: Sequ
              "## Method", "",
              f"- method: `{method}` ({'trained on the base prefill C_base' if method == 'ccft' else 'trained on its own prefill' if method == 'full-ft' else 'not trained'})",
              f"- decoder: `{meta.get('decoder_kind')}`" + (f", exported as `{target}`" if target else ""),
-             f"- base: `{base.get('name')}`" + (f" (Hub: `{data.base_model}`)" if data.base_model else "")
-             + f", fingerprint `{meta.get('base_fingerprint')}`",
+             f"- base: `{base.get('name')}`" + (f" ({describe_model(base['name'])}; from the Hub's `{data.base_model}`)"
+                                                if base.get("name") in BASE_HUB_IDS else
+                                                f" (Hub: `{data.base_model}`)" if data.base_model else "")
+             + f", fingerprint `{meta.get('base_fingerprint')}`: load exactly these base weights (for an embedded "
+             "base, the folder `ccft.core.models.resolve_model_path(NAME)` converts)",
              f"- handoff: the decoder starts at the last {k} prompt token(s); the base's KV covers the rest",
              f"- dtype: `{meta.get('dtype')}`; ccft {meta.get('ccft_version')}"]
     if target == "peft-alora":
@@ -123,13 +128,13 @@ def model_card_text(meta: Mapping, *, export: Mapping | None = None, evals: Sequ
     for w in (export or {}).get("warnings") or []:
         lines += [f"- **warning**: {w}"]
     lines += ["", "## Training", ""]
-    if train or meta.get("steps") is not None:
-        lines += [f"- data: `{train.get('train_data')}`, {train.get('train_rows')} rows "
-                  f"(offset {train.get('data_offset')}, dropped {train.get('dropped_too_long')} over max_length "
-                  f"{train.get('max_length')}), {train.get('supervised_tokens')} supervised tokens",
-                  f"- steps: {meta.get('steps')}; seed {meta.get('seed')}; path {meta.get('train_path')}"]
-    else:
-        lines += ["- no training record in `ccft.json`"]
+    facts = [("data", f"`{train['train_data']}`" if train.get("train_data") else None),
+             ("training rows", train.get("train_rows")), ("data offset", train.get("data_offset")),
+             ("dropped over max_length", train.get("dropped_too_long")), ("max_length", train.get("max_length")),
+             ("supervised tokens", train.get("supervised_tokens")), ("steps", meta.get("steps")),
+             ("seed", meta.get("seed")), ("training path", meta.get("train_path"))]
+    facts = [f"- {name}: {value}" for name, value in facts if value is not None]
+    lines += facts or ["- no training record in `ccft.json`"]
     if recipe:
         lines += ["", "Recipe:", "", "```json", json.dumps(recipe, indent=2, sort_keys=True, default=str), "```"]
     lines += ["", "## Evaluation", ""]
@@ -140,7 +145,7 @@ def model_card_text(meta: Mapping, *, export: Mapping | None = None, evals: Sequ
     if target == "peft-alora":
         lines += ["With stock PEFT (no ccft code):", "", "```python",
                   "from transformers import AutoModelForCausalLM, AutoTokenizer", "from peft import PeftModel", "",
-                  f"base = AutoModelForCausalLM.from_pretrained({(data.base_model or base.get('path') or 'BASE')!r})",
+                  "base = AutoModelForCausalLM.from_pretrained(BASE)   # the base named above, same weights",
                   "model = PeftModel.from_pretrained(base, 'THIS_FOLDER')",
                   "tok = AutoTokenizer.from_pretrained('THIS_FOLDER')",
                   "ids = tok.apply_chat_template([{'role': 'user', 'content': '...'}], add_generation_prompt=True,",
