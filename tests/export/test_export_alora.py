@@ -191,3 +191,30 @@ def test_refusals_name_the_fix(sharp_dir, tmp_path, tokenizer):
     with pytest.raises(ConfigError, match="--to 'gguf'; use one of peft-alora, merged"):
         export_decoder(tmp_path / "ok", "gguf", tmp_path / "o6")
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 4, 5, 6))
+
+
+@pytest.mark.slow
+def test_alora_export_on_the_embedded_model(tmp_path, tokenizer, gsm8k_rows):
+    """The embedded SmolLM2-135M (fp32, 30 layers) with a random non-zero LoRA, handoff_tokens=4: logits within
+    1e-5 of the logits' scale (two passes vs one forward round differently over 30 layers), same greedy tokens."""
+    from ccft.core.models import resolve_model_path
+
+    base = ccft.load_base("smollm2-135m-instruct")
+    dec = make_lora(base, "default", 7, r=8, handoff=4)
+    ccft.save_decoder(dec, tmp_path / "dec", recipe={"chat_template": "true"})
+    res = export_decoder(tmp_path / "dec", "peft-alora", tmp_path / "alora")
+    assert res.warnings == [] and res.invocation.text == "<|im_start|>assistant\n"
+    model = _stock_peft(resolve_model_path("smollm2-135m-instruct"), tmp_path / "alora")
+    for row in gsm8k_rows[:2]:
+        prompt = _chat(tokenizer, row["prompt"])
+        response = tokenize_response(tokenizer, row["response"])
+        ours = _ccft_logits(dec, prompt, response)
+        theirs = _peft_logits(model, prompt, response, 4)
+        assert (ours - theirs).abs().max().item() <= TOL * max(1.0, ours.abs().max().item())
+        (gen,) = ccft.generate([prompt], mode="prefillshare", decoder=dec, max_new_tokens=N_NEW)
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 pad_token_id=tokenizer.pad_token_id)
+        eos = tokenizer.eos_token_id
+        assert [t for t in out[0, len(prompt):].tolist() if t != eos] == [t for t in gen.token_ids if t != eos]
