@@ -107,7 +107,7 @@ def test_alora_export_equals_prefillshare_logits_and_greedy_tokens(sharp_dir, tm
         assert len(gen.token_ids) > 0
 
 
-def test_one_token_newline_handoff_trap(sharp_dir, tmp_path, tokenizer, gsm8k_rows):
+def test_one_token_newline_handoff_trap(sharp_dir, tmp_path, tokenizer, gsm8k_rows, capsys):
     """handoff_tokens=1 on SmolLM2's chat template: the invocation is the newline ending the generation prompt.
 
     Exported with a warning naming the fix (handoff_tokens=4: "ass", "istant" are two tokens). Exact for responses without a newline and for
@@ -123,6 +123,12 @@ def test_one_token_newline_handoff_trap(sharp_dir, tmp_path, tokenizer, gsm8k_ro
     assert res.invocation.safe_handoff_tokens == 4 and "handoff_tokens=4" in res.warnings[0]
     card = (tmp_path / "alora" / "README.md").read_text()
     assert "LAST occurrence" in card
+    from ccft.cli.main import main
+
+    capsys.readouterr()
+    assert main(["export", str(folder), "--to", "peft-alora", str(tmp_path / "alora-cli")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("LAST occurrence") == 1 and "ccft export: warning: " in err  # printed once, by the CLI
     model = _stock_peft(sharp_dir, tmp_path / "alora")
     prompt = _chat(tokenizer, gsm8k_rows[1]["prompt"])
 
@@ -188,6 +194,8 @@ def test_refusals_name_the_fix(sharp_dir, tmp_path, tokenizer):
     _lora_folder(sharp_dir, tmp_path / "ok", handoff=4)
     with pytest.raises(ConfigError, match="busy exists and is not empty"):
         export_decoder(tmp_path / "ok", "peft-alora", tmp_path / "busy")
+    with pytest.raises(ConfigError, match="--invocation-text is for decoders trained on plain-text prompts"):
+        export_decoder(tmp_path / "ok", "peft-alora", tmp_path / "o6", invocation_text="\n")
     with pytest.raises(ConfigError, match="--to 'gguf'; use one of peft-alora, merged"):
         export_decoder(tmp_path / "ok", "gguf", tmp_path / "o6")
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 4, 5, 6))

@@ -33,6 +33,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import json
     import sys
+    import warnings
     from pathlib import Path
 
     from ccft.core.errors import ConfigError
@@ -46,7 +47,9 @@ def run(args) -> int:
                               "summary.json of a ccft eval task folder") from None
     from ccft.train.export import export_decoder
 
-    result = export_decoder(args.decoder, args.to, args.out, invocation_text=args.invocation_text)
+    with warnings.catch_warnings():  # the warnings are printed once, below, as ccft's own lines
+        warnings.simplefilter("ignore", UserWarning)
+        result = export_decoder(args.decoder, args.to, args.out, invocation_text=args.invocation_text)
     if evals:
         from ccft.core.checkpoint import read_meta
         from ccft.train.card import write_model_card

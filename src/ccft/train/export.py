@@ -137,13 +137,13 @@ def invocation_sequence(meta: dict, tokenizer, *, invocation_text: str | None = 
             when it has one, as ``TrainConfig``'s ``chat_template: auto`` does).
         tokenizer: the base's tokenizer.
         invocation_text: for plain-text (completion) prompts: the fixed text every prompt you will serve
-            ends with; its tokens must be exactly ``handoff_tokens`` long. Ignored for chat prompts.
+            ends with; its tokens must be exactly ``handoff_tokens`` long. Refused for chat prompts.
     Returns:
         :class:`InvocationSequence`.
     Raises:
         ConfigError: the handoff is not one fixed token sequence at the end of every prompt (plain-text
             prompts without ``invocation_text``; a handoff that reaches into the message text), or
-            ``invocation_text`` does not tokenize to ``handoff_tokens`` ids.
+            ``invocation_text`` does not tokenize to ``handoff_tokens`` ids or is given for chat prompts.
     """
     from ccft.core.tokens import as_ids, control_tokens, tokenize_prompt, use_chat_template
 
@@ -163,6 +163,9 @@ def invocation_sequence(meta: dict, tokenizer, *, invocation_text: str | None = 
             raise ConfigError(f"--invocation-text {invocation_text!r} is {len(ids)} token(s) {ids} but the decoder's "
                               f"handoff_tokens is {k}; pass the text of exactly the last {k} prompt token(s)")
         return InvocationSequence(ids=ids, text=invocation_text, has_control_token=bool(controls & set(ids)))
+    if invocation_text is not None:
+        raise ConfigError("--invocation-text is for decoders trained on plain-text prompts; this one was trained on "
+                          "chat prompts, whose invocation sequence ccft reads from the chat template: drop the option")
     prompts = [tokenize_prompt(tokenizer, p, chat_template=flag, system_prompt=system_prompt) for p in _PROBES]
     common = 0  # length of the suffix every probe prompt shares
     while all(len(p) > common for p in prompts) and len({p[-common - 1] for p in prompts}) == 1:
