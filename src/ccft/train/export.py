@@ -184,6 +184,17 @@ def invocation_sequence(meta: dict, tokenizer, *, invocation_text: str | None = 
                               safe_text=tokenizer.decode(suffix[-safe:]) if safe else None)
 
 
+def _check_alora_kind(kind: str, method: str | None, what: str) -> None:
+    """Refuse full-weight and non-CCFT decoders for ``peft-alora`` (ConfigError naming the fix)."""
+    if kind != "lora":
+        raise ConfigError(f"{what} is a full-weight decoder; an aLoRA adapter holds LoRA weights only. Fix: "
+                          "export it with --to merged (a plain transformers folder)")
+    if method != "ccft":
+        raise ConfigError(f"{what} was trained with method={method!r}, on its own prefill: its adapter is on for the "
+                          "whole prompt, which an aLoRA adapter (off before the invocation tokens) is not. Fix: serve "
+                          "its PEFT folder as a plain LoRA, or export with --to merged")
+
+
 def _check_alora_adapter(decoder, path) -> None:
     """Refuse a LoRA decoder PEFT cannot run as aLoRA (ConfigError naming the field and the fix)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
@@ -241,13 +252,7 @@ def export_alora(decoder, out: str | os.PathLike, *, invocation_text: str | None
             adapter aLoRA cannot run, or a non-empty ``out`` — all before anything is written.
     """
     what = source or "the decoder"
-    if decoder.kind != "lora":
-        raise ConfigError(f"{what} is a full-weight decoder; an aLoRA adapter holds LoRA weights only. Fix: "
-                          "export it with --to merged (a plain transformers folder)")
-    if decoder.method != "ccft":
-        raise ConfigError(f"{what} was trained with method={decoder.method!r}, on its own prefill: its adapter is on for "
-                          "the whole prompt, which an aLoRA adapter (off before the invocation tokens) is not. Fix: "
-                          "serve its PEFT folder as a plain LoRA, or export with --to merged")
+    _check_alora_kind(decoder.kind, decoder.method, what)
     _check_alora_adapter(decoder, what)
     inv = invocation_sequence(decoder.meta, decoder.base.tokenizer, invocation_text=invocation_text)
     out = Path(out)
@@ -353,13 +358,8 @@ def export_decoder(decoder_path: str | os.PathLike, to: str, out: str | os.PathL
         raise ConfigError(f"--to {to!r}; use one of {', '.join(EXPORT_TARGETS)}")
     meta = read_meta(decoder_path)
     kind = meta.get("decoder_kind") or ("lora" if (Path(decoder_path) / "adapter_config.json").is_file() else "full")
-    if to == "peft-alora" and kind != "lora":
-        raise ConfigError(f"{decoder_path} is a full-weight decoder; an aLoRA adapter holds LoRA weights only. Fix: "
-                          "export it with --to merged (a plain transformers folder)")
-    if to == "peft-alora" and meta.get("method") != "ccft":
-        raise ConfigError(f"{decoder_path} was trained with method={meta.get('method')!r}, on its own prefill: its "
-                          "adapter is on for the whole prompt, which an aLoRA adapter is not. Fix: serve its PEFT folder "
-                          "as a plain LoRA, or export with --to merged")
+    if to == "peft-alora":  # before loading any model
+        _check_alora_kind(kind, meta.get("method"), str(decoder_path))
     if to == "merged" and kind == "lora":
         base = None  # merging rewrites the host's weights: never the caller's base
     decoder = load_decoder(decoder_path, base=base, adapter_name="default" if base is None else None)
