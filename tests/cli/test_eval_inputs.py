@@ -67,7 +67,7 @@ def test_damaged_decoder_folders(tmp_path, capsys, no_model, damage, pattern):
 
 
 def test_missing_task_data_fails_before_the_model_loads(tmp_path, capsys, no_model, monkeypatch):
-    monkeypatch.setenv("CCFT_EVALS_DIR", str(tmp_path / "no-data"))
+    monkeypatch.setenv("CCFT_EVAL_DATA", str(tmp_path / "no-data"))
     rc, err = run(["eval", "--task", "humaneval", "--mode", "base", "--base", "tiny",
                    "--out", str(tmp_path / "out")], capsys)
     assert rc == 2 and "no-data" in one_line(err) and not no_model, err

@@ -3,18 +3,13 @@ the same decode work, the budget holds, and the KV / prefill counts follow Eq. 9
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 import ccft
+from ccft.bench import serve as serve_bench
 from ccft.inference import SharedPrefillEngine
 from ccft.serving import workloads
 from conftest import make_lora, make_tiny_folder
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks import serve_bench  # noqa: E402
 
 AGENTS = list(serve_bench.AGENTS)
 

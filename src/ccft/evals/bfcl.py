@@ -1,6 +1,6 @@
 """BFCL "multiple" (Berkeley Function-Calling Leaderboard v4): pick and call one of 2-4 functions.
 
-Data: ``evals/data/bfcl/BFCL_v4_multiple.json`` and its possible answers, copied from the PyPI
+Data: ``ccft/evals/data/bfcl/BFCL_v4_multiple.json`` and its possible answers, copied from the PyPI
 package ``bfcl-eval==2026.3.23`` (Apache-2.0; 200 items). Prompt: the user turn through the chat
 template with the item's functions as ``tools`` (``ccft.evals.tool_calls.openai_tool``; a
 template without tool support gets them in a system turn). The model answers with
@@ -177,7 +177,7 @@ class BFCLMultipleTask(Task):
     #: parsed call names a function the item offers (right or wrong arguments): the study's secondary metric.
     metrics: tuple[str, ...] = ("accuracy", "offered_call", "parsed")
     license: str = "Apache-2.0 (bfcl-eval 2026.3.23 / ShishirPatil/gorilla)"
-    data: str = "evals/data/bfcl/BFCL_v4_multiple.json (200 items) + possible answers"
+    data: str = "ccft/evals/data/bfcl/BFCL_v4_multiple.json (200 items) + possible answers"
     last_results: list = field(default_factory=list, repr=False, compare=False)
 
     def _load_all(self) -> list[Item]:

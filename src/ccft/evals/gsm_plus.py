@@ -1,6 +1,6 @@
 """GSM-Plus testmini: GSM8K under 8 perturbation types, scored per type (docs/design.md K7).
 
-Data: ``evals/data/gsm_plus/gsmplus_testmini.jsonl`` (2,400 rows = 300 GSM8K test questions x 8
+Data: ``ccft/evals/data/gsm_plus/gsmplus_testmini.jsonl`` (2,400 rows = 300 GSM8K test questions x 8
 perturbations; CC-BY-SA-4.0 per its data card, see ``LICENSE-NOTE.txt``). Prompt: the question as
 one user turn of the chat template, like ``gsm8k``. NLL reference text: the row's ``solution``
 (chain of thought ending ``#### answer``).
@@ -136,7 +136,7 @@ class GSMPlusTask(Task):
     default_limit: int | None = 80
     metrics: tuple[str, ...] = ("exact_match_strict", "exact_match_flexible", "answer_format")
     license: str = "CC-BY-SA-4.0 (qtli/GSM-Plus data card); derived from GSM8K (MIT)"
-    data: str = "evals/data/gsm_plus/gsmplus_testmini.jsonl (2,400 rows)"
+    data: str = "ccft/evals/data/gsm_plus/gsmplus_testmini.jsonl (2,400 rows)"
 
     def _load_all(self) -> list[Item]:
         items = []

@@ -1,7 +1,7 @@
 """HumanEval and HumanEval+ (EvalPlus extended tests), executed in the sandbox.
 
-Data: ``evals/data/humaneval/HumanEval.jsonl.gz`` (MIT) and
-``evals/data/humanevalplus/HumanEvalPlus.jsonl.gz`` (Apache-2.0, EvalPlus v0.1.10 data), 164
+Data: ``ccft/evals/data/humaneval/HumanEval.jsonl.gz`` (MIT) and
+``ccft/evals/data/humanevalplus/HumanEvalPlus.jsonl.gz`` (Apache-2.0, EvalPlus v0.1.10 data), 164
 problems each.
 
 Prompting (``prompt_style``):
@@ -83,7 +83,7 @@ class HumanEvalTask(CodeTask):
     #: (``defines_entry_point``; nothing is run); the study's secondary metric for code.
     metrics: tuple[str, ...] = ("pass@1", "compiles")
     license: str = "MIT (openai/human-eval)"
-    data: str = "evals/data/humaneval/HumanEval.jsonl.gz (164 problems)"
+    data: str = "ccft/evals/data/humaneval/HumanEval.jsonl.gz (164 problems)"
     file: str = "humaneval/HumanEval.jsonl.gz"
 
     def __post_init__(self):
@@ -242,7 +242,7 @@ with open("expected.pkl", "wb") as _f:
 class HumanEvalPlusTask(HumanEvalTask):
     name: str = "humaneval-plus"
     license: str = "Apache-2.0 (evalplus/humanevalplus_release); prompts from HumanEval (MIT)"
-    data: str = "evals/data/humanevalplus/HumanEvalPlus.jsonl.gz (164 problems, EvalPlus v0.1.10)"
+    data: str = "ccft/evals/data/humanevalplus/HumanEvalPlus.jsonl.gz (164 problems, EvalPlus v0.1.10)"
     file: str = "humanevalplus/HumanEvalPlus.jsonl.gz"
     timeout_s: float = 20.0
     _expected: dict = field(default_factory=dict, repr=False, compare=False)

@@ -1,6 +1,6 @@
 """MultiPL-E HumanEval translations (evaluation only), one task per language: ``multipl-e-<lang>``.
 
-Data: ``evals/data/multipl_e_humaneval/humaneval-<lang>.jsonl`` (the ``reworded`` MultiPL-E rows
+Data: ``ccft/evals/data/multipl_e_humaneval/humaneval-<lang>.jsonl`` (the ``reworded`` MultiPL-E rows
 via DeepSeek-Coder; licence BSD-3-Clause **plus a clause forbidding use as ML training data** —
 ``LICENSE.MultiPL-E``: evaluation only, never in a recipe). Languages: cpp, java, js, ts, go, rs,
 php, rb, pl, lua, r, sh (154-161 problems each).
@@ -53,7 +53,7 @@ FIXTURES: dict[str, tuple[str, str, str]] = {
 }
 FIXTURE_PROBLEM = "HumanEval_53_add"
 
-#: MBXP files with canonical solutions, per language (CC-BY-4.0, evals/data/mbxp).
+#: MBXP files with canonical solutions, per language (CC-BY-4.0, ccft/evals/data/mbxp).
 MBXP_FILES = {"java": "mbjp_release_v1.2.jsonl", "js": "mbjsp_release_v1.2.jsonl",
               "php": "mbphp_release_v1.2.jsonl", "rb": "mbrbp_release_v1.2.jsonl"}
 
@@ -156,5 +156,5 @@ def tasks() -> list[MultiPLETask]:
     for lang in MULTIPL_E_LANGUAGES:
         language(lang)  # every task language has a toolchain spec
         out.append(MultiPLETask(name=f"multipl-e-{lang}", language=lang,
-                                data=f"evals/data/multipl_e_humaneval/humaneval-{lang}.jsonl"))
+                                data=f"ccft/evals/data/multipl_e_humaneval/humaneval-{lang}.jsonl"))
     return out

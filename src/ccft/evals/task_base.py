@@ -44,9 +44,11 @@ runner (modes, batching, resumability, reports) never needs to know which benchm
     in this execution environment; per-language availability), returns a JSON-able dict, raises
     :class:`EnvironmentCheckError` if a check fails; ``describe()`` — the settings for reports.
 
-Bundled data lives in the repository's ``evals/data`` (licences next to each file; see
-``evals/README.md``); ``CCFT_EVALS_DIR`` points elsewhere (e.g. for an installed package). Task
-modules read it with :func:`data_rows` (JSON Lines, ``.gz`` or plain), the one loading rule.
+Bundled data is package data: ``ccft/evals/data`` (licences next to each file; see
+``ccft/evals/data/README.md``), shipped in the wheel and found with ``importlib.resources``;
+``CCFT_EVAL_DATA`` points elsewhere (``CCFT_EVALS_DIR`` is its deprecated alias). :func:`data_dir`
+is the one place that resolves the folder; task modules read it with :func:`data_rows` (JSON Lines,
+``.gz`` or plain), the one loading rule.
 
 This module imports no task module (they import it), so ``ccft.evals`` has no import cycle
 (docs/design.md, "Layers").
@@ -55,6 +57,7 @@ This module imports no task module (they import it), so ``ccft.evals`` has no im
 from __future__ import annotations
 
 import gzip
+import importlib.resources
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -85,17 +88,35 @@ class Item:
 
 
 def data_dir() -> Path:
-    """The bundled-data folder: ``$CCFT_EVALS_DIR`` or ``<repository>/evals/data``.
+    """The bundled evaluation-data folder (the one rule every task uses to find its files).
+
+    Order: ``$CCFT_EVAL_DATA``; else ``$CCFT_EVALS_DIR`` (deprecated alias, same meaning); else the
+    package data ``importlib.resources.files("ccft.evals") / "data"`` (in a checkout
+    ``src/ccft/evals/data``; in an installed wheel ``site-packages/ccft/evals/data``).
+
+    Returns:
+        The folder as a :class:`pathlib.Path`.
 
     Raises:
-        DataError: the folder does not exist (an installed package without ``CCFT_EVALS_DIR``).
+        DataError: the folder does not exist (names it and the variable that chose it), or the
+            package is installed in a form that is not a plain folder (e.g. a zip).
     """
-    env = os.environ.get("CCFT_EVALS_DIR")
-    path = Path(env) if env else Path(__file__).resolve().parents[3] / "evals" / "data"
-    if not path.is_dir():
-        raise DataError(f"evaluation data folder {path} does not exist; run from a ccft checkout or set "
-                        "CCFT_EVALS_DIR to a copy of the repository's evals/data")
-    return path
+    for var in ("CCFT_EVAL_DATA", "CCFT_EVALS_DIR"):
+        env = os.environ.get(var)
+        if env:
+            path = Path(env)
+            if not path.is_dir():
+                raise DataError(f"evaluation data folder {path} (from ${var}) does not exist; point {var} at a "
+                                "copy of ccft's evals/data folder, or unset it to use the data shipped in the package")
+            return path
+    files = importlib.resources.files("ccft.evals") / "data"
+    if not isinstance(files, Path):
+        raise DataError(f"ccft's evaluation data ({files}) is not a folder on disk (zipped install?); install "
+                        "ccft as a plain wheel or set CCFT_EVAL_DATA to a folder holding a copy of it")
+    if not files.is_dir():
+        raise DataError(f"evaluation data folder {files} does not exist: this ccft install lacks its package data; "
+                        "reinstall the wheel, or set CCFT_EVAL_DATA to a copy of ccft/evals/data")
+    return files
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -169,6 +169,10 @@ def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | N
                      seed=cfg.seed, train_path=trainer.train_path,
                      distributed={"num_processes": acc.num_processes, "type": str(acc.distributed_type).split(".")[-1]})
         atomic_write_text(out / "log_history.json", json.dumps(history, indent=2))
+        from ccft.core.checkpoint import read_meta
+        from ccft.train.card import write_model_card
+
+        write_model_card(out, read_meta(out))  # README.md: Hub model card from ccft.json
     acc.wait_for_everyone()
     return TrainResult(decoder=decoder, output_dir=out, log_history=history, train_rows=len(train_set),
                        dropped_too_long=train_set.dropped_too_long, seconds=time.time() - start, trainer=trainer)

@@ -1,0 +1,399 @@
+"""Decode benchmark: ``SharedPrefillEngine`` against HF ``generate``, same model, prompts and greedy settings.
+
+    ccft bench decode --out decode.json        # or: python -m ccft.bench.decode --out decode.json
+
+For each batch size: TTFT and decode tokens/s of both (one run, medians over ``--repeats``), their
+ratio, and the roofline of the decode step on this machine:
+
+* bytes per step: every weight read once (an untied embedding only for the looked-up rows) plus
+  every row's KV (a prefix shared by rows is counted once), at the mean context of the run;
+* FLOPs per step: 2 · batch · (matmul parameters) + attention;
+* measured memory bandwidth (the faster of a large reduction and a large matrix-vector product)
+  and measured matmul throughput at the real shapes: one step's matmuls, every layer's own
+  weights, timed with the fastest kernel at hand (PyTorch's ``F.linear``, or the engine's packed
+  oneDNN weights on CPU); attention FLOPs are charged at the same rate;
+  (on CUDA both are captured as one CUDA graph, so launch overhead is not counted as matmul time);
+* roofline tokens/s = batch / max(bytes / bandwidth, FLOPs / throughput) (the slower bound); the
+  fraction is the engine's decode tokens/s over it (HF's is reported too).
+
+Every row runs exactly ``--new-tokens`` tokens on both sides (HF: ``min_new_tokens``; engine:
+``ignore_eos``). ``--random-weights`` builds a random model in SmolLM2-135M's shape, so nothing is
+downloaded or shipped (the GPU check uses it). The JSON's top level carries ``speedup_batch1``,
+``speedup_batch16`` and ``roofline_fraction_batch1`` / ``_batch16`` when those sizes ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+#: SmolLM2-135M-Instruct's architecture (what ``--random-weights`` builds)
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                     rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=2)
+
+
+class StubTokenizer:
+    """Just enough of a tokenizer for random-weight runs (ids only, no text)."""
+
+    def __init__(self, vocab: int, eos: int = 2, pad: int = 2):
+        self.vocab, self.eos_token_id, self.pad_token_id, self.bos_token_id = vocab, eos, pad, 1
+        self.chat_template = None
+        self.special_tokens_map = {"eos_token": "<eos>"}
+
+    def __len__(self) -> int:
+        return self.vocab
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def get_vocab(self) -> dict:
+        return {f"<{i}>": i for i in range(self.vocab)}
+
+
+def load(model: str, *, random_weights: bool, device: str, dtype: torch.dtype):
+    """A ``ccft.Base`` (real embedded/folder model, or random weights in SmolLM2's shape)."""
+    import ccft
+
+    if not random_weights:
+        base = ccft.load_base(model, dtype=dtype, device=device)
+        from ccft.core.models import describe_model
+
+        return base, describe_model(model)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SMOLLM2_SHAPE)
+    m = LlamaForCausalLM(cfg).to(dtype=dtype, device=device).eval()
+    m.requires_grad_(False)
+    base = ccft.Base(model=m, tokenizer=StubTokenizer(cfg.vocab_size), fingerprint="random-smollm2-shape",
+                     name="random", path="")
+    return base, "random weights in SmolLM2-135M's shape"
+
+
+def make_prompts(base, batch: int, prompt_tokens: int | None, real: bool) -> list[list[int]]:
+    """``batch`` prompts: GSM8K test questions (real tokenizer) or random ids of GSM8K-like lengths."""
+    if real:
+        from ccft.core.tokens import tokenize_prompt
+        from ccft.train.config import RESOURCES
+
+        path = RESOURCES / "gsm8k" / "test.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out = []
+        for r in rows[:batch]:
+            ids = tokenize_prompt(base.tokenizer, r["question"])
+            out.append(ids[:prompt_tokens] if prompt_tokens else ids)
+        return out
+    g = torch.Generator().manual_seed(batch)
+    n = prompt_tokens or 120
+    vocab = base.model.config.vocab_size
+    return [torch.randint(3, vocab, (n - 10 + (7 * i) % 21,), generator=g).tolist() for i in range(batch)]
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class _Clock:
+    """An HF streamer that records when each new token arrives (the first ``put`` is the prompt)."""
+
+    def __init__(self, device):
+        self.device, self.times = device, []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def run_hf(base, prompts, new_tokens: int) -> dict:
+    from ccft.core.tokens import left_pad
+
+    model = base.model
+    pad = base.tokenizer.pad_token_id
+    ids, mask = left_pad(prompts, pad)
+    ids, mask = ids.to(base.device), mask.to(base.device)
+    clock = _Clock(base.device)
+    _sync(base.device)
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, pad_token_id=pad, streamer=clock, top_p=None, top_k=None,
+                         temperature=None)
+    _sync(base.device)
+    t_end = time.perf_counter()
+    first = clock.times[1]
+    return {"ttft_s": first - t0, "decode_s": t_end - first, "tokens": out[:, ids.shape[1]:].tolist()}
+
+
+@torch.no_grad()
+def run_engine(engine, prompts, new_tokens: int) -> dict:
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    handle = engine.prefill(prompts)
+    ids = [engine.add_request(handle, i, max_new_tokens=new_tokens, ignore_eos=True) for i in range(len(prompts))]
+    tokens = {r: [] for r in ids}
+    first = None
+    while engine.active:
+        for o in engine.step():
+            tokens[o.request_id].append(o.token_id)
+        if first is None:
+            first = time.perf_counter()  # step() returns host ints: already synchronised
+    t_end = time.perf_counter()
+    handle.release()
+    return {"ttft_s": first - t0, "decode_s": t_end - first, "tokens": [tokens[r] for r in ids]}
+
+
+def _timeit(fn, min_time: float = 0.3, device="cpu") -> float:
+    fn()
+    _sync(device)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if dt >= min_time and n >= 3:
+            return dt / n
+
+
+def memory_bandwidth(device, dtype, size_mb: int = 512) -> dict:
+    """Read bandwidth in bytes/s: a large reduction and a large matrix-vector product (the faster wins)."""
+    n = size_mb * 2 ** 20 // torch.finfo(dtype).bits * 8
+    cols = 576
+    a = torch.randn(n // cols, cols, device=device).to(dtype)
+    x = torch.randn(1, cols, device=device).to(dtype)
+    nbytes = a.numel() * a.element_size()
+    t_sum = _timeit(a.sum, device=device)
+    t_mv = _timeit(lambda: F.linear(x, a), device=device)
+    return {"reduction_Bps": nbytes / t_sum, "matvec_Bps": nbytes / t_mv, "bandwidth_Bps": nbytes / min(t_sum, t_mv)}
+
+
+def _min_time(fn, device, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.no_grad()
+def matmul_seconds(base, engine, batch: int) -> dict:
+    """Measured time of one decode step's matmuls at their real shapes (every layer's own weights, so
+    nothing stays cache-resident that would not in a real step), with each kernel at hand: PyTorch's
+    ``F.linear`` on the model's weights, and the engine's packed / oneDNN-prepacked weights."""
+    dev = base.device
+    cfg = base.model.config
+    D, inter = cfg.hidden_size, cfg.intermediate_size
+    x = torch.randn(batch, D, device=dev, dtype=base.dtype)
+    xi = torch.randn(batch, inter, device=dev, dtype=base.dtype)
+    xo = torch.randn(batch, engine.lanes["base"].weights.heads * engine.lanes["base"].weights.head_dim, device=dev,
+                     dtype=base.dtype)
+    lw = engine.lanes["base"].weights
+    layers = base.model.model.layers
+
+    def plain():
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
+                F.linear(x, lin.weight)
+            F.linear(xo, a.o_proj.weight)
+            F.linear(xi, m.down_proj.weight)
+        F.linear(x, base.model.lm_head.weight)
+
+    def engine_weights():
+        for layer in lw.layers:
+            p = layer.proj
+            for lin in ([layer.qkv] if layer.qkv is not None else [p["q_proj"], p["k_proj"], p["v_proj"]]):
+                lin(x)
+            for lin in ([layer.gate_up] if layer.gate_up is not None else [p["gate_proj"], p["up_proj"]]):
+                lin(x)
+            p["o_proj"](xo)
+            p["down_proj"](xi)
+        lw.lm_head(x)
+
+    if torch.device(dev).type == "cuda":  # time the step's matmuls as one CUDA graph, as the engine replays them
+        plain, engine_weights = _as_graph(plain), _as_graph(engine_weights)
+    t_plain, t_engine = _min_time(plain, dev), _min_time(engine_weights, dev)
+    return {"torch_linear_s": t_plain, "engine_kernels_s": t_engine, "best_s": min(t_plain, t_engine)}
+
+
+def _as_graph(fn):
+    """``fn`` captured into a CUDA graph (so kernel-launch overhead does not count as matmul time);
+    ``fn`` itself if capture fails."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+    except Exception as e:  # noqa: BLE001 - a measurement aid only
+        print(f"matmul timing: CUDA graph capture failed ({e}); timing eagerly", file=sys.stderr)
+        return fn
+
+
+def roofline(base, engine, batch: int, prompts, new_tokens: int, bw: float) -> dict:
+    cfg = base.model.config
+    L, D = cfg.num_hidden_layers, cfg.hidden_size
+    H = cfg.num_attention_heads
+    h = getattr(cfg, "num_key_value_heads", None) or H
+    d = getattr(cfg, "head_dim", None) or D // H
+    inter, V = cfg.intermediate_size, cfg.vocab_size
+    elt = base.dtype.itemsize
+    seen, weight_bytes = set(), 0
+    for p in base.model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            weight_bytes += p.numel() * p.element_size()
+    emb = base.model.get_input_embeddings().weight
+    if emb.data_ptr() != base.model.get_output_embeddings().weight.data_ptr():
+        weight_bytes -= emb.numel() * emb.element_size() - batch * D * elt  # only looked-up rows are read
+    ctx = sum(len(p) for p in prompts) / len(prompts) + new_tokens / 2  # mean context over the decode
+    kv_bytes = batch * L * 2 * h * d * elt * ctx
+    bytes_step = weight_bytes + kv_bytes
+    mm_params = L * (D * (H * d + 2 * h * d) + H * d * D + 3 * D * inter) + V * D
+    attn_flops = batch * L * H * d * ctx * 4
+    flops_step = 2 * batch * mm_params + attn_flops
+    t_mem = bytes_step / bw
+    mm = matmul_seconds(base, engine, batch)
+    # FLOPs / measured matmul throughput (the attention FLOPs at the same rate)
+    t_compute = mm["best_s"] * (1 + attn_flops / (2 * batch * mm_params))
+    t_step = max(t_mem, t_compute)
+    return {"bytes_per_step": bytes_step, "flops_per_step": flops_step, "memory_bound_s": t_mem,
+            "matmul_bound_s": t_compute, "matmul_detail_s": mm,
+            "matmul_GFLOPs_per_s": 2 * batch * mm_params / mm["best_s"] / 1e9,
+            "bound": "memory" if t_mem >= t_compute else "matmul", "roofline_tok_s": batch / t_step}
+
+
+def _loadavg() -> float | None:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run(args) -> dict:
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    from ccft.inference import SharedPrefillEngine
+
+    base, description = load(args.model, random_weights=args.random_weights, device=args.device, dtype=dtype)
+    engine = SharedPrefillEngine(base, max_batch=max(args.batch_sizes), decode=args.decode,
+                                 max_tail_tokens=max(64, 2 * args.new_tokens))
+    load_before = _loadavg()
+    bw = memory_bandwidth(args.device, dtype)
+    result = {"model": description, "device": _device_name(args.device), "dtype": args.dtype,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "decode_mode": engine.decode_mode,
+              "attention": engine.attention, "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "bandwidth_GBps": bw["bandwidth_Bps"] / 1e9, "bandwidth_detail_GBps":
+                  {k: v / 1e9 for k, v in bw.items()}, "batches": {}}
+    for batch in args.batch_sizes:
+        prompts = make_prompts(base, batch, args.prompt_tokens, real=not args.random_weights)
+        hf_runs, eng_runs = [], []
+        run_hf(base, prompts, min(4, args.new_tokens))  # warm-up
+        run_engine(engine, prompts, min(4, args.new_tokens))
+        for _ in range(args.repeats):  # interleaved, so drift in machine load hits both alike
+            hf_runs.append(run_hf(base, prompts, args.new_tokens))
+            eng_runs.append(run_engine(engine, prompts, args.new_tokens))
+        steps = args.new_tokens - 1
+
+        def summary(runs, batch=batch, steps=steps):
+            ttft = statistics.median(r["ttft_s"] for r in runs)
+            dec = statistics.median(r["decode_s"] for r in runs)
+            return {"ttft_s": ttft, "decode_s": dec, "decode_tok_s": batch * steps / dec}
+
+        hf, eng = summary(hf_runs), summary(eng_runs)
+        agree = sum(a == b for a, b in zip(hf_runs[0]["tokens"], eng_runs[0]["tokens"], strict=True)) / batch
+        roof = roofline(base, engine, batch, prompts, args.new_tokens, bw["bandwidth_Bps"])
+        result["batches"][str(batch)] = {
+            "prompt_tokens_mean": sum(map(len, prompts)) / batch, "hf": hf, "engine": eng,
+            "speedup": eng["decode_tok_s"] / hf["decode_tok_s"], "ttft_ratio": hf["ttft_s"] / eng["ttft_s"],
+            "roofline": roof, "roofline_fraction": eng["decode_tok_s"] / roof["roofline_tok_s"],
+            "hf_roofline_fraction": hf["decode_tok_s"] / roof["roofline_tok_s"], "greedy_rows_identical": agree}
+        for key, val in (("speedup", "speedup"), ("roofline_fraction", "roofline_fraction")):
+            result[f"{key}_batch{batch}"] = result["batches"][str(batch)][val]
+    # 1-minute load average before and after: other processes on the machine show up as lower numbers
+    result["load_average"] = {"before": load_before, "after": _loadavg(), "cpus": os.cpu_count()}
+    return result
+
+
+def _device_name(device) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()} CPU"
+
+
+def table(result: dict) -> str:
+    lines = [f"decode benchmark: {result['model']} ({result['dtype']}) on {result['device']}, "
+             f"{result['threads']} threads, engine decode={result['decode_mode']}, "
+             f"{result['new_tokens']} new tokens, bandwidth {result['bandwidth_GBps']:.1f} GB/s, "
+             f"load average {result['load_average']['before']} -> {result['load_average']['after']}",
+             "| batch | HF tok/s | engine tok/s | speedup | HF TTFT ms | engine TTFT ms | roofline tok/s (bound) "
+             "| engine / roofline | HF / roofline |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for b, r in result["batches"].items():
+        lines.append(f"| {b} | {r['hf']['decode_tok_s']:.1f} | {r['engine']['decode_tok_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {1e3 * r['hf']['ttft_s']:.0f} | {1e3 * r['engine']['ttft_s']:.0f} | "
+                     f"{r['roofline']['roofline_tok_s']:.1f} ({r['roofline']['bound']}) | "
+                     f"{100 * r['roofline_fraction']:.0f}% | {100 * r['hf_roofline_fraction']:.0f}% |")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``ccft bench decode`` / ``python -m ccft.bench.decode``."""
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name, HF folder or hub id")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights in SmolLM2-135M's shape (nothing to download; GPU check)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per row (EOS ignored)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="cut prompts to this many tokens")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per side (medians reported)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--decode", default="auto", help="engine decode mode: auto, eager, static, cuda_graph, compile")
+    p.add_argument("--out", default=None, help="write the JSON here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ccft.bench.decode", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    return report(run(args), args.out)
+
+
+def report(result: dict, out: str | None) -> int:
+    print(table(result))
+    print(json.dumps({k: v for k, v in result.items() if k.startswith(("speedup_", "roofline_fraction_"))}))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

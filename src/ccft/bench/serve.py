@@ -1,0 +1,299 @@
+"""Serving benchmark: PrefillShare (one shared prefill) vs per-model serving (``--no-share``), one run.
+
+    ccft bench serve --out serve.json      # or: python -m ccft.bench.serve --out serve.json
+
+Both systems run the same multi-agent trace (``ccft.serving.workloads``: ReAct by default, 4 agents
+planner / math / code / tools, a shared context that grows every turn) on the same engine, decoders,
+offered load and **the same KV byte budget**, over a concurrency sweep (sessions in flight; all
+sessions of a point start at t=0 and each turn starts when the previous one finished):
+
+* shared: the base prefills each turn's shared context once (``Scheduler(share=True)``); every
+  agent decodes on it, its own instruction computed into its tail; full context blocks are kept in
+  a ``PrefixKVStore`` keyed by the base's fingerprint, so the next turn computes only new tokens;
+* no-share: every agent's model prefills its whole prompt with its own weights into its own KV and
+  its own store namespace (the per-model deployment the paper compares against).
+
+Budget: by default the peak KV bytes (live + store) of the shared system at the sweep's top point,
+measured in a calibration run without a budget (the no-share system is calibrated the same way to
+measure its unconstrained peak). Under the budget, admission control queues requests (nothing is
+dropped).
+
+Reported per point and mode: p50/p95 request latency and TTFT, TPOT, throughput (generated tokens
+/ s and sessions / min), prefix hit ratio (prompt tokens whose KV was reused from a live shared
+context or the store ÷ all prompt tokens), peak KV bytes; and Eq. 9 of the paper for the trace.
+Every agent call generates exactly ``max_new_tokens`` tokens (EOS ignored), so both systems do the
+same decode work. The JSON's top level has ``p95_latency_ratio`` (no-share p95 ÷ shared p95) and
+``throughput_ratio`` (shared ÷ no-share), both at the baseline's saturation point (the smallest
+concurrency at which no-share reaches 95% of its best throughput over the sweep), ``hit_ratio_min``
+(shared, over the sweep) and ``kv_bytes_vs_eq9`` (measured peak-KV ratio no-share ÷ shared in the
+unbudgeted calibration runs, divided by Eq. 9's ratio with the generated tokens included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+AGENTS = ("planner", "math", "code", "tools")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or HF folder")
+    p.add_argument("--decoder", action="append", default=[], metavar="NAME=PATH",
+                   help="a trained decoder folder per agent (default: random LoRA adapters r=8 per agent, "
+                        "init_lora_weights=False; serving cost does not depend on what they learned)")
+    p.add_argument("--workload", default="react", choices=["react", "reflexion"])
+    p.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrency sweep")
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--shared-tokens", type=int, default=256)
+    p.add_argument("--unique-tokens", type=int, default=32)
+    p.add_argument("--growth-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--block-tokens", type=int, default=16, help="prefix store block size (tokens)")
+    p.add_argument("--max-batch", type=int, default=64, help="engine rows per lane")
+    p.add_argument("--kv-budget-mb", type=float, default=None,
+                   help="KV byte budget for both systems (default: the shared system's peak at the top point)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--plots", default=None, help="folder for PNG plots (default: next to --out)")
+    p.add_argument("--out", default=None, help="write the JSON here")
+
+
+def build(args):
+    """The base, an engine with one decoder per agent, and a description."""
+    import ccft
+    from ccft.inference import SharedPrefillEngine
+
+    base = ccft.load_base(args.model)
+    decoders = {}
+    given = dict(d.split("=", 1) for d in args.decoder)
+    for i, name in enumerate(AGENTS):
+        if name in given:
+            decoders[name] = given[name]
+            continue
+        torch.manual_seed(100 + i)
+        d = ccft.make_decoder(base, "lora", lora={"r": 8, "lora_alpha": 16, "init_lora_weights": False},
+                              method="ccft", adapter_name=name)
+        d.model.eval()
+        decoders[name] = d
+    engine = SharedPrefillEngine(base, decoders=decoders, max_batch=args.max_batch)
+    kinds = {n: ("folder " + given[n]) if n in given else "random LoRA r=8" for n in AGENTS}
+    from ccft.core.models import describe_model
+
+    return base, engine, {"model": describe_model(args.model), "decoders": kinds}
+
+
+def replay(scheduler, trace) -> dict:
+    """Replay ``trace`` on ``scheduler`` in this thread (arrivals and turn dependencies on the wall clock)."""
+    from ccft.serving.scheduler import ServeRequest
+
+    rep = trace.replay()
+    finished: list = []
+    tickets = {}
+    t0 = time.perf_counter()
+    while not rep.done:
+        now = time.perf_counter() - t0
+        for r in rep.ready(now):
+            req = ServeRequest(r.agent, r.prompt_ids, shared_len=r.shared_len, max_new_tokens=r.max_new_tokens,
+                               ignore_eos=True, session_id=str(r.session))
+            tickets[r.request_id] = scheduler.submit(req, on_done=lambda t, rid=r.request_id: finished.append(rid))
+        if scheduler.idle():
+            nxt = rep.next_arrival()
+            if nxt is None:
+                if rep.done:
+                    break
+                raise RuntimeError("replay: nothing queued, running or arriving, but the trace is not done")
+            time.sleep(max(0.0, nxt - now))
+        else:
+            scheduler.step()
+        while finished:
+            rid = finished.pop()
+            t = tickets[rid]
+            if t.state != "done":
+                raise RuntimeError(f"request {rid} ended as {t.state}: {t.error}")
+            rep.finish(rid, time.perf_counter() - t0)
+    makespan = time.perf_counter() - t0
+    return {"tickets": list(tickets.values()), "makespan_s": makespan}
+
+
+def run_point(engine, trace, *, share: bool, budget: int | None, block_tokens: int) -> dict:
+    from ccft.serving.client import quantile
+    from ccft.serving.prefix_store import PrefixKVStore
+    from ccft.serving.scheduler import Scheduler
+
+    store = PrefixKVStore(block_tokens=block_tokens)
+    sched = Scheduler(engine, share=share, store=store, kv_budget_bytes=budget)
+    out = replay(sched, trace)
+    ts = out["tickets"]
+    lat = [t.latency for t in ts]
+    ttft = [t.ttft for t in ts]
+    tpot = [t.tpot for t in ts if t.tpot is not None]
+    gen = sum(len(t.tokens) for t in ts)
+    stats = sched.stats()
+    if sched.live_bytes != 0 or engine.active != 0:
+        raise RuntimeError("KV or requests left over after the replay")
+    sessions = len(trace.sessions())
+    return {"share": share, "requests": len(ts), "sessions": sessions, "makespan_s": out["makespan_s"],
+            "latency_p50_s": quantile(lat, 0.50), "latency_p95_s": quantile(lat, 0.95), "ttft_p50_s": quantile(ttft, 0.50),
+            "ttft_p95_s": quantile(ttft, 0.95), "tpot_median_s": statistics.median(tpot) if tpot else None,
+            "throughput_tok_s": gen / out["makespan_s"], "sessions_per_min": 60 * sessions / out["makespan_s"],
+            "generated_tokens": gen, "prefix_hit_ratio": stats["prefix_hit_ratio"],
+            "store_hit_ratio": store.stats()["hit_ratio"], "peak_live_kv_bytes": stats["peak_live_kv_bytes"],
+            "peak_total_kv_bytes": stats["peak_total_kv_bytes"], "kv_budget_bytes": budget,
+            "prefills": stats.get("prefills", 0), "prefill_tokens": stats.get("prefill_tokens", 0),
+            "admission_waits": stats.get("admission_waits", 0), "prefill_s": stats["prefill_seconds"],
+            "decode_s": stats["decode_seconds"], "decode_steps": stats.get("decode_steps", 0)}
+
+
+def eq9(trace, n_agents: int, gen_tokens: int) -> dict:
+    """Eq. 9 for the trace's largest turn: prompt KV tokens (and with each agent's generation added)."""
+    from ccft.serving.workloads import kv_tokens
+
+    r = max(trace, key=lambda r: r.shared_len)
+    kv = kv_tokens(n_agents, r.shared_len, r.unique_len)
+    with_gen = kv_tokens(n_agents, r.shared_len, r.unique_len + gen_tokens)
+    return {"shared_len": r.shared_len, "unique_len": r.unique_len, "agents": n_agents,
+            "shared_tokens": kv.shared, "no_share_tokens": kv.no_share, "ratio": kv.ratio,
+            "ratio_with_generation": with_gen.ratio}
+
+
+def run(args) -> dict:
+    from ccft.serving import workloads
+
+    torch.set_num_threads(args.threads)
+    base, engine, desc = build(args)
+    bpt = engine.kv_bytes_per_token
+
+    def trace_for(n):
+        return workloads.generate(args.workload, sessions=n, turns=args.turns, agents=list(AGENTS),
+                                  shared_tokens=args.shared_tokens, unique_tokens=args.unique_tokens,
+                                  growth_tokens=args.growth_tokens, max_new_tokens=args.max_new_tokens, rate=None,
+                                  seed=args.seed, tokenizer=base.tokenizer)
+
+    top = max(args.sessions)
+    # warm-up (first-call allocations), not reported
+    run_point(engine, trace_for(1), share=True, budget=None, block_tokens=args.block_tokens)
+    calib = {mode: run_point(engine, trace_for(top), share=mode == "shared", budget=None,
+                             block_tokens=args.block_tokens) for mode in ("shared", "no_share")}
+    budget = (int(args.kv_budget_mb * 2 ** 20) if args.kv_budget_mb is not None
+              else calib["shared"]["peak_total_kv_bytes"])
+    points = []
+    for n in sorted(args.sessions):
+        tr = trace_for(n)
+        row = {"sessions": n}
+        for mode in ("shared", "no_share"):  # same trace, same budget
+            row[mode] = run_point(engine, tr, share=mode == "shared", budget=budget, block_tokens=args.block_tokens)
+            print(f"sessions={n} {mode}: p95 {row[mode]['latency_p95_s']:.2f}s, "
+                  f"{row[mode]['throughput_tok_s']:.1f} tok/s, hit {row[mode]['prefix_hit_ratio']:.2f}",
+                  file=sys.stderr)
+        points.append(row)
+    best = max(p["no_share"]["throughput_tok_s"] for p in points)
+    sat = next(p for p in points if p["no_share"]["throughput_tok_s"] >= 0.95 * best)
+    e9 = eq9(trace_for(top), len(AGENTS), args.max_new_tokens)
+    measured_kv_ratio = calib["no_share"]["peak_live_kv_bytes"] / calib["shared"]["peak_live_kv_bytes"]
+    result = {
+        "benchmark": "serve", "model": desc["model"], "decoders": desc["decoders"], "dtype": str(base.dtype),
+        "device": f"{platform.processor() or platform.machine()} CPU" if base.device.type == "cpu"
+        else torch.cuda.get_device_name(base.device), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+        "torch": torch.__version__, "workload": {
+            "kind": args.workload, "agents": list(AGENTS), "turns": args.turns, "shared_tokens": args.shared_tokens,
+            "unique_tokens": args.unique_tokens, "growth_tokens": args.growth_tokens,
+            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "arrivals": "all sessions at t=0"},
+        "kv_bytes_per_token": bpt, "kv_budget_bytes": budget, "block_tokens": args.block_tokens,
+        "calibration": calib, "points": points, "saturation_sessions": sat["sessions"], "eq9": e9,
+        "p95_latency_ratio": sat["no_share"]["latency_p95_s"] / sat["shared"]["latency_p95_s"],
+        "throughput_ratio": sat["shared"]["throughput_tok_s"] / sat["no_share"]["throughput_tok_s"],
+        "hit_ratio_min": min(p["shared"]["prefix_hit_ratio"] for p in points),
+        "kv_peak_ratio_measured": measured_kv_ratio,
+        "kv_bytes_vs_eq9": measured_kv_ratio / e9["ratio_with_generation"],
+    }
+    result["plots"] = plots(result, args.plots or (str(Path(args.out).parent) if args.out else None))
+    return result
+
+
+def plots(result: dict, folder: str | None) -> list[str]:
+    if not folder:
+        return []
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    xs = [p["sessions"] for p in result["points"]]
+    panels = [("latency_p95_s", "p95 latency (s)"), ("throughput_tok_s", "throughput (generated tok/s)"),
+              ("prefix_hit_ratio", "prefix hit ratio"), ("peak_total_kv_bytes", "peak KV bytes (live + store)")]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for mode, style in (("shared", "o-"), ("no_share", "s--")):
+            ax.plot(xs, [p[mode][key] for p in result["points"]], style, label=mode.replace("_", "-"))
+        ax.set_xlabel("concurrent sessions")
+        ax.set_ylabel(label)
+        ax.set_xscale("log", base=2)
+    axes[0].legend()
+    fig.suptitle(f"{result['model']}, {result['workload']['kind']} x{len(result['workload']['agents'])} agents, "
+                 f"{result['device']} ({result['threads']} threads), KV budget "
+                 f"{result['kv_budget_bytes'] / 2 ** 20:.0f} MiB", fontsize=9)
+    fig.tight_layout()
+    from ccft.core.io import atomic_write_file
+
+    path = str(Path(folder) / "serve_sweep.png")
+    atomic_write_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+    return [path]
+
+
+def table(result: dict) -> str:
+    lines = [f"serve benchmark: {result['model']} ({result['dtype']}) on {result['device']}, {result['threads']} threads; "
+             f"{result['workload']['kind']}, 4 agents, shared {result['workload']['shared_tokens']}"
+             f"+{result['workload']['growth_tokens']}/turn, unique {result['workload']['unique_tokens']}, "
+             f"{result['workload']['max_new_tokens']} new tokens; KV budget "
+             f"{result['kv_budget_bytes'] / 2 ** 20:.1f} MiB (both)",
+             "| sessions | mode | p50 s | p95 s | TTFT p95 s | tok/s | sessions/min | hit ratio | peak KV MiB | waits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in result["points"]:
+        for mode in ("shared", "no_share"):
+            r = p[mode]
+            lines.append(f"| {p['sessions']} | {mode.replace('_', '-')} | {r['latency_p50_s']:.2f} | "
+                         f"{r['latency_p95_s']:.2f} | {r['ttft_p95_s']:.2f} | {r['throughput_tok_s']:.1f} | "
+                         f"{r['sessions_per_min']:.1f} | {r['prefix_hit_ratio']:.2f} | "
+                         f"{r['peak_total_kv_bytes'] / 2 ** 20:.1f} | {r['admission_waits']} |")
+    lines.append(f"at the baseline's saturation point ({result['saturation_sessions']} sessions): p95 latency "
+                 f"ratio {result['p95_latency_ratio']:.2f}x, throughput ratio {result['throughput_ratio']:.2f}x; "
+                 f"shared hit ratio min {result['hit_ratio_min']:.2f}; peak KV no-share/shared "
+                 f"{result['kv_peak_ratio_measured']:.2f} vs Eq. 9 {result['eq9']['ratio_with_generation']:.2f} "
+                 f"({result['kv_bytes_vs_eq9']:.2f})")
+    return "\n".join(lines)
+
+
+def report(result: dict, out: str | None) -> int:
+    print(table(result))
+    print(json.dumps({k: result[k] for k in ("p95_latency_ratio", "throughput_ratio", "hit_ratio_min",
+                                             "kv_bytes_vs_eq9")}))
+    if out:
+        from ccft.core.io import atomic_write_text
+
+        atomic_write_text(out, json.dumps(result, indent=2, default=str))
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ccft.bench.serve", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    return report(run(args), args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

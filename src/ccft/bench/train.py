@@ -1,0 +1,420 @@
+"""Training benchmark: ccft Full-FT, ccft CCFT (each path) and TRL ``SFTTrainer`` on the same rows.
+
+    ccft bench train --out train.json        # or: python -m ccft.bench.train --out train.json
+
+Cases: decoder kind (full weights, LoRA) × prompt:response ratio (1:1, 4:1). Every method of a case
+trains on the SAME token ids (real GSM8K text cut to exactly P prompt and R response tokens, EOS
+last), batch size, optimizer (AdamW), learning rate, dtype (fp32) and thread count, each in a fresh
+process (``--in-process`` for quick checks), so peak memory is per method:
+
+* ``ccft-full-ft``  ccft ``method=full-ft``: the decoder prefills its own prompt (one forward);
+* ``ccft-two-pass`` ccft ``method=ccft``, no-grad base prefill, then the decoder on the tail;
+* ``ccft-one-pass`` ccft ``method=ccft``, LoRA only: one forward, LoRA gated off on the prompt;
+* ``trl-sft``       TRL ``SFTTrainer``, pre-tokenised prompt/completion rows, ``completion_only_loss=True``.
+
+Reported per method: median wall and CPU seconds per optimizer step (after warm-up steps), tokens per
+CPU second (B·(P+R) per step), peak RSS, and peak RSS growth during training over the RSS after setup.
+Ratios use process CPU seconds by default (``--clock cpu``; workers run with OMP_WAIT_POLICY=PASSIVE
+so idle threads do not spin): on a shared machine wall time measures the neighbours, CPU time the
+work. Ratios: CCFT speedup over ccft Full-FT against its FLOP-count speedup (full weights (6P+6R)/(2P+6R), LoRA (4P+4R)/(2P+4R)), and ccft
+Full-FT speed ÷ TRL's. The JSON's top level has ``fraction_of_theory`` (the lowest over the cases, for
+the default CCFT path) and ``fullft_vs_trl`` (the lowest over the cases). ``--store`` adds the C_base
+store's break-even: prefill vs read time per prefix token and the epochs after which precomputing pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+METHODS = ("ccft-full-ft", "ccft-two-pass", "ccft-one-pass", "trl-sft")
+
+
+# ------------------------------------------------------------------ theory
+
+def theory_speedup(kind: str, p: int, r: int) -> float:
+    """FLOP-count speedup of CCFT over Full-FT: prompt tokens cost a no-grad forward (2) instead of a
+    forward + backward (6 with weight gradients, 4 with LoRA's activation-only backward)."""
+    if kind == "full":
+        return (6 * p + 6 * r) / (2 * p + 6 * r)
+    return (4 * p + 4 * r) / (2 * p + 4 * r)
+
+
+# ------------------------------------------------------------------ rows
+
+def build_rows(tokenizer, n: int, p: int, r: int) -> list[tuple[list[int], list[int]]]:
+    """n rows of exactly p prompt ids and r response ids (the last is EOS) from the bundled GSM8K train set."""
+    from ccft.train.config import BUILTIN_DATASETS
+
+    lines = Path(BUILTIN_DATASETS["gsm8k"]["train"]).read_text().splitlines()
+    recs = [json.loads(line) for line in lines if line.strip()]
+    rows, i = [], 0
+    while len(rows) < n:
+        q, a = [], []
+        while len(q) < p:
+            q += tokenizer(recs[i % len(recs)]["question"] + "\n", add_special_tokens=False)["input_ids"]
+            i += 1
+        while len(a) < r - 1:
+            a += tokenizer(recs[i % len(recs)]["answer"] + "\n", add_special_tokens=False)["input_ids"]
+            i += 1
+        rows.append((q[:p], a[: r - 1] + [tokenizer.eos_token_id]))
+    return rows
+
+
+# ------------------------------------------------------------------ measurement helpers
+
+class RSSPeak:
+    """Samples this process's resident set size every few ms; ``peak`` in bytes."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self.peak = self.rss()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.rss())
+
+
+def _step_timer():
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.cpu, self._t = [], [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._t = (time.perf_counter(), time.process_time())
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self._t[0])
+            self.cpu.append(time.process_time() - self._t[1])
+
+    return StepTimer()
+
+
+def _lora_kwargs(spec: dict) -> dict:
+    return {"r": spec["lora_r"], "lora_alpha": 2 * spec["lora_r"], "lora_dropout": 0.0,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def _train_args(spec: dict, out: str) -> dict:
+    return dict(output_dir=out, per_device_train_batch_size=spec["batch"], max_steps=spec["warmup"] + spec["steps"],
+                learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=10 ** 6, save_strategy="no",
+                report_to="none", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+                weight_decay=0.0)
+
+
+# ------------------------------------------------------------------ one method on one case
+
+def run_case(spec: dict) -> dict:
+    """Train ``spec["method"]`` for warmup + steps steps; returns its timings and memory."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    from transformers import AutoTokenizer
+
+    from ccft.core.models import resolve_model_path
+
+    path = resolve_model_path(spec["model"])
+    tok = AutoTokenizer.from_pretrained(path)
+    n = spec["batch"] * (spec["warmup"] + spec["steps"])
+    rows = build_rows(tok, n, spec["P"], spec["R"])
+    meter = RSSPeak()
+    timer = _step_timer()
+    with tempfile.TemporaryDirectory() as out:
+        if spec["method"] == "trl-sft":
+            trainer = _trl_trainer(spec, path, tok, rows, out)
+            extra = {"trl_version": __import__("trl").__version__}
+        else:
+            trainer, extra = _ccft_trainer(spec, rows, out)
+        trainer.add_callback(timer)
+        setup_rss = meter.rss()
+        t0 = time.perf_counter()
+        with meter:
+            trainer.train()
+        wall = time.perf_counter() - t0
+    step = statistics.median(timer.times[spec["warmup"]:])
+    cpu = statistics.median(timer.cpu[spec["warmup"]:])
+    tokens = spec["batch"] * (spec["P"] + spec["R"])
+    return dict(extra, method=spec["method"], step_s=step, step_s_all=timer.times, cpu_s=cpu, cpu_s_all=timer.cpu,
+                tokens_per_s=tokens / step, tokens_per_cpu_s=tokens / cpu, peak_rss_mb=meter.peak / 2 ** 20, train_peak_over_setup_mb=(meter.peak - setup_rss) / 2 ** 20,
+                setup_rss_mb=setup_rss / 2 ** 20, train_wall_s=wall)
+
+
+def _ccft_trainer(spec, rows, out):
+    from ccft import load_base, make_decoder
+    from ccft.core.tokens import pad_token_id
+    from ccft.train.config import TrainConfig
+    from ccft.train.data import Collator, Example, TokenizedDataset
+    from ccft.train.trainer import CacheConditionedTrainer
+
+    method = "full-ft" if spec["method"] == "ccft-full-ft" else "ccft"
+    train_path = {"ccft-two-pass": "two-pass", "ccft-one-pass": "one-pass"}.get(spec["method"], "auto")
+    base = load_base(spec["model"])
+    decoder = make_decoder(base, spec["kind"], lora=_lora_kwargs(spec), method=method, handoff_tokens=1)
+    cfg = TrainConfig(method=method, decoder_kind=spec["kind"], train_path=train_path, base=spec["model"],
+                      handoff_tokens=1, **_train_args(spec, out))
+    ds = TokenizedDataset([Example(tuple(p), tuple(r), i) for i, (p, r) in enumerate(rows)])
+    pad = pad_token_id(base.tokenizer)
+    trainer = CacheConditionedTrainer(model=decoder.model, args=cfg, base=base, train_dataset=ds,
+                                      data_collator=Collator(pad, 1))
+    return trainer, {"train_path": trainer.train_path}
+
+
+def _trl_trainer(spec, path, tok, rows, out):
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    peft_config = None
+    if spec["kind"] == "lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(task_type="CAUSAL_LM", **_lora_kwargs(spec))
+    ds = datasets.Dataset.from_list([{"input_ids": p + r, "completion_mask": [0] * len(p) + [1] * len(r)}
+                                     for p, r in rows])
+    args = SFTConfig(completion_only_loss=True, max_length=None, packing=False, padding_free=False,
+                     dataset_num_proc=None, **_train_args(spec, out))
+    return SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=peft_config)
+
+
+def run_store_case(spec: dict) -> dict:
+    """C_base store break-even: no-grad prefill vs store read per prefix token, and the write cost."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from ccft import load_base
+    from ccft.core.tokens import pad_token_id
+    from ccft.train.cache_store import CacheStore, bytes_per_token, precompute
+    from ccft.train.data import Collator, Example
+
+    base = load_base(spec["model"])
+    rows = build_rows(base.tokenizer, spec["batch"] * spec["steps"], spec["P"], spec["R"])
+    examples = [Example(tuple(p), tuple(r), i) for i, (p, r) in enumerate(rows)]
+    collate = Collator(pad_token_id(base.tokenizer), 1)
+    batches = [collate(examples[i:i + spec["batch"]]) for i in range(0, len(examples), spec["batch"])]
+    from ccft.core.cache import prefill_tensors
+
+    def prefill_all():
+        for b in batches:
+            with torch.no_grad(), base.base_weights() as m:
+                prefill_tensors(m, b["prefix_ids"], b["prefix_mask"], b["tail_ids"][:, :1], handoff_tokens=1,
+                                 fingerprint=base.fingerprint)
+
+    prefill_all()  # warm-up
+    t0 = time.process_time()
+    prefill_all()
+    t_prefill = time.process_time() - t0
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.process_time()
+        report = precompute(base, examples, d, handoff_tokens=1, batch_size=spec["batch"], log=lambda m: None)
+        t_write = time.process_time() - t0
+        store = CacheStore(d)
+        t0 = time.process_time()
+        for b in batches:
+            assert store.batch_cache(b["prefix_ids"], b["prefix_mask"], b["tail_ids"][:, :1], base=base) is not None
+        t_read = time.process_time() - t0
+    tokens = sum(len(e.prompt_ids) - 1 for e in examples)
+    per = {k: v / tokens * 1e6 for k, v in (("prefill", t_prefill), ("precompute", t_write), ("read", t_read))}
+    # Without a store, E epochs cost E·prefill; with one, precompute (prefill + write) + E·read.
+    gain = per["prefill"] - per["read"]
+    breakeven = per["precompute"] / gain if gain > 0 else float("inf")
+    return {"prefix_tokens": tokens, "bytes_per_token": bytes_per_token(base.config, base.dtype),
+            "store_bytes": report.bytes_on_disk, "us_per_token": per, "breakeven_epochs": breakeven}
+
+
+# ------------------------------------------------------------------ orchestration
+
+def _worker(spec: dict, in_process: bool) -> dict:
+    if in_process:
+        fn = run_store_case if spec.get("store") else run_case
+        return fn(spec)
+    cmd = [sys.executable, "-m", "ccft.bench.train", "--worker", json.dumps(spec)]
+    # PASSIVE: idle OpenMP threads sleep instead of spinning, so CPU seconds count work, not waiting.
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), OMP_WAIT_POLICY="PASSIVE",
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmark worker {spec.get('method', 'store')} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def run(args) -> dict:
+    ratios = [tuple(int(x) for x in r.split(":")) for r in args.ratios]
+    cases = []
+    for kind in args.kinds:
+        for a, b in ratios:
+            total = args.row_tokens
+            r = max(2, round(total * b / (a + b)))
+            p = total - r
+            methods = [m for m in METHODS if not (m == "ccft-one-pass" and kind != "lora")]
+            if args.no_trl:
+                methods = [m for m in methods if m != "trl-sft"]
+            case = {"decoder": kind, "ratio": f"{a}:{b}", "prompt_tokens": p, "response_tokens": r, "runs": {}}
+            for m in methods:
+                spec = {"method": m, "kind": kind, "P": p, "R": r, "batch": args.batch_size, "steps": args.steps,
+                        "warmup": args.warmup, "threads": args.threads, "model": args.model, "lora_r": args.lora_r}
+                print(f"[bench] {kind:4s} {a}:{b} {m:14s} ...", end="", file=sys.stderr, flush=True)
+                res = _worker(spec, args.in_process)
+                print(f" {res['step_s']:.3f} s/step, {res['cpu_s']:.3f} CPU s/step, peak {res['peak_rss_mb']:.0f} MiB",
+                      file=sys.stderr, flush=True)
+                case["runs"][m] = res
+            _ratios(case, args.clock)
+            cases.append(case)
+    out = {"benchmark": "train", "model": args.model, "dtype": "float32", "threads": args.threads, "clock": args.clock,
+           "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "lora_r": args.lora_r,
+           "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
+                       "platform": platform.platform()},
+           "cases": cases}
+    fr = [c["fraction_of_theory"] for c in cases if c.get("fraction_of_theory") is not None]
+    fv = [c["fullft_vs_trl"] for c in cases if c.get("fullft_vs_trl") is not None]
+    out["fraction_of_theory"] = min(fr) if fr else None
+    out["fullft_vs_trl"] = min(fv) if fv else None
+    lora_mem = [c["default_path_peak_le_other"] for c in cases if c.get("default_path_peak_le_other") is not None]
+    out["goals"] = {"fraction_of_theory>=0.9": bool(fr) and min(fr) >= 0.9,
+                    "fullft_vs_trl>=1": bool(fv) and min(fv) >= 1.0,
+                    "lora_default_path_peak_memory_not_higher": all(lora_mem) if lora_mem else None}
+    if args.store:
+        a, b = ratios[0]
+        r = max(2, round(args.row_tokens * b / (a + b)))
+        spec = {"store": True, "P": args.row_tokens - r, "R": r, "batch": args.batch_size, "steps": args.steps,
+                "threads": args.threads, "model": args.model}
+        print("[bench] C_base store break-even ...", file=sys.stderr, flush=True)
+        out["c_base_store"] = _worker(spec, args.in_process)
+    return out
+
+
+def _ratios(case: dict, clock: str) -> None:
+    from ccft.train.fastpath import DEFAULT_LORA_PATH
+
+    runs = case["runs"]
+    key = "cpu_s" if clock == "cpu" else "step_s"
+    case["clock"] = clock
+    full = runs.get("ccft-full-ft")
+    theory = theory_speedup(case["decoder"], case["prompt_tokens"], case["response_tokens"])
+    case["theory_speedup"] = theory
+    case["ccft_speedup"], case["fraction_by_path"] = {}, {}
+    for path in ("two-pass", "one-pass"):
+        run_ = runs.get(f"ccft-{path}")
+        if full and run_:
+            s = full[key] / run_[key]
+            case["ccft_speedup"][path] = s
+            case["fraction_by_path"][path] = s / theory
+    default = DEFAULT_LORA_PATH if case["decoder"] == "lora" else "two-pass"
+    case["default_path"] = default
+    case["fraction_of_theory"] = case["fraction_by_path"].get(default)
+    if full and runs.get("trl-sft"):
+        case["fullft_vs_trl"] = runs["trl-sft"][key] / full[key]
+    if "ccft-one-pass" in runs and "ccft-two-pass" in runs:
+        other = "one-pass" if default == "two-pass" else "two-pass"
+        case["peak_rss_mb_by_path"] = {p: runs[f"ccft-{p}"]["peak_rss_mb"] for p in ("two-pass", "one-pass")}
+        case["default_path_peak_le_other"] = (runs[f"ccft-{default}"]["peak_rss_mb"]
+                                              <= runs[f"ccft-{other}"]["peak_rss_mb"])
+
+
+def table(result: dict) -> str:
+    key = "cpu_s" if result.get("clock") == "cpu" else "step_s"
+    lines = ["| decoder | P:R (tokens) | method | wall s/step | CPU s/step | tokens/CPU-s | peak RSS MiB | "
+             "train growth MiB | speed vs Full-FT |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for c in result["cases"]:
+        full = c["runs"].get("ccft-full-ft")
+        for m, r in c["runs"].items():
+            rel = f"{full[key] / r[key]:.2f}×" if full else ""
+            lines.append(f"| {c['decoder']} | {c['ratio']} ({c['prompt_tokens']}+{c['response_tokens']}) | {m} | "
+                         f"{r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['tokens_per_cpu_s']:.1f} | {r['peak_rss_mb']:.0f} | "
+                         f"{r['train_peak_over_setup_mb']:.0f} | {rel} |")
+    lines.append("")
+    lines.append("| decoder | P:R | theory | CCFT two-pass | CCFT one-pass | fraction (default) | Full-FT ÷ TRL |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|")
+    for c in result["cases"]:
+        sp = c["ccft_speedup"]
+        fmt = lambda v: f"{v:.2f}×" if v is not None else "—"  # noqa: E731
+        frac = f"{c['fraction_of_theory']:.2f}" if c.get("fraction_of_theory") is not None else "—"
+        vs = f"{c['fullft_vs_trl']:.2f}" if c.get("fullft_vs_trl") is not None else "—"
+        lines.append(f"| {c['decoder']} | {c['ratio']} | {c['theory_speedup']:.2f}× | {fmt(sp.get('two-pass'))} | "
+                     f"{fmt(sp.get('one-pass'))} | {frac} | {vs} |")
+    lines.append("")
+    lines.append(f"fraction_of_theory = {result['fraction_of_theory']}, fullft_vs_trl = {result['fullft_vs_trl']}, "
+                 f"goals = {result['goals']}")
+    if "c_base_store" in result:
+        s = result["c_base_store"]
+        us = s["us_per_token"]
+        lines.append(f"C_base store: {s['bytes_per_token']} B/prefix token; prefill {us['prefill']:.0f} µs/token, "
+                     f"precompute {us['precompute']:.0f} µs/token, read {us['read']:.1f} µs/token -> "
+                     f"break-even after {s['breakeven_epochs']:.2f} epochs")
+    return "\n".join(lines)
+
+
+def report(result: dict, out: str | None) -> int:
+    print(table(result))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2))
+        print(f"[bench] wrote {out}", file=sys.stderr)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``ccft bench train`` / ``python -m ccft.bench.train`` (no heavy imports)."""
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or HF folder")
+    p.add_argument("--kinds", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    p.add_argument("--ratios", nargs="+", default=["1:1", "4:1"], help="prompt:response token ratios")
+    p.add_argument("--row-tokens", type=int, default=160, help="prompt + response tokens per row")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--no-trl", action="store_true", help="skip the TRL SFTTrainer peer")
+    p.add_argument("--store", action="store_true", help="also measure the C_base store break-even")
+    p.add_argument("--in-process", action="store_true", help="run every method in this process (quick checks)")
+    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                   help="time the ratios use: process CPU seconds (robust on a shared machine; default) or wall")
+    p.add_argument("--out", default=None, help="write the JSON here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ccft.bench.train", description=__doc__.splitlines()[0])
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker)
+        res = run_store_case(spec) if spec.get("store") else run_case(spec)
+        print(json.dumps(res))
+        return 0
+    return report(run(args), args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
