@@ -233,12 +233,13 @@ def test_prompt_echo_is_scored_by_one_rule(demo, tmp_path, monkeypatch):
                  "prefillshare", "--limit", "5", "--max-new-tokens", "4", "--no-progress", "--bootstrap", "100",
                  "--out", str(tmp_path / "eval")]) == 0
     eval_recs = _records(tmp_path / "eval" / "gsm8k", ("base", "prefillshare"))
-    zero = {"exact_match_strict": 0.0, "exact_match_flexible": 0.0}
+    zero = {"exact_match_strict": 0.0, "exact_match_flexible": 0.0, "answer_format": 0.0}
     for mode in ("base", "prefillshare"):
         for recs in (demo_res.records[mode], eval_recs[mode]):
             by_id = {r["id"]: r["scores"] for r in recs}
             assert by_id[echo_only.id] == zero
-            assert by_id[echo_answer.id] == {"exact_match_strict": 1.0, "exact_match_flexible": 1.0}
+            assert by_id[echo_answer.id] == {"exact_match_strict": 1.0, "exact_match_flexible": 1.0,
+                                             "answer_format": 1.0}
             assert sum(s["exact_match_flexible"] for s in by_id.values()) == 1.0
         assert [r["scores"] for r in demo_res.records[mode]] == [r["scores"] for r in eval_recs[mode]]
 

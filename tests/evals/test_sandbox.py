@@ -188,7 +188,7 @@ HOSTILE_COMPLETIONS = {
 def test_hostile_humaneval_completions_score_as_failed(name):
     task = get_task("humaneval", timeout_s=2.0)
     item = task.load(1)[0]  # HumanEval/0 has_close_elements
-    assert task.score(item, HOSTILE_COMPLETIONS[name]) == {"passed": 0.0}
+    assert task.score(item, HOSTILE_COMPLETIONS[name])["passed"] == 0.0
     assert not os.path.exists("/tmp/ccft-hostile-write")
 
 

@@ -145,14 +145,15 @@ def test_humaneval_program_contains_prompt_once():
         program, _ = task.build_program(item, task.postprocess(item, gen))
         assert program.count(item.prompt) == 1
         assert program.count(f"def {item.metadata['entry_point']}(") == 1
-    assert task.score(item, item.prompt + body) == {"passed": 1.0}
+    assert task.score(item, item.prompt + body) == {"passed": 1.0, "compiles": 1.0}
 
 
 def test_humaneval_first_line_indentation_survives_scoring():
     task = get_task("humaneval")
     item = task.load(3)[2]  # HumanEval/2 truncate_number
-    assert task.score(item, "    return number % 1.0\n\ndef extra():\n    pass\n") == {"passed": 1.0}
-    assert task.score(item, "return number % 1.0\n") == {"passed": 0.0}  # lost indentation fails
+    assert task.score(item, "    return number % 1.0\n\ndef extra():\n    pass\n") == {"passed": 1.0, "compiles": 1.0}
+    # lost indentation: a module-level return, a compile-time error
+    assert task.score(item, "return number % 1.0\n") == {"passed": 0.0, "compiles": 0.0}
 
 
 def test_humaneval_chat_style_extracts_code_block():
@@ -160,7 +161,7 @@ def test_humaneval_chat_style_extracts_code_block():
     item = task.load(3)[2]
     reply = "Sure!\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\nDone."
     assert extract_code_block(reply).startswith("def truncate_number")
-    assert task.score(item, reply) == {"passed": 1.0}
+    assert task.score(item, reply)["passed"] == 1.0
 
 
 # ------------------------------------------------------------------ K8: canonical solutions here
@@ -181,8 +182,8 @@ def test_humaneval_plus_canonical_and_extended_tests():
     item = items[0]
     weak = ("    for i, a in enumerate(numbers):\n        for b in numbers[i + 1:]:\n"
             "            if abs(a - b) <= threshold:\n                return True\n    return False\n")
-    assert get_task("humaneval").score(get_task("humaneval").load(1)[0], weak) == {"passed": 1.0}
-    assert task.score(item, weak) == {"passed": 0.0}
+    assert get_task("humaneval").score(get_task("humaneval").load(1)[0], weak)["passed"] == 1.0
+    assert task.score(item, weak)["passed"] == 0.0
 
 
 # ------------------------------------------------------------------ pass@k
@@ -290,8 +291,10 @@ def test_gsm_plus_limit_covers_every_type():
 def test_gsm8k_task_scores_reference():
     task = get_task("gsm8k")
     it = task.load(2)[1]
-    assert task.score(it, it.reference) == {"exact_match_strict": 1.0, "exact_match_flexible": 1.0}
-    assert task.score(it, "I give up") == {"exact_match_strict": 0.0, "exact_match_flexible": 0.0}
+    assert task.score(it, it.reference) == {"exact_match_strict": 1.0, "exact_match_flexible": 1.0,
+                                            "answer_format": 1.0}
+    assert task.score(it, "I give up") == {"exact_match_strict": 0.0, "exact_match_flexible": 0.0,
+                                           "answer_format": 0.0}
 
 
 # ------------------------------------------------------------------ tool calls and BFCL

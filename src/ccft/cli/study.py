@@ -41,6 +41,7 @@ def _multipl_e_tasks(spec) -> list[str]:
 
 def run(args) -> int:
     from ccft.core.checkpoint import load_decoder
+    from ccft.core.errors import ConfigError
     from ccft.core.models import load_base, resolve_model_path
     from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.protocol import get_task
@@ -66,8 +67,8 @@ def run(args) -> int:
     parsed = {name: recipe_overrides(spec) for name, spec in cfg.specialists.items()}
     bases = {tc.base for tc, _, _ in parsed.values()}
     if len(bases) != 1:
-        raise SystemExit(f"ccft study: the specialists' recipes name different bases {sorted(bases)}; "
-                         "the study compares decoders on one frozen base (set base= in every recipe)")
+        raise ConfigError(f"{args.config}: the specialists' recipes name different bases {sorted(bases)}; the study "
+                          "compares decoders on one frozen base (set specialists.NAME.train.base to one model)")
     base_name = bases.pop()
     dtype = next(iter(parsed.values()))[0].dtype
     with phases("setup"):

@@ -62,12 +62,13 @@ def extract_code_block(text: str) -> str:
 
 
 def defines_entry_point(code: str, entry_point: str) -> bool:
-    """True if ``code`` parses as Python (``ast.parse``: nothing is executed) and defines a module-level
-    function named ``entry_point``. A completion that breaks the prompt's function body, or stops inside
-    it, fails to parse."""
+    """True if ``code`` compiles as Python (``compile``: syntax and compile-time errors such as a ``return``
+    outside a function; nothing is executed) and defines a module-level function named ``entry_point``.
+    A completion that breaks the prompt's function body, or stops inside it, fails."""
     try:
+        compile(code, "<completion>", "exec", dont_inherit=True)
         tree = ast.parse(code)
-    except (SyntaxError, ValueError):  # ValueError: NUL bytes in the source
+    except (SyntaxError, ValueError, MemoryError, RecursionError):  # ValueError: NUL bytes in the source
         return False
     return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry_point
                for node in tree.body)
