@@ -171,7 +171,8 @@ bootstrap: 200
 batch_size: 2
 sweep_limit: 2
 sweep_rhos: [0.0, 1.0]
-serving: {{enabled: false}}
+serving: {{sessions: [1, 2], turns: 2, shared_tokens: 32, unique_tokens: 8, growth_tokens: 8, max_new_tokens: 4,
+          threads: 1, block_tokens: 8}}
 specialists:
   math:
     recipe: {math}
@@ -192,6 +193,10 @@ def _study_files(root: Path, base: Path, name: str) -> Path:
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return env
+
+
+def spec_runs(report: dict, name: str) -> str:
+    return report["specialists"][name]["runs"]["ccft"]
 
 
 def _numbers(out: Path) -> dict:
@@ -237,6 +242,13 @@ def test_study_report_has_every_field(tiny_study):
     assert set(report["phase_seconds"]) >= {"setup", "train_math_ccft", "train_math_full_ft", "eval_math",
                                             "sweep_math", "train_code_ccft", "eval_code"}
     assert "| math | gsm8k (exact_match_flexible) | 3 |" in (out / "README.md").read_text()
+    # serving with the trained CCFT decoders as agents; outputs equal offline ccft.generate per request
+    serving = report["serving"]
+    assert serving["decoders"]["math"] == f"folder {spec_runs(report, 'math')}"
+    assert serving["decoders"]["planner"] == "random LoRA r=8"
+    eq = serving["outputs_vs_offline"]
+    assert eq["requests"] == 2 * 4 and eq["equal"] == eq["requests"], eq["mismatches"]
+    assert serving["throughput_ratio"] > 0 and (out / "serving" / "serve.json").is_file()
 
 
 def test_rerun_reuses_everything(tiny_study):

@@ -63,6 +63,9 @@ def add_arguments(p) -> None:
                    help="KV byte budget for both systems (default: the shared system's peak at the top point)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--check-outputs", action="store_true",
+                   help="also replay one session under the shared scheduler and check every request's greedy "
+                        "tokens against offline ccft.generate (prefillshare) with the agent's decoder")
     p.add_argument("--plots", default=None, help="folder for PNG plots (default: next to --out)")
     p.add_argument("--out", default=None, help="write the JSON here")
 
@@ -153,6 +156,36 @@ def run_point(engine, trace, *, share: bool, budget: int | None, block_tokens: i
             "decode_s": stats["decode_seconds"], "decode_steps": stats.get("decode_steps", 0)}
 
 
+def offline_equality(engine, trace, *, block_tokens: int) -> dict:
+    """Greedy outputs under the shared scheduler against offline ``ccft.generate`` per request.
+
+    Replays ``trace`` with ``Scheduler(share=True)`` (EOS ignored, as in the benchmark) and generates every
+    request's prompt offline with its agent's decoder in mode ``prefillshare`` (the reference path,
+    ``ccft.core.generation``; EOS honoured). A request matches when the scheduler's tokens start with the
+    offline tokens (the offline row may stop at EOS; the replay goes on to ``max_new_tokens``).
+
+    Returns ``{"requests", "equal", "mismatches": [first few {request, agent, scheduler, offline}]}``.
+    """
+    from ccft.core.generation import generate
+    from ccft.serving.prefix_store import PrefixKVStore
+    from ccft.serving.scheduler import Scheduler
+
+    sched = Scheduler(engine, share=True, store=PrefixKVStore(block_tokens=block_tokens))
+    tickets = replay(sched, trace)["tickets"]
+    equal, mismatches = 0, []
+    for t in tickets:
+        dec = engine.decoders[t.request.decoder].decoder
+        ref = generate([list(t.request.prompt_ids)], mode="prefillshare", decoder=dec,
+                       max_new_tokens=t.request.max_new_tokens)[0]
+        want = list(ref.token_ids)
+        if list(t.tokens[:len(want)]) == want:
+            equal += 1
+        elif len(mismatches) < 5:
+            mismatches.append({"request": t.id, "agent": t.request.decoder, "scheduler": list(t.tokens),
+                               "offline": want})
+    return {"requests": len(tickets), "equal": equal, "mismatches": mismatches}
+
+
 def eq9(trace, n_agents: int, gen_tokens: int) -> dict:
     """Eq. 9 for the trace's largest turn: prompt KV tokens (and with each agent's generation added)."""
     from ccft.serving.workloads import kv_tokens
@@ -215,6 +248,8 @@ def run(args) -> dict:
         "kv_peak_ratio_measured": measured_kv_ratio,
         "kv_bytes_vs_eq9": measured_kv_ratio / e9["ratio_with_generation"],
     }
+    if getattr(args, "check_outputs", False):
+        result["outputs_vs_offline"] = offline_equality(engine, trace_for(1), block_tokens=args.block_tokens)
     result["plots"] = plots(result, args.plots or (str(Path(args.out).parent) if args.out else None))
     return result
 

@@ -183,8 +183,43 @@ def write_report(cfg, args, out: Path, summaries, specialists_meta, sweeps, serv
     atomic_write_text(out / "README.md", study_readme(report, command))
 
 
-def _serving(cfg, decoders: dict[str, str], base_name: str, out: Path) -> dict | None:
-    """The multi-agent serving benchmark with the trained CCFT decoders as agents (``ccft bench serve``)."""
-    from ccft.cli.bench import run_serve_benchmark
+def _serving(cfg, decoders: dict[str, str], base_name: str, out: Path) -> dict:
+    """The multi-agent serving benchmark (``ccft bench serve``) with the trained CCFT decoders as agents.
 
-    return run_serve_benchmark(base_name, decoders, out / "serving", **cfg.serving)
+    Agents named like a specialist (math, code, tools) get that specialist's CCFT decoder; the planner has no
+    trained specialist and keeps the benchmark's random LoRA adapter. ``cfg.serving`` keys are the benchmark's
+    options (``sessions: [1, 2, 4]``, ``turns: 2``, ...). Outputs are checked against offline ``ccft.generate``
+    (``--check-outputs``). Resumes: a finished ``serving/serve.json`` is reused.
+    """
+    import argparse
+
+    from ccft.bench import serve as bench_serve
+    from ccft.core.io import atomic_write_text
+
+    path = out / "serving" / "serve.json"
+    if path.is_file():
+        print(f"[ccft study] reusing {path}", flush=True)
+        result = json.loads(path.read_text())
+    else:
+        argv = ["--model", base_name, "--out", str(path), "--check-outputs"]
+        for name, folder in decoders.items():
+            if name in bench_serve.AGENTS:
+                argv += ["--decoder", f"{name}={folder}"]
+        for key, value in cfg.serving.items():
+            if key == "enabled":
+                continue
+            argv += [f"--{key.replace('_', '-')}", *(str(v) for v in (value if isinstance(value, list) else [value]))]
+        p = argparse.ArgumentParser(prog="ccft study (serving)")
+        bench_serve.add_arguments(p)
+        args = p.parse_args(argv)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        result = bench_serve.run(args)
+        atomic_write_text(path, json.dumps(result, indent=2, default=str))
+    eq = result.get("outputs_vs_offline") or {}
+    md = (bench_serve.table(result) + "\n\nAgents: " +
+          ", ".join(f"{k}: {v}" for k, v in result["decoders"].items()) +
+          f".\n\nGreedy outputs under the shared scheduler equal offline `ccft.generate` (prefillshare) for "
+          f"{eq.get('equal')}/{eq.get('requests')} requests of one session.")
+    keys = ("p95_latency_ratio", "throughput_ratio", "hit_ratio_min", "kv_bytes_vs_eq9", "saturation_sessions")
+    return {"file": "serving/serve.json", **{k: result.get(k) for k in keys}, "decoders": result["decoders"],
+            "outputs_vs_offline": eq, "markdown": md}
