@@ -74,6 +74,7 @@ from ccft.serving.schemas import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    LogprobText,
     Reply,
     error_response,
     parse_request,
@@ -178,6 +179,8 @@ class ServerState:
         #: the tokenizer of the prepare thread (each copy is used by one thread only)
         self.prompt_tokenizer = copy.deepcopy(tokenizer)
         self.max_body_bytes = max_body_bytes
+        #: token strings of logprobs objects (on the event loop, with the loop's tokenizer copy)
+        self.logprob_text = LogprobText(tokenizer)
         self._executor: ThreadPoolExecutor | None = None
         self.default_max_tokens = default_max_tokens
         self.completions_default_max_tokens = completions_default_max_tokens
@@ -250,6 +253,9 @@ class ServerState:
             max_tokens = req.new_tokens(self.default_max_tokens if chat else self.completions_default_max_tokens)
             decoder = self.resolve(req.model)
             prompt_ids = self.prompt_ids(req)
+            if max_tokens == 0 and not req.echo_prompt:
+                raise APIError(400, "'max_tokens'=0 generates nothing; it is accepted only with \"echo\": true "
+                                    "(score the prompt); set max_tokens ≥ 1 or echo", param="max_tokens")
             self.check_length(prompt_ids, req, max_tokens)
         except APIError as e:
             if e.status == 400 and e.code != "context_length_exceeded":
@@ -283,14 +289,24 @@ class ServerState:
                                 f"prompt has {n} tokens and {field}={max_tokens}; shorten the prompt or lower "
                                 f"{field}", param=field, code="context_length_exceeded")
 
-    def submit(self, decoder: str, prompt_ids: list[int], req, max_tokens: int, sink: TokenSink) -> Ticket:
-        """Hand the request to the scheduler. Raises ``APIError`` 503 (queue full) or 400 (never servable)."""
-        request = ServeRequest(decoder, prompt_ids, shared_len=req.shared_prefix_tokens, max_new_tokens=max_tokens,
-                               stop=req.stop, sampling=req.sampling(), ignore_eos=bool(req.ignore_eos),
-                               session_id=req.session_id)
+    def submit(self, decoder: str, prompt_ids: list[int], req, max_tokens: int,
+               sinks: Sequence[TokenSink]) -> list[Ticket]:
+        """Hand the request's ``n`` choices to the scheduler, one ``ServeRequest`` each (together:
+        ``Scheduler.submit_many``, so the prompt is prefilled once): choice j samples with seed + j,
+        the first one also scores the prompt when ``echo`` asks for its logprobs.
+        Raises ``APIError`` 503 (queue full) or 400 (never servable)."""
+        echo_lps = req.token_logprobs if req.echo_prompt else None
+        requests = [ServeRequest(decoder, prompt_ids, shared_len=req.shared_prefix_tokens, max_new_tokens=max_tokens,
+                                 stop=req.stop, sampling=req.sampling(j), ignore_eos=bool(req.ignore_eos),
+                                 session_id=req.session_id, logprobs=req.token_logprobs,
+                                 prompt_logprobs=echo_lps if j == 0 else None)
+                    for j in range(len(sinks))]
         try:
-            return self.scheduler.submit(request, on_token=sink.on_token if req.stream else None,
-                                         on_done=sink.on_done)
+            if len(requests) == 1:
+                return [self.scheduler.submit(requests[0], on_token=sinks[0].on_token if req.stream else None,
+                                              on_done=sinks[0].on_done)]
+            return self.scheduler.submit_many(requests, on_token=[s.on_token if req.stream else None for s in sinks],
+                                              on_done=[s.on_done for s in sinks])
         except QueueFullError as e:
             self.metrics.rejected(req.model, "queue_full")
             raise APIError(503, f"the server is busy: {e}", type="server_error", code="queue_full",
@@ -311,27 +327,38 @@ class ServerState:
         """``POST /v1/completions`` (``chat=False``) or ``/v1/chat/completions``: JSON or an SSE stream."""
         req, max_tokens, decoder, prompt_ids = await self.off_loop(self.prepare, await request.body(), chat=chat)
         model = req.model
-        sink = TokenSink(asyncio.get_running_loop(), lambda t: self.metrics.finished(model, t))
-        ticket = self.submit(decoder, prompt_ids, req, max_tokens, sink)
+        loop = asyncio.get_running_loop()
+        sinks = [TokenSink(loop, lambda t: self.metrics.finished(model, t)) for _ in range(req.choices)]
+        tickets = self.submit(decoder, prompt_ids, req, max_tokens, sinks)
+        echo = req.echo_prompt
+        prompt_text = ""
+        if echo:
+            prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
         reply = Reply(chat, model, list(prompt_ids), return_token_ids=bool(req.return_token_ids),
-                      include_usage=req.include_usage)
-        watcher = asyncio.ensure_future(watch_disconnect(request, ticket))
+                      include_usage=req.include_usage, logprobs=req.token_logprobs, echo=echo,
+                      prompt_text=prompt_text, tokens=self.logprob_text)
+        watcher = asyncio.ensure_future(watch_disconnect(request, tickets))
         if req.stream:
-            events = sse_events(ticket, sink, reply, StreamText(self.tokenizer, req.stop), watcher)
+            texts = [StreamText(self.tokenizer, req.stop) for _ in tickets]
+            events = sse_events(tickets, sinks, reply, texts, watcher)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            while await sink.queue.get() is not DONE:
-                pass
+            for sink in sinks:
+                while await sink.queue.get() is not DONE:
+                    pass
         finally:
             watcher.cancel()
-            if not ticket.done.is_set():
-                ticket.cancel()  # the handler was cancelled (the client is gone, or the server stops)
-        if ticket.state != "done" or ticket.result is None:
-            if ticket.state == "cancelled":
-                return error_response(499, "the request was cancelled (client disconnected)", code="cancelled")
-            return error_response(500, f"the request failed: {ticket.error}", type="server_error")
-        return JSONResponse(reply.completion(ticket.result))
+            for ticket in tickets:
+                if not ticket.done.is_set():
+                    ticket.cancel()  # the handler was cancelled (the client is gone, or the server stops)
+        for ticket in tickets:
+            if ticket.state != "done" or ticket.result is None:
+                if ticket.state == "cancelled":
+                    return error_response(499, "the request was cancelled (client disconnected)", code="cancelled")
+                return error_response(500, f"the request failed: {ticket.error}", type="server_error")
+        return JSONResponse(reply.completion([t.result for t in tickets], [t.token_logprobs for t in tickets],
+                                             tickets[0].prompt_logprobs))
 
     # ------------------------------------------------------------------ other endpoints
     def model_card(self, name: str) -> dict:

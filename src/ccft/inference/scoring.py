@@ -1,0 +1,116 @@
+"""Prompt log-probabilities of a served model: what ``echo`` with ``logprobs`` returns (``ccft serve``).
+
+``prompt_logprobs(engine, decoder, prompt_ids)`` gives, for every prompt position i ≥ 1, the
+log-probability the served model assigns to ``prompt[i]`` as the next token after ``prompt[:i]``,
+in the same layout as a request whose prompt is ``prompt[:i]`` (docs/design.md, "Modes"; docs/serving.md,
+"Log-probabilities"):
+
+* the base (``"base"``): one causal forward of the base over the prompt;
+* a decoder (LoRA or full-weight, decoding on the shared prefill): the frozen base's ``C_base`` of
+  ``prompt[:i-k]`` (k = the decoder's ``handoff_tokens``, fewer when i ≤ k) and the decoder over
+  ``prompt[i-k:i]`` (``ccft.core.decoder.decoder_forward``) — the distribution of the first token the
+  decoder would generate for the prompt ``prompt[:i]``.
+
+For one-token continuations this is exactly the loglikelihood ccft's in-process lm-eval model
+(``ccft.evals.lm_eval_model``) returns for (context ``prompt[:i]``, continuation ``prompt[i]``).
+The base's K/V is causal, so ``C_base`` of every ``prompt[:i-k]`` is a slice of one prefill of the
+whole prompt: the base runs once, the decoder over k tokens per position (rows batched).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ccft.core.cache import BaseCache, compute_base_cache
+from ccft.core.decoder import decoder_forward
+from ccft.core.errors import ConfigError
+
+__all__ = ["prompt_logprobs", "PromptLogprob"]
+
+#: one prompt position: (logprob of the prompt token, its top ``(id, logprob)`` pairs); None for position 0
+PromptLogprob = tuple[float, list[tuple[int, float]]]
+
+
+def _entries(lp: torch.Tensor, targets: Sequence[int], top: int) -> list[PromptLogprob]:
+    """(logprob of each target, top pairs) of ``lp (r, V)`` (log-softmax rows)."""
+    idx = torch.tensor(list(targets), device=lp.device)[:, None]
+    chosen = lp.gather(-1, idx)[:, 0].tolist()
+    if top > 0:
+        vals, ids = lp.topk(top, dim=-1)
+        pairs = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    else:
+        pairs = [[] for _ in chosen]
+    return list(zip(chosen, pairs, strict=True))
+
+
+@torch.inference_mode()
+def prompt_logprobs(engine, decoder: str, prompt_ids: Sequence[int], *, top: int = 0,
+                    rows_per_batch: int = 32) -> list[PromptLogprob | None]:
+    """Log-probabilities of the prompt's own tokens under ``decoder`` of ``engine`` (see the module docstring).
+
+    Args:
+        engine: a ``SharedPrefillEngine`` (its base and registered decoders).
+        decoder: a registered decoder name (``"base"``: the base model).
+        prompt_ids: n ≥ 1 token ids.
+        top: how many most likely ``(id, logprob)`` pairs to report per position (0: none).
+        rows_per_batch: decoder rows (prompt positions) per forward.
+    Returns:
+        n entries: ``None`` for position 0 (nothing precedes it), then ``(logprob, top pairs)`` for
+        positions 1..n-1 (natural log, fp32 log-softmax of the model's logits).
+    Raises:
+        ConfigError: an unknown decoder, an empty prompt, ``top`` < 0.
+    Runs the engine's models on the calling thread (the scheduler's: the LoRA host's active adapter is
+    switched here); cost: one base forward over the prompt plus a decoder forward over k tokens per position.
+    """
+    if decoder not in engine.decoders:
+        raise ConfigError(f"unknown decoder {decoder!r}; registered: {', '.join(engine.decoders)}")
+    if top < 0:
+        raise ConfigError(f"top={top}; it must be ≥ 0")
+    ids = [int(t) for t in prompt_ids]
+    n = len(ids)
+    if n < 1:
+        raise ConfigError("prompt_ids is empty")
+    out: list[PromptLogprob | None] = [None]
+    if n == 1:
+        return out
+    base, dec = engine.base, engine.decoders[decoder].decoder
+    device = base.device
+    if dec is None:  # the base over its own prompt
+        with base.base_weights() as model:
+            logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, :-1]
+        return out + _entries(torch.log_softmax(logits.float(), -1), ids[1:], top)
+    k = int(dec.handoff_tokens)
+    # C_base of prompt[:n-1] once (handoff 1: the base prefills all but the last token); row i reads its first i-k
+    full = compute_base_cache(base, [ids], handoff_tokens=1)
+    for s in range(1, n, rows_per_batch):
+        targets = list(range(s, min(n, s + rows_per_batch)))
+        kk = [min(k, i) for i in targets]
+        lens = [i - j for i, j in zip(targets, kk, strict=True)]
+        width = max(max(lens), 1)  # ≥ 1 slot (masked when empty): the cache always has a prefix axis
+        b = len(targets)
+        mask = torch.zeros((b, width), dtype=torch.long, device=device)
+        keys, values = [], []
+        for fk, fv in zip(full.keys, full.values, strict=True):
+            kb = fk.new_zeros((b, fk.shape[1], width, fk.shape[3]))
+            vb = fv.new_zeros((b, fv.shape[1], width, fv.shape[3]))
+            for r, L in enumerate(lens):
+                if L:
+                    kb[r, :, width - L:] = fk[0, :, :L]
+                    vb[r, :, width - L:] = fv[0, :, :L]
+            keys.append(kb)
+            values.append(vb)
+        for r, L in enumerate(lens):
+            if L:
+                mask[r, width - L:] = 1
+        tail = torch.full((b, k), full.tail_ids[0, 0].item(), dtype=torch.long, device=device)
+        tail_mask = torch.zeros((b, k), dtype=torch.long, device=device)
+        for r, (i, j) in enumerate(zip(targets, kk, strict=True)):
+            tail[r, :j] = torch.tensor(ids[i - j:i], device=device)
+            tail_mask[r, :j] = 1
+        cache = BaseCache.from_tensors(keys, values, mask, tail, k, full.fingerprint, "base")
+        logits = decoder_forward(dec, cache, tail, tail_mask)
+        last = logits[torch.arange(b, device=device), torch.tensor(kk, device=device) - 1]
+        out += _entries(torch.log_softmax(last.float(), -1), [ids[i] for i in targets], top)
+    return out
