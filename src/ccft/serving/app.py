@@ -256,6 +256,11 @@ class ServerState:
             if max_tokens == 0 and not req.echo_prompt:
                 raise APIError(400, "'max_tokens'=0 generates nothing; it is accepted only with \"echo\": true "
                                     "(score the prompt); set max_tokens ≥ 1 or echo", param="max_tokens")
+            c = getattr(req, "echo_context_tokens", None)
+            if c is not None and c >= len(prompt_ids):
+                raise APIError(400, f"'echo_context_tokens'={c} leaves no continuation: the prompt has "
+                                    f"{len(prompt_ids)} tokens; it must be in 1..{len(prompt_ids) - 1}",
+                               param="echo_context_tokens")
             self.check_length(prompt_ids, req, max_tokens)
         except APIError as e:
             if e.status == 400 and e.code != "context_length_exceeded":
@@ -299,7 +304,8 @@ class ServerState:
         requests = [ServeRequest(decoder, prompt_ids, shared_len=req.shared_prefix_tokens, max_new_tokens=max_tokens,
                                  stop=req.stop, sampling=req.sampling(j), ignore_eos=bool(req.ignore_eos),
                                  session_id=req.session_id, logprobs=req.token_logprobs,
-                                 prompt_logprobs=echo_lps if j == 0 else None)
+                                 prompt_logprobs=echo_lps if j == 0 else None,
+                                 prompt_context_tokens=getattr(req, "echo_context_tokens", None))
                     for j in range(len(sinks))]
         try:
             if len(requests) == 1:

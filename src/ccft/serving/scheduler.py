@@ -78,6 +78,8 @@ class ServeRequest:
             (``Ticket.token_logprobs``; ``SharedPrefillEngine.add_request(logprobs=k)``).
         prompt_logprobs: None, or k ≥ 0: the prompt's own tokens' logprobs with k top tokens, computed
             at admission on the scheduler thread (``Ticket.prompt_logprobs``; ``ccft.inference.scoring``).
+        prompt_context_tokens: with ``prompt_logprobs``: the prompt's first c tokens are a context and
+            the rest one continuation (``prompt_logprobs(context_tokens=c)``).
     """
 
     decoder: str
@@ -90,6 +92,7 @@ class ServeRequest:
     session_id: str | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_context_tokens: int | None = None
 
 
 @dataclass(eq=False)
@@ -441,7 +444,8 @@ class Scheduler:
 
     def _prompt_logprobs(self, r: ServeRequest) -> list:
         t0 = time.perf_counter()
-        out = prompt_logprobs(self.engine, r.decoder, r.prompt_ids, top=int(r.prompt_logprobs))
+        out = prompt_logprobs(self.engine, r.decoder, r.prompt_ids, top=int(r.prompt_logprobs),
+                              context_tokens=r.prompt_context_tokens)
         self.prefill_seconds += time.perf_counter() - t0
         self.counters["prompt_scorings"] += 1
         return out

@@ -324,7 +324,9 @@ class CompletionRequest(_GenerationRequest):
 
     ccft extensions: ``shared_prefix_tokens`` (≥ 0: leading prompt tokens that are context shared
     with other requests, ``ServeRequest.shared_len``), ``ignore_eos``, ``return_token_ids``,
-    ``session_id``.
+    ``session_id``, ``echo_context_tokens`` (with ``echo`` and ``logprobs``: the prompt's first c
+    tokens are a context, the rest one continuation scored as the decoder generating it;
+    ``ccft.inference.scoring``, docs/serving.md "Log-probabilities").
     """
 
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple]] = {**_NOT_IMPLEMENTED, "best_of": (1,), "suffix": ("",)}
@@ -334,7 +336,19 @@ class CompletionRequest(_GenerationRequest):
     suffix: Any = None
     echo: bool | None = None
     logprobs: int | None = None
+    echo_context_tokens: int | None = None
     prompt: Any = Field(None, validate_default=True)
+
+    @field_validator("echo_context_tokens")
+    @classmethod
+    def _echo_context(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is None:
+            return v
+        if not (info.data.get("echo") and info.data.get("logprobs") is not None):
+            raise _invalid(' scores the prompt: it needs "echo": true and "logprobs"; set them or drop it')
+        if v < 1:
+            raise _invalid(f"={v}; it must be ≥ 1 (the context's tokens)")
+        return v
 
     @field_validator("logprobs")
     @classmethod
