@@ -9,20 +9,24 @@ decoders). Endpoints:
   or a list of token ids, used as they are), ``max_tokens`` (default 16), ``stop``, ``temperature``
   / ``top_p`` / ``seed`` (``temperature`` 0 or absent: greedy decoding, the default), ``stream``
   (server-sent events ``data: {...}`` then ``data: [DONE]``; ``stream_options: {"include_usage":
-  true}`` adds a final usage chunk). The response carries ``id``, ``object``, ``created``,
-  ``model``, ``choices[{text, index, finish_reason, logprobs: null}]`` and ``usage``.
-  ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens`` reached).
+  true}`` adds a final usage chunk), ``n`` choices (seeds seed, seed+1, ...; submitted together
+  so the prompt is prefilled once), ``logprobs`` (legacy format) and ``echo`` (the prompt, with
+  its logprobs, before the completion; ``max_tokens`` may then be 0). The response carries ``id``,
+  ``object``, ``created``, ``model``, ``choices[{text, index, finish_reason, logprobs}]`` and
+  ``usage``. ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens``
+  reached). Log-probabilities: docs/serving.md, "Log-probabilities".
 * ``POST /v1/chat/completions``: a ``ChatCompletionRequest``: ``messages`` rendered with the
   tokenizer's chat template (``add_generation_prompt=True``; ``tools`` are rendered too, tool calls
   are not parsed), the same options (``max_completion_tokens`` is an alias of ``max_tokens``;
-  default ``default_max_tokens``), chat-shaped responses (``message``) and stream chunks
-  (``delta``; the first chunk also carries the role).
+  default ``default_max_tokens``; ``logprobs`` / ``top_logprobs`` give ``logprobs.content``),
+  chat-shaped responses (``message``) and stream chunks (``delta``; the first chunk also carries
+  the role).
 * ``GET /v1/models`` (and ``/v1/models/{model}``), ``GET /health``, ``GET /metrics`` (Prometheus
   text format, one registry per app; ``ccft.serving.metrics.ServerMetrics``).
 
 ccft extensions of the request: ``shared_prefix_tokens`` (how many leading prompt tokens are
 context shared with other requests, ``ServeRequest.shared_len``; a placement hint only, the output
-does not depend on it), ``ignore_eos``, ``return_token_ids``, ``session_id``.
+does not depend on it), ``ignore_eos``, ``return_token_ids``, ``session_id``, ``echo_context_tokens``.
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: a body over
 ``max_body_bytes`` → 413 (``request_too_large``), answered from the ``Content-Length`` header before
