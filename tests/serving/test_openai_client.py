@@ -84,13 +84,17 @@ def _ref_logprobs(world, decoder, prompt: list[int], out: list[int]) -> torch.Te
     return torch.log_softmax(logits.float(), -1)
 
 
-def _prefills(server) -> float:
+def _metric(server, name: str, **labels) -> float:
     text = httpx.get(server.url + "/metrics", timeout=WAIT).text
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == "ccft_scheduler_prefills_total":
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     return 0.0
+
+
+def _prefills(server) -> float:
+    return _metric(server, "ccft_scheduler_prefills_total")
 
 
 def test_models_list(client):
@@ -186,10 +190,11 @@ def test_completion_stream_equals_non_stream(client, tokenizer, text, offline):
 
 def test_n_choices_distinct_seeds_prefilled_once(client, server, tokenizer, text, offline):
     ids = tokenize_prompt(tokenizer, text, chat_template=False)
-    before = _prefills(server)
+    before, prompt_before = _prefills(server), _metric(server, "ccft_prompt_tokens_total", model="math")
     r = client.completions.create(model="math", prompt=ids, max_tokens=8, n=4, temperature=1.0, seed=11,
                                   stop=["\n"], logprobs=0)
     assert _prefills(server) - before == 1  # one prefill for the 4 choices
+    assert _metric(server, "ccft_prompt_tokens_total", model="math") - prompt_before == len(ids)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     refs = [offline(ids, max_tokens=8, sampling=SamplingParams(True, 1.0, 1.0, 11 + j), stop=["\n"]) for j in range(4)]
     assert [c.text for c in r.choices] == [g.text for g in refs]

@@ -338,7 +338,9 @@ class ServerState:
         req, max_tokens, decoder, prompt_ids = await self.off_loop(self.prepare, await request.body(), chat=chat)
         model = req.model
         loop = asyncio.get_running_loop()
-        sinks = [TokenSink(loop, lambda t: self.metrics.finished(model, t)) for _ in range(req.choices)]
+        # each choice is counted in ccft_requests_total (by its finish reason); the prompt's tokens once
+        sinks = [TokenSink(loop, lambda t, first=(j == 0): self.metrics.finished(model, t, count_prompt=first))
+                 for j in range(req.choices)]
         tickets = self.submit(decoder, prompt_ids, req, max_tokens, sinks)
         echo = req.echo_prompt
         prompt_text = ""
