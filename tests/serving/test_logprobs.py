@@ -159,3 +159,21 @@ def test_score_only_request(world, prompt):
     assert [e and e[0] for e in t.prompt_logprobs] == [e and e[0] for e in prompt_logprobs(engine, "k2", prompt, top=1)]
     with pytest.raises(ccft.ConfigError, match="0 only with prompt_logprobs"):
         sched.submit(ServeRequest("k2", prompt, max_new_tokens=0))
+
+
+def test_default_path_computes_no_logprobs(world, prompt, monkeypatch):
+    """Without ``logprobs`` no row's distribution is normalised: a step never calls log_softmax."""
+    base, decs = world
+    engine = SharedPrefillEngine(base, decoders=decs)
+
+    def refuse(*a, **kw):
+        raise AssertionError("log_softmax called")
+
+    with engine.prefill([prompt, prompt[:-3]]) as h:
+        ref = engine.generate(h, decoder="k1", max_new_tokens=4)
+        monkeypatch.setattr(torch, "log_softmax", refuse)
+        got = engine.generate(h, decoder="k1", max_new_tokens=4)
+        assert [g.token_ids for g in got] == [g.token_ids for g in ref]
+        engine.add_request(h, decoder="k1", max_new_tokens=2, logprobs=0)
+        with pytest.raises(AssertionError, match="log_softmax called"):  # asked: computed
+            engine.step()
