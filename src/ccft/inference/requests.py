@@ -21,6 +21,7 @@ the same index (docs/design.md, "Stop strings and streaming"; fault class K7).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -156,6 +157,17 @@ def choose_tokens(logits: torch.Tensor, rows: list[Request]) -> list[int]:
     return chosen.tolist()
 
 
+def logprob_entries(lp: torch.Tensor, targets: Sequence[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of ``lp (r, V)`` (log-softmax rows): (logprob of ``targets[row]``, its ``top`` most likely
+    ``(id, logprob)`` pairs, most likely first; ``[]`` for top=0)."""
+    idx = torch.tensor([int(t) for t in targets], device=lp.device)[:, None]
+    chosen = lp.gather(-1, idx)[:, 0].tolist()
+    if top <= 0:
+        return [(c, []) for c in chosen]
+    vals, ids = lp.topk(top, dim=-1)
+    return [(c, list(zip(i, v, strict=True))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist(), strict=True)]
+
+
 def token_logprobs(logits: torch.Tensor, rows: list[Request], tokens: list[int]
                    ) -> dict[int, tuple[float, list[tuple[int, float]]]]:
     """Log-probabilities of the rows that asked for them (``Request.logprobs`` set), computed only for those.
@@ -170,15 +182,8 @@ def token_logprobs(logits: torch.Tensor, rows: list[Request], tokens: list[int]
     if not want:
         return {}
     lp = torch.log_softmax(logits[want].float(), dim=-1)
-    chosen = lp.gather(-1, torch.tensor([tokens[i] for i in want], device=lp.device)[:, None])[:, 0].tolist()
-    top = max(rows[i].logprobs for i in want)
-    vals, ids = (lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long()))
-    vals, ids = vals.tolist(), ids.tolist()
-    out = {}
-    for j, i in enumerate(want):
-        k = rows[i].logprobs
-        out[i] = (chosen[j], list(zip(ids[j][:k], vals[j][:k], strict=True)))
-    return out
+    entries = logprob_entries(lp, [tokens[i] for i in want], max(rows[i].logprobs for i in want))
+    return {i: (e[0], e[1][:rows[i].logprobs]) for i, e in zip(want, entries, strict=True)}
 
 
-__all__ = ["StepOutput", "StepError", "Request", "choose_tokens", "token_logprobs"]
+__all__ = ["StepOutput", "StepError", "Request", "choose_tokens", "token_logprobs", "logprob_entries"]

@@ -30,23 +30,12 @@ import torch
 from ccft.core.cache import BaseCache, compute_base_cache
 from ccft.core.decoder import decoder_forward
 from ccft.core.errors import ConfigError
+from ccft.inference.requests import logprob_entries
 
 __all__ = ["prompt_logprobs", "PromptLogprob"]
 
 #: one prompt position: (logprob of the prompt token, its top ``(id, logprob)`` pairs); None for position 0
 PromptLogprob = tuple[float, list[tuple[int, float]]]
-
-
-def _entries(lp: torch.Tensor, targets: Sequence[int], top: int) -> list[PromptLogprob]:
-    """(logprob of each target, top pairs) of ``lp (r, V)`` (log-softmax rows)."""
-    idx = torch.tensor(list(targets), device=lp.device)[:, None]
-    chosen = lp.gather(-1, idx)[:, 0].tolist()
-    if top > 0:
-        vals, ids = lp.topk(top, dim=-1)
-        pairs = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
-    else:
-        pairs = [[] for _ in chosen]
-    return list(zip(chosen, pairs, strict=True))
 
 
 def _slice_rows(full: BaseCache, lens: Sequence[int], k: int) -> BaseCache:
@@ -113,7 +102,7 @@ def prompt_logprobs(engine, decoder: str, prompt_ids: Sequence[int], *, top: int
     if dec is None:  # the base over its own prompt
         with base.base_weights() as model:
             logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, :-1]
-        return out + _entries(torch.log_softmax(logits.float(), -1), ids[1:], top)
+        return out + logprob_entries(torch.log_softmax(logits.float(), -1), ids[1:], top)
     k = int(dec.handoff_tokens)
     # C_base of prompt[:n-1] once (handoff 1: the base prefills all but the last token); row i reads its first i-k
     full = compute_base_cache(base, [ids], handoff_tokens=1)
@@ -131,12 +120,12 @@ def prompt_logprobs(engine, decoder: str, prompt_ids: Sequence[int], *, top: int
             tail_mask[r, :j] = 1
         logits = decoder_forward(dec, cache, tail, tail_mask)
         last = logits[torch.arange(b, device=device), torch.tensor(kk, device=device) - 1]
-        out += _entries(torch.log_softmax(last.float(), -1), [ids[i] for i in targets], top)
+        out += logprob_entries(torch.log_softmax(last.float(), -1), [ids[i] for i in targets], top)
     if context_tokens is not None and int(context_tokens) < n - 1:
         c = int(context_tokens)
         kk = min(k, c)
         cache = _slice_rows(full, [c - kk], k)
         tail = torch.tensor([ids[c - kk:]], device=device)
         logits = decoder_forward(dec, cache, tail)[0, kk - 1:-1]  # predicts prompt[c], ..., prompt[n-1]
-        out[c:] = _entries(torch.log_softmax(logits.float(), -1), ids[c:], top)
+        out[c:] = logprob_entries(torch.log_softmax(logits.float(), -1), ids[c:], top)
     return out
