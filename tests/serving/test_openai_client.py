@@ -227,3 +227,23 @@ def test_errors_reach_the_client(client):
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi")
+
+
+def test_echo_streams_the_prompt_first_and_stop_keeps_token_logprobs(client, tokenizer, text, offline):
+    ids = tokenize_prompt(tokenizer, text, chat_template=False)
+    whole = client.completions.create(model="math", prompt=text, max_tokens=4, logprobs=1, echo=True).choices[0]
+    chunks = list(client.completions.create(model="math", prompt=text, max_tokens=4, logprobs=1, echo=True,
+                                            stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == text and first.logprobs.token_logprobs[0] is None
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(whole.logprobs.token_logprobs[1:len(ids)], abs=1e-6)
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    streamed = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+    assert streamed == whole.logprobs.tokens
+    # a stop string cuts the text; the logprobs still cover every generated token id
+    ref = offline(ids, max_tokens=6)
+    cut = ref.text[2:4]
+    stopped = offline(ids, max_tokens=6, stop=[cut])
+    r = client.completions.create(model="math", prompt=text, max_tokens=6, logprobs=0, stop=[cut])
+    assert r.choices[0].text == stopped.text and r.choices[0].finish_reason == "stop"
+    assert len(r.choices[0].logprobs.tokens) == r.usage.completion_tokens == len(stopped.token_ids)
