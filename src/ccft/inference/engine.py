@@ -65,7 +65,7 @@ from ccft.inference.handles import BASE, PrefixHandle
 from ccft.inference.kv import CapacityError, PrefixArena
 from ccft.inference.lanes import Lane, LaneRegistry
 from ccft.inference.prefill import import_cache, prefill_from_store, prefill_rows, prefill_tail
-from ccft.inference.requests import Request, StepError, StepOutput, choose_tokens
+from ccft.inference.requests import Request, StepError, StepOutput, choose_tokens, token_logprobs
 from ccft.inference.weights import check_supported, lane_weights
 
 
@@ -315,7 +315,7 @@ class SharedPrefillEngine:
     def add_request(self, handle: PrefixHandle, row: int = 0, *, decoder: str = BASE, max_new_tokens: int | None = None,
                     stop: Sequence[str] | str | None = None, sampling: SamplingParams | None = None,
                     forced_tokens: Sequence[int] | None = None, ignore_eos: bool = False,
-                    suffix_ids: Sequence[int] | None = None) -> int:
+                    suffix_ids: Sequence[int] | None = None, logprobs: int | None = None) -> int:
         """Admit one prompt row of ``handle`` for ``decoder``; it decodes from the next ``step()``.
 
         Args:
@@ -334,6 +334,10 @@ class SharedPrefillEngine:
             forced_tokens: teacher forcing: feed these tokens (and report them) instead of sampled
                 ones; the step logits are still the model's. ``max_new_tokens`` defaults to their count.
             ignore_eos: keep decoding past EOS (benchmarks: every row runs ``max_new_tokens`` steps).
+            logprobs: None (default: nothing extra is computed), or k ≥ 0: every ``StepOutput`` of this
+                request carries the log-probability of its token and the k most likely tokens of the
+                step's raw distribution (``StepOutput.logprob`` / ``top_logprobs``; computed for the
+                rows that ask only).
         Returns:
             the request id.
         Raises:
@@ -380,6 +384,8 @@ class SharedPrefillEngine:
             max_new_tokens = len(forced_tokens) if forced_tokens is not None else 256
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens}; it must be ≥ 1")
+        if logprobs is not None and not 0 <= int(logprobs) <= entry.lane.weights.embed.shape[0]:
+            raise ConfigError(f"logprobs={logprobs}; it must be in 0..{entry.lane.weights.embed.shape[0]} (or None)")
         lane = entry.lane
         if len(lane.rows) >= self.max_batch:
             raise CapacityError(f"{len(lane.rows)} rows are active on lane {lane.key!r} (max_batch={self.max_batch}); "
@@ -394,7 +400,8 @@ class SharedPrefillEngine:
             gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
         req = Request(next(self._rid), handle, row, decoder, entry.adapter_index, entry.eos, self.tokenizer,
                       int(max_new_tokens), StopMatcher(stop), sampling, gen, forced_tokens, bool(ignore_eos),
-                      next_token=int(tail[-1]), tail_written=len(tail) - 1)
+                      next_token=int(tail[-1]), tail_written=len(tail) - 1,
+                      logprobs=None if logprobs is None else int(logprobs))
         # the handle's producer is the base or this decoder (checked above)
         prefill_tail(handle, row, tail, self._registry.producer(handle.producer), lane.weights, entry.lora_plan(),
                      lane.pool.k[:, slot], lane.pool.v[:, slot])
@@ -502,11 +509,14 @@ class SharedPrefillEngine:
         # which must include the K/V this step wrote
         done = [req for req in rows if req.id in bad]
         for part, logits, chosen in parts:
+            chosen = [req.token_to_feed(tok) for req, tok in zip(part, chosen, strict=True)]
+            lps = token_logprobs(logits, part, chosen)  # {} unless a row asked for logprobs
             for i, (req, tok) in enumerate(zip(part, chosen, strict=True)):
-                tok = req.token_to_feed(tok)
                 req.tail_written += 1
                 finished = req.advance(tok)
                 out = StepOutput(req.id, tok, finished, logits=logits[i] if return_logits else None)
+                if i in lps:
+                    out.logprob, out.top_logprobs = lps[i]
                 if finished:
                     out.generation = req.generation()
                     done.append(req)

@@ -21,6 +21,7 @@ the same index (docs/design.md, "Stop strings and streaming"; fault class K7).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -34,13 +35,21 @@ from ccft.inference.handles import PrefixHandle
 @dataclass
 class StepOutput:
     """One row's result of ``step()``: the token chosen this step (an EOS token too), and, when the
-    request ended with it, its ``Generation``. ``logits (V,)`` when ``step(return_logits=True)``."""
+    request ended with it, its ``Generation``. ``logits (V,)`` when ``step(return_logits=True)``.
+
+    For a request admitted with ``logprobs=k`` (``SharedPrefillEngine.add_request``): ``logprob``, the
+    natural log of the probability of ``token_id`` under the step's raw distribution (log-softmax of
+    the model's logits in fp32, before temperature / top-p), and ``top_logprobs``, the ``k`` most
+    likely ``(token id, logprob)`` pairs of that distribution, most likely first (``[]`` for k=0).
+    Both None for a request admitted without ``logprobs``."""
 
     request_id: int
     token_id: int
     finished: bool
     generation: Generation | None = None
     logits: torch.Tensor | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class StepError(CCFTError, RuntimeError):
@@ -72,6 +81,7 @@ class Request:
         eos: ids that end it.  tokenizer: decodes its ids (stop strings, the final text).
         next_token: the token fed at the next step.  tail_written: tokens in its tail slot.
         out_ids: the generated ids (EOS excluded).  reason: ``"eos"``, ``"stop"``, ``"length"`` once ended.
+        logprobs: None, or how many top log-probabilities each step reports (``StepOutput.logprob``).
     """
 
     id: int
@@ -93,6 +103,7 @@ class Request:
     reason: str | None = None
     text: str | None = None
     stream: TextStream | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop and self.stream is None:
@@ -146,4 +157,33 @@ def choose_tokens(logits: torch.Tensor, rows: list[Request]) -> list[int]:
     return chosen.tolist()
 
 
-__all__ = ["StepOutput", "StepError", "Request", "choose_tokens"]
+def logprob_entries(lp: torch.Tensor, targets: Sequence[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of ``lp (r, V)`` (log-softmax rows): (logprob of ``targets[row]``, its ``top`` most likely
+    ``(id, logprob)`` pairs, most likely first; ``[]`` for top=0)."""
+    idx = torch.tensor([int(t) for t in targets], device=lp.device)[:, None]
+    chosen = lp.gather(-1, idx)[:, 0].tolist()
+    if top <= 0:
+        return [(c, []) for c in chosen]
+    vals, ids = lp.topk(top, dim=-1)
+    return [(c, list(zip(i, v, strict=True))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist(), strict=True)]
+
+
+def token_logprobs(logits: torch.Tensor, rows: list[Request], tokens: list[int]
+                   ) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+    """Log-probabilities of the rows that asked for them (``Request.logprobs`` set), computed only for those.
+
+    Args:
+        logits: ``(len(rows), V)`` the step's logits.  tokens: the token each row records this step.
+    Returns:
+        row index -> (logprob of its token, its ``logprobs`` most likely ``(id, logprob)``), from
+        ``log_softmax`` of the logits in fp32 (the raw model distribution, before temperature / top-p).
+    """
+    want = [i for i, r in enumerate(rows) if r.logprobs is not None]
+    if not want:
+        return {}
+    lp = torch.log_softmax(logits[want].float(), dim=-1)
+    entries = logprob_entries(lp, [tokens[i] for i in want], max(rows[i].logprobs for i in want))
+    return {i: (e[0], e[1][:rows[i].logprobs]) for i, e in zip(want, entries, strict=True)}
+
+
+__all__ = ["StepOutput", "StepError", "Request", "choose_tokens", "token_logprobs", "logprob_entries"]

@@ -9,20 +9,24 @@ decoders). Endpoints:
   or a list of token ids, used as they are), ``max_tokens`` (default 16), ``stop``, ``temperature``
   / ``top_p`` / ``seed`` (``temperature`` 0 or absent: greedy decoding, the default), ``stream``
   (server-sent events ``data: {...}`` then ``data: [DONE]``; ``stream_options: {"include_usage":
-  true}`` adds a final usage chunk). The response carries ``id``, ``object``, ``created``,
-  ``model``, ``choices[{text, index, finish_reason, logprobs: null}]`` and ``usage``.
-  ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens`` reached).
+  true}`` adds a final usage chunk), ``n`` choices (seeds seed, seed+1, ...; submitted together
+  so the prompt is prefilled once), ``logprobs`` (legacy format) and ``echo`` (the prompt, with
+  its logprobs, before the completion; ``max_tokens`` may then be 0). The response carries ``id``,
+  ``object``, ``created``, ``model``, ``choices[{text, index, finish_reason, logprobs}]`` and
+  ``usage``. ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens``
+  reached). Log-probabilities: docs/serving.md, "Log-probabilities".
 * ``POST /v1/chat/completions``: a ``ChatCompletionRequest``: ``messages`` rendered with the
   tokenizer's chat template (``add_generation_prompt=True``; ``tools`` are rendered too, tool calls
   are not parsed), the same options (``max_completion_tokens`` is an alias of ``max_tokens``;
-  default ``default_max_tokens``), chat-shaped responses (``message``) and stream chunks
-  (``delta``; the first chunk also carries the role).
+  default ``default_max_tokens``; ``logprobs`` / ``top_logprobs`` give ``logprobs.content``),
+  chat-shaped responses (``message``) and stream chunks (``delta``; the first chunk also carries
+  the role).
 * ``GET /v1/models`` (and ``/v1/models/{model}``), ``GET /health``, ``GET /metrics`` (Prometheus
   text format, one registry per app; ``ccft.serving.metrics.ServerMetrics``).
 
 ccft extensions of the request: ``shared_prefix_tokens`` (how many leading prompt tokens are
 context shared with other requests, ``ServeRequest.shared_len``; a placement hint only, the output
-does not depend on it), ``ignore_eos``, ``return_token_ids``, ``session_id``.
+does not depend on it), ``ignore_eos``, ``return_token_ids``, ``session_id``, ``echo_context_tokens``.
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: a body over
 ``max_body_bytes`` → 413 (``request_too_large``), answered from the ``Content-Length`` header before
@@ -74,6 +78,7 @@ from ccft.serving.schemas import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    LogprobText,
     Reply,
     error_response,
     parse_request,
@@ -178,6 +183,8 @@ class ServerState:
         #: the tokenizer of the prepare thread (each copy is used by one thread only)
         self.prompt_tokenizer = copy.deepcopy(tokenizer)
         self.max_body_bytes = max_body_bytes
+        #: token strings of logprobs objects (on the event loop, with the loop's tokenizer copy)
+        self.logprob_text = LogprobText(tokenizer)
         self._executor: ThreadPoolExecutor | None = None
         self.default_max_tokens = default_max_tokens
         self.completions_default_max_tokens = completions_default_max_tokens
@@ -250,6 +257,14 @@ class ServerState:
             max_tokens = req.new_tokens(self.default_max_tokens if chat else self.completions_default_max_tokens)
             decoder = self.resolve(req.model)
             prompt_ids = self.prompt_ids(req)
+            if max_tokens == 0 and not req.echo_prompt:
+                raise APIError(400, "'max_tokens'=0 generates nothing; it is accepted only with \"echo\": true "
+                                    "(score the prompt); set max_tokens ≥ 1 or echo", param="max_tokens")
+            c = getattr(req, "echo_context_tokens", None)
+            if c is not None and c >= len(prompt_ids):
+                raise APIError(400, f"'echo_context_tokens'={c} leaves no continuation: the prompt has "
+                                    f"{len(prompt_ids)} tokens; it must be in 1..{len(prompt_ids) - 1}",
+                               param="echo_context_tokens")
             self.check_length(prompt_ids, req, max_tokens)
         except APIError as e:
             if e.status == 400 and e.code != "context_length_exceeded":
@@ -283,14 +298,25 @@ class ServerState:
                                 f"prompt has {n} tokens and {field}={max_tokens}; shorten the prompt or lower "
                                 f"{field}", param=field, code="context_length_exceeded")
 
-    def submit(self, decoder: str, prompt_ids: list[int], req, max_tokens: int, sink: TokenSink) -> Ticket:
-        """Hand the request to the scheduler. Raises ``APIError`` 503 (queue full) or 400 (never servable)."""
-        request = ServeRequest(decoder, prompt_ids, shared_len=req.shared_prefix_tokens, max_new_tokens=max_tokens,
-                               stop=req.stop, sampling=req.sampling(), ignore_eos=bool(req.ignore_eos),
-                               session_id=req.session_id)
+    def submit(self, decoder: str, prompt_ids: list[int], req, max_tokens: int,
+               sinks: Sequence[TokenSink]) -> list[Ticket]:
+        """Hand the request's ``n`` choices to the scheduler, one ``ServeRequest`` each (together:
+        ``Scheduler.submit_many``, so the prompt is prefilled once): choice j samples with seed + j,
+        the first one also scores the prompt when ``echo`` asks for its logprobs.
+        Raises ``APIError`` 503 (queue full) or 400 (never servable)."""
+        echo_lps = req.token_logprobs if req.echo_prompt else None
+        requests = [ServeRequest(decoder, prompt_ids, shared_len=req.shared_prefix_tokens, max_new_tokens=max_tokens,
+                                 stop=req.stop, sampling=req.sampling(j), ignore_eos=bool(req.ignore_eos),
+                                 session_id=req.session_id, logprobs=req.token_logprobs,
+                                 prompt_logprobs=echo_lps if j == 0 else None,
+                                 prompt_context_tokens=getattr(req, "echo_context_tokens", None))
+                    for j in range(len(sinks))]
         try:
-            return self.scheduler.submit(request, on_token=sink.on_token if req.stream else None,
-                                         on_done=sink.on_done)
+            if len(requests) == 1:
+                return [self.scheduler.submit(requests[0], on_token=sinks[0].on_token if req.stream else None,
+                                              on_done=sinks[0].on_done)]
+            return self.scheduler.submit_many(requests, on_token=[s.on_token if req.stream else None for s in sinks],
+                                              on_done=[s.on_done for s in sinks])
         except QueueFullError as e:
             self.metrics.rejected(req.model, "queue_full")
             raise APIError(503, f"the server is busy: {e}", type="server_error", code="queue_full",
@@ -311,27 +337,40 @@ class ServerState:
         """``POST /v1/completions`` (``chat=False``) or ``/v1/chat/completions``: JSON or an SSE stream."""
         req, max_tokens, decoder, prompt_ids = await self.off_loop(self.prepare, await request.body(), chat=chat)
         model = req.model
-        sink = TokenSink(asyncio.get_running_loop(), lambda t: self.metrics.finished(model, t))
-        ticket = self.submit(decoder, prompt_ids, req, max_tokens, sink)
+        loop = asyncio.get_running_loop()
+        # each choice is counted in ccft_requests_total (by its finish reason); the prompt's tokens once
+        sinks = [TokenSink(loop, lambda t, first=(j == 0): self.metrics.finished(model, t, count_prompt=first))
+                 for j in range(req.choices)]
+        tickets = self.submit(decoder, prompt_ids, req, max_tokens, sinks)
+        echo = req.echo_prompt
+        prompt_text = ""
+        if echo:
+            prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
         reply = Reply(chat, model, list(prompt_ids), return_token_ids=bool(req.return_token_ids),
-                      include_usage=req.include_usage)
-        watcher = asyncio.ensure_future(watch_disconnect(request, ticket))
+                      include_usage=req.include_usage, logprobs=req.token_logprobs, echo=echo,
+                      prompt_text=prompt_text, tokens=self.logprob_text)
+        watcher = asyncio.ensure_future(watch_disconnect(request, tickets))
         if req.stream:
-            events = sse_events(ticket, sink, reply, StreamText(self.tokenizer, req.stop), watcher)
+            texts = [StreamText(self.tokenizer, req.stop) for _ in tickets]
+            events = sse_events(tickets, sinks, reply, texts, watcher)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            while await sink.queue.get() is not DONE:
-                pass
+            for sink in sinks:
+                while await sink.queue.get() is not DONE:
+                    pass
         finally:
             watcher.cancel()
-            if not ticket.done.is_set():
-                ticket.cancel()  # the handler was cancelled (the client is gone, or the server stops)
-        if ticket.state != "done" or ticket.result is None:
-            if ticket.state == "cancelled":
-                return error_response(499, "the request was cancelled (client disconnected)", code="cancelled")
-            return error_response(500, f"the request failed: {ticket.error}", type="server_error")
-        return JSONResponse(reply.completion(ticket.result))
+            for ticket in tickets:
+                if not ticket.done.is_set():
+                    ticket.cancel()  # the handler was cancelled (the client is gone, or the server stops)
+        for ticket in tickets:
+            if ticket.state != "done" or ticket.result is None:
+                if ticket.state == "cancelled":
+                    return error_response(499, "the request was cancelled (client disconnected)", code="cancelled")
+                return error_response(500, f"the request failed: {ticket.error}", type="server_error")
+        return JSONResponse(reply.completion([t.result for t in tickets], [t.token_logprobs for t in tickets],
+                                             tickets[0].prompt_logprobs))
 
     # ------------------------------------------------------------------ other endpoints
     def model_card(self, name: str) -> dict:

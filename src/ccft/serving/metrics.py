@@ -70,8 +70,9 @@ class ServerMetrics:
                                               ["model"], registry=r)
         r.register(_SchedulerCollector(scheduler, self.SCHEDULER_COUNTERS))
 
-    def finished(self, model: str, ticket: Ticket) -> None:
-        """Record a ticket that ended (on the asyncio loop)."""
+    def finished(self, model: str, ticket: Ticket, *, count_prompt: bool = True) -> None:
+        """Record a ticket that ended (on the asyncio loop). ``count_prompt=False``: a request's choice
+        after the first (``n`` > 1): its prompt tokens are counted once, with the first choice."""
         if ticket.ttft is not None:
             self.ttft.labels(model).observe(ticket.ttft)
         self.generation_tokens.labels(model).inc(len(ticket.tokens))
@@ -80,7 +81,8 @@ class ServerMetrics:
                 self.e2e.labels(model).observe(ticket.latency)
             if ticket.tpot is not None:
                 self.tpot.labels(model).observe(ticket.tpot)
-            self.prompt_tokens.labels(model).inc(len(ticket.request.prompt_ids))
+            if count_prompt:
+                self.prompt_tokens.labels(model).inc(len(ticket.request.prompt_ids))
             outcome = FINISH_REASONS.get(ticket.result.finish_reason, ticket.result.finish_reason)
         else:
             outcome = ticket.state

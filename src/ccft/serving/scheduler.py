@@ -51,6 +51,7 @@ from typing import Callable, Sequence
 from ccft.core.errors import CCFTError, ConfigError
 from ccft.core.generation import Generation
 from ccft.inference import BASE, SamplingParams, SharedPrefillEngine, StepError
+from ccft.inference.scoring import prompt_logprobs
 
 
 class QueueFullError(CCFTError, RuntimeError):
@@ -71,7 +72,14 @@ class ServeRequest:
         shared_len: how many leading prompt tokens are the shared context (default: the whole
             prompt). Only a hint for placing KV: outputs do not depend on it.
         max_new_tokens, stop, sampling, ignore_eos: decoding settings (``SharedPrefillEngine.add_request``).
+            ``max_new_tokens`` may be 0 only with ``prompt_logprobs`` (score the prompt, generate nothing).
         session_id: the caller's session (metrics, routing); optional.
+        logprobs: None, or k ≥ 0: each generated token's logprob and the k most likely tokens
+            (``Ticket.token_logprobs``; ``SharedPrefillEngine.add_request(logprobs=k)``).
+        prompt_logprobs: None, or k ≥ 0: the prompt's own tokens' logprobs with k top tokens, computed
+            at admission on the scheduler thread (``Ticket.prompt_logprobs``; ``ccft.inference.scoring``).
+        prompt_context_tokens: with ``prompt_logprobs``: the prompt's first c tokens are a context and
+            the rest one continuation (``prompt_logprobs(context_tokens=c)``).
     """
 
     decoder: str
@@ -82,6 +90,9 @@ class ServeRequest:
     sampling: SamplingParams | None = None
     ignore_eos: bool = False
     session_id: str | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_context_tokens: int | None = None
 
 
 @dataclass(eq=False)
@@ -90,6 +101,9 @@ class Ticket:
 
     ``state``: queued → running → done | error | cancelled. ``tokens``: ids generated so far.
     ``result``: the ``Generation`` once done. ``done``: an event set when the request ends.
+    ``token_logprobs``: with ``request.logprobs``, one ``(logprob, [(id, logprob), ...])`` per token of
+    ``tokens`` (appended before ``on_token`` is called). ``prompt_logprobs``: with
+    ``request.prompt_logprobs``, ``ccft.inference.scoring.prompt_logprobs`` of the prompt (set at admission).
     """
 
     id: int
@@ -98,6 +112,8 @@ class Ticket:
     on_done: Callable[["Ticket"], None] | None = None
     state: str = "queued"
     tokens: list[int] = field(default_factory=list)
+    token_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
     result: Generation | None = None
     error: str | None = None
     t_submit: float = 0.0
@@ -185,17 +201,36 @@ class Scheduler:
             PromptTooLongError: the request could never be admitted (prompt / tail / budget limits).
             QueueFullError: ``max_queue`` requests are waiting.
         """
-        self._validate(request)
-        t = Ticket(next(self._ids), request, on_token=on_token, on_done=on_done, t_submit=time.perf_counter())
+        return self.submit_many([request], on_token=[on_token], on_done=[on_done])[0]
+
+    def submit_many(self, requests: Sequence[ServeRequest], *, on_token: Sequence | None = None,
+                    on_done: Sequence | None = None) -> list[Ticket]:
+        """Queue several requests together (all or none; adjacent in the queue); one ``Ticket`` each.
+
+        Requests over the same prompt (the ``n`` choices of one HTTP request) are admitted one after
+        the other, so the first prefills the shared context and the others decode on that live
+        context (``counters["context_reuse_tokens"]``): the prompt is prefilled once.
+        ``on_token`` / ``on_done``: one callback (or None) per request.
+
+        Raises:
+            as ``submit`` (QueueFullError when they do not all fit in the queue).
+        """
+        on_token = list(on_token) if on_token is not None else [None] * len(requests)
+        on_done = list(on_done) if on_done is not None else [None] * len(requests)
+        for r in requests:
+            self._validate(r)
+        now = time.perf_counter()
         with self._lock:
-            if len(self._queue) >= self.max_queue:
-                self.counters["rejected_queue_full"] += 1
+            if len(self._queue) + len(requests) > self.max_queue:
+                self.counters["rejected_queue_full"] += len(requests)
                 raise QueueFullError(f"{len(self._queue)} requests are queued (max_queue={self.max_queue}); "
                                      "retry later or raise max_queue")
-            self._queue.append(t)
-            self.counters["submitted"] += 1
+            tickets = [Ticket(next(self._ids), r, on_token=tok, on_done=done, t_submit=now)
+                       for r, tok, done in zip(requests, on_token, on_done, strict=True)]
+            self._queue.extend(tickets)
+            self.counters["submitted"] += len(tickets)
             self._wake.notify_all()
-        return t
+        return tickets
 
     def _validate(self, r: ServeRequest) -> None:
         if r.decoder not in self.engine.decoders:
@@ -206,8 +241,8 @@ class Scheduler:
             raise ConfigError(f"prompt_ids has {n} tokens; a request needs at least handoff_tokens+1={k + 1}")
         if r.shared_len is not None and not 0 <= int(r.shared_len) <= n:
             raise ConfigError(f"shared_len={r.shared_len} is outside 0..{n} (the prompt's length)")
-        if int(r.max_new_tokens) < 1:
-            raise ConfigError(f"max_new_tokens={r.max_new_tokens}; it must be ≥ 1")
+        if int(r.max_new_tokens) < (0 if r.prompt_logprobs is not None else 1):
+            raise ConfigError(f"max_new_tokens={r.max_new_tokens}; it must be ≥ 1 (0 only with prompt_logprobs)")
         if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
             raise PromptTooLongError(f"the prompt has {n} tokens but max_prompt_tokens={self.max_prompt_tokens}; "
                                      "shorten it")
@@ -283,6 +318,8 @@ class Scheduler:
             eos_end = o.finished and o.generation is not None and o.generation.finish_reason == "eos"
             if not eos_end:  # an ending EOS is not part of the output
                 t.tokens.append(o.token_id)
+                if o.logprob is not None:
+                    t.token_logprobs.append((o.logprob, o.top_logprobs))
                 if t.t_first is None:
                     t.t_first = now
                 if t.on_token is not None:
@@ -360,6 +397,11 @@ class Scheduler:
                     return
                 t = self._queue[0]
             r = t.request
+            if r.max_new_tokens == 0:  # score the prompt only (echo): no KV, no lane slot
+                with self._lock:
+                    self._queue.popleft()
+                self._score_only(t)
+                continue
             if self.engine.free_slots(r.decoder) <= 0:
                 return  # head of line waits for its lane
             ctx_tokens, tail = self._split(r)
@@ -376,6 +418,8 @@ class Scheduler:
             with self._lock:
                 self._queue.popleft()
             try:
+                if r.prompt_logprobs is not None:
+                    t.prompt_logprobs = self._prompt_logprobs(r)
                 if ctx is None:
                     ctx = self._prefill(key, r, ctx_tokens, t)
                 else:  # a live context: its whole prefix is reused
@@ -384,7 +428,8 @@ class Scheduler:
                 prompt = list(r.prompt_ids)
                 rid = self.engine.add_request(ctx.handle, 0, decoder=r.decoder, max_new_tokens=int(r.max_new_tokens),
                                               stop=r.stop, sampling=r.sampling, ignore_eos=r.ignore_eos,
-                                              suffix_ids=prompt[ctx_tokens + self._handoff(r.decoder):])
+                                              suffix_ids=prompt[ctx_tokens + self._handoff(r.decoder):],
+                                              logprobs=r.logprobs)
             except Exception as e:  # noqa: BLE001 - the request fails, the scheduler goes on
                 self._end(t, "error", error=f"{type(e).__name__}: {e}")
                 continue
@@ -396,6 +441,27 @@ class Scheduler:
             self.counters["admitted"] += 1
             self.counters["prompt_tokens"] += len(r.prompt_ids)
             self._note_peak()
+
+    def _prompt_logprobs(self, r: ServeRequest) -> list:
+        t0 = time.perf_counter()
+        out = prompt_logprobs(self.engine, r.decoder, r.prompt_ids, top=int(r.prompt_logprobs),
+                              context_tokens=r.prompt_context_tokens)
+        self.prefill_seconds += time.perf_counter() - t0
+        self.counters["prompt_scorings"] += 1
+        return out
+
+    def _score_only(self, t: Ticket) -> None:
+        """A request with ``max_new_tokens=0``: its prompt logprobs, then done with an empty generation."""
+        t.state, t.t_admit = "running", time.perf_counter()
+        self.counters["admitted"] += 1
+        self.counters["prompt_tokens"] += len(t.request.prompt_ids)
+        try:
+            t.prompt_logprobs = self._prompt_logprobs(t.request)
+        except Exception as e:  # noqa: BLE001 - the request fails, the scheduler goes on
+            self._end(t, "error", error=f"{type(e).__name__}: {e}")
+            return
+        t.t_first = time.perf_counter()
+        self._end(t, "done", result=Generation(text="", token_ids=[], finish_reason="length"))
 
     def _make_room(self, need: int) -> bool:
         if self.kv_budget_bytes is None:

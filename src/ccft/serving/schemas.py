@@ -7,8 +7,9 @@ not validate is answered 400 with an OpenAI error object naming the first offend
 ``param`` (``max_tokens``, ``stream_options.include_usage``, ``messages[0].content``) and a message
 that says what to send instead (docs/design.md, fault class K9: hostile requests get an answer,
 not a crash). Unknown fields are ignored (clients send ``user``, ``metadata``, ...); fields of the
-OpenAI API this server does not implement (``n``, ``logprobs``, penalties, ...) are accepted only
-with their no-op value.
+OpenAI API this server does not implement (penalties, ``logit_bias``, ``best_of``, ``suffix``,
+``response_format``) are accepted only with their no-op value. ``n``, ``logprobs`` /
+``top_logprobs`` and ``echo`` are implemented (docs/serving.md, "OpenAI fields").
 
 The ccft extensions of the request (``shared_prefix_tokens``, ``ignore_eos``, ``return_token_ids``,
 ``session_id``) are documented on ``CompletionRequest`` and in ``docs/server.md``.
@@ -22,7 +23,7 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 from ccft.serving.extra import serve_extra_missing
 
@@ -37,7 +38,12 @@ from ccft.core.generation import Generation
 from ccft.core.sampling import SamplingParams
 
 __all__ = ["APIError", "error_response", "FINISH_REASONS", "json_type", "StreamOptions", "ChatMessage",
-           "CompletionRequest", "ChatCompletionRequest", "parse_request", "Reply"]
+           "CompletionRequest", "ChatCompletionRequest", "parse_request", "Reply", "LogprobText", "TokenLogprob", "MAX_N", "MAX_LOGPROBS"]
+
+#: most choices (``n``) one request may ask for
+MAX_N = 64
+#: most top log-probabilities per token (``logprobs`` of a completion, ``top_logprobs`` of a chat), as OpenAI's 20
+MAX_LOGPROBS = 20
 
 #: Generation.finish_reason → OpenAI finish_reason
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -169,7 +175,7 @@ class ChatMessage(BaseModel):
         return {**(self.model_extra or {}), "role": self.role, "content": self.content}
 
 
-_NOT_IMPLEMENTED = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},)}
+_NOT_IMPLEMENTED = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},)}
 
 
 class _GenerationRequest(_Strict):
@@ -177,14 +183,16 @@ class _GenerationRequest(_Strict):
 
     #: fields of the OpenAI API this server does not implement → the no-op values it accepts
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple]] = _NOT_IMPLEMENTED
+    #: the smallest ``max_tokens`` accepted (a completion with ``echo`` may ask for 0: score the prompt only)
+    MIN_MAX_TOKENS: ClassVar[int] = 1
 
     # not implemented (declared first: they are reported before anything else)
-    n: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
     # the OpenAI options
     model: str
+    n: int | None = None
     max_tokens: int | None = None
     stop: Any = None
     temperature: float | None = None
@@ -210,8 +218,16 @@ class _GenerationRequest(_Strict):
     @field_validator("max_tokens")
     @classmethod
     def _at_least_one(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise _invalid(f"={v}; it must be ≥ 1")
+        if v is not None and v < cls.MIN_MAX_TOKENS:
+            extra = " (0 only with echo: true)" if cls.MIN_MAX_TOKENS == 0 else ""
+            raise _invalid(f"={v}; it must be ≥ {cls.MIN_MAX_TOKENS}{extra}")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_N:
+            raise _invalid(f"={v}; it must be in 1..{MAX_N}")
         return v
 
     @field_validator("stop")
@@ -263,14 +279,30 @@ class _GenerationRequest(_Strict):
         """``max_tokens`` (``default`` when absent)."""
         return default if self.max_tokens is None else self.max_tokens
 
-    def sampling(self) -> SamplingParams:
-        """Greedy when ``temperature`` is 0 or absent; else nucleus sampling seeded by ``seed`` (a fresh
-        random seed without one: call once per request). ``ccft.core.sampling``, docs/design.md "Sampling"."""
+    def sampling(self, choice: int = 0) -> SamplingParams:
+        """Greedy when ``temperature`` is 0 or absent; else nucleus sampling seeded by ``seed`` + ``choice``
+        (mod 2**63; the ``n`` choices draw with seeds seed, seed+1, ...), a fresh random seed without
+        one: call once per choice. ``ccft.core.sampling``, docs/design.md "Sampling"."""
         if not self.temperature:
             return SamplingParams()
         return SamplingParams(do_sample=True, temperature=float(self.temperature),
                               top_p=1.0 if self.top_p is None else float(self.top_p),
-                              seed=secrets.randbits(63) if self.seed is None else self.seed)
+                              seed=secrets.randbits(63) if self.seed is None else (self.seed + choice) % 2 ** 63)
+
+    @property
+    def choices(self) -> int:
+        """``n`` (1 when absent)."""
+        return 1 if self.n is None else self.n
+
+    @property
+    def token_logprobs(self) -> int | None:
+        """None (no logprobs), or how many top logprobs each generated token reports."""
+        return None
+
+    @property
+    def echo_prompt(self) -> bool:
+        """Whether the response starts with the prompt (completions' ``echo``)."""
+        return False
 
     @property
     def include_usage(self) -> bool:
@@ -285,21 +317,53 @@ class CompletionRequest(_GenerationRequest):
     passed as validation context ``{"vocab_size": n}``), or a batch of one of either. ``max_tokens``
     (≥ 1; default 16, as OpenAI), ``stop`` (a string or a list; empty strings ignored),
     ``temperature`` (≥ 0; 0 or absent: greedy) / ``top_p`` (in (0, 1]) / ``seed`` (0 .. 2**63-1),
-    ``stream`` and ``stream_options.include_usage``.
+    ``stream`` and ``stream_options.include_usage``. ``n`` (1..64) choices; ``logprobs`` (0..20: the
+    sampled token's logprob and that many top tokens per position, OpenAI's legacy format);
+    ``echo`` (the prompt, and with ``logprobs`` its tokens' logprobs, precede the completion;
+    ``max_tokens`` may then be 0).
 
     ccft extensions: ``shared_prefix_tokens`` (≥ 0: leading prompt tokens that are context shared
     with other requests, ``ServeRequest.shared_len``), ``ignore_eos``, ``return_token_ids``,
-    ``session_id``.
+    ``session_id``, ``echo_context_tokens`` (with ``echo`` and ``logprobs``: the prompt's first c
+    tokens are a context, the rest one continuation scored as the decoder generating it;
+    ``ccft.inference.scoring``, docs/serving.md "Log-probabilities").
     """
 
-    NOT_IMPLEMENTED: ClassVar[dict[str, tuple]] = {**_NOT_IMPLEMENTED, "best_of": (1,), "echo": (False,),
-                                                   "logprobs": (0,), "suffix": ("",)}
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple]] = {**_NOT_IMPLEMENTED, "best_of": (1,), "suffix": ("",)}
+    MIN_MAX_TOKENS: ClassVar[int] = 0
 
     best_of: Any = None
-    echo: Any = None
-    logprobs: Any = None
     suffix: Any = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    echo_context_tokens: int | None = None
     prompt: Any = Field(None, validate_default=True)
+
+    @field_validator("echo_context_tokens")
+    @classmethod
+    def _echo_context(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is None:
+            return v
+        if not (info.data.get("echo") and info.data.get("logprobs") is not None):
+            raise _invalid(' scores the prompt: it needs "echo": true and "logprobs"; set them or drop it')
+        if v < 1:
+            raise _invalid(f"={v}; it must be ≥ 1 (the context's tokens)")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise _invalid(f"={v}; it must be in 0..{MAX_LOGPROBS} (the top log-probabilities per token)")
+        return v
+
+    @property
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def echo_prompt(self) -> bool:
+        return bool(self.echo)
 
     @field_validator("prompt")
     @classmethod
@@ -325,17 +389,31 @@ class CompletionRequest(_GenerationRequest):
 class ChatCompletionRequest(_GenerationRequest):
     """The body of ``POST /v1/chat/completions``: ``messages`` (a non-empty list of ``ChatMessage``),
     ``tools`` (rendered by the chat template; tool calls are not parsed), ``max_completion_tokens``
-    (an alias of ``max_tokens`` that wins when both are set) and the options of ``CompletionRequest``."""
+    (an alias of ``max_tokens`` that wins when both are set), ``logprobs`` (true: each choice's
+    ``logprobs.content`` lists its tokens with their logprobs) with ``top_logprobs`` (0..20) and the
+    options of ``CompletionRequest`` (``n`` included; not ``echo``)."""
 
-    NOT_IMPLEMENTED: ClassVar[dict[str, tuple]] = {**_NOT_IMPLEMENTED, "logprobs": (False,), "top_logprobs": (0,),
-                                                   "response_format": ({"type": "text"},)}
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple]] = {**_NOT_IMPLEMENTED, "response_format": ({"type": "text"},)}
 
-    logprobs: Any = None
-    top_logprobs: Any = None
     response_format: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     messages: list[ChatMessage] | None = Field(None, validate_default=True)
     tools: list[Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise _invalid(f"={v}; it must be in 0..{MAX_LOGPROBS}")
+        if v and not info.data.get("logprobs"):
+            raise _invalid(f"={v} needs \"logprobs\": true; set it (or drop top_logprobs)")
+        return v
+
+    @property
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -416,12 +494,62 @@ def _lone_surrogate(raw: bytes | str) -> tuple[str, str] | None:
 
 
 # ---------------------------------------------------------------------------------------- responses
+#: one token's log-probabilities: (logprob, [(top id, logprob), ...]); None for a prompt's first token
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+class LogprobText:
+    """Token ids → the token strings, bytes and offsets of OpenAI's logprobs objects (one tokenizer, one thread).
+
+    A token's string is ``tokenizer.decode([id])`` (a token that ends inside a multi-byte UTF-8
+    character shows U+FFFD); its ``bytes`` are that string's UTF-8 bytes. Strings are memoised.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        s = self._text.get(token_id)
+        if s is None:
+            s = self._text[token_id] = self.tokenizer.decode([int(token_id)])
+        return s
+
+    def completion(self, ids: Sequence[int], entries: Sequence[TokenLogprob | None], offset: int = 0) -> dict:
+        """The legacy completions object ``{tokens, token_logprobs, top_logprobs, text_offset}``.
+
+        ``top_logprobs[i]``: ``{token string: logprob}`` of the top tokens (None where ``entries[i]`` is);
+        ``text_offset[i]``: ``offset`` + the length of the token strings before token i.
+        """
+        tokens, lps, tops, offsets = [], [], [], []
+        for tok, e in zip(ids, entries, strict=True):
+            s = self.text(tok)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            lps.append(None if e is None else e[0])
+            tops.append(None if e is None else {self.text(t): lp for t, lp in e[1]})
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat(self, ids: Sequence[int], entries: Sequence[TokenLogprob]) -> dict:
+        """The chat object ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+        def one(t: int, lp: float) -> dict:
+            s = self.text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "backslashreplace"))}
+
+        return {"content": [{**one(tok, e[0]), "top_logprobs": [one(t, lp) for t, lp in e[1]]}
+                            for tok, e in zip(ids, entries, strict=True)]}
+
+
 @dataclass
 class Reply:
     """The response shapes of one request: the JSON body (``completion``) or its stream chunks.
 
     ``rid``: ``cmpl-…`` / ``chatcmpl-…``; ``created``: Unix seconds. With ``return_token_ids`` each
     choice carries ``token_ids`` (the first stream chunk and the JSON body also ``prompt_token_ids``).
+    ``logprobs``: None (``"logprobs": null`` in every choice), else the top count each token reports
+    (the entries come from the scheduler's tickets; ``tokens`` formats them, ``LogprobText``).
+    ``echo``: a completion's text starts with ``prompt_text`` (and its logprobs with the prompt's).
     """
 
     chat: bool
@@ -431,6 +559,10 @@ class Reply:
     include_usage: bool = False
     rid: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    logprobs: int | None = None
+    echo: bool = False
+    prompt_text: str = ""
+    tokens: LogprobText | None = None
 
     def __post_init__(self):
         if not self.rid:
@@ -444,28 +576,57 @@ class Reply:
         n = len(self.prompt_ids)
         return {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
 
-    def completion(self, g: Generation) -> dict:
-        """The non-streaming response body of a finished ``Generation``."""
-        finish = FINISH_REASONS.get(g.finish_reason, g.finish_reason)
+    def logprobs_of(self, ids: Sequence[int], entries: Sequence | None, *, offset: int = 0,
+                    prompt: Sequence | None = None) -> dict | None:
+        """The choice's ``logprobs`` object for generated ``ids`` (None without ``logprobs``). ``prompt``:
+        the prompt's entries (``echo``), placed before the generated tokens; ``offset``: text offset of the
+        first token."""
+        if self.logprobs is None or self.tokens is None:
+            return None
+        entries = list(entries or [])
+        if len(entries) != len(ids):  # pragma: no cover - the scheduler records one entry per token
+            raise ValueError(f"{len(ids)} tokens but {len(entries)} logprob entries")
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": g.text}, "finish_reason": finish,
-                      "logprobs": None}
-        else:
-            choice = {"text": g.text, "index": 0, "finish_reason": finish, "logprobs": None}
-        if self.return_token_ids:
-            choice.update(prompt_token_ids=list(self.prompt_ids), token_ids=list(g.token_ids))
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice],
-                "usage": self.usage(len(g.token_ids))}
+            return self.tokens.chat(ids, entries)
+        if prompt is not None:
+            return self.tokens.completion(list(self.prompt_ids) + list(ids), list(prompt) + entries, offset)
+        return self.tokens.completion(ids, entries, offset)
 
-    def chunk(self, text: str, ids: list[int], finish: str | None = None, *, first: bool = False) -> dict:
-        """One stream chunk: ``text`` with the ``ids`` that produced it (chat: a ``delta``, with the role
-        in the ``first`` chunk)."""
+    def completion(self, g: Generation | Sequence[Generation], logprobs: Sequence | None = None,
+                   prompt_logprobs: Sequence | None = None) -> dict:
+        """The non-streaming response body of finished ``Generation``s (one per choice, or one).
+
+        ``logprobs``: per choice, its tokens' entries (``Ticket.token_logprobs``); ``prompt_logprobs``:
+        the prompt's entries (``Ticket.prompt_logprobs``), used with ``echo``."""
+        gens = [g] if isinstance(g, Generation) else list(g)
+        choices = []
+        for i, gen in enumerate(gens):
+            finish = FINISH_REASONS.get(gen.finish_reason, gen.finish_reason)
+            entries = logprobs[i] if logprobs is not None else None
+            if self.chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": gen.text}, "finish_reason": finish,
+                          "logprobs": self.logprobs_of(gen.token_ids, entries)}
+            else:
+                text = (self.prompt_text if self.echo else "") + gen.text
+                lp = self.logprobs_of(gen.token_ids, entries,
+                                      prompt=(prompt_logprobs or [None] * len(self.prompt_ids)) if self.echo else None)
+                choice = {"text": text, "index": i, "finish_reason": finish, "logprobs": lp}
+            if self.return_token_ids:
+                choice.update(prompt_token_ids=list(self.prompt_ids), token_ids=list(gen.token_ids))
+            choices.append(choice)
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self.usage(sum(len(gen.token_ids) for gen in gens))}
+
+    def chunk(self, text: str, ids: list[int], finish: str | None = None, *, first: bool = False, index: int = 0,
+              logprobs: dict | None = None) -> dict:
+        """One stream chunk of choice ``index``: ``text`` with the ``ids`` that produced it (chat: a
+        ``delta``, with the role in the ``first`` chunk) and their ``logprobs`` object (``logprobs_of``)."""
         if self.chat:
             delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"text": text, "index": 0, "finish_reason": finish, "logprobs": None}
+            choice = {"text": text, "index": index, "finish_reason": finish, "logprobs": logprobs}
         if self.return_token_ids:
             choice["token_ids"] = list(ids)
             if first:
@@ -476,7 +637,8 @@ class Reply:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, g: Generation) -> dict:
-        """The last chunk of a stream with ``include_usage``: no choices, the usage."""
+    def usage_chunk(self, g: Generation | Sequence[Generation]) -> dict:
+        """The last chunk of a stream with ``include_usage``: no choices, the usage (tokens of every choice)."""
+        gens = [g] if isinstance(g, Generation) else list(g)
         return {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model,
-                "choices": [], "usage": self.usage(len(g.token_ids))}
+                "choices": [], "usage": self.usage(sum(len(gen.token_ids) for gen in gens))}

@@ -10,7 +10,8 @@
   engine's final text, and ``finish`` sends the rest, so a stream's text equals the non-streamed
   response's text (fault class K7).
 * ``sse_events`` is the server-sent-event stream of one request (``data: {...}`` chunks, then
-  ``data: [DONE]``); ``watch_disconnect`` cancels a ticket whose client went away.
+  ``data: [DONE]``), its ``n`` choices' chunks (``choice_chunks``, with their logprobs) merged in
+  arrival order; ``watch_disconnect`` cancels the tickets whose client went away.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ccft.serving.schemas import FINISH_REASONS, Reply
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DONE", "TokenSink", "StreamText", "watch_disconnect", "sse", "sse_events"]
+__all__ = ["DONE", "TokenSink", "StreamText", "watch_disconnect", "sse", "choice_chunks", "sse_events"]
 
 #: the last item a ``TokenSink`` queue receives
 DONE = object()
@@ -118,8 +119,10 @@ class StreamText:
         return delta
 
 
-async def watch_disconnect(request, ticket: Ticket) -> None:
-    """Cancel ``ticket`` when the client of ``request`` (a Starlette request) goes away before it is done."""
+async def watch_disconnect(request, tickets: Ticket | Sequence[Ticket]) -> None:
+    """Cancel ``tickets`` (one or the choices of one request) when the client of ``request`` (a Starlette
+    request) goes away before they are done."""
+    tickets = [tickets] if isinstance(tickets, Ticket) else list(tickets)
     try:
         while True:
             message = await request.receive()
@@ -129,8 +132,9 @@ async def watch_disconnect(request, ticket: Ticket) -> None:
         return
     except Exception:  # noqa: BLE001 - a broken receive channel means the client is gone too
         pass
-    if not ticket.done.is_set():
-        ticket.cancel()
+    for ticket in tickets:
+        if not ticket.done.is_set():
+            ticket.cancel()
 
 
 def sse(obj: Any) -> str:
@@ -138,46 +142,109 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def sse_events(ticket: Ticket, sink: TokenSink, reply: Reply, text: StreamText,
-                     watcher: asyncio.Future | None = None) -> AsyncIterator[str]:
-    """The SSE stream of one request: a chunk per batch of tokens that arrived together (empty text
-    chunks only with ``return_token_ids``), the final chunk with the rest of the text and the finish
-    reason, the usage chunk (``include_usage``), then ``data: [DONE]``. A failed or cancelled ticket
-    ends with an error event instead. Cancels the ticket (and ``watcher``) when the consumer stops early.
-    """
+async def choice_chunks(ticket: Ticket, sink: TokenSink, reply: Reply, text: StreamText, index: int = 0,
+                        prompt_ticket: Ticket | None = None) -> AsyncIterator[dict]:
+    """The chunks of one choice: a chunk per batch of tokens that arrived together (empty text chunks
+    only with ``return_token_ids`` or ``logprobs``), then the final chunk with the rest of the text and
+    the finish reason; a failed or cancelled ticket ends with an error object instead. With ``echo``
+    the first chunk is the prompt (text, and its logprobs from ``prompt_ticket``, default ``ticket``).
+    Each token's logprobs go out in the chunk that carries its id."""
     first = True
     pending: list[int] = []  # ids not yet reported in a chunk
+    pos = 0  # tokens of ``ticket.tokens`` reported so far
+    offset = 0  # text offset of the next token (legacy completions logprobs)
     tail = ""  # text of the last batch of tokens, sent with the final chunk
+
+    def lp_of(ids: list[int]) -> dict | None:
+        nonlocal pos, offset
+        out = reply.logprobs_of(ids, ticket.token_logprobs[pos:pos + len(ids)], offset=offset)
+        pos += len(ids)
+        if out is not None and not reply.chat:
+            offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    done = False
+    while not done:
+        items = [await sink.queue.get()]
+        while not sink.queue.empty():  # tokens that arrived meanwhile go out in one chunk
+            items.append(sink.queue.get_nowait())
+        done = items[-1] is DONE
+        if first and reply.echo:  # the prompt first (its logprobs were computed at admission)
+            source = prompt_ticket or ticket
+            prompt_lps = None
+            if reply.logprobs is not None and reply.tokens is not None:
+                entries = source.prompt_logprobs or [None] * len(reply.prompt_ids)
+                prompt_lps = reply.tokens.completion(reply.prompt_ids, entries, 0)
+                offset = sum(len(t) for t in prompt_lps["tokens"])
+            yield reply.chunk(reply.prompt_text, [], first=True, index=index, logprobs=prompt_lps)
+            first = False
+        ids = [i for i in items if i is not DONE]
+        if not ids:
+            continue
+        pending += ids
+        delta = text.push(ids)
+        if done:
+            tail = delta
+        elif delta or reply.return_token_ids or reply.logprobs is not None:
+            yield reply.chunk(delta, pending, first=first, index=index, logprobs=lp_of(pending))
+            first, pending = False, []
+    if ticket.state == "done" and ticket.result is not None:
+        g = ticket.result
+        finish = FINISH_REASONS.get(g.finish_reason, g.finish_reason)
+        yield reply.chunk(tail + text.finish(g.text), pending, finish, first=first, index=index,
+                          logprobs=lp_of(pending))
+    else:
+        reason = ("the request was cancelled" if ticket.state == "cancelled"
+                  else f"the request failed: {ticket.error}")
+        yield {"error": {"message": reason, "type": "server_error", "param": None, "code": ticket.state}}
+
+
+async def sse_events(tickets: Ticket | Sequence[Ticket], sinks: TokenSink | Sequence[TokenSink], reply: Reply,
+                     texts: StreamText | Sequence[StreamText], watcher: asyncio.Future | None = None
+                     ) -> AsyncIterator[str]:
+    """The SSE stream of one request with one or several choices (``n``): each choice's chunks
+    (``choice_chunks``; choices interleave as their tokens arrive), the usage chunk
+    (``include_usage``: every choice's tokens), then ``data: [DONE]``. Cancels the tickets (and
+    ``watcher``) when the consumer stops early.
+    """
+    single = isinstance(tickets, Ticket)
+    tickets = [tickets] if single else list(tickets)
+    sinks = [sinks] if isinstance(sinks, TokenSink) else list(sinks)
+    texts = [texts] if isinstance(texts, StreamText) else list(texts)
+    gens = [choice_chunks(t, s, reply, x, i, tickets[0]) for i, (t, s, x) in enumerate(zip(tickets, sinks, texts,
+                                                                                            strict=True))]
+    pumps: list[asyncio.Task] = []
     try:
-        done = False
-        while not done:
-            items = [await sink.queue.get()]
-            while not sink.queue.empty():  # tokens that arrived meanwhile go out in one chunk
-                items.append(sink.queue.get_nowait())
-            done = items[-1] is DONE
-            ids = [i for i in items if i is not DONE]
-            if not ids:
-                continue
-            pending += ids
-            delta = text.push(ids)
-            if done:
-                tail = delta
-            elif delta or reply.return_token_ids:
-                yield sse(reply.chunk(delta, pending, first=first))
-                first, pending = False, []
-        if ticket.state == "done" and ticket.result is not None:
-            g = ticket.result
-            finish = FINISH_REASONS.get(g.finish_reason, g.finish_reason)
-            yield sse(reply.chunk(tail + text.finish(g.text), pending, finish, first=first))
-            if reply.include_usage:
-                yield sse(reply.usage_chunk(g))
-        else:
-            reason = ("the request was cancelled" if ticket.state == "cancelled"
-                      else f"the request failed: {ticket.error}")
-            yield sse({"error": {"message": reason, "type": "server_error", "param": None, "code": ticket.state}})
+        if len(gens) == 1:
+            async for chunk in gens[0]:
+                yield sse(chunk)
+        else:  # merge the choices' chunks in arrival order
+            merged: asyncio.Queue = asyncio.Queue()
+
+            async def pump(gen) -> None:
+                try:
+                    async for chunk in gen:
+                        merged.put_nowait(chunk)
+                finally:
+                    merged.put_nowait(DONE)
+
+            pumps = [asyncio.ensure_future(pump(g)) for g in gens]
+            left = len(pumps)
+            while left:
+                item = await merged.get()
+                if item is DONE:
+                    left -= 1
+                else:
+                    yield sse(item)
+        ok = [t.result for t in tickets if t.state == "done" and t.result is not None]
+        if reply.include_usage and len(ok) == len(tickets):
+            yield sse(reply.usage_chunk(ok))
         yield "data: [DONE]\n\n"
     finally:
+        for p in pumps:
+            p.cancel()
         if watcher is not None:
             watcher.cancel()
-        if not ticket.done.is_set():
-            ticket.cancel()  # the client went away mid-stream: abort the engine row, free its KV
+        for ticket in tickets:
+            if not ticket.done.is_set():
+                ticket.cancel()  # the client went away mid-stream: abort the engine row, free its KV
