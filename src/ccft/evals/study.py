@@ -40,7 +40,7 @@ from ccft.core.io import atomic_write_text, display_path
 from ccft.core.modes import MODES, REFERENCE_MODE
 
 __all__ = ["SPECIALIST_DEFAULT_TASKS", "TASK_METRICS", "SpecialistConfig", "StudyConfig", "StudyPhases",
-           "build_study_report", "full_ft_beats_base", "load_study_config", "study_readme", "task_entry"]
+           "build_study_report", "full_ft_beats_base", "load_study_config", "study_reading", "study_readme", "task_entry"]
 
 #: task -> (primary metric, secondary metric or None): the record keys of ``items.MODE.jsonl`` scores.
 TASK_METRICS: dict[str, tuple[str, str | None]] = {
@@ -366,6 +366,48 @@ def _table(report: dict, value: str, fmt_abs, fmt_delta) -> list[str]:
     return lines
 
 
+def _resolved_word(ci, sign_good: int) -> str:
+    if not ci or ci[0] is None:
+        return "not measured"
+    if ci[0] > 0:
+        return "CI above 0" if sign_good > 0 else "CI above 0 (worse)"
+    if ci[1] < 0:
+        return "CI below 0 (worse)" if sign_good > 0 else "CI below 0"
+    return "CI includes 0"
+
+
+def study_reading(report: dict) -> str:
+    """The per-specialist reading of the tables, generated from the numbers (no hand-written claims)."""
+    out = []
+    for spec in report["specialists"]:
+        entries = [t for t in report["tasks"] if t["specialist"] == spec and t["modes"].get("full-ft")]
+        if not entries:
+            continue
+        lines = [f"**{spec}**"]
+        for t in entries:
+            d = t["paired_vs_full_ft"]
+            parts = []
+            for label, key, pct in (("primary", "score", True), ("secondary", "secondary", True), ("NLL/token", "nll", False)):
+                if t["modes"]["full-ft"].get(key) is None:
+                    continue
+                bits = []
+                for mode in ("base", "naive", "prefillshare"):
+                    x = (d.get(mode) or {}).get(key)
+                    ci = (d.get(mode) or {}).get(f"{key}_ci")
+                    if x is None:
+                        continue
+                    val = _pp(x, ci) if pct else _dnll(x, ci)
+                    bits.append(f"{mode} {val} ({_resolved_word(ci, +1 if pct else -1)})")
+                parts.append(f"{label}: " + "; ".join(bits))
+            nd, pd = (d.get("naive") or {}).get("nll"), (d.get("prefillshare") or {}).get("nll")
+            rec = ""
+            if nd and pd is not None and nd > 0:
+                rec = f" CCFT recovers {100 * (1 - pd / nd):.0f}% of the naive-sharing NLL gap."
+            lines.append(f"- {t['task']} (n={t['n']}), Δ vs full-ft — " + " | ".join(parts) + "." + rec)
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 def _ratio(retention: dict, mode: str, key: str) -> str:
     v = (retention.get(mode) or {}).get(key)
     return "–" if v is None else f"{v:.2f}"
@@ -464,7 +506,7 @@ Primary metrics: {'; '.join(f'`{k}` = {v}' for k, v in report['metrics']['primar
 
 ## Reading
 
-{report.get('reading', '')}
+{study_reading(report)}
 
 This is a CPU-scale study of a 135M model with LoRA decoders and tens of training steps: it measures the
 mechanism (a decoder reading another model's cache, trained or not trained to do so) per specialist, not
