@@ -98,7 +98,7 @@ def run(args) -> int:
             trained[name]["reused"][method] = reused
             gc.collect()
         if base is None:
-            base = load_base(base_name, dtype=dtype)
+            base = load_base(base_name, dtype=dtype, device=_device(cfg.device))
         paths = {m: str(runs / name / m) for m in METHODS}
         decoders = {m: load_decoder(paths[m], base=base) for m in METHODS}
         ccft_decoders[name] = paths["ccft"]
@@ -147,6 +147,14 @@ def run(args) -> int:
         write_report(cfg, args, out, summaries, specialists_meta, sweeps, serving, phases, base_name)
     print(f"[ccft study] wrote {out / 'report.json'} and {out / 'README.md'}")
     return 0
+
+
+def _device(choice: str) -> str:
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
 
 
 def write_report(cfg, args, out: Path, summaries, specialists_meta, sweeps, serving, phases, base_name) -> None:

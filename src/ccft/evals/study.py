@@ -114,11 +114,13 @@ class StudyConfig:
     #: torch CPU threads (None: torch's default). On a CPU shared with other jobs, 1 thread avoids the
     #: thread-synchronisation stalls that make a 2-thread matmul many times slower under oversubscription.
     threads: int | None = None
+    #: where the base and decoders are evaluated: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:N``
+    device: str = "auto"
     source: str = ""
 
 
 _TOP_KEYS = {"specialists", "runs", "out", "modes", "batch_size", "bootstrap", "seed", "sweep_limit", "sweep_rhos",
-             "serving", "threads"}
+             "serving", "threads", "device"}
 _SPEC_KEYS = {"recipe", "train", "tasks", "multipl_e", "multipl_e_limit", "multipl_e_max_new_tokens"}
 
 
@@ -192,7 +194,7 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
         raise ConfigError(f"{p}: modes {bad} are not modes; use {', '.join(MODES)}")
     cfg = StudyConfig(specialists=specialists, source=str(p), modes=modes,
                       **{k: raw[k] for k in ("runs", "out", "batch_size", "bootstrap", "seed", "sweep_limit",
-                                             "sweep_rhos", "serving", "threads") if k in raw})
+                                             "sweep_rhos", "serving", "threads", "device") if k in raw})
     return cfg
 
 
