@@ -20,6 +20,52 @@ GSM8K = ROOT / "src" / "ccft" / "resources" / "gsm8k"
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+# ------------------------------------------------------------------ loopback only (in this process)
+
+def _loopback_only(address) -> None:
+    """Raise ``OSError`` unless ``address`` (a connect() argument) is a Unix socket or a loopback host."""
+    import ipaddress
+    import socket
+
+    if not isinstance(address, tuple):  # AF_UNIX path / abstract name
+        return
+    host = address[0]
+    if host == "localhost":
+        return
+    try:
+        ips = {ipaddress.ip_address(host.split("%")[0])}
+    except ValueError:
+        try:  # a name: every address it resolves to must be loopback (resolution only, no traffic)
+            ips = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            ips = set()
+    if not ips or not all(i.is_loopback for i in ips):
+        raise OSError(f"tests send no traffic beyond loopback: connect to {address!r} refused (tests/conftest.py)")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def loopback_only():
+    """Every socket.connect/connect_ex in the test process goes to loopback or a Unix socket (hub clients,
+    lm-eval, datasets run in-process): anything else raises OSError instead of sending a packet."""
+    import socket
+
+    connect, connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def guarded_connect(self, address):
+        _loopback_only(address)
+        return connect(self, address)
+
+    def guarded_connect_ex(self, address):
+        _loopback_only(address)
+        return connect_ex(self, address)
+
+    socket.socket.connect, socket.socket.connect_ex = guarded_connect, guarded_connect_ex
+    try:
+        yield _loopback_only
+    finally:
+        socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
+
+
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The embedded SmolLM2 converted to an HF folder (tokenizer used by the tiny models)."""
