@@ -25,7 +25,6 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def _loopback_only(address) -> None:
     """Raise ``OSError`` unless ``address`` (a connect() argument) is a Unix socket or a loopback host."""
     import ipaddress
-    import socket
 
     if not isinstance(address, tuple):  # AF_UNIX path / abstract name
         return
@@ -33,13 +32,10 @@ def _loopback_only(address) -> None:
     if host == "localhost":
         return
     try:
-        ips = {ipaddress.ip_address(host.split("%")[0])}
-    except ValueError:
-        try:  # a name: every address it resolves to must be loopback (resolution only, no traffic)
-            ips = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)}
-        except OSError:
-            ips = set()
-    if not ips or not all(i.is_loopback for i in ips):
+        loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:  # a name other than localhost (not resolved here: that could send a DNS query)
+        loopback = False
+    if not loopback:
         raise OSError(f"tests send no traffic beyond loopback: connect to {address!r} refused (tests/conftest.py)")
 
 
