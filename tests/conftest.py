@@ -156,3 +156,16 @@ def make_full(base, seed: int, handoff: int = 1, *, method: str | None = "ccft")
     dec.model.requires_grad_(False)
     perturb(dec.model, seed)
     return dec
+
+
+# ------------------------------------------------------------------ order independence
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true", default=False,
+                     help="run the collected tests in reverse order (checks that no test depends on state an "
+                          "earlier test built; works without pytest-randomly)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse"):
+        items.reverse()
