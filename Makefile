@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ccft-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-slow lint demo study clean
+.PHONY: venv test test-slow lint demo study clean toolchains
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,21 @@ demo: venv  ## the main job: CCFT + Full-FT on GSM8K, four-mode evaluation, repo
 
 study: venv  ## the specialists study: math, code, tools x (CCFT, Full-FT), four modes each, reports/study/
 	$(VENV)/bin/ccft study recipes/study.yaml $(STUDY_ARGS)
+
+# Debian/Ubuntu packages for the MultiPL-E / MBXP languages ccft.evals.execution checks (check_language
+# names the package of anything missing): go, php, ruby, lua, R, node + lodash + typescript, Java +
+# javatuples, Perl's Test::Deep and Data::Compare; g++, rustc and bash are the usual build tools.
+TOOLCHAIN_PACKAGES ?= g++ rustc golang-go php-cli ruby lua5.4 r-base-core nodejs node-lodash node-typescript \
+	default-jdk-headless libjavatuples-java perl libtest-deep-perl libdata-compare-perl
+APT_GET ?= apt-get
+
+toolchains: venv  ## code-task toolchains from the distribution (needs root + apt) and the BFCL checker env
+	@command -v $(APT_GET) >/dev/null || { echo "make toolchains: no $(APT_GET) here; install: $(TOOLCHAIN_PACKAGES)"; exit 2; }
+	$(APT_GET) update -qq
+	DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq --no-install-recommends $(TOOLCHAIN_PACKAGES)
+	$(PY) -m ccft.evals.bfcl setup
+	$(PY) -c "from ccft.evals.execution import LANGUAGES, check_language as c; \
+	[print(f'{l:8s}', 'ok  ' if c(l).available else 'MISSING', c(l).version or c(l).reason) for l in LANGUAGES]"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

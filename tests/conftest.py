@@ -20,6 +20,48 @@ GSM8K = ROOT / "src" / "ccft" / "resources" / "gsm8k"
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+# ------------------------------------------------------------------ loopback only (in this process)
+
+def _loopback_only(address) -> None:
+    """Raise ``OSError`` unless ``address`` (a connect() argument) is a Unix socket or a loopback host."""
+    import ipaddress
+
+    if not isinstance(address, tuple):  # AF_UNIX path / abstract name
+        return
+    host = address[0]
+    if host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:  # a name other than localhost (not resolved here: that could send a DNS query)
+        loopback = False
+    if not loopback:
+        raise OSError(f"tests send no traffic beyond loopback: connect to {address!r} refused (tests/conftest.py)")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def loopback_only():
+    """Every socket.connect/connect_ex in the test process goes to loopback or a Unix socket (hub clients,
+    lm-eval, datasets run in-process): anything else raises OSError instead of sending a packet."""
+    import socket
+
+    connect, connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def guarded_connect(self, address):
+        _loopback_only(address)
+        return connect(self, address)
+
+    def guarded_connect_ex(self, address):
+        _loopback_only(address)
+        return connect_ex(self, address)
+
+    socket.socket.connect, socket.socket.connect_ex = guarded_connect, guarded_connect_ex
+    try:
+        yield _loopback_only
+    finally:
+        socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
+
+
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The embedded SmolLM2 converted to an HF folder (tokenizer used by the tiny models)."""
@@ -114,3 +156,16 @@ def make_full(base, seed: int, handoff: int = 1, *, method: str | None = "ccft")
     dec.model.requires_grad_(False)
     perturb(dec.model, seed)
     return dec
+
+
+# ------------------------------------------------------------------ order independence
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true", default=False,
+                     help="run the collected tests in reverse order (checks that no test depends on state an "
+                          "earlier test built; works without pytest-randomly)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse"):
+        items.reverse()

@@ -70,7 +70,11 @@ def test_stored_c_base_equals_the_prefill_for_a_padded_batch(tmp_path, tiny_base
     assert report.tokens == sum(len(e.prompt_ids) - k for e in ds.examples[:-1])
     data_bytes = estimate_bytes(tiny_base.config, torch.float32, report.tokens)
     assert data_bytes <= report.bytes_on_disk <= data_bytes + report.shards * 64 * 1024  # + headers
-    store = CacheStore(tmp_path / "store")
+    assert_store_equals_prefill(CacheStore(tmp_path / "store"), tiny_base, tokenizer, ds, k)
+
+
+def assert_store_equals_prefill(store, tiny_base, tokenizer, ds, k):
+    """Every row of ``ds`` is served from ``store`` with the values of an on-the-fly prefill (pads zero)."""
     batch = Collator(tokenizer.pad_token_id, k)(ds.examples)
     stored = store.batch_cache(batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k], base=tiny_base)
     with tiny_base.base_weights() as m:
@@ -112,10 +116,7 @@ def test_reuse_corruption_and_missing_entries_are_recomputed(tmp_path, tiny_base
     clean = precompute(tiny_base, ds.examples, path, shard_bytes=2048, batch_size=2, log=quiet)
     assert clean.computed == 0 and not clean.corrupt_shards
     # The repaired store answers every row with the prefill's values.
-    store = CacheStore(path)
-    batch = Collator(tokenizer.pad_token_id, 1)(ds.examples)
-    assert store.batch_cache(batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :1],
-                             base=tiny_base) is not None
+    assert_store_equals_prefill(CacheStore(path), tiny_base, tokenizer, ds, 1)
 
 
 def test_a_store_of_another_base_or_dtype_is_stale_and_never_served(tmp_path, tiny_base, tokenizer, tiny_dir):

@@ -95,6 +95,42 @@ def test_missing_toolchain_is_unavailable_not_zero(monkeypatch):
     assert report["available"] is False and report["ok"] is True and "cobc-not-installed" in report["reason"]
 
 
+@pytest.fixture
+def real_toolchain_hidden(monkeypatch, tmp_path):
+    """An installed toolchain (g++ or rustc) hidden from PATH: PATH holds only this interpreter. The cached
+    availability is refreshed on both sides, so later tests see the real machine again."""
+    import os
+    import shutil
+
+    lang = next((name for name in ("cpp", "rs") if check_language(name).available), None)
+    if lang is None:
+        pytest.skip("neither g++ nor rustc is installed here (make toolchains)")
+    tools = LANGUAGES[lang].tools
+    assert all(shutil.which(t) for t in tools)
+    (tmp_path / "python3").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert not any(shutil.which(t) for t in tools)
+    yield lang, tools
+    monkeypatch.undo()
+    assert check_language(lang, refresh=True).available and os.environ["PATH"] != str(tmp_path)
+
+
+def test_real_toolchain_hidden_from_path_is_unavailable_not_zero(real_toolchain_hidden):
+    """The "missing toolchain" promise with a real compiler (not a fake language): reported as unavailable with
+    the missing tool named, never scored 0."""
+    lang, tools = real_toolchain_hidden
+    av = check_language(lang, refresh=True)
+    assert not av.available and all(t in av.reason for t in tools), av.reason
+    res = run_program(lang, "int main() { return 0; }" if lang == "cpp" else "fn main() {}")
+    assert res.status == "unavailable" and not res.passed
+    task = get_task(f"multipl-e-{lang}")
+    item = next(it for it in task.load() if it.id == FIXTURE_PROBLEM)
+    good = FIXTURES[lang][0]
+    assert task.score_many([(item, good)]) == [{"available": 0.0}]
+    agg = task.aggregate({item.id: [{"available": 0.0}]})
+    assert "pass@1" not in agg and agg["unavailable_items"] == 1.0
+
+
 def test_compile_error_and_runtime_error_statuses():
     if not check_language("cpp").available:
         pytest.skip("g++ unavailable")

@@ -178,7 +178,6 @@ HOSTILE_COMPLETIONS = {
     "infinite loop": "    while True:\n        pass\n",
     "fork bomb": "    import os\n    while True:\n        try:\n            os.fork()\n        except OSError:\n            pass\n",
     "huge output": "    while True:\n        print('x' * 100000)\n",
-    "socket": "    import socket\n    socket.create_connection(('127.0.0.1', 9), timeout=2)\n    return False\n",
     "write outside": "    open('/tmp/ccft-hostile-write', 'w').write('x')\n    return False\n",
     "early exit(0)": "    import sys\n    sys.exit(0)\n",
 }
@@ -190,6 +189,27 @@ def test_hostile_humaneval_completions_score_as_failed(name):
     item = task.load(1)[0]  # HumanEval/0 has_close_elements
     assert task.score(item, HOSTILE_COMPLETIONS[name])["passed"] == 0.0
     assert not os.path.exists("/tmp/ccft-hostile-write")
+
+
+# A correct has_close_elements body: scores 1.0 when it runs (the control below).
+CLOSE_ELEMENTS = ("    for i, a in enumerate(numbers):\n        for j, b in enumerate(numbers):\n"
+                  "            if i != j and abs(a - b) < threshold:\n                return True\n    return False\n")
+
+
+def test_socket_completion_fails_only_because_the_network_is_blocked():
+    """A completion that is correct once it has reached a server on loopback: it scores 0.0 and the server
+    accepts nothing; without the connection the same body scores 1.0 (so the 0.0 is the network block)."""
+    task = get_task("humaneval", timeout_s=10.0)
+    item = task.load(1)[0]  # HumanEval/0 has_close_elements
+    assert task.score(item, CLOSE_ELEMENTS) == {"passed": 1.0}
+    server = _Listener()
+    try:
+        connect = f"    import socket\n    socket.create_connection(('127.0.0.1', {server.port}), timeout=2).close()\n"
+        scored = task.score(item, connect + CLOSE_ELEMENTS)
+    finally:
+        server.close()
+    assert scored == {"passed": 0.0}
+    assert server.accepted == 0
 
 
 # ------------------------------------------------------------------ the launcher and the guard

@@ -193,7 +193,11 @@ def test_paired_narrower_than_unpaired_for_correlated_data():
     lo, hi = np.quantile(ma - mb, [0.025, 0.975])
     unpaired_width = hi - lo
 
-    assert paired["delta"] == pytest.approx(0.04, abs=0.03)
+    # Exact: delta = mean(a) - mean(b) = #{0.58 <= difficulty < 0.62} / n, counted here without a or b
+    # (44 of these 1000 seeded draws: 620 below 0.62, 576 below 0.58).
+    in_band = int(((difficulty >= 0.58) & (difficulty < 0.62)).sum())
+    assert (in_band, int(a.sum()), int(b.sum())) == (44, 620, 576)
+    assert paired["delta"] == pytest.approx(44 / 1000, rel=1e-12, abs=0.0)
     assert paired_width < 0.5 * unpaired_width
     assert paired["ci"][0] > 0.0  # the paired test sees the improvement
 

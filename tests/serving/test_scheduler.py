@@ -70,6 +70,24 @@ def test_shared_outputs_equal_reference_one_prefill_per_context(world, texts, re
     assert sched.peak_live_bytes == 2 * (ctx_prefix + tails) * bpt  # both contexts admitted at once
 
 
+def _own_prefill_reference(world, r):
+    """Offline generation where the request's own model prefills its whole prompt (the per-model baseline):
+    the reference path of ``ccft.generate``'s own-prefill modes (``prefill`` + ``decode_on_cache``)."""
+    from ccft.core.cache import prefill
+    from ccft.core.generation import decode_on_cache
+    from ccft.core.tokens import pad_token_id
+
+    base, decs = world
+    if r.decoder == "base":
+        return _reference(world, r).token_ids
+    dec = decs[r.decoder]
+    if dec.kind == "lora":
+        dec.model.set_adapter(r.decoder)
+    cache = prefill(dec.model, [list(r.prompt_ids)], handoff_tokens=1, pad_token_id=pad_token_id(base.tokenizer),
+                    producer="self")
+    return decode_on_cache(dec.model, base.tokenizer, cache, max_new_tokens=r.max_new_tokens)[0].token_ids
+
+
 def test_no_share_outputs_equal_reference_and_use_n_copies(world, texts, refs):
     base, decs = world
     eng = SharedPrefillEngine(base, decoders=decs, fill=float("nan"))
@@ -81,8 +99,12 @@ def test_no_share_outputs_equal_reference_and_use_n_copies(world, texts, refs):
     assert sched.counters["prefills"] == 4  # every model prefills its own prompt
     bpt = sched.bytes_per_token
     assert sched.peak_live_bytes == sum(24 - 1 + u + 1 + N_NEW for u in (3, 5, 7, 9)) * bpt
-    # base and the full-weight decoder read their own KV exactly as in shared mode for "base"
-    assert tickets[0].result.token_ids == refs[0]
+    # every request equals offline generation with its own model's prefill
+    own = [_own_prefill_reference(world, r) for r in reqs]
+    assert [t.result.token_ids for t in tickets] == own
+    assert [t.tokens for t in tickets] == own
+    # ... which is not the shared-prefill output for the LoRA decoders: a scheduler that read C_base fails
+    assert [o != s for o, s in zip(own, refs[:4], strict=True)] == [False, True, True, False]
 
 
 def test_budget_queues_instead_of_exceeding(world, texts, refs):

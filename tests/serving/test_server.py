@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -274,6 +274,24 @@ def _metrics(url: str) -> dict:
 def _sum(metrics: dict, name: str, **labels) -> float:
     want = set(labels.items())
     return sum(v for (n, lab), v in metrics.items() if n == name and want <= lab)
+
+
+def _outcomes(s) -> dict[str, float]:
+    """{outcome: ccft_requests_total} of server ``s`` now (after its scheduler is idle): tests assert deltas
+    of these, never totals that earlier tests built (the suite passes under -k and in any order)."""
+    s.wait_idle()
+    out: dict[str, float] = {}
+    for (name, labels), v in _metrics(s.url).items():
+        if name == "ccft_requests_total":
+            outcome = dict(labels)["outcome"]
+            out[outcome] = out.get(outcome, 0.0) + v
+    return out
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The outcomes that changed between two ``_outcomes`` readings: {outcome: increase}."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)
+            if after.get(k, 0.0) != before.get(k, 0.0)}
 
 
 # ---------------------------------------------------------------------------------------- (a) load
@@ -558,6 +576,7 @@ def _still_serving(s: Served, prompt_ids, offline) -> None:
     ({"model": "gpt-4", "prompt": "hello there"}, 404, "model", "base, math, code"),
 ])
 def test_bad_requests_get_openai_errors(faulty, body, status, param, words, prompt_ids, offline):
+    before = _outcomes(faulty)
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(faulty.url + "/v1/completions", timeout=WAIT, **kw)
     assert r.status_code == status, r.text
@@ -567,7 +586,7 @@ def test_bad_requests_get_openai_errors(faulty, body, status, param, words, prom
     assert err["type"] == "invalid_request_error"
     if status == 404:
         assert err["code"] == "model_not_found"
-    faulty.wait_idle()
+    assert _delta(before, _outcomes(faulty)) == {"unknown_model" if status == 404 else "invalid": 1}
 
 
 def test_chat_bad_messages(faulty):
@@ -580,6 +599,7 @@ def test_chat_bad_messages(faulty):
 
 
 def test_prompt_over_the_limits(faulty, prompt_ids, offline):
+    before = _outcomes(faulty)
     long = (prompt_ids[11] * 4)[:80]  # > max_prompt_tokens=64
     r = httpx.post(faulty.url + "/v1/completions", json={"model": "base", "prompt": long}, timeout=WAIT)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
@@ -593,12 +613,14 @@ def test_prompt_over_the_limits(faulty, prompt_ids, offline):
                                                           "max_tokens": 5000}, timeout=WAIT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert "4096" in r.json()["error"]["message"]
+    assert _delta(before, _outcomes(faulty)) == {"prompt_too_long": 3}
     _still_serving(faulty, prompt_ids, offline)
 
 
 def test_queue_full_503_then_serves(faulty, prompt_ids, offline):
     """max_queue=2: one request held in a slow step, two queued, the fourth is refused with Retry-After."""
     s = faulty
+    before = _outcomes(s)
     s.gate.close()
     n0 = len(s.tickets)
 
@@ -628,14 +650,14 @@ def test_queue_full_503_then_serves(faulty, prompt_ids, offline):
     _same(queued[0], offline(prompt_ids[1], "code", 4))
     _same(queued[1], offline(prompt_ids[2], "base", 4))
     assert [t.state for t in s.tickets[n0:]] == ["done"] * 3
-    s.wait_idle()
-    m = _metrics(s.url)
-    assert _sum(m, "ccft_requests_total", outcome="queue_full") == 2
+    changed = _delta(before, _outcomes(s))
+    assert changed.pop("queue_full") == 2 and sum(changed.values()) == 3 and set(changed) <= {"stop", "length"}
     _still_serving(s, prompt_ids, offline)
 
 
 def test_client_disconnect_mid_stream_cancels(faulty, prompt_ids, offline):
     s = faulty
+    before = _outcomes(s)
     n0 = len(s.tickets)
     s.gate.close(allow=3)  # at most three decode steps until the test has seen the cancellation
 
@@ -661,11 +683,13 @@ def test_client_disconnect_mid_stream_cancels(faulty, prompt_ids, offline):
     assert ticket.state == "cancelled" and 1 <= len(ticket.tokens) <= 4
     s.wait_idle()  # the engine row was aborted and its KV freed
     assert s.engine.active == 0 and s.engine.arena.used_tokens == 0
+    assert _delta(before, _outcomes(s)) == {"cancelled": 1}
     _still_serving(s, prompt_ids, offline)
 
 
 def test_client_gone_before_non_streaming_response_cancels(faulty, prompt_ids, offline):
     s = faulty
+    before = _outcomes(s)
     n0 = len(s.tickets)
     s.gate.close()
 
@@ -686,15 +710,14 @@ def test_client_gone_before_non_streaming_response_cancels(faulty, prompt_ids, o
     finally:
         s.gate.open()
     assert ticket.done.wait(WAIT) and ticket.state == "cancelled" and len(ticket.tokens) < 300
-    s.wait_idle()
-    m = _metrics(s.url)
-    assert _sum(m, "ccft_requests_total", outcome="cancelled") >= 1
-    assert _sum(m, "ccft_live_kv_bytes") == 0
+    assert _delta(before, _outcomes(s)) == {"cancelled": 1}
+    assert _sum(_metrics(s.url), "ccft_live_kv_bytes") == 0
     _still_serving(s, prompt_ids, offline)
 
 
 def test_engine_failure_is_a_500_and_the_server_goes_on(faulty, prompt_ids, offline):
     s = faulty
+    before = _outcomes(s)
     s.gate.fail_next = True
     r = httpx.post(s.url + "/v1/completions", json={"model": "math", "prompt": prompt_ids[8], "max_tokens": 4},
                    timeout=WAIT)
@@ -709,18 +732,19 @@ def test_engine_failure_is_a_500_and_the_server_goes_on(faulty, prompt_ids, offl
     assert lines[-1] == "data: [DONE]"
     event = json.loads(lines[-2][len("data: "):])
     assert event["error"]["code"] == "error" and "injected engine failure" in event["error"]["message"]
-    s.wait_idle()
+    assert _delta(before, _outcomes(s)) == {"error": 2}
     _still_serving(s, prompt_ids, offline)
 
 
 def test_faults_left_the_server_healthy(faulty):
+    """Whatever ran before on the fault server (each fault test checks its own counter deltas): no live KV,
+    nothing queued or active, and /health agrees with /metrics."""
+    faulty.wait_idle()
     h = httpx.get(faulty.url + "/health", timeout=WAIT)
     assert h.status_code == 200 and h.json()["live_kv_bytes"] == 0
     m = _metrics(faulty.url)
-    assert _sum(m, "ccft_requests_total", outcome="invalid") >= 10
-    assert _sum(m, "ccft_requests_total", outcome="prompt_too_long") == 3
-    assert _sum(m, "ccft_requests_total", outcome="cancelled") == 2
-    assert _sum(m, "ccft_requests_total", outcome="error") == 2
+    assert _sum(m, "ccft_live_kv_bytes") == 0
+    assert _sum(m, "ccft_queue_depth") == 0 and _sum(m, "ccft_active_requests") == 0
 
 
 # ---------------------------------------------------------------------------------------- (e) K9 hardening
@@ -739,6 +763,7 @@ def test_errors_keep_the_connection_alive(faulty, prompt_ids, offline, monkeypat
     limit = state.max_body_bytes
     assert limit == 4 * 2 ** 20  # the default
     good = {"model": "math", "prompt": prompt_ids[5], "max_tokens": 5, "return_token_ids": True}
+    before = _outcomes(s)
     big = json.dumps({"model": "math", "prompt": "x " * (limit // 2)}).encode()
     with httpx.Client(base_url=s.url, timeout=WAIT, limits=httpx.Limits(max_connections=1)) as c:
         first = c.get("/health")
@@ -772,9 +797,7 @@ def test_errors_keep_the_connection_alive(faulty, prompt_ids, offline, monkeypat
         check(c.get("/health"), 500)
         monkeypatch.undo()
         assert _conn(c.get("/health")) == conn
-    s.wait_idle()
-    m = _metrics(s.url)
-    assert _sum(m, "ccft_requests_total", outcome="too_large") == 2
+    assert _delta(before, _outcomes(s))["too_large"] == 2
 
 
 def test_chat_contents_cannot_forge_turn_boundaries_over_http(served, tokenizer, offline):
@@ -855,26 +878,25 @@ def test_ccft_serve_cli_end_to_end(world, tmp_path, prompt_ids, offline):
     """`ccft serve --model DIR --decoder math=DIR` in a subprocess: it serves the saved decoder, stops on SIGINT."""
     base, decs = world
     ccft.save_decoder(decs["math"], tmp_path / "math")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(Path(ccft.__file__).parents[1])}
     log = (tmp_path / "serve.log").open("w")
+    # --port 0: the server binds a free port itself and logs it (no bind-release-reuse race)
     proc = subprocess.Popen([sys.executable, "-m", "ccft.cli.main", "serve", "--model", base.path, "--decoder",
-                             f"math={tmp_path / 'math'}", "--port", str(port), "--threads", "1",
-                             "--block-tokens", "4", "--log-level", "warning"],
+                             f"math={tmp_path / 'math'}", "--port", "0", "--threads", "1",
+                             "--block-tokens", "4", "--log-level", "info"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + WAIT
         while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            text = (tmp_path / "serve.log").read_text()
+            assert proc.poll() is None, text
             assert time.monotonic() < deadline, "ccft serve did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+            found = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", text)
+            if found:
+                break
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{found[1]}"
+        assert int(found[1]) != 0 and httpx.get(url + "/health", timeout=WAIT).status_code == 200
         models = [m["id"] for m in httpx.get(url + "/v1/models", timeout=WAIT).json()["data"]]
         assert models == ["base", "math"]
         r = httpx.post(url + "/v1/completions", timeout=WAIT, json={"model": "math", "prompt": prompt_ids[1],
