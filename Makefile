@@ -35,7 +35,7 @@ study: venv  ## the specialists study: math, code, tools x (CCFT, Full-FT), four
 # names the package of anything missing): go, php, ruby, lua, R, node + lodash + typescript, Java +
 # javatuples, Perl's Test::Deep and Data::Compare; g++, rustc and bash are the usual build tools.
 TOOLCHAIN_PACKAGES ?= g++ rustc golang-go php-cli ruby lua5.4 r-base-core nodejs node-lodash node-typescript \
-	default-jdk-headless libjavatuples-java perl libtest-deep-perl libdata-compare-perl
+	default-jdk-headless libjavatuples-java perl libtest-deep-perl libdata-compare-perl lua-unit
 APT_GET ?= apt-get
 
 toolchains: venv  ## code-task toolchains from the distribution (needs root + apt) and the BFCL checker env

@@ -201,14 +201,14 @@ def test_socket_completion_fails_only_because_the_network_is_blocked():
     accepts nothing; without the connection the same body scores 1.0 (so the 0.0 is the network block)."""
     task = get_task("humaneval", timeout_s=10.0)
     item = task.load(1)[0]  # HumanEval/0 has_close_elements
-    assert task.score(item, CLOSE_ELEMENTS) == {"passed": 1.0}
+    assert task.score(item, CLOSE_ELEMENTS) == {"passed": 1.0, "compiles": 1.0}
     server = _Listener()
     try:
         connect = f"    import socket\n    socket.create_connection(('127.0.0.1', {server.port}), timeout=2).close()\n"
         scored = task.score(item, connect + CLOSE_ELEMENTS)
     finally:
         server.close()
-    assert scored == {"passed": 0.0}
+    assert scored == {"passed": 0.0, "compiles": 1.0}
     assert server.accepted == 0
 
 
