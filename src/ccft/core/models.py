@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ccft.core.errors import ConfigError
+from ccft.core.errors import ConfigError, DataError
 from ccft.core.fingerprint import fingerprint_folder
 from ccft.core.io import atomic_write_dir
 
@@ -180,7 +180,13 @@ def load_base(name_or_path: str = DEFAULT_BASE, *, dtype: str | torch.dtype = "f
     torch_dtype = parse_dtype(dtype)
     path = resolve_model_path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+    except Exception as e:  # a corrupt or truncated weights file (safetensors raises its own error type)
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise DataError(f"{path}: the model weights cannot be read ({e}); the file is corrupt or truncated — "
+                        "copy, download or convert the model again") from None
     model.eval()
     model.requires_grad_(False)
     return Base(model=model, tokenizer=tok, fingerprint=fingerprint_folder(path, tok), name=str(name_or_path),
