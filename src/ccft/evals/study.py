@@ -456,9 +456,13 @@ def study_readme(report: dict, command: str) -> str:
                       + "\n")
     serving = report.get("serving") or {}
     serving_md = serving.get("markdown") or "Not run in this report."
+    done = sorted({t["specialist"] for t in report["tasks"]})
+    partial = "" if report.get("complete", True) else (
+        f"> **Partial report**: finished specialists: {', '.join(done) or 'none'}. The study resumes where it "
+        f"stopped; rerun `{command}` to continue.\n\n")
     return f"""# ccft study: math, code and tool-calling specialists — PrefillShare vs Full-FT vs naive sharing
 
-Produced by `{command}`. Every number below was measured by that command (in {report['sittings']} sitting(s);
+{partial}Produced by `{command}`. Every number below was measured by that command (in {report['sittings']} sitting(s);
 finished work is reused when it is rerun). Per-item records: `SPECIALIST/TASK/items.MODE.jsonl`.
 
 - **Model**: {report['model']} (frozen base); each specialist's decoders are LoRA adapters on it.
