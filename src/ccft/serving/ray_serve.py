@@ -23,9 +23,10 @@ replicas in a stable order (by replica id) and their loads (Ray's per-replica co
 requests: queued + decoding in the replica's scheduler, plus in flight). A session's requests go
 to the replica the policy placed it on, and fall back to the least-loaded replica on the policy's
 overload rule; a request without ``session_id`` goes to the least-loaded replica. When the
-session's replica is gone (died, scaled down) the session is placed as new. The chosen replica is
-ranked first, the others after it by load, so a replica at ``max_ongoing_requests`` never blocks
-a request (Ray takes the next rank; the session is re-pinned where it went).
+session's replica is gone (died, scaled down) the session is placed as new. Only the chosen
+replica is offered to Ray: when it cannot take the request now (at ``max_ongoing_requests``, or
+its queue-length probe times out) Ray backs off and asks the router again, which then sees the
+new loads (and falls back by the policy's rule, or places the session anew when the replica died).
 
 Failures: a replica that dies (``ray.exceptions.RayActorError``) before the ingress has sent any
 byte of the response to the client is retried on another replica (``retries`` times at most;
@@ -163,9 +164,7 @@ class SessionRequestRouter(FIFOMixin, RequestRouter):
         loads = [self.load(r) for r in ordered]
         sid = _session_of_pending(pending_request)
         choice = self.place(sid, [r.replica_id for r in ordered], loads)
-        first = ordered[choice]
-        rest = sorted((r for r in ordered if r is not first), key=self.load)
-        return [[first], rest] if rest else [[first]]
+        return [[ordered[choice]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         sid = _session_of_pending(pending_request)
@@ -181,8 +180,10 @@ class SessionRequestRouter(FIFOMixin, RequestRouter):
 def _session_of_pending(pending_request: Optional[PendingRequest]) -> Optional[str]:
     if pending_request is None:
         return None
+    # by its fields, not isinstance: Ray Serve pickles the ingress by value (serve.ingress), so the
+    # ingress's ForwardedRequest may be a copy of this module's class
     for arg in pending_request.args:
-        if isinstance(arg, ForwardedRequest):
+        if hasattr(arg, "session_id") and hasattr(arg, "body"):
             return arg.session_id
     return None
 
@@ -297,7 +298,9 @@ class Ingress:
     """
 
     def __init__(self, engine, retries: int = 2):
-        self.engine = engine
+        # one handle for every request: its request router (and so the session placements) lives as long
+        # as the handle; a handle made per call by ``options()`` would get a fresh router each time
+        self.engine = engine.options(stream=True)
         self.retries = int(retries)
         self.counts: Counter = Counter()
         self.by_replica: Counter = Counter()
@@ -318,7 +321,7 @@ class Ingress:
                                [(k.lower(), v) for k, v in request.headers.items()], body, sid, stream)
         self.counts["requests"] += 1
         for attempt in range(self.retries + 1):
-            gen = self.engine.options(stream=True).handle.remote(fwd)
+            gen = self.engine.handle.remote(fwd)
             try:
                 _, status, headers = await gen.__anext__()
                 head = []
