@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'ccft[ray]'")
+pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'ccft[serve,ray]'")
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
 import httpx  # noqa: E402
@@ -96,6 +96,19 @@ def test_config_errors_before_deploy():
         build_app(lambda: None, policy_options={"min_load_gap": 0})
     with pytest.raises(ConfigError, match="retries"):
         build_app(lambda: None, retries=-1)
+
+
+def test_cli_errors_before_ray_starts():
+    from ccft.cli.main import build_parser
+    from ccft.cli.serve import ray_app
+
+    parse = build_parser().parse_args
+    with pytest.raises(ConfigError, match="--decoder 'math': use NAME=PATH"):
+        ray_app(parse(["serve", "--replicas", "2", "--decoder", "math"]))
+    with pytest.raises(ConfigError, match="--replicas -1"):
+        ray_app(parse(["serve", "--replicas", "-1"]))
+    with pytest.raises(ConfigError, match="min_load_gap: must be >= 1"):
+        ray_app(parse(["serve", "--replicas", "2", "--min-load-gap", "0"]))
 
 
 # ------------------------------------------------------------------------------------ slow: a local Ray instance

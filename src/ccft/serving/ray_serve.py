@@ -35,7 +35,7 @@ stream already under way, a final ``data: {"error": ...}`` event with code ``rep
 Both are counted (``/ray/stats``: ``retried``, ``failed``). Ray Serve replaces the dead replica.
 
 Scope: one ingress replica holds the session placements (more ingress replicas would each keep
-their own). Needs the ``ray`` extra (``pip install 'ccft[ray]'``: ``ray[serve]``).
+their own). Needs the ``serve`` and ``ray`` extras (``pip install 'ccft[serve,ray]'``; ``ray[serve]``).
 """
 
 
@@ -58,7 +58,7 @@ try:
     from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(f"ccft serve --replicas needs the `ray` extra ({e.name} is missing): "
-                      "pip install 'ccft[ray]'") from e
+                      "pip install 'ccft[serve,ray]'") from e
 try:
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
