@@ -212,6 +212,9 @@ def run_replay(args) -> int:
     from ccft.serving.client import run_replay as replay
 
     requests = apply_model_map(load_requests(args.trace), args.model_map)
+    for r in requests:  # the trace's sessions as session_id: ccft serve --replicas routes a session to one replica
+        if r.session is not None:
+            r.extra.setdefault("session_id", str(r.session))
     extra = {"ignore_eos": True} if args.ignore_eos else {}
     records = replay(args.url, requests, stream=not args.no_stream, time_scale=args.time_scale,
                      timeout=args.timeout, extra=extra)
