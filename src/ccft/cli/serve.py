@@ -181,7 +181,9 @@ def ray_app(args):
 
 
 def run_ray(args) -> int:
-    """``ccft serve --replicas N``: deploy on Ray Serve and block until interrupted (Ctrl-C shuts Serve down)."""
+    """``ccft serve --replicas N``: deploy on Ray Serve and block until Ctrl-C or SIGTERM, which shut Serve
+    and the local Ray instance down (a SIGTERM without that would leave Ray's processes behind)."""
+    import signal
     import time
 
     app = ray_app(args)
@@ -196,6 +198,12 @@ def run_ray(args) -> int:
     serve.run(app, name="ccft", route_prefix="/")
     print(f"ccft serve: {args.replicas} engine replicas on Ray Serve at http://{args.host}:{args.port} "
           f"(router {args.router}; replica ids in the x-ccft-replica response header)", file=sys.stderr)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)  # also when started in the background, where SIGINT is ignored
     try:
         while True:
             time.sleep(3600)
