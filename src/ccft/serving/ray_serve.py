@@ -255,13 +255,11 @@ class EngineReplica:
                         yield ("body", bytes(message["body"]))
                     if not message.get("more_body", False):
                         break
+            await asyncio.wait([task], timeout=5.0)  # the response is complete: let the app return
         finally:
-            gone.set()
+            gone.set()  # closed early (the client went away): the app sees a disconnect ...
             if not task.done():
-                try:
-                    await asyncio.wait_for(asyncio.shield(task), timeout=5.0)
-                except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the app ends on the disconnect
-                    task.cancel()
+                task.cancel()  # ... and its handler, cancelled, cancels the request's tickets
 
     def stats(self) -> dict:
         """The replica's id and its scheduler's queue / active counts."""
@@ -332,6 +330,9 @@ class Ingress:
                 else:
                     async for item in gen:
                         head.append(item[1])
+            except asyncio.CancelledError:  # the client went away: cancel the request on its replica
+                gen.cancel()
+                raise
             except RayActorError as exc:
                 gen.cancel()
                 if attempt < self.retries:
