@@ -123,7 +123,8 @@ class SessionRequestRouter(FIFOMixin, RequestRouter):
 
     ``request_router_kwargs``: ``policy`` (a ``ccft.serving.router.ROUTERS`` name; default
     ``"session"``) and that router's options (``max_load_ratio``, ``min_load_gap``). See the module
-    docstring for the ranking; :meth:`place` is the pure decision (testable without Ray).
+    docstring; :meth:`place` is the pure decision (testable without Ray). When Ray backs off and asks
+    again for the same request, it is placed again (the policy's counters count each placement).
     """
 
     def initialize_state(self, policy: str = "session", **options: Any) -> None:
@@ -165,11 +166,6 @@ class SessionRequestRouter(FIFOMixin, RequestRouter):
         sid = _session_of_pending(pending_request)
         choice = self.place(sid, [r.replica_id for r in ordered], loads)
         return [[ordered[choice]]]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        sid = _session_of_pending(pending_request)
-        if sid is not None and sid in self.homes:
-            self.homes[sid] = replica_id  # Ray took a later rank (the home was full): the session moved
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
