@@ -9,6 +9,10 @@ unless ``--no-share``; a prefix K/V store of ``--block-tokens`` blocks unless ``
 ``--kv-budget-mb`` caps live KV + store) and serves ``ccft.serving.app.create_app`` with uvicorn.
 The second replays a workload trace (``ccft.serving.workloads``) or a JSONL file of requests
 against a running server and prints TTFT / latency quantiles. Heavy imports happen only when run.
+
+``ccft serve --replicas N ...`` deploys N engine replicas (each built as above) on Ray Serve with
+ccft's session-affinity router (``ccft.serving.ray_serve``; docs/deploy.md, "Scale-out with Ray
+Serve"); the routes are the same.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_ray_options(p)
     p.set_defaults(func=run)
     sp = p.add_subparsers(dest="serve_command", required=False, metavar="[trace | replay]")
     t = sp.add_parser("trace", help="write a ReAct / Reflexion multi-agent workload trace (JSONL)",
@@ -76,6 +81,25 @@ def add_parser(sub) -> None:
     r.add_argument("--model-map", action="append", default=[], metavar="AGENT=MODEL",
                    help="send AGENT's requests to the served model MODEL (repeat; `*=base` maps every other agent)")
     r.set_defaults(func=run_replay)
+
+
+def add_ray_options(p) -> None:
+    """``ccft serve --replicas N``: scale-out on Ray Serve (``ccft.serving.ray_serve``; docs/deploy.md)."""
+    g = p.add_argument_group("scale-out on Ray Serve (the `ray` extra)")
+    g.add_argument("--replicas", type=int, default=0,
+                   help="N >= 1: serve N engine replicas behind Ray Serve with session-affinity routing "
+                        "(0: one engine in this process, no Ray)")
+    g.add_argument("--router", default="session", choices=["session", "least-loaded", "round-robin"],
+                   help="how requests are placed on replicas (ccft.serving.router)")
+    g.add_argument("--max-load-ratio", type=float, default=2.0, help="session router: overload ratio")
+    g.add_argument("--min-load-gap", type=int, default=4, help="session router: overload gap (requests)")
+    g.add_argument("--ray-address", default=None,
+                   help="a running Ray cluster (e.g. 'auto'); default: start a local Ray instance")
+    g.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
+    g.add_argument("--max-ongoing-requests", type=int, default=256, help="requests one replica takes at a time")
+    g.add_argument("--retries", type=int, default=2,
+                   help="re-sends of a request whose replica died before answering")
 
 
 def _decoders(specs: list[str]) -> dict[str, str]:
@@ -120,6 +144,8 @@ def build_scheduler(args):
 
 
 def run(args) -> int:
+    if getattr(args, "replicas", 0):
+        return run_ray(args)
     import uvicorn
 
     from ccft.serving.app import create_app
@@ -135,11 +161,68 @@ def run(args) -> int:
     return 0
 
 
+def ray_app(args):
+    """The Ray Serve application of ``ccft serve --replicas N`` (validated before anything starts)."""
+    import functools
+
+    from ccft.core.errors import ConfigError
+    from ccft.serving.ray_serve import build_app
+
+    if args.replicas < 0:
+        raise ConfigError(f"--replicas {args.replicas}: use 0 (no Ray) or N >= 1 engine replicas")
+    _decoders(args.decoder)  # bad --decoder specs fail before Ray starts
+    options = ({"max_load_ratio": args.max_load_ratio, "min_load_gap": args.min_load_gap}
+               if args.router == "session" else {})
+    max_body = int(args.max_body_mb * 2 ** 20) if args.max_body_mb else None
+    return build_app(functools.partial(build_scheduler, args), replicas=args.replicas, policy=args.router,
+                     policy_options=options, max_ongoing_requests=args.max_ongoing_requests,
+                     replica_cpus=args.replica_cpus, retries=args.retries,
+                     app_kwargs={"default_max_tokens": args.default_max_tokens, "max_body_bytes": max_body})
+
+
+def run_ray(args) -> int:
+    """``ccft serve --replicas N``: deploy on Ray Serve and block until Ctrl-C or SIGTERM, which shut Serve
+    and the local Ray instance down (a SIGTERM without that would leave Ray's processes behind)."""
+    import signal
+    import time
+
+    app = ray_app(args)
+    import ray
+    from ray import serve
+
+    if args.ray_address:
+        ray.init(address=args.ray_address)
+    else:
+        ray.init(num_cpus=args.ray_num_cpus, include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(app, name="ccft", route_prefix="/")
+    print(f"ccft serve: {args.replicas} engine replicas on Ray Serve at http://{args.host}:{args.port} "
+          f"(router {args.router}; replica ids in the x-ccft-replica response header)", file=sys.stderr)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)  # also when started in the background, where SIGINT is ignored
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
 def run_replay(args) -> int:
     from ccft.serving.client import load_requests, summarize
     from ccft.serving.client import run_replay as replay
 
     requests = apply_model_map(load_requests(args.trace), args.model_map)
+    for r in requests:  # the trace's sessions as session_id: ccft serve --replicas routes a session to one replica
+        if r.session is not None:
+            r.extra.setdefault("session_id", str(r.session))
     extra = {"ignore_eos": True} if args.ignore_eos else {}
     records = replay(args.url, requests, stream=not args.no_stream, time_scale=args.time_scale,
                      timeout=args.timeout, extra=extra)
