@@ -127,3 +127,26 @@ def test_aging_prevents_starvation(world, texts):
     # without aging (a period longer than the run), the same stream starves it
     starved, long2, _ = _long_under_a_stream_of_short_ones(world, texts, 10_000, bound + 10)
     assert long2.id not in starved.ended and len(long2.tokens) == quantum
+
+
+def test_workload_varied_output_lengths_and_eight_agents(tokenizer):
+    """``new_tokens_spread`` varies each call's budget (seeded, its own stream: the prompts are unchanged);
+    ``EIGHT_AGENTS`` are the four default roles and four more, each with its own instruction."""
+    from ccft.core.errors import ConfigError
+    from ccft.serving import workloads
+
+    kw = dict(sessions=3, turns=2, agents=list(workloads.EIGHT_AGENTS), shared_tokens=64, unique_tokens=24,
+              growth_tokens=8, max_new_tokens=16, rate=None, seed=3, tokenizer=tokenizer)
+    fixed = workloads.generate("react", **kw)
+    varied = workloads.generate("react", new_tokens_spread=0.8, **kw)
+    again = workloads.generate("react", new_tokens_spread=0.8, **kw)
+    assert {r.max_new_tokens for r in fixed} == {16}
+    lengths = [r.max_new_tokens for r in varied]
+    assert lengths == [r.max_new_tokens for r in again] and len(set(lengths)) > 5 and min(lengths) >= 1
+    assert [r.prompt_ids for r in varied] == [r.prompt_ids for r in fixed]
+    assert varied.agents == ["planner", "math", "code", "tools", "critic", "search", "writer", "verifier"]
+    uniques = {tuple(r.unique_ids) for r in fixed if r.session == 0 and r.turn == 0}
+    assert len(uniques) == 8
+    assert varied.meta["new_tokens_spread"] == 0.8
+    with pytest.raises(ConfigError, match="new_tokens_spread"):
+        workloads.generate("react", new_tokens_spread=-1, **kw)
