@@ -189,3 +189,18 @@ def test_bad_knobs(world):
 @pytest.fixture(scope="module")
 def texts_short(gsm8k_rows, tokenizer):
     return [tokenize_prompt(tokenizer, r["prompt"], chat_template=False)[:30] for r in gsm8k_rows[100:108]]
+
+
+def test_serve_cli_flags(world):
+    from ccft.cli.main import build_parser
+    from ccft.cli.serve import build_scheduler
+
+    args = build_parser().parse_args(["serve", "--model", world[0].path, "--prefill-chunk-tokens", "64",
+                                      "--policy", "mlfq"])
+    sched, _ = build_scheduler(args)
+    assert sched.prefill_chunk_tokens == 64 and sched.policy == "mlfq"
+    sched, _ = build_scheduler(build_parser().parse_args(["serve", "--model", world[0].path]))
+    assert sched.prefill_chunk_tokens is None and sched.policy == "fcfs"
+    bench = build_parser().parse_args(["bench", "serve", "--prefill-chunk-tokens", "32", "--policy", "both",
+                                       "--agents", "8"])
+    assert (bench.prefill_chunk_tokens, bench.policy, bench.agents) == (32, "both", 8)
