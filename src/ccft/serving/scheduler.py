@@ -430,7 +430,9 @@ class Scheduler:
         that waited ``mlfq_aging_steps`` steps unstepped to the top level."""
         if self.policy != "mlfq":
             return
-        for t in list(self._running.values()) + self._waiting_tickets() + list(self._queue):
+        with self._lock:  # submit may append from another thread
+            queued = list(self._queue)
+        for t in list(self._running.values()) + self._waiting_tickets() + queued:
             if t._rid is not None and t._rid in stepped:
                 t._waited = 0
                 t._used += 1
@@ -599,7 +601,8 @@ class Scheduler:
         if not pending:
             return
         align = self.store.block_tokens if self.store is not None else 1
-        pending.sort(key=lambda c: min((self._priority(t) for t in c.waiting), default=(0, -1)))
+        nobody = (self.mlfq_levels, 0)  # a context no admitted request waits for (kept for the queue's head): last
+        pending.sort(key=lambda c: min((self._priority(t) for t in c.waiting), default=nobody))
         progressed = False
         for ctx in pending:
             left = max(0, self._budget or 0)
