@@ -322,17 +322,7 @@ class SharedPrefillEngine:
         """
         if chunk_tokens is not None and int(chunk_tokens) < 1:
             raise ConfigError(f"chunk_tokens={chunk_tokens}; it must be ≥ 1 (or None)")
-        k = self._registry.handoff(handoff_tokens, producer)
-        prompt = [int(t) for t in prompt]
-        if len(prompt) < k + 1:
-            raise ConfigError(f"the prompt has {len(prompt)} tokens, fewer than handoff_tokens+1={k + 1}")
-        prod = self._registry.producer(producer)
-        forget = getattr(store, "forget", None)
-        stale = self.decoders[prod.name].stale_keys if prod.name != BASE else []
-        while stale and forget is not None:  # K/V of this decoder's weights from before an in-place edit
-            forget(stale.pop())
-        prefix = prompt[:-k]
-        handle = self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key)
+        prod, prefix, handle = self._one_prompt_handle(prompt, store, producer, handoff_tokens)
         try:
             blocks, hit = prefill_from_store(prod, prefix, handle, self.arena, store, chunk_tokens)
         except BaseException:
@@ -362,24 +352,28 @@ class SharedPrefillEngine:
         Raises:
             ConfigError: as ``prefill``.  CapacityError: the arena is full.
         """
-        k = self._registry.handoff(handoff_tokens, producer)
-        prompt = [int(t) for t in prompt]
-        if len(prompt) < k + 1:
-            raise ConfigError(f"the prompt has {len(prompt)} tokens, fewer than handoff_tokens+1={k + 1}")
-        prod = self._registry.producer(producer)
-        if store is not None:
-            forget = getattr(store, "forget", None)
-            stale = self.decoders[prod.name].stale_keys if prod.name != BASE else []
-            while stale and forget is not None:
-                forget(stale.pop())
-        prefix = prompt[:-k]
-        handle = self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key)
+        prod, prefix, handle = self._one_prompt_handle(prompt, store, producer, handoff_tokens)
         try:
             job = ChunkedPrefill(prod, prefix, handle, self.arena, store)
         except BaseException:
             handle.release()
             raise
         return PrefillJob(job, handle, store)
+
+    def _one_prompt_handle(self, prompt, store, producer, handoff_tokens):
+        """(producer, prefix ids, a new batch-1 handle for them) for ``prefill_cached`` / ``begin_prefill``;
+        the store first forgets K/V of the producer's weights from before an in-place edit."""
+        k = self._registry.handoff(handoff_tokens, producer)
+        prompt = [int(t) for t in prompt]
+        if len(prompt) < k + 1:
+            raise ConfigError(f"the prompt has {len(prompt)} tokens, fewer than handoff_tokens+1={k + 1}")
+        prod = self._registry.producer(producer)
+        forget = getattr(store, "forget", None) if store is not None else None
+        stale = self.decoders[prod.name].stale_keys if prod.name != BASE else []
+        while stale and forget is not None:  # K/V of this decoder's weights from before an in-place edit
+            forget(stale.pop())
+        prefix = prompt[:-k]
+        return prod, prefix, self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key)
 
     def producer_key(self, producer: str | None = None) -> str:
         """The key K/V written by ``producer`` is stored under (prefix store, ``PrefixHandle.producer_key``).
