@@ -48,3 +48,46 @@ def test_replay_under_budget_queues(engine, tokenizer):
     r = serve_bench.run_point(engine, trace, share=False, budget=budget, block_tokens=16)
     assert r["requests"] == 16 and r["admission_waits"] > 0
     assert r["peak_total_kv_bytes"] <= budget
+
+
+def test_work_ratio_known_answer(tokenizer):
+    """Token work of the trace: no-share computes every whole prompt, shared each turn's context once."""
+    w = serve_bench.work(_trace(tokenizer, 2))  # 2 sessions x 2 turns x 4 agents; contexts 128 then 144
+    gen = 16 * 3
+    assert w["no_share_tokens"] == 2 * (4 * (128 + 8) + 4 * (144 + 8)) + gen == 2352
+    assert w["shared_tokens"] == 2 * (128 + 144) + 16 * 8 + gen == 720
+    assert w["work_ratio"] == 2352 / 720
+    # with reuse: per session the initial context and the 16-token record, once or once per agent
+    assert w["no_share_tokens_with_reuse"] == gen + 16 * 8 + 2 * 4 * (128 + 16) == 1328
+    assert w["shared_tokens_with_reuse"] == gen + 16 * 8 + 2 * (128 + 16) == 464
+
+
+def test_bench_run_eight_agents_both_policies_chunked(tmp_path, tokenizer):
+    """``ccft bench serve`` on a tiny model: 8 agents, chunked prefill, FCFS and MLFQ on a trace with varied
+    output lengths; the new keys are there and every request equals offline ccft.generate under both."""
+    import argparse
+
+    folder = make_tiny_folder(tmp_path / "tiny", tokenizer, seed=3)
+    p = argparse.ArgumentParser()
+    serve_bench.add_arguments(p)
+    args = p.parse_args(["--model", str(folder), "--agents", "8", "--sessions", "1", "2", "--turns", "2",
+                         "--shared-tokens", "96", "--unique-tokens", "8", "--growth-tokens", "16",
+                         "--max-new-tokens", "4", "--new-tokens-spread", "0.5", "--prefill-chunk-tokens", "48",
+                         "--policy", "both", "--max-running", "12", "--check-outputs", "--threads", "1",
+                         "--out", str(tmp_path / "serve.json")])
+    result = serve_bench.run(args)
+    assert result["agents"] == 8 and result["workload"]["agents"][4:] == ["critic", "search", "writer", "verifier"]
+    sat = next(p for p in result["points"] if p["sessions"] == result["saturation_sessions"])
+    assert result["work_ratio_at_saturation"] == sat["work_ratio"] > 1
+    assert result["throughput_ratio"] == sat["throughput_ratio"]
+    assert result["throughput_vs_work_at_saturation"] == sat["throughput_ratio"] / sat["work_ratio"]
+    for point in result["points"]:
+        for into in (point, point["policies"]["mlfq"]):
+            for mode in ("shared", "no_share"):
+                assert into[mode]["ttft_p95_s"] > 0 and into[mode]["tpot_p95_s"] > 0
+                assert into[mode]["prefill_chunks"] > 0 and into[mode]["prefill_chunk_tokens"] == 48
+        assert point["shared"]["policy"] == "fcfs" and point["policies"]["mlfq"]["shared"]["policy"] == "mlfq"
+    eq = result["outputs_vs_offline"]
+    assert eq["equal"] == eq["requests"] == 16
+    assert eq["by_policy"]["mlfq"]["equal"] == eq["by_policy"]["mlfq"]["requests"] == 16
+    assert "work ratio" in serve_bench.table(result)

@@ -27,6 +27,23 @@ same decode work. The JSON's top level has ``p95_latency_ratio`` (no-share p95 �
 concurrency at which no-share reaches 95% of its best throughput over the sweep), ``hit_ratio_min``
 (shared, over the sweep) and ``kv_bytes_vs_eq9`` (measured peak-KV ratio no-share ÷ shared in the
 unbudgeted calibration runs, divided by Eq. 9's ratio with the generated tokens included).
+
+What the theory allows (issue #15): per point, ``work_ratio`` is the token-work ratio of the trace,
+no-share work ÷ shared work, where a system's work is the prompt tokens it must compute plus the
+generated tokens: no-share computes every request's whole prompt (``Σ prompt_len``), shared
+computes each turn's shared context once and every request's own tokens (``Σ_turns shared_len +
+Σ unique_len``); both generate ``Σ max_new_tokens``. ``work_ratio_with_reuse`` counts what each
+must compute when every turn reuses the previous turn's context (a prefix store; block rounding
+ignored): per session, the initial context and each turn's appended record, once (shared) or once
+per agent (no-share). Beside it, ``throughput_ratio`` (shared ÷ no-share measured) and
+``throughput_vs_work`` (their quotient: 1.0 is all the theory allows); TTFT and TPOT p95 of both
+systems are in each point. Top level: ``work_ratio_at_saturation``, ``agents``.
+
+Scheduler options (both systems, same values): ``--prefill-chunk-tokens`` (chunked prefill),
+``--policy fcfs|mlfq|both`` (``both``: every point is run under each policy, the second's numbers
+under ``point["policies"]``), ``--max-running`` (rows decoded per step); ``--agents N`` (8 =
+planner, math, code, tools, critic, search, writer, verifier) and ``--new-tokens-spread`` (varied
+output lengths, ``workloads.generate``).
 """
 
 from __future__ import annotations
@@ -42,7 +59,21 @@ from pathlib import Path
 
 import torch
 
-AGENTS = ("planner", "math", "code", "tools")
+AGENTS = ("planner", "math", "code", "tools")  #: the default four agents (``--agents 4``)
+
+
+def agent_names(n: int) -> list[str]:
+    """The first ``n`` of planner, math, code, tools, critic, search, writer, verifier (``--agents``).
+
+    Raises:
+        ConfigError: n outside 1..8.
+    """
+    from ccft.core.errors import ConfigError
+    from ccft.serving.workloads import EIGHT_AGENTS
+
+    if not 1 <= int(n) <= len(EIGHT_AGENTS):
+        raise ConfigError(f"--agents {n}: use 1..{len(EIGHT_AGENTS)} ({', '.join(EIGHT_AGENTS)})")
+    return list(EIGHT_AGENTS[: int(n)])
 
 
 def add_arguments(p) -> None:
@@ -61,6 +92,16 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch", type=int, default=64, help="engine rows per lane")
     p.add_argument("--kv-budget-mb", type=float, default=None,
                    help="KV byte budget for both systems (default: the shared system's peak at the top point)")
+    p.add_argument("--agents", type=int, default=4,
+                   help="agents per session: 4 = planner, math, code, tools; 8 adds critic, search, writer, verifier")
+    p.add_argument("--new-tokens-spread", type=float, default=0.0,
+                   help="vary each call's max_new_tokens log-normally by this sigma (0: all equal)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="chunked prefill: per-step token budget of decode rows + prefill pieces (default: off)")
+    p.add_argument("--policy", default="fcfs", choices=["fcfs", "mlfq", "both"],
+                   help="scheduling policy of both systems (both: run every point under each)")
+    p.add_argument("--max-running", type=int, default=None,
+                   help="rows decoded per step (mlfq: the best, others paused; fcfs: admitted cap); default all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--check-outputs", action="store_true",
@@ -78,7 +119,8 @@ def build(args):
     base = ccft.load_base(args.model)
     decoders = {}
     given = dict(d.split("=", 1) for d in args.decoder)
-    for i, name in enumerate(AGENTS):
+    agents = agent_names(getattr(args, "agents", len(AGENTS)))
+    for i, name in enumerate(agents):
         if name in given:
             decoders[name] = given[name]
             continue
@@ -88,7 +130,7 @@ def build(args):
         d.model.eval()
         decoders[name] = d
     engine = SharedPrefillEngine(base, decoders=decoders, max_batch=args.max_batch)
-    kinds = {n: ("folder " + given[n]) if n in given else "random LoRA r=8" for n in AGENTS}
+    kinds = {n: ("folder " + given[n]) if n in given else "random LoRA r=8" for n in agents}
     from ccft.core.models import describe_model
 
     return base, engine, {"model": describe_model(args.model), "decoders": kinds}
@@ -127,13 +169,47 @@ def replay(scheduler, trace) -> dict:
     return {"tickets": list(tickets.values()), "makespan_s": makespan}
 
 
-def run_point(engine, trace, *, share: bool, budget: int | None, block_tokens: int) -> dict:
+def scheduler_options(args, policy: str | None = None) -> dict:
+    """``Scheduler`` keywords from the benchmark's arguments (``policy`` overrides ``--policy``)."""
+    pol = policy or getattr(args, "policy", "fcfs")
+    return {"prefill_chunk_tokens": getattr(args, "prefill_chunk_tokens", None),
+            "policy": "fcfs" if pol == "both" else pol, "max_running": getattr(args, "max_running", None)}
+
+
+def work(trace) -> dict:
+    """Token work of the trace for each system: prompt tokens it must compute + generated tokens.
+
+    ``no_share``: every request's whole prompt; ``shared``: each turn's shared context once, plus every
+    request's own tokens; ``*_with_reuse``: what each computes when every turn reuses the previous turn's
+    context (per session the initial context and each appended record, once or once per agent; block
+    rounding ignored). Ratios are no-share ÷ shared.
+    """
+    gen = sum(r.max_new_tokens for r in trace)
+    no_share = sum(r.prompt_len for r in trace) + gen
+    shared = sum(g[0].shared_len for g in trace.groups()) + sum(r.unique_len for r in trace) + gen
+    ns_reuse = sh_reuse = gen + sum(r.unique_len for r in trace)
+    for reqs in trace.sessions().values():
+        prev = 0
+        for t in sorted({r.turn for r in reqs}):
+            callers = [r for r in reqs if r.turn == t]
+            new = callers[0].shared_len - prev
+            prev = callers[0].shared_len
+            sh_reuse += new
+            ns_reuse += new * len(callers)
+    return {"generated_tokens": gen, "no_share_tokens": no_share, "shared_tokens": shared,
+            "work_ratio": no_share / shared, "no_share_tokens_with_reuse": ns_reuse,
+            "shared_tokens_with_reuse": sh_reuse, "work_ratio_with_reuse": ns_reuse / sh_reuse}
+
+
+def run_point(engine, trace, *, share: bool, budget: int | None, block_tokens: int, prefill_chunk_tokens=None,
+              policy: str = "fcfs", max_running: int | None = None) -> dict:
     from ccft.serving.client import quantile
     from ccft.serving.prefix_store import PrefixKVStore
     from ccft.serving.scheduler import Scheduler
 
     store = PrefixKVStore(block_tokens=block_tokens)
-    sched = Scheduler(engine, share=share, store=store, kv_budget_bytes=budget)
+    sched = Scheduler(engine, share=share, store=store, kv_budget_bytes=budget,
+                      prefill_chunk_tokens=prefill_chunk_tokens, policy=policy, max_running=max_running)
     out = replay(sched, trace)
     ts = out["tickets"]
     lat = [t.latency for t in ts]
@@ -147,16 +223,19 @@ def run_point(engine, trace, *, share: bool, budget: int | None, block_tokens: i
     return {"share": share, "requests": len(ts), "sessions": sessions, "makespan_s": out["makespan_s"],
             "latency_p50_s": quantile(lat, 0.50), "latency_p95_s": quantile(lat, 0.95), "ttft_p50_s": quantile(ttft, 0.50),
             "ttft_p95_s": quantile(ttft, 0.95), "tpot_median_s": statistics.median(tpot) if tpot else None,
+            "tpot_p95_s": quantile(tpot, 0.95) if tpot else None, "policy": policy,
+            "prefill_chunk_tokens": prefill_chunk_tokens, "max_running": max_running,
             "throughput_tok_s": gen / out["makespan_s"], "sessions_per_min": 60 * sessions / out["makespan_s"],
             "generated_tokens": gen, "prefix_hit_ratio": stats["prefix_hit_ratio"],
             "store_hit_ratio": store.stats()["hit_ratio"], "peak_live_kv_bytes": stats["peak_live_kv_bytes"],
             "peak_total_kv_bytes": stats["peak_total_kv_bytes"], "kv_budget_bytes": budget,
             "prefills": stats.get("prefills", 0), "prefill_tokens": stats.get("prefill_tokens", 0),
             "admission_waits": stats.get("admission_waits", 0), "prefill_s": stats["prefill_seconds"],
-            "decode_s": stats["decode_seconds"], "decode_steps": stats.get("decode_steps", 0)}
+            "decode_s": stats["decode_seconds"], "decode_steps": stats.get("decode_steps", 0),
+            "prefill_chunks": stats.get("prefill_chunks", 0)}
 
 
-def offline_equality(engine, trace, *, block_tokens: int) -> dict:
+def offline_equality(engine, trace, *, block_tokens: int, **options) -> dict:
     """Greedy outputs under the shared scheduler against offline ``ccft.generate`` per request.
 
     Replays ``trace`` with ``Scheduler(share=True)`` (EOS ignored, as in the benchmark) and generates every
@@ -164,13 +243,14 @@ def offline_equality(engine, trace, *, block_tokens: int) -> dict:
     ``ccft.core.generation``; EOS honoured). A request matches when the scheduler's tokens start with the
     offline tokens (the offline row may stop at EOS; the replay goes on to ``max_new_tokens``).
 
+    ``options``: further ``Scheduler`` keywords (chunked prefill, policy).
     Returns ``{"requests", "equal", "mismatches": [first few {request, agent, scheduler, offline}]}``.
     """
     from ccft.core.generation import generate
     from ccft.serving.prefix_store import PrefixKVStore
     from ccft.serving.scheduler import Scheduler
 
-    sched = Scheduler(engine, share=True, store=PrefixKVStore(block_tokens=block_tokens))
+    sched = Scheduler(engine, share=True, store=PrefixKVStore(block_tokens=block_tokens), **options)
     tickets = replay(sched, trace)["tickets"]
     equal, mismatches = 0, []
     for t in tickets:
@@ -202,54 +282,73 @@ def run(args) -> dict:
     from ccft.serving import workloads
 
     torch.set_num_threads(args.threads)
+    agents = agent_names(getattr(args, "agents", len(AGENTS)))
     base, engine, desc = build(args)
     bpt = engine.kv_bytes_per_token
+    opts = scheduler_options(args)
+    policies = ["fcfs", "mlfq"] if getattr(args, "policy", "fcfs") == "both" else [opts["policy"]]
 
     def trace_for(n):
-        return workloads.generate(args.workload, sessions=n, turns=args.turns, agents=list(AGENTS),
+        return workloads.generate(args.workload, sessions=n, turns=args.turns, agents=agents,
                                   shared_tokens=args.shared_tokens, unique_tokens=args.unique_tokens,
                                   growth_tokens=args.growth_tokens, max_new_tokens=args.max_new_tokens, rate=None,
-                                  seed=args.seed, tokenizer=base.tokenizer)
+                                  seed=args.seed, tokenizer=base.tokenizer,
+                                  new_tokens_spread=getattr(args, "new_tokens_spread", 0.0))
 
     top = max(args.sessions)
     # warm-up (first-call allocations), not reported
-    run_point(engine, trace_for(1), share=True, budget=None, block_tokens=args.block_tokens)
+    run_point(engine, trace_for(1), share=True, budget=None, block_tokens=args.block_tokens, **opts)
     calib = {mode: run_point(engine, trace_for(top), share=mode == "shared", budget=None,
-                             block_tokens=args.block_tokens) for mode in ("shared", "no_share")}
+                             block_tokens=args.block_tokens, **opts) for mode in ("shared", "no_share")}
     budget = (int(args.kv_budget_mb * 2 ** 20) if args.kv_budget_mb is not None
               else calib["shared"]["peak_total_kv_bytes"])
     points = []
     for n in sorted(args.sessions):
         tr = trace_for(n)
-        row = {"sessions": n}
-        for mode in ("shared", "no_share"):  # same trace, same budget
-            row[mode] = run_point(engine, tr, share=mode == "shared", budget=budget, block_tokens=args.block_tokens)
-            print(f"sessions={n} {mode}: p95 {row[mode]['latency_p95_s']:.2f}s, "
-                  f"{row[mode]['throughput_tok_s']:.1f} tok/s, hit {row[mode]['prefix_hit_ratio']:.2f}",
-                  file=sys.stderr)
+        row = {"sessions": n, **work(tr)}
+        for policy in policies:
+            into = row if policy == policies[0] else row.setdefault("policies", {}).setdefault(policy, {})
+            for mode in ("shared", "no_share"):  # same trace, same budget
+                into[mode] = run_point(engine, tr, share=mode == "shared", budget=budget,
+                                       block_tokens=args.block_tokens, **{**opts, "policy": policy})
+                print(f"sessions={n} {policy} {mode}: p95 {into[mode]['latency_p95_s']:.2f}s, "
+                      f"{into[mode]['throughput_tok_s']:.1f} tok/s, hit {into[mode]['prefix_hit_ratio']:.2f}",
+                      file=sys.stderr)
+            into["throughput_ratio"] = into["shared"]["throughput_tok_s"] / into["no_share"]["throughput_tok_s"]
+            into["p95_latency_ratio"] = into["no_share"]["latency_p95_s"] / into["shared"]["latency_p95_s"]
+            into["throughput_vs_work"] = into["throughput_ratio"] / row["work_ratio"]
         points.append(row)
     best = max(p["no_share"]["throughput_tok_s"] for p in points)
     sat = next(p for p in points if p["no_share"]["throughput_tok_s"] >= 0.95 * best)
-    e9 = eq9(trace_for(top), len(AGENTS), args.max_new_tokens)
+    e9 = eq9(trace_for(top), len(agents), args.max_new_tokens)
     measured_kv_ratio = calib["no_share"]["peak_live_kv_bytes"] / calib["shared"]["peak_live_kv_bytes"]
     result = {
         "benchmark": "serve", "model": desc["model"], "decoders": desc["decoders"], "dtype": str(base.dtype),
         "device": f"{platform.processor() or platform.machine()} CPU" if base.device.type == "cpu"
         else torch.cuda.get_device_name(base.device), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-        "torch": torch.__version__, "workload": {
-            "kind": args.workload, "agents": list(AGENTS), "turns": args.turns, "shared_tokens": args.shared_tokens,
+        "torch": torch.__version__, "agents": len(agents), "workload": {
+            "kind": args.workload, "agents": agents, "turns": args.turns, "shared_tokens": args.shared_tokens,
             "unique_tokens": args.unique_tokens, "growth_tokens": args.growth_tokens,
-            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "arrivals": "all sessions at t=0"},
+            "max_new_tokens": args.max_new_tokens, "new_tokens_spread": getattr(args, "new_tokens_spread", 0.0),
+            "seed": args.seed, "arrivals": "all sessions at t=0"},
+        "scheduler": {**opts, "policies": policies},
         "kv_bytes_per_token": bpt, "kv_budget_bytes": budget, "block_tokens": args.block_tokens,
         "calibration": calib, "points": points, "saturation_sessions": sat["sessions"], "eq9": e9,
         "p95_latency_ratio": sat["no_share"]["latency_p95_s"] / sat["shared"]["latency_p95_s"],
-        "throughput_ratio": sat["shared"]["throughput_tok_s"] / sat["no_share"]["throughput_tok_s"],
+        "throughput_ratio": sat["throughput_ratio"],
+        "work_ratio_at_saturation": sat["work_ratio"],
+        "work_ratio_with_reuse_at_saturation": sat["work_ratio_with_reuse"],
+        "throughput_vs_work_at_saturation": sat["throughput_vs_work"],
         "hit_ratio_min": min(p["shared"]["prefix_hit_ratio"] for p in points),
         "kv_peak_ratio_measured": measured_kv_ratio,
         "kv_bytes_vs_eq9": measured_kv_ratio / e9["ratio_with_generation"],
     }
     if getattr(args, "check_outputs", False):
-        result["outputs_vs_offline"] = offline_equality(engine, trace_for(1), block_tokens=args.block_tokens)
+        checks = {policy: offline_equality(engine, trace_for(1), block_tokens=args.block_tokens,
+                                           **{**opts, "policy": policy}) for policy in policies}
+        result["outputs_vs_offline"] = dict(checks[policies[0]])
+        if len(policies) > 1:
+            result["outputs_vs_offline"]["by_policy"] = checks
     result["plots"] = plots(result, args.plots or (str(Path(args.out).parent) if args.out else None))
     return result
 
@@ -290,21 +389,33 @@ def plots(result: dict, folder: str | None) -> list[str]:
 
 def table(result: dict) -> str:
     lines = [f"serve benchmark: {result['model']} ({result['dtype']}) on {result['device']}, {result['threads']} threads; "
-             f"{result['workload']['kind']}, 4 agents, shared {result['workload']['shared_tokens']}"
+             f"{result['workload']['kind']}, {len(result['workload']['agents'])} agents, shared {result['workload']['shared_tokens']}"
              f"+{result['workload']['growth_tokens']}/turn, unique {result['workload']['unique_tokens']}, "
              f"{result['workload']['max_new_tokens']} new tokens; KV budget "
              f"{result['kv_budget_bytes'] / 2 ** 20:.1f} MiB (both)",
-             "| sessions | mode | p50 s | p95 s | TTFT p95 s | tok/s | sessions/min | hit ratio | peak KV MiB | waits |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| sessions | policy | mode | p50 s | p95 s | TTFT p95 s | TPOT p95 ms | tok/s | sessions/min | hit ratio "
+             "| peak KV MiB | waits | work ratio | tput ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    pols = result.get("scheduler", {}).get("policies", ["fcfs"])
     for p in result["points"]:
-        for mode in ("shared", "no_share"):
-            r = p[mode]
-            lines.append(f"| {p['sessions']} | {mode.replace('_', '-')} | {r['latency_p50_s']:.2f} | "
-                         f"{r['latency_p95_s']:.2f} | {r['ttft_p95_s']:.2f} | {r['throughput_tok_s']:.1f} | "
-                         f"{r['sessions_per_min']:.1f} | {r['prefix_hit_ratio']:.2f} | "
-                         f"{r['peak_total_kv_bytes'] / 2 ** 20:.1f} | {r['admission_waits']} |")
+        for policy in pols:
+            into = p if policy == pols[0] else p["policies"][policy]
+            for mode in ("shared", "no_share"):
+                r = into[mode]
+                tpot = "-" if r.get("tpot_p95_s") is None else f"{1000 * r['tpot_p95_s']:.1f}"
+                ratios = " | "
+                if mode == "shared" and "work_ratio" in p:  # (results written before issue #15 lack them)
+                    ratios = f"{p['work_ratio']:.2f} | {into['throughput_ratio']:.2f}"
+                lines.append(f"| {p['sessions']} | {policy} | {mode.replace('_', '-')} | {r['latency_p50_s']:.2f} | "
+                             f"{r['latency_p95_s']:.2f} | {r['ttft_p95_s']:.2f} | {tpot} | "
+                             f"{r['throughput_tok_s']:.1f} | {r['sessions_per_min']:.1f} | "
+                             f"{r['prefix_hit_ratio']:.2f} | {r['peak_total_kv_bytes'] / 2 ** 20:.1f} | "
+                             f"{r['admission_waits']} | {ratios} |")
     lines.append(f"at the baseline's saturation point ({result['saturation_sessions']} sessions): p95 latency "
-                 f"ratio {result['p95_latency_ratio']:.2f}x, throughput ratio {result['throughput_ratio']:.2f}x; "
+                 f"ratio {result['p95_latency_ratio']:.2f}x, throughput ratio {result['throughput_ratio']:.2f}x"
+                 + (f" of a token-work ratio {result['work_ratio_at_saturation']:.2f}x "
+                    f"({result['throughput_vs_work_at_saturation']:.0%})" if "work_ratio_at_saturation" in result
+                    else "") + "; "
                  f"shared hit ratio min {result['hit_ratio_min']:.2f}; peak KV no-share/shared "
                  f"{result['kv_peak_ratio_measured']:.2f} vs Eq. 9 {result['eq9']['ratio_with_generation']:.2f} "
                  f"({result['kv_bytes_vs_eq9']:.2f})")
@@ -313,8 +424,8 @@ def table(result: dict) -> str:
 
 def report(result: dict, out: str | None) -> int:
     print(table(result))
-    print(json.dumps({k: result[k] for k in ("p95_latency_ratio", "throughput_ratio", "hit_ratio_min",
-                                             "kv_bytes_vs_eq9")}))
+    print(json.dumps({k: result.get(k) for k in ("p95_latency_ratio", "throughput_ratio", "work_ratio_at_saturation",
+                                                 "agents", "hit_ratio_min", "kv_bytes_vs_eq9")}))
     if out:
         from ccft.core.io import atomic_write_text
 

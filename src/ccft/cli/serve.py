@@ -43,6 +43,11 @@ def add_parser(sub) -> None:
                    help="prefix store block size in tokens (0: no prefix store)")
     p.add_argument("--max-queue", type=int, default=4096, help="queued requests beyond which the server answers 503")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="chunked prefill: per-step token budget shared by decode rows and prefill pieces "
+                        "(default: whole prefills between steps; docs/serving.md)")
+    p.add_argument("--policy", default="fcfs", choices=["fcfs", "mlfq"],
+                   help="scheduling policy: first come first served, or a multi-level feedback queue (docs/serving.md)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a chat request without one")
     p.add_argument("--max-body-mb", type=float, default=4.0,
                    help="longest request body (MiB); longer ones get 413 before they are read (0: no limit)")
@@ -139,7 +144,8 @@ def build_scheduler(args):
         store = PrefixKVStore(block_tokens=args.block_tokens, budget_bytes=None)  # the scheduler's budget covers it
     budget = None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2 ** 20)
     scheduler = Scheduler(engine, share=not args.no_share, store=store, kv_budget_bytes=budget,
-                          max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens)
+                          max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
+                          prefill_chunk_tokens=args.prefill_chunk_tokens, policy=args.policy)
     return scheduler, base.tokenizer
 
 

@@ -64,7 +64,13 @@ from ccft.inference import planner
 from ccft.inference.handles import BASE, PrefixHandle
 from ccft.inference.kv import CapacityError, PrefixArena
 from ccft.inference.lanes import Lane, LaneRegistry
-from ccft.inference.prefill import import_cache, prefill_from_store, prefill_rows, prefill_tail
+from ccft.inference.prefill import (
+    ChunkedPrefill,
+    import_cache,
+    prefill_from_store,
+    prefill_rows,
+    prefill_tail,
+)
 from ccft.inference.requests import Request, StepError, StepOutput, choose_tokens, token_logprobs
 from ccft.inference.weights import check_supported, lane_weights
 
@@ -85,6 +91,67 @@ def _inference(fn):
 
 
 DECODE_MODES = ("eager", "static", "cuda_graph", "compile")
+
+
+class PrefillJob:
+    """A prefill in progress (``SharedPrefillEngine.begin_prefill``): ``advance`` it, then ``finish`` or ``cancel``.
+
+    Attributes:
+        handle: the ``PrefixHandle`` being written (not readable before ``finish``).
+        hit: prompt positions copied from the store.  total: positions of the prefix (n - k).
+    """
+
+    def __init__(self, job: ChunkedPrefill, handle: PrefixHandle, store):
+        self._job, self.handle, self._store = job, handle, store
+        self.hit, self.total = job.hit, job.total
+        self._closed = False
+
+    @property
+    def remaining(self) -> int:
+        """Prefix positions still to compute (0: ready to ``finish``)."""
+        return self._job.remaining
+
+    @_inference
+    def advance(self, tokens: int) -> int:
+        """Compute the next ``min(tokens, remaining)`` positions; returns how many were computed.
+
+        Raises:
+            ConfigError: the job was finished or cancelled, or ``tokens`` < 1.
+        """
+        if self._closed:
+            raise ConfigError("this prefill job was finished or cancelled")
+        if self._job.remaining and int(tokens) < 1:
+            raise ConfigError(f"tokens={tokens}; a prefill chunk needs at least 1 token")
+        return self._job.advance(tokens)
+
+    @_inference
+    def finish(self) -> tuple[PrefixHandle, int]:
+        """Insert the new full blocks into the store; returns ``(handle, hit_tokens)`` as ``prefill_cached``
+        (the handle holds one reference on every store block covering the prompt until it is freed).
+
+        Raises:
+            ConfigError: positions remain (``advance`` first), or the job was closed.
+        """
+        if self._closed:
+            raise ConfigError("this prefill job was finished or cancelled")
+        if self._job.remaining:
+            raise ConfigError(f"{self._job.remaining} prefix positions are not computed yet; advance first")
+        self._closed = True
+        try:
+            blocks = self._job.finish()
+        except BaseException:
+            self.handle.release()
+            raise
+        if self._store is not None:
+            self.handle.hold(self._store, blocks)
+        return self.handle, self.hit
+
+    def cancel(self) -> None:
+        """Give the prefill up: store references dropped, the handle released (no-op once closed)."""
+        if not self._closed:
+            self._closed = True
+            self._job.abandon()
+            self.handle.release()
 class SharedPrefillEngine:
     """One base model's shared prefill and N decoders decoding on it (see the module docstring).
 
@@ -255,17 +322,7 @@ class SharedPrefillEngine:
         """
         if chunk_tokens is not None and int(chunk_tokens) < 1:
             raise ConfigError(f"chunk_tokens={chunk_tokens}; it must be ≥ 1 (or None)")
-        k = self._registry.handoff(handoff_tokens, producer)
-        prompt = [int(t) for t in prompt]
-        if len(prompt) < k + 1:
-            raise ConfigError(f"the prompt has {len(prompt)} tokens, fewer than handoff_tokens+1={k + 1}")
-        prod = self._registry.producer(producer)
-        forget = getattr(store, "forget", None)
-        stale = self.decoders[prod.name].stale_keys if prod.name != BASE else []
-        while stale and forget is not None:  # K/V of this decoder's weights from before an in-place edit
-            forget(stale.pop())
-        prefix = prompt[:-k]
-        handle = self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key)
+        prod, prefix, handle = self._one_prompt_handle(prompt, store, producer, handoff_tokens)
         try:
             blocks, hit = prefill_from_store(prod, prefix, handle, self.arena, store, chunk_tokens)
         except BaseException:
@@ -276,6 +333,47 @@ class SharedPrefillEngine:
         else:
             store.release(blocks)
         return handle, hit
+
+    @_inference
+    def begin_prefill(self, prompt: Sequence[int], store=None, *, producer: str | None = None,
+                      handoff_tokens: int | None = None) -> "PrefillJob":
+        """Start prefilling ONE prompt's ``prompt[:n-k]`` in pieces (chunked prefill across scheduler steps).
+
+        The handle's region is allocated now and the longest chain of full blocks cached in ``store``
+        (when given) is copied in, as ``prefill_cached`` does; the rest is computed by
+        ``PrefillJob.advance(t)`` calls (t positions each, attending to everything before them), with
+        decode steps free to run in between; ``PrefillJob.finish()`` then inserts the new full blocks
+        into the store and returns ``(handle, hit_tokens)``. The K/V equal ``prefill([prompt])`` /
+        ``prefill_cached`` (fp32 rounding; tested). Until ``finish`` the handle must not be read.
+
+        Args:
+            prompt, producer, handoff_tokens: as in ``prefill_cached``.
+            store: a ``PrefixKVStore`` (or None: everything is computed, nothing is inserted).
+        Raises:
+            ConfigError: as ``prefill``.  CapacityError: the arena is full.
+        """
+        prod, prefix, handle = self._one_prompt_handle(prompt, store, producer, handoff_tokens)
+        try:
+            job = ChunkedPrefill(prod, prefix, handle, self.arena, store)
+        except BaseException:
+            handle.release()
+            raise
+        return PrefillJob(job, handle, store)
+
+    def _one_prompt_handle(self, prompt, store, producer, handoff_tokens):
+        """(producer, prefix ids, a new batch-1 handle for them) for ``prefill_cached`` / ``begin_prefill``;
+        the store first forgets K/V of the producer's weights from before an in-place edit."""
+        k = self._registry.handoff(handoff_tokens, producer)
+        prompt = [int(t) for t in prompt]
+        if len(prompt) < k + 1:
+            raise ConfigError(f"the prompt has {len(prompt)} tokens, fewer than handoff_tokens+1={k + 1}")
+        prod = self._registry.producer(producer)
+        forget = getattr(store, "forget", None) if store is not None else None
+        stale = self.decoders[prod.name].stale_keys if prod.name != BASE else []
+        while stale and forget is not None:  # K/V of this decoder's weights from before an in-place edit
+            forget(stale.pop())
+        prefix = prompt[:-k]
+        return prod, prefix, self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key)
 
     def producer_key(self, producer: str | None = None) -> str:
         """The key K/V written by ``producer`` is stored under (prefix store, ``PrefixHandle.producer_key``).
@@ -420,8 +518,14 @@ class SharedPrefillEngine:
         return self.max_batch - len(self.decoders[decoder].lane.rows)
 
     @_inference
-    def step(self, *, return_logits: bool = False) -> list[StepOutput]:
+    def step(self, *, return_logits: bool = False, request_ids=None) -> list[StepOutput]:
         """One decode step for every active row (all lanes); returns one ``StepOutput`` per row.
+
+        ``request_ids``: step only these active requests (a preemptive scheduler pauses the others:
+        they keep their slot, K/V and state untouched and resume at a later step with the same
+        tokens). A lane stepped in part moves the chosen rows to its first slots and runs them
+        eagerly (the static step's padded rows would write into the paused rows' slots). Ids that
+        are not active are ignored. None (default): every active row.
 
         Rows whose request ends (EOS, stop string, ``max_new_tokens``) leave the batch at the end of
         the step; their ``StepOutput.generation`` holds the result.
@@ -440,9 +544,17 @@ class SharedPrefillEngine:
         """
         outputs: list[StepOutput] = []
         failed: dict[int, BaseException] = {}
+        only = None if request_ids is None else {int(r) for r in request_ids}
         for lane in list(self.lanes.values()):
-            if lane.rows:
+            if not lane.rows:
+                continue
+            if only is None or all(r.id in only for r in lane.rows):
                 outputs += self._step_lane(lane, return_logits, failed)
+                continue
+            chosen = [r for r in lane.rows if r.id in only]
+            if chosen:
+                self._to_front(lane, chosen)
+                outputs += self._step_lane(lane, return_logits, failed, rows=chosen)
         if failed:
             raise StepError(outputs, failed)
         return outputs
@@ -492,12 +604,15 @@ class SharedPrefillEngine:
             except Exception as e:  # noqa: BLE001 - confined to this group's rows below
                 self._isolate(lane, group, e, parts, failed)
 
-    def _step_lane(self, lane: Lane, return_logits: bool, failed: dict[int, BaseException]) -> list[StepOutput]:
-        rows = list(lane.rows)
+    def _step_lane(self, lane: Lane, return_logits: bool, failed: dict[int, BaseException],
+                   rows: list[Request] | None = None) -> list[StepOutput]:
+        """Step ``rows`` (default: all the lane's rows; a part must be in the first slots, run eagerly)."""
+        part_only = rows is not None and len(rows) < len(lane.rows)
+        rows = list(lane.rows) if rows is None else list(rows)
         parts: list[tuple[list[Request], torch.Tensor, list[int]]] = []
         bad: dict[int, BaseException] = {}
         try:
-            logits = self._forward(lane, len(rows))
+            logits = self._forward(lane, len(rows), eager=part_only)
             parts.append((rows, logits, choose_tokens(logits, rows)))
         except Exception as e:  # noqa: BLE001 - a failing request fails alone (K12)
             self.step_errors += 1
@@ -615,4 +730,4 @@ class SharedPrefillEngine:
             self.abort(rid)
 
 
-__all__ = ["SharedPrefillEngine", "PrefixHandle", "SamplingParams", "StepOutput", "BASE", "CapacityError"]
+__all__ = ["SharedPrefillEngine", "PrefillJob", "PrefixHandle", "SamplingParams", "StepOutput", "BASE", "CapacityError"]

@@ -51,7 +51,7 @@ def prefill_from_store(producer: Producer, prefix: Sequence[int], handle: Prefix
     The longest chain of full blocks of ``prefix`` cached in ``store`` under ``producer.key`` and its
     dtype is copied into the region; the remaining tokens are computed by chunked prefill attending
     to what is already there (``model.prefill_chunk``); the newly completed full blocks are then
-    inserted into the store.
+    inserted into the store. ``ChunkedPrefill`` run to the end in one call.
 
     Args:
         store: a ``ccft.serving.PrefixKVStore`` (``block_tokens``, ``match``, ``insert``, ``release``).
@@ -64,27 +64,115 @@ def prefill_from_store(producer: Producer, prefix: Sequence[int], handle: Prefix
     Raises:
         whatever the store or the forward raises; the references taken are dropped first.
     """
-    w = producer.weights
-    n = len(prefix)
-    bt = int(store.block_tokens)
-    blocks = store.match(producer.key, w.dtype, prefix)
+    job = ChunkedPrefill(producer, prefix, handle, arena, store)
     try:
-        rk = arena.view_layers("k", handle.start, 1, n)[:, 0]  # (L, h, n, d)
-        rv = arena.view_layers("v", handle.start, 1, n)[:, 0]
-        for j, blk in enumerate(blocks):
-            rk[:, :, j * bt:(j + 1) * bt].copy_(blk.k)
-            rv[:, :, j * bt:(j + 1) * bt].copy_(blk.v)
-        hit = len(blocks) * bt
-        if hit < n:
-            ids = torch.tensor(prefix[hit:], dtype=torch.long, device=arena.device)
-            chunk = int(chunk_tokens) if chunk_tokens else max(64, SCORE_ELEMENTS // max(1, w.heads * n))
-            for s in range(hit, n, chunk):
-                M.prefill_chunk(w, ids[s - hit: s - hit + chunk], s, rk, rv, producer.lora)
-        new = store.insert(producer.key, w.dtype, prefix, rk, rv, start_block=len(blocks))
+        chunk = int(chunk_tokens) if chunk_tokens else max(64, SCORE_ELEMENTS // max(1, producer.weights.heads
+                                                                                      * len(prefix)))
+        while job.remaining:
+            job.advance(chunk)
+        return job.finish(), job.hit
     except BaseException:
-        store.release(blocks)
+        job.abandon()
         raise
-    return blocks + new, hit
+
+
+class ChunkedPrefill:
+    """One prompt's prefix prefilled in pieces into a batch-1 ``handle`` (chunked prefill across steps).
+
+    At construction the longest chain of full store blocks of ``prefix`` (under ``producer.key`` and
+    its dtype; none without a store) is copied into the handle's region (``hit`` positions, a
+    multiple of the block size). Each ``advance(t)`` computes the next ``t`` positions with
+    ``model.prefill_chunk`` (they attend to everything before them in the region), so a scheduler
+    can interleave decode steps between the pieces; ``finish`` inserts the newly completed full
+    blocks into the store. The K/V equal a one-shot prefill of the prefix (``prefill_from_store``
+    is this object run to the end; tested against ``prefill`` within fp32 rounding).
+
+    The region's views are taken afresh on every call: the arena may grow (a new buffer) between
+    two chunks when other handles are allocated.
+
+    Attributes:
+        hit: positions copied from the store.  done: positions written so far (``hit ≤ done ≤ n``).
+        blocks: the matched store blocks (one reference each, held for the caller).
+    """
+
+    def __init__(self, producer: Producer, prefix: Sequence[int], handle: PrefixHandle, arena: PrefixArena,
+                 store=None):
+        self.producer, self.prefix, self.handle, self.arena, self.store = producer, list(prefix), handle, arena, store
+        self.blocks: list = []
+        self.hit = 0
+        if store is not None:
+            bt = int(store.block_tokens)
+            self.blocks = store.match(producer.key, producer.weights.dtype, self.prefix)
+            try:
+                rk, rv = self._region()
+                for j, blk in enumerate(self.blocks):
+                    rk[:, :, j * bt:(j + 1) * bt].copy_(blk.k)
+                    rv[:, :, j * bt:(j + 1) * bt].copy_(blk.v)
+            except BaseException:
+                store.release(self.blocks)
+                raise
+            self.hit = len(self.blocks) * bt
+        self.done = self.hit
+        self._finished = False
+
+    def _region(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self.prefix)
+        return (self.arena.view_layers("k", self.handle.start, 1, n)[:, 0],
+                self.arena.view_layers("v", self.handle.start, 1, n)[:, 0])  # (L, h, n, d) each
+
+    @property
+    def total(self) -> int:
+        """n, the prefix length (positions the handle holds)."""
+        return len(self.prefix)
+
+    @property
+    def remaining(self) -> int:
+        """Positions still to compute."""
+        return len(self.prefix) - self.done
+
+    def advance(self, tokens: int) -> int:
+        """Compute the next ``min(tokens, remaining)`` positions; returns how many were computed.
+
+        Raises:
+            ValueError: ``tokens`` < 1 while positions remain.
+        """
+        if self.remaining == 0:
+            return 0
+        if int(tokens) < 1:
+            raise ValueError(f"tokens={tokens}; a prefill chunk needs at least 1 token")
+        t = min(int(tokens), self.remaining)
+        rk, rv = self._region()
+        ids = torch.tensor(self.prefix[self.done:self.done + t], dtype=torch.long, device=self.arena.device)
+        M.prefill_chunk(self.producer.weights, ids, self.done, rk, rv, self.producer.lora)
+        self.done += t
+        return t
+
+    def finish(self) -> list:
+        """Insert the newly completed full blocks into the store; returns every block covering the prefix
+        (matched + inserted, one reference each for the caller; ``[]`` without a store).
+
+        Raises:
+            ValueError: positions remain to compute.
+        """
+        if self.remaining:
+            raise ValueError(f"{self.remaining} prefix positions are not computed yet; advance first")
+        self._finished = True
+        if self.store is None:
+            return []
+        rk, rv = self._region()
+        try:
+            new = self.store.insert(self.producer.key, self.producer.weights.dtype, self.prefix, rk, rv,
+                                    start_block=len(self.blocks))
+        except BaseException:
+            self.store.release(self.blocks)
+            raise
+        return self.blocks + new
+
+    def abandon(self) -> None:
+        """Drop the matched blocks' references (a prefill given up before ``finish``)."""
+        if not self._finished and self.store is not None:
+            self._finished = True
+            self.store.release(self.blocks)
 
 
 def import_cache(cache: BaseCache, handle: PrefixHandle) -> None:
@@ -117,4 +205,4 @@ def prefill_tail(handle: PrefixHandle, row: int, tail: Sequence[int], producer: 
                  slot_k, slot_v, n_pre, lora)
 
 
-__all__ = ["SCORE_ELEMENTS", "prefill_rows", "prefill_from_store", "import_cache", "prefill_tail"]
+__all__ = ["SCORE_ELEMENTS", "ChunkedPrefill", "prefill_rows", "prefill_from_store", "import_cache", "prefill_tail"]

@@ -34,6 +34,31 @@ it. Admission first evicts unreferenced store blocks (LRU); a request that still
 in the queue (head of line: arrival order is kept), and one that could never fit alone is refused
 at ``submit`` (``PromptTooLongError``). A full queue refuses new requests (``QueueFullError``).
 
+Chunked prefill (``prefill_chunk_tokens=B``; as vLLM's chunked prefill / Sarathi-Serve): each step
+has a token budget of B shared by the decode rows and pending prefills. The decode rows come first
+(one token each, every step: a running request is never starved, so TPOT is bounded by one
+step's work); what is left goes to the prompt contexts being prefilled, in pieces
+(``SharedPrefillEngine.begin_prefill`` / ``PrefillJob.advance``) whose boundaries fall on prefix-store
+block multiples (a block is never split), at least one block per step so a prefill always
+progresses. A request whose context is being prefilled holds its lane slot and KV reservation and
+joins the decode batch at the step its context is complete; requests reading a context still
+being prefilled wait for the same pieces (one prefill per context, as without chunking). An
+admitted request's own tokens (its tail) are computed at once when it joins and counted against
+the step's budget. None (default): each context is prefilled whole at admission, between steps.
+
+Policies (``policy=``): ``"fcfs"`` admits in arrival order (head of line) and steps every active
+row. ``"mlfq"`` is a preemptive multi-level feedback queue in the spirit of FastServe's skip-join
+MLFQ: a request enters at a priority level set by its prompt length (level i holds prompts up to
+``mlfq_entry_tokens·2^i``; skip-join: long prompts skip the top levels), is demoted one level
+after it decoded its level's quantum (``mlfq_quantum·2^i`` tokens), and any request that waited
+``mlfq_aging_steps`` steps without being stepped (queued or paused) is promoted to the top level
+(no starvation). Admission picks the best (level, arrival) queued request; with ``max_running``
+only that many of the active rows, best first, are decoded per step: the others are paused in
+their engine slots (their KV kept; ``SharedPrefillEngine.step(request_ids=...)``) and resume
+later with the same tokens. Under ``"fcfs"``, ``max_running`` caps admitted requests instead.
+Outputs never depend on the policy or on chunking (greedy equality with the offline reference is
+tested for every request).
+
 Threading: ``submit`` and ``Ticket.cancel`` may be called from any thread; ``step`` /
 ``run_until_idle`` / the background loop (``start``) run the engine in one thread. Callbacks run
 on the scheduler thread and must not block.
@@ -126,6 +151,9 @@ class Ticket:
     _rid: int | None = None
     _reserved: int = 0
     _ctx: "_Context | None" = None
+    _level: int = 0  # MLFQ: priority level (0 = highest), quantum used at it, steps waited unstepped
+    _used: int = 0
+    _waited: int = 0
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request (thread-safe; takes effect at its next step)."""
@@ -157,6 +185,8 @@ class _Context:
     handle: object
     tokens: int
     users: int = 0
+    job: object = None  # a ``PrefillJob`` while the context is being prefilled in pieces (chunked prefill)
+    waiting: list = field(default_factory=list)  # tickets admitted onto it before it is complete
 
 
 class Scheduler:
@@ -169,10 +199,38 @@ class Scheduler:
         kv_budget_bytes: cap on live KV + store bytes (None: unbounded).
         max_queue: queued requests beyond which ``submit`` raises ``QueueFullError``.
         max_prompt_tokens: longest accepted prompt (None: the engine's limits only).
+        prefill_chunk_tokens: per-step token budget shared by decode rows and prefill pieces
+            (chunked prefill; None: whole prefills at admission, between steps).
+        policy: ``"fcfs"`` or ``"mlfq"`` (see the module docstring).
+        max_running: rows decoded per step (``"mlfq"``: the best ones, the others paused; ``"fcfs"``:
+            a cap on admitted requests). None: every active row.
+        mlfq_levels, mlfq_quantum, mlfq_entry_tokens, mlfq_aging_steps: MLFQ levels, the top level's
+            quantum (decode tokens; doubled per level), the top level's longest prompt (tokens;
+            doubled per level) and the steps a request may wait unstepped before it is promoted.
+    Raises:
+        ConfigError: an unknown policy, or a knob out of range (the message names it).
     """
 
+    POLICIES = ("fcfs", "mlfq")
+
     def __init__(self, engine: SharedPrefillEngine, *, share: bool = True, store=None,
-                 kv_budget_bytes: int | None = None, max_queue: int = 4096, max_prompt_tokens: int | None = None):
+                 kv_budget_bytes: int | None = None, max_queue: int = 4096, max_prompt_tokens: int | None = None,
+                 prefill_chunk_tokens: int | None = None, policy: str = "fcfs", max_running: int | None = None,
+                 mlfq_levels: int = 4, mlfq_quantum: int = 8, mlfq_entry_tokens: int = 512,
+                 mlfq_aging_steps: int = 64):
+        if policy not in self.POLICIES:
+            raise ConfigError(f"policy={policy!r}; use one of {', '.join(self.POLICIES)}")
+        for name, value in (("prefill_chunk_tokens", prefill_chunk_tokens), ("max_running", max_running)):
+            if value is not None and int(value) < 1:
+                raise ConfigError(f"{name}={value}; it must be ≥ 1 (or None)")
+        for name, value in (("mlfq_levels", mlfq_levels), ("mlfq_quantum", mlfq_quantum),
+                            ("mlfq_entry_tokens", mlfq_entry_tokens), ("mlfq_aging_steps", mlfq_aging_steps)):
+            if int(value) < 1:
+                raise ConfigError(f"{name}={value}; it must be ≥ 1")
+        self.prefill_chunk_tokens = None if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
+        self.policy, self.max_running = policy, None if max_running is None else int(max_running)
+        self.mlfq_levels, self.mlfq_quantum = int(mlfq_levels), int(mlfq_quantum)
+        self.mlfq_entry_tokens, self.mlfq_aging_steps = int(mlfq_entry_tokens), int(mlfq_aging_steps)
         self.engine, self.share, self.store = engine, bool(share), store
         self.kv_budget_bytes = None if kv_budget_bytes is None else int(kv_budget_bytes)
         self.max_queue, self.max_prompt_tokens = int(max_queue), max_prompt_tokens
@@ -191,6 +249,7 @@ class Scheduler:
         self.counters = collections.Counter()
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
+        self._budget: int | None = None  # chunked prefill: tokens left in this step's budget
 
     # ------------------------------------------------------------------ submission (any thread)
     def submit(self, request: ServeRequest, *, on_token=None, on_done=None) -> Ticket:
@@ -225,7 +284,8 @@ class Scheduler:
                 self.counters["rejected_queue_full"] += len(requests)
                 raise QueueFullError(f"{len(self._queue)} requests are queued (max_queue={self.max_queue}); "
                                      "retry later or raise max_queue")
-            tickets = [Ticket(next(self._ids), r, on_token=tok, on_done=done, t_submit=now)
+            tickets = [Ticket(next(self._ids), r, on_token=tok, on_done=done, t_submit=now,
+                              _level=self._entry_level(r))
                        for r, tok, done in zip(requests, on_token, on_done, strict=True)]
             self._queue.extend(tickets)
             self.counters["submitted"] += len(tickets)
@@ -257,6 +317,16 @@ class Scheduler:
             raise PromptTooLongError(f"the request needs {need} bytes of KV but kv_budget_bytes="
                                      f"{self.kv_budget_bytes}; shorten the prompt or raise the budget")
 
+    def _entry_level(self, r: ServeRequest) -> int:
+        """MLFQ skip-join: the first level whose prompt limit (``mlfq_entry_tokens·2^i``) holds the prompt."""
+        level, limit = 0, self.mlfq_entry_tokens
+        while len(r.prompt_ids) > limit and level < self.mlfq_levels - 1:
+            level, limit = level + 1, limit * 2
+        return level
+
+    def _priority(self, t: Ticket) -> tuple:
+        return (t._level, t.id) if self.policy == "mlfq" else (0, t.id)
+
     def _handoff(self, decoder: str) -> int:
         d = self.engine.decoders[decoder].decoder
         return d.handoff_tokens if d is not None else 1
@@ -286,22 +356,38 @@ class Scheduler:
         """True while the background loop (``start``) is alive."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt positions of contexts still being prefilled in pieces (chunked prefill), not computed yet."""
+        return sum(c.job.remaining for c in self._contexts.values() if c.job is not None)
+
+    def _waiting_tickets(self) -> list[Ticket]:
+        return [t for c in self._contexts.values() for t in c.waiting]
+
     def idle(self) -> bool:
-        return not self._queue and not self._running
+        return not self._queue and not self._running and not any(c.waiting for c in self._contexts.values())
 
     def step(self) -> int:
-        """Admit what fits, run one decode step, deliver tokens; returns the number of rows stepped."""
+        """Admit what fits, prefill (pieces), run one decode step, deliver tokens; returns the rows stepped."""
         self._reap_cancelled()
+        self._budget = None
+        if self.prefill_chunk_tokens is not None:
+            self._budget = self.prefill_chunk_tokens - len(self._rows_to_step() or self._running)
         self._admit()
+        if self.prefill_chunk_tokens is not None:
+            self._prefill_pieces()
+        chosen = self._rows_to_step()
         if not self._running:
+            self._age(set())
             self._drop_unused_contexts()
             return 0
         t0 = time.perf_counter()
         failed: dict = {}
         try:
-            outs = self.engine.step()
+            outs = self.engine.step(request_ids=chosen)
         except StepError as e:  # those requests were removed by the engine; the others were stepped
             outs, failed = e.outputs, e.failed
+        stepped = set(self._running) if chosen is None else set(chosen)
         now = time.perf_counter()
         self.decode_seconds += now - t0
         for rid, err in failed.items():
@@ -328,8 +414,37 @@ class Scheduler:
                 if t.t_first is None:
                     t.t_first = now
                 self._end(t, "done", result=o.generation)
+        self._age(stepped)
         self._drop_unused_contexts()
         return len(outs)
+
+    def _rows_to_step(self) -> list[int] | None:
+        """Engine request ids to decode this step (None: all). MLFQ with ``max_running``: the best ones."""
+        if self.policy != "mlfq" or self.max_running is None or len(self._running) <= self.max_running:
+            return None
+        best = sorted(self._running.values(), key=self._priority)[: self.max_running]
+        return [t._rid for t in best]
+
+    def _age(self, stepped: set) -> None:
+        """MLFQ bookkeeping after a step: demote a request that used its level's quantum, promote one
+        that waited ``mlfq_aging_steps`` steps unstepped to the top level."""
+        if self.policy != "mlfq":
+            return
+        with self._lock:  # submit may append from another thread
+            queued = list(self._queue)
+        for t in list(self._running.values()) + self._waiting_tickets() + queued:
+            if t._rid is not None and t._rid in stepped:
+                t._waited = 0
+                t._used += 1
+                if t._used >= self.mlfq_quantum * 2 ** t._level and t._level < self.mlfq_levels - 1:
+                    t._level, t._used = t._level + 1, 0
+                    self.counters["mlfq_demotions"] += 1
+            else:
+                t._waited += 1
+                if t._waited >= self.mlfq_aging_steps:
+                    if t._level > 0:
+                        self.counters["mlfq_promotions"] += 1
+                    t._level, t._used, t._waited = 0, 0, 0
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
         """Step until no request is queued or active (or ``max_steps`` steps)."""
@@ -357,7 +472,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not self._queue and not self._running:
+                while not self._stop and self.idle():
                     self._wake.wait(timeout=0.5)
                 if self._stop:
                     return
@@ -371,6 +486,9 @@ class Scheduler:
         for rid, t in list(self._running.items()):
             if t._cancel:
                 self.engine.abort(rid)
+                self._end(t, "cancelled")
+        for t in self._waiting_tickets():
+            if t._cancel:
                 self._end(t, "cancelled")
         if any(t._cancel for t in self._queue):
             with self._lock:
@@ -390,20 +508,38 @@ class Scheduler:
             pkey = None
         return (producer, pkey, k, tuple(r.prompt_ids[: ctx_tokens + k]))
 
+    def _next_queued(self) -> Ticket | None:
+        """The queued request admission considers next: the head (fcfs) or the best (level, arrival) (mlfq)."""
+        with self._lock:
+            if not self._queue:
+                return None
+            return self._queue[0] if self.policy == "fcfs" else min(self._queue, key=self._priority)
+
+    def _dequeue(self, t: Ticket) -> None:
+        with self._lock:
+            self._queue.remove(t)
+
+    def _free_slots(self, decoder: str) -> int:
+        """The decoder lane's free slots less those held by tickets waiting for their context's prefill."""
+        lane = self.engine.decoders[decoder].lane
+        held = sum(1 for t in self._waiting_tickets() if self.engine.decoders[t.request.decoder].lane is lane)
+        return self.engine.free_slots(decoder) - held
+
     def _admit(self) -> None:
         while True:
-            with self._lock:
-                if not self._queue:
-                    return
-                t = self._queue[0]
+            t = self._next_queued()
+            if t is None:
+                return
             r = t.request
             if r.max_new_tokens == 0:  # score the prompt only (echo): no KV, no lane slot
-                with self._lock:
-                    self._queue.popleft()
+                self._dequeue(t)
                 self._score_only(t)
                 continue
-            if self.engine.free_slots(r.decoder) <= 0:
+            if self._free_slots(r.decoder) <= 0:
                 return  # head of line waits for its lane
+            if (self.policy == "fcfs" and self.max_running is not None
+                    and len(self._running) + len(self._waiting_tickets()) >= self.max_running):
+                return
             ctx_tokens, tail = self._split(r)
             key = self._context_key(r, ctx_tokens)
             ctx = self._contexts.get(key)
@@ -415,32 +551,95 @@ class Scheduler:
             if not self._make_room(need):
                 self.counters["admission_waits"] += 1
                 return
-            with self._lock:
-                self._queue.popleft()
+            self._dequeue(t)
             try:
                 if r.prompt_logprobs is not None:
                     t.prompt_logprobs = self._prompt_logprobs(r)
                 if ctx is None:
                     ctx = self._prefill(key, r, ctx_tokens, t)
-                else:  # a live context: its whole prefix is reused
+                else:  # a live context (or one being prefilled): its whole prefix is reused
                     self.counters["context_reuse_tokens"] += ctx_tokens
                     t.prefix_hit_tokens = ctx_tokens
-                prompt = list(r.prompt_ids)
-                rid = self.engine.add_request(ctx.handle, 0, decoder=r.decoder, max_new_tokens=int(r.max_new_tokens),
-                                              stop=r.stop, sampling=r.sampling, ignore_eos=r.ignore_eos,
-                                              suffix_ids=prompt[ctx_tokens + self._handoff(r.decoder):],
-                                              logprobs=r.logprobs)
             except Exception as e:  # noqa: BLE001 - the request fails, the scheduler goes on
                 self._end(t, "error", error=f"{type(e).__name__}: {e}")
                 continue
             ctx.users += 1
-            t._ctx, t._rid, t.state, t.t_admit = ctx, rid, "running", time.perf_counter()
+            t._ctx, t.state, t.t_admit = ctx, "running", time.perf_counter()
             t._reserved = (tail + r.max_new_tokens) * self.bytes_per_token
             self.live_bytes += t._reserved
-            self._running[rid] = t
             self.counters["admitted"] += 1
             self.counters["prompt_tokens"] += len(r.prompt_ids)
             self._note_peak()
+            if ctx.job is not None:
+                ctx.waiting.append(t)  # joins the decode batch when its context is complete
+            else:
+                self._join(t)
+
+    def _join(self, t: Ticket) -> None:
+        """Add an admitted ticket (its context complete) to the engine: its tail is computed now."""
+        r, ctx = t.request, t._ctx
+        ctx_tokens = self._split(r)[0]
+        suffix = list(r.prompt_ids)[ctx_tokens + self._handoff(r.decoder):]
+        t0 = time.perf_counter()
+        try:
+            rid = self.engine.add_request(ctx.handle, 0, decoder=r.decoder, max_new_tokens=int(r.max_new_tokens),
+                                          stop=r.stop, sampling=r.sampling, ignore_eos=r.ignore_eos,
+                                          suffix_ids=suffix, logprobs=r.logprobs)
+        except Exception as e:  # noqa: BLE001 - the request fails, the scheduler goes on
+            self._end(t, "error", error=f"{type(e).__name__}: {e}")
+            return
+        self.prefill_seconds += time.perf_counter() - t0
+        if self._budget is not None:
+            self._budget -= len(suffix) + self._handoff(r.decoder)
+        t._rid = rid
+        self._running[rid] = t
+
+    def _prefill_pieces(self) -> None:
+        """Chunked prefill: spend what is left of the step's budget on contexts being prefilled (best
+        waiting request first), in pieces on block multiples, at least one block per step."""
+        pending = [c for c in self._contexts.values() if c.job is not None]
+        if not pending:
+            return
+        align = self.store.block_tokens if self.store is not None else 1
+        nobody = (self.mlfq_levels, 0)  # a context no admitted request waits for (kept for the queue's head): last
+        pending.sort(key=lambda c: min((self._priority(t) for t in c.waiting), default=nobody))
+        progressed = False
+        for ctx in pending:
+            left = max(0, self._budget or 0)
+            grant = left // align * align
+            if grant == 0:
+                if progressed:
+                    break
+                grant = align  # a prefill always progresses
+            t0 = time.perf_counter()
+            try:
+                done = ctx.job.advance(grant)
+                if ctx.job.remaining == 0:
+                    handle, hit = ctx.job.finish()
+                    ctx.handle, ctx.job = handle, None
+            except Exception as e:  # noqa: BLE001 - the context's requests fail, the scheduler goes on
+                self._fail_context(ctx, f"{type(e).__name__}: {e}")
+                continue
+            self.prefill_seconds += time.perf_counter() - t0
+            progressed = True
+            self._budget = (self._budget or 0) - done
+            self.counters["prefill_chunks"] += 1
+            self.counters["prefill_tokens"] += done
+            if ctx.job is None:
+                self._note_peak()
+                for t in list(ctx.waiting):
+                    ctx.waiting.remove(t)
+                    self._join(t)
+
+    def _fail_context(self, ctx: _Context, message: str) -> None:
+        for t in list(ctx.waiting):
+            self._end(t, "error", error=message)
+        if ctx.job is not None:
+            ctx.job.cancel()
+            ctx.job = None
+        if self._contexts.get(ctx.key) is ctx:
+            del self._contexts[ctx.key]
+            self.live_bytes -= ctx.tokens * self.bytes_per_token
 
     def _prompt_logprobs(self, r: ServeRequest) -> list:
         t0 = time.perf_counter()
@@ -476,6 +675,16 @@ class Scheduler:
         prompt = list(r.prompt_ids[: ctx_tokens + k])
         producer = None if self.share else r.decoder
         t0 = time.perf_counter()
+        if self.prefill_chunk_tokens is not None:  # pieces in the coming steps (``_prefill_pieces``)
+            job = self.engine.begin_prefill(prompt, self.store, producer=producer, handoff_tokens=k)
+            self.prefill_seconds += time.perf_counter() - t0
+            self.counters["prefills"] += 1
+            self.counters["prefix_hit_tokens"] += job.hit
+            t.prefix_hit_tokens = job.hit
+            ctx = _Context(key, job.handle, ctx_tokens, job=job)
+            self._contexts[key] = ctx
+            self.live_bytes += ctx_tokens * self.bytes_per_token
+            return ctx
         if self.store is not None:
             handle, hit = self.engine.prefill_cached(prompt, self.store, producer=producer, handoff_tokens=k)
         else:
@@ -494,10 +703,13 @@ class Scheduler:
         t.state, t.result, t.error, t.t_done = state, result, error, time.perf_counter()
         if t._rid is not None:
             self._running.pop(t._rid, None)
+        if t._ctx is not None:  # admitted: its reservation and its use of the context end
             self.live_bytes -= t._reserved
             t._reserved = 0
-            if t._ctx is not None:
-                t._ctx.users -= 1
+            t._ctx.users -= 1
+            if t in t._ctx.waiting:
+                t._ctx.waiting.remove(t)
+            t._ctx = None
         self.counters[state] += 1
         t.done.set()
         if t.on_done is not None:
@@ -514,7 +726,10 @@ class Scheduler:
             keep = self._context_key(head.request, self._split(head.request)[0])
         for key, ctx in list(self._contexts.items()):
             if ctx.users == 0 and key != keep:
-                ctx.handle.release()
+                if ctx.job is not None:
+                    ctx.job.cancel()  # a prefill in pieces nobody waits for any more
+                else:
+                    ctx.handle.release()
                 del self._contexts[key]
                 self.live_bytes -= ctx.tokens * self.bytes_per_token
 
@@ -529,6 +744,9 @@ class Scheduler:
             except Exception:  # noqa: BLE001
                 pass
             self._end(t, "error", error=message)
+        for ctx in list(self._contexts.values()):
+            if ctx.waiting:
+                self._fail_context(ctx, message)
         self._drop_unused_contexts()
 
     def stats(self) -> dict:
@@ -538,7 +756,8 @@ class Scheduler:
                    store_bytes=self.store_bytes, peak_live_kv_bytes=self.peak_live_bytes,
                    peak_total_kv_bytes=self.peak_total_bytes, kv_budget_bytes=self.kv_budget_bytes,
                    prefill_seconds=self.prefill_seconds, decode_seconds=self.decode_seconds,
-                   share=self.share)
+                   share=self.share, policy=self.policy, prefill_chunk_tokens=self.prefill_chunk_tokens,
+                   max_running=self.max_running, pending_prefill_tokens=self.pending_prefill_tokens)
         # prompt tokens whose KV was reused (a live shared context, or prefix-store blocks) / all prompt tokens
         reused = out.get("prefix_hit_tokens", 0) + out.get("context_reuse_tokens", 0)
         out["prefix_hit_ratio"] = reused / out["prompt_tokens"] if out.get("prompt_tokens") else 0.0

@@ -3,7 +3,7 @@
 Split along its concepts; every public name is importable from ``ccft.serving.workloads``:
 
 * ``patterns``: ``generate`` (ReAct / Reflexion traces; the patterns, lengths and arrivals are
-  described there), ``describe``, ``KINDS``, ``DEFAULT_AGENTS``;
+  described there), ``describe``, ``KINDS``, ``DEFAULT_AGENTS``, ``EIGHT_AGENTS``;
 * ``trace``: ``Request``, ``Trace`` (the JSONL file format, ``save`` / ``load``), ``TraceReplay``;
 * ``kv``: Eq. 9 of PrefillShare, ``KVTokens`` and ``kv_tokens``;
 * ``pools``: the bundled text pools and exact-length token pieces (tokenizer helpers).
@@ -22,7 +22,9 @@ from ccft.serving.workloads.kv import KVTokens, kv_tokens
 from ccft.serving.workloads.patterns import (  # noqa: F401 - the constants are public names of ccft 0.1's module
     AGENT_DOMAIN,
     DEFAULT_AGENTS,
+    EIGHT_AGENTS,
     KINDS,
+    MORE_AGENTS,
     REFLECT_TEXT,
     ROLE_TEXT,
     SYSTEM_TEXT,
@@ -33,5 +35,5 @@ from ccft.serving.workloads.pools import DOMAINS, RESOURCES  # noqa: F401
 from ccft.serving.workloads.trace import FORMAT, FORMAT_VERSION, Request, Trace, TraceReplay  # noqa: F401
 
 __all__ = [
-    "DEFAULT_AGENTS", "KINDS", "KVTokens", "Request", "Trace", "TraceReplay", "describe", "generate", "kv_tokens",
+    "DEFAULT_AGENTS", "EIGHT_AGENTS", "KINDS", "MORE_AGENTS", "KVTokens", "Request", "Trace", "TraceReplay", "describe", "generate", "kv_tokens",
 ]

@@ -33,6 +33,15 @@ ends with the assistant header, otherwise plain ``System:``/``User:``/``Assistan
 system text is the same in every session, so the first tokens of every session's context are
 identical (a cross-session prefix); the task differs per session.
 
+Output lengths: every agent call generates up to ``max_new_tokens`` (one int, or one per agent);
+with ``new_tokens_spread=s > 0`` each call's budget is drawn instead around it, log-normally
+(``round(n·exp(N(0, s)))``, at least 1; its own seeded generator, so every other byte of the trace
+is unchanged): real agents' outputs are not all the same length, and a scheduler's policy (FCFS
+vs MLFQ) matters only when they differ.
+
+Eight agents: ``EIGHT_AGENTS`` = the default four + ``MORE_AGENTS`` (critic, search, writer,
+verifier), each with its own role text.
+
 Arrivals: sessions arrive as a Poisson process of ``rate`` sessions per second (session 0 at
 t=0; ``rate=None`` puts every session at t=0). Every request carries its session's arrival
 offset and ``depends_on``: a request is released at ``max(arrival, finish of its
@@ -44,6 +53,7 @@ The file format is described in ``ccft.serving.workloads.trace``; an example is 
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -52,11 +62,13 @@ from ccft.core.errors import ConfigError
 from ccft.serving.workloads.pools import DOMAINS, TokenPieces, tokenizer_info
 from ccft.serving.workloads.trace import FORMAT, FORMAT_VERSION, Request, Trace
 
-__all__ = ["KINDS", "DEFAULT_AGENTS", "SYSTEM_TEXT", "ROLE_TEXT", "REFLECT_TEXT", "AGENT_DOMAIN", "generate",
+__all__ = ["KINDS", "DEFAULT_AGENTS", "MORE_AGENTS", "EIGHT_AGENTS", "SYSTEM_TEXT", "ROLE_TEXT", "REFLECT_TEXT", "AGENT_DOMAIN", "generate",
            "describe"]
 
 KINDS = ("react", "reflexion")
 DEFAULT_AGENTS = ("planner", "math", "code", "tools")
+MORE_AGENTS = ("critic", "search", "writer", "verifier")  #: four more roles for 8-agent traces
+EIGHT_AGENTS = DEFAULT_AGENTS + MORE_AGENTS
 
 SYSTEM_TEXT = ("You are one agent of a team that solves a task together: a planner, a math agent, a code "
                "agent and a tools agent. Everyone reads the same shared trajectory below: the task, then "
@@ -67,10 +79,15 @@ ROLE_TEXT = {
     "math": "Math agent: solve the arithmetic sub-problem below step by step.",
     "code": "Code agent: write a Python function for the sub-task below.",
     "tools": "Tools agent: pick a function and its JSON arguments for the request below.",
+    "critic": "Critic: check the latest step of the trajectory for mistakes and say what to fix.",
+    "search": "Search agent: write the query that finds the missing fact for the step below.",
+    "writer": "Writer: turn the results so far into a short answer for the user.",
+    "verifier": "Verifier: test the proposed answer below against the task and say pass or fail.",
 }
 REFLECT_TEXT = ("Reflect: the last trial did not solve the task. Say what went wrong and write a short plan "
                 "for the next trial.")
-AGENT_DOMAIN = {"planner": "mixed", "math": "math", "code": "code", "tools": "tools"}
+AGENT_DOMAIN = {"planner": "mixed", "math": "math", "code": "code", "tools": "tools", "critic": "mixed",
+                "search": "tools", "writer": "mixed", "verifier": "math"}
 
 
 def _agents(agents: int | Sequence[str]) -> list[str]:
@@ -99,6 +116,13 @@ def _max_new(max_new_tokens: int | Mapping[str, int], agents: list[str]) -> dict
     return out
 
 
+def _draw(n: int, spread: float, rng: random.Random) -> int:
+    """One call's output budget: ``n``, or with ``spread > 0`` ``max(1, round(n·exp(N(0, spread))))``."""
+    if not spread:
+        return n
+    return max(1, round(n * math.exp(rng.gauss(0.0, float(spread)))))
+
+
 def _check_int(name: str, value: int, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(f"{name}: must be an integer >= {minimum}, got {value!r}")
@@ -108,7 +132,8 @@ def _check_int(name: str, value: int, minimum: int) -> int:
 def generate(kind: str, *, sessions: int = 16, turns: int = 4, agents: int | Sequence[str] = DEFAULT_AGENTS,
              shared_tokens: int = 512, unique_tokens: int = 32, growth_tokens: int = 64,
              max_new_tokens: int | Mapping[str, int] = 64, rate: float | None = 1.0, seed: int = 0,
-             tokenizer, reflection_tokens: int | None = None, steps_per_trial: int = 1) -> Trace:
+             tokenizer, reflection_tokens: int | None = None, steps_per_trial: int = 1,
+             new_tokens_spread: float = 0.0) -> Trace:
     """Build a ReAct or Reflexion multi-agent trace (see the module docstring for the patterns).
 
     Args:
@@ -125,6 +150,8 @@ def generate(kind: str, *, sessions: int = 16, turns: int = 4, agents: int | Seq
         tokenizer: the base model's tokenizer (a Hugging Face tokenizer).
         reflection_tokens: Reflexion only, tokens of each reflection appended (default ``growth_tokens``).
         steps_per_trial: Reflexion only, act turns per trial.
+        new_tokens_spread: s ≥ 0; s > 0 draws each call's ``max_new_tokens`` log-normally around its
+            agent's value (``round(n·exp(N(0, s)))``, at least 1; see the module docstring). 0: fixed.
     Raises:
         ConfigError: unknown kind, or a field out of range (the message names it).
     """
@@ -140,6 +167,8 @@ def generate(kind: str, *, sessions: int = 16, turns: int = 4, agents: int | Seq
     _check_int("reflection_tokens", reflection_tokens, 0)
     if kind == "react" and steps_per_trial != 1:
         raise ConfigError("steps_per_trial: only used by kind='reflexion'; leave it at 1 for react")
+    if not isinstance(new_tokens_spread, (int, float)) or new_tokens_spread < 0:
+        raise ConfigError(f"new_tokens_spread: must be a number >= 0 (0: fixed lengths), got {new_tokens_spread!r}")
     if rate is not None and (not isinstance(rate, (int, float)) or rate < 0):
         raise ConfigError(f"rate: sessions per second must be >= 0 or None, got {rate!r}")
     if tokenizer is None:
@@ -174,6 +203,7 @@ def generate(kind: str, *, sessions: int = 16, turns: int = 4, agents: int | Seq
     requests: list[Request] = []
     for s in range(sessions):
         rng = random.Random(f"ccft-trace:{seed}:session:{s}")
+        lrng = random.Random(f"ccft-trace:{seed}:lengths:{s}")  # its own stream: other bytes do not change
         domain = DOMAINS[rng.randrange(len(DOMAINS))]
         # initial context: system turn + user task turn, exactly shared_tokens
         ctx_id = f"s{s}.ctx"
@@ -201,7 +231,7 @@ def generate(kind: str, *, sessions: int = 16, turns: int = 4, agents: int | Seq
                 requests.append(Request(request_id=rid, session=s, turn=t, phase=phase, agent=agent,
                                         arrival=arrivals[s], depends_on=tuple(prev), segments=(*context, rid),
                                         shared_len=shared_len, unique_len=unique_tokens,
-                                        max_new_tokens=budget[agent]))
+                                        max_new_tokens=_draw(budget[agent], new_tokens_spread, lrng)))
                 ids.append(rid)
             prev = ids
             if t == len(plan) - 1 or record_len == 0:
@@ -222,7 +252,8 @@ def generate(kind: str, *, sessions: int = 16, turns: int = 4, agents: int | Seq
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "kind": kind, "seed": seed, "sessions": sessions,
             "turns": turns, "agents": names, "shared_tokens": shared_tokens, "unique_tokens": unique_tokens,
             "growth_tokens": growth_tokens, "reflection_tokens": reflection_tokens if kind == "reflexion" else 0,
-            "steps_per_trial": steps_per_trial, "max_new_tokens": budget, "rate": rate,
+            "steps_per_trial": steps_per_trial, "max_new_tokens": budget, "new_tokens_spread": new_tokens_spread,
+            "rate": rate,
             "markup": "chatml" if toks.chatml else "plain", "tokenizer": tokenizer_info(tokenizer),
             "num_segments": len(segments), "num_requests": len(requests)}
     return Trace(meta, segments, requests)
