@@ -196,9 +196,9 @@ def test_serve_cli_flags(world):
     from ccft.cli.serve import build_scheduler
 
     args = build_parser().parse_args(["serve", "--model", world[0].path, "--prefill-chunk-tokens", "64",
-                                      "--policy", "mlfq"])
+                                      "--policy", "mlfq", "--max-running", "3"])
     sched, _ = build_scheduler(args)
-    assert sched.prefill_chunk_tokens == 64 and sched.policy == "mlfq"
+    assert sched.prefill_chunk_tokens == 64 and sched.policy == "mlfq" and sched.max_running == 3
     sched, _ = build_scheduler(build_parser().parse_args(["serve", "--model", world[0].path]))
     assert sched.prefill_chunk_tokens is None and sched.policy == "fcfs"
     bench = build_parser().parse_args(["bench", "serve", "--prefill-chunk-tokens", "32", "--policy", "both",

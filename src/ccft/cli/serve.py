@@ -48,6 +48,10 @@ def add_parser(sub) -> None:
                         "(default: whole prefills between steps; docs/serving.md)")
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "mlfq"],
                    help="scheduling policy: first come first served, or a multi-level feedback queue (docs/serving.md)")
+    p.add_argument("--max-running", type=int, default=None,
+                   help="rows decoded per step: with --policy mlfq the best ones run and the others pause (their "
+                        "KV kept), which is what lets short requests pass long ones; with fcfs, a cap on admitted "
+                        "requests (default: no cap)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a chat request without one")
     p.add_argument("--max-body-mb", type=float, default=4.0,
                    help="longest request body (MiB); longer ones get 413 before they are read (0: no limit)")
@@ -145,7 +149,8 @@ def build_scheduler(args):
     budget = None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2 ** 20)
     scheduler = Scheduler(engine, share=not args.no_share, store=store, kv_budget_bytes=budget,
                           max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
-                          prefill_chunk_tokens=args.prefill_chunk_tokens, policy=args.policy)
+                          prefill_chunk_tokens=args.prefill_chunk_tokens, policy=args.policy,
+                          max_running=getattr(args, "max_running", None))
     return scheduler, base.tokenizer
 
 

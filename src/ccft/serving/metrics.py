@@ -49,7 +49,8 @@ class ServerMetrics:
     """
 
     SCHEDULER_COUNTERS = ("submitted", "admitted", "prefills", "prefill_tokens", "prefix_hit_tokens", "decode_steps",
-                          "decode_rows", "admission_waits", "done", "cancelled", "error", "rejected_queue_full")
+                          "decode_rows", "admission_waits", "done", "cancelled", "error", "rejected_queue_full",
+                          "prefill_chunks", "mlfq_demotions", "mlfq_promotions")
 
     def __init__(self, scheduler: Scheduler):
         self.registry = prom.CollectorRegistry()
