@@ -92,9 +92,10 @@ class CacheConditionedTrainer(Trainer):
     (one forward, LoRA gated off on the prefix); Full-FT runs ``self-prefill``.
     Loss (``self.loss_path``): ``chunked`` (``args.loss_chunk_tokens`` > 0 and the model qualifies,
     ``ccft.train.loss``: the LM head and cross-entropy over the supervised tokens, that many at a time, no
-    full-vocabulary logits) or ``full-logits`` (``response_nll_rows`` over the tail's logits; also used
-    whenever logits are returned: ``return_outputs``, ``compute_metrics``).
-    Full-weight decoders get their input embedding frozen when ``args.freeze_embeddings`` (default).
+    full-vocabulary logits; the tail's logits are still computed where they are returned: ``return_outputs``,
+    ``compute_metrics``) or ``full-logits`` (``response_nll_rows`` over the tail's logits); why not chunked:
+    ``self.loss_unchunked_reason``. Full-weight decoders get their input embedding frozen when
+    ``args.freeze_embeddings`` (default; ``self.frozen_embeddings`` names what was frozen).
     Supports: LoRA and full weights, gradient accumulation, gradient checkpointing, eval NLL with
     ``compute_metrics``, ``load_best_model_at_end`` with ``save_total_limit``,
     ``report_to`` (wandb/tensorboard), resume from checkpoint, accelerate/DeepSpeed launches.
@@ -118,6 +119,7 @@ class CacheConditionedTrainer(Trainer):
         self.train_path = resolve_train_path(getattr(self.args, "train_path", "auto"), method=self.method,
                                              decoder_kind=self._decoder_kind, model=self.model)
         self._gate = None  # the LoRA token gate of the running one-pass step
+        self.frozen_embeddings: list[str] = []
         if self._decoder_kind == "full" and getattr(self.args, "freeze_embeddings", True):
             self.frozen_embeddings = freeze_input_embeddings(self.model)
         chunk = int(getattr(self.args, "loss_chunk_tokens", 0) or 0)
