@@ -12,7 +12,7 @@ keep the copies cross-entropy makes (the shifted view, log-softmax, their gradie
 3. in ``LinearCrossEntropy`` (a custom ``torch.autograd.Function``, the fused / chunked linear
    cross-entropy of Liger-Kernel, arXiv 2410.10989, §3.2, written for any device), projects ``chunk``
    tokens at a time onto the vocabulary, adds their NLL to the sum and, when gradients are needed, turns
-   the chunk's logits in place into ``softmax − onehot`` and multiplies it into the gradients of the
+   the chunk's log-probabilities in place into ``softmax − onehot`` and multiplies it into the gradients of the
    hidden states (``(n, h)``) and of the LM head's weight (``(v, h)``, only when it trains) right away.
    No logits outlive their chunk; the backward scales the stored gradients by the incoming one.
 
@@ -131,14 +131,16 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = h @ weight.t()
             if bias is not None:
                 logits = logits + bias
-            logits = logits.float()
-            lse = torch.logsumexp(logits, dim=-1)
-            nll = lse - logits.gather(1, t[:, None]).squeeze(1)
+            # log_softmax, as F.cross_entropy computes it (torch.logsumexp rounds differently: ~5e-6 relative
+            # on SmolLM2's peaked distributions)
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            del logits
+            nll = -logp.gather(1, t[:, None]).squeeze(1)
             per_token[start:end] = nll
             total += nll.sum()
             if need_h or need_w or need_b:
-                # d nll / d logits = softmax − onehot, written over the logits buffer.
-                g = logits.sub_(lse[:, None]).exp_()
+                # d nll / d logits = softmax − onehot, written over the log-probabilities.
+                g = logp.exp_()
                 g[torch.arange(end - start, device=g.device), t] -= 1.0
                 if need_b:
                     grad_b += g.sum(0)
@@ -147,7 +149,6 @@ class LinearCrossEntropy(torch.autograd.Function):
                     grad_h[start:end] = g @ weight
                 if need_w:
                     grad_w += (g.t() @ h).float()
-            del logits
         ctx.mark_non_differentiable(per_token)
         ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
         ctx.have = (need_h, need_w, need_b)
