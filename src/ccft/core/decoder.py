@@ -70,7 +70,8 @@ def check_base_reader(base, decoder: Decoder) -> None:
 
 
 def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: torch.Tensor | None = None,
-                    *, check: bool = True, fingerprint: str | None = None, allow_self: bool = False) -> torch.Tensor:
+                    *, check: bool = True, fingerprint: str | None = None, allow_self: bool = False,
+                    logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
     """Logits of a decoder over the handoff tokens + response, conditioned on a prefix cache.
 
     The CCFT forward (PrefillShare, arXiv 2602.12029, §3): the decoder reads ``C_base(prompt[:n-k])`` and
@@ -84,9 +85,11 @@ def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: 
         check: also re-check after the forward that nothing wrote into the cache.
         fingerprint: the reader's base fingerprint when ``model`` is a bare module (a ``Decoder`` knows its own).
         allow_self: read a cache a model wrote over its own prompt (studies of sharing ratios; not C_base).
+        logits_to_keep: the tail positions the LM head projects, as transformers takes it (0: all; an empty
+            index tensor: none, for a loss computed from the final hidden states, ``ccft.train.loss``).
     Returns:
-        logits ``(b, t, v)``: position j predicts tail token j+1. Positions continue each row's real
-        prompt length: row i's first tail token is at position ``cache.lengths[i]``.
+        logits ``(b, t, v)`` (t: the kept positions): position j predicts tail token j+1. Positions continue each
+        row's real prompt length: row i's first tail token is at position ``cache.lengths[i]``.
     Raises:
         FingerprintMismatchError: the cache comes from another base, another dtype, or a decoder (K5).
         CacheMutatedError: C_base was written in place (before or during the forward; docs/design.md, K1).
@@ -102,6 +105,8 @@ def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: 
     mask = torch.cat([cache.attention_mask.to(device), tail_mask], dim=1)
     allow_readonly_cache_under_checkpointing(model)
     kwargs = {cache_kwarg(model): cache.as_prefix_cache()}
+    if not isinstance(logits_to_keep, int) or logits_to_keep != 0:
+        kwargs["logits_to_keep"] = logits_to_keep
     out = model(input_ids=tail_ids, attention_mask=mask, position_ids=positions, use_cache=False, **kwargs)
     if check:
         cache.check_unmodified()
@@ -109,10 +114,12 @@ def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: 
 
 
 def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor,
-                 tail_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 tail_mask: torch.Tensor | None = None, *, logits_to_keep: int | torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """Logits of a model prefilling its own prompt (Full-FT, base): one forward over prefix + tail.
 
     Same layout and positions as ``decoder_forward``; returns only the tail's logits ``(b, t, v)``.
+    ``logits_to_keep``: default the t tail positions; an empty index tensor projects none (``(b, 0, v)``).
     """
     if isinstance(model, Decoder):
         model = model.activate()
@@ -126,7 +133,8 @@ def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tai
         tail_ids.shape[1], device=ids.device)
     t = tail_ids.shape[1]
     # Only the tail's logits are needed: skip the vocabulary projection over the prompt.
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=t)
+    keep = t if logits_to_keep is None else logits_to_keep
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep)
     return out.logits[:, -t:]
 
 

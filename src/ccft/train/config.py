@@ -90,6 +90,10 @@ class TrainConfig(TrainingArguments):
     Speed:
         train_path: ``auto`` | ``two-pass`` | ``one-pass`` (CCFT with LoRA; see ``ccft.train.fastpath``).
         base_cache_store: folder of precomputed C_base (``ccft precompute``), used when it matches.
+        loss_chunk_tokens: supervised tokens the LM head and cross-entropy process at a time, without
+            full-vocabulary logits (``ccft.train.loss``); 0: the full-logits loss.
+        freeze_embeddings: full-weight decoders: keep the input embedding (and with tied embeddings the LM
+            head, the same matrix) frozen; false trains it (a dense ``(v, h)`` gradient every step).
     """
 
     output_dir: str = field(default="runs/ccft", metadata={"help": "Run folder: the final decoder (with ccft.json) and its checkpoint-N/ folders."})
@@ -117,6 +121,10 @@ class TrainConfig(TrainingArguments):
         "help": "auto | two-pass | one-pass: how CCFT computes C_base for LoRA decoders (auto: the faster)."})
     base_cache_store: str | None = field(default=None, metadata={
         "help": "Folder of precomputed C_base (`ccft precompute`); stale or corrupt shards are recomputed."})
+    loss_chunk_tokens: int = field(default=1024, metadata={
+        "help": "Supervised tokens per LM-head + cross-entropy chunk (no full-vocabulary logits); 0: full logits."})
+    freeze_embeddings: bool = field(default=True, metadata={
+        "help": "decoder_kind=full: freeze the input embedding (with tied embeddings also the LM head)."})
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -136,7 +144,8 @@ class TrainConfig(TrainingArguments):
             raise ConfigError("train_path=one-pass applies to method=ccft with decoder_kind=lora only; "
                               "use train_path=auto")
         for name, low in (("per_device_train_batch_size", 1), ("per_device_eval_batch_size", 1),
-                          ("gradient_accumulation_steps", 1), ("lora_r", 1), ("data_offset", 0)):
+                          ("gradient_accumulation_steps", 1), ("lora_r", 1), ("data_offset", 0),
+                          ("loss_chunk_tokens", 0)):
             if getattr(self, name) < low:
                 raise ConfigError(f"{name}={getattr(self, name)}; it must be ≥ {low}")
         for name in ("train_rows", "eval_rows"):

@@ -196,12 +196,14 @@ def one_pass_layout(prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_id
 
 
 def one_pass_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor,
-                     tail_mask: torch.Tensor | None = None, *, gate: LoraTokenGate | None = None) -> torch.Tensor:
+                     tail_mask: torch.Tensor | None = None, *, gate: LoraTokenGate | None = None,
+                     logits_to_keep: int | torch.Tensor | None = None) -> torch.Tensor:
     """Decoder logits over the tail ``(b, t, v)`` from ONE forward, LoRA gated off on ``prompt[:n-k]``.
 
     Equals ``decoder_forward(model, C_base, tail_ids, tail_mask)`` (same positions, same masks; fp32
     agreement to rounding). ``gate``: an entered ``LoraTokenGate`` of ``model`` to reuse (the trainer
-    keeps one entered across forward and backward); default: one for this call only.
+    keeps one entered across forward and backward); default: one for this call only. ``logits_to_keep``:
+    default the t tail positions; an empty index tensor projects none (``ccft.train.loss``).
     """
     if tail_mask is None:
         tail_mask = torch.ones_like(tail_ids)
@@ -211,7 +213,8 @@ def one_pass_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,
         if gate is None:
             gate = stack.enter_context(LoraTokenGate(model))
         gate.set(g)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=t)
+        keep = t if logits_to_keep is None else logits_to_keep
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep)
     return out.logits[:, -t:]
 
 

@@ -38,6 +38,7 @@ from ccft.core.io import replace_dir
 from ccft.core.tokens import IGNORE_INDEX
 from ccft.train.data import Collator
 from ccft.train.fastpath import gate_for_step, one_pass_forward, resolve_train_path
+from ccft.train.loss import NO_LOGITS, capture_final_hidden, chunked_loss_unsupported, chunked_nll, lm_head
 
 #: Where checkpoints are written before they are renamed into ``OUTPUT_DIR/checkpoint-N``.
 STAGING_DIR = ".staging"
@@ -60,6 +61,21 @@ def response_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     return nll.sum(), count.sum()
 
 
+def freeze_input_embeddings(model) -> list[str]:
+    """Freeze the input embedding matrix of a full-weight decoder (``requires_grad=False``); returns the names
+    of the parameters frozen. With tied embeddings (SmolLM2) this one matrix is also the LM head's weight.
+
+    A trained embedding costs a dense ``(v, h)`` gradient and optimizer update every step although a
+    batch touches a few hundred of its rows (the ``freeze_embeddings`` recipe key, docs/training.md)."""
+    emb = model.get_input_embeddings()
+    frozen = []
+    for name, p in model.named_parameters():
+        if any(p is q for q in emb.parameters()) and p.requires_grad:
+            p.requires_grad_(False)
+            frozen.append(name)
+    return frozen
+
+
 class CacheConditionedTrainer(Trainer):
     """Trainer for CCFT and Full-FT decoders.
 
@@ -74,6 +90,12 @@ class CacheConditionedTrainer(Trainer):
     Paths (``args.train_path``, resolved into ``self.train_path``; see ``ccft.train.fastpath``): CCFT runs
     ``two-pass`` (no-grad base prefill, then the decoder on the tail) or, LoRA only, ``one-pass``
     (one forward, LoRA gated off on the prefix); Full-FT runs ``self-prefill``.
+    Loss (``self.loss_path``): ``chunked`` (``args.loss_chunk_tokens`` > 0 and the model qualifies,
+    ``ccft.train.loss``: the LM head and cross-entropy over the supervised tokens, that many at a time, no
+    full-vocabulary logits; the tail's logits are still computed where they are returned: ``return_outputs``,
+    ``compute_metrics``) or ``full-logits`` (``response_nll_rows`` over the tail's logits); why not chunked:
+    ``self.loss_unchunked_reason``. Full-weight decoders get their input embedding frozen when
+    ``args.freeze_embeddings`` (default; ``self.frozen_embeddings`` names what was frozen).
     Supports: LoRA and full weights, gradient accumulation, gradient checkpointing, eval NLL with
     ``compute_metrics``, ``load_best_model_at_end`` with ``save_total_limit``,
     ``report_to`` (wandb/tensorboard), resume from checkpoint, accelerate/DeepSpeed launches.
@@ -97,6 +119,12 @@ class CacheConditionedTrainer(Trainer):
         self.train_path = resolve_train_path(getattr(self.args, "train_path", "auto"), method=self.method,
                                              decoder_kind=self._decoder_kind, model=self.model)
         self._gate = None  # the LoRA token gate of the running one-pass step
+        self.frozen_embeddings: list[str] = []
+        if self._decoder_kind == "full" and getattr(self.args, "freeze_embeddings", True):
+            self.frozen_embeddings = freeze_input_embeddings(self.model)
+        chunk = int(getattr(self.args, "loss_chunk_tokens", 0) or 0)
+        self.loss_unchunked_reason = "loss_chunk_tokens=0" if chunk <= 0 else chunked_loss_unsupported(self.model)
+        self.loss_path = "full-logits" if self.loss_unchunked_reason else "chunked"
         if base is not None and self.method == "ccft" and self.is_deepspeed_enabled:
             from ccft.train.distributed import place_frozen_base
 
@@ -128,18 +156,39 @@ class CacheConditionedTrainer(Trainer):
             return prefill_tensors(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"][:, : self.args.handoff_tokens],
                                     handoff_tokens=self.args.handoff_tokens, fingerprint=self.base.fingerprint)
 
-    def tail_logits(self, model, inputs) -> torch.Tensor:
-        """Decoder logits over the tail ``(b, t, v)`` for this trainer's method."""
+    def tail_logits(self, model, inputs, *, logits_to_keep: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder logits over the tail ``(b, t, v)`` for this trainer's method (``logits_to_keep``: default
+        all t tail positions; an empty index tensor projects none)."""
         if self.method == "ccft" and self.train_path == "one-pass":
             self.last_base_cache = None  # C_base is never materialised: the prefix runs inside the forward
             return one_pass_forward(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"],
-                                    inputs["tail_mask"], gate=self._gate)
+                                    inputs["tail_mask"], gate=self._gate, logits_to_keep=logits_to_keep)
         if self.method == "ccft":
             cache = self._base_cache(inputs)
             self.last_base_cache = cache
-            return decoder_forward(model, cache, inputs["tail_ids"], inputs["tail_mask"])
+            return decoder_forward(model, cache, inputs["tail_ids"], inputs["tail_mask"],
+                                   logits_to_keep=0 if logits_to_keep is None else logits_to_keep)
         return full_forward(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"],
-                            inputs["tail_mask"])
+                            inputs["tail_mask"], logits_to_keep=logits_to_keep)
+
+    def response_nll(self, model, inputs, *, logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor | None]:
+        """``(nll_sum (), nll_rows (b,), count_rows (b,), logits (b, t, v) or None)`` of a batch, the NLL over
+        its supervised tokens. On the ``chunked`` loss path the LM head projects no position in the forward
+        (unless ``logits`` are asked for) and the NLL comes from the final hidden states
+        (``ccft.train.loss.chunked_nll``), so its value does not depend on ``logits``."""
+        labels = inputs["labels"]
+        if self.loss_path != "chunked":
+            out = self.tail_logits(model, inputs)
+            nll_rows, count_rows = response_nll_rows(out, labels)
+            return nll_rows.sum(), nll_rows, count_rows, out
+        t = inputs["tail_ids"].shape[1]
+        keep = None if logits else NO_LOGITS.to(inputs["tail_ids"].device)
+        with capture_final_hidden(model) as captured:
+            out = self.tail_logits(model, inputs, logits_to_keep=keep)
+        hidden = captured["hidden"][:, -t:]
+        total, nll_rows, count_rows = chunked_nll(hidden, labels, lm_head(model), self.args.loss_chunk_tokens)
+        return total, nll_rows, count_rows, out if logits else None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The stock step; on the one-pass path the LoRA token gate stays on through the backward
@@ -153,8 +202,8 @@ class CacheConditionedTrainer(Trainer):
                 self._gate = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        logits = self.tail_logits(model, inputs)
-        nll, count = response_nll_sum(logits, inputs["labels"])
+        nll, _, count_rows, logits = self.response_nll(model, inputs, logits=return_outputs)
+        count = count_rows.sum()
         if count.item() == 0:
             raise ValueError("a training batch has no supervised tokens; every row needs a non-empty response")
         if num_items_in_batch is None:
@@ -173,18 +222,18 @@ class CacheConditionedTrainer(Trainer):
         ``evaluation_loop`` reports."""
         inputs = self._prepare_inputs(inputs)
         one_pass = self.method == "ccft" and self.train_path == "one-pass"
+        need_logits = not prediction_loss_only and self.compute_metrics is not None
         with torch.no_grad(), gate_for_step(self.accelerator.unwrap_model(model), one_pass) as gate:
             self._gate = gate
             try:
-                logits = self.tail_logits(model, inputs)
+                _, nll, count, logits = self.response_nll(model, inputs, logits=need_logits)
             finally:
                 self._gate = None
-            nll, count = response_nll_rows(logits, inputs["labels"])
         # Per row, so that the rows accelerate repeats to even out the last batch across processes drop out.
         rows = self.accelerator.gather_for_metrics(torch.stack([nll.double(), count.double()], dim=-1))
         self._eval_totals += rows.sum(0)
         loss = (nll.sum() / count.sum().clamp(min=1)).detach()
-        if prediction_loss_only:
+        if not need_logits:
             return loss, None, None
         return loss, logits.detach(), inputs["labels"]
 

@@ -1,0 +1,64 @@
+"""`ccft bench train`: the corrected FLOP model, the reachable speedup and the memory keys (tiny smoke run)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ccft.bench.train import reachable_speedup, step_flops
+
+
+def test_step_flops_counts_the_lm_head_on_the_response_for_both_methods():
+    body, head, p, r = 10, 5, 3, 2
+    # full weights: prompt 6 (Full-FT) vs 2 (no-grad prefill); tail 6; LM head 4 (frozen) / 6 (trained) per response token
+    assert step_flops("full", "self-prefill", p, r, body, head, False) == 6 * 10 * 5 + 4 * 5 * 2
+    assert step_flops("full", "two-pass", p, r, body, head, False) == 2 * 10 * 3 + 6 * 10 * 2 + 4 * 5 * 2
+    assert step_flops("full", "two-pass", p, r, body, head, True) == 2 * 10 * 3 + 6 * 10 * 2 + 6 * 5 * 2
+    # LoRA: activation-only backward (4); one-pass costs what Full-FT costs
+    assert step_flops("lora", "two-pass", p, r, body, head, False) == 2 * 10 * 3 + 4 * 10 * 2 + 4 * 5 * 2
+    assert step_flops("lora", "one-pass", p, r, body, head, False) == step_flops("lora", "self-prefill", p, r, body,
+                                                                                 head, False) == 4 * 10 * 5 + 40
+    # no LM head and no optimizer: the plain formula's ratio
+    assert step_flops("full", "self-prefill", 48, 48, 1, 0, False) / step_flops("full", "two-pass", 48, 48, 1, 0,
+                                                                              False) == pytest.approx(1.5)
+
+
+def test_reachable_speedup_keeps_the_optimizer_update_common():
+    # Full-FT 10 s of which 2 s optimizer; CCFT does half the matrix work and the same 2 s update: 10 / (4 + 2)
+    assert reachable_speedup(10.0, 2.0, 2.0, 0.5) == pytest.approx(10 / 6)
+    assert reachable_speedup(10.0, 0.0, 0.0, 0.5) == pytest.approx(2.0)  # no optimizer cost: the FLOP ratio
+
+
+def test_bench_train_reports_reachable_fraction_and_peak_memory(tmp_path, tiny_dir, capsys):
+    from ccft.cli.main import main
+
+    out = tmp_path / "train.json"
+    before = torch.get_num_threads()
+    try:
+        assert main(["bench", "train", "--model", str(tiny_dir), "--kinds", "full", "lora", "--ratios", "4:1",
+                     "--row-tokens", "20", "--batch-size", "2", "--steps", "1", "--warmup", "0", "--threads", "1",
+                     "--no-trl", "--in-process", "--loss-chunk-tokens", "3", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    result = json.loads(out.read_text())
+    assert result["loss_chunk_tokens"] == 3 and result["freeze_embeddings"] is True
+    cases = {c["decoder"]: c for c in result["cases"]}
+    for kind, case in cases.items():
+        full, default = case["runs"]["ccft-full-ft"], case["default_path"]
+        ccft = case["runs"][f"ccft-{default}"]
+        assert full["loss_path"] == ccft["loss_path"] == "chunked"
+        assert full["head_trains"] is (kind == "full")  # the tiny model is untied: its LM head trains
+        assert 0 < full["params_head"] < full["params_body"] + full["params_head"]
+        p, r = case["prompt_tokens"], case["response_tokens"]
+        split = (full["params_body"], full["params_head"], full["head_trains"])
+        ratio = step_flops(kind, default, p, r, *split) / step_flops(kind, "self-prefill", p, r, *split)
+        want = full["cpu_s"] / ((full["cpu_s"] - full["opt_cpu_s"]) * ratio + ccft["opt_cpu_s"])
+        assert case["reachable_speedup"][default] == pytest.approx(want, rel=1e-12)
+        assert case["fraction_of_reachable"] == pytest.approx(case["ccft_speedup"][default] / want, rel=1e-12)
+        assert 0 < ccft["opt_cpu_s"] < ccft["cpu_s"] and ccft["peak_rss_mb_rusage"] > 0
+        assert result["peak_rss_mb"][f"{kind} 4:1"]["ccft-full-ft"] == full["peak_rss_mb_rusage"]
+    assert result["fraction_of_reachable"] == min(c["fraction_of_reachable"] for c in cases.values())
+    assert result["fullft_vs_trl"] is None and result["fullft_peak_vs_trl"] is None  # --no-trl
+    assert "fraction of reachable" in capsys.readouterr().out
