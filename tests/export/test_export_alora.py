@@ -10,6 +10,8 @@ greedy ``generate`` must give ccft's tokens. Also: the one-token-newline trap (P
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,6 +212,41 @@ def test_alora_export_on_the_embedded_model(tmp_path, tokenizer, gsm8k_rows):
     base = ccft.load_base("smollm2-135m-instruct")
     dec = make_lora(base, "default", 7, r=8, handoff=4)
     ccft.save_decoder(dec, tmp_path / "dec", recipe={"chat_template": "true"})
+    res = export_decoder(tmp_path / "dec", "peft-alora", tmp_path / "alora")
+    assert res.warnings == [] and res.invocation.text == "<|im_start|>assistant\n"
+    model = _stock_peft(resolve_model_path("smollm2-135m-instruct"), tmp_path / "alora")
+    for row in gsm8k_rows[:2]:
+        prompt = _chat(tokenizer, row["prompt"])
+        response = tokenize_response(tokenizer, row["response"])
+        ours = _ccft_logits(dec, prompt, response)
+        theirs = _peft_logits(model, prompt, response, 4)
+        assert (ours - theirs).abs().max().item() <= TOL * max(1.0, ours.abs().max().item())
+        (gen,) = ccft.generate([prompt], mode="prefillshare", decoder=dec, max_new_tokens=N_NEW)
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 pad_token_id=tokenizer.pad_token_id)
+        eos = tokenizer.eos_token_id
+        assert [t for t in out[0, len(prompt):].tolist() if t != eos] == [t for t in gen.token_ids if t != eos]
+
+
+@pytest.mark.slow
+def test_alora_export_of_a_trained_decoder_on_the_embedded_model(tmp_path, tokenizer, gsm8k_rows):
+    """A CCFT LoRA decoder trained by ``ccft train`` (the math recipe, handoff_tokens=4, 3 steps) on the embedded
+    SmolLM2-135M, exported as a PEFT aLoRA adapter: stock PEFT gives ccft's prefillshare logits and greedy tokens."""
+    from ccft.core.models import resolve_model_path
+    from ccft.train.config import load_recipe
+    from ccft.train.run import run_training
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "math-gsm8k.yaml"
+    cfg, _, raw = load_recipe(recipe, [
+        "handoff_tokens=4", "train_rows=8", "max_steps=3", "per_device_train_batch_size=4",
+        "gradient_accumulation_steps=1", "learning_rate=1e-3", "warmup_steps=0", "eval_strategy=no",
+        "save_strategy=no", "logging_steps=1", "use_cpu=true", "disable_tqdm=true", f"output_dir={tmp_path / 'dec'}"])
+    result = run_training(cfg, recipe=raw)
+    assert len(result.loss_curve) == 3 and all(math.isfinite(x) for _, x in result.loss_curve)
+    base = ccft.load_base("smollm2-135m-instruct")
+    dec = ccft.load_decoder(tmp_path / "dec", base=base)
     res = export_decoder(tmp_path / "dec", "peft-alora", tmp_path / "alora")
     assert res.warnings == [] and res.invocation.text == "<|im_start|>assistant\n"
     model = _stock_peft(resolve_model_path("smollm2-135m-instruct"), tmp_path / "alora")
