@@ -203,6 +203,23 @@ def test_refusals_name_the_fix(sharp_dir, tmp_path, tokenizer):
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 4, 5, 6))
 
 
+def _assert_stock_peft_matches(dec, model, tokenizer, rows, handoff: int = 4) -> None:
+    """Stock PEFT ``model`` gives ``dec``'s prefillshare logits (within TOL of their scale) and greedy tokens."""
+    for row in rows:
+        prompt = _chat(tokenizer, row["prompt"])
+        response = tokenize_response(tokenizer, row["response"])
+        ours = _ccft_logits(dec, prompt, response)
+        theirs = _peft_logits(model, prompt, response, handoff)
+        assert (ours - theirs).abs().max().item() <= TOL * max(1.0, ours.abs().max().item())
+        (gen,) = ccft.generate([prompt], mode="prefillshare", decoder=dec, max_new_tokens=N_NEW)
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 pad_token_id=tokenizer.pad_token_id)
+        eos = tokenizer.eos_token_id
+        assert [t for t in out[0, len(prompt):].tolist() if t != eos] == [t for t in gen.token_ids if t != eos]
+
+
 @pytest.mark.slow
 def test_alora_export_on_the_embedded_model(tmp_path, tokenizer, gsm8k_rows):
     """The embedded SmolLM2-135M (fp32, 30 layers) with a random non-zero LoRA, handoff_tokens=4: logits within
@@ -215,19 +232,7 @@ def test_alora_export_on_the_embedded_model(tmp_path, tokenizer, gsm8k_rows):
     res = export_decoder(tmp_path / "dec", "peft-alora", tmp_path / "alora")
     assert res.warnings == [] and res.invocation.text == "<|im_start|>assistant\n"
     model = _stock_peft(resolve_model_path("smollm2-135m-instruct"), tmp_path / "alora")
-    for row in gsm8k_rows[:2]:
-        prompt = _chat(tokenizer, row["prompt"])
-        response = tokenize_response(tokenizer, row["response"])
-        ours = _ccft_logits(dec, prompt, response)
-        theirs = _peft_logits(model, prompt, response, 4)
-        assert (ours - theirs).abs().max().item() <= TOL * max(1.0, ours.abs().max().item())
-        (gen,) = ccft.generate([prompt], mode="prefillshare", decoder=dec, max_new_tokens=N_NEW)
-        with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 pad_token_id=tokenizer.pad_token_id)
-        eos = tokenizer.eos_token_id
-        assert [t for t in out[0, len(prompt):].tolist() if t != eos] == [t for t in gen.token_ids if t != eos]
+    _assert_stock_peft_matches(dec, model, tokenizer, gsm8k_rows[:2])
 
 
 @pytest.mark.slow
@@ -250,16 +255,4 @@ def test_alora_export_of_a_trained_decoder_on_the_embedded_model(tmp_path, token
     res = export_decoder(tmp_path / "dec", "peft-alora", tmp_path / "alora")
     assert res.warnings == [] and res.invocation.text == "<|im_start|>assistant\n"
     model = _stock_peft(resolve_model_path("smollm2-135m-instruct"), tmp_path / "alora")
-    for row in gsm8k_rows[:2]:
-        prompt = _chat(tokenizer, row["prompt"])
-        response = tokenize_response(tokenizer, row["response"])
-        ours = _ccft_logits(dec, prompt, response)
-        theirs = _peft_logits(model, prompt, response, 4)
-        assert (ours - theirs).abs().max().item() <= TOL * max(1.0, ours.abs().max().item())
-        (gen,) = ccft.generate([prompt], mode="prefillshare", decoder=dec, max_new_tokens=N_NEW)
-        with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 pad_token_id=tokenizer.pad_token_id)
-        eos = tokenizer.eos_token_id
-        assert [t for t in out[0, len(prompt):].tolist() if t != eos] == [t for t in gen.token_ids if t != eos]
+    _assert_stock_peft_matches(dec, model, tokenizer, gsm8k_rows[:2])
