@@ -60,7 +60,7 @@ def test_every_ccft_subcommand_has_help(capsys):
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices  # noqa: SLF001 - argparse API
-    assert {"train", "eval", "precompute", "demo", "sweep", "report", "serve", "bench"} <= set(commands)
+    assert {"train", "eval", "precompute", "demo", "study", "sweep", "report", "serve", "bench", "export"} <= set(commands)
     for name in commands:
         with pytest.raises(SystemExit) as exit_info:
             main([name, "--help"])
