@@ -154,13 +154,7 @@ def test_one_token_newline_handoff_trap(sharp_dir, tmp_path, tokenizer, gsm8k_ro
     fixed = _peft_logits(model, prompt, multi, 1, alora_offsets=[1 + len(multi)])
     assert (ours - fixed).abs().max().item() <= TOL
     # Generation is exact: PEFT fixes the offset on the prompt; every new token runs with the adapter.
-    (gen,) = ccft.generate([prompt], mode="prefillshare", decoder=dec, max_new_tokens=N_NEW)
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             pad_token_id=tokenizer.pad_token_id)
-    eos = tokenizer.eos_token_id
-    assert [t for t in out[0, len(prompt):].tolist() if t != eos] == [t for t in gen.token_ids if t != eos]
+    _assert_same_greedy(dec, model, tokenizer, prompt)
 
 
 def test_refusals_name_the_fix(sharp_dir, tmp_path, tokenizer):
@@ -203,6 +197,17 @@ def test_refusals_name_the_fix(sharp_dir, tmp_path, tokenizer):
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 4, 5, 6))
 
 
+def _assert_same_greedy(dec, model, tokenizer, prompt) -> None:
+    """ccft's prefillshare greedy tokens equal stock PEFT ``model.generate`` on ``prompt`` (EOS dropped)."""
+    (gen,) = ccft.generate([prompt], mode="prefillshare", decoder=dec, max_new_tokens=N_NEW)
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             pad_token_id=tokenizer.pad_token_id)
+    eos = tokenizer.eos_token_id
+    assert [t for t in out[0, len(prompt):].tolist() if t != eos] == [t for t in gen.token_ids if t != eos]
+
+
 def _assert_stock_peft_matches(dec, model, tokenizer, rows, handoff: int = 4) -> None:
     """Stock PEFT ``model`` gives ``dec``'s prefillshare logits (within TOL of their scale) and greedy tokens."""
     for row in rows:
@@ -211,13 +216,7 @@ def _assert_stock_peft_matches(dec, model, tokenizer, rows, handoff: int = 4) ->
         ours = _ccft_logits(dec, prompt, response)
         theirs = _peft_logits(model, prompt, response, handoff)
         assert (ours - theirs).abs().max().item() <= TOL * max(1.0, ours.abs().max().item())
-        (gen,) = ccft.generate([prompt], mode="prefillshare", decoder=dec, max_new_tokens=N_NEW)
-        with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 pad_token_id=tokenizer.pad_token_id)
-        eos = tokenizer.eos_token_id
-        assert [t for t in out[0, len(prompt):].tolist() if t != eos] == [t for t in gen.token_ids if t != eos]
+        _assert_same_greedy(dec, model, tokenizer, prompt)
 
 
 @pytest.mark.slow
