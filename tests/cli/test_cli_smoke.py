@@ -170,6 +170,13 @@ def test_bench_train_tiny(tiny_dir, tmp_path):
     assert d["fullft_vs_trl"] is None  # --no-trl
 
 
+@pytest.mark.parametrize("bad", ["4x1", "4:0", "1:2:3", "a:b"])
+def test_bench_train_bad_ratio_is_a_usage_error(bad, tmp_path):
+    proc = run_ccft(["bench", "train", "--ratios", bad, "--out", str(tmp_path / "t.json")], ROOT)
+    assert proc.returncode == 2 and "--ratios" in proc.stderr and "PROMPT:RESPONSE" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "t.json").exists()
+
+
 def test_bench_serve_tiny(tiny_dir, tmp_path):
     out_json = tmp_path / "serve.json"
     _ok(run_ccft(["bench", "serve", "--model", str(tiny_dir), "--sessions", "1", "2", "--turns", "2",

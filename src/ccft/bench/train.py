@@ -325,8 +325,24 @@ def _worker(spec: dict, in_process: bool) -> dict:
     return json.loads(lines[-1])
 
 
+def token_ratio(text: str) -> tuple[int, int]:
+    """``"4:1"`` -> ``(4, 1)``: the ``--ratios`` value PROMPT:RESPONSE (two positive integers).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse turns it into a usage error naming ``--ratios``).
+    """
+    parts = text.split(":")
+    try:
+        a, b = (int(x) for x in parts)
+    except ValueError:
+        a = b = 0
+    if len(parts) != 2 or a <= 0 or b <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not PROMPT:RESPONSE with two positive integers (e.g. 4:1)")
+    return a, b
+
+
 def run(args) -> dict:
-    ratios = [tuple(int(x) for x in r.split(":")) for r in args.ratios]
+    ratios = [r if isinstance(r, tuple) else token_ratio(r) for r in args.ratios]
     cases = []
     for kind in args.kinds:
         for a, b in ratios:
@@ -471,7 +487,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``ccft bench train`` / ``python -m ccft.bench.train`` (no heavy imports)."""
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or HF folder")
     p.add_argument("--kinds", nargs="+", default=["full", "lora"], choices=["full", "lora"])
-    p.add_argument("--ratios", nargs="+", default=["1:1", "4:1"], help="prompt:response token ratios")
+    p.add_argument("--ratios", nargs="+", type=token_ratio, default=[(1, 1), (4, 1)],
+                   help="prompt:response token ratios, e.g. 1:1 4:1")
     p.add_argument("--row-tokens", type=int, default=160, help="prompt + response tokens per row")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps (median reported)")
