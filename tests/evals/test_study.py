@@ -256,6 +256,8 @@ def test_rerun_reuses_everything(tiny_study):
     out = root / "out-whole"
     before = _numbers(out)
     mtimes = {p: p.stat().st_mtime for p in (root / "runs-whole").rglob("adapter_model.safetensors")}
+    assert "SITTINGS.md" not in (out / "README.md").read_text()
+    (out / "SITTINGS.md").write_text("Sitting 1: paused 5 min with SIGSTOP.\nSitting 2: idle machine.\n")
     proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -263,6 +265,9 @@ def test_rerun_reuses_everything(tiny_study):
     assert {p: p.stat().st_mtime for p in mtimes} == mtimes
     assert _numbers(out) == before
     assert json.loads((out / "phases.json").read_text())["sittings"] == 2
+    readme = (out / "README.md").read_text()  # the hand-written notes survive the regenerated README, quoted
+    assert "> Sitting 1: paused 5 min with SIGSTOP.\n> Sitting 2: idle machine.\n" in readme
+    assert readme.index("## Sittings") < readme.index("## Specialists")
 
 
 @pytest.mark.parametrize("kill_when", ["checkpoint", "items"])

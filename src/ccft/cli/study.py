@@ -188,7 +188,9 @@ def write_report(cfg, args, out: Path, summaries, specialists_meta, sweeps, serv
     command = ("make study" if (args.config == "recipes/study.yaml" and not args.overrides)
                else "ccft study " + " ".join([args.config, *args.overrides]))
     atomic_write_text(out / "report.json", json.dumps(report, indent=2, default=str))
-    atomic_write_text(out / "README.md", study_readme(report, command))
+    notes = out / "SITTINGS.md"  # hand-written notes on each sitting, kept across regenerations
+    atomic_write_text(out / "README.md", study_readme(report, command,
+                                                      notes.read_text(encoding="utf-8") if notes.is_file() else None))
 
 
 def _serving(cfg, decoders: dict[str, str], base_name: str, out: Path) -> dict:

@@ -419,8 +419,14 @@ def _sweep_row(pts: dict, rhos: list, label: str) -> str:
     return " | ".join(_nll(pts[(label, r)].get("nll")) if (label, r) in pts else "–" for r in rhos)
 
 
-def study_readme(report: dict, command: str) -> str:
-    """``README.md`` of ``reports/study/``: setup, the headline tables, retention, sweeps, serving, reading."""
+def study_readme(report: dict, command: str, sittings_notes: str | None = None) -> str:
+    """``README.md`` of ``reports/study/``: setup, the headline tables, retention, sweeps, serving, reading.
+
+    Args:
+        sittings_notes: the text of ``OUT/SITTINGS.md`` when present: what the person who ran the study wrote
+            about each sitting (pauses, other jobs on the CPU, thread counts). Quoted verbatim under its own
+            heading, marked as written by hand, so a regenerated README never loses it.
+    """
     ps = report["phase_seconds"]
     total = sum(ps.values())
     specs = []
@@ -474,7 +480,7 @@ finished work is reused when it is rerun). Per-item records: `SPECIALIST/TASK/it
   (Full-FT decoder reading the base's cache C_base), prefillshare (CCFT decoder reading C_base: the method).
   Same items, prompts, stop strings and greedy settings in every mode.
 
-## Specialists
+{_sittings_block(sittings_notes)}## Specialists
 
 {chr(10).join(specs)}
 
@@ -518,6 +524,15 @@ This is a CPU-scale study of a 135M model with LoRA decoders and tens of trainin
 mechanism (a decoder reading another model's cache, trained or not trained to do so) per specialist, not
 the accuracy an 8B model reaches.
 """
+
+
+def _sittings_block(notes: str | None) -> str:
+    if not notes or not notes.strip():
+        return ""
+    quoted = "\n".join(f"> {line}".rstrip() for line in notes.strip().splitlines())
+    return ("## Sittings (notes written by hand in `SITTINGS.md`, not generated)\n\n"
+            "The phase times above are wall time; these notes say what else shared the machine.\n\n"
+            f"{quoted}\n\n")
 
 
 def display(path) -> str:
