@@ -190,10 +190,10 @@ def test_llamacpp_greedy_equals_hf_on_tiny_model(tmp_path, tokenizer):
     """Builds (or reuses) llama.cpp, converts the tiny fp32 Llama and checks llama-server's greedy tokens
     equal HF's on real prompts (sharpened logits, so fp32 summation order cannot flip a near tie)."""
     import torch
-    from conftest import make_tiny_folder
     from transformers import AutoModelForCausalLM
 
     from ccft.core.fingerprint import fingerprint_folder
+    from conftest import make_tiny_folder
 
     folder = make_tiny_folder(tmp_path / "tiny", tokenizer, scale=4.0)
     build = lc.ensure_built()
