@@ -69,15 +69,16 @@ def _result():
 def test_llamacpp_rows_and_ratios(monkeypatch):
     calls = []
 
-    def batch1(build, gguf, p_len, new, threads, repeats, log):
+    def llama_bench(build, gguf, p_len, new, threads, repeats, log):
         calls.append(("llama-bench", p_len, new, threads, repeats))
-        return {"decode_tok_s": 60.0, "prefill_tok_s": 600.0, "commands": ["b1"]}
+        return {"decode_tok_s": 70.0, "prefill_tok_s": 700.0, "commands": ["lb"]}
 
-    def batched(build, gguf, p_len, new, batch, threads, log):
-        calls.append(("llama-batched-bench", p_len, new, batch, threads))
-        return {"decode_tok_s": 160.0, "prefill_tok_s": 900.0, "commands": ["b4"]}
+    def batched(build, gguf, p_len, new, batch, threads, repeats, log):
+        calls.append(("llama-batched-bench", p_len, new, batch, threads, repeats))
+        return {"decode_tok_s": {1: 60.0, 4: 160.0}[batch], "prefill_tok_s": {1: 600.0, 4: 900.0}[batch],
+                "commands": [f"b{batch}"]}
 
-    monkeypatch.setattr(lc, "bench_batch1", batch1)
+    monkeypatch.setattr(lc, "bench_llama_bench", llama_bench)
     monkeypatch.setattr(lc, "bench_batched", batched)
     monkeypatch.setattr(lc, "greedy_tokens", lambda build, gguf, prompts, n, threads, log: [[1, 2, 3], [4, 5, 0],
                                                                                            [7, 8, 9], [1, 1, 1]])
@@ -87,9 +88,11 @@ def test_llamacpp_rows_and_ratios(monkeypatch):
     engine_tokens = {1: [[1, 2, 3]], 4: [[1, 2, 3], [4, 5, 6], [7, 8, 9], [2, 1, 1]]}
     block = decode.run_llamacpp(build, "w.gguf", _args(threads=2, repeats=3, new_tokens=3, llamacpp_compare=3),
                                 prompts, engine_tokens, result)
-    assert calls == [("llama-bench", 7, 3, 2, 3), ("llama-batched-bench", 8, 3, 4, 2)]
+    assert calls == [("llama-batched-bench", 7, 3, 1, 2, 3), ("llama-bench", 7, 3, 2, 3),
+                     ("llama-batched-bench", 8, 3, 4, 2, 3)]
     assert result["llamacpp_ratio_batch1"] == 30.0 / 60.0 and result["llamacpp_ratio_batch4"] == 200.0 / 160.0
     assert result["batches"]["4"]["llamacpp"] == {"decode_tok_s": 160.0, "prefill_tok_s": 900.0, "ratio": 1.25}
+    assert result["batches"]["1"]["llamacpp"]["llama_bench_decode_tok_s"] == 70.0
     g = block["greedy"]["vs_engine"]
     assert block["greedy"]["batch"] == 4 and g["rows_equal"] == 0.5 and g["leading_share"] == (3 + 2 + 3 + 0) / 12
     assert block["version"] == "9.9" and block["threads"] == 2 and block["batches"]["1"]["prompt_tokens"] == 7
@@ -97,7 +100,7 @@ def test_llamacpp_rows_and_ratios(monkeypatch):
     text = decode.table(result)
     assert "| llama.cpp tok/s | engine / llama.cpp | llama.cpp prefill tok/s |" in text
     assert "| 4 | 100.0 | 200.0 | 160.0 | 1.25x | 900.0 | 2.00x |" in text
-    assert "67% leading tokens equal, 50% rows equal" in text
+    assert "67% leading tokens equal, 50% rows equal" in text and "(f16 KV, its default): 70.0 tok/s" in text
 
 
 def test_table_without_llamacpp_has_no_llamacpp_columns():

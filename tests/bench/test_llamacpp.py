@@ -148,25 +148,54 @@ def test_missing_cmake_is_named_before_any_download(clean_env, tmp_path):
 def test_parse_llama_bench_captured():
     pp = lc.parse_llama_bench((DATA / "llama_bench_pp.json").read_text())
     tg = lc.parse_llama_bench((DATA / "llama_bench_tg.json").read_text())
-    known = json.loads((DATA / "known_answers.json").read_text())
-    assert [(t["n_prompt"], t["n_gen"], t["n_depth"]) for t in pp] == [tuple(known["pp_shape"])]
-    assert [(t["n_prompt"], t["n_gen"], t["n_depth"]) for t in tg] == [tuple(known["tg_shape"])]
-    assert pp[0]["avg_ts"] == known["pp_avg_ts"] and tg[0]["avg_ts"] == known["tg_avg_ts"]
-    assert len(tg[0]["samples_ts"]) == known["repetitions"]
+    assert [(t["n_prompt"], t["n_gen"], t["n_depth"], t["n_threads"]) for t in pp] == [(94, 0, 0, 2)]
+    assert [(t["n_prompt"], t["n_gen"], t["n_depth"], t["n_threads"]) for t in tg] == [(0, 8, 94, 2)]
+    assert pp[0]["avg_ts"] == 2.433824 and pp[0]["samples_ts"] == [2.17331, 2.69434]
+    assert tg[0]["avg_ts"] == 0.09157 and tg[0]["samples_ts"] == [0.0777434, 0.105397]
     with pytest.raises(ValueError, match="-o json"):
         lc.parse_llama_bench("| model | size |\n")
 
 
 def test_parse_batched_bench_captured():
-    text = (DATA / "batched_bench.jsonl").read_text()
-    rows = lc.parse_batched_bench(text)
-    known = json.loads((DATA / "known_answers.json").read_text())
-    assert [(r["pp"], r["tg"], r["pl"]) for r in rows] == [tuple(known["batched_shape"])]
-    r = rows[0]
-    assert r["speed_tg"] == known["batched_speed_tg"] and r["speed_pp"] == known["batched_speed_pp"]
-    assert r["speed_tg"] == pytest.approx(r["pl"] * r["tg"] / r["t_tg"], rel=1e-4)
+    rows = lc.parse_batched_bench((DATA / "batched_bench.jsonl").read_text())
+    assert [(r["pp"], r["tg"], r["pl"], r["n_threads"]) for r in rows] == [(32, 4, 1, 1), (32, 4, 1, 1), (32, 4, 2, 1)]
+    assert [r["speed_tg"] for r in rows] == [1.406437, 9.129502, 7.252427]
+    assert [r["speed_pp"] for r in rows] == [12.678329, 10.325822, 32.816643]
+    for r in rows:  # the tool's own definitions
+        assert r["speed_tg"] == pytest.approx(r["pl"] * r["tg"] / r["t_tg"], rel=1e-5)
+        assert r["speed_pp"] == pytest.approx(r["pl"] * r["pp"] / r["t_pp"], rel=1e-5)
     with pytest.raises(ValueError, match="jsonl"):
         lc.parse_batched_bench("main: n_kv_max = 2048\n|    PP |     TG |\n")
+
+
+class Replay:
+    """A runner that answers each command with captured output, in order, and records the commands."""
+
+    def __init__(self, *files: str):
+        self.outputs, self.calls = [(DATA / f).read_text() for f in files], []
+
+    def __call__(self, cmd, **kw):
+        self.calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, self.outputs.pop(0), "")
+
+
+def test_runners_on_captured_output(tmp_path):
+    build = lc.LlamaCpp(tmp_path, "9.9")
+    run = Replay("batched_bench.jsonl")
+    r = lc.bench_batched(build, Path("m.gguf"), 32, 4, 1, 1, repeats=2, runner=run, log=lambda m: None)
+    assert r["decode_tok_s"] == pytest.approx((1.406437 + 9.129502) / 2)  # median of the two pl=1 rows
+    assert r["prefill_tok_s"] == pytest.approx((12.678329 + 10.325822) / 2) and len(r["raw"]) == 2
+    cmd = run.calls[0]
+    assert cmd[cmd.index("-npl") + 1] == "1,1" and cmd[cmd.index("-ctk") + 1] == "f32"
+    assert cmd[cmd.index("-c") + 1] == str(1 * (32 + 4) + 16) and cmd[0] == str(build.tool("llama-batched-bench"))
+    run = Replay("batched_bench.jsonl")
+    assert lc.bench_batched(build, Path("m.gguf"), 32, 4, 2, 1, runner=run, log=lambda m: None)["decode_tok_s"] == 7.252427
+    with pytest.raises(lc.LlamaCppError, match="no row for 16 sequences"):
+        lc.bench_batched(build, Path("m.gguf"), 32, 4, 16, 1, runner=Replay("batched_bench.jsonl"), log=lambda m: None)
+    run = Replay("llama_bench_pp.json", "llama_bench_tg.json")
+    r = lc.bench_llama_bench(build, Path("m.gguf"), 94, 8, 2, 2, runner=run, log=lambda m: None)
+    assert (r["prefill_tok_s"], r["decode_tok_s"]) == (2.433824, 0.09157)
+    assert [c[c.index("-p") + 1:] for c in run.calls] == [["94", "-n", "0"], ["0", "-n", "8", "-d", "94"]]
 
 
 def test_agreement_known_answers():

@@ -21,8 +21,8 @@ ratio, and the roofline of the decode step on this machine, i.e. the physical li
   CUDA graph), which can sit well below the peak at small batch.
 
 With ``--llamacpp`` (CPU, float32, a model folder): the same weights as an F32 GGUF, llama.cpp's decode
-and prefill tokens/s at batch 1 (``llama-bench``) and the other batch sizes (``llama-batched-bench``)
-with the same (mean) prompt length and new tokens, and llama.cpp's greedy tokens on the largest
+and prefill tokens/s at every batch size (``llama-batched-bench``, fp32 KV; at batch 1 also
+``llama-bench``, f16 KV, as users run it) with the same (mean) prompt length and new tokens, and llama.cpp's greedy tokens on the largest
 batch's prompts compared with the engine's over the first ``--llamacpp-compare`` tokens (reported,
 not asserted: fp32 reductions differ in order). See ``ccft.bench.llamacpp``.
 
@@ -402,24 +402,26 @@ def _log(msg: str) -> None:
 
 
 def run_llamacpp(build, gguf, args, prompts_of: dict, engine_tokens: dict, result: dict) -> dict:
-    """llama.cpp on the same GGUF weights: speed per batch size (prompt length = the batch's mean, rounded)
-    and greedy agreement with the engine on the largest batch's prompts. Adds ``llamacpp`` to each batch
+    """llama.cpp on the same GGUF weights: speed per batch size with ``llama-batched-bench`` (prompt length =
+    the batch's mean, rounded; at batch 1 also ``llama-bench``) and greedy agreement with the engine on the largest batch's prompts. Adds ``llamacpp`` to each batch
     row of ``result`` and ``llamacpp_ratio_batch<B>`` (engine ÷ llama.cpp decode tok/s) to its top level;
     returns the ``llamacpp`` block."""
     from ccft.bench import llamacpp as lc
 
-    block = {**build.describe(), "gguf": str(gguf), "threads": args.threads, "batches": {}}
+    block = {**build.describe(), "gguf": str(gguf), "threads": args.threads, "kv_type": "f32", "batches": {}}
     for batch, prompts in prompts_of.items():
         p_len = round(sum(map(len, prompts)) / batch)
-        if batch == 1:
-            r = lc.bench_batch1(build, gguf, p_len, args.new_tokens, args.threads, args.repeats, log=_log)
-        else:
-            r = lc.bench_batched(build, gguf, p_len, args.new_tokens, batch, args.threads, log=_log)
+        r = lc.bench_batched(build, gguf, p_len, args.new_tokens, batch, args.threads, args.repeats, log=_log)
         r["prompt_tokens"] = p_len
+        if batch == 1:  # as llama.cpp users measure it (f16 KV); beside the ratio, not in it
+            r["llama_bench"] = lc.bench_llama_bench(build, gguf, p_len, args.new_tokens, args.threads, args.repeats,
+                                                    log=_log)
         block["batches"][str(batch)] = r
         row = result["batches"][str(batch)]
         row["llamacpp"] = {"decode_tok_s": r["decode_tok_s"], "prefill_tok_s": r["prefill_tok_s"],
                            "ratio": row["engine"]["decode_tok_s"] / r["decode_tok_s"]}
+        if "llama_bench" in r:
+            row["llamacpp"]["llama_bench_decode_tok_s"] = r["llama_bench"]["decode_tok_s"]
         result[f"llamacpp_ratio_batch{batch}"] = row["llamacpp"]["ratio"]
     largest = max(prompts_of)
     n = min(args.llamacpp_compare, args.new_tokens)
@@ -465,6 +467,9 @@ def table(result: dict) -> str:
                      f"{result['llamacpp'].get('ggml_version')}), {result['llamacpp']['threads']} threads; greedy "
                      f"vs engine on batch {g['batch']}'s prompts, first {a['first_tokens']} tokens: "
                      f"{100 * a['leading_share']:.0f}% leading tokens equal, {100 * a['rows_equal']:.0f}% rows equal")
+        if "llama_bench_decode_tok_s" in result["batches"].get("1", {}).get("llamacpp", {}):
+            lines.append(f"llama.cpp tok/s: llama-batched-bench, fp32 KV; batch 1 with llama-bench (f16 KV, its default): "
+                         f"{result['batches']['1']['llamacpp']['llama_bench_decode_tok_s']:.1f} tok/s")
     return "\n".join(lines)
 
 

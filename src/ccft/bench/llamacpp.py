@@ -13,10 +13,12 @@ F32 GGUF, its speed at batch 1 and 16, and its greedy tokens.
   explicitly; ``ccft bench decode --llamacpp`` builds it when missing.
 * **Weights**: llama.cpp's own ``convert_hf_to_gguf.py`` from the same source tree, ``--outtype f32``,
   from the HF folder ccft loads, cached as ``<version>/gguf/<fingerprint>.f32.gguf``.
-* **Speed**: batch 1 with ``llama-bench`` (prefill: ``-p P -n 0``; decode: ``-p 0 -n N -d P``, i.e. N
-  tokens generated after a context of P, as the engine decodes after the prompt), batch B with
-  ``llama-batched-bench -npp P -ntg N -npl B`` (B independent sequences, one decode call per step).
-  Decode tok/s = generated tokens / decode seconds, prefill tok/s = prompt tokens / prefill seconds.
+* **Speed**: every batch size B (1 included) with ``llama-batched-bench -npp P -ntg N -npl B,B,..``
+  (B independent sequences prefilled, then N decode steps of B tokens each after the prompt, as the
+  engine decodes; one run per repeat, medians) and an fp32 KV cache like the engine's
+  (:data:`KV_FLAGS`). Decode tok/s = B·N / decode seconds, prefill tok/s = B·P / prefill seconds.
+  At batch 1 also ``llama-bench`` as users run it (``-p P -n 0`` and ``-p 0 -n N -d P``; f16 KV, its
+  default: llama-bench offers no f32 KV), reported beside it, not used for the ratio.
 * **Greedy tokens**: ``llama-server`` on 127.0.0.1 (the only tool that takes a prompt as token ids and
   returns the generated token ids, as JSON: no log scraping and no re-tokenisation), one request per
   prompt with ``temperature 0, top_k 1, ignore_eos``; :func:`agreement` compares them with the engine's.
@@ -35,6 +37,7 @@ import platform
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -60,6 +63,8 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED
                "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF")
+#: KV cache in fp32 like the engine's (llama.cpp's default is f16), for every tool run
+KV_FLAGS = ("-ctk", "f32", "-ctv", "f32")
 INSTALL_HINT = ("install cmake and a C/C++ compiler, e.g. `apt-get install cmake ninja-build g++` "
                 "(or `pip install cmake ninja` plus the distribution's g++)")
 
@@ -193,8 +198,12 @@ def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int = 2, log:
         log(f"[ccft] {root / 'build'} has no {MARKER} (an interrupted build): discarding it")
         shutil.rmtree(root / "build")
     source = fetch_source(root, version, log=log, runner=runner)
+    return _compile(root, source, version, tools, jobs=jobs, log=log, runner=runner)
+
+
+def _compile(root: Path, source: Path, version: str, tools: dict, *, jobs: int, log, runner: Runner) -> LlamaCpp:
+    """Configure and build :data:`TOOLS` from ``source`` into ``root/build``, then write :data:`MARKER`."""
     env = {**os.environ, "CC": tools["c"], "CXX": tools["cxx"]}
-    t0 = time.monotonic()
     _run([tools["cmake"], "-S", source, "-B", root / "build", "-G", tools["generator"], *CMAKE_FLAGS],
          log=log, runner=runner, env=env)
     _run([tools["cmake"], "--build", root / "build", "-j", str(jobs), "--target", *TOOLS], log=log, runner=runner,
@@ -205,8 +214,7 @@ def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int = 2, log:
         raise LlamaCppError(f"the llama.cpp build finished without {missing} in {root / 'build' / 'bin'}")
     build.build_info = {"version": version, "ggml_version": ggml_version(source),
                         "cmake_flags": list(CMAKE_FLAGS), "generator": tools["generator"],
-                        "compiler": tools["cxx"], "machine": platform.machine(),
-                        "build_seconds": round(time.monotonic() - t0, 1)}
+                        "compiler": tools["cxx"], "machine": platform.machine()}
     atomic_write_text(root / MARKER, json.dumps(build.build_info, indent=2))  # last: the build is complete
     log(f"[ccft] llama.cpp built: {root / 'build' / 'bin'}")
     return build
@@ -308,29 +316,36 @@ def _capture(cmd: Sequence, *, log, runner: Runner = subprocess.run) -> str:
     return _run(cmd, log=log, runner=runner, capture_output=True, text=True).stdout
 
 
-def bench_batch1(build: LlamaCpp, gguf: Path, prompt_tokens: int, new_tokens: int, threads: int, repeats: int,
-                 *, log=print, runner: Runner = subprocess.run) -> dict:
-    """Batch 1 with ``llama-bench``: prefill of ``prompt_tokens`` and ``new_tokens`` decoded after a
-    context of ``prompt_tokens``, ``repeats`` repetitions each; tokens/s are llama-bench's means."""
+def bench_batched(build: LlamaCpp, gguf: Path, prompt_tokens: int, new_tokens: int, batch: int, threads: int,
+                  repeats: int = 1, *, log=print, runner: Runner = subprocess.run) -> dict:
+    """``llama-batched-bench`` at ``batch`` (1 included): ``batch`` sequences of ``prompt_tokens`` prefilled,
+    then ``new_tokens`` decode steps of ``batch`` tokens each, fp32 KV; ``repeats`` runs (``-npl B,B,...``)
+    whose median decode and prefill tokens/s are reported."""
+    ctx = batch * (prompt_tokens + new_tokens) + 16
+    cmd = [build.tool("llama-batched-bench"), "-m", gguf, "-t", threads, "-tb", threads, "-c", ctx, *KV_FLAGS,
+           "-npp", prompt_tokens, "-ntg", new_tokens, "-npl", ",".join([str(batch)] * max(1, repeats)),
+           "--output-format", "jsonl"]
+    rows = [r for r in parse_batched_bench(_capture(cmd, log=log, runner=runner)) if r["pl"] == batch]
+    if not rows:
+        raise LlamaCppError(f"llama-batched-bench reported no row for {batch} sequences: {' '.join(map(str, cmd))}")
+    return {"tool": "llama-batched-bench", "kv_type": "f32",
+            "prefill_tok_s": statistics.median(r["speed_pp"] for r in rows),
+            "decode_tok_s": statistics.median(r["speed_tg"] for r in rows),
+            "commands": [" ".join(map(str, cmd))], "raw": rows}
+
+
+def bench_llama_bench(build: LlamaCpp, gguf: Path, prompt_tokens: int, new_tokens: int, threads: int,
+                      repeats: int, *, log=print, runner: Runner = subprocess.run) -> dict:
+    """Batch 1 with ``llama-bench`` as llama.cpp users run it (its KV cache types are f16, bf16 or
+    quantised, so f16, llama.cpp's default): prefill of ``prompt_tokens`` (``-p P -n 0``) and
+    ``new_tokens`` decoded after a context of ``prompt_tokens`` (``-p 0 -n N -d P``), ``repeats``
+    repetitions each; tokens/s are llama-bench's means."""
     common = [build.tool("llama-bench"), "-m", gguf, "-t", threads, "-r", repeats, "-o", "json"]
     cmds = [[*common, "-p", prompt_tokens, "-n", 0], [*common, "-p", 0, "-n", new_tokens, "-d", prompt_tokens]]
     pp = parse_llama_bench(_capture(cmds[0], log=log, runner=runner))
     tg = parse_llama_bench(_capture(cmds[1], log=log, runner=runner))
-    return {"tool": "llama-bench", "prefill_tok_s": pp[0]["avg_ts"], "decode_tok_s": tg[0]["avg_ts"],
+    return {"tool": "llama-bench", "kv_type": "f16", "prefill_tok_s": pp[0]["avg_ts"], "decode_tok_s": tg[0]["avg_ts"],
             "commands": [" ".join(map(str, c)) for c in cmds], "raw": {"prefill": pp, "decode": tg}}
-
-
-def bench_batched(build: LlamaCpp, gguf: Path, prompt_tokens: int, new_tokens: int, batch: int, threads: int,
-                  *, log=print, runner: Runner = subprocess.run) -> dict:
-    """Batch ``batch`` with ``llama-batched-bench``: ``batch`` sequences of ``prompt_tokens`` prefilled,
-    then ``new_tokens`` decode steps of ``batch`` tokens each (one run, as the tool does)."""
-    ctx = batch * (prompt_tokens + new_tokens) + 16
-    cmd = [build.tool("llama-batched-bench"), "-m", gguf, "-t", threads, "-tb", threads, "-c", ctx,
-           "-npp", prompt_tokens, "-ntg", new_tokens, "-npl", batch, "--output-format", "jsonl"]
-    rows = parse_batched_bench(_capture(cmd, log=log, runner=runner))
-    row = rows[0]
-    return {"tool": "llama-batched-bench", "prefill_tok_s": row["speed_pp"], "decode_tok_s": row["speed_tg"],
-            "commands": [" ".join(map(str, cmd))], "raw": rows}
 
 
 def _free_port() -> int:
@@ -351,7 +366,7 @@ def server(build: LlamaCpp, gguf: Path, ctx: int, threads: int, *, log=print, re
     Raises LlamaCppError when it exits or is not healthy within ``ready_timeout`` seconds."""
     port = _free_port()
     cmd = [build.tool("llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", port, "-t", threads,
-           "-tb", threads, "-c", ctx, "-np", 1, "--no-webui", "--no-warmup"]
+           "-tb", threads, "-c", ctx, *KV_FLAGS, "-np", 1, "--no-webui", "--no-warmup"]
     log("[ccft] $ " + " ".join(map(str, cmd)))
     with tempfile.TemporaryFile() as errlog:
         proc = subprocess.Popen([str(c) for c in cmd], stdout=errlog, stderr=subprocess.STDOUT)
