@@ -106,3 +106,21 @@ def test_llamacpp_rows_and_ratios(monkeypatch):
 def test_table_without_llamacpp_has_no_llamacpp_columns():
     text = decode.table(_result())
     assert "llama.cpp" not in text and "| 1 | 15.0 | 30.0 | 2.00x | 100 | 50 | 100.0 (memory) | 30% | 15% | 50% |" in text
+
+
+def test_llamacpp_without_cmake_fails_before_loading_anything(monkeypatch, tmp_path):
+    """``ccft bench decode --llamacpp`` on a PATH without cmake (and no build in the cache): the error names
+    cmake and the install command; no model is loaded."""
+    monkeypatch.setenv("CCFT_CACHE", str(tmp_path / "cache"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("cc", "c++", "ninja"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(decode, "load", lambda *a, **k: pytest.fail("loaded a model before checking the toolchain"))
+    with pytest.raises(lc.LlamaCppError, match=r"needs cmake, not found on PATH; install cmake .*apt-get install cmake"):
+        decode.run(_args(llamacpp=True, device="cpu", model=str(tmp_path / "model")))
+    assert not (tmp_path / "cache" / "llama.cpp").exists()  # nothing downloaded or created

@@ -150,7 +150,9 @@ def _run(cmd: Sequence[str], *, log: Callable[[str], None], runner: Runner = sub
     log("[ccft] $ " + " ".join(map(str, cmd)))
     proc = runner([str(c) for c in cmd], **kw)
     if proc.returncode != 0:
-        raise LlamaCppError(f"command failed (exit {proc.returncode}): {' '.join(map(str, cmd))}")
+        tail = (proc.stderr or "")[-2000:] if isinstance(proc.stderr, str) else ""
+        raise LlamaCppError(f"command failed (exit {proc.returncode}): {' '.join(map(str, cmd))}"
+                            + (f"\n{tail}" if tail else ""))
     return proc
 
 
@@ -169,7 +171,8 @@ def fetch_source(root: Path, version: str, *, log=print, runner: Runner = subpro
             raise LlamaCppError(f"pip download of llama-cpp-python=={version} left no sdist in {tmp}")
         unpack = Path(tmp) / "unpacked"
         with tarfile.open(sdist) as tar:
-            tar.extractall(unpack, filter="data")
+            # the "data" filter (no links out of the folder, no devices) where Python has it (3.10.12+)
+            tar.extractall(unpack, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         vendored = next(unpack.glob("*/vendor/llama.cpp"), None)
         if vendored is None or not (vendored / "CMakeLists.txt").is_file():
             raise LlamaCppError(f"{sdist.name} has no vendor/llama.cpp source tree")
