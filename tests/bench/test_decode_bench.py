@@ -24,7 +24,8 @@ def _args(**kw):
 
 @pytest.mark.parametrize("kw, match", [({"random_weights": True}, "drop --random-weights"),
                                        ({"device": "cuda"}, "use --device cpu"),
-                                       ({"dtype": "bfloat16"}, "use --dtype float32")])
+                                       ({"dtype": "bfloat16"}, "use --dtype float32"),
+                                       ({"model": "org/hub-id"}, "neither an embedded model")])
 def test_llamacpp_flag_checks(kw, match):
     args = _args(**{"llamacpp": True, "device": "cpu", **kw})
     with pytest.raises(ConfigError, match=match):
@@ -121,6 +122,8 @@ def test_llamacpp_without_cmake_fails_before_loading_anything(monkeypatch, tmp_p
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(decode, "load", lambda *a, **k: pytest.fail("loaded a model before checking the toolchain"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
     with pytest.raises(lc.LlamaCppError, match=r"needs cmake, not found on PATH; install cmake .*apt-get install cmake"):
         decode.run(_args(llamacpp=True, device="cpu", model=str(tmp_path / "model")))
     assert not (tmp_path / "cache" / "llama.cpp").exists()  # nothing downloaded or created

@@ -5,7 +5,6 @@ whose greedy tokens on the tiny model equal HF's."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import tarfile
@@ -215,22 +214,22 @@ def test_agreement_known_answers():
 # ------------------------------------------------------------------ a real build (slow)
 
 @pytest.mark.slow
-def test_llamacpp_greedy_equals_hf_on_tiny_model(tmp_path, tokenizer):
-    """Builds (or reuses) llama.cpp, converts the tiny fp32 Llama and checks llama-server's greedy tokens
-    equal HF's on real prompts (sharpened logits, so fp32 summation order cannot flip a near tie)."""
+def test_llamacpp_greedy_equals_hf_on_tiny_model(tiny_dir, tokenizer):
+    """Builds (or reuses) llama.cpp, converts the tiny fp32 test Llama (tests/conftest.py) to an F32 GGUF and
+    checks llama-server's greedy tokens equal HF's on three prompts, 8 tokens each. The tiny model is
+    seeded, so this is deterministic; its top-1/top-2 logit margins on these prompts are >= 0.003,
+    far above fp32 summation-order differences."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from ccft.core.fingerprint import fingerprint_folder
-    from conftest import make_tiny_folder
 
-    folder = make_tiny_folder(tmp_path / "tiny", tokenizer, scale=4.0)
     build = lc.ensure_built()
-    gguf = lc.convert_to_gguf(build, folder, "test-" + fingerprint_folder(folder, tokenizer)[:16])
+    gguf = lc.convert_to_gguf(build, tiny_dir, "test-" + fingerprint_folder(tiny_dir, tokenizer))
     assert gguf.stat().st_size > 4 * 64 * len(tokenizer)  # fp32 embedding alone
-    prompts = [tokenizer.encode("Natalia sold clips to 48 of her friends in April."),
-               tokenizer.encode("def add(a, b):")]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = [tokenizer.encode(t) for t in ("Natalia sold clips to 48 of her friends in April.", "def add(a, b):",
+                                             "The quick brown fox jumps over the lazy dog.")]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     want = []
     for ids in prompts:
         out = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
@@ -238,4 +237,4 @@ def test_llamacpp_greedy_equals_hf_on_tiny_model(tmp_path, tokenizer):
         want.append(out[0, len(ids):].tolist())
     got = lc.greedy_tokens(build, gguf, prompts, 8, threads=2)
     assert got == want
-    assert os.access(build.tool("llama-bench"), os.X_OK)
+    assert lc.agreement(want, got, 8)["rows_equal"] == 1.0

@@ -22,9 +22,10 @@ ratio, and the roofline of the decode step on this machine, i.e. the physical li
 
 With ``--llamacpp`` (CPU, float32, a model folder): the same weights as an F32 GGUF, llama.cpp's decode
 and prefill tokens/s at every batch size (``llama-batched-bench``, fp32 KV; at batch 1 also
-``llama-bench``, f16 KV, as users run it) with the same (mean) prompt length and new tokens, and llama.cpp's greedy tokens on the largest
-batch's prompts compared with the engine's over the first ``--llamacpp-compare`` tokens (reported,
-not asserted: fp32 reductions differ in order). See ``ccft.bench.llamacpp``.
+``llama-bench``, f16 KV, as users run it) with the same (mean) prompt length and new tokens, and
+llama.cpp's greedy tokens on the largest batch's prompts compared with the engine's over the first
+``--llamacpp-compare`` tokens (reported, not asserted: fp32 reductions differ in order). See
+``ccft.bench.llamacpp``.
 
 Every row runs exactly ``--new-tokens`` tokens on both sides (HF: ``min_new_tokens``; engine:
 ``ignore_eos``). ``--random-weights`` builds a random model in SmolLM2-135M's shape, so nothing is
@@ -317,8 +318,10 @@ def _loadavg() -> float | None:
 
 
 def check_llamacpp_args(args) -> None:
-    """``--llamacpp`` needs a CPU run in float32 on a model folder (ConfigError naming the flag otherwise)."""
+    """``--llamacpp`` needs a CPU run in float32 on a model folder or embedded model (ConfigError naming the
+    flag otherwise)."""
     from ccft.core.errors import ConfigError
+    from ccft.core.models import EMBEDDED_MODELS
 
     if args.random_weights:
         raise ConfigError("--llamacpp converts the model folder to GGUF; drop --random-weights")
@@ -327,6 +330,9 @@ def check_llamacpp_args(args) -> None:
                           f"not {args.device!r}")
     if args.dtype != "float32":
         raise ConfigError(f"--llamacpp runs the same weights as an F32 GGUF; use --dtype float32, not {args.dtype}")
+    if args.model not in EMBEDDED_MODELS and not (Path(args.model) / "config.json").is_file():
+        raise ConfigError(f"--llamacpp converts a local HF folder to GGUF; --model {args.model!r} is neither an "
+                          f"embedded model ({', '.join(EMBEDDED_MODELS)}) nor a folder with config.json")
 
 
 def run(args) -> dict:

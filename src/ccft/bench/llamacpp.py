@@ -19,9 +19,10 @@ F32 GGUF, its speed at batch 1 and 16, and its greedy tokens.
   (:data:`KV_FLAGS`). Decode tok/s = B·N / decode seconds, prefill tok/s = B·P / prefill seconds.
   At batch 1 also ``llama-bench`` as users run it (``-p P -n 0`` and ``-p 0 -n N -d P``; f16 KV, its
   default: llama-bench offers no f32 KV), reported beside it, not used for the ratio.
-* **Greedy tokens**: ``llama-server`` on 127.0.0.1 (the only tool that takes a prompt as token ids and
-  returns the generated token ids, as JSON: no log scraping and no re-tokenisation), one request per
-  prompt with ``temperature 0, top_k 1, ignore_eos``; :func:`agreement` compares them with the engine's.
+* **Greedy tokens**: ``llama-server`` on 127.0.0.1, chosen as the least fragile: it takes the prompt as
+  token ids and returns the generated ids as documented JSON (``llama-simple`` / ``llama-cli`` take text,
+  so llama.cpp would re-tokenise, and print text or logs that would have to be scraped). One request per
+  prompt, ``temperature 0, top_k 1, ignore_eos``; :func:`agreement` compares them with the engine's.
 
 Errors: :class:`LlamaCppError` (a ``ConfigError``) names the missing tool and the fix (cmake, a C/C++
 compiler, sentencepiece for the converter) before any download or compile.
