@@ -46,5 +46,14 @@ toolchains: venv  ## code-task toolchains from the distribution (needs root + ap
 	$(PY) -c "from ccft.evals.execution import LANGUAGES, check_language as c; \
 	[print(f'{l:8s}', 'ok  ' if c(l).available else 'MISSING', c(l).version or c(l).reason) for l in LANGUAGES]"
 
+# llama.cpp's tools for `ccft bench decode --llamacpp` (ccft.bench.llamacpp): the llama-cpp-python sdist pinned in
+# constraints.txt, built CPU-only once into $$CCFT_CACHE (or ~/.cache/ccft)/llama.cpp/<version>/; needs cmake and g++.
+# sentencepiece is what llama.cpp's GGUF converter imports for Llama models.
+LLAMACPP_JOBS ?= 2
+.PHONY: llamacpp
+llamacpp: venv  ## build llama.cpp (pinned, CPU, cached) for `ccft bench decode --llamacpp`
+	$(PY) -m pip install -q -c constraints.txt sentencepiece
+	$(PY) -m ccft.bench.llamacpp build --jobs $(LLAMACPP_JOBS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

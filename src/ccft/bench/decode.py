@@ -1,25 +1,39 @@
-"""Decode benchmark: ``SharedPrefillEngine`` against HF ``generate``, same model, prompts and greedy settings.
+"""Decode benchmark: ``SharedPrefillEngine`` against HF ``generate`` (and, with ``--llamacpp``, llama.cpp),
+same model, prompts and greedy settings.
 
     ccft bench decode --out decode.json        # or: python -m ccft.bench.decode --out decode.json
+    ccft bench decode --llamacpp --out decode.json   # + llama.cpp, built once (ccft.bench.llamacpp)
 
 For each batch size: TTFT and decode tokens/s of both (one run, medians over ``--repeats``), their
-ratio, and the roofline of the decode step on this machine:
+ratio, and the roofline of the decode step on this machine, i.e. the physical limit of the step:
 
 * bytes per step: every weight read once (an untied embedding only for the looked-up rows) plus
   every row's KV (a prefix shared by rows is counted once), at the mean context of the run;
 * FLOPs per step: 2 · batch · (matmul parameters) + attention;
 * measured memory bandwidth (the faster of a large reduction and a large matrix-vector product)
-  and measured matmul throughput at the real shapes: one step's matmuls, every layer's own
-  weights, timed with the fastest kernel at hand (PyTorch's ``F.linear``, or the engine's packed
-  oneDNN weights on CPU); attention FLOPs are charged at the same rate;
-  (on CUDA both are captured as one CUDA graph, so launch overhead is not counted as matmul time);
-* roofline tokens/s = batch / max(bytes / bandwidth, FLOPs / throughput) (the slower bound); the
-  fraction is the engine's decode tokens/s over it (HF's is reported too).
+  and measured peak matmul throughput (:func:`peak_matmul`: a large square GEMM in the run's dtype,
+  8192² on CUDA, 2048² on CPU), both measured once per run;
+* roofline tokens/s = batch / max(bytes / bandwidth, FLOPs / peak) (the slower bound); the
+  fraction is the engine's decode tokens/s over it (HF's is reported too), and the bandwidth
+  fraction is the engine's bytes/s (bytes per step × steps/s) over the measured bandwidth;
+* as a diagnostic only, the step's own matmuls timed at their real shapes (``step_matmul_s``: every
+  layer's own weights with PyTorch's ``F.linear`` and the engine's packed weights; on CUDA as one
+  CUDA graph), which can sit well below the peak at small batch.
+
+With ``--llamacpp`` (CPU, float32, a model folder): the same weights as an F32 GGUF, llama.cpp's decode
+and prefill tokens/s at every batch size (``llama-batched-bench``, fp32 KV; at batch 1 also
+``llama-bench``, f16 KV, as users run it) with the same (mean) prompt length and new tokens, and
+llama.cpp's greedy tokens on the largest batch's prompts compared with the engine's over the first
+``--llamacpp-compare`` tokens (reported, not asserted: fp32 reductions differ in order). See
+``ccft.bench.llamacpp``.
 
 Every row runs exactly ``--new-tokens`` tokens on both sides (HF: ``min_new_tokens``; engine:
 ``ignore_eos``). ``--random-weights`` builds a random model in SmolLM2-135M's shape, so nothing is
 downloaded or shipped (the GPU check uses it). The JSON's top level carries ``speedup_batch1``,
-``speedup_batch16`` and ``roofline_fraction_batch1`` / ``_batch16`` when those sizes ran.
+``speedup_batch16``, ``roofline_fraction_batch1`` / ``_batch16`` and ``bandwidth_fraction_batch1``
+/ ``_batch16`` when those sizes ran; with ``--llamacpp`` also ``llamacpp_ratio_batch1`` / ``_batch16``
+(engine decode tok/s ÷ llama.cpp decode tok/s) and the ``llamacpp`` block (version, build flags,
+threads, commands, raw numbers, agreement).
 """
 
 from __future__ import annotations
@@ -181,6 +195,16 @@ def memory_bandwidth(device, dtype, size_mb: int = 512) -> dict:
     return {"reduction_Bps": nbytes / t_sum, "matvec_Bps": nbytes / t_mv, "bandwidth_Bps": nbytes / min(t_sum, t_mv)}
 
 
+def peak_matmul(device, dtype, n: int | None = None) -> dict:
+    """Peak matmul throughput in FLOP/s: a large square GEMM (``n`` × ``n`` by ``n`` × ``n``, default 8192
+    on CUDA and 2048 on CPU) in ``dtype``, the fastest of 5 timed runs; ``{"n", "seconds", "flops_per_s"}``."""
+    n = n or (8192 if torch.device(device).type == "cuda" else 2048)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t = _min_time(lambda: torch.mm(a, b), device)  # the best of 5: a peak, so interference only lowers it
+    return {"n": n, "seconds": t, "flops_per_s": 2 * n ** 3 / t}
+
+
 def _min_time(fn, device, repeats: int = 5) -> float:
     fn()
     best = float("inf")
@@ -252,7 +276,9 @@ def _as_graph(fn):
         return fn
 
 
-def roofline(base, engine, batch: int, prompts, new_tokens: int, bw: float) -> dict:
+def roofline(base, engine, batch: int, prompts, new_tokens: int, bw: float, peak_flops: float) -> dict:
+    """The decode step's physical limit at ``batch``: bytes / ``bw`` (bytes/s) against FLOPs /
+    ``peak_flops`` (FLOP/s); see the module docstring. Also times the step's own matmuls (diagnostic)."""
     cfg = base.model.config
     L, D = cfg.num_hidden_layers, cfg.hidden_size
     H = cfg.num_attention_heads
@@ -275,13 +301,12 @@ def roofline(base, engine, batch: int, prompts, new_tokens: int, bw: float) -> d
     attn_flops = batch * L * H * d * ctx * 4
     flops_step = 2 * batch * mm_params + attn_flops
     t_mem = bytes_step / bw
-    mm = matmul_seconds(base, engine, batch)
-    # FLOPs / measured matmul throughput (the attention FLOPs at the same rate)
-    t_compute = mm["best_s"] * (1 + attn_flops / (2 * batch * mm_params))
+    t_compute = flops_step / peak_flops
     t_step = max(t_mem, t_compute)
+    mm = matmul_seconds(base, engine, batch)  # diagnostic: the step's matmuls at their own shapes
     return {"bytes_per_step": bytes_step, "flops_per_step": flops_step, "memory_bound_s": t_mem,
-            "matmul_bound_s": t_compute, "matmul_detail_s": mm,
-            "matmul_GFLOPs_per_s": 2 * batch * mm_params / mm["best_s"] / 1e9,
+            "matmul_bound_s": t_compute, "peak_GFLOPs_per_s": peak_flops / 1e9, "step_matmul_s": mm,
+            "step_matmul_GFLOPs_per_s": 2 * batch * mm_params / mm["best_s"] / 1e9,
             "bound": "memory" if t_mem >= t_compute else "matmul", "roofline_tok_s": batch / t_step}
 
 
@@ -292,24 +317,57 @@ def _loadavg() -> float | None:
         return None
 
 
+def check_llamacpp_args(args) -> None:
+    """``--llamacpp`` needs a CPU run in float32 on a model folder or embedded model (ConfigError naming the
+    flag otherwise)."""
+    from ccft.core.errors import ConfigError
+    from ccft.core.models import EMBEDDED_MODELS
+
+    if args.random_weights:
+        raise ConfigError("--llamacpp converts the model folder to GGUF; drop --random-weights")
+    if torch.device(args.device).type != "cpu":
+        raise ConfigError(f"--llamacpp compares on the CPU (llama.cpp is built CPU-only); use --device cpu, "
+                          f"not {args.device!r}")
+    if args.dtype != "float32":
+        raise ConfigError(f"--llamacpp runs the same weights as an F32 GGUF; use --dtype float32, not {args.dtype}")
+    if args.model not in EMBEDDED_MODELS and not (Path(args.model) / "config.json").is_file():
+        raise ConfigError(f"--llamacpp converts a local HF folder to GGUF; --model {args.model!r} is neither an "
+                          f"embedded model ({', '.join(EMBEDDED_MODELS)}) nor a folder with config.json")
+
+
 def run(args) -> dict:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    llamacpp = getattr(args, "llamacpp", False)
+    build = None
+    if llamacpp:  # bad flags and a missing toolchain fail before any model load or measurement
+        from ccft.bench import llamacpp as lc
+
+        check_llamacpp_args(args)
+        build = lc.ensure_built(log=_log)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     from ccft.inference import SharedPrefillEngine
 
     base, description = load(args.model, random_weights=args.random_weights, device=args.device, dtype=dtype)
+    gguf = None
+    if llamacpp:
+        from ccft.core.models import resolve_model_path
+
+        gguf = lc.convert_to_gguf(build, resolve_model_path(args.model), base.fingerprint, log=_log)
     engine = SharedPrefillEngine(base, max_batch=max(args.batch_sizes), decode=args.decode,
                                  max_tail_tokens=max(64, 2 * args.new_tokens))
     load_before = _loadavg()
     bw = memory_bandwidth(args.device, dtype)
+    peak = peak_matmul(args.device, dtype)
     result = {"model": description, "device": _device_name(args.device), "dtype": args.dtype,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "decode_mode": engine.decode_mode,
               "attention": engine.attention, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "bandwidth_GBps": bw["bandwidth_Bps"] / 1e9, "bandwidth_detail_GBps":
-                  {k: v / 1e9 for k, v in bw.items()}, "batches": {}}
+                  {k: v / 1e9 for k, v in bw.items()}, "peak_matmul_GFLOPs_per_s": peak["flops_per_s"] / 1e9,
+              "peak_matmul_detail": peak, "batches": {}}
+    prompts_of, engine_tokens = {}, {}
     for batch in args.batch_sizes:
         prompts = make_prompts(base, batch, args.prompt_tokens, real=not args.random_weights)
         hf_runs, eng_runs = [], []
@@ -326,18 +384,57 @@ def run(args) -> dict:
             return {"ttft_s": ttft, "decode_s": dec, "decode_tok_s": batch * steps / dec}
 
         hf, eng = summary(hf_runs), summary(eng_runs)
+        prompts_of[batch], engine_tokens[batch] = prompts, eng_runs[0]["tokens"]
         agree = sum(a == b for a, b in zip(hf_runs[0]["tokens"], eng_runs[0]["tokens"], strict=True)) / batch
-        roof = roofline(base, engine, batch, prompts, args.new_tokens, bw["bandwidth_Bps"])
+        roof = roofline(base, engine, batch, prompts, args.new_tokens, bw["bandwidth_Bps"], peak["flops_per_s"])
         result["batches"][str(batch)] = {
             "prompt_tokens_mean": sum(map(len, prompts)) / batch, "hf": hf, "engine": eng,
             "speedup": eng["decode_tok_s"] / hf["decode_tok_s"], "ttft_ratio": hf["ttft_s"] / eng["ttft_s"],
             "roofline": roof, "roofline_fraction": eng["decode_tok_s"] / roof["roofline_tok_s"],
-            "hf_roofline_fraction": hf["decode_tok_s"] / roof["roofline_tok_s"], "greedy_rows_identical": agree}
-        for key, val in (("speedup", "speedup"), ("roofline_fraction", "roofline_fraction")):
-            result[f"{key}_batch{batch}"] = result["batches"][str(batch)][val]
+            "hf_roofline_fraction": hf["decode_tok_s"] / roof["roofline_tok_s"],
+            "bandwidth_fraction": roof["bytes_per_step"] * eng["decode_tok_s"] / batch / bw["bandwidth_Bps"],
+            "greedy_rows_identical": agree}
+        for key in ("speedup", "roofline_fraction", "bandwidth_fraction"):
+            result[f"{key}_batch{batch}"] = result["batches"][str(batch)][key]
+    if llamacpp:
+        result["llamacpp"] = run_llamacpp(build, gguf, args, prompts_of, engine_tokens, result)
     # 1-minute load average before and after: other processes on the machine show up as lower numbers
     result["load_average"] = {"before": load_before, "after": _loadavg(), "cpus": os.cpu_count()}
     return result
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_llamacpp(build, gguf, args, prompts_of: dict, engine_tokens: dict, result: dict) -> dict:
+    """llama.cpp on the same GGUF weights: speed per batch size with ``llama-batched-bench`` (prompt length =
+    the batch's mean, rounded; at batch 1 also ``llama-bench``) and greedy agreement with the engine on the largest batch's prompts. Adds ``llamacpp`` to each batch
+    row of ``result`` and ``llamacpp_ratio_batch<B>`` (engine ÷ llama.cpp decode tok/s) to its top level;
+    returns the ``llamacpp`` block."""
+    from ccft.bench import llamacpp as lc
+
+    block = {**build.describe(), "gguf": str(gguf), "threads": args.threads, "kv_type": "f32", "batches": {}}
+    for batch, prompts in prompts_of.items():
+        p_len = round(sum(map(len, prompts)) / batch)
+        r = lc.bench_batched(build, gguf, p_len, args.new_tokens, batch, args.threads, args.repeats, log=_log)
+        r["prompt_tokens"] = p_len
+        if batch == 1:  # as llama.cpp users measure it (f16 KV); beside the ratio, not in it
+            r["llama_bench"] = lc.bench_llama_bench(build, gguf, p_len, args.new_tokens, args.threads, args.repeats,
+                                                    log=_log)
+        block["batches"][str(batch)] = r
+        row = result["batches"][str(batch)]
+        row["llamacpp"] = {"decode_tok_s": r["decode_tok_s"], "prefill_tok_s": r["prefill_tok_s"],
+                           "ratio": row["engine"]["decode_tok_s"] / r["decode_tok_s"]}
+        if "llama_bench" in r:
+            row["llamacpp"]["llama_bench_decode_tok_s"] = r["llama_bench"]["decode_tok_s"]
+        result[f"llamacpp_ratio_batch{batch}"] = row["llamacpp"]["ratio"]
+    largest = max(prompts_of)
+    n = min(args.llamacpp_compare, args.new_tokens)
+    tokens = lc.greedy_tokens(build, gguf, prompts_of[largest], n, args.threads, log=_log)
+    block["greedy"] = {"batch": largest, "tool": "llama-server /completion (temperature 0, top_k 1)",
+                       "vs_engine": lc.agreement(engine_tokens[largest], tokens, n), "tokens": tokens}
+    return block
 
 
 def _device_name(device) -> str:
@@ -350,15 +447,35 @@ def table(result: dict) -> str:
     lines = [f"decode benchmark: {result['model']} ({result['dtype']}) on {result['device']}, "
              f"{result['threads']} threads, engine decode={result['decode_mode']}, "
              f"{result['new_tokens']} new tokens, bandwidth {result['bandwidth_GBps']:.1f} GB/s, "
-             f"load average {result['load_average']['before']} -> {result['load_average']['after']}",
-             "| batch | HF tok/s | engine tok/s | speedup | HF TTFT ms | engine TTFT ms | roofline tok/s (bound) "
-             "| engine / roofline | HF / roofline |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"peak matmul {result['peak_matmul_GFLOPs_per_s']:.0f} GFLOP/s, "
+             f"load average {result['load_average']['before']} -> {result['load_average']['after']}"]
+    lc = "llamacpp" in result
+    cols = ["batch", "HF tok/s", "engine tok/s"]
+    if lc:
+        cols += ["llama.cpp tok/s", "engine / llama.cpp", "llama.cpp prefill tok/s"]
+    cols += ["speedup", "HF TTFT ms", "engine TTFT ms", "roofline tok/s (bound)", "engine / roofline",
+             "HF / roofline", "engine / bandwidth"]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for b, r in result["batches"].items():
-        lines.append(f"| {b} | {r['hf']['decode_tok_s']:.1f} | {r['engine']['decode_tok_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {1e3 * r['hf']['ttft_s']:.0f} | {1e3 * r['engine']['ttft_s']:.0f} | "
-                     f"{r['roofline']['roofline_tok_s']:.1f} ({r['roofline']['bound']}) | "
-                     f"{100 * r['roofline_fraction']:.0f}% | {100 * r['hf_roofline_fraction']:.0f}% |")
+        cells = [b, f"{r['hf']['decode_tok_s']:.1f}", f"{r['engine']['decode_tok_s']:.1f}"]
+        if lc:
+            cells += [f"{r['llamacpp']['decode_tok_s']:.1f}", f"{r['llamacpp']['ratio']:.2f}x",
+                      f"{r['llamacpp']['prefill_tok_s']:.1f}"]
+        cells += [f"{r['speedup']:.2f}x", f"{1e3 * r['hf']['ttft_s']:.0f}", f"{1e3 * r['engine']['ttft_s']:.0f}",
+                  f"{r['roofline']['roofline_tok_s']:.1f} ({r['roofline']['bound']})",
+                  f"{100 * r['roofline_fraction']:.0f}%", f"{100 * r['hf_roofline_fraction']:.0f}%",
+                  f"{100 * r['bandwidth_fraction']:.0f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if lc:
+        g = result["llamacpp"]["greedy"]
+        a = g["vs_engine"]
+        lines.append(f"llama.cpp {result['llamacpp']['version']} (llama-cpp-python sdist, ggml "
+                     f"{result['llamacpp'].get('ggml_version')}), {result['llamacpp']['threads']} threads; greedy "
+                     f"vs engine on batch {g['batch']}'s prompts, first {a['first_tokens']} tokens: "
+                     f"{100 * a['leading_share']:.0f}% leading tokens equal, {100 * a['rows_equal']:.0f}% rows equal")
+        if "llama_bench_decode_tok_s" in result["batches"].get("1", {}).get("llamacpp", {}):
+            lines.append(f"llama.cpp tok/s: llama-batched-bench, fp32 KV; batch 1 with llama-bench (f16 KV, its default): "
+                         f"{result['batches']['1']['llamacpp']['llama_bench_decode_tok_s']:.1f} tok/s")
     return "\n".join(lines)
 
 
@@ -375,6 +492,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side (medians reported)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--decode", default="auto", help="engine decode mode: auto, eager, static, cuda_graph, compile")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also run llama.cpp on the same weights (F32 GGUF; CPU, float32; built once if missing)")
+    p.add_argument("--llamacpp-compare", type=int, default=16,
+                   help="greedy tokens compared between llama.cpp and the engine (first N per row)")
     p.add_argument("--out", default=None, help="write the JSON here")
 
 
@@ -387,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(result: dict, out: str | None) -> int:
     print(table(result))
-    print(json.dumps({k: v for k, v in result.items() if k.startswith(("speedup_", "roofline_fraction_"))}))
+    print(json.dumps({k: v for k, v in result.items() if k.startswith(("speedup_", "roofline_fraction_", "bandwidth_fraction_",
+                                                                      "llamacpp_ratio_"))}))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2))

@@ -1,0 +1,129 @@
+"""ccft.bench.decode: the roofline on measured bandwidth and peak GEMM, the --llamacpp flag checks, the
+llama.cpp rows and ratios (llama.cpp stubbed with known numbers), and the table with and without them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from ccft.bench import decode
+from ccft.bench import llamacpp as lc
+from ccft.core.errors import ConfigError
+
+
+def _args(**kw):
+    p = argparse.ArgumentParser()
+    decode.add_arguments(p)
+    args = p.parse_args([])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+@pytest.mark.parametrize("kw, match", [({"random_weights": True}, "drop --random-weights"),
+                                       ({"device": "cuda"}, "use --device cpu"),
+                                       ({"dtype": "bfloat16"}, "use --dtype float32"),
+                                       ({"model": "org/hub-id"}, "neither an embedded model")])
+def test_llamacpp_flag_checks(kw, match):
+    args = _args(**{"llamacpp": True, "device": "cpu", **kw})
+    with pytest.raises(ConfigError, match=match):
+        decode.check_llamacpp_args(args)
+    decode.check_llamacpp_args(_args(llamacpp=True, device="cpu"))  # the default run is fine
+
+
+def test_roofline_is_the_slower_of_bandwidth_and_peak(tiny_base):
+    from ccft.inference import SharedPrefillEngine
+
+    engine = SharedPrefillEngine(tiny_base, max_batch=2)
+    model, cfg = tiny_base.model, tiny_base.model.config
+    prompts, new = [[5] * 10, [6] * 20], 4
+    # independent counts: fp32 parameters (untied embedding: only the 2 looked-up rows are read),
+    # every Linear weight as matmul parameters, KV of both rows at the mean context 15 + 4/2
+    emb = model.get_input_embeddings().weight
+    weight_bytes = 4 * (sum(p.numel() for p in model.parameters()) - emb.numel() + 2 * cfg.hidden_size)
+    kv_dim = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    kv_bytes = 2 * cfg.num_hidden_layers * 2 * kv_dim * 4 * 17
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    flops = 2 * 2 * linear + 2 * cfg.num_hidden_layers * cfg.hidden_size * 17 * 4
+    for bw, peak in ((1e9, 1e12), (1e12, 1e6)):
+        r = decode.roofline(tiny_base, engine, 2, prompts, new, bw, peak)
+        assert r["bytes_per_step"] == pytest.approx(weight_bytes + kv_bytes)
+        assert r["flops_per_step"] == pytest.approx(flops)
+        t_mem, t_mm = (weight_bytes + kv_bytes) / bw, flops / peak
+        assert r["bound"] == ("memory" if t_mem >= t_mm else "matmul")
+        assert r["roofline_tok_s"] == pytest.approx(2 / max(t_mem, t_mm))
+        assert r["step_matmul_s"]["best_s"] > 0  # the per-shape figure stays as a diagnostic
+
+
+def _result():
+    row = lambda eng, hf: {"hf": {"decode_tok_s": hf, "ttft_s": 0.1}, "engine": {"decode_tok_s": eng, "ttft_s": 0.05},  # noqa: E731
+                           "speedup": eng / hf, "roofline": {"roofline_tok_s": 100.0, "bound": "memory"},
+                           "roofline_fraction": eng / 100, "hf_roofline_fraction": hf / 100,
+                           "bandwidth_fraction": 0.5}
+    return {"model": "m", "dtype": "float32", "device": "cpu", "threads": 2, "decode_mode": "static",
+            "new_tokens": 8, "bandwidth_GBps": 30.0, "peak_matmul_GFLOPs_per_s": 100.0,
+            "load_average": {"before": 1.0, "after": 1.0}, "batches": {"1": row(30.0, 15.0), "4": row(200.0, 100.0)}}
+
+
+def test_llamacpp_rows_and_ratios(monkeypatch):
+    calls = []
+
+    def llama_bench(build, gguf, p_len, new, threads, repeats, log):
+        calls.append(("llama-bench", p_len, new, threads, repeats))
+        return {"decode_tok_s": 70.0, "prefill_tok_s": 700.0, "commands": ["lb"]}
+
+    def batched(build, gguf, p_len, new, batch, threads, repeats, log):
+        calls.append(("llama-batched-bench", p_len, new, batch, threads, repeats))
+        return {"decode_tok_s": {1: 60.0, 4: 160.0}[batch], "prefill_tok_s": {1: 600.0, 4: 900.0}[batch],
+                "commands": [f"b{batch}"]}
+
+    monkeypatch.setattr(lc, "bench_llama_bench", llama_bench)
+    monkeypatch.setattr(lc, "bench_batched", batched)
+    monkeypatch.setattr(lc, "greedy_tokens", lambda build, gguf, prompts, n, threads, log: [[1, 2, 3], [4, 5, 0],
+                                                                                           [7, 8, 9], [1, 1, 1]])
+    build = lc.LlamaCpp(root=lc.llamacpp_dir("9.9"), version="9.9", build_info={"ggml_version": "0.25.3"})
+    result = _result()
+    prompts = {1: [[1] * 7], 4: [[1] * 7, [1] * 8, [1] * 8, [1] * 9]}
+    engine_tokens = {1: [[1, 2, 3]], 4: [[1, 2, 3], [4, 5, 6], [7, 8, 9], [2, 1, 1]]}
+    block = decode.run_llamacpp(build, "w.gguf", _args(threads=2, repeats=3, new_tokens=3, llamacpp_compare=3),
+                                prompts, engine_tokens, result)
+    assert calls == [("llama-batched-bench", 7, 3, 1, 2, 3), ("llama-bench", 7, 3, 2, 3),
+                     ("llama-batched-bench", 8, 3, 4, 2, 3)]
+    assert result["llamacpp_ratio_batch1"] == 30.0 / 60.0 and result["llamacpp_ratio_batch4"] == 200.0 / 160.0
+    assert result["batches"]["4"]["llamacpp"] == {"decode_tok_s": 160.0, "prefill_tok_s": 900.0, "ratio": 1.25}
+    assert result["batches"]["1"]["llamacpp"]["llama_bench_decode_tok_s"] == 70.0
+    g = block["greedy"]["vs_engine"]
+    assert block["greedy"]["batch"] == 4 and g["rows_equal"] == 0.5 and g["leading_share"] == (3 + 2 + 3 + 0) / 12
+    assert block["version"] == "9.9" and block["threads"] == 2 and block["batches"]["1"]["prompt_tokens"] == 7
+    result["llamacpp"] = block
+    text = decode.table(result)
+    assert "| llama.cpp tok/s | engine / llama.cpp | llama.cpp prefill tok/s |" in text
+    assert "| 4 | 100.0 | 200.0 | 160.0 | 1.25x | 900.0 | 2.00x |" in text
+    assert "67% leading tokens equal, 50% rows equal" in text and "(f16 KV, its default): 70.0 tok/s" in text
+
+
+def test_table_without_llamacpp_has_no_llamacpp_columns():
+    text = decode.table(_result())
+    assert "llama.cpp" not in text and "| 1 | 15.0 | 30.0 | 2.00x | 100 | 50 | 100.0 (memory) | 30% | 15% | 50% |" in text
+
+
+def test_llamacpp_without_cmake_fails_before_loading_anything(monkeypatch, tmp_path):
+    """``ccft bench decode --llamacpp`` on a PATH without cmake (and no build in the cache): the error names
+    cmake and the install command; no model is loaded."""
+    monkeypatch.setenv("CCFT_CACHE", str(tmp_path / "cache"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("cc", "c++", "ninja"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(decode, "load", lambda *a, **k: pytest.fail("loaded a model before checking the toolchain"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(lc.LlamaCppError, match=r"needs cmake, not found on PATH; install cmake .*apt-get install cmake"):
+        decode.run(_args(llamacpp=True, device="cpu", model=str(tmp_path / "model")))
+    assert not (tmp_path / "cache" / "llama.cpp").exists()  # nothing downloaded or created

@@ -1,0 +1,240 @@
+"""ccft.bench.llamacpp: the pin, the cache folder and its rebuild rule, the toolchain error, the parsers on
+output captured from a real build (tests/data/llamacpp/), the greedy agreement; and (slow) a real build
+whose greedy tokens on the tiny model equal HF's."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from ccft.bench import llamacpp as lc
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data" / "llamacpp"
+
+
+def test_version_is_the_constraints_pin():
+    pins = re.findall(r"^llama-cpp-python==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M)
+    assert pins == [lc.LLAMA_CPP_PYTHON_VERSION]
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    for var in ("CCFT_CACHE", "CCFT_HOME", "XDG_CACHE_HOME", "CC", "CXX"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return monkeypatch
+
+
+def test_cache_root_order(clean_env, tmp_path):
+    assert lc.cache_root() == tmp_path / "home" / ".cache" / "ccft"
+    clean_env.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert lc.cache_root() == tmp_path / "xdg" / "ccft"
+    clean_env.setenv("CCFT_HOME", str(tmp_path / "home2"))
+    assert lc.cache_root() == tmp_path / "home2"
+    clean_env.setenv("CCFT_CACHE", str(tmp_path / "cache"))
+    assert lc.cache_root() == tmp_path / "cache"
+    assert lc.llamacpp_dir("1.2.3") == tmp_path / "cache" / "llama.cpp" / "1.2.3"
+
+
+def _finish(root: Path, version: str, *, marker: bool = True, tools=lc.TOOLS) -> None:
+    for t in tools:
+        p = root / "build" / "bin" / t
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("#!/bin/sh\n")
+        p.chmod(0o755)
+    if marker:
+        (root / lc.MARKER).write_text(json.dumps({"version": version}))
+
+
+def test_find_build_needs_marker_version_and_every_tool(clean_env, tmp_path):
+    clean_env.setenv("CCFT_CACHE", str(tmp_path / "c"))
+    root = lc.llamacpp_dir("9.9")
+    assert lc.find_build("9.9") is None
+    _finish(root, "9.9", marker=False)
+    assert lc.find_build("9.9") is None  # tools without the marker: an interrupted build
+    (root / lc.MARKER).write_text(json.dumps({"version": "9.8"}))
+    assert lc.find_build("9.9") is None  # a marker of another version
+    (root / lc.MARKER).write_text(json.dumps({"version": "9.9"}))
+    found = lc.find_build("9.9")
+    assert found is not None and found.tool("llama-server") == root / "build" / "bin" / "llama-server"
+    (root / "build" / "bin" / "llama-bench").unlink()
+    assert lc.find_build("9.9") is None
+
+
+class FakeRunner:
+    """Stands in for subprocess.run: pip download writes a small sdist, cmake --build writes the tools."""
+
+    def __init__(self, root: Path):
+        self.root, self.calls = root, []
+
+    def __call__(self, cmd, **kw):
+        self.calls.append(cmd)
+        assert not (self.root / lc.MARKER).exists(), "the marker must be written last"
+        if "download" in cmd:
+            dest = Path(cmd[cmd.index("-d") + 1])
+            tree = dest / "t" / "llama_cpp_python-9.9" / "vendor" / "llama.cpp"
+            (tree / "ggml").mkdir(parents=True)
+            (tree / "CMakeLists.txt").write_text("project(llama.cpp)\n")
+            (tree / "convert_hf_to_gguf.py").write_text("")
+            (tree / "ggml" / "CMakeLists.txt").write_text(
+                "set(GGML_VERSION_MAJOR 0)\nset(GGML_VERSION_MINOR 25)\nset(GGML_VERSION_PATCH 3)\n")
+            with tarfile.open(dest / "llama_cpp_python-9.9.tar.gz", "w:gz") as tar:
+                tar.add(dest / "t" / "llama_cpp_python-9.9", arcname="llama_cpp_python-9.9")
+        elif "--build" in cmd:
+            _finish(self.root, "9.9", marker=False)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+
+def test_interrupted_build_is_discarded_and_redone(clean_env, tmp_path):
+    clean_env.setenv("CCFT_CACHE", str(tmp_path / "c"))
+    root = lc.llamacpp_dir("9.9")
+    stale = root / "build" / "half-written.o"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("junk")
+    run = FakeRunner(root)
+    build = lc.ensure_built("9.9", runner=run, log=lambda m: None)
+    assert not stale.exists()
+    kinds = [("download" in c, "-S" in c, "--build" in c) for c in run.calls]
+    assert kinds == [(True, False, False), (False, True, False), (False, False, True)]
+    assert all(t in run.calls[2] for t in lc.TOOLS) and all(f in run.calls[1] for f in lc.CMAKE_FLAGS)
+    info = json.loads((root / lc.MARKER).read_text())
+    assert info["version"] == "9.9" and info["ggml_version"] == "0.25.3" and info == build.build_info
+    assert (root / "source" / "convert_hf_to_gguf.py").is_file()
+    # finished: nothing runs again
+    again = FakeRunner(root)
+    assert lc.ensure_built("9.9", runner=again, log=lambda m: None).root == root and again.calls == []
+    # marker lost (e.g. killed while writing it): build/ is redone, the complete source/ is reused
+    (root / lc.MARKER).unlink()
+    redo = FakeRunner(root)
+    lc.ensure_built("9.9", runner=redo, log=lambda m: None)
+    assert [("-S" in c, "--build" in c) for c in redo.calls] == [(True, False), (False, True)]
+
+
+def _bin_without(tmp_path: Path, missing: str) -> str:
+    folder = tmp_path / f"bin-no-{missing}"
+    folder.mkdir()
+    for name in ("cmake", "cc", "c++", "ninja", "make"):
+        if name != missing:
+            target = folder / name
+            target.write_text("#!/bin/sh\n")
+            target.chmod(0o755)
+    return str(folder)
+
+
+def test_missing_cmake_is_named_before_any_download(clean_env, tmp_path):
+    clean_env.setenv("CCFT_CACHE", str(tmp_path / "c"))
+
+    def no_run(cmd, **kw):
+        raise AssertionError(f"ran {cmd}")
+
+    path = _bin_without(tmp_path, "cmake")
+    with pytest.raises(lc.LlamaCppError, match=r"needs cmake, not found on PATH; install cmake"):
+        lc.ensure_built("9.9", runner=no_run, path=path, log=lambda m: None)
+    with pytest.raises(lc.LlamaCppError, match=r"a C\+\+ compiler"):
+        lc.check_toolchain(_bin_without(tmp_path, "c++"))
+    tools = lc.check_toolchain(_bin_without(tmp_path, "ninja"))  # make instead of ninja
+    assert tools["generator"] == "Unix Makefiles" and tools["cmake"] == str(tmp_path / "bin-no-ninja" / "cmake")
+
+
+# ------------------------------------------------------------------ parsers on captured output
+
+def test_parse_llama_bench_captured():
+    pp = lc.parse_llama_bench((DATA / "llama_bench_pp.json").read_text())
+    tg = lc.parse_llama_bench((DATA / "llama_bench_tg.json").read_text())
+    assert [(t["n_prompt"], t["n_gen"], t["n_depth"], t["n_threads"]) for t in pp] == [(94, 0, 0, 2)]
+    assert [(t["n_prompt"], t["n_gen"], t["n_depth"], t["n_threads"]) for t in tg] == [(0, 8, 94, 2)]
+    assert pp[0]["avg_ts"] == 2.433824 and pp[0]["samples_ts"] == [2.17331, 2.69434]
+    assert tg[0]["avg_ts"] == 0.09157 and tg[0]["samples_ts"] == [0.0777434, 0.105397]
+    with pytest.raises(ValueError, match="-o json"):
+        lc.parse_llama_bench("| model | size |\n")
+
+
+def test_parse_batched_bench_captured():
+    rows = lc.parse_batched_bench((DATA / "batched_bench.jsonl").read_text())
+    assert [(r["pp"], r["tg"], r["pl"], r["n_threads"]) for r in rows] == [(32, 4, 1, 1), (32, 4, 1, 1), (32, 4, 2, 1)]
+    assert [r["speed_tg"] for r in rows] == [1.406437, 9.129502, 7.252427]
+    assert [r["speed_pp"] for r in rows] == [12.678329, 10.325822, 32.816643]
+    for r in rows:  # the tool's own definitions
+        assert r["speed_tg"] == pytest.approx(r["pl"] * r["tg"] / r["t_tg"], rel=1e-5)
+        assert r["speed_pp"] == pytest.approx(r["pl"] * r["pp"] / r["t_pp"], rel=1e-5)
+    with pytest.raises(ValueError, match="jsonl"):
+        lc.parse_batched_bench("main: n_kv_max = 2048\n|    PP |     TG |\n")
+
+
+class Replay:
+    """A runner that answers each command with captured output, in order, and records the commands."""
+
+    def __init__(self, *files: str):
+        self.outputs, self.calls = [(DATA / f).read_text() for f in files], []
+
+    def __call__(self, cmd, **kw):
+        self.calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, self.outputs.pop(0), "")
+
+
+def test_runners_on_captured_output(tmp_path):
+    build = lc.LlamaCpp(tmp_path, "9.9")
+    run = Replay("batched_bench.jsonl")
+    r = lc.bench_batched(build, Path("m.gguf"), 32, 4, 1, 1, repeats=2, runner=run, log=lambda m: None)
+    assert r["decode_tok_s"] == pytest.approx((1.406437 + 9.129502) / 2)  # median of the two pl=1 rows
+    assert r["prefill_tok_s"] == pytest.approx((12.678329 + 10.325822) / 2) and len(r["raw"]) == 2
+    cmd = run.calls[0]
+    assert cmd[cmd.index("-npl") + 1] == "1,1" and cmd[cmd.index("-ctk") + 1] == "f32"
+    assert cmd[cmd.index("-c") + 1] == str(1 * (32 + 4) + 16) and cmd[0] == str(build.tool("llama-batched-bench"))
+    run = Replay("batched_bench.jsonl")
+    assert lc.bench_batched(build, Path("m.gguf"), 32, 4, 2, 1, runner=run, log=lambda m: None)["decode_tok_s"] == 7.252427
+    with pytest.raises(lc.LlamaCppError, match="no row for 16 sequences"):
+        lc.bench_batched(build, Path("m.gguf"), 32, 4, 16, 1, runner=Replay("batched_bench.jsonl"), log=lambda m: None)
+    run = Replay("llama_bench_pp.json", "llama_bench_tg.json")
+    r = lc.bench_llama_bench(build, Path("m.gguf"), 94, 8, 2, 2, runner=run, log=lambda m: None)
+    assert (r["prefill_tok_s"], r["decode_tok_s"]) == (2.433824, 0.09157)
+    assert [c[c.index("-p") + 1:] for c in run.calls] == [["94", "-n", "0"], ["0", "-n", "8", "-d", "94"]]
+
+
+def test_agreement_known_answers():
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    other = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9, 9, 9]]
+    a = lc.agreement(ref, other, first=4)
+    assert a["tokens_compared"] == 12 and a["leading_share"] == (4 + 2 + 0) / 12
+    assert a["rows_equal"] == 1 / 3 and a["first_divergence"] == [None, 2, 0]
+    b = lc.agreement(ref, other, first=2)  # only the first two tokens of each row
+    assert b["leading_share"] == (2 + 2 + 0) / 6 and b["rows_equal"] == 2 / 3
+    c = lc.agreement([[1, 2, 3]], [[1, 2]], first=3)  # a shorter row is not equal
+    assert c["tokens_compared"] == 2 and c["leading_share"] == 1.0 and c["rows_equal"] == 0.0
+    with pytest.raises(ValueError, match="2 reference rows but 1"):
+        lc.agreement([[1], [2]], [[1]], first=1)
+
+
+# ------------------------------------------------------------------ a real build (slow)
+
+@pytest.mark.slow
+def test_llamacpp_greedy_equals_hf_on_tiny_model(tiny_dir, tokenizer):
+    """Builds (or reuses) llama.cpp, converts the tiny fp32 test Llama (tests/conftest.py) to an F32 GGUF and
+    checks llama-server's greedy tokens equal HF's on three prompts, 8 tokens each. The tiny model is
+    seeded, so this is deterministic; its top-1/top-2 logit margins on these prompts are >= 0.003,
+    far above fp32 summation-order differences."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ccft.core.fingerprint import fingerprint_folder
+
+    build = lc.ensure_built()
+    gguf = lc.convert_to_gguf(build, tiny_dir, "test-" + fingerprint_folder(tiny_dir, tokenizer))
+    assert gguf.stat().st_size > 4 * 64 * len(tokenizer)  # fp32 embedding alone
+    prompts = [tokenizer.encode(t) for t in ("Natalia sold clips to 48 of her friends in April.", "def add(a, b):",
+                                             "The quick brown fox jumps over the lazy dog.")]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    want = []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        want.append(out[0, len(ids):].tolist())
+    got = lc.greedy_tokens(build, gguf, prompts, 8, threads=2)
+    assert got == want
+    assert lc.agreement(want, got, 8)["rows_equal"] == 1.0
