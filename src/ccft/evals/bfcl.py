@@ -32,6 +32,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ccft.core.io import display_path
 from ccft.evals.task_base import EnvironmentCheckError, Item, Task, data_rows
 from ccft.evals.tool_calls import format_tool_call, openai_tool, parse_tool_calls
 
@@ -216,7 +217,8 @@ class BFCLMultipleTask(Task):
     def check_environment(self, limit: int | None = None) -> dict:
         """The checker accepts every reference call (first acceptable values) and rejects a wrong function."""
         python = checker_python()
-        report = {"task": self.name, "available": python is not None, "checker_python": python,
+        report = {"task": self.name, "available": python is not None,
+                  "checker_python": display_path(python) if python else None,  # reports carry no machine path
                   "checker_pins": list(CHECKER_PINS)}
         if python is None:
             report.update(ok=True, reason="no checker environment: run `python -m ccft.evals.bfcl setup`")
