@@ -75,13 +75,15 @@ class LlamaCppError(ConfigError):
 
 
 def cache_root() -> Path:
-    """``$CCFT_CACHE``, else ``$CCFT_HOME``, else ``$XDG_CACHE_HOME/ccft``, else ``~/.cache/ccft``."""
-    for var in ("CCFT_CACHE", "CCFT_HOME"):
-        if os.environ.get(var):
-            return Path(os.environ[var])
-    if os.environ.get("XDG_CACHE_HOME"):
+    """``$CCFT_CACHE``, else ``$CCFT_HOME``, else ``$XDG_CACHE_HOME/ccft``, else ``~/.cache/ccft``
+    (``$CCFT_HOME`` and the default are ``ccft.core.models.ccft_home``, the models' cache)."""
+    from ccft.core.models import ccft_home
+
+    if os.environ.get("CCFT_CACHE"):
+        return Path(os.environ["CCFT_CACHE"])
+    if not os.environ.get("CCFT_HOME") and os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "ccft"
-    return Path.home() / ".cache" / "ccft"
+    return ccft_home()
 
 
 def llamacpp_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
