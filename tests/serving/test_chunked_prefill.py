@@ -177,6 +177,30 @@ def test_cancel_while_its_context_is_prefilled(world, long_ids, texts_short):
     assert sched.pending_prefill_tokens == 0 and not sched._contexts
 
 
+def test_kv_budget_holds_while_a_context_is_prefilled_in_pieces(world, long_ids, texts_short):
+    """The store blocks an unfinished chunked prefill will insert count against the KV budget from admission:
+    a second context arriving meanwhile waits instead of taking that room, so live + store never exceeds the
+    budget when the blocks arrive (without the reservation the peak went over it)."""
+    base, decs = world
+    eng = SharedPrefillEngine(base, decoders=decs)
+    bpt = eng.kv_bytes_per_token
+    budget = 1300 * bpt  # one 400-token context + its 400 store tokens + a tail fit; two do not
+    sched = Scheduler(eng, store=PrefixKVStore(block_tokens=BLOCK), prefill_chunk_tokens=64, kv_budget_bytes=budget)
+    reqs = [ServeRequest(d, long_ids[400 * i:400 * (i + 1)] + texts_short[i][:4], shared_len=400, max_new_tokens=4)
+            for i, d in enumerate(("math", "code"))]
+    tickets = [sched.submit(reqs[0])]
+    sched.step()
+    assert sched.pending_prefill_tokens > 0  # the first context is being prefilled in pieces
+    tickets.append(sched.submit(reqs[1]))
+    sched.run_until_idle()
+    assert [t.state for t in tickets] == ["done", "done"]
+    assert sched.counters["admission_waits"] >= 1
+    assert sched.stats()["peak_total_kv_bytes"] <= budget
+    for t in tickets:
+        assert t.tokens == list(_reference(world, t.request).token_ids)
+    assert sched.live_bytes == 0 and sched.pending_store_bytes == 0
+
+
 def test_bad_knobs(world):
     base, decs = world
     eng = SharedPrefillEngine(base, decoders=decs)

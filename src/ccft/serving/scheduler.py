@@ -187,6 +187,7 @@ class _Context:
     users: int = 0
     job: object = None  # a ``PrefillJob`` while the context is being prefilled in pieces (chunked prefill)
     waiting: list = field(default_factory=list)  # tickets admitted onto it before it is complete
+    store_reserve: int = 0  # bytes its unfinished job may still insert into the store (chunked prefill)
 
 
 class Scheduler:
@@ -244,6 +245,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.live_bytes = 0  # handles + reserved tail slots of active requests
+        # chunked prefill: store bytes that unfinished prefill jobs may insert when they finish (admission counts
+        # them, so requests admitted meanwhile cannot take that room; the budget holds when the blocks arrive)
+        self.pending_store_bytes = 0
         self.peak_live_bytes = 0
         self.peak_total_bytes = 0
         self.counters = collections.Counter()
@@ -617,6 +621,7 @@ class Scheduler:
                 if ctx.job.remaining == 0:
                     handle, hit = ctx.job.finish()
                     ctx.handle, ctx.job = handle, None
+                    self._release_store_reserve(ctx)  # its blocks are in the store now (store_bytes)
             except Exception as e:  # noqa: BLE001 - the context's requests fail, the scheduler goes on
                 self._fail_context(ctx, f"{type(e).__name__}: {e}")
                 continue
@@ -637,6 +642,7 @@ class Scheduler:
         if ctx.job is not None:
             ctx.job.cancel()
             ctx.job = None
+        self._release_store_reserve(ctx)
         if self._contexts.get(ctx.key) is ctx:
             del self._contexts[ctx.key]
             self.live_bytes -= ctx.tokens * self.bytes_per_token
@@ -665,10 +671,15 @@ class Scheduler:
     def _make_room(self, need: int) -> bool:
         if self.kv_budget_bytes is None:
             return True
-        over = self.live_bytes + self.store_bytes + need - self.kv_budget_bytes
+        used = self.live_bytes + self.pending_store_bytes
+        over = used + self.store_bytes + need - self.kv_budget_bytes
         if over > 0 and self.store is not None:
             self.store.evict(over)
-        return self.live_bytes + self.store_bytes + need <= self.kv_budget_bytes
+        return used + self.store_bytes + need <= self.kv_budget_bytes
+
+    def _release_store_reserve(self, ctx: _Context) -> None:
+        self.pending_store_bytes -= ctx.store_reserve
+        ctx.store_reserve = 0
 
     def _prefill(self, key: tuple, r: ServeRequest, ctx_tokens: int, t: Ticket) -> _Context:
         k = self._handoff(r.decoder)
@@ -682,6 +693,10 @@ class Scheduler:
             self.counters["prefix_hit_tokens"] += job.hit
             t.prefix_hit_tokens = job.hit
             ctx = _Context(key, job.handle, ctx_tokens, job=job)
+            if self.store is not None:  # the full blocks it does not find in the store are inserted at finish
+                blocks = ctx_tokens // self.store.block_tokens * self.store.block_tokens
+                ctx.store_reserve = max(0, blocks - job.hit) * self.bytes_per_token
+                self.pending_store_bytes += ctx.store_reserve
             self._contexts[key] = ctx
             self.live_bytes += ctx_tokens * self.bytes_per_token
             return ctx
@@ -728,6 +743,7 @@ class Scheduler:
             if ctx.users == 0 and key != keep:
                 if ctx.job is not None:
                     ctx.job.cancel()  # a prefill in pieces nobody waits for any more
+                    self._release_store_reserve(ctx)
                 else:
                     ctx.handle.release()
                 del self._contexts[key]
