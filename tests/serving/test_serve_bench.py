@@ -91,3 +91,26 @@ def test_bench_run_eight_agents_both_policies_chunked(tmp_path, tokenizer):
     assert eq["equal"] == eq["requests"] == 16
     assert eq["by_policy"]["mlfq"]["equal"] == eq["by_policy"]["mlfq"]["requests"] == 16
     assert "work ratio" in serve_bench.table(result)
+
+
+def test_cost_work_ratio_weighs_prompt_and_generated_tokens_by_their_measured_cost(tmp_path):
+    """cost_work: prompt tokens at the shared system's prefill s/token, generated tokens at its decode s/token;
+    a hand-computed point, and --from-json re-derives a saved result without measuring."""
+    import argparse
+    import json
+
+    from ccft.bench import serve as bs
+
+    shared = {"prefill_s": 2.0, "prefill_tokens": 1000, "decode_s": 4.0, "generated_tokens": 200}
+    no_share = {"prefill_s": 9.0, "prefill_tokens": 4000, "decode_s": 5.0, "generated_tokens": 200}
+    into = {"shared": shared, "no_share": no_share, "throughput_ratio": 2.0}
+    got = bs.cost_work(into)
+    # c_p = 2 ms, c_d = 20 ms: shared 2 + 4 = 6 s, no-share 8 + 4 = 12 s
+    assert got["prefill_s_per_token"] == pytest.approx(0.002) and got["decode_s_per_token"] == pytest.approx(0.02)
+    assert got["cost_work_ratio"] == pytest.approx(2.0) and got["throughput_vs_cost"] == pytest.approx(1.0)
+    saved = {"points": [{"sessions": 1, **into}], "saturation_sessions": 1, "scheduler": {"policies": ["fcfs"]}}
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps(saved))
+    out = bs.run(argparse.Namespace(from_json=str(path)))
+    assert out["cost_work_ratio_at_saturation"] == pytest.approx(2.0)
+    assert out["throughput_vs_cost_at_saturation"] == pytest.approx(1.0)
