@@ -127,3 +127,24 @@ def test_llamacpp_without_cmake_fails_before_loading_anything(monkeypatch, tmp_p
     with pytest.raises(lc.LlamaCppError, match=r"needs cmake, not found on PATH; install cmake .*apt-get install cmake"):
         decode.run(_args(llamacpp=True, device="cpu", model=str(tmp_path / "model")))
     assert not (tmp_path / "cache" / "llama.cpp").exists()  # nothing downloaded or created
+
+
+def test_profile_step_attributes_the_step_to_op_categories(tiny_base):
+    """--profile: a decode step's time is split over op categories; the linears are found, and the
+    categories plus host time add up to the profiled step."""
+    from ccft.inference import SharedPrefillEngine
+
+    engine = SharedPrefillEngine(tiny_base, max_batch=4, max_tail_tokens=64)
+    prompts = [[5, 6, 7, 8, 9], [5, 6, 7], [9, 8, 7, 6], [4, 4, 4, 4, 4, 4]]
+    prof = decode.profile_step(engine, prompts, steps=4)
+    assert prof["batch"] == 4 and prof["steps"] == 4
+    ms = prof["ms_per_step"]
+    linear = ms.get("linear (oneDNN packed)", 0.0) + ms.get("linear (aten)", 0.0)
+    assert linear > 0.0
+    assert sum(ms.values()) == pytest.approx(prof["profiled_step_ms"], rel=1e-6)
+    assert prof["top_ops"] and all(o["ms_per_step"] >= 0 for o in prof["top_ops"])
+    assert engine.active == 0  # the profiled rows were ended
+    # an op name is put in its category by prefix; unknown ops fall to "other"
+    assert decode._profile_group("aten::bmm") == "attention matmul"
+    assert decode._profile_group("aten::rsqrt") == "elementwise / norms / RoPE / other ops"
+    assert decode._profile_group("mkldnn::_linear_pointwise") == "linear (oneDNN packed)"

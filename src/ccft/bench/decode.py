@@ -170,6 +170,78 @@ def run_engine(engine, prompts, new_tokens: int) -> dict:
     return {"ttft_s": first - t0, "decode_s": t_end - first, "tokens": [tokens[r] for r in ids]}
 
 
+#: op-name prefixes of each profile category (``profile_step``); the first match wins, the rest is "other ops"
+PROFILE_GROUPS = (
+    ("linear (oneDNN packed)", ("mkldnn::_linear_pointwise",)),
+    ("linear (aten)", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul")),
+    ("attention matmul", ("aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product", "aten::scaled_dot_product")),
+    ("softmax / logsumexp / merge", ("aten::_softmax", "aten::softmax", "aten::logsumexp", "aten::exp",
+                                     "aten::amax", "aten::max", "aten::sigmoid")),
+    ("KV writes / copies / indexing", ("aten::copy_", "aten::index", "aten::_index_put", "aten::cat", "aten::gather",
+                                       "aten::embedding", "aten::clone", "aten::contiguous", "aten::fill_",
+                                       "aten::zero_", "aten::to", "aten::_to_copy", "aten::masked_fill",
+                                       "aten::where", "aten::full", "aten::empty", "aten::arange")),
+    ("views", ("aten::view", "aten::select", "aten::slice", "aten::as_strided", "aten::reshape", "aten::expand",
+               "aten::transpose", "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::t", "aten::unbind",
+               "aten::narrow", "aten::split", "aten::chunk", "aten::flatten", "aten::_unsafe_view",
+               "aten::alias", "aten::detach", "aten::lift_fresh", "aten::item", "aten::_local_scalar_dense")),
+    ("sampling", ("aten::argmax", "aten::topk", "aten::sort", "aten::multinomial")),
+)
+
+
+def _profile_group(name: str) -> str:
+    for group, prefixes in PROFILE_GROUPS:
+        if any(name == p or name.startswith(p + ".") or name.startswith(p + "_") for p in prefixes):
+            return group
+    return "elementwise / norms / RoPE / other ops"
+
+
+def profile_step(engine, prompts, steps: int = 16) -> dict:
+    """Where the time of one engine decode step goes (CPU), by op category.
+
+    Rows of ``prompts`` are decoded ``steps`` steps unprofiled (the step's wall time) and ``steps``
+    steps under ``torch.profiler`` (CPU ops, self time). Each op's self time is put in a
+    ``PROFILE_GROUPS`` category; ``host`` is the profiled step's wall time minus all ops' self time
+    (Python, dispatch and the profiler's own cost per op). Per-step milliseconds; the profiler's
+    overhead makes the profiled step longer than the plain one (both reported).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    handle = engine.prefill(prompts)
+    for i in range(len(prompts)):
+        engine.add_request(handle, i, max_new_tokens=3 + 2 * steps + 1, ignore_eos=True)
+    try:
+        for _ in range(3):
+            engine.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        plain = (time.perf_counter() - t0) / steps
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            profiled = (time.perf_counter() - t0) / steps
+    finally:
+        engine.close()  # the benchmark's engine runs nothing else: abort these rows
+        handle.release()
+    groups: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    top = []
+    for ev in prof.key_averages():
+        g = _profile_group(ev.key)
+        groups[g] = groups.get(g, 0.0) + ev.self_cpu_time_total / 1e6 / steps
+        calls[g] = calls.get(g, 0) + ev.count // steps
+        top.append((ev.self_cpu_time_total / 1e6 / steps, ev.key, ev.count // steps))
+    ops = sum(groups.values())
+    ms = {g: 1e3 * v for g, v in sorted(groups.items(), key=lambda kv: -kv[1])}
+    ms["host (outside ops)"] = 1e3 * max(0.0, profiled - ops)
+    top.sort(reverse=True)
+    return {"steps": steps, "batch": len(prompts), "step_ms": 1e3 * plain, "profiled_step_ms": 1e3 * profiled,
+            "ms_per_step": ms, "ops_per_step": calls, "top_ops": [{"op": k, "ms_per_step": 1e3 * t, "calls_per_step": c}
+                                                                    for t, k, c in top[:12]]}
+
+
 def _timeit(fn, min_time: float = 0.3, device="cpu") -> float:
     fn()
     _sync(device)
@@ -396,6 +468,8 @@ def run(args) -> dict:
             "greedy_rows_identical": agree}
         for key in ("speedup", "roofline_fraction", "bandwidth_fraction"):
             result[f"{key}_batch{batch}"] = result["batches"][str(batch)][key]
+        if getattr(args, "profile", False):
+            result["batches"][str(batch)]["profile"] = profile_step(engine, prompts)
     if llamacpp:
         result["llamacpp"] = run_llamacpp(build, gguf, args, prompts_of, engine_tokens, result)
     # 1-minute load average before and after: other processes on the machine show up as lower numbers
@@ -476,6 +550,11 @@ def table(result: dict) -> str:
         if "llama_bench_decode_tok_s" in result["batches"].get("1", {}).get("llamacpp", {}):
             lines.append(f"llama.cpp tok/s: llama-batched-bench, fp32 KV; batch 1 with llama-bench (f16 KV, its default): "
                          f"{result['batches']['1']['llamacpp']['llama_bench_decode_tok_s']:.1f} tok/s")
+    for b, r in result["batches"].items():
+        if "profile" in r:
+            pr = r["profile"]
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in pr["ms_per_step"].items())
+            lines.append(f"profile, batch {b}: step {pr['step_ms']:.1f} ms ({pr['profiled_step_ms']:.1f} ms profiled): {parts}")
     return "\n".join(lines)
 
 
@@ -496,6 +575,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run llama.cpp on the same weights (F32 GGUF; CPU, float32; built once if missing)")
     p.add_argument("--llamacpp-compare", type=int, default=16,
                    help="greedy tokens compared between llama.cpp and the engine (first N per row)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the engine's decode step per batch size (CPU op categories, ms per step)")
     p.add_argument("--out", default=None, help="write the JSON here")
 
 
