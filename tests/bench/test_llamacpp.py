@@ -238,3 +238,15 @@ def test_llamacpp_greedy_equals_hf_on_tiny_model(tiny_dir, tokenizer):
     got = lc.greedy_tokens(build, gguf, prompts, 8, threads=2)
     assert got == want
     assert lc.agreement(want, got, 8)["rows_equal"] == 1.0
+
+
+def test_portable_writes_the_cache_folder_as_a_variable(tmp_path, monkeypatch):
+    """Recorded commands and paths name $CCFT_CACHE, not this machine's folder (no machine paths in results)."""
+    monkeypatch.setenv("CCFT_CACHE", str(tmp_path / "cache"))
+    root = lc.cache_root()
+    block = {"root": str(root / "llama.cpp" / "0.3.36"), "n": 3,
+             "batches": {"1": {"commands": [f"{root}/llama.cpp/0.3.36/build/bin/llama-bench -m {root}/x.gguf -t 2"]}}}
+    out = lc.portable(block)
+    assert out["root"] == "$CCFT_CACHE/llama.cpp/0.3.36" and out["n"] == 3
+    assert out["batches"]["1"]["commands"] == ["$CCFT_CACHE/llama.cpp/0.3.36/build/bin/llama-bench -m $CCFT_CACHE/x.gguf -t 2"]
+    assert str(tmp_path) not in repr(out)

@@ -508,7 +508,7 @@ def run_llamacpp(build, gguf, args, prompts_of: dict, engine_tokens: dict, resul
     tokens = lc.greedy_tokens(build, gguf, prompts_of[largest], n, args.threads, log=_log)
     block["greedy"] = {"batch": largest, "tool": "llama-server /completion (temperature 0, top_k 1)",
                        "vs_engine": lc.agreement(engine_tokens[largest], tokens, n), "tokens": tokens}
-    return block
+    return lc.portable(block)  # the cache folder as $CCFT_CACHE: no machine path in a committed result
 
 
 def _device_name(device) -> str:

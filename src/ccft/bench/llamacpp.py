@@ -86,6 +86,19 @@ def cache_root() -> Path:
     return ccft_home()
 
 
+def portable(obj, root: Path | None = None):
+    """``obj`` (str / list / dict, nested) with the cache folder (``cache_root()``) written as ``$CCFT_CACHE``,
+    so commands and paths recorded in a committed benchmark result name no machine-specific folder."""
+    root_s = str((root or cache_root()).absolute())
+    if isinstance(obj, str):
+        return obj.replace(root_s, "$CCFT_CACHE")
+    if isinstance(obj, list):
+        return [portable(x, root) for x in obj]
+    if isinstance(obj, dict):
+        return {k: portable(v, root) for k, v in obj.items()}
+    return obj
+
+
 def llamacpp_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
     """``<cache_root()>/llama.cpp/<version>``: ``source/``, ``build/``, ``gguf/`` and :data:`MARKER`."""
     return cache_root() / "llama.cpp" / version
