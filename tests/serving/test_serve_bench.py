@@ -34,6 +34,8 @@ def test_replay_both_modes_same_work(engine, tokenizer):
     assert n == 16 and shared["requests"] == no_share["requests"] == n
     assert shared["generated_tokens"] == no_share["generated_tokens"] == 3 * n
     assert shared["prefills"] == 4 and no_share["prefills"] == 16  # one per session-turn vs one per agent call
+    # every request computes its own 8 unique tokens + 1 handoff token on top of its context, in both systems
+    assert shared["tail_tokens"] == no_share["tail_tokens"] == n * (8 + 1)
     # peak live KV: both sessions in their last turn (context 128 + 16) at once; Eq. 9 with the generation included
     bpt = engine.kv_bytes_per_token
     assert shared["peak_live_kv_bytes"] == 2 * (144 - 1 + 4 * (8 + 1 + 3)) * bpt
@@ -101,11 +103,13 @@ def test_cost_work_ratio_weighs_prompt_and_generated_tokens_by_their_measured_co
 
     from ccft.bench import serve as bs
 
-    shared = {"prefill_s": 2.0, "prefill_tokens": 1000, "decode_s": 4.0, "generated_tokens": 200}
-    no_share = {"prefill_s": 9.0, "prefill_tokens": 4000, "decode_s": 5.0, "generated_tokens": 200}
+    shared = {"prefill_s": 2.0, "prefill_tokens": 900, "tail_tokens": 100, "decode_s": 4.0, "generated_tokens": 200}
+    no_share = {"prefill_s": 9.0, "prefill_tokens": 3900, "tail_tokens": 100, "decode_s": 5.0,
+                "generated_tokens": 200}
     into = {"shared": shared, "no_share": no_share, "throughput_ratio": 2.0}
+    assert bs.cost_work({**into, "shared": {k: v for k, v in shared.items() if k != "tail_tokens"}}) == {}
     got = bs.cost_work(into)
-    # c_p = 2 ms, c_d = 20 ms: shared 2 + 4 = 6 s, no-share 8 + 4 = 12 s
+    # c_p = 2 s / 1000 prompt tokens = 2 ms, c_d = 20 ms: shared 2 + 4 = 6 s, no-share 8 + 4 = 12 s
     assert got["prefill_s_per_token"] == pytest.approx(0.002) and got["decode_s_per_token"] == pytest.approx(0.02)
     assert got["cost_work_ratio"] == pytest.approx(2.0) and got["throughput_vs_cost"] == pytest.approx(1.0)
     saved = {"points": [{"sessions": 1, **into}], "saturation_sessions": 1, "scheduler": {"policies": ["fcfs"]}}

@@ -205,20 +205,27 @@ def work(trace) -> dict:
 
 def cost_work(into: dict) -> dict:
     """The throughput ratio the work saving allows once prompt and generated tokens are weighed by what they
-    cost, measured at this point: ``c_p`` = the shared system's prefill seconds per prompt token it computed,
-    ``c_d`` = its decode seconds per generated token; each system's cost is its computed prompt tokens × c_p +
-    the generated tokens × c_d (the same decode work in both). ``cost_work_ratio`` = no-share cost ÷ shared
-    cost; ``throughput_vs_cost`` = the measured throughput ratio ÷ it (1.0: the shared system reaches what the
-    saving allows at its own per-token speeds). The token-work ratio counts a generated token like a prompt
-    token; on a CPU a decode token costs several prompt tokens, so it overstates the reachable ratio.
+    cost, measured at this point. A system's computed prompt tokens are its context prefill tokens
+    (``prefill_tokens``, store hits excluded) plus every request's own tokens (``tail_tokens``: its unique
+    suffix and handoff tokens, computed on top of the context); both are charged ``c_p`` = the shared
+    system's prefill seconds per such token, and the generated tokens (the same in both) ``c_d`` = its decode
+    seconds per generated token. ``cost_work_ratio`` = no-share cost ÷ shared cost; ``throughput_vs_cost`` =
+    the measured throughput ratio ÷ it (1.0: the shared system reaches what the saving allows at its own
+    per-token speeds). The token-work ratio counts a generated token like a prompt token; on a CPU a decode
+    token costs several prompt tokens, so it overstates the reachable ratio. Results without ``tail_tokens``
+    (written before it was counted) get no cost keys.
     """
     sh, ns = into["shared"], into["no_share"]
-    if not (sh.get("prefill_tokens") and sh.get("generated_tokens")):
+    if "tail_tokens" not in sh or "tail_tokens" not in ns or not sh.get("generated_tokens"):
         return {}
-    c_p = sh["prefill_s"] / sh["prefill_tokens"]
+    prompt_sh = sh["prefill_tokens"] + sh["tail_tokens"]
+    prompt_ns = ns["prefill_tokens"] + ns["tail_tokens"]
+    if not prompt_sh:
+        return {}
+    c_p = sh["prefill_s"] / prompt_sh
     c_d = sh["decode_s"] / sh["generated_tokens"]
-    cost_sh = sh["prefill_tokens"] * c_p + sh["generated_tokens"] * c_d
-    cost_ns = ns["prefill_tokens"] * c_p + ns["generated_tokens"] * c_d
+    cost_sh = prompt_sh * c_p + sh["generated_tokens"] * c_d
+    cost_ns = prompt_ns * c_p + ns["generated_tokens"] * c_d
     ratio = cost_ns / cost_sh
     return {"prefill_s_per_token": c_p, "decode_s_per_token": c_d, "cost_work_ratio": ratio,
             "throughput_vs_cost": into["throughput_ratio"] / ratio}
@@ -268,6 +275,7 @@ def run_point(engine, trace, *, share: bool, budget: int | None, block_tokens: i
             "store_hit_ratio": store.stats()["hit_ratio"], "peak_live_kv_bytes": stats["peak_live_kv_bytes"],
             "peak_total_kv_bytes": stats["peak_total_kv_bytes"], "kv_budget_bytes": budget,
             "prefills": stats.get("prefills", 0), "prefill_tokens": stats.get("prefill_tokens", 0),
+            "tail_tokens": stats.get("tail_tokens", 0),
             "admission_waits": stats.get("admission_waits", 0), "prefill_s": stats["prefill_seconds"],
             "decode_s": stats["decode_seconds"], "decode_steps": stats.get("decode_steps", 0),
             "prefill_chunks": stats.get("prefill_chunks", 0)}

@@ -593,6 +593,7 @@ class Scheduler:
             self._end(t, "error", error=f"{type(e).__name__}: {e}")
             return
         self.prefill_seconds += time.perf_counter() - t0
+        self.counters["tail_tokens"] += len(suffix) + self._handoff(r.decoder)  # the request's own prompt tokens
         if self._budget is not None:
             self._budget -= len(suffix) + self._handoff(r.decoder)
         t._rid = rid
