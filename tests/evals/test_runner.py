@@ -270,15 +270,20 @@ def test_samples_and_unavailable_toolchain(setup, tmp_path):
 
 
 def test_engine_path_equals_reference_generation(setup, full_run, tmp_path):
-    """--engine: naive / prefillshare decode through SharedPrefillEngine; same texts as the reference path."""
+    """--engine: every mode decodes through SharedPrefillEngine (base and full-ft on their own prefill, naive and
+    prefillshare on C_base); same texts as the reference path, the Full-FT decoder registered once."""
     pytest.importorskip("ccft.inference")
+    from ccft.evals.generation import make_engine
+
     base, _, _, specs = setup
-    shared = [s for s in specs if s.mode in ("naive", "prefillshare")]
-    res = run_task(ToyTask(), base, shared, tmp_path, settings=EvalSettings(engine=True), batch_size=4,
+    assert sorted(s.mode for s in specs) == ["base", "full-ft", "naive", "prefillshare"]
+    res = run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(engine=True), batch_size=4,
                    progress=False)
-    assert res.summary["meta"]["settings"]["decode_path"] == "SharedPrefillEngine"
+    assert res.summary["meta"]["settings"]["decode_path"] == "SharedPrefillEngine (every mode)"
+    engine = make_engine(base, specs, max_batch=2)
+    assert sorted(engine.decoders) == ["base", "full-ft", "prefillshare"]  # naive reuses the Full-FT decoder
     ref, _ = full_run
-    for mode in ("naive", "prefillshare"):
+    for mode in ("base", "full-ft", "naive", "prefillshare"):
         assert [(r["text"], r["finish_reason"], r["scores"]) for r in res.records[mode]] == \
                [(r["text"], r["finish_reason"], r["scores"]) for r in ref.records[mode]]
 
@@ -341,3 +346,39 @@ def test_mode_specs_and_settings_follow_core_modes(setup):
     assert limited.as_dict(task)["generate_limit"] == 2
     assert [limited.generates(i) for i in range(3)] == [True, True, False]
     assert not EvalSettings(generate=False).generates(0)
+
+
+class _ToyPlus(ToyTask):
+    """ToyTask's prompts and settings, scored otherwise (as HumanEval+ is HumanEval with more tests)."""
+
+    name = "toy-plus"
+    metrics = ("starts_space", "long")
+
+    def score(self, item, text):
+        return {"starts_space": text.startswith(" "), "long": len(text) > 12}
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_generation_memo_reuses_identical_generations_across_tasks(setup, full_run, tmp_path, engine):
+    """A task with another task's prompts and settings is scored on the same greedy texts without decoding them
+    again; its records equal a run without the memo."""
+    from ccft.evals.runner import GenerationMemo
+
+    base, _, _, specs = setup
+    memo = GenerationMemo()
+    settings = EvalSettings(engine=engine)
+    first = run_task(ToyTask(), base, specs, tmp_path / "a", settings=settings, batch_size=4, progress=False, memo=memo)
+    assert memo.hits == 0
+    plus = run_task(_ToyPlus(), base, specs, tmp_path / "a", settings=settings, batch_size=4, progress=False,
+                    memo=memo)
+    assert memo.hits == len(specs) * len(first.records["base"])  # every item of every mode reused
+    alone = run_task(_ToyPlus(), base, specs, tmp_path / "b", settings=settings, batch_size=4, progress=False)
+    for mode in ("base", "full-ft", "naive", "prefillshare"):
+        assert [r["text"] for r in plus.records[mode]] == [r["text"] for r in first.records[mode]]
+        assert [(r["text"], r["finish_reason"], r["new_tokens"], r["scores"]) for r in plus.records[mode]] == \
+               [(r["text"], r["finish_reason"], r["new_tokens"], r["scores"]) for r in alone.records[mode]]
+    # a changed setting (max_new_tokens) is a different generation: nothing reused
+    before = memo.hits
+    run_task(ToyTask(), base, specs, tmp_path / "c", settings=EvalSettings(engine=engine, max_new_tokens=3),
+             batch_size=4, progress=False, memo=memo)
+    assert memo.hits == before

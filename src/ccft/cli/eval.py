@@ -39,8 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="items per batch (does not change results)")
     p.add_argument("--nll-only", action="store_true", help="reference NLL only, no generation")
     p.add_argument("--engine", action="store_true",
-                   help="naive / prefillshare generations through ccft.SharedPrefillEngine (default: the reference "
-                        "ccft.generate path it is tested against)")
+                   help="generations of every mode through ccft.SharedPrefillEngine (batched, continuous batching; "
+                        "default: the reference ccft.generate path it is tested against)")
     p.add_argument("--prompt-format", choices=list(PROMPT_FORMAT_CHOICES), default="decoder",
                    help="decoder (default): render chat-task prompts with the chat template and system prompt the "
                         "decoders were trained with (their recorded recipe), as `ccft demo` does; task: each "
@@ -84,7 +84,7 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
 def run(args) -> int:
     from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.report import task_markdown
-    from ccft.evals.runner import EvalSettings, get_task, run_task, task_names
+    from ccft.evals.runner import EvalSettings, GenerationMemo, get_task, run_task, task_names
     from ccft.evals.settings import default_modes, mode_specs, shared_handoff
 
     tasks = args.task or ["gsm8k"]
@@ -102,6 +102,7 @@ def run(args) -> int:
     handoff = shared_handoff(decoders.values())
     prompt_format = resolve_prompt_format(args.prompt_format, decoders.values())
     out = Path(args.out)
+    memo = GenerationMemo()  # tasks with the same prompts (humaneval, humaneval-plus) share greedy generations
     for task in task_objs:
         settings = EvalSettings(limit=args.limit if args.limit is not None else getattr(task, "default_limit", None),
                                 max_new_tokens=args.max_new_tokens, generate=not args.nll_only, seed=args.seed,
@@ -110,7 +111,8 @@ def run(args) -> int:
         print(f"[ccft] {settings.as_dict(task)['task']}: prompts: {settings.prompting(task)}", flush=True)
         try:
             res = run_task(task, base, specs, out, settings=settings, batch_size=args.batch_size,
-                           progress=not args.no_progress, overwrite=args.overwrite, n_resamples=args.bootstrap)
+                           progress=not args.no_progress, overwrite=args.overwrite, n_resamples=args.bootstrap,
+                           memo=memo)
         except KeyboardInterrupt:
             print(f"\n[ccft] interrupted: finished items are saved in {out}/; rerun the same command to resume",
                   file=sys.stderr, flush=True)

@@ -45,7 +45,7 @@ def run(args) -> int:
     from ccft.core.models import load_base, resolve_model_path
     from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.protocol import get_task
-    from ccft.evals.runner import run_task
+    from ccft.evals.runner import GenerationMemo, run_task
     from ccft.evals.settings import EvalSettings, mode_specs, shared_handoff
     from ccft.evals.study import (
         StudyPhases,
@@ -108,6 +108,7 @@ def run(args) -> int:
         task_list = [(t, ts.limit, ts.max_new_tokens) for t, ts in spec.tasks.items()]
         task_list += [(t, spec.multipl_e_limit, spec.multipl_e_max_new_tokens) for t in _multipl_e_tasks(spec)]
         summaries[name] = []
+        memo = GenerationMemo()  # humaneval-plus is scored on humaneval's texts (same prompts, greedy)
         with phases(f"eval_{name}"):
             for task_name, limit, max_new in task_list:
                 print(f"[ccft study] {name}: {task_name} (n={limit})", flush=True)
@@ -115,7 +116,7 @@ def run(args) -> int:
                                         prompt_format=fmt, engine=True)
                 res = run_task(get_task(task_name), base, mode_specs(cfg.modes, decoders, paths), out / name,
                                settings=settings, batch_size=cfg.batch_size, n_resamples=cfg.bootstrap,
-                               overwrite=fresh)
+                               overwrite=fresh, memo=memo)
                 summaries[name].append(res.summary)
         first = next(iter(spec.tasks), None)
         if first and cfg.sweep_limit:

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from ccft.core.cache import compute_base_cache
 from ccft.core.modes import MODES, REFERENCE_MODE, check_mode, get_mode
-from ccft.evals.generation import generate_samples, make_engine, merge_samples
+from ccft.evals.generation import GenerationMemo, generate_samples, make_engine, merge_samples
 from ccft.evals.protocol import (
     accepts_arg,
     get_task,
@@ -58,7 +58,7 @@ from ccft.evals.results import (
 from ccft.evals.scoring import Prepared, batch_nll, prepare, prompt_hash
 from ccft.evals.settings import EvalSettings, ModeSpec
 
-__all__ = ["MODES", "REFERENCE_MODE", "EvalSettings", "ModeSpec", "TaskResult", "batch_nll", "get_task",
+__all__ = ["GenerationMemo", "MODES", "REFERENCE_MODE", "EvalSettings", "ModeSpec", "TaskResult", "batch_nll", "get_task",
            "load_task_folder", "paired_deltas_by_id", "prepare", "read_jsonl", "run_mode_batch", "run_task",
            "summarize_records", "summarize_task", "task_names"]
 
@@ -72,32 +72,47 @@ class TaskResult:
     computed: dict[str, int] = field(default_factory=dict)  # items computed in this call, per mode
 
 
+#: with the engine, items per generation call = this × batch_size (continuous batching over them)
+ENGINE_BATCHES_PER_CALL = 4
+
+
 def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[int], settings: EvalSettings, *,
-                   score: bool = True, engine=None) -> list[dict]:
+                   score: bool = True, engine=None, nll_batch_size: int | None = None,
+                   memo: GenerationMemo | None = None) -> list[dict]:
     """Score items ``rows`` (indices into ``prep``) under one mode; returns one record per item.
 
-    The shared-prefill modes compute ``C_base`` once for the batch and use it for the NLL and the
-    generation. Items past ``settings.generate_limit`` and every item when ``score=False`` (a task whose
-    toolchain is unavailable) get the reference NLL only.
+    The reference NLL runs in forwards of ``nll_batch_size`` rows (default: all of ``rows``); the
+    shared-prefill modes compute ``C_base`` once per such forward, and the reference generation path
+    reuses it when ``rows`` is one forward. With ``engine`` every row is generated in one engine call
+    (its rows are refilled as others finish: continuous batching). Items past
+    ``settings.generate_limit`` and every item when ``score=False`` (a task whose toolchain is
+    unavailable) get the reference NLL only. ``memo``: see ``generate_samples``.
     """
     k = settings.handoff_tokens
     prompts = [prep.prompts[i] for i in rows]
-    cache = None
-    if get_mode(spec.mode).shared_prefill:
-        cache = compute_base_cache(base, prompts, handoff_tokens=k)  # one C_base for NLL and generation
+    shared = get_mode(spec.mode).shared_prefill
+    step = max(1, int(nll_batch_size or len(rows)))
     records = [{"id": prep.ids[i], "index": i, "prompt_sha": prompt_hash(prep.prompts[i]),
                 "prompt_tokens": len(prep.prompts[i])} for i in rows]
-    with_ref = [j for j, i in enumerate(rows) if prep.references[i] is not None]
-    if with_ref:
-        sub = cache.select(with_ref) if cache is not None and len(with_ref) < len(rows) else cache
-        nlls = batch_nll(spec.mode, base, spec.decoder, [prompts[j] for j in with_ref],
-                         [prep.references[rows[j]] for j in with_ref], handoff_tokens=k, cache=sub)
-        for j, (s, n) in zip(with_ref, nlls, strict=True):
-            records[j].update(nll=s / max(n, 1), nll_sum=s, nll_tokens=n)
+    cache = None
+    for c0 in range(0, len(rows), step):
+        part = list(range(c0, min(c0 + step, len(rows))))
+        cache = compute_base_cache(base, [prompts[j] for j in part], handoff_tokens=k) if shared else None
+        with_ref = [j for j in part if prep.references[rows[j]] is not None]
+        if with_ref:
+            sub = cache.select([j - c0 for j in with_ref]) if cache is not None and len(with_ref) < len(part) \
+                else cache
+            nlls = batch_nll(spec.mode, base, spec.decoder, [prompts[j] for j in with_ref],
+                             [prep.references[rows[j]] for j in with_ref], handoff_tokens=k, cache=sub)
+            for j, (s, n) in zip(with_ref, nlls, strict=True):
+                records[j].update(nll=s / max(n, 1), nll_sum=s, nll_tokens=n)
     gen = [j for j, i in enumerate(rows) if score and settings.generates(i)]
     if gen:
-        sub = cache.select(gen) if cache is not None and len(gen) < len(rows) else cache
-        samples = generate_samples(task, spec, base, prep, [rows[j] for j in gen], settings, cache=sub, engine=engine)
+        sub = None  # one C_base for NLL and the reference generation when the rows were one forward
+        if cache is not None and engine is None and step >= len(rows):
+            sub = cache.select(gen) if len(gen) < len(rows) else cache
+        samples = generate_samples(task, spec, base, prep, [rows[j] for j in gen], settings, cache=sub, engine=engine,
+                                   memo=memo)
         for j, smp in zip(gen, samples, strict=True):
             merge_samples(records[j], smp)
     return records
@@ -117,17 +132,21 @@ def _mode_order(spec: ModeSpec) -> int:
 
 def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, settings: EvalSettings | None = None,
              batch_size: int = 8, progress: bool = True, overwrite: bool = False, n_resamples: int = 2000,
-             on_item: Callable[[str, dict], None] | None = None) -> TaskResult:
+             on_item: Callable[[str, dict], None] | None = None, memo: GenerationMemo | None = None) -> TaskResult:
     """Evaluate ``task`` under every mode in ``modes`` into ``out_dir/TASK/``, resuming what is there.
 
     Args:
         task: a task object (``ccft.evals.protocol``); ``get_task(name)`` gives one.
         base: the frozen ``ccft.Base``; modes: ``ModeSpec`` per mode (decoders already loaded on ``base``).
         settings: ``EvalSettings`` (identical for all modes; stored and checked on resume).
-        batch_size: items per forward / generation batch (does not change results).
+        batch_size: items per forward / generation batch (does not change greedy results); with
+            ``settings.engine`` also the engine's rows decoded at once, refilled over
+            ``ENGINE_BATCHES_PER_CALL`` batches per generation call.
         overwrite: discard earlier results in the folder instead of resuming.
         n_resamples: bootstrap resamples for the CIs of the summary.
         on_item: called as ``on_item(mode, record)`` after each item is written (progress hooks, tests).
+        memo: a ``GenerationMemo`` shared with other tasks: greedy texts of identical generations (same mode,
+            decoder, prompt, stop strings and settings) are reused instead of decoded again.
     Returns:
         TaskResult with the summary (also in ``summary.json``) and every item record per mode.
     Raises:
@@ -168,8 +187,11 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
     write_json(meta_path, meta)
 
     engine = None
-    if settings.engine and settings.generate and any(get_mode(s.mode).shared_prefill for s in modes):
+    if settings.engine and settings.generate:
         engine = make_engine(base, modes, max_batch=batch_size)
+    # the engine decodes batch_size rows at a time and refills a row's slot as soon as it finishes, so it gets
+    # several batches per call (records are written per call)
+    group = batch_size * (ENGINE_BATCHES_PER_CALL if engine is not None else 1)
     records: dict[str, list[dict]] = {}
     computed: dict[str, int] = {}
     index_of = {x: i for i, x in enumerate(prep.ids)}
@@ -190,9 +212,10 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
         bar = tqdm(total=prep.n, initial=len(done), desc=f"{name} [{spec.mode}]", unit="item", disable=not progress,
                    dynamic_ncols=True, file=sys.stderr)
         try:
-            for start in range(0, len(pending), batch_size):
-                rows = pending[start:start + batch_size]
-                recs = run_mode_batch(task, spec, base, prep, rows, settings, score=not unavailable, engine=engine)
+            for start in range(0, len(pending), group):
+                rows = pending[start:start + group]
+                recs = run_mode_batch(task, spec, base, prep, rows, settings, score=not unavailable, engine=engine,
+                                      nll_batch_size=batch_size, memo=memo)
                 for r in recs:
                     append_jsonl(path, [r])
                     done[r["id"]] = r

@@ -35,7 +35,7 @@ class EvalSettings:
             ``seed .. seed+n-1``, identical across modes.
         seed: sampling seed and bootstrap seed.
         handoff_tokens: k, the prompt tokens the decoder recomputes on ``C_base`` (docs/design.md, "Terms").
-        engine: naive / prefillshare generations through ``ccft.inference.SharedPrefillEngine`` (else the
+        engine: generations (every mode) through ``ccft.inference.SharedPrefillEngine`` (else the
             reference ``ccft.core.generation.generate`` it is tested against).
         prompt_format: the decoders' training format (``ccft.evals.prompting``); None = each task's own.
     """
@@ -83,7 +83,7 @@ class EvalSettings:
         out = {"task": task_name(task), "limit": self.limit, "max_new_tokens": self.resolved_max_new_tokens(task),
                "generate": self.generate, "samples": self.resolved_samples(task), **self.sampling(task),
                "seed": self.seed, "handoff_tokens": self.handoff_tokens, "stop": stop_setting(task),
-               "decode_path": "SharedPrefillEngine" if self.engine else "reference (ccft.generate)",
+               "decode_path": "SharedPrefillEngine (every mode)" if self.engine else "reference (ccft.generate)",
                "prompting": self.prompting(task), "task_settings": described or None}
         if self.generate_limit is not None:  # only when set: folders written before the field still resume
             out["generate_limit"] = self.generate_limit
