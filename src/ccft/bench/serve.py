@@ -397,7 +397,11 @@ def run(args) -> dict:
         result["outputs_vs_offline"] = dict(checks[policies[0]])
         if len(policies) > 1:
             result["outputs_vs_offline"]["by_policy"] = checks
-    result["plots"] = plots(result, args.plots or (str(Path(args.out).parent) if args.out else None))
+    from ccft.core.io import display_path
+
+    # named relative to the working directory: no machine path in a committed result
+    result["plots"] = [display_path(f) for f in plots(result, args.plots or (str(Path(args.out).parent)
+                                                                              if args.out else None))]
     return derive(result)
 
 
