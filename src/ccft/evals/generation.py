@@ -87,12 +87,11 @@ class GenerationMemo:
 
     def __init__(self):
         self._texts: dict[tuple, tuple[str, str, int]] = {}
-        self._decoders: list = []  # keeps every keyed decoder alive, so its id() is never reused
+        self._decoders: dict[int, object] = {}  # keeps every keyed decoder alive, so its id() is never reused
         self.hits = 0
 
     def _key(self, spec: ModeSpec, prompt: Sequence[int], stop: tuple, max_new: int, k: int) -> tuple:
-        if not any(d is spec.decoder for d in self._decoders):
-            self._decoders.append(spec.decoder)
+        self._decoders[id(spec.decoder)] = spec.decoder
         return (spec.mode, id(spec.decoder), tuple(prompt), stop, int(max_new), int(k))
 
     def get(self, spec, prompt, stop, max_new, k):

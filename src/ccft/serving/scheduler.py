@@ -593,9 +593,10 @@ class Scheduler:
             self._end(t, "error", error=f"{type(e).__name__}: {e}")
             return
         self.prefill_seconds += time.perf_counter() - t0
-        self.counters["tail_tokens"] += len(suffix) + self._handoff(r.decoder)  # the request's own prompt tokens
+        own = len(suffix) + self._handoff(r.decoder)  # the request's own prompt tokens, computed on its context
+        self.counters["tail_tokens"] += own
         if self._budget is not None:
-            self._budget -= len(suffix) + self._handoff(r.decoder)
+            self._budget -= own
         t._rid = rid
         self._running[rid] = t
 
