@@ -13,7 +13,7 @@ from harness_fixtures import ToyTask, decoders
 import ccft
 from ccft.core.errors import ConfigError
 from ccft.core.tokens import tokenize_response
-from ccft.evals.runner import EvalSettings, ModeSpec, get_task, read_jsonl, run_task, task_names
+from ccft.evals.runner import EvalSettings, ModeSpec, batch_nll, get_task, read_jsonl, run_task, task_names
 from ccft.evals.stats import mean_ci, paired_bootstrap_delta
 from conftest import make_tiny_folder
 
@@ -137,14 +137,15 @@ def test_interrupted_eval_resumes_without_redoing_items(setup, full_run, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         run_task(ToyTask(), base, specs, tmp_path, batch_size=4, progress=False, on_item=interrupt_after_5)
     path = tmp_path / "toy" / "items.base.jsonl"
-    assert len(read_jsonl(path)) == 5
+    written = {m: len(read_jsonl(tmp_path / "toy" / f"items.{m}.jsonl")) for m in ("base", "prefillshare")}
+    assert sum(written.values()) == 5 and written == {m: sum(x == m for x, _ in first) for m in written}
     with open(path, "a") as f:  # a process killed in the middle of a write leaves a torn line
         f.write('{"id": "toy/8", "nll": 1.')
     second: list[tuple[str, str]] = []
     res = run_task(ToyTask(), base, specs, tmp_path, batch_size=4, progress=False,
                    on_item=lambda m, r: second.append((m, r["id"])))
     assert not set(first) & set(second), "an item finished before the interruption was computed again"
-    assert len(second) == 2 * 9 - 5 and res.computed == {"base": 4, "prefillshare": 9}
+    assert len(second) == 2 * 9 - 5 and res.computed == {m: 9 - written[m] for m in written}
     assert [json.loads(x)["id"] for x in path.read_text().splitlines()].count("toy/8") == 1
     full, _ = full_run
     for mode in ("base", "prefillshare"):
@@ -269,16 +270,36 @@ def test_samples_and_unavailable_toolchain(setup, tmp_path):
     assert "**unavailable**: toolchain `frob` not installed" in md and "| toy-missing | no |" in md
 
 
-def test_engine_path_equals_reference_generation(setup, full_run, tmp_path):
+def test_engine_path_equals_reference_generation(setup, full_run, tmp_path, monkeypatch):
     """--engine: every mode decodes through SharedPrefillEngine (base and full-ft on their own prefill, naive and
-    prefillshare on C_base); same texts as the reference path, the Full-FT decoder registered once."""
+    prefillshare on C_base); same texts and NLLs as the reference path, the Full-FT decoder registered once, and
+    each group of items prefilled once per producer: C_base once for base, naive and prefillshare (generation and
+    reference NLL), the Full-FT decoder's own prefix once for full-ft; no other pass over the prompts."""
     pytest.importorskip("ccft.inference")
+    import ccft.evals.runner as runner_mod
+    import ccft.evals.scoring as scoring_mod
     from ccft.evals.generation import make_engine
+    from ccft.inference import SharedPrefillEngine
 
     base, _, _, specs = setup
     assert sorted(s.mode for s in specs) == ["base", "full-ft", "naive", "prefillshare"]
+    prefills = []
+    real_prefill = SharedPrefillEngine.prefill
+
+    def counted(self, prompts, **kw):
+        prefills.append((len(prompts), kw.get("producer")))
+        return real_prefill(self, prompts, **kw)
+
+    def no_other_pass(*a, **k):
+        raise AssertionError("a prompt was processed outside the group's prefills")
+
+    monkeypatch.setattr(SharedPrefillEngine, "prefill", counted)
+    for mod in (runner_mod, scoring_mod):
+        monkeypatch.setattr(mod, "compute_base_cache", no_other_pass)
+    monkeypatch.setattr(scoring_mod, "full_forward", no_other_pass)
     res = run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(engine=True), batch_size=4,
                    progress=False)
+    assert prefills == [(9, None), (9, "full-ft")]  # 9 items, one group of up to 4 batches of 4
     assert res.summary["meta"]["settings"]["decode_path"] == "SharedPrefillEngine (every mode)"
     engine = make_engine(base, specs, max_batch=2)
     assert sorted(engine.decoders) == ["base", "full-ft", "prefillshare"]  # naive reuses the Full-FT decoder
@@ -286,6 +307,19 @@ def test_engine_path_equals_reference_generation(setup, full_run, tmp_path):
     for mode in ("base", "full-ft", "naive", "prefillshare"):
         assert [(r["text"], r["finish_reason"], r["scores"]) for r in res.records[mode]] == \
                [(r["text"], r["finish_reason"], r["scores"]) for r in ref.records[mode]]
+        assert [r["nll"] for r in res.records[mode]] == pytest.approx([r["nll"] for r in ref.records[mode]], abs=1e-5)
+
+
+def test_own_prefill_mode_refuses_a_cache_another_model_wrote(setup):
+    from ccft.core.cache import compute_base_cache
+
+    base, ff, _, _ = setup
+    prompts, refs = [[5, 6, 7, 8]], [[9, 10, base.tokenizer.eos_token_id]]
+    c_base = compute_base_cache(base, prompts)
+    with pytest.raises(ConfigError, match="reads its own prefill"):
+        batch_nll("full-ft", base, ff, prompts, refs, cache=c_base)  # C_base is not the Full-FT decoder's prefix
+    assert batch_nll("base", base, None, prompts, refs, cache=c_base)[0][0] == pytest.approx(
+        batch_nll("base", base, None, prompts, refs)[0][0], abs=1e-4)
 
 
 def test_sigkill_mid_run_then_resume(sharp_dir, setup, tmp_path):

@@ -24,7 +24,8 @@ from ccft.evals.protocol import normalize_scores, score_extras, score_texts, tas
 from ccft.evals.scoring import Prepared
 from ccft.evals.settings import EvalSettings, ModeSpec
 
-__all__ = ["GenerationMemo", "engine_generate", "generate_samples", "make_engine", "merge_samples"]
+__all__ = ["GenerationMemo", "GroupPrefill", "engine_generate", "generate_samples", "make_engine", "merge_samples",
+           "producer_of"]
 
 
 def make_engine(base, modes: Sequence[ModeSpec], max_batch: int = 16):
@@ -52,29 +53,119 @@ def _registered_name(engine, decoder) -> str | None:
     return None
 
 
-def engine_generate(engine, spec: ModeSpec, prompts: Sequence[Sequence[int]], *, handoff_tokens: int,
+def _decoder_name(engine, spec: ModeSpec) -> str:
+    """The engine's name of the model that decodes ``spec.mode`` (``"base"`` for mode base)."""
+    from ccft.inference import BASE
+
+    if not get_mode(spec.mode).needs_decoder:
+        return BASE
+    name = _registered_name(engine, spec.decoder)
+    if name is None:
+        raise ConfigError(f"mode {spec.mode!r}: its decoder is not registered in this engine; build the engine "
+                          "with make_engine(base, modes) over the same ModeSpecs")
+    return name
+
+
+def producer_of(engine, spec: ModeSpec) -> str | None:
+    """Who prefills under ``spec.mode`` in ``engine`` (the table in ``ccft.core.modes``): None (the base, writing
+    C_base) for ``base`` / ``naive`` / ``prefillshare``; the decoder's engine name for ``full-ft`` (its own prefill).
+
+    Raises:
+        ConfigError: ``spec.decoder`` is not registered in ``engine``.
+    """
+    mode = get_mode(spec.mode)
+    return None if mode.shared_prefill or not mode.needs_decoder else _decoder_name(engine, spec)
+
+
+def engine_generate(engine, spec: ModeSpec, prompts: Sequence[Sequence[int]] | None, *, handoff_tokens: int,
                     max_new_tokens: int, stop: Sequence[str], do_sample: bool, temperature: float, top_p: float,
-                    seed: int) -> list[Generation]:
+                    seed: int, handle=None, rows: Sequence[int] | None = None) -> list[Generation]:
     """Generate ``prompts`` under ``spec.mode`` with a ``make_engine`` engine (the table in ``ccft.core.modes``):
     the base prefills (C_base) for ``base`` / ``naive`` / ``prefillshare``, the decoder itself for ``full-ft``;
     the base decodes for ``base``, ``spec.decoder`` otherwise.
 
-    Raises:
-        ConfigError: ``spec.decoder`` is not registered in ``engine`` (build it with ``make_engine``).
-    """
-    from ccft.inference import BASE
+    With ``handle`` (a prefix the mode's producer already wrote, e.g. ``GroupPrefill.handle``) nothing is
+    prefilled: ``rows`` of it are decoded (``prompts`` unused). Row r samples with seed ``seed + r``.
 
-    mode = get_mode(spec.mode)
-    name = BASE
-    if mode.needs_decoder:
-        name = _registered_name(engine, spec.decoder)
-        if name is None:
-            raise ConfigError(f"mode {spec.mode!r}: its decoder is not registered in this engine; build the engine "
-                              "with make_engine(base, modes) over the same ModeSpecs")
-    producer = None if mode.shared_prefill or not mode.needs_decoder else name
+    Raises:
+        ConfigError: ``spec.decoder`` is not registered in ``engine`` (build it with ``make_engine``), or
+            ``handle`` was written by another producer than the mode's.
+    """
+    name = _decoder_name(engine, spec)
+    producer = producer_of(engine, spec)
     sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, seed=seed)
+    if handle is not None:
+        if handle.producer != (producer or "base"):
+            raise ConfigError(f"mode {spec.mode!r} decodes on the prefill of {producer or 'base'!r}, but this handle "
+                              f"was written by {handle.producer!r}")
+        return engine.generate(handle, decoder=name, max_new_tokens=max_new_tokens, stop=stop, sampling=sampling,
+                               rows=rows)
     with engine.prefill(prompts, handoff_tokens=handoff_tokens, producer=producer) as handle:
         return engine.generate(handle, decoder=name, max_new_tokens=max_new_tokens, stop=stop, sampling=sampling)
+
+
+class GroupPrefill:
+    """One group of eval items prefilled once per producer on a ``make_engine`` engine, read by every mode.
+
+    The base's prefill of the group (C_base) serves ``base``, ``naive`` and ``prefillshare``, for their
+    generations (decoded on the engine handle) and their reference NLL (``ccft.evals.scoring.batch_nll`` on
+    a ``BaseCache`` copy of the handle); the Full-FT decoder's own prefill serves ``full-ft`` the same way.
+    Per item that is two prompt passes where separate per-mode paths make eight (a forward over prompt +
+    reference and a prefill, in four modes). Prefills run lazily, on first use.
+
+    Args:
+        engine: a ``make_engine`` engine; prompts: index -> prompt ids of the group's items (keys: the
+            runner's item indices); handoff_tokens: k.
+    Use as a context manager (or call ``close``): the engine's prefix memory is released on exit.
+    """
+
+    def __init__(self, engine, prompts: dict[int, Sequence[int]], handoff_tokens: int):
+        self.engine, self.k = engine, int(handoff_tokens)
+        self.items = list(prompts)
+        self._prompts = [list(prompts[i]) for i in self.items]
+        self._row = {i: r for r, i in enumerate(self.items)}
+        self._handles: dict[str | None, object] = {}
+        self._caches: dict[str | None, object] = {}
+        #: prefills run so far (one per producer; tests count them)
+        self.prefills = 0
+
+    def rows(self, items: Sequence[int]) -> list[int]:
+        """The handle rows of ``items`` (runner indices in this group)."""
+        return [self._row[i] for i in items]
+
+    def handle(self, spec: ModeSpec):
+        """The engine ``PrefixHandle`` the mode's producer wrote over every prompt of the group."""
+        producer = producer_of(self.engine, spec)
+        if producer not in self._handles:
+            self._handles[producer] = self.engine.prefill(self._prompts, handoff_tokens=self.k, producer=producer)
+            self.prefills += 1
+        return self._handles[producer]
+
+    def cache(self, spec: ModeSpec, items: Sequence[int]):
+        """A ``BaseCache`` of ``items``' prefixes as the mode's producer wrote them (for the reference NLL)."""
+        producer = producer_of(self.engine, spec)
+        if producer not in self._caches:
+            self._caches[producer] = self.handle(spec).to_base_cache()
+        return self._caches[producer].select(self.rows(items))
+
+    def release(self, spec: ModeSpec) -> None:
+        """Free the prefill ``spec.mode`` reads (when no later mode of the group needs it)."""
+        producer = producer_of(self.engine, spec)
+        self._caches.pop(producer, None)
+        handle = self._handles.pop(producer, None)
+        if handle is not None:
+            handle.release()
+
+    def close(self) -> None:
+        self._caches.clear()
+        while self._handles:
+            self._handles.popitem()[1].release()
+
+    def __enter__(self) -> "GroupPrefill":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class GenerationMemo:
@@ -105,14 +196,15 @@ class GenerationMemo:
 
 
 def generate_samples(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[int], settings: EvalSettings, *,
-                     cache: BaseCache | None = None, engine=None,
-                     memo: GenerationMemo | None = None) -> list[list[dict]]:
+                     cache: BaseCache | None = None, engine=None, memo: GenerationMemo | None = None,
+                     group: GroupPrefill | None = None) -> list[list[dict]]:
     """Generate and score items ``rows`` (indices into ``prep``) under ``spec.mode``.
 
     Args:
         cache: ``C_base`` of exactly ``rows``' prompts (shared-prefill modes; computed when None).
         engine: a ``make_engine`` engine (every mode decodes through it when given).
         memo: greedy texts of earlier identical generations, reused instead of decoding (``GenerationMemo``).
+        group: with ``engine``, a ``GroupPrefill`` holding ``rows``: decode on its prefill instead of prefilling.
     Returns:
         per row, one sample dict per sample: ``text``, ``finish_reason`` (``eos`` | ``stop`` | ``length``),
         ``new_tokens``, ``scores`` (``{metric: float}``) and ``score_details`` when the task returns any.
@@ -134,8 +226,11 @@ def generate_samples(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[
             todo = [j for j in js if known.get(j) is None]
             outs = {j: known[j] for j in js if known.get(j) is not None}
             if todo and engine is not None:
+                on = {} if group is None else {"handle": group.handle(spec),
+                                               "rows": group.rows([rows[j] for j in todo])}
                 gens = engine_generate(engine, spec, [prompts[j] for j in todo], handoff_tokens=k,
-                                       max_new_tokens=max_new, stop=list(stop), seed=settings.seed + s, **sampling)
+                                       max_new_tokens=max_new, stop=list(stop), seed=settings.seed + s, **sampling,
+                                       **on)
             elif todo:
                 c = cache.select(todo) if cache is not None and len(todo) < len(rows) else cache
                 gens = generate([prompts[j] for j in todo], mode=spec.mode, base=base, decoder=spec.decoder, cache=c,

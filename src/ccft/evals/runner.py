@@ -33,7 +33,14 @@ from tqdm.auto import tqdm
 
 from ccft.core.cache import compute_base_cache
 from ccft.core.modes import MODES, REFERENCE_MODE, check_mode, get_mode
-from ccft.evals.generation import GenerationMemo, generate_samples, make_engine, merge_samples
+from ccft.evals.generation import (
+    GenerationMemo,
+    GroupPrefill,
+    generate_samples,
+    make_engine,
+    merge_samples,
+    producer_of,
+)
 from ccft.evals.protocol import (
     accepts_arg,
     get_task,
@@ -78,16 +85,20 @@ ENGINE_BATCHES_PER_CALL = 4
 
 def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[int], settings: EvalSettings, *,
                    score: bool = True, engine=None, nll_batch_size: int | None = None,
-                   memo: GenerationMemo | None = None) -> list[dict]:
+                   memo: GenerationMemo | None = None, group: GroupPrefill | None = None) -> list[dict]:
     """Score items ``rows`` (indices into ``prep``) under one mode; returns one record per item.
 
     The reference NLL runs in forwards of ``nll_batch_size`` rows (default: all of ``rows``); the
     shared-prefill modes compute ``C_base`` once per such forward, and the reference generation path
     reuses it when ``rows`` is one forward. With ``engine`` every row is generated in one engine call
-    (its rows are refilled as others finish: continuous batching). Items past
-    ``settings.generate_limit`` and every item when ``score=False`` (a task whose toolchain is
-    unavailable) get the reference NLL only. ``memo``: see ``generate_samples``.
+    (its rows are refilled as others finish: continuous batching). With ``group`` (a ``GroupPrefill``
+    holding ``rows``; needs ``engine``) nothing is prefilled here: the NLL reads the group's prefill of
+    the mode's producer and the engine decodes on it. Items past ``settings.generate_limit`` and every
+    item when ``score=False`` (a task whose toolchain is unavailable) get the reference NLL only.
+    ``memo``: see ``generate_samples``.
     """
+    if group is not None and engine is None:
+        raise ValueError("run_mode_batch: group needs the engine it was prefilled on")
     k = settings.handoff_tokens
     prompts = [prep.prompts[i] for i in rows]
     shared = get_mode(spec.mode).shared_prefill
@@ -97,11 +108,15 @@ def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[in
     cache = None
     for c0 in range(0, len(rows), step):
         part = list(range(c0, min(c0 + step, len(rows))))
-        cache = compute_base_cache(base, [prompts[j] for j in part], handoff_tokens=k) if shared else None
         with_ref = [j for j in part if prep.references[rows[j]] is not None]
-        if with_ref:
+        if group is not None:
+            cache = None
+            sub = group.cache(spec, [rows[j] for j in with_ref]) if with_ref else None
+        else:
+            cache = compute_base_cache(base, [prompts[j] for j in part], handoff_tokens=k) if shared else None
             sub = cache.select([j - c0 for j in with_ref]) if cache is not None and len(with_ref) < len(part) \
                 else cache
+        if with_ref:
             nlls = batch_nll(spec.mode, base, spec.decoder, [prompts[j] for j in with_ref],
                              [prep.references[rows[j]] for j in with_ref], handoff_tokens=k, cache=sub)
             for j, (s, n) in zip(with_ref, nlls, strict=True):
@@ -112,7 +127,7 @@ def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[in
         if cache is not None and engine is None and step >= len(rows):
             sub = cache.select(gen) if len(gen) < len(rows) else cache
         samples = generate_samples(task, spec, base, prep, [rows[j] for j in gen], settings, cache=sub, engine=engine,
-                                   memo=memo)
+                                   memo=memo, group=group)
         for j, smp in zip(gen, samples, strict=True):
             merge_samples(records[j], smp)
     return records
@@ -195,9 +210,12 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
     records: dict[str, list[dict]] = {}
     computed: dict[str, int] = {}
     index_of = {x: i for i, x in enumerate(prep.ids)}
-    for spec in sorted(modes, key=_mode_order):
+    specs = sorted(modes, key=_mode_order)
+    done: dict[str, dict[str, dict]] = {}
+    pending: dict[str, set[int]] = {}
+    for spec in specs:
         path = folder / f"items.{spec.mode}.jsonl"
-        done = {}
+        done[spec.mode] = {}
         for r in read_jsonl(path):
             i = index_of.get(r["id"])
             if i is None:
@@ -205,27 +223,46 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
             if r.get("prompt_sha") != prompt_hash(prep.prompts[i]):
                 raise FolderConflictError(f"{path}: item {r['id']} was evaluated on another prompt (the task's data or "
                                   "prompting changed); pass --overwrite or use another --out folder")
-            done[r["id"]] = r
-        pending = [i for i in range(prep.n) if prep.ids[i] not in done]
-        pending.sort(key=lambda i: len(prep.prompts[i]))  # less padding; results do not depend on batching
+            done[spec.mode][r["id"]] = r
+        pending[spec.mode] = {i for i in range(prep.n) if prep.ids[i] not in done[spec.mode]}
         computed[spec.mode] = 0
-        bar = tqdm(total=prep.n, initial=len(done), desc=f"{name} [{spec.mode}]", unit="item", disable=not progress,
-                   dynamic_ncols=True, file=sys.stderr)
-        try:
-            for start in range(0, len(pending), group):
-                rows = pending[start:start + group]
-                recs = run_mode_batch(task, spec, base, prep, rows, settings, score=not unavailable, engine=engine,
-                                      nll_batch_size=batch_size, memo=memo)
-                for r in recs:
-                    append_jsonl(path, [r])
-                    done[r["id"]] = r
-                    computed[spec.mode] += 1
-                    bar.update(1)
-                    if on_item is not None:
-                        on_item(spec.mode, r)
-        finally:
-            bar.close()
-        records[spec.mode] = sorted(done.values(), key=lambda r: index_of[r["id"]])
+    # items in groups, every mode per group (with the engine each producer prefills a group once: GroupPrefill);
+    # shortest prompts first: less padding, and results do not depend on batching
+    todo = sorted(set().union(*pending.values()), key=lambda i: (len(prep.prompts[i]), i))
+    if engine is not None:  # the modes reading C_base first, so it is freed before the Full-FT decoder's prefill
+        specs.sort(key=lambda spec: (producer_of(engine, spec) is not None, _mode_order(spec)))
+    bar = tqdm(total=prep.n * len(specs), initial=sum(map(len, done.values())), desc=name, unit="item",
+               disable=not progress, dynamic_ncols=True, file=sys.stderr)
+    try:
+        for start in range(0, len(todo), group):
+            rows = todo[start:start + group]
+            prefills = GroupPrefill(engine, {i: prep.prompts[i] for i in rows}, settings.handoff_tokens) \
+                if engine is not None else None
+            try:
+                for n, spec in enumerate(specs):
+                    mine = [i for i in rows if i in pending[spec.mode]]
+                    if mine:
+                        bar.set_postfix_str(spec.mode)
+                        recs = run_mode_batch(task, spec, base, prep, mine, settings, score=not unavailable,
+                                              engine=engine, nll_batch_size=batch_size, memo=memo, group=prefills)
+                        path = folder / f"items.{spec.mode}.jsonl"
+                        for r in recs:
+                            append_jsonl(path, [r])
+                            done[spec.mode][r["id"]] = r
+                            computed[spec.mode] += 1
+                            bar.update(1)
+                            if on_item is not None:
+                                on_item(spec.mode, r)
+                    later = {producer_of(engine, x) for x in specs[n + 1:]} if prefills is not None else set()
+                    if prefills is not None and producer_of(engine, spec) not in later:
+                        prefills.release(spec)
+            finally:
+                if prefills is not None:
+                    prefills.close()
+    finally:
+        bar.close()
+    for spec in specs:
+        records[spec.mode] = sorted(done[spec.mode].values(), key=lambda r: index_of[r["id"]])
     # every mode present in the folder goes into the summary (also modes run by an earlier command)
     for mode, recs in folder_records(folder, index_of).items():
         records.setdefault(mode, recs)

@@ -90,11 +90,15 @@ def batch_nll(mode: str, base, decoder: Decoder | None, prompts: Sequence[Sequen
     Args:
         mode: one of ``ccft.core.modes.MODES``; decoder: the mode's decoder (None for ``base``).
         prompts: b prompt id lists; responses: b response id lists ending with EOS.
-        cache: ``C_base`` of exactly these prompts (shared-prefill modes); computed when None.
+        cache: the prefix K/V of exactly these prompts' ``prompt[:n-k]``: for the shared-prefill modes ``C_base``
+            (computed when None); for ``base`` / ``full-ft`` optionally the mode's own prefill (written by the
+            base / by the Full-FT decoder, e.g. ``ccft.inference.PrefixHandle.to_base_cache``), read instead of
+            a forward over the whole prompt (equal within fp32 rounding: the model's K/V are causal).
     Returns:
         b pairs ``(Σ −log p, n tokens)``.
     Raises:
-        ConfigError: the mode does not fit the decoder (``check_mode``).
+        ConfigError: the mode does not fit the decoder (``check_mode``), or an own-prefill mode is given a
+            cache another model wrote.
         FingerprintMismatchError: ``cache`` comes from another base or dtype (K5).
     """
     spec = check_mode(mode, decoder)
@@ -102,7 +106,17 @@ def batch_nll(mode: str, base, decoder: Decoder | None, prompts: Sequence[Sequen
     batch = Collator(pad_token_id(base.tokenizer), k)(
         [Example(tuple(p), tuple(r)) for p, r in zip(prompts, responses, strict=True)])
     batch = {key: v.to(base.device) for key, v in batch.items()}
-    if spec.shared_prefill:
+    if cache is not None and not spec.shared_prefill:  # the mode's own prefill, computed elsewhere
+        if (cache.producer == "base") == spec.needs_decoder:
+            raise ConfigError(f"mode {mode!r} reads its own prefill, but this cache was written by "
+                              f"{cache.producer!r}; pass the prefix its own model computed (or no cache)")
+        if spec.needs_decoder:
+            logits = decoder_forward(decoder, cache, batch["tail_ids"], batch["tail_mask"], allow_self=True)
+        else:
+            with base.base_weights() as model:
+                logits = decoder_forward(model, cache, batch["tail_ids"], batch["tail_mask"],
+                                         fingerprint=base.fingerprint)
+    elif spec.shared_prefill:
         if cache is None:
             cache = compute_base_cache(base, prompts, handoff_tokens=k)
         cache.check_reader(decoder.fingerprint, decoder.dtype)
