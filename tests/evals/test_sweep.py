@@ -230,3 +230,42 @@ def test_run_sweep_references_resume_and_cli(sharp, tmp_path, capsys):
                                                               ("naive", 1.0), ("prefillshare", 0.0),
                                                               ("prefillshare", 1.0)}
     assert "wrote" in capsys.readouterr().out
+
+
+def test_sweep_points_that_are_eval_modes_reuse_the_eval_records(sharp, tmp_path):
+    """The references, ρ = 1 (either axis) and the naive curve at ρ = 0 are eval modes: with ``eval_records`` from
+    an eval run of the same items they take its per-item NLLs (equal to computing them, ≤ 1e-5); the other points
+    are computed; a record on another prompt is not reused."""
+    from ccft.evals.runner import EvalSettings, ModeSpec, run_task
+
+    base = sharp
+    task = ToyTask(4)
+    ff, cc = decoders(base)
+    curves = {"naive": ff, "prefillshare": cc}
+    specs = [ModeSpec("base"), ModeSpec("full-ft", ff, "ff"), ModeSpec("naive", ff, "ff"),
+             ModeSpec("prefillshare", cc, "cc")]
+    ev = run_task(task, base, specs, tmp_path / "ev", settings=EvalSettings(generate=False), progress=False,
+                  n_resamples=100)
+    recs = {m: {r["id"]: r for r in rs} for m, rs in ev.records.items()}
+    kw = dict(rhos=[0.0, 0.5, 1.0], batch_size=3, progress=False, n_resamples=100)
+    fresh = run_sweep(task, base, curves, tmp_path / "a", **kw)
+    reused = run_sweep(task, base, curves, tmp_path / "b", eval_records=recs, **kw)
+    a = {(p["label"], p["over"], p["rho"]): p for p in fresh["per_item"]}
+    b = {(p["label"], p["over"], p["rho"]): p for p in reused["per_item"]}
+    assert a.keys() == b.keys()
+    for key, p in b.items():
+        assert p["ids"] == a[key]["ids"] and p["nll_tokens"] == a[key]["nll_tokens"]
+        assert p["nll"] == pytest.approx(a[key]["nll"], abs=TOL), key
+        assert p.get("recomputed_mean") == a[key].get("recomputed_mean")
+    from_eval = {k: p["source"] for k, p in b.items() if "source" in p}
+    assert from_eval == {("base", None, None): "eval:base", ("full-ft", None, None): "eval:full-ft",
+                         ("naive", "positions", 0.0): "eval:full-ft", ("naive", "positions", 1.0): "eval:naive",
+                         ("naive", "layers", 0.0): "eval:full-ft", ("naive", "layers", 1.0): "eval:naive",
+                         ("prefillshare", "positions", 1.0): "eval:prefillshare",
+                         ("prefillshare", "layers", 1.0): "eval:prefillshare"}
+    # a record on another prompt: that mode's points are computed
+    first = next(iter(recs["naive"]))
+    recs["naive"][first] = dict(recs["naive"][first], prompt_sha="0" * 16)
+    other = run_sweep(task, base, curves, tmp_path / "c", eval_records=recs, **kw)
+    assert not any(p.get("source") == "eval:naive" for p in other["per_item"])
+    assert any(p.get("source") == "eval:prefillshare" for p in other["per_item"])

@@ -39,11 +39,12 @@ def test_bench_train_reports_reachable_fraction_and_peak_memory(tmp_path, tiny_d
     try:
         assert main(["bench", "train", "--model", str(tiny_dir), "--kinds", "full", "lora", "--ratios", "4:1",
                      "--row-tokens", "20", "--batch-size", "2", "--steps", "1", "--warmup", "0", "--threads", "1",
-                     "--no-trl", "--in-process", "--loss-chunk-tokens", "3", "--out", str(out)]) == 0
+                     "--no-trl", "--in-process", "--loss-chunk-tokens", "3", "--repeats", "2", "--out", str(out)]) == 0
     finally:
         torch.set_num_threads(before)
     result = json.loads(out.read_text())
-    assert result["loss_chunk_tokens"] == 3 and result["freeze_embeddings"] is True
+    assert result["loss_chunk_tokens"] == 3 and result["freeze_embeddings"] is True and result["repeats"] == 2
+    assert all(r["repeats"] == 2 for c in result["cases"] for r in c["runs"].values())
     cases = {c["decoder"]: c for c in result["cases"]}
     for kind, case in cases.items():
         full, default = case["runs"]["ccft-full-ft"], case["default_path"]
@@ -62,3 +63,16 @@ def test_bench_train_reports_reachable_fraction_and_peak_memory(tmp_path, tiny_d
     assert result["fraction_of_reachable"] == min(c["fraction_of_reachable"] for c in cases.values())
     assert result["fullft_vs_trl"] is None and result["fullft_peak_vs_trl"] is None  # --no-trl
     assert "fraction of reachable" in capsys.readouterr().out
+
+
+def test_repeated_runs_are_reported_as_medians_with_every_value_kept():
+    from ccft.bench.train import median_runs
+
+    runs = [{"method": "trl-sft", "step_s": 1.0, "peak_rss_mb_rusage": 2600.0, "steps": 4, "head_trains": False},
+            {"method": "trl-sft", "step_s": 3.0, "peak_rss_mb_rusage": 3300.0, "steps": 4, "head_trains": False},
+            {"method": "trl-sft", "step_s": 2.0, "peak_rss_mb_rusage": 2700.0, "steps": 4, "head_trains": False}]
+    m = median_runs(runs)
+    assert (m["step_s"], m["peak_rss_mb_rusage"], m["steps"], m["method"]) == (2.0, 2700.0, 4, "trl-sft")
+    assert m["repeats"] == 3 and m["all"] == {"step_s": [1.0, 3.0, 2.0], "peak_rss_mb_rusage": [2600.0, 3300.0, 2700.0]}
+    assert m["head_trains"] is False  # booleans are not averaged
+    assert median_runs(runs[:1]) == runs[0] and "repeats" not in median_runs(runs[:1])

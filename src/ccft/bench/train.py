@@ -12,6 +12,9 @@ process (``--in-process`` for quick checks), so peak memory is per method:
 * ``ccft-one-pass`` ccft ``method=ccft``, LoRA only: one forward, LoRA gated off on the prompt;
 * ``trl-sft``       TRL ``SFTTrainer``, pre-tokenised prompt/completion rows, ``completion_only_loss=True``.
 
+With ``--repeats N`` every method runs in N fresh processes (methods interleaved) and each number is the
+median over them (every run's value under ``all``).
+
 Reported per method: median wall and CPU seconds per optimizer step (after warm-up steps) and of its
 optimizer update alone, tokens per CPU second (B·(P+R) per step), peak RSS (``getrusage`` of the worker
 process, and the sampled peak during training), and peak RSS growth during training over the RSS after
@@ -341,8 +344,29 @@ def token_ratio(text: str) -> tuple[int, int]:
     return a, b
 
 
+def median_runs(runs: list[dict]) -> dict:
+    """One method's repeated worker results as one: the median of every numeric field, the first run's other
+    fields, and with more than one run ``repeats`` and ``all`` (field -> every run's value, for the fields
+    that vary: times and peaks). Peak RSS of one forward+backward varies by several hundred MiB between
+    identical fresh processes (allocator and thread-pool timing), so a single peak per method cannot carry
+    a comparison of two methods' memory."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    out = dict(runs[0])
+    spread = {}
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            vals = [r[k] for r in runs]
+            out[k] = statistics.median(vals)
+            if len(set(vals)) > 1:
+                spread[k] = vals
+    out["repeats"], out["all"] = len(runs), spread
+    return out
+
+
 def run(args) -> dict:
     ratios = [r if isinstance(r, tuple) else token_ratio(r) for r in args.ratios]
+    repeats = max(1, int(getattr(args, "repeats", 1) or 1))
     cases = []
     for kind in args.kinds:
         for a, b in ratios:
@@ -353,18 +377,24 @@ def run(args) -> dict:
             if args.no_trl:
                 methods = [m for m in methods if m != "trl-sft"]
             case = {"decoder": kind, "ratio": f"{a}:{b}", "prompt_tokens": p, "response_tokens": r, "runs": {}}
-            for m in methods:
-                spec = {"method": m, "kind": kind, "P": p, "R": r, "batch": args.batch_size, "steps": args.steps,
-                        "warmup": args.warmup, "threads": args.threads, "model": args.model, "lora_r": args.lora_r,
-                        "loss_chunk_tokens": args.loss_chunk_tokens, "freeze_embeddings": not args.train_embeddings}
-                print(f"[bench] {kind:4s} {a}:{b} {m:14s} ...", end="", file=sys.stderr, flush=True)
-                res = _worker(spec, args.in_process)
-                print(f" {res['step_s']:.3f} s/step, {res['cpu_s']:.3f} CPU s/step, peak {res['peak_rss_mb_rusage']:.0f} MiB",
-                      file=sys.stderr, flush=True)
-                case["runs"][m] = res
+            every: dict[str, list[dict]] = {m: [] for m in methods}
+            for rep in range(repeats):  # the methods interleaved, so a drift of the machine hits them alike
+                for m in methods:
+                    spec = {"method": m, "kind": kind, "P": p, "R": r, "batch": args.batch_size, "steps": args.steps,
+                            "warmup": args.warmup, "threads": args.threads, "model": args.model,
+                            "lora_r": args.lora_r, "loss_chunk_tokens": args.loss_chunk_tokens,
+                            "freeze_embeddings": not args.train_embeddings}
+                    tag = f" #{rep + 1}" if repeats > 1 else ""
+                    print(f"[bench] {kind:4s} {a}:{b} {m:14s}{tag} ...", end="", file=sys.stderr, flush=True)
+                    res = _worker(spec, args.in_process)
+                    print(f" {res['step_s']:.3f} s/step, {res['cpu_s']:.3f} CPU s/step, "
+                          f"peak {res['peak_rss_mb_rusage']:.0f} MiB", file=sys.stderr, flush=True)
+                    every[m].append(res)
+            case["runs"] = {m: median_runs(rs) for m, rs in every.items()}
             _ratios(case, args.clock)
             cases.append(case)
     out = {"benchmark": "train", "model": args.model, "dtype": "float32", "threads": args.threads, "clock": args.clock,
+           "repeats": repeats,
            "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "lora_r": args.lora_r,
            "row_tokens": args.row_tokens, "loss_chunk_tokens": args.loss_chunk_tokens,
            "freeze_embeddings": not args.train_embeddings,
@@ -493,6 +523,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="fresh worker processes per method (interleaved); times and peaks are their medians")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--loss-chunk-tokens", type=int, default=1024,

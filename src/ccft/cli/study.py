@@ -108,6 +108,7 @@ def run(args) -> int:
         task_list = [(t, ts.limit, ts.max_new_tokens) for t, ts in spec.tasks.items()]
         task_list += [(t, spec.multipl_e_limit, spec.multipl_e_max_new_tokens) for t in _multipl_e_tasks(spec)]
         summaries[name] = []
+        records = {}  # per task: mode -> item id -> record (the sweep reuses the points that are eval modes)
         memo = GenerationMemo()  # humaneval-plus is scored on humaneval's texts (same prompts, greedy)
         with phases(f"eval_{name}"):
             for task_name, limit, max_new in task_list:
@@ -118,6 +119,7 @@ def run(args) -> int:
                                settings=settings, batch_size=cfg.batch_size, n_resamples=cfg.bootstrap,
                                overwrite=fresh, memo=memo)
                 summaries[name].append(res.summary)
+                records[task_name] = {m: {r["id"]: r for r in rs} for m, rs in res.records.items()}
         first = next(iter(spec.tasks), None)
         if first and cfg.sweep_limit:
             with phases(f"sweep_{name}"):
@@ -126,7 +128,8 @@ def run(args) -> int:
                                          out / name / "sweep", rhos=cfg.sweep_rhos, axes=("positions",),
                                          limit=cfg.sweep_limit, batch_size=cfg.batch_size, overwrite=fresh,
                                          decoder_paths={"naive": paths["full-ft"], "prefillshare": paths["ccft"]},
-                                         n_resamples=cfg.bootstrap, prompt_format=fmt)
+                                         n_resamples=cfg.bootstrap, prompt_format=fmt,
+                                         eval_records=records.get(first))
         hist = trained[name]["histories"]
         specialists_meta[name] = {
             "recipe": spec.recipe, "overrides": spec.train, "runs": paths,

@@ -21,7 +21,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -34,7 +34,7 @@ from ccft.core.modes import MODES, REFERENCE_MODE, decoder_for_mode, get_mode
 from ccft.evals.prompting import PromptFormat
 from ccft.evals.protocol import normalize_scores, score_texts, task_description, task_name, task_stop
 from ccft.evals.results import append_jsonl, describe_base, hardware, read_jsonl
-from ccft.evals.scoring import batch_nll, prepare
+from ccft.evals.scoring import batch_nll, prepare, prompt_hash
 from ccft.evals.sharing import (
     AXES,
     recompute_tokens,
@@ -113,7 +113,8 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
               axes: Sequence[str] = AXES, limit: int | None = None, batch_size: int = 8, gen_rows: int = 0,
               max_new_tokens: int | None = None, progress: bool = True, overwrite: bool = False,
               decoder_paths: dict[str, str] | None = None, n_resamples: int = 2000,
-              prompt_format: PromptFormat | None = None) -> dict:
+              prompt_format: PromptFormat | None = None,
+              eval_records: Mapping[str, Mapping[str, dict]] | None = None) -> dict:
     """Run (or resume) the sharing sweep; returns the ``sweep.json`` summary.
 
     Args:
@@ -122,6 +123,12 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
         rhos: sharing ratios in [0, 1]; axes: ``positions`` and/or ``layers``.
         gen_rows: items (the first ones) also generated greedily and scored by the task at each point.
         prompt_format: the decoders' training format (``ccft.evals.prompting``); None: the task's own.
+        eval_records: ``{mode: {item id: record}}`` of an eval run (``ccft.evals.runner``) of the same task with
+            the same base and decoders. The points that are exactly an eval mode take its per-item NLLs instead
+            of computing them again: the references (``base``, ``full-ft``), ρ = 1 on either axis (the shared
+            mode itself) and the naive curve at ρ = 0 (the Full-FT decoder prefilling the whole prompt: mode
+            ``full-ft``). A point is taken only when every item is there with the same prompt (``prompt_sha``)
+            and reference token count; it records ``source: "eval:MODE"``. Not used with ``gen_rows``.
     Raises:
         ConfigError: bad ρ / axis / curve, no decoder, or a folder holding a sweep with other settings.
     """
@@ -180,8 +187,13 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
         for label, over, rho in todo:
             dec = decoder_for_mode(label, by_method)
             bar.set_postfix_str(f"{label} {over or 'own prefill'} {'' if rho is None else f'ρ={rho:g}'}")
-            point = _point(task, base, dec, prep, label=label, over=over, rho=rho, batch_size=batch_size,
-                           gen_rows=gen_rows, max_new_tokens=max_new, bar=bar)
+            point = _point_from_eval(eval_records, prep, base, dec, label=label, over=over, rho=rho) \
+                if eval_records and not gen_rows else None
+            if point is not None:
+                bar.update(per_point)
+            else:
+                point = _point(task, base, dec, prep, label=label, over=over, rho=rho, batch_size=batch_size,
+                               gen_rows=gen_rows, max_new_tokens=max_new, bar=bar)
             append_jsonl(points_path, [point])
             done[_key(label, over, rho)] = point
     finally:
@@ -189,6 +201,44 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
     summary = summarize_sweep(meta, list(done.values()), n_resamples=n_resamples)
     atomic_write_text(out / "sweep.json", json.dumps(summary, indent=2))
     return summary
+
+
+def eval_mode_of_point(label: str, over: str | None, rho: float | None) -> str | None:
+    """The eval mode (``ccft.core.modes``) a sweep point equals, or None: a reference is its own mode; ρ = 1 on
+    either axis reads all of C_base (the shared mode itself, ``ccft.evals.sharing``); the naive curve at ρ = 0
+    is the Full-FT decoder prefilling the whole prompt itself (``full-ft``)."""
+    if over is None:
+        return label
+    if rho == 1.0:
+        return label
+    if rho == 0.0 and get_mode(label).decoder_method == get_mode(REFERENCE_MODE).decoder_method:
+        return REFERENCE_MODE
+    return None
+
+
+def _point_from_eval(eval_records, prep, base, decoder, *, label: str, over: str | None,
+                     rho: float | None) -> dict | None:
+    mode = eval_mode_of_point(label, over, rho)
+    recs = eval_records.get(mode) if mode is not None else None
+    if not recs:
+        return None
+    rows = [i for i in range(prep.n) if prep.references[i] is not None]
+    got = {}
+    for i in rows:
+        r = recs.get(prep.ids[i])
+        if (r is None or r.get("prompt_sha") != prompt_hash(prep.prompts[i])
+                or r.get("nll_tokens") != len(prep.references[i]) or r.get("nll_sum") is None):
+            return None  # not the same item, prompt or reference: computed instead
+        got[i] = r
+    point = {"label": label, "over": over, "rho": rho, "ids": [prep.ids[i] for i in sorted(got)],
+             "nll": [got[i]["nll_sum"] / max(1, got[i]["nll_tokens"]) for i in sorted(got)],
+             "nll_tokens": [got[i]["nll_tokens"] for i in sorted(got)], "source": f"eval:{mode}"}
+    if over == "layers":
+        point["shared_layers"] = shared_layer_list(rho, base.config.num_hidden_layers)
+    elif over == "positions":
+        k0 = decoder.handoff_tokens
+        point["recomputed_mean"] = sum(recompute_tokens(len(prep.prompts[i]), rho, k0) for i in sorted(got)) / max(1, len(got))
+    return point
 
 
 def _ids_sha(prep) -> str:
@@ -238,4 +288,4 @@ def summarize_sweep(meta: dict, points: list[dict], *, n_resamples: int = 2000, 
     return {"kind": "ccft-sweep", "meta": meta, "points": rows, "per_item": points}
 
 
-__all__ = ["CURVES", "REFERENCES", "RHOS", "run_sweep", "summarize_sweep"]
+__all__ = ["CURVES", "REFERENCES", "RHOS", "eval_mode_of_point", "run_sweep", "summarize_sweep"]
