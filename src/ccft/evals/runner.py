@@ -231,6 +231,7 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
     todo = sorted(set().union(*pending.values()), key=lambda i: (len(prep.prompts[i]), i))
     if engine is not None:  # the modes reading C_base first, so it is freed before the Full-FT decoder's prefill
         specs.sort(key=lambda spec: (producer_of(engine, spec) is not None, _mode_order(spec)))
+    last_use = {producer_of(engine, spec): n for n, spec in enumerate(specs)} if engine is not None else {}
     bar = tqdm(total=prep.n * len(specs), initial=sum(map(len, done.values())), desc=name, unit="item",
                disable=not progress, dynamic_ncols=True, file=sys.stderr)
     try:
@@ -253,9 +254,8 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
                             bar.update(1)
                             if on_item is not None:
                                 on_item(spec.mode, r)
-                    later = {producer_of(engine, x) for x in specs[n + 1:]} if prefills is not None else set()
-                    if prefills is not None and producer_of(engine, spec) not in later:
-                        prefills.release(spec)
+                    if prefills is not None and last_use[producer_of(engine, spec)] == n:
+                        prefills.release(spec)  # no later mode of the group reads this prefill
             finally:
                 if prefills is not None:
                     prefills.close()

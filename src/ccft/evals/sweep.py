@@ -76,11 +76,7 @@ def _point(task, base, decoder: Decoder | None, prep, *, label: str, over: str |
     point = {"label": label, "over": over, "rho": rho, "ids": [prep.ids[i] for i in sorted(nll)],
              "nll": [nll[i][0] / max(1, nll[i][1]) for i in sorted(nll)],
              "nll_tokens": [nll[i][1] for i in sorted(nll)]}
-    if over == "layers":
-        point["shared_layers"] = shared_layer_list(rho, base.config.num_hidden_layers)
-    elif over == "positions":
-        k0 = decoder.handoff_tokens
-        point["recomputed_mean"] = sum(recompute_tokens(len(prep.prompts[i]), rho, k0) for i in sorted(nll)) / max(1, len(nll))
+    point.update(_axis_fields(prep, base, decoder, over, rho, sorted(nll)))
     if gen_rows > 0:
         gi = list(range(min(gen_rows, prep.n)))
         scores, texts = [], []
@@ -233,12 +229,18 @@ def _point_from_eval(eval_records, prep, base, decoder, *, label: str, over: str
     point = {"label": label, "over": over, "rho": rho, "ids": [prep.ids[i] for i in sorted(got)],
              "nll": [got[i]["nll_sum"] / max(1, got[i]["nll_tokens"]) for i in sorted(got)],
              "nll_tokens": [got[i]["nll_tokens"] for i in sorted(got)], "source": f"eval:{mode}"}
-    if over == "layers":
-        point["shared_layers"] = shared_layer_list(rho, base.config.num_hidden_layers)
-    elif over == "positions":
-        k0 = decoder.handoff_tokens
-        point["recomputed_mean"] = sum(recompute_tokens(len(prep.prompts[i]), rho, k0) for i in sorted(got)) / max(1, len(got))
+    point.update(_axis_fields(prep, base, decoder, over, rho, sorted(got)))
     return point
+
+
+def _axis_fields(prep, base, decoder, over: str | None, rho: float | None, rows: list[int]) -> dict:
+    """What a point records about its axis: the shared layers, or the mean prompt tokens recomputed."""
+    if over == "layers":
+        return {"shared_layers": shared_layer_list(rho, base.config.num_hidden_layers)}
+    if over == "positions":
+        k0 = decoder.handoff_tokens
+        return {"recomputed_mean": sum(recompute_tokens(len(prep.prompts[i]), rho, k0) for i in rows) / max(1, len(rows))}
+    return {}
 
 
 def _ids_sha(prep) -> str:
