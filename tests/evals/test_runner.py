@@ -270,11 +270,14 @@ def test_samples_and_unavailable_toolchain(setup, tmp_path):
     assert "**unavailable**: toolchain `frob` not installed" in md and "| toy-missing | no |" in md
 
 
-def test_engine_path_equals_reference_generation(setup, full_run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch_size", [4, 16])
+def test_engine_path_equals_reference_generation(setup, full_run, tmp_path, monkeypatch, batch_size):
     """--engine: every mode decodes through SharedPrefillEngine (base and full-ft on their own prefill, naive and
     prefillshare on C_base); same texts and NLLs as the reference path, the Full-FT decoder registered once, and
     each group of items prefilled once per producer: C_base once for base, naive and prefillshare (generation and
-    reference NLL), the Full-FT decoder's own prefix once for full-ft; no other pass over the prompts."""
+    reference NLL), the Full-FT decoder's own prefix once for full-ft; no other pass over the prompts.
+    The four modes' rows decode in the same engine steps (at batch 4 mode after mode through 4 slots, at batch
+    16 all at once)."""
     pytest.importorskip("ccft.inference")
     import ccft.evals.runner as runner_mod
     import ccft.evals.scoring as scoring_mod
@@ -297,9 +300,13 @@ def test_engine_path_equals_reference_generation(setup, full_run, tmp_path, monk
     for mod in (runner_mod, scoring_mod):
         monkeypatch.setattr(mod, "compute_base_cache", no_other_pass)
     monkeypatch.setattr(scoring_mod, "full_forward", no_other_pass)
-    res = run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(engine=True), batch_size=4,
+    joint = []
+    real_joint = runner_mod.decode_group_jointly
+    monkeypatch.setattr(runner_mod, "decode_group_jointly", lambda *a, **kw: joint.append(real_joint(*a, **kw)))
+    res = run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(engine=True), batch_size=batch_size,
                    progress=False)
-    assert prefills == [(9, None), (9, "full-ft")]  # 9 items, one group of up to 4 batches of 4
+    assert prefills == [(9, None), (9, "full-ft")]  # 9 items, one group (up to 4 batches of 4, or < 16 items)
+    assert joint == [4 * 9]  # every mode's 9 generations in one joint decode (mode after mode at batch 4)
     assert res.summary["meta"]["settings"]["decode_path"] == "SharedPrefillEngine (every mode)"
     engine = make_engine(base, specs, max_batch=2)
     assert sorted(engine.decoders) == ["base", "full-ft", "prefillshare"]  # naive reuses the Full-FT decoder
@@ -393,26 +400,52 @@ class _ToyPlus(ToyTask):
 
 
 @pytest.mark.parametrize("engine", [False, True])
-def test_generation_memo_reuses_identical_generations_across_tasks(setup, full_run, tmp_path, engine):
-    """A task with another task's prompts and settings is scored on the same greedy texts without decoding them
-    again; its records equal a run without the memo."""
-    from ccft.evals.runner import GenerationMemo
+def test_eval_memo_reuses_identical_generations_and_nlls_across_tasks(setup, full_run, tmp_path, engine,
+                                                                       monkeypatch):
+    """A task with another task's prompts, references and settings is scored on the same greedy texts and NLLs
+    without computing them again (no prefill, no forward, no decode); its records equal a run without the memo."""
+    from ccft.evals import generation, runner
+    from ccft.evals.runner import EvalMemo
 
     base, _, _, specs = setup
-    memo = GenerationMemo()
+    memo = EvalMemo()
     settings = EvalSettings(engine=engine)
     first = run_task(ToyTask(), base, specs, tmp_path / "a", settings=settings, batch_size=4, progress=False, memo=memo)
-    assert memo.hits == 0
-    plus = run_task(_ToyPlus(), base, specs, tmp_path / "a", settings=settings, batch_size=4, progress=False,
-                    memo=memo)
-    assert memo.hits == len(specs) * len(first.records["base"])  # every item of every mode reused
+    assert memo.hits == 0 and memo.nll_hits == 0
+    n = len(first.records["base"])
+    with monkeypatch.context() as m:  # everything comes from the memo: any model pass would raise
+        def fail(*a, **kw):
+            raise AssertionError("computed again")
+        m.setattr(runner, "batch_nll", fail)
+        m.setattr(runner, "compute_base_cache", fail)
+        m.setattr(generation, "generate", fail)
+        m.setattr(generation.GroupPrefill, "handle", fail)
+        plus = run_task(_ToyPlus(), base, specs, tmp_path / "a", settings=settings, batch_size=4, progress=False,
+                        memo=memo)
+    assert memo.hits == len(specs) * n and memo.nll_hits == len(specs) * n  # every item of every mode reused
     alone = run_task(_ToyPlus(), base, specs, tmp_path / "b", settings=settings, batch_size=4, progress=False)
     for mode in ("base", "full-ft", "naive", "prefillshare"):
         assert [r["text"] for r in plus.records[mode]] == [r["text"] for r in first.records[mode]]
-        assert [(r["text"], r["finish_reason"], r["new_tokens"], r["scores"]) for r in plus.records[mode]] == \
-               [(r["text"], r["finish_reason"], r["new_tokens"], r["scores"]) for r in alone.records[mode]]
+        assert [(r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
+                for r in plus.records[mode]] == \
+               [(r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
+                for r in alone.records[mode]]
+        torch.testing.assert_close([r["nll"] for r in plus.records[mode]], [r["nll"] for r in alone.records[mode]],
+                                   atol=1e-5, rtol=0)
     # a changed setting (max_new_tokens) is a different generation: nothing reused
     before = memo.hits
+    before_nll = memo.nll_hits
     run_task(ToyTask(), base, specs, tmp_path / "c", settings=EvalSettings(engine=engine, max_new_tokens=3),
              batch_size=4, progress=False, memo=memo)
     assert memo.hits == before
+    assert memo.nll_hits == before_nll + len(specs) * n  # the NLL does not depend on max_new_tokens
+    # another reference is another NLL: nothing reused
+    run_task(_ToyShortRef(), base, specs, tmp_path / "d", settings=settings, batch_size=4, progress=False, memo=memo)
+    assert memo.nll_hits == before_nll + len(specs) * n
+
+
+class _ToyShortRef(ToyTask):
+    name = "toy-short-ref"
+
+    def reference_text(self, item):
+        return item["answer"][:40]

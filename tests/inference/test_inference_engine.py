@@ -97,6 +97,99 @@ def test_prefill_writes_c_base(world, prompts):
         assert h2.to_base_cache().equal(ref)
 
 
+def test_prefill_in_chunks_of_their_own_width(world, prompts, monkeypatch):
+    """Rows prefilled in chunks, each padded only to its own longest row (unsorted rows, NaN-filled arena):
+    the same C_base as one forward over all rows, pad slots zero (finite)."""
+    from ccft.inference import prefill as P
+
+    base, _ = world
+    lengths = [len(p) - 1 for p in prompts]
+    monkeypatch.setattr(P, "CHUNK_TOKENS", 2 * max(lengths))
+    chunks = P.row_chunks(lengths, heads=4)
+    assert len(chunks) > 1 and [c[0] for c in chunks[1:]] == [c[1] for c in chunks[:-1]]
+    assert [w for _, _, w in chunks] == [max(lengths[a:b]) for a, b, _ in chunks]
+    assert any(w < max(lengths) for _, _, w in chunks)  # some chunk is narrower than the handle
+    order = [3, 0, 5, 1, 4, 2]
+    rows = [prompts[i] for i in order]
+    ref = ccft.compute_base_cache(base, rows)
+    with _engine(base, {}).prefill(rows) as h:
+        got = h.to_base_cache()
+        assert torch.equal(got.attention_mask, ref.attention_mask)
+        for a, b in zip(got.keys + got.values, ref.keys + ref.values, strict=True):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("handoff", [1, 2])
+def test_tail_logits_equal_decoder_forward(tiny_dir, prompts, handoff):
+    """Teacher-forced tails on a handle (base, two LoRA decoders, a full-weight decoder; rows picked out of
+    order, ragged tails) == decoder_forward on the handle's C_base (and the full-weight decoder on its own
+    prefill); nothing is written; a decoder may not read another decoder's own prefill (K5)."""
+    base = ccft.load_base(str(tiny_dir))
+    full = _full(base, 9, handoff)
+    decs = {"math": _lora(base, "math", 1, 4, handoff), "code": _lora(base, "code", 2, 2, handoff, ["k_proj", "up_proj"]),
+            "full": full}
+    eng = _engine(base, decs, max_batch=4)
+    g = torch.Generator().manual_seed(0)
+    rows = [4, 0, 2, 5]
+    tails = [prompts[r][-handoff:] + torch.randint(0, len(base.tokenizer), (3 + r,), generator=g).tolist()
+             for r in rows]
+    ids, mask = right_pad(tails, base.tokenizer.pad_token_id)
+    with eng.prefill(prompts) as h, eng.prefill(prompts, producer="full") as own:
+        cache = h.to_base_cache().select(rows)
+        snap = h.snapshot()
+        for name in ["base", "math", "code", "full"]:
+            got = eng.tail_logits(h, rows, ids, mask, decoder=name)
+            ref = _forced_logits(base, None if name == "base" else decs[name], cache, tails)
+            real = mask.bool()
+            torch.testing.assert_close(got[real], ref[real], atol=ATOL, rtol=0)
+        got = eng.tail_logits(own, rows, ids, mask, decoder="full")
+        with torch.no_grad():
+            ref = ccft.decoder_forward(full, own.to_base_cache().select(rows), ids, mask, allow_self=True)
+        torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=ATOL, rtol=0)
+        assert all(torch.equal(a, b) for a, b in zip(snap, h.snapshot(), strict=True))  # K1: read only
+        with pytest.raises(FingerprintMismatchError, match="own weights"):
+            eng.tail_logits(own, rows, ids, mask, decoder="math")
+        with pytest.raises(ConfigError, match="out of range"):
+            eng.tail_logits(h, [0, 9], ids[:2], mask[:2], decoder="math")
+
+
+@pytest.mark.parametrize("rows,kind", [([1, 3, 4], slice), ([0, 5], torch.Tensor)])
+def test_some_rows_of_a_handle_read_in_place_or_gathered(world, refs, prompts, monkeypatch, rows, kind):
+    """Rows 1, 3, 4 of a 6-row handle are read as the span 1..4 in place (row 2 idles); rows 0 and 5 (a span
+    three times their number) are gathered. Both decode the reference's tokens (NaN-filled memory)."""
+    from ccft.inference import planner
+
+    base, decs = world
+    seen = []
+    real = planner.prefix_groups
+
+    def spy(batch_rows, device):
+        groups = real(batch_rows, device)
+        seen.extend(type(g.used) if not isinstance(g.used, torch.Tensor) else torch.Tensor for g in groups)
+        return groups
+
+    monkeypatch.setattr(planner, "prefix_groups", spy)
+    eng = _engine(base, decs, decode="eager")
+    with eng.prefill(prompts) as h:
+        for name in ("base", "math", "full"):
+            got = eng.generate(h, decoder=name, max_new_tokens=N_NEW, rows=rows)
+            _same(got, [refs[name][r] for r in rows])
+    assert kind in seen
+
+
+def test_row_chunks_bounds():
+    from ccft.inference.prefill import CHUNK_TOKENS, SCORE_ELEMENTS, row_chunks
+
+    lengths = [5, 7, 9, 300, 310, 1500, 2, 2, 2]
+    chunks = row_chunks(lengths, heads=9)
+    assert chunks[0][0] == 0 and chunks[-1][1] == len(lengths)
+    for r0, r1, w in chunks:
+        assert w == max(lengths[r0:r1])
+        assert r1 - r0 == 1 or ((r1 - r0) * w <= CHUNK_TOKENS and (r1 - r0) * 9 * w * w <= SCORE_ELEMENTS)
+    assert row_chunks([], heads=9) == []
+
+
 @pytest.mark.parametrize("mode,attention", MODES)
 @pytest.mark.parametrize("batch", [1, 3, 4, 5])
 def test_greedy_equals_reference(world, refs, prompts, mode, attention, batch):

@@ -84,7 +84,7 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
 def run(args) -> int:
     from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.report import task_markdown
-    from ccft.evals.runner import EvalSettings, GenerationMemo, get_task, run_task, task_names
+    from ccft.evals.runner import EvalMemo, EvalSettings, get_task, run_task, task_names
     from ccft.evals.settings import default_modes, mode_specs, shared_handoff
 
     tasks = args.task or ["gsm8k"]
@@ -102,7 +102,7 @@ def run(args) -> int:
     handoff = shared_handoff(decoders.values())
     prompt_format = resolve_prompt_format(args.prompt_format, decoders.values())
     out = Path(args.out)
-    memo = GenerationMemo()  # tasks with the same prompts (humaneval, humaneval-plus) share greedy generations
+    memo = EvalMemo()  # tasks with the same prompts (humaneval, humaneval-plus) share generations and NLLs
     for task in task_objs:
         settings = EvalSettings(limit=args.limit if args.limit is not None else getattr(task, "default_limit", None),
                                 max_new_tokens=args.max_new_tokens, generate=not args.nll_only, seed=args.seed,

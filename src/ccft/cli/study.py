@@ -45,7 +45,7 @@ def run(args) -> int:
     from ccft.core.models import load_base, resolve_model_path
     from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.protocol import get_task
-    from ccft.evals.runner import GenerationMemo, run_task
+    from ccft.evals.runner import EvalMemo, run_task
     from ccft.evals.settings import EvalSettings, mode_specs, shared_handoff
     from ccft.evals.study import (
         StudyPhases,
@@ -109,7 +109,7 @@ def run(args) -> int:
         task_list += [(t, spec.multipl_e_limit, spec.multipl_e_max_new_tokens) for t in _multipl_e_tasks(spec)]
         summaries[name] = []
         records = {}  # per task: mode -> item id -> record (the sweep reuses the points that are eval modes)
-        memo = GenerationMemo()  # humaneval-plus is scored on humaneval's texts (same prompts, greedy)
+        memo = EvalMemo()  # humaneval-plus takes humaneval's texts and NLLs (same prompts and references)
         with phases(f"eval_{name}"):
             for task_name, limit, max_new in task_list:
                 print(f"[ccft study] {name}: {task_name} (n={limit})", flush=True)

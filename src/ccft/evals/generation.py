@@ -21,10 +21,10 @@ from ccft.core.generation import Generation, generate
 from ccft.core.modes import get_mode
 from ccft.core.sampling import SamplingParams
 from ccft.evals.protocol import normalize_scores, score_extras, score_texts, task_stop
-from ccft.evals.scoring import Prepared
+from ccft.evals.scoring import Prepared, handle_nll
 from ccft.evals.settings import EvalSettings, ModeSpec
 
-__all__ = ["GenerationMemo", "GroupPrefill", "engine_generate", "generate_samples", "make_engine", "merge_samples",
+__all__ = ["EvalMemo", "GroupPrefill", "decode_group_jointly", "decode_jointly", "engine_generate", "generate_samples", "make_engine", "merge_samples",
            "producer_of"]
 
 
@@ -108,10 +108,10 @@ class GroupPrefill:
     """One group of eval items prefilled once per producer on a ``make_engine`` engine, read by every mode.
 
     The base's prefill of the group (C_base) serves ``base``, ``naive`` and ``prefillshare``, for their
-    generations (decoded on the engine handle) and their reference NLL (``ccft.evals.scoring.batch_nll`` on
-    a ``BaseCache`` copy of the handle); the Full-FT decoder's own prefill serves ``full-ft`` the same way.
-    Per item that is two prompt passes where separate per-mode paths make eight (a forward over prompt +
-    reference and a prefill, in four modes). Prefills run lazily, on first use.
+    generations (decoded on the engine handle) and their reference NLL (``nll``: a teacher-forced engine
+    forward over the references on the handle); the Full-FT decoder's own prefill serves ``full-ft`` the
+    same way. Per item that is two prompt passes where separate per-mode paths make eight (a forward over
+    prompt + reference and a prefill, in four modes). Prefills run lazily, on first use.
 
     Args:
         engine: a ``make_engine`` engine; prompts: index -> prompt ids of the group's items (keys: the
@@ -125,7 +125,6 @@ class GroupPrefill:
         self._prompts = [list(prompts[i]) for i in self.items]
         self._row = {i: r for r, i in enumerate(self.items)}
         self._handles: dict[str | None, object] = {}
-        self._caches: dict[str | None, object] = {}
         #: prefills run so far (one per producer; tests count them)
         self.prefills = 0
 
@@ -141,23 +140,20 @@ class GroupPrefill:
             self.prefills += 1
         return self._handles[producer]
 
-    def cache(self, spec: ModeSpec, items: Sequence[int]):
-        """A ``BaseCache`` of ``items``' prefixes as the mode's producer wrote them (for the reference NLL)."""
-        producer = producer_of(self.engine, spec)
-        if producer not in self._caches:
-            self._caches[producer] = self.handle(spec).to_base_cache()
-        return self._caches[producer].select(self.rows(items))
+    def nll(self, spec: ModeSpec, items: Sequence[int], references: Sequence[Sequence[int]]) -> list[tuple[float, int]]:
+        """(summed NLL, tokens) of each reference after its item's prompt under ``spec.mode``, read from the
+        mode's prefill of the group (``ccft.evals.scoring.handle_nll``)."""
+        return handle_nll(self.engine, self.handle(spec), self.rows(items), _decoder_name(self.engine, spec),
+                          [self._prompts[self._row[i]] for i in items], references, handoff_tokens=self.k)
 
     def release(self, spec: ModeSpec) -> None:
         """Free the prefill ``spec.mode`` reads (when no later mode of the group needs it)."""
         producer = producer_of(self.engine, spec)
-        self._caches.pop(producer, None)
         handle = self._handles.pop(producer, None)
         if handle is not None:
             handle.release()
 
     def close(self) -> None:
-        self._caches.clear()
         while self._handles:
             self._handles.popitem()[1].release()
 
@@ -168,42 +164,144 @@ class GroupPrefill:
         self.close()
 
 
-class GenerationMemo:
-    """Greedy generations kept across the tasks of one process, so a task whose prompts, stop strings and
-    settings equal an earlier task's is scored on the same texts instead of decoding them again
-    (HumanEval+ has HumanEval's prompts and only adds tests). Keyed by mode, decoder object, prompt ids,
-    stop strings, ``max_new_tokens`` and k; greedy only (a sampled row's seed depends on its batch).
-    Pass one to ``run_task(..., memo=...)`` for every task that may share items.
+def decode_jointly(engine, jobs: Sequence[tuple[object, str, Sequence[int], Sequence[str]]], *,
+                   max_new_tokens: int) -> list[list[Generation]]:
+    """Greedy-decode several ``(handle, decoder name, rows, stop strings)`` jobs of a ``make_engine`` engine in the
+    same engine steps (rows of different decoders and prefills side by side; each row is admitted as soon as
+    its lane has a free slot). Per job, one ``Generation`` per row, equal to ``engine.generate`` of that job
+    alone (greedy, per-row positions; the engine's step is tested against the reference path).
+
+    Raises:
+        whatever a row's step raises (the call's other rows are aborted first).
+    """
+    pending = [(j, r) for j, (_, _, rows, _) in enumerate(jobs) for r in rows]
+    mine: dict[int, tuple[int, int]] = {}
+    results: dict[tuple[int, int], Generation] = {}
+    try:
+        while pending or mine:
+            waiting = []
+            for j, r in pending:
+                handle, name, _, stop = jobs[j]
+                if engine.free_slots(name) > 0:
+                    mine[engine.add_request(handle, r, decoder=name, max_new_tokens=max_new_tokens,
+                                            stop=list(stop))] = (j, r)
+                else:
+                    waiting.append((j, r))
+            pending = waiting
+            if not mine:
+                raise ConfigError(f"decode_jointly: no free slot for any of {len(pending)} rows (max_batch="
+                                  f"{engine.max_batch} rows are active from other requests)")
+            for out in engine.step():
+                if out.finished and out.request_id in mine:
+                    results[mine.pop(out.request_id)] = out.generation
+    finally:
+        for rid in mine:
+            engine.abort(rid)
+    return [[results[(j, r)] for r in rows] for j, (_, _, rows, _) in enumerate(jobs)]
+
+
+def decode_group_jointly(task, specs: Sequence[ModeSpec], prep: Prepared, rows_by_mode: dict[str, Sequence[int]],
+                         settings: EvalSettings, engine, group: "GroupPrefill", memo: "EvalMemo") -> int:
+    """Greedy generations of every mode's ``rows_by_mode[mode]`` (indices into ``prep``, all in ``group``) decoded
+    in the same engine steps (``decode_jointly``) and put in ``memo``, where ``generate_samples`` then finds
+    them. For groups too small for one mode to fill the engine's rows (a task of 10 items): the modes share
+    the steps instead of each running its own short, mostly empty batch. Generations already in ``memo``
+    are skipped. Returns the number of generations decoded.
+
+    Raises:
+        ConfigError: the settings sample (only greedy generations are kept in a memo).
+    """
+    if settings.sampling(task)["do_sample"] or settings.resolved_samples(task) != 1:
+        raise ConfigError("decode_group_jointly: greedy single-sample settings only")
+    k = settings.handoff_tokens
+    max_new = settings.resolved_max_new_tokens(task)
+    jobs, keys = [], []
+    for spec in specs:
+        by_stop: dict[tuple, list[int]] = {}
+        for i in rows_by_mode.get(spec.mode, ()):
+            stop = tuple(task_stop(task, prep.items[i]))
+            if not memo.has(spec, prep.prompts[i], stop, max_new, k):
+                by_stop.setdefault(stop, []).append(i)
+        for stop, items in by_stop.items():
+            jobs.append((group.handle(spec), _decoder_name(engine, spec), group.rows(items), stop))
+            keys.append((spec, items, stop))
+    if not jobs:
+        return 0
+    gens = decode_jointly(engine, jobs, max_new_tokens=max_new)
+    for (spec, items, stop), out in zip(keys, gens, strict=True):
+        for i, g in zip(items, out, strict=True):
+            memo.put(spec, prep.prompts[i], stop, max_new, k, g, ahead=True)
+    return sum(map(len, gens))
+
+
+class EvalMemo:
+    """Greedy generations and reference NLLs kept across the tasks of one process, so a task whose items equal
+    an earlier task's is scored on the same texts and NLLs instead of computing them again (HumanEval+ has
+    HumanEval's prompts and canonical solutions and only adds tests).
+
+    Generations are keyed by mode, decoder object, prompt ids, stop strings, ``max_new_tokens`` and k (greedy
+    only: a sampled row's seed depends on its batch); NLLs by mode, decoder object, prompt ids, reference ids
+    and k. Pass one to ``run_task(..., memo=...)`` for every task that may share items.
     """
 
     def __init__(self):
         self._texts: dict[tuple, tuple[str, str, int]] = {}
+        self._nlls: dict[tuple, tuple[float, int]] = {}
+        self._ahead: set[tuple] = set()
         self._decoders: dict[int, object] = {}  # keeps every keyed decoder alive, so its id() is never reused
+        #: generations and NLLs served from the memo
         self.hits = 0
+        self.nll_hits = 0
 
     def _key(self, spec: ModeSpec, prompt: Sequence[int], stop: tuple, max_new: int, k: int) -> tuple:
         self._decoders[id(spec.decoder)] = spec.decoder
         return (spec.mode, id(spec.decoder), tuple(prompt), stop, int(max_new), int(k))
 
     def get(self, spec, prompt, stop, max_new, k):
-        """``(text, finish_reason, new_tokens)`` of an earlier identical generation, or None."""
-        hit = self._texts.get(self._key(spec, prompt, stop, max_new, k))
-        self.hits += hit is not None
+        """``(text, finish_reason, new_tokens)`` of an earlier identical generation, or None. A generation put
+        with ``ahead=True`` is taken once without counting as a hit (it was decoded for this very item)."""
+        key = self._key(spec, prompt, stop, max_new, k)
+        hit = self._texts.get(key)
+        if key in self._ahead:
+            self._ahead.discard(key)
+        else:
+            self.hits += hit is not None
         return hit
 
-    def put(self, spec, prompt, stop, max_new, k, gen: Generation) -> None:
-        self._texts[self._key(spec, prompt, stop, max_new, k)] = (gen.text, gen.finish_reason, len(gen.token_ids))
+    def has(self, spec, prompt, stop, max_new, k) -> bool:
+        """Whether an identical generation is kept (not counted as a hit)."""
+        return self._key(spec, prompt, stop, max_new, k) in self._texts
+
+    def put(self, spec, prompt, stop, max_new, k, gen: Generation, *, ahead: bool = False) -> None:
+        """Keep ``gen``; ``ahead``: decoded ahead of its own item's ``get`` (``decode_group_jointly``)."""
+        key = self._key(spec, prompt, stop, max_new, k)
+        self._texts[key] = (gen.text, gen.finish_reason, len(gen.token_ids))
+        if ahead:
+            self._ahead.add(key)
+
+    def _nll_key(self, spec: ModeSpec, prompt: Sequence[int], reference: Sequence[int], k: int) -> tuple:
+        self._decoders[id(spec.decoder)] = spec.decoder
+        return ("nll", spec.mode, id(spec.decoder), tuple(prompt), tuple(reference), int(k))
+
+    def get_nll(self, spec, prompt, reference, k) -> tuple[float, int] | None:
+        """``(summed NLL, tokens)`` of ``reference`` after ``prompt`` computed earlier under the same mode, or None."""
+        hit = self._nlls.get(self._nll_key(spec, prompt, reference, k))
+        self.nll_hits += hit is not None
+        return hit
+
+    def put_nll(self, spec, prompt, reference, k, nll: tuple[float, int]) -> None:
+        self._nlls[self._nll_key(spec, prompt, reference, k)] = (float(nll[0]), int(nll[1]))
 
 
 def generate_samples(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[int], settings: EvalSettings, *,
-                     cache: BaseCache | None = None, engine=None, memo: GenerationMemo | None = None,
+                     cache: BaseCache | None = None, engine=None, memo: EvalMemo | None = None,
                      group: GroupPrefill | None = None) -> list[list[dict]]:
     """Generate and score items ``rows`` (indices into ``prep``) under ``spec.mode``.
 
     Args:
         cache: ``C_base`` of exactly ``rows``' prompts (shared-prefill modes; computed when None).
         engine: a ``make_engine`` engine (every mode decodes through it when given).
-        memo: greedy texts of earlier identical generations, reused instead of decoding (``GenerationMemo``).
+        memo: greedy texts of earlier identical generations, reused instead of decoding (``EvalMemo``).
         group: with ``engine``, a ``GroupPrefill`` holding ``rows``: decode on its prefill instead of prefilling.
     Returns:
         per row, one sample dict per sample: ``text``, ``finish_reason`` (``eos`` | ``stop`` | ``length``),

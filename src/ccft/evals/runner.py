@@ -34,8 +34,9 @@ from tqdm.auto import tqdm
 from ccft.core.cache import compute_base_cache
 from ccft.core.modes import MODES, REFERENCE_MODE, check_mode, get_mode
 from ccft.evals.generation import (
-    GenerationMemo,
+    EvalMemo,
     GroupPrefill,
+    decode_group_jointly,
     generate_samples,
     make_engine,
     merge_samples,
@@ -65,7 +66,7 @@ from ccft.evals.results import (
 from ccft.evals.scoring import Prepared, batch_nll, prepare, prompt_hash
 from ccft.evals.settings import EvalSettings, ModeSpec
 
-__all__ = ["GenerationMemo", "MODES", "REFERENCE_MODE", "EvalSettings", "ModeSpec", "TaskResult", "batch_nll", "get_task",
+__all__ = ["EvalMemo", "MODES", "REFERENCE_MODE", "EvalSettings", "ModeSpec", "TaskResult", "batch_nll", "get_task",
            "load_task_folder", "paired_deltas_by_id", "prepare", "read_jsonl", "run_mode_batch", "run_task",
            "summarize_records", "summarize_task", "task_names"]
 
@@ -81,11 +82,14 @@ class TaskResult:
 
 #: with the engine, items per generation call = this × batch_size (continuous batching over them)
 ENGINE_BATCHES_PER_CALL = 4
+#: with the engine, reference NLL forwards of rows of similar length hold about this many tokens (the logits of
+#: 4096 tokens over a 49k vocabulary are 0.8 GB in fp32)
+NLL_TOKENS = 4096
 
 
 def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[int], settings: EvalSettings, *,
                    score: bool = True, engine=None, nll_batch_size: int | None = None,
-                   memo: GenerationMemo | None = None, group: GroupPrefill | None = None) -> list[dict]:
+                   memo: EvalMemo | None = None, group: GroupPrefill | None = None) -> list[dict]:
     """Score items ``rows`` (indices into ``prep``) under one mode; returns one record per item.
 
     The reference NLL runs in forwards of ``nll_batch_size`` rows (default: all of ``rows``); the
@@ -93,9 +97,11 @@ def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[in
     reuses it when ``rows`` is one forward. With ``engine`` every row is generated in one engine call
     (its rows are refilled as others finish: continuous batching). With ``group`` (a ``GroupPrefill``
     holding ``rows``; needs ``engine``) nothing is prefilled here: the NLL reads the group's prefill of
-    the mode's producer and the engine decodes on it. Items past ``settings.generate_limit`` and every
-    item when ``score=False`` (a task whose toolchain is unavailable) get the reference NLL only.
-    ``memo``: see ``generate_samples``.
+    the mode's producer (rows of similar reference length in one forward of at most ``NLL_TOKENS``
+    tokens, unless one row is longer: little padding) and the engine decodes on it. Items past ``settings.generate_limit`` and every item when ``score=False`` (a task
+    whose toolchain is unavailable) get the reference NLL only. ``memo`` (``EvalMemo``): NLLs and greedy
+    generations an earlier task computed for the same mode, decoder, prompt and reference / settings are
+    taken from it, and the new ones put in it.
     """
     if group is not None and engine is None:
         raise ValueError("run_mode_batch: group needs the engine it was prefilled on")
@@ -105,22 +111,45 @@ def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[in
     step = max(1, int(nll_batch_size or len(rows)))
     records = [{"id": prep.ids[i], "index": i, "prompt_sha": prompt_hash(prep.prompts[i]),
                 "prompt_tokens": len(prep.prompts[i])} for i in rows]
-    cache = None
-    for c0 in range(0, len(rows), step):
-        part = list(range(c0, min(c0 + step, len(rows))))
-        with_ref = [j for j in part if prep.references[rows[j]] is not None]
-        if group is not None:
-            cache = None
-            sub = group.cache(spec, [rows[j] for j in with_ref]) if with_ref else None
+    refs = [prep.references[i] for i in rows]
+    todo = set()  # rows whose reference NLL is computed here (the others come from the memo)
+    for j, ref in enumerate(refs):
+        hit = memo.get_nll(spec, prompts[j], ref, k) if memo is not None and ref is not None else None
+        if hit is not None:
+            records[j].update(nll=hit[0] / max(hit[1], 1), nll_sum=hit[0], nll_tokens=hit[1])
+        elif ref is not None:
+            todo.add(j)
+
+    def nll_of(js: list[int], source) -> None:  # source: the rows' C_base (or None), or the GroupPrefill
+        if isinstance(source, GroupPrefill):
+            nlls = source.nll(spec, [rows[j] for j in js], [refs[j] for j in js])
         else:
-            cache = compute_base_cache(base, [prompts[j] for j in part], handoff_tokens=k) if shared else None
-            sub = cache.select([j - c0 for j in with_ref]) if cache is not None and len(with_ref) < len(part) \
-                else cache
-        if with_ref:
-            nlls = batch_nll(spec.mode, base, spec.decoder, [prompts[j] for j in with_ref],
-                             [prep.references[rows[j]] for j in with_ref], handoff_tokens=k, cache=sub)
-            for j, (s, n) in zip(with_ref, nlls, strict=True):
-                records[j].update(nll=s / max(n, 1), nll_sum=s, nll_tokens=n)
+            nlls = batch_nll(spec.mode, base, spec.decoder, [prompts[j] for j in js], [refs[j] for j in js],
+                             handoff_tokens=k, cache=source)
+        for j, (s, n) in zip(js, nlls, strict=True):
+            records[j].update(nll=s / max(n, 1), nll_sum=s, nll_tokens=n)
+            if memo is not None:
+                memo.put_nll(spec, prompts[j], refs[j], k, (s, n))
+
+    cache = None
+    if group is not None:  # the group's prefill is every row's prefix: forwards of rows of similar reference length
+        ordered = sorted(todo, key=lambda j: (len(refs[j]), j))
+        while ordered:  # ≤ step rows and about NLL_TOKENS logits rows per forward
+            n = 1
+            while n < min(step, len(ordered)) and (n + 1) * (len(refs[ordered[n]]) + k) <= NLL_TOKENS:
+                n += 1
+            part, ordered = ordered[:n], ordered[n:]
+            nll_of(part, group)
+    else:
+        for c0 in range(0, len(rows), step):
+            part = list(range(c0, min(c0 + step, len(rows))))
+            with_ref = [j for j in part if j in todo]
+            cache = compute_base_cache(base, [prompts[j] for j in part], handoff_tokens=k) if shared and with_ref \
+                else None
+            if with_ref:
+                sub = cache.select([j - c0 for j in with_ref]) if cache is not None and len(with_ref) < len(part) \
+                    else cache
+                nll_of(with_ref, sub)
     gen = [j for j, i in enumerate(rows) if score and settings.generates(i)]
     if gen:
         sub = None  # one C_base for NLL and the reference generation when the rows were one forward
@@ -147,7 +176,7 @@ def _mode_order(spec: ModeSpec) -> int:
 
 def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, settings: EvalSettings | None = None,
              batch_size: int = 8, progress: bool = True, overwrite: bool = False, n_resamples: int = 2000,
-             on_item: Callable[[str, dict], None] | None = None, memo: GenerationMemo | None = None) -> TaskResult:
+             on_item: Callable[[str, dict], None] | None = None, memo: EvalMemo | None = None) -> TaskResult:
     """Evaluate ``task`` under every mode in ``modes`` into ``out_dir/TASK/``, resuming what is there.
 
     Args:
@@ -160,8 +189,8 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
         overwrite: discard earlier results in the folder instead of resuming.
         n_resamples: bootstrap resamples for the CIs of the summary.
         on_item: called as ``on_item(mode, record)`` after each item is written (progress hooks, tests).
-        memo: a ``GenerationMemo`` shared with other tasks: greedy texts of identical generations (same mode,
-            decoder, prompt, stop strings and settings) are reused instead of decoded again.
+        memo: an ``EvalMemo`` shared with other tasks: reference NLLs and greedy texts of identical items (same mode,
+            decoder, prompt and reference, or stop strings and settings) are reused instead of computed again.
     Returns:
         TaskResult with the summary (also in ``summary.json``) and every item record per mode.
     Raises:
@@ -232,6 +261,13 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
     if engine is not None:  # the modes reading C_base first, so it is freed before the Full-FT decoder's prefill
         specs.sort(key=lambda spec: (producer_of(engine, spec) is not None, _mode_order(spec)))
     last_use = {producer_of(engine, spec): n for n, spec in enumerate(specs)} if engine is not None else {}
+    # greedy: every mode's rows of a group decode in the same engine steps, mode after mode (a mode's rows take
+    # the slots the previous mode's last rows free; a group smaller than the engine's rows fills them with every
+    # mode at once), through a memo that run_mode_batch reads
+    joint = engine is not None and not unavailable and not settings.sampling(task)["do_sample"] \
+        and settings.resolved_samples(task) == 1
+    if joint and memo is None:
+        memo = EvalMemo()
     bar = tqdm(total=prep.n * len(specs), initial=sum(map(len, done.values())), desc=name, unit="item",
                disable=not progress, dynamic_ncols=True, file=sys.stderr)
     try:
@@ -240,6 +276,10 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
             prefills = GroupPrefill(engine, {i: prep.prompts[i] for i in rows}, settings.handoff_tokens) \
                 if engine is not None else None
             try:
+                if joint:
+                    decode_group_jointly(task, specs, prep, {s.mode: [i for i in rows if i in pending[s.mode]
+                                                                      and settings.generates(i)] for s in specs},
+                                         settings, engine, prefills, memo)
                 for n, spec in enumerate(specs):
                     mine = [i for i in rows if i in pending[spec.mode]]
                     if mine:

@@ -128,3 +128,26 @@ def batch_nll(mode: str, base, decoder: Decoder | None, prompts: Sequence[Sequen
             logits = full_forward(model, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"],
                                   batch["tail_mask"])
     return row_nlls(logits, batch["labels"])
+
+
+@torch.no_grad()
+def handle_nll(engine, handle, rows: Sequence[int], decoder: str, prompts: Sequence[Sequence[int]],
+               responses: Sequence[Sequence[int]], *, handoff_tokens: int = 1) -> list[tuple[float, int]]:
+    """``batch_nll`` on a prefix an engine already holds: (summed NLL in nats, token count) of each response
+    (+ EOS) after ``prompts[i]`` (= the prompt of ``handle`` row ``rows[i]``) under engine decoder ``decoder``,
+    in one teacher-forced forward of the engine (``SharedPrefillEngine.tail_logits``). Same layout and labels
+    as ``batch_nll`` (``ccft.train.data.Collator``), equal to it within fp32 rounding (tested).
+
+    Raises:
+        ConfigError: a prompt whose last k tokens are not the handle row's handoff tokens (another prompt's
+            prefix), or a decoder that may not read the handle (``tail_logits``).
+    """
+    k = handoff_tokens
+    for r, p in zip(rows, prompts, strict=True):
+        if list(p[-k:]) != list(handle.tail_ids[r]) or len(p) - k != handle.lengths[r]:
+            raise ConfigError(f"handle row {r} holds the prefix of another prompt than the one scored; pass the "
+                              "prompts the handle was prefilled with")
+    batch = Collator(pad_token_id(engine.tokenizer), k)(
+        [Example(tuple(p), tuple(r)) for p, r in zip(prompts, responses, strict=True)])
+    logits = engine.tail_logits(handle, rows, batch["tail_ids"], batch["tail_mask"], decoder=decoder)
+    return row_nlls(logits, batch["labels"].to(logits.device))

@@ -140,7 +140,8 @@ class PrefixGroup:
         rows: ``(P, M)`` long: batch row of the m-th query row of prefix row i, ``-1`` for none; or
             None when batch rows ``offset .. offset+P-1`` map one-to-one onto prefix rows 0..P-1.
         offset: first batch row of this group when ``rows`` is None.
-        used: ``(U,)`` the prefix rows used, when not all of them are (their K/V are index-selected).
+        used: when not every prefix row is read: a slice of them (read in place; ``rows`` has a line per
+            row of the slice) or ``(U,)`` the prefix rows read (their K/V are index-selected).
     """
 
     k: object
@@ -148,7 +149,7 @@ class PrefixGroup:
     key_start: torch.Tensor
     rows: torch.Tensor | None = None
     offset: int = 0
-    used: torch.Tensor | None = None
+    used: torch.Tensor | slice | None = None
 
 
 def _grouped_part(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, key_start: torch.Tensor,
@@ -176,7 +177,9 @@ def prefix_attention_grouped(q: torch.Tensor, groups: list[PrefixGroup], layer: 
     for g in groups:
         kp, vp = g.k(layer), g.v(layer)
         key_start = g.key_start
-        if g.used is not None:
+        if isinstance(g.used, slice):  # a span of prefix rows: views, no copy
+            kp, vp, key_start = kp[g.used], vp[g.used], key_start[g.used]
+        elif g.used is not None:
             kp, vp, key_start = kp.index_select(0, g.used), vp.index_select(0, g.used), key_start.index_select(0, g.used)
         n_pref, h = kp.shape[0], kp.shape[1]
         rep = heads // h

@@ -409,6 +409,68 @@ class SharedPrefillEngine:
                             producer, producer_key)
 
     # ------------------------------------------------------------------ step API
+    def _check_reader(self, handle: PrefixHandle, decoder: str):
+        """``decoder``'s registry entry, after checking it may read ``handle`` (K5; see ``add_request``)."""
+        if handle.engine is not self:
+            raise ConfigError("this PrefixHandle belongs to another engine")
+        if handle.released or handle.freed:
+            raise ConfigError(f"PrefixHandle {handle.id} was released; prefill again (or add requests before release)")
+        if decoder not in self.decoders:
+            raise ConfigError(f"unknown decoder {decoder!r}; registered: {', '.join(self.decoders)}")
+        if handle.producer != BASE and handle.producer != decoder:
+            raise FingerprintMismatchError(
+                f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} with its own weights "
+                f"(no-share prefill), but decoder {decoder!r} was asked to read it; a decoder reads only C_base "
+                f"written by the base (prefill with producer=None) or K/V it wrote itself (prefill with "
+                f"producer={decoder!r})")
+        if handle.producer != BASE and handle.producer_key != self._registry.producer(handle.producer).key:
+            raise FingerprintMismatchError(
+                f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} before its weights were "
+                "changed in place; prefill again with the current weights")
+        entry = self.decoders[decoder]
+        self._registry.check_unchanged(entry)
+        if entry.decoder is not None and entry.decoder.handoff_tokens != handle.handoff_tokens:
+            raise ConfigError(f"decoder {decoder!r} was trained with handoff_tokens={entry.decoder.handoff_tokens} "
+                              f"but the handle was prefilled with {handle.handoff_tokens}; prefill with "
+                              f"handoff_tokens={entry.decoder.handoff_tokens}")
+        return entry
+
+    @_inference
+    def tail_logits(self, handle: PrefixHandle, rows: Sequence[int], tail_ids: torch.Tensor, tail_mask: torch.Tensor,
+                    *, decoder: str = BASE) -> torch.Tensor:
+        """Teacher-forced logits of ``decoder`` over given tails on ``rows`` of ``handle`` (one batched forward).
+
+        Row i's tail starts at the handle's k handoff tokens of prompt ``rows[i]`` (the tokens the decoder
+        recomputes) and goes on with any tokens, e.g. a reference response: ``tail_ids[i, j]`` sits at
+        position ``lengths[rows[i]] + j`` and attends to the prompt's prefix in the handle and causally to
+        the tail before it. Equal (fp32 rounding) to ``ccft.core.decoder.decoder_forward`` on the handle's
+        ``to_base_cache()`` (tested); nothing is written to the handle, the tail pools or the requests.
+
+        Args:
+            rows: b row indices of the handle.  tail_ids, tail_mask: ``(b, t)`` right-padded tails.
+            decoder: a registered decoder (``"base"``: the base) allowed to read the handle.
+        Returns:
+            logits ``(b, t, V)`` in the lane's dtype.
+        Raises:
+            ConfigError / FingerprintMismatchError: as ``add_request`` for a handle the decoder may not
+            read; a row out of range or tails not shaped ``(len(rows), t)``.
+        """
+        self._check_reader(handle, decoder)
+        rows = [int(r) for r in rows]
+        if any(not 0 <= r < handle.batch_size for r in rows):
+            raise ConfigError(f"rows {rows} out of range: the handle has {handle.batch_size} prompts")
+        if tail_ids.shape != tail_mask.shape or tail_ids.dim() != 2 or tail_ids.shape[0] != len(rows):
+            raise ConfigError(f"tail_ids {tuple(tail_ids.shape)} and tail_mask {tuple(tail_mask.shape)} must both be "
+                              f"(len(rows)={len(rows)}, t)")
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        starts = torch.tensor([handle.lengths[r] for r in rows], dtype=torch.long, device=self.device)
+        key_start = handle.key_start.index_select(0, index)
+        prefix_real = torch.arange(handle.width, device=self.device)[None, :] >= key_start[:, None]
+        prod = self._registry.producer(decoder)  # the decoder's weights and adapter, as it reads
+        return M.tail_forward(prod.weights, tail_ids.to(self.device), tail_mask.to(self.device), starts,
+                              lambda i: handle.keys(i).index_select(0, index),
+                              lambda i: handle.values(i).index_select(0, index), prefix_real, prod.lora)
+
     @_inference
     def add_request(self, handle: PrefixHandle, row: int = 0, *, decoder: str = BASE, max_new_tokens: int | None = None,
                     stop: Sequence[str] | str | None = None, sampling: SamplingParams | None = None,
@@ -447,30 +509,9 @@ class SharedPrefillEngine:
             FingerprintMismatchError: the handle holds another decoder's own K/V (no-share prefill, K5),
                 or this decoder's K/V from before an in-place edit of its weights.
         """
-        if handle.engine is not self:
-            raise ConfigError("this PrefixHandle belongs to another engine")
-        if handle.released or handle.freed:
-            raise ConfigError(f"PrefixHandle {handle.id} was released; prefill again (or add requests before release)")
-        if decoder not in self.decoders:
-            raise ConfigError(f"unknown decoder {decoder!r}; registered: {', '.join(self.decoders)}")
+        entry = self._check_reader(handle, decoder)
         if not 0 <= row < handle.batch_size:
             raise ConfigError(f"row={row} but the handle has {handle.batch_size} prompts")
-        if handle.producer != BASE and handle.producer != decoder:
-            raise FingerprintMismatchError(
-                f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} with its own weights "
-                f"(no-share prefill), but decoder {decoder!r} was asked to read it; a decoder reads only C_base "
-                f"written by the base (prefill with producer=None) or K/V it wrote itself (prefill with "
-                f"producer={decoder!r})")
-        if handle.producer != BASE and handle.producer_key != self._registry.producer(handle.producer).key:
-            raise FingerprintMismatchError(
-                f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} before its weights were "
-                "changed in place; prefill again with the current weights")
-        entry = self.decoders[decoder]
-        self._registry.check_unchanged(entry)
-        if entry.decoder is not None and entry.decoder.handoff_tokens != handle.handoff_tokens:
-            raise ConfigError(f"decoder {decoder!r} was trained with handoff_tokens={entry.decoder.handoff_tokens} "
-                              f"but the handle was prefilled with {handle.handoff_tokens}; prefill with "
-                              f"handoff_tokens={entry.decoder.handoff_tokens}")
         if forced_tokens is not None:
             forced_tokens = [int(t) for t in forced_tokens]
             vocab = entry.lane.weights.embed.shape[0]

@@ -198,6 +198,39 @@ def prefill(lw: LaneWeights, ids: torch.Tensor, mask: torch.Tensor, write_k, wri
 
 
 @torch.no_grad()
+def tail_forward(lw: LaneWeights, tail_ids: torch.Tensor, tail_mask: torch.Tensor, starts: torch.Tensor, prefix_k,
+                 prefix_v, prefix_real: torch.Tensor, lora: LoraPlan = NO_LORA) -> torch.Tensor:
+    """Logits ``(b, t, V)`` of the lane over right-padded tails that follow prefixes already in K/V form
+    (teacher forcing; the decoder-side forward of ``ccft.core.decoder.decoder_forward``, batched).
+
+    Args:
+        tail_ids, tail_mask: ``(b, t)`` right-padded tail ids and mask.  starts: ``(b,)`` RoPE position of
+            each row's first tail token (its real prefix length).
+        prefix_k, prefix_v: ``layer -> (b, h, p, d)`` the rows' left-padded prefixes.
+        prefix_real: ``(b, p)`` bool, the real prefix slots.
+        lora: adapters applied (default none: the base).
+    A tail token attends to its row's real prefix slots and causally to the tail up to itself; padded
+    tail positions give logits that are not meant to be read.
+    """
+    b, t = tail_ids.shape
+    positions = starts[:, None] + torch.arange(t, device=tail_ids.device)[None, :]
+    causal = torch.ones(t, t, dtype=torch.bool, device=tail_ids.device).tril()
+    allowed = torch.cat([prefix_real[:, None, :].expand(b, t, prefix_real.shape[1]), causal[None].expand(b, t, t)],
+                        dim=-1)[:, None]
+    x = F.embedding(tail_ids, lw.embed)
+    cos, sin = _cos_sin(lw, x, positions)
+    for i in range(lw.num_layers):
+        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, t, H|h, d)
+        keys = torch.cat([prefix_k(i), k.transpose(1, 2)], dim=2)
+        vals = torch.cat([prefix_v(i), v.transpose(1, 2)], dim=2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=allowed, scale=lw.scale,
+                                           enable_gqa=lw.heads != lw.kv_heads)
+        x = _residual(x, o.transpose(1, 2).reshape(b, t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _mlp(x, lw, i, lora)
+    return logits_of(x, lw)
+
+
+@torch.no_grad()
 def extend(lw: LaneWeights, tokens: torch.Tensor, start_position: int, prefix_k, prefix_v, key_start: int,
            tail_k: torch.Tensor, tail_v: torch.Tensor, tail_start: int, lora: LoraPlan, *,
            logits: bool = True) -> torch.Tensor | None:

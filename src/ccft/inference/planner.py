@@ -24,14 +24,20 @@ from ccft.inference.attention import PrefixGroup, build_prefix_meta
 from ccft.inference.requests import Request
 from ccft.inference.weights import LaneWeights
 
+#: a handle's rows in a decode batch that lie within a span of at most this many times their number are read
+#: in place as that span (a view; the span's other rows are computed and dropped) instead of gathered (a copy of
+#: their whole prefix K/V in every layer, every step)
+SPAN_FACTOR = 2
+
 
 def prefix_groups(rows: Sequence[Request], device) -> list[PrefixGroup]:
     """The prefix groups covering ``rows`` (batch index i is ``rows[i]``).
 
     Rows reading one handle form one group: a handle whose every row is present, in order and
-    contiguous, reads its region directly (``rows=None``); otherwise a ``(used prompts, m)`` table
-    maps each prompt row used to the batch rows reading it (-1 padded), with ``used`` the prompt
-    rows gathered when not all are.
+    contiguous, reads its region directly (``rows=None``); otherwise a ``(prompt rows, m)`` table
+    maps each prompt row read to the batch rows reading it (-1 padded), with ``used`` None (every
+    prompt row), a slice (the span of the rows read, read in place: ``SPAN_FACTOR``) or the prompt
+    rows gathered.
     """
     by_handle: dict[int, list[tuple[int, Request]]] = {}
     for i, r in enumerate(rows):
@@ -50,10 +56,17 @@ def prefix_groups(rows: Sequence[Request], device) -> list[PrefixGroup]:
             per.setdefault(r.row, []).append(i)
         used = sorted(per)
         m = max(len(v) for v in per.values())
-        table = torch.full((len(used), m), -1, dtype=torch.long)
-        for j, u in enumerate(used):
-            table[j, : len(per[u])] = torch.tensor(per[u])
-        used_t = None if len(used) == h.batch_size else torch.tensor(used, device=device)
+        lo, hi = used[0], used[-1] + 1
+        if len(used) == h.batch_size:
+            used_t, span = None, used
+        elif hi - lo <= SPAN_FACTOR * len(used):  # read the span lo..hi-1 in place (rows without a reader idle)
+            used_t, span = slice(lo, hi), list(range(lo, hi))
+        else:  # few rows of a wide span: gather them
+            used_t, span = torch.tensor(used, device=device), used
+        table = torch.full((len(span), m), -1, dtype=torch.long)
+        for j, u in enumerate(span):
+            if u in per:
+                table[j, : len(per[u])] = torch.tensor(per[u])
         groups.append(PrefixGroup(kf, vf, h.key_start, table.to(device), 0, used_t))
     return groups
 

@@ -26,22 +26,52 @@ from ccft.inference.weights import LaneWeights
 SCORE_ELEMENTS = 2 ** 26
 
 
+#: prefill rows go in chunks of about this many (padded) tokens, each chunk padded only to its own longest row
+CHUNK_TOKENS = 1024
+
+
+def row_chunks(lengths: Sequence[int], heads: int) -> list[tuple[int, int, int]]:
+    """Consecutive row ranges ``(r0, r1, width)`` to prefill together, ``width`` = the range's longest prefix.
+
+    A range grows while its padded size ``rows × width`` stays within ``CHUNK_TOKENS`` (or it has one row)
+    and its ``(rows, heads, width, width)`` attention scores within ``SCORE_ELEMENTS``. Rows sorted by
+    length (as the eval runner sends them) then pad little; any order is correct.
+    """
+    chunks: list[tuple[int, int, int]] = []
+    r0, width = 0, 0
+    for r, n in enumerate(lengths):
+        w = max(width, int(n), 1)
+        rows = r - r0 + 1
+        if rows > 1 and (rows * w > CHUNK_TOKENS or rows * heads * w * w > SCORE_ELEMENTS):
+            chunks.append((r0, r, width))
+            r0, w = r, max(int(n), 1)
+        width = w
+    if lengths:
+        chunks.append((r0, len(lengths), width))
+    return chunks
+
+
 def prefill_rows(producer: Producer, ids: torch.Tensor, mask: torch.Tensor, handle: PrefixHandle) -> None:
     """Run the producer over left-padded prefixes and write their K/V into ``handle``'s region.
 
     Args:
         ids, mask: ``(b, p)`` left-padded ``prompt[:n-k]`` ids and attention mask, b = handle.batch_size,
             p = handle.width.
-    Rows go in chunks so the ``(rows, heads, p, p)`` attention scores stay below ``SCORE_ELEMENTS``.
-    Per-row positions start at 0 at the first real token (``model.prefill``), as in
-    ``ccft.core.cache.compute_base_cache``, which it equals (tested).
+    Rows go in chunks (``row_chunks``), each computed at its own width w ≤ p (its longest row): its
+    last w slots are written by the forward, the p - w slots before them are zeroed (pad slots).
+    Per-row positions start at 0 at the first real token (``model.prefill``), so a row's K/V do not
+    depend on the chunk it is in; this equals ``ccft.core.cache.compute_base_cache`` (tested).
     """
     w = producer.weights
-    per = max(1, int(SCORE_ELEMENTS // max(1, w.heads * ids.shape[1] ** 2)))
-    for r0 in range(0, ids.shape[0], per):
-        rs = slice(r0, min(ids.shape[0], r0 + per))
-        M.prefill(w, ids[rs], mask[rs], lambda i, rs=rs: handle.keys(i)[rs], lambda i, rs=rs: handle.values(i)[rs],
-                  producer.lora)
+    p = ids.shape[1]
+    for r0, r1, width in row_chunks(mask.sum(-1).tolist(), w.heads):
+        rs, off = slice(r0, r1), p - width
+        if off:
+            for i in range(w.num_layers):
+                handle.keys(i)[rs, :, :off].zero_()
+                handle.values(i)[rs, :, :off].zero_()
+        M.prefill(w, ids[rs, off:], mask[rs, off:], lambda i, rs=rs, off=off: handle.keys(i)[rs, :, off:],
+                  lambda i, rs=rs, off=off: handle.values(i)[rs, :, off:], producer.lora)
 
 
 def prefill_from_store(producer: Producer, prefix: Sequence[int], handle: PrefixHandle, arena: PrefixArena, store,
