@@ -449,3 +449,15 @@ class _ToyShortRef(ToyTask):
 
     def reference_text(self, item):
         return item["answer"][:40]
+
+
+def test_length_chunks_sorts_and_bounds_forwards():
+    from ccft.evals.scoring import length_chunks
+
+    lengths = {7: 30, 2: 10, 5: 500, 1: 12, 9: 11, 4: 31}
+    chunks = length_chunks(lengths, max_rows=2, max_tokens=100)
+    assert chunks == [[2, 9], [1, 7], [4], [5]]  # sorted by length, ≤ 2 rows each, 500 > 100 alone
+    assert length_chunks([5, 5, 5, 5], max_rows=8, max_tokens=10) == [[0, 1], [2, 3]]
+    assert length_chunks({}, max_rows=4, max_tokens=100) == []
+    for chunk in length_chunks(list(range(1, 60)), max_rows=16, max_tokens=200):
+        assert len(chunk) == 1 or (len(chunk) <= 16 and len(chunk) * max(c + 1 for c in chunk) <= 200)

@@ -63,7 +63,7 @@ from ccft.evals.results import (
     read_jsonl,
     write_json,
 )
-from ccft.evals.scoring import Prepared, batch_nll, prepare, prompt_hash
+from ccft.evals.scoring import NLL_TOKENS, Prepared, batch_nll, length_chunks, prepare, prompt_hash
 from ccft.evals.settings import EvalSettings, ModeSpec
 
 __all__ = ["EvalMemo", "MODES", "REFERENCE_MODE", "EvalSettings", "ModeSpec", "TaskResult", "batch_nll", "get_task",
@@ -82,9 +82,6 @@ class TaskResult:
 
 #: with the engine, items per generation call = this × batch_size (continuous batching over them)
 ENGINE_BATCHES_PER_CALL = 4
-#: with the engine, reference NLL forwards of rows of similar length hold about this many tokens (the logits of
-#: 4096 tokens over a 49k vocabulary are 0.8 GB in fp32)
-NLL_TOKENS = 4096
 
 
 def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[int], settings: EvalSettings, *,
@@ -133,12 +130,7 @@ def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[in
 
     cache = None
     if group is not None:  # the group's prefill is every row's prefix: forwards of rows of similar reference length
-        ordered = sorted(todo, key=lambda j: (len(refs[j]), j))
-        while ordered:  # ≤ step rows and about NLL_TOKENS logits rows per forward
-            n = 1
-            while n < min(step, len(ordered)) and (n + 1) * (len(refs[ordered[n]]) + k) <= NLL_TOKENS:
-                n += 1
-            part, ordered = ordered[:n], ordered[n:]
+        for part in length_chunks({j: len(refs[j]) + k for j in todo}, step, NLL_TOKENS):
             nll_of(part, group)
     else:
         for c0 in range(0, len(rows), step):

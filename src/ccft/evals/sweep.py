@@ -34,7 +34,7 @@ from ccft.core.modes import MODES, REFERENCE_MODE, decoder_for_mode, get_mode
 from ccft.evals.prompting import PromptFormat
 from ccft.evals.protocol import normalize_scores, score_texts, task_description, task_name, task_stop
 from ccft.evals.results import append_jsonl, describe_base, hardware, read_jsonl
-from ccft.evals.scoring import batch_nll, prepare, prompt_hash
+from ccft.evals.scoring import NLL_TOKENS, batch_nll, length_chunks, prepare, prompt_hash
 from ccft.evals.sharing import (
     AXES,
     recompute_tokens,
@@ -60,10 +60,10 @@ def _key(label: str, over: str | None, rho: float | None) -> str:
 def _point(task, base, decoder: Decoder | None, prep, *, label: str, over: str | None, rho: float | None,
            batch_size: int, gen_rows: int, max_new_tokens: int, bar) -> dict:
     rows = [i for i in range(prep.n) if prep.references[i] is not None]
-    rows.sort(key=lambda i: len(prep.prompts[i]))
     nll: dict[int, tuple[float, int]] = {}
-    for s in range(0, len(rows), batch_size):
-        chunk = rows[s:s + batch_size]
+    # forwards of rows of similar prompt + reference length (every point recomputes some of the prompt)
+    for chunk in length_chunks({i: len(prep.prompts[i]) + len(prep.references[i]) for i in rows}, batch_size,
+                               NLL_TOKENS):
         prompts = [prep.prompts[i] for i in chunk]
         refs = [prep.references[i] for i in chunk]
         if over is None:  # a reference: an own-prefill mode (full-ft, base)
