@@ -91,7 +91,8 @@ def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[in
 
     The reference NLL runs in forwards of ``nll_batch_size`` rows (default: all of ``rows``); the
     shared-prefill modes compute ``C_base`` once per such forward, and the reference generation path
-    reuses it when ``rows`` is one forward. With ``engine`` every row is generated in one engine call
+    reuses it when ``rows`` is one forward. With ``engine`` every row not already in ``memo`` (``run_task``
+    puts a group's greedy generations there first, ``decode_group_jointly``) is generated in one engine call
     (its rows are refilled as others finish: continuous batching). With ``group`` (a ``GroupPrefill``
     holding ``rows``; needs ``engine``) nothing is prefilled here: the NLL reads the group's prefill of
     the mode's producer (rows of similar reference length in one forward of at most ``NLL_TOKENS``
