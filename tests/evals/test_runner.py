@@ -13,6 +13,7 @@ from harness_fixtures import ToyTask, decoders
 import ccft
 from ccft.core.errors import ConfigError
 from ccft.core.tokens import tokenize_response
+from ccft.evals.protocol import task_name
 from ccft.evals.runner import EvalSettings, ModeSpec, batch_nll, get_task, read_jsonl, run_task, task_names
 from ccft.evals.stats import mean_ci, paired_bootstrap_delta
 from conftest import make_tiny_folder
@@ -442,6 +443,72 @@ def test_eval_memo_reuses_identical_generations_and_nlls_across_tasks(setup, ful
     # another reference is another NLL: nothing reused
     run_task(_ToyShortRef(), base, specs, tmp_path / "d", settings=settings, batch_size=4, progress=False, memo=memo)
     assert memo.nll_hits == before_nll + len(specs) * n
+
+
+class _ToyOther(ToyTask):
+    """Other items (ToyTask's rows from the fourth on) and a longer generation: a second small task."""
+
+    name = "toy-other"
+    max_new_tokens = 9
+
+    def load(self, limit=None):
+        rows = self.rows[3:] if limit is None else self.rows[3:3 + limit]
+        return [{"id": f"toy-other/{i}", "question": r["question"][::-1], "answer": r["answer"]}
+                for i, r in enumerate(rows)]
+
+
+def test_decode_ahead_decodes_small_tasks_together_with_the_same_records(setup, full_run, tmp_path, monkeypatch):
+    """Two small tasks' generations and NLLs in one joint decode (decode_ahead): run_task then computes nothing
+    (no prefill, forward or decode) and writes the records a run without it writes; items already in a task's
+    folder are not decoded again; the memo counts no hits for what was decoded ahead."""
+    pytest.importorskip("ccft.inference")
+    from ccft.evals import generation, runner
+    from ccft.evals.runner import EvalMemo, decode_ahead
+
+    base, _, _, specs = setup
+    settings = EvalSettings(engine=True, limit=5)
+    tasks = [(ToyTask(), settings), (_ToyOther(), settings)]
+    # reference: each task alone, no memo
+    alone = {task_name(t): run_task(t, base, specs, tmp_path / "alone", settings=st, batch_size=4, progress=False)
+             for t, st in tasks}
+    # resume: the first task stopped after its first mode's 5 records
+    class Stop(Exception):
+        pass
+
+    def stop_after_five(mode, rec, seen=[]):  # noqa: B006 - a counter for this one call
+        seen.append(mode)
+        if len(seen) == 5:
+            raise Stop
+    with pytest.raises(Stop):
+        run_task(ToyTask(), base, specs, tmp_path / "ahead", settings=settings, batch_size=4, progress=False,
+                 on_item=stop_after_five)
+    rows = []
+    real = generation.decode_jointly
+    monkeypatch.setattr(generation, "decode_jointly", lambda engine, jobs, **kw: rows.append(
+        sum(len(j[2]) for j in jobs)) or real(engine, jobs, **kw))
+    memo = EvalMemo()
+    n = decode_ahead(tasks, base, specs, tmp_path / "ahead", memo=memo, batch_size=4, progress=False)
+    assert n == rows[0] == 3 * 5 + 4 * 5  # one decode: the first task's 3 pending modes and the other's 4, 5 items
+    with monkeypatch.context() as m:  # everything comes from the memo: any model pass would raise
+        def fail(*a, **kw):
+            raise AssertionError("computed again")
+        m.setattr(runner, "batch_nll", fail)
+        m.setattr(runner, "compute_base_cache", fail)
+        m.setattr(generation, "generate", fail)
+        m.setattr(generation.GroupPrefill, "handle", fail)
+        ahead = {task_name(t): run_task(t, base, specs, tmp_path / "ahead", settings=st, batch_size=4,
+                                        progress=False, memo=memo) for t, st in tasks}
+    assert memo.hits == 0 and memo.nll_hits == 0
+    assert decode_ahead(tasks, base, specs, tmp_path / "ahead", memo=EvalMemo(), batch_size=4, progress=False) == 0
+    for name, res in ahead.items():
+        for mode in MODES:
+            assert [(r["id"], r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
+                    for r in res.records[mode]] == \
+                   [(r["id"], r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
+                    for r in alone[name].records[mode]], (name, mode)
+            torch.testing.assert_close([r["nll"] for r in res.records[mode]],
+                                       [r["nll"] for r in alone[name].records[mode]], atol=1e-5, rtol=0)
+    assert {r["text"] for r in ahead["toy-other"].records["base"]} != {r["text"] for r in ahead["toy"].records["base"]}
 
 
 class _ToyShortRef(ToyTask):

@@ -168,7 +168,7 @@ max_length: 384
 STUDY = """runs: {runs}
 out: {out}
 bootstrap: 200
-batch_size: 2
+batch_size: 4
 sweep_limit: 2
 sweep_rhos: [0.0, 1.0]
 serving: {{sessions: [1, 2], turns: 2, shared_tokens: 32, unique_tokens: 8, growth_tokens: 8, max_new_tokens: 4,
@@ -212,6 +212,8 @@ def tiny_study(tmp_path_factory, tokenizer):
     proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # both specialists' tasks are smaller than the engine's 4 rows: decoded together ahead of scoring
+    assert proc.stdout.count("small tasks decoded together") == 2
     return root, base, cfg
 
 
@@ -262,6 +264,7 @@ def test_rerun_reuses_everything(tiny_study):
                           text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("reusing finished run") == 4
+    assert "reusing" in proc.stdout and "serve.json" in proc.stdout  # the serving result: same decoders (stamp)
     assert {p: p.stat().st_mtime for p in mtimes} == mtimes
     assert _numbers(out) == before
     assert json.loads((out / "phases.json").read_text())["sittings"] == 2
@@ -294,3 +297,51 @@ def test_sigkilled_study_resumes_to_the_same_numbers(tiny_study, tmp_path, kill_
     for k in want:
         assert got[k][:2] == want[k][:2], k
         assert got[k][2] == pytest.approx(want[k][2], rel=1e-5), k
+
+
+def test_run_digest_and_stamps(tmp_path):
+    from ccft.evals.study import run_digest, stamp_matches, write_stamp
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(ConfigError, match="not a finished training run"):
+        run_digest(run)
+    (run / "ccft.json").write_text('{"method": "ccft"}')
+    (run / "adapter_model.safetensors").write_bytes(b"\x00" * 10)
+    (run / "log_history.json").write_text("[]")
+    first = run_digest(run)
+    (run / "log_history.json").write_text("[1]")  # not the decoder
+    assert run_digest(run) == first
+    (run / "adapter_model.safetensors").write_bytes(b"\x00" * 9 + b"\x01")  # one weight byte
+    assert run_digest(run) != first
+    out = tmp_path / "out"
+    assert stamp_matches(out, {"ccft": first}) is None
+    write_stamp(out, {"ccft": first, "full-ft": "ab"})
+    assert stamp_matches(out, {"full-ft": "ab", "ccft": first}) is True
+    assert stamp_matches(out, {"full-ft": "ab", "ccft": run_digest(run)}) is False
+
+
+def test_results_of_other_decoders_are_computed_again(tiny_study, tmp_path):
+    """Results whose stamp names other decoders (a sitting killed between retraining and evaluation leaves new
+    decoders beside old items) are evaluated again, serving too; with these decoders the numbers are the same."""
+    import shutil
+
+    root, base, _ = tiny_study
+    shutil.copytree(root / "out-whole", tmp_path / "out-stale")
+    out = tmp_path / "out-stale"
+    stamp = json.loads((out / "math" / "decoders.json").read_text())
+    assert set(stamp) == {"ccft", "full-ft"}
+    (out / "math" / "decoders.json").write_text(json.dumps({**stamp, "ccft": "0" * 64}))
+    (out / "serving" / "decoders.json").write_text("{}")
+    before = {f: f.stat().st_mtime_ns for f in (out / "code").rglob("items.*.jsonl")}
+    cfg = (root / "whole.yaml").read_text().replace(str(root / "out-whole"), str(out))  # the same runs
+    (tmp_path / "stale.yaml").write_text(cfg)
+    proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(tmp_path / "stale.yaml")], env=_env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("reusing finished run") == 4  # nothing retrained
+    assert proc.stdout.count("small tasks decoded together") == 1  # math evaluated again, code reused
+    assert {f: f.stat().st_mtime_ns for f in (out / "code").rglob("items.*.jsonl")} == before
+    assert "reusing" not in proc.stdout.split("== serving ==")[1].split("\n")[1]  # serving ran again
+    assert json.loads((out / "math" / "decoders.json").read_text()) == stamp
+    assert _numbers(out) == _numbers(root / "out-whole")

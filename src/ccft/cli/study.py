@@ -45,12 +45,16 @@ def run(args) -> int:
     from ccft.core.models import load_base, resolve_model_path
     from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.protocol import get_task
-    from ccft.evals.runner import EvalMemo, run_task
+    from ccft.evals.results import clear_task_folder
+    from ccft.evals.runner import EvalMemo, decode_ahead, run_task
     from ccft.evals.settings import EvalSettings, mode_specs, shared_handoff
     from ccft.evals.study import (
         StudyPhases,
         load_study_config,
         recipe_overrides,
+        run_digest,
+        stamp_matches,
+        write_stamp,
     )
     from ccft.evals.sweep import run_sweep
     from ccft.train.config import METHODS
@@ -102,22 +106,41 @@ def run(args) -> int:
         paths = {m: str(runs / name / m) for m in METHODS}
         decoders = {m: load_decoder(paths[m], base=base) for m in METHODS}
         ccft_decoders[name] = paths["ccft"]
-        fresh = not all(trained[name]["reused"].values())  # a decoder (re)trained now: earlier items are stale
+        # earlier results are stale when a decoder was (re)trained now, or when the decoders they were computed with
+        # (the stamp next to them) are not these: a sitting killed between training and evaluation leaves new
+        # decoders beside old items. A folder without a stamp (written before stamps) is taken as it is.
+        digests = {m: run_digest(paths[m]) for m in METHODS}
+        fresh = not all(trained[name]["reused"].values()) or stamp_matches(out / name, digests) is False
         fmt = resolve_prompt_format("decoder", decoders.values())
         handoff = shared_handoff(decoders.values())
         task_list = [(t, ts.limit, ts.max_new_tokens) for t, ts in spec.tasks.items()]
         task_list += [(t, spec.multipl_e_limit, spec.multipl_e_max_new_tokens) for t in _multipl_e_tasks(spec)]
         summaries[name] = []
         records = {}  # per task: mode -> item id -> record (the sweep reuses the points that are eval modes)
+        if fresh:  # every result of this specialist goes before the stamp says they are these decoders'
+            for t, _, _ in task_list:
+                if (out / name / t).is_dir():
+                    clear_task_folder(out / name / t)
+            for f in ("points.jsonl", "meta.json"):
+                (out / name / "sweep" / f).unlink(missing_ok=True)
+        write_stamp(out / name, digests)
         memo = EvalMemo()  # humaneval-plus takes humaneval's texts and NLLs (same prompts and references)
+        specs = mode_specs(cfg.modes, decoders, paths)
+        settings_of = {t: EvalSettings(limit=limit, max_new_tokens=max_new, seed=cfg.seed, handoff_tokens=handoff,
+                                       prompt_format=fmt, engine=True) for t, limit, max_new in task_list}
+        # tasks too small to fill the engine's rows alone (MultiPL-E: 10 items per language) decode together
+        small = [t for t, limit, _ in task_list if limit is not None and limit < cfg.batch_size]
         with phases(f"eval_{name}"):
-            for task_name, limit, max_new in task_list:
+            for task_name, limit, _ in task_list:
+                if task_name == (small[0] if small else None):
+                    n = decode_ahead([(get_task(t), settings_of[t]) for t in small], base, specs, out / name,
+                                     memo=memo, batch_size=cfg.batch_size, overwrite=fresh)
+                    if n:
+                        print(f"[ccft study] {name}: {n} generations of {len(small)} small tasks decoded together "
+                              f"({', '.join(small)})", flush=True)
                 print(f"[ccft study] {name}: {task_name} (n={limit})", flush=True)
-                settings = EvalSettings(limit=limit, max_new_tokens=max_new, seed=cfg.seed, handoff_tokens=handoff,
-                                        prompt_format=fmt, engine=True)
-                res = run_task(get_task(task_name), base, mode_specs(cfg.modes, decoders, paths), out / name,
-                               settings=settings, batch_size=cfg.batch_size, n_resamples=cfg.bootstrap,
-                               overwrite=fresh, memo=memo)
+                res = run_task(get_task(task_name), base, specs, out / name, settings=settings_of[task_name],
+                               batch_size=cfg.batch_size, n_resamples=cfg.bootstrap, overwrite=fresh, memo=memo)
                 summaries[name].append(res.summary)
                 records[task_name] = {m: {r["id"]: r for r in rs} for m, rs in res.records.items()}
         first = next(iter(spec.tasks), None)
@@ -203,15 +226,18 @@ def _serving(cfg, decoders: dict[str, str], base_name: str, out: Path) -> dict:
     Agents named like a specialist (math, code, tools) get that specialist's CCFT decoder; the planner has no
     trained specialist and keeps the benchmark's random LoRA adapter. ``cfg.serving`` keys are the benchmark's
     options (``sessions: [1, 2, 4]``, ``turns: 2``, ...). Outputs are checked against offline ``ccft.generate``
-    (``--check-outputs``). Resumes: a finished ``serving/serve.json`` is reused.
+    (``--check-outputs``). Resumes: a finished ``serving/serve.json`` is reused when ``serving/decoders.json``
+    says it was computed with these decoders (``run_digest``); otherwise (retrained, or no stamp) it runs again.
     """
     import argparse
 
     from ccft.bench import serve as bench_serve
     from ccft.core.io import atomic_write_text
+    from ccft.evals.study import run_digest, stamp_matches, write_stamp
 
     path = out / "serving" / "serve.json"
-    if path.is_file():
+    digests = {name: run_digest(folder) for name, folder in decoders.items() if name in bench_serve.AGENTS}
+    if path.is_file() and stamp_matches(path.parent, digests):  # computed with these very decoders
         print(f"[ccft study] reusing {path}", flush=True)
         result = json.loads(path.read_text())
     else:
@@ -229,6 +255,7 @@ def _serving(cfg, decoders: dict[str, str], base_name: str, out: Path) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         result = bench_serve.run(args)
         atomic_write_text(path, json.dumps(result, indent=2, default=str))
+        write_stamp(path.parent, digests)  # after the result: a kill in between recomputes it
     eq = result.get("outputs_vs_offline") or {}
     md = (bench_serve.table(result) + "\n\nAgents: " +
           ", ".join(f"{k}: {v}" for k, v in result["decoders"].items()) +

@@ -13,7 +13,8 @@ uses seed ``settings.seed + s`` in every mode. The texts are scored by the task 
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from ccft.core.cache import BaseCache
 from ccft.core.errors import ConfigError
@@ -24,8 +25,8 @@ from ccft.evals.protocol import normalize_scores, score_extras, score_texts, tas
 from ccft.evals.scoring import Prepared, handle_nll
 from ccft.evals.settings import EvalSettings, ModeSpec
 
-__all__ = ["EvalMemo", "GroupPrefill", "decode_group_jointly", "decode_jointly", "engine_generate", "generate_samples", "make_engine", "merge_samples",
-           "producer_of"]
+__all__ = ["EvalMemo", "GroupPrefill", "JointGroup", "decode_group_jointly", "decode_groups_jointly", "decode_jointly",
+           "engine_generate", "generate_samples", "make_engine", "merge_samples", "producer_of"]
 
 
 def make_engine(base, modes: Sequence[ModeSpec], max_batch: int = 16):
@@ -165,15 +166,22 @@ class GroupPrefill:
 
 
 def decode_jointly(engine, jobs: Sequence[tuple[object, str, Sequence[int], Sequence[str]]], *,
-                   max_new_tokens: int) -> list[list[Generation]]:
+                   max_new_tokens: int | Sequence[int], on_row: Callable[[], None] | None = None
+                   ) -> list[list[Generation]]:
     """Greedy-decode several ``(handle, decoder name, rows, stop strings)`` jobs of a ``make_engine`` engine in the
     same engine steps (rows of different decoders and prefills side by side; each row is admitted as soon as
     its lane has a free slot). Per job, one ``Generation`` per row, equal to ``engine.generate`` of that job
     alone (greedy, per-row positions; the engine's step is tested against the reference path).
 
+    Args:
+        max_new_tokens: one limit for every job, or one per job.
+        on_row: called once per finished row (progress bars).
     Raises:
         whatever a row's step raises (the call's other rows are aborted first).
     """
+    limits = [int(max_new_tokens)] * len(jobs) if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
+    if len(limits) != len(jobs):
+        raise ValueError(f"decode_jointly: {len(limits)} max_new_tokens for {len(jobs)} jobs")
     pending = [(j, r) for j, (_, _, rows, _) in enumerate(jobs) for r in rows]
     mine: dict[int, tuple[int, int]] = {}
     results: dict[tuple[int, int], Generation] = {}
@@ -183,7 +191,7 @@ def decode_jointly(engine, jobs: Sequence[tuple[object, str, Sequence[int], Sequ
             for j, r in pending:
                 handle, name, _, stop = jobs[j]
                 if engine.free_slots(name) > 0:
-                    mine[engine.add_request(handle, r, decoder=name, max_new_tokens=max_new_tokens,
+                    mine[engine.add_request(handle, r, decoder=name, max_new_tokens=limits[j],
                                             stop=list(stop))] = (j, r)
                 else:
                     waiting.append((j, r))
@@ -194,44 +202,75 @@ def decode_jointly(engine, jobs: Sequence[tuple[object, str, Sequence[int], Sequ
             for out in engine.step():
                 if out.finished and out.request_id in mine:
                     results[mine.pop(out.request_id)] = out.generation
+                    if on_row is not None:
+                        on_row()
     finally:
         for rid in mine:
             engine.abort(rid)
     return [[results[(j, r)] for r in rows] for j, (_, _, rows, _) in enumerate(jobs)]
 
 
+@dataclass
+class JointGroup:
+    """One group's share of a joint decode (``decode_groups_jointly``): the ``task``, its ``specs`` (modes),
+    its ``prep``ared items, the items each mode still needs (``rows_by_mode``: mode -> indices into ``prep``,
+    all in ``group``), its ``settings`` and the ``GroupPrefill`` holding those items."""
+
+    task: object
+    specs: Sequence[ModeSpec]
+    prep: Prepared
+    rows_by_mode: dict[str, Sequence[int]]
+    settings: EvalSettings
+    group: "GroupPrefill"
+
+
+def decode_groups_jointly(groups: Sequence[JointGroup], engine, memo: "EvalMemo", *,
+                          on_row: Callable[[], None] | None = None) -> int:
+    """Greedy generations of every group's modes' rows decoded in the same engine steps (``decode_jointly``) and
+    put in ``memo`` (``ahead=True``), where ``generate_samples`` then finds them. One group's modes share the
+    steps (a group of 10 items does not run four short, mostly empty batches), and several groups' too (the
+    twelve MultiPL-E languages of 10 items each fill the engine's rows together instead of one language at a
+    time). Generations already in ``memo`` are skipped. ``on_row`` is called per decoded row. Returns the
+    number of generations decoded.
+
+    Raises:
+        ConfigError: a group's settings sample (only greedy generations are kept in a memo).
+    """
+    jobs, keys, limits = [], [], []
+    for g in groups:
+        task, settings = g.task, g.settings
+        if settings.sampling(task)["do_sample"] or settings.resolved_samples(task) != 1:
+            raise ConfigError("decode_groups_jointly: greedy single-sample settings only")
+        k = settings.handoff_tokens
+        max_new = settings.resolved_max_new_tokens(task)
+        for spec in g.specs:
+            by_stop: dict[tuple, list[int]] = {}
+            for i in g.rows_by_mode.get(spec.mode, ()):
+                stop = tuple(task_stop(task, g.prep.items[i]))
+                if not memo.has(spec, g.prep.prompts[i], stop, max_new, k):
+                    by_stop.setdefault(stop, []).append(i)
+            for stop, items in by_stop.items():
+                jobs.append((g.group.handle(spec), _decoder_name(engine, spec), g.group.rows(items), stop))
+                keys.append((g, spec, items, stop, max_new, k))
+                limits.append(max_new)
+    if not jobs:
+        return 0
+    gens = decode_jointly(engine, jobs, max_new_tokens=limits, on_row=on_row)
+    for (g, spec, items, stop, max_new, k), out in zip(keys, gens, strict=True):
+        for i, gen in zip(items, out, strict=True):
+            memo.put(spec, g.prep.prompts[i], stop, max_new, k, gen, ahead=True)
+    return sum(map(len, gens))
+
+
 def decode_group_jointly(task, specs: Sequence[ModeSpec], prep: Prepared, rows_by_mode: dict[str, Sequence[int]],
                          settings: EvalSettings, engine, group: "GroupPrefill", memo: "EvalMemo") -> int:
-    """Greedy generations of every mode's ``rows_by_mode[mode]`` (indices into ``prep``, all in ``group``) decoded
-    in the same engine steps (``decode_jointly``) and put in ``memo``, where ``generate_samples`` then finds
-    them. For groups too small for one mode to fill the engine's rows (a task of 10 items): the modes share
-    the steps instead of each running its own short, mostly empty batch. Generations already in ``memo``
-    are skipped. Returns the number of generations decoded.
+    """``decode_groups_jointly`` of one group: every mode's ``rows_by_mode[mode]`` (indices into ``prep``, all in
+    ``group``) decoded in the same engine steps and put in ``memo``. Returns the number of generations decoded.
 
     Raises:
         ConfigError: the settings sample (only greedy generations are kept in a memo).
     """
-    if settings.sampling(task)["do_sample"] or settings.resolved_samples(task) != 1:
-        raise ConfigError("decode_group_jointly: greedy single-sample settings only")
-    k = settings.handoff_tokens
-    max_new = settings.resolved_max_new_tokens(task)
-    jobs, keys = [], []
-    for spec in specs:
-        by_stop: dict[tuple, list[int]] = {}
-        for i in rows_by_mode.get(spec.mode, ()):
-            stop = tuple(task_stop(task, prep.items[i]))
-            if not memo.has(spec, prep.prompts[i], stop, max_new, k):
-                by_stop.setdefault(stop, []).append(i)
-        for stop, items in by_stop.items():
-            jobs.append((group.handle(spec), _decoder_name(engine, spec), group.rows(items), stop))
-            keys.append((spec, items, stop))
-    if not jobs:
-        return 0
-    gens = decode_jointly(engine, jobs, max_new_tokens=max_new)
-    for (spec, items, stop), out in zip(keys, gens, strict=True):
-        for i, g in zip(items, out, strict=True):
-            memo.put(spec, prep.prompts[i], stop, max_new, k, g, ahead=True)
-    return sum(map(len, gens))
+    return decode_groups_jointly([JointGroup(task, specs, prep, rows_by_mode, settings, group)], engine, memo)
 
 
 class EvalMemo:
@@ -284,13 +323,26 @@ class EvalMemo:
         return ("nll", spec.mode, id(spec.decoder), tuple(prompt), tuple(reference), int(k))
 
     def get_nll(self, spec, prompt, reference, k) -> tuple[float, int] | None:
-        """``(summed NLL, tokens)`` of ``reference`` after ``prompt`` computed earlier under the same mode, or None."""
-        hit = self._nlls.get(self._nll_key(spec, prompt, reference, k))
-        self.nll_hits += hit is not None
+        """``(summed NLL, tokens)`` of ``reference`` after ``prompt`` computed earlier under the same mode, or None
+        (one put with ``ahead=True`` is taken once without counting as a hit)."""
+        key = self._nll_key(spec, prompt, reference, k)
+        hit = self._nlls.get(key)
+        if key in self._ahead:
+            self._ahead.discard(key)
+        else:
+            self.nll_hits += hit is not None
         return hit
 
-    def put_nll(self, spec, prompt, reference, k, nll: tuple[float, int]) -> None:
-        self._nlls[self._nll_key(spec, prompt, reference, k)] = (float(nll[0]), int(nll[1]))
+    def has_nll(self, spec, prompt, reference, k) -> bool:
+        """Whether an NLL of ``reference`` after ``prompt`` under the same mode is kept (not counted as a hit)."""
+        return self._nll_key(spec, prompt, reference, k) in self._nlls
+
+    def put_nll(self, spec, prompt, reference, k, nll: tuple[float, int], *, ahead: bool = False) -> None:
+        """Keep ``nll``; ``ahead``: computed ahead of its own item's ``get_nll`` (``ccft.evals.runner.decode_ahead``)."""
+        key = self._nll_key(spec, prompt, reference, k)
+        self._nlls[key] = (float(nll[0]), int(nll[1]))
+        if ahead:
+            self._ahead.add(key)
 
 
 def generate_samples(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[int], settings: EvalSettings, *,

@@ -36,7 +36,9 @@ from ccft.core.modes import MODES, REFERENCE_MODE, check_mode, get_mode
 from ccft.evals.generation import (
     EvalMemo,
     GroupPrefill,
+    JointGroup,
     decode_group_jointly,
+    decode_groups_jointly,
     generate_samples,
     make_engine,
     merge_samples,
@@ -66,7 +68,7 @@ from ccft.evals.results import (
 from ccft.evals.scoring import NLL_TOKENS, Prepared, batch_nll, length_chunks, prepare, prompt_hash
 from ccft.evals.settings import EvalSettings, ModeSpec
 
-__all__ = ["EvalMemo", "MODES", "REFERENCE_MODE", "EvalSettings", "ModeSpec", "TaskResult", "batch_nll", "get_task",
+__all__ = ["EvalMemo", "MODES", "decode_ahead", "REFERENCE_MODE", "EvalSettings", "ModeSpec", "TaskResult", "batch_nll", "get_task",
            "load_task_folder", "paired_deltas_by_id", "prepare", "read_jsonl", "run_mode_batch", "run_task",
            "summarize_records", "summarize_task", "task_names"]
 
@@ -163,6 +165,90 @@ def _check_environment(task, settings: EvalSettings):
     return fn(settings.limit) if accepts_arg(fn) else fn()
 
 
+def _done_records(folder: Path, prep: Prepared, specs: Sequence[ModeSpec]) -> dict[str, dict[str, dict]]:
+    """mode -> item id -> record already in ``folder/items.MODE.jsonl`` for the items of ``prep`` (the resume rule).
+
+    Raises:
+        FolderConflictError: a record was computed on another prompt than the item's now.
+    """
+    index_of = {x: i for i, x in enumerate(prep.ids)}
+    done: dict[str, dict[str, dict]] = {}
+    for spec in specs:
+        path = folder / f"items.{spec.mode}.jsonl"
+        done[spec.mode] = {}
+        for r in read_jsonl(path):
+            i = index_of.get(r["id"])
+            if i is None:
+                continue  # an item outside the current limit: kept in the file, not in this summary
+            if r.get("prompt_sha") != prompt_hash(prep.prompts[i]):
+                raise FolderConflictError(f"{path}: item {r['id']} was evaluated on another prompt (the task's data or "
+                                          "prompting changed); pass --overwrite or use another --out folder")
+            done[spec.mode][r["id"]] = r
+    return done
+
+
+def decode_ahead(tasks: Sequence[tuple[object, EvalSettings]], base, modes: Sequence[ModeSpec], out_dir: str | Path,
+                 *, memo: EvalMemo, batch_size: int = 8, overwrite: bool = False, progress: bool = True) -> int:
+    """Greedy generations and reference NLLs of several small tasks' pending items, every mode, computed in one
+    engine decode and put in ``memo``, so that ``run_task(task, ..., memo=memo)`` for each of them then only
+    scores and writes (same records as without it: greedy results do not depend on batching, K7 in
+    docs/design.md, "Fault classes").
+
+    For tasks too small to fill the engine's rows alone (MultiPL-E: 10 items per language): each task's items
+    are one ``GroupPrefill``, and every task's modes' rows decode in the same engine steps
+    (``decode_groups_jointly``), so the engine stays full across tasks instead of draining at the end of each
+    task. Items already in ``out_dir/TASK/items.MODE.jsonl`` are skipped (``overwrite``: none are, as
+    ``run_task(overwrite=True)`` discards them); sampled settings and ``settings.engine=False`` tasks are left
+    to ``run_task``. Every task's prompts stay prefilled until the decode ends: pass small tasks.
+
+    Args:
+        tasks: ``(task, EvalSettings)`` pairs, the settings ``run_task`` will get for each.
+        base, modes, batch_size: as for ``run_task`` (the engine decodes ``batch_size`` rows at a time).
+    Returns:
+        the number of generations decoded.
+    Raises:
+        ConfigError: a mode without its decoder; FolderConflictError: as ``run_task``.
+    """
+    for spec in modes:
+        check_mode(spec.mode, spec.decoder)
+    wanted = [(task, st) for task, st in tasks if st.engine and st.generate and not st.sampling(task)["do_sample"]
+              and st.resolved_samples(task) == 1]
+    if not wanted:
+        return 0
+    engine = make_engine(base, modes, max_batch=batch_size)
+    specs = sorted(modes, key=_mode_order)
+    joint: list[JointGroup] = []
+    try:
+        for task, st in wanted:
+            prep = prepare(task, base.tokenizer, st.limit, st.handoff_tokens, st.prompt_format)
+            folder = Path(out_dir) / task_name(task)
+            done = {s.mode: {} for s in specs} if overwrite else _done_records(folder, prep, specs)
+            rows = {s.mode: [i for i in range(prep.n) if prep.ids[i] not in done[s.mode] and st.generates(i)]
+                    for s in specs}
+            items = sorted(set().union(*rows.values()))
+            if items:
+                joint.append(JointGroup(task, specs, prep, rows,
+                                        st, GroupPrefill(engine, {i: prep.prompts[i] for i in items},
+                                                         st.handoff_tokens)))
+        total = sum(len(v) for g in joint for v in g.rows_by_mode.values())
+        with tqdm(total=total, desc=f"decode ahead ({len(joint)} tasks)", unit="item", disable=not progress,
+                  dynamic_ncols=True, file=sys.stderr) as bar:
+            n = decode_groups_jointly(joint, engine, memo, on_row=lambda: bar.update(1))
+        for g in joint:  # the reference NLLs on the same prefills, rows of similar reference length per forward
+            k = g.settings.handoff_tokens
+            for spec in g.specs:
+                refs = {i: g.prep.references[i] for i in g.rows_by_mode[spec.mode]
+                        if g.prep.references[i] is not None
+                        and not memo.has_nll(spec, g.prep.prompts[i], g.prep.references[i], k)}
+                for part in length_chunks({i: len(r) + k for i, r in refs.items()}, batch_size, NLL_TOKENS):
+                    for i, nll in zip(part, g.group.nll(spec, part, [refs[i] for i in part]), strict=True):
+                        memo.put_nll(spec, g.prep.prompts[i], refs[i], k, nll, ahead=True)
+    finally:
+        for g in joint:
+            g.group.close()
+    return n
+
+
 def _mode_order(spec: ModeSpec) -> int:
     return MODES.index(spec.mode) if spec.mode in MODES else len(MODES)
 
@@ -233,21 +319,9 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
     computed: dict[str, int] = {}
     index_of = {x: i for i, x in enumerate(prep.ids)}
     specs = sorted(modes, key=_mode_order)
-    done: dict[str, dict[str, dict]] = {}
-    pending: dict[str, set[int]] = {}
-    for spec in specs:
-        path = folder / f"items.{spec.mode}.jsonl"
-        done[spec.mode] = {}
-        for r in read_jsonl(path):
-            i = index_of.get(r["id"])
-            if i is None:
-                continue  # an item outside the current limit: kept in the file, not in this summary
-            if r.get("prompt_sha") != prompt_hash(prep.prompts[i]):
-                raise FolderConflictError(f"{path}: item {r['id']} was evaluated on another prompt (the task's data or "
-                                  "prompting changed); pass --overwrite or use another --out folder")
-            done[spec.mode][r["id"]] = r
-        pending[spec.mode] = {i for i in range(prep.n) if prep.ids[i] not in done[spec.mode]}
-        computed[spec.mode] = 0
+    done = _done_records(folder, prep, specs)
+    pending = {spec.mode: {i for i in range(prep.n) if prep.ids[i] not in done[spec.mode]} for spec in specs}
+    computed.update({spec.mode: 0 for spec in specs})
     # items in groups, every mode per group (with the engine each producer prefills a group once: GroupPrefill);
     # shortest prompts first: less padding, and results do not depend on batching
     todo = sorted(set().union(*pending.values()), key=lambda i: (len(prep.prompts[i]), i))

@@ -24,6 +24,7 @@ offered function). NLL/token on the reference answer is reported for every task.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -39,8 +40,9 @@ from ccft.core.errors import ConfigError
 from ccft.core.io import atomic_write_text, display_path
 from ccft.core.modes import MODES, REFERENCE_MODE
 
-__all__ = ["SPECIALIST_DEFAULT_TASKS", "TASK_METRICS", "SpecialistConfig", "StudyConfig", "StudyPhases",
-           "build_study_report", "full_ft_beats_base", "load_study_config", "study_reading", "study_readme", "task_entry"]
+__all__ = ["DECODERS_STAMP", "SPECIALIST_DEFAULT_TASKS", "TASK_METRICS", "SpecialistConfig", "StudyConfig", "StudyPhases",
+           "build_study_report", "full_ft_beats_base", "load_study_config", "run_digest", "stamp_matches",
+           "study_reading", "study_readme", "task_entry", "write_stamp"]
 
 #: task -> (primary metric, secondary metric or None): the record keys of ``items.MODE.jsonl`` scores.
 TASK_METRICS: dict[str, tuple[str, str | None]] = {
@@ -237,6 +239,43 @@ class StudyPhases:
                 phases._save()
                 print(f"[ccft study] {name}: {dt:.0f}s", flush=True)
         return _Phase()
+
+
+def run_digest(folder: str | os.PathLike) -> str:
+    """sha256 (hex) of a training run's decoder: its ``ccft.json`` and the weight files (``*.safetensors``) at the
+    run folder's top level, by name. Two runs with equal digests hold the same decoder bit for bit.
+
+    Raises:
+        ConfigError: the folder holds no ``ccft.json`` (not a finished run).
+    """
+    root = Path(folder)
+    if not (root / "ccft.json").is_file():
+        raise ConfigError(f"{root}: no ccft.json (not a finished training run)")
+    h = hashlib.sha256()
+    for f in sorted([root / "ccft.json", *root.glob("*.safetensors")]):
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+#: the decoders a folder's results were computed with (method or agent -> ``run_digest``), next to the results
+DECODERS_STAMP = "decoders.json"
+
+
+def stamp_matches(folder: str | os.PathLike, digests: Mapping[str, str]) -> bool | None:
+    """Whether ``folder/decoders.json`` records ``digests``; None when the folder has no stamp (results written
+    before stamps existed, or nothing written yet)."""
+    path = Path(folder) / DECODERS_STAMP
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()) == dict(digests)
+
+
+def write_stamp(folder: str | os.PathLike, digests: Mapping[str, str]) -> None:
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(folder) / DECODERS_STAMP, json.dumps(dict(digests), indent=2, sort_keys=True))
 
 
 # ------------------------------------------------------------------ report
