@@ -627,3 +627,29 @@ def test_load_best_model_at_end_keeps_the_best_checkpoint(tmp_path, tiny_dir, sh
         assert torch.equal(w, final[match[0]]), key  # ... and the kept checkpoint holds it
     if best != 4:
         assert any(not torch.equal(final[n], steps.weights[4][n]) for n in final)  # not the last step's
+
+
+def test_checkpoints_of_another_recipe_are_not_resumed(tmp_path, tiny_dir, short_data):
+    """A run folder whose checkpoints another recipe trained (a changed learning rate, step count or
+    checkpointing) is refused before any work, naming the keys; the same recipe resumes; --no-resume trains."""
+    from ccft.core.errors import ConfigError
+    from ccft.train.run import RECIPE_STAMP, train_or_reuse
+
+    out = tmp_path / "run"
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=1)
+    cfg, raw = config(tiny_dir, out, short_data, **kw)
+    first = run_training(cfg, recipe=raw)
+    assert json.loads((out / RECIPE_STAMP).read_text()) == raw
+    assert (out / "checkpoint-2").is_dir()
+    cfg2, raw2 = config(tiny_dir, out, short_data, learning_rate=5e-3, **kw)
+    with pytest.raises(ConfigError, match=r"another recipe \{'learning_rate': \(0.01, 0.005\)\}.*Delete the folder"):
+        train_or_reuse(cfg2, raw2)  # the finished run is not reused, and its checkpoints are not resumed
+    assert json.loads((out / RECIPE_STAMP).read_text()) == raw  # nothing written
+    assert train_or_reuse(cfg, raw)[2] is True  # the same recipe: the finished run is reused
+    cfg3, raw3 = config(tiny_dir, out, short_data, max_steps=3, save_strategy="steps", save_steps=1)
+    with pytest.raises(ConfigError, match="max_steps"):
+        run_training(cfg3, recipe=raw3)
+    fresh = run_training(cfg2, recipe=raw2, resume=False)  # --no-resume: trains this recipe from step 0
+    assert fresh.trainer.state.global_step == 2
+    assert fresh.log_history[0]["learning_rate"] != first.log_history[0]["learning_rate"]
+    assert json.loads((out / RECIPE_STAMP).read_text()) == raw2

@@ -141,13 +141,62 @@ def check_process_group(trainer) -> None:
                           "(`ccft train --num-processes N` does this for you)")
 
 
+#: the recipe a run folder's checkpoints are being trained with (written when training starts)
+RECIPE_STAMP = "ccft-recipe.json"
+
+
+def recorded_recipe(out: str | os.PathLike) -> dict | None:
+    """The recipe the run in folder ``out`` was started with (``ccft-recipe.json``, else a finished run's
+    ``ccft.json``), or None when the folder records none (nothing trained there, or checkpoints written before
+    the stamp existed)."""
+    out = Path(out)
+    if (out / RECIPE_STAMP).is_file():
+        return json.loads((out / RECIPE_STAMP).read_text())
+    if (out / "ccft.json").is_file():
+        from ccft.core.checkpoint import read_meta
+
+        return read_meta(out).get("recipe") or None
+    return None
+
+
+def check_resumable_run(out: str | os.PathLike, recipe: dict) -> None:
+    """Refuse to resume checkpoints in ``out`` that another recipe trained (they would carry its weights, optimizer
+    and step count into this run: a changed learning rate or step count silently not applied).
+
+    Raises:
+        ConfigError: naming the keys that differ (was, now) and the way out.
+    """
+    recorded = recorded_recipe(out)
+    recipe = json.loads(json.dumps(recipe, default=str))  # as recorded
+    if recorded is None or recorded == recipe or not get_last_checkpoint(str(out)):
+        return
+    diff = {k: (recorded.get(k), recipe.get(k)) for k in sorted(set(recorded) | set(recipe))
+            if recorded.get(k) != recipe.get(k)}
+    raise ConfigError(f"{out} holds checkpoints of a run with another recipe {diff} (was, now): resuming would "
+                      "continue that run. Delete the folder (or its checkpoint-* folders) to train this recipe "
+                      "from the start, set output_dir to another folder, or pass --no-resume (ccft train)")
+
+
 def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | None = None,
                  resume: bool = True) -> TrainResult:
-    """Set up, train (resuming from the newest complete checkpoint when ``resume``) and save a decoder."""
+    """Set up, train (resuming from the newest complete checkpoint when ``resume``) and save a decoder.
+
+    With ``recipe`` (the parsed recipe, as ``ccft train`` and the study pass it), checkpoints another recipe
+    trained are refused before any work (``check_resumable_run``) and the recipe is recorded in
+    ``output_dir/ccft-recipe.json`` for the next resume.
+
+    Raises:
+        ConfigError: checkpoints in ``output_dir`` from another recipe (``resume``), or a bad config.
+    """
     start = time.time()
+    out = Path(cfg.output_dir)
+    if recipe is not None:
+        if resume and out.is_dir():
+            check_resumable_run(out, recipe)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / RECIPE_STAMP, json.dumps(recipe, indent=2, default=str))
     base, decoder, train_set, eval_set, trainer = setup(cfg, base=base)
     check_process_group(trainer)
-    out = Path(cfg.output_dir)
     last = get_last_checkpoint(str(out)) if resume and out.is_dir() else None
     if last:
         print(f"[ccft] resuming from {last}", flush=True)
