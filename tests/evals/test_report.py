@@ -153,3 +153,14 @@ def test_headline_and_legacy_tables_keep_working():
               "deltas_vs_full_ft": {"naive": {"nll": {"delta": 0.2, "ci": [0.1, 0.3]}}}}
     assert "| naive | +0.2000 [+0.1000, +0.3000] |" in modes_table(legacy)
     assert isinstance(reading(legacy), str)
+
+
+def test_deltas_table_names_the_pairs_behind_nll_and_scores():
+    """NLL on 100 items, generations scored on the first 50 (generate_limit): the n pairs cell says both."""
+    block = {"nll": 1.0, "nll_ci": [0.9, 1.1], "n": 100, "metrics": {"em": {"mean": 0.1, "ci": [0.0, 0.2], "n": 50}}}
+    summary = {"meta": {"primary_metric": "em"}, "modes": {"full-ft": block, "naive": block},
+               "deltas_vs_full_ft": {"naive": {"nll": {"delta": 0.2, "ci": [0.1, 0.3], "n": 100},
+                                               "em": {"delta": 0.0, "ci": [-0.1, 0.1], "n": 50}}}}
+    assert modes_table(summary).splitlines()[-1].endswith("| 100 (NLL), 50 (scored) |")
+    summary["deltas_vs_full_ft"]["naive"]["em"]["n"] = 100
+    assert modes_table(summary).splitlines()[-1].endswith("| 100 |")

@@ -127,9 +127,19 @@ def modes_table(summary: dict) -> str:
             row = [mode, _cell(d["nll"]["delta"], d["nll"]["ci"], sign=True) if "nll" in d else ""]
             for k in metrics:
                 row.append(_cell(d[k]["delta"], d[k]["ci"], pct=_is_rate(k, modes), sign=True) if k in d else "")
-            row.append(str(max((v.get("n", 0) for v in d.values()), default=0)))
+            row.append(_pairs_cell(d, metrics))
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _pairs_cell(d: dict, metrics) -> str:
+    """The paired items behind a deltas row: one number, or NLL's and the scored metrics' when they differ (a
+    run that scores generations on fewer items than it computes the NLL on, ``generate_limit``)."""
+    n_nll = d.get("nll", {}).get("n")
+    n_scored = sorted({d[k]["n"] for k in metrics if k in d})
+    if n_nll is None or not n_scored or n_scored == [n_nll]:
+        return str(n_nll if n_nll is not None else max(n_scored, default=0))
+    return f"{n_nll} (NLL), {'/'.join(map(str, n_scored))} (scored)"
 
 
 def reading(summary: dict) -> str:
