@@ -36,8 +36,8 @@ RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.name != "stud
     ("max_steps", r"override 'max_steps' is not key=value"),
     ("=3", r"override '=3' is not key=value"),
     ("lora_target_modules=[q_proj", r"lora_target_modules.*not a valid YAML value"),
-    ("eval.nll_rowz=7", r"eval section.*unknown key 'nll_rowz'.*did you mean 'nll_rows'"),
-    ("eval.nll_rows=many", r"eval section.*'nll_rows' expects int"),
+    ("eval.nll_rowz=7", r"^command-line override eval.nll_rowz=7: unknown key 'nll_rowz'.*did you mean 'nll_rows'"),
+    ("eval.nll_rows=many", r"^command-line override eval.nll_rows=many.*'nll_rows' expects int"),
     ("eval.modes=[base, oracle]", r"eval.modes.*'oracle'"),
     ("train_data=/nonexistent/rows.jsonl", r"train_data.*/nonexistent/rows.jsonl"),
     ("eval_data=/nonexistent/test.jsonl", r"eval_data.*/nonexistent/test.jsonl"),
@@ -46,6 +46,21 @@ RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.name != "stud
 def test_bad_override_is_a_config_error_naming_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
         load_recipe(None, [override])
+
+
+def test_override_errors_name_the_override_not_the_recipe_file(capsys):
+    """A bad key given on the command line is named as that override (not blamed on the recipe file); the
+    help lists the eval: keys too."""
+    from ccft.cli.main import main
+
+    with pytest.raises(ConfigError, match=r"^command-line override eval.nll_row=5: unknown key 'nll_row'; did you "
+                                          r"mean 'nll_rows'"):
+        load_recipe(ROOT / "recipes" / "demo.yaml", ["eval.nll_row=5"])
+    with pytest.raises(ConfigError, match=r"^command-line override max_step=3: unknown key 'max_step'"):
+        load_recipe(ROOT / "recipes" / "demo.yaml", ["max_step=3"])
+    assert main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "eval.nll_rows" in out and "held-out rows" in out and "handoff_tokens" in out
 
 
 def test_bad_recipe_files(tmp_path):
@@ -146,8 +161,9 @@ def test_values_convert_as_hf_argument_parser_converts_the_command_line(tmp_path
     assert got.lora_target_modules == ["q_proj", "v_proj"] and got.use_cpu is True
     # The recorded recipe holds plain values (enum choices as their text) for ccft.json.
     assert raw["save_strategy"] == "steps" and raw["lr_scheduler_type"] == "cosine" and raw["chat_template"] == "false"
-    # A value the parser refuses names the key, the file and the parser's reason.
-    with pytest.raises(ConfigError, match=r"r\.yaml: key 'save_strategy' expects .*invalid choice: 'sometimes'"):
+    # A value the parser refuses names the key, where it was set (here the command line) and the parser's reason.
+    with pytest.raises(ConfigError, match=r"^command-line override save_strategy=sometimes: key 'save_strategy' "
+                                          r"expects .*invalid choice: 'sometimes'"):
         load_recipe(recipe, ["save_strategy=sometimes"])
     with pytest.raises(ConfigError, match=r"key 'eval_data' expects str \| None, got \['a'\]"):
         load_recipe(recipe, ["eval_data=[a]"])

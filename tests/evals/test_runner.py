@@ -482,6 +482,12 @@ def test_decode_ahead_decodes_small_tasks_together_with_the_same_records(setup, 
     with pytest.raises(Stop):
         run_task(ToyTask(), base, specs, tmp_path / "ahead", settings=settings, batch_size=4, progress=False,
                  on_item=stop_after_five)
+    from ccft.inference import SharedPrefillEngine
+
+    prefills = []
+    real_prefill = SharedPrefillEngine.prefill
+    monkeypatch.setattr(SharedPrefillEngine, "prefill", lambda self, prompts, **kw: prefills.append(
+        (len(prompts), kw.get("producer"))) or real_prefill(self, prompts, **kw))
     rows = []
     real = generation.decode_jointly
     monkeypatch.setattr(generation, "decode_jointly", lambda engine, jobs, **kw: rows.append(
@@ -489,6 +495,7 @@ def test_decode_ahead_decodes_small_tasks_together_with_the_same_records(setup, 
     memo = EvalMemo()
     n = decode_ahead(tasks, base, specs, tmp_path / "ahead", memo=memo, batch_size=4, progress=False)
     assert n == rows[0] == 3 * 5 + 4 * 5  # one decode: the first task's 3 pending modes and the other's 4, 5 items
+    assert sorted(prefills, key=str) == [(10, "full-ft"), (10, None)]  # both tasks' items: one prefill per producer
     with monkeypatch.context() as m:  # everything comes from the memo: any model pass would raise
         def fail(*a, **kw):
             raise AssertionError("computed again")

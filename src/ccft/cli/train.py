@@ -8,6 +8,7 @@ Multi-process runs launch through accelerate: ``ccft train RECIPE.yaml --num-pro
 from __future__ import annotations
 
 import dataclasses
+import re
 
 
 def add_parser(sub) -> None:
@@ -39,6 +40,12 @@ def run(args) -> int:
             if f.name not in base_fields or f.name == "output_dir":
                 print(f"{f.name:22s} {f.metadata.get('help', '')}")
         print("... plus every transformers.TrainingArguments field (learning_rate, max_steps, ...)")
+        from ccft.train.config import EvalConfig
+
+        print("\nthe recipe's eval: section (ccft demo / ccft eval; override as eval.KEY=value):")
+        doc = dict(re.findall(r"^\s+(\w+): (.+)$", EvalConfig.__doc__ or "", flags=re.M))  # its Attributes
+        for f in dataclasses.fields(EvalConfig):
+            print(f"eval.{f.name:17s} {doc.get(f.name, '')}")
         return 0
     cfg, _, raw = load_recipe(args.recipe, args.overrides)
     if (args.accelerate_config or (args.num_processes or 1) > 1) and not args.dry_run:

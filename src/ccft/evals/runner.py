@@ -194,8 +194,9 @@ def decode_ahead(tasks: Sequence[tuple[object, EvalSettings]], base, modes: Sequ
     scores and writes (same records as without it: greedy results do not depend on batching, K7 in
     docs/design.md, "Fault classes").
 
-    For tasks too small to fill the engine's rows alone (MultiPL-E: 10 items per language): each task's items
-    are one ``GroupPrefill``, and every task's modes' rows decode in the same engine steps
+    For tasks too small to fill the engine's rows alone (MultiPL-E: 10 items per language): every task's items
+    are one ``GroupPrefill`` (one prefill per producer, as for one task: a step's attention reads two prefixes,
+    not two per task), and every task's modes' rows decode in the same engine steps
     (``decode_groups_jointly``), so the engine stays full across tasks instead of draining at the end of each
     task. Items already in ``out_dir/TASK/items.MODE.jsonl`` are skipped (``overwrite``: none are, as
     ``run_task(overwrite=True)`` discards them); sampled settings and ``settings.engine=False`` tasks are left
@@ -218,8 +219,13 @@ def decode_ahead(tasks: Sequence[tuple[object, EvalSettings]], base, modes: Sequ
     engine = make_engine(base, modes, max_batch=batch_size)
     specs = sorted(modes, key=_mode_order)
     joint: list[JointGroup] = []
+    prefills: dict[int, GroupPrefill] = {}
     try:
-        for task, st in wanted:
+        # every task's items in one prefill per producer (per k): a step then reads two prefills, as in one task,
+        # instead of two per task (each prefill's rows are attended to separately in every layer)
+        prompts: dict[int, dict[tuple[int, int], Sequence[int]]] = {}
+        entries = []
+        for t, (task, st) in enumerate(wanted):
             prep = prepare(task, base.tokenizer, st.limit, st.handoff_tokens, st.prompt_format)
             folder = Path(out_dir) / task_name(task)
             done = {s.mode: {} for s in specs} if overwrite else _done_records(folder, prep, specs)
@@ -227,9 +233,11 @@ def decode_ahead(tasks: Sequence[tuple[object, EvalSettings]], base, modes: Sequ
                     for s in specs}
             items = sorted(set().union(*rows.values()))
             if items:
-                joint.append(JointGroup(task, specs, prep, rows,
-                                        st, GroupPrefill(engine, {i: prep.prompts[i] for i in items},
-                                                         st.handoff_tokens)))
+                prompts.setdefault(st.handoff_tokens, {}).update({(t, i): prep.prompts[i] for i in items})
+                entries.append((t, task, st, prep, rows))
+        prefills = {k: GroupPrefill(engine, ps, k) for k, ps in prompts.items()}
+        joint = [JointGroup(task, specs, prep, rows, st, _TaskRows(prefills[st.handoff_tokens], t))
+                 for t, task, st, prep, rows in entries]
         total = sum(len(v) for g in joint for v in g.rows_by_mode.values())
         with tqdm(total=total, desc=f"decode ahead ({len(joint)} tasks)", unit="item", disable=not progress,
                   dynamic_ncols=True, file=sys.stderr) as bar:
@@ -244,9 +252,26 @@ def decode_ahead(tasks: Sequence[tuple[object, EvalSettings]], base, modes: Sequ
                     for i, nll in zip(part, g.group.nll(spec, part, [refs[i] for i in part]), strict=True):
                         memo.put_nll(spec, g.prep.prompts[i], refs[i], k, nll, ahead=True)
     finally:
-        for g in joint:
-            g.group.close()
+        for group in prefills.values():
+            group.close()
     return n
+
+
+class _TaskRows:
+    """One task's items in a ``GroupPrefill`` shared by several tasks (keyed ``(task number, item index)``): the
+    ``GroupPrefill`` calls ``decode_groups_jointly`` and the NLL make, with the task's own item indices."""
+
+    def __init__(self, group: GroupPrefill, task: int):
+        self.group, self.task = group, task
+
+    def handle(self, spec: ModeSpec):
+        return self.group.handle(spec)
+
+    def rows(self, items: Sequence[int]) -> list[int]:
+        return self.group.rows([(self.task, i) for i in items])
+
+    def nll(self, spec: ModeSpec, items: Sequence[int], references: Sequence[Sequence[int]]) -> list[tuple[float, int]]:
+        return self.group.nll(spec, [(self.task, i) for i in items], references)
 
 
 def _mode_order(spec: ModeSpec) -> int:

@@ -273,14 +273,19 @@ def _parse_value(cls, key: str, value: Any, where: str) -> Any:
     return one(value)
 
 
-def _validate(raw: dict, cls, where: str, lines: dict[str, int] | None = None) -> dict:
+def _validate(raw: dict, cls, where: str, lines: dict[str, int] | None = None, overridden: set | None = None,
+              prefix: str = "") -> dict:
     """Check every key of ``raw`` against ``cls``'s fields and convert its value (``_parse_value``).
 
-    ``lines``: the recipe line of each key (``FILE:LINE`` in the messages); keys set by an override have none."""
+    ``lines``: the recipe line of each key (``FILE:LINE`` in the messages); ``overridden``: the keys a
+    command-line override set (named as such, ``prefix`` + key, instead of blaming the recipe file)."""
     fields = [f.name for f in dataclasses.fields(cls) if f.init]
     out = {}
     for key, value in raw.items():
-        at = f"{where}:{lines[key]}" if lines and key in lines else where
+        if overridden and key in overridden:
+            at = f"command-line override {prefix}{key}={value}"
+        else:
+            at = f"{where}:{lines[key]}" if lines and key in lines else where
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -404,13 +409,15 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
     for key in ov:
         lines.pop(key, None)
     eval_raw = dict(raw.pop("eval", None) or {})
-    for key in ov.get("eval", {}):
+    eval_ov = ov.pop("eval", {})
+    for key in eval_ov:
         eval_lines.pop(key, None)
-    eval_raw.update(ov.pop("eval", {}))
+    eval_raw.update(eval_ov)
     raw.update(ov)
     raw.update(extra)
-    train_kw = _validate(raw, TrainConfig, where, lines)
-    eval_kw = _validate(eval_raw, EvalConfig, f"{where} (eval section)" if not eval_lines else where, eval_lines)
+    train_kw = _validate(raw, TrainConfig, where, lines, set(ov))
+    eval_kw = _validate(eval_raw, EvalConfig, f"{where} (eval section)" if not eval_lines else where, eval_lines,
+                        set(eval_ov), "eval.")
     train_kw.setdefault("report_to", "none")
     try:
         (cfg,) = _parser(TrainConfig)[0].parse_dict(train_kw)
