@@ -400,12 +400,23 @@ class _ToyPlus(ToyTask):
         return {"starts_space": text.startswith(" "), "long": len(text) > 12}
 
 
+def _no_model_pass(m) -> None:
+    """Make every prefill, forward and decode of the eval stack raise (results must come from the memo)."""
+    from ccft.evals import generation, runner
+
+    def fail(*a, **kw):
+        raise AssertionError("computed again")
+    m.setattr(runner, "batch_nll", fail)
+    m.setattr(runner, "compute_base_cache", fail)
+    m.setattr(generation, "generate", fail)
+    m.setattr(generation.GroupPrefill, "handle", fail)
+
+
 @pytest.mark.parametrize("engine", [False, True])
 def test_eval_memo_reuses_identical_generations_and_nlls_across_tasks(setup, full_run, tmp_path, engine,
                                                                        monkeypatch):
     """A task with another task's prompts, references and settings is scored on the same greedy texts and NLLs
     without computing them again (no prefill, no forward, no decode); its records equal a run without the memo."""
-    from ccft.evals import generation, runner
     from ccft.evals.runner import EvalMemo
 
     base, _, _, specs = setup
@@ -415,12 +426,7 @@ def test_eval_memo_reuses_identical_generations_and_nlls_across_tasks(setup, ful
     assert memo.hits == 0 and memo.nll_hits == 0
     n = len(first.records["base"])
     with monkeypatch.context() as m:  # everything comes from the memo: any model pass would raise
-        def fail(*a, **kw):
-            raise AssertionError("computed again")
-        m.setattr(runner, "batch_nll", fail)
-        m.setattr(runner, "compute_base_cache", fail)
-        m.setattr(generation, "generate", fail)
-        m.setattr(generation.GroupPrefill, "handle", fail)
+        _no_model_pass(m)
         plus = run_task(_ToyPlus(), base, specs, tmp_path / "a", settings=settings, batch_size=4, progress=False,
                         memo=memo)
     assert memo.hits == len(specs) * n and memo.nll_hits == len(specs) * n  # every item of every mode reused
@@ -462,7 +468,7 @@ def test_decode_ahead_decodes_small_tasks_together_with_the_same_records(setup, 
     (no prefill, forward or decode) and writes the records a run without it writes; items already in a task's
     folder are not decoded again; the memo counts no hits for what was decoded ahead."""
     pytest.importorskip("ccft.inference")
-    from ccft.evals import generation, runner
+    from ccft.evals import generation
     from ccft.evals.runner import EvalMemo, decode_ahead
 
     base, _, _, specs = setup
@@ -497,12 +503,7 @@ def test_decode_ahead_decodes_small_tasks_together_with_the_same_records(setup, 
     assert n == rows[0] == 3 * 5 + 4 * 5  # one decode: the first task's 3 pending modes and the other's 4, 5 items
     assert sorted(prefills, key=str) == [(10, "full-ft"), (10, None)]  # both tasks' items: one prefill per producer
     with monkeypatch.context() as m:  # everything comes from the memo: any model pass would raise
-        def fail(*a, **kw):
-            raise AssertionError("computed again")
-        m.setattr(runner, "batch_nll", fail)
-        m.setattr(runner, "compute_base_cache", fail)
-        m.setattr(generation, "generate", fail)
-        m.setattr(generation.GroupPrefill, "handle", fail)
+        _no_model_pass(m)
         ahead = {task_name(t): run_task(t, base, specs, tmp_path / "ahead", settings=st, batch_size=4,
                                         progress=False, memo=memo) for t, st in tasks}
     assert memo.hits == 0 and memo.nll_hits == 0
