@@ -80,7 +80,8 @@ def test_help_config_lists_the_ccft_fields():
     from ccft.train.config import TrainConfig
 
     out = _ok(run_ccft(["train", "--help-config"], ROOT))
-    listed = {line.split()[0] for line in out.splitlines() if line.strip() and not line.startswith("...")}
+    train_part, _, eval_part = out.partition("... plus every transformers.TrainingArguments field")
+    listed = {line.split()[0] for line in train_part.splitlines() if line.strip()}
     # independent: the TrainConfig fields that transformers.TrainingArguments does not have (+ output_dir)
     import dataclasses
 
@@ -89,7 +90,11 @@ def test_help_config_lists_the_ccft_fields():
     hf = {f.name for f in dataclasses.fields(TrainingArguments)}
     want = {f.name for f in dataclasses.fields(TrainConfig) if f.name not in hf} | {"output_dir"}
     assert listed == want and {"method", "handoff_tokens", "decoder_kind", "train_data"} <= listed
-    assert out.rstrip().splitlines()[-1].startswith("... plus every transformers.TrainingArguments field")
+    # then the recipe's eval: section, every EvalConfig field as eval.KEY
+    from ccft.train.config import EvalConfig
+
+    eval_keys = {line.split()[0] for line in eval_part.splitlines() if line.startswith("eval.")}
+    assert eval_keys == {f"eval.{f.name}" for f in dataclasses.fields(EvalConfig)}
 
 
 def test_single_process_train_writes_a_loadable_decoder(workdir):
