@@ -220,13 +220,17 @@ def test_full_ft_loss_equals_masked_causal_lm_loss(tmp_path, tiny_dir, short_dat
 # ------------------------------------------------------------------ 3: K1 / invariant 2
 
 
-def _one_step(tiny_dir, out, data, *, gc: bool):
+def _one_step(tiny_dir, out, data, *, gc: bool, **kw):
     """One optimizer step of a LoRA CCFT run (perturbed B, no clipping) through ``trainer.train()``.
 
     Returns the trainer, the base, the C_base snapshots (cache, clone at creation, inputs), the gradients
     just before the optimizer step, and how many times layer 0's attention ran."""
-    cfg, _ = config(tiny_dir, out, data, max_steps=1, gradient_checkpointing=str(gc).lower(), max_grad_norm=0)
+    cfg, _ = config(tiny_dir, out, data, max_steps=1, gradient_checkpointing=str(gc).lower(), max_grad_norm=0, **kw)
     base, decoder, train_set, _, trainer = setup(cfg)
+    seen = []
+    grad_tokens = trainer.grad_tokens
+    trainer.grad_tokens = lambda inputs: seen.append(grad_tokens(inputs)) or seen[-1]
+    trainer.grad_tokens_seen = seen
     perturb(decoder.model, lora_only=True)
     snaps = snapshot_base_caches(trainer)
     grads = GradCapture(trainer.model)
@@ -269,6 +273,44 @@ def test_base_cache_unchanged_and_checkpointing_equal(tmp_path, tiny_dir, short_
     for n in g0:
         assert torch.allclose(g1[n], g0[n], atol=1e-6, rtol=0), n
     assert any(g0[n].abs().max() > 1e-4 for n in g0 if "lora_A" in n)  # A gets gradient: B was perturbed
+
+
+@pytest.mark.parametrize("method", ["ccft", "full-ft"])
+def test_checkpointing_min_tokens_skips_the_recompute_of_short_batches_only(tmp_path, tiny_dir, short_data, method):
+    """``activation_checkpointing_min_tokens``: a batch with fewer token positions under gradient than the threshold
+    runs without the recompute, one with exactly as many is checkpointed, and either way the step's loss and
+    gradients are those of checkpointing every batch (bit for bit: the recompute repeats the same kernels)."""
+    ref = _one_step(tiny_dir, tmp_path / "all", short_data, gc=True, method=method)
+    (g,) = ref[0].grad_tokens_seen or [None]
+    assert g is None  # without a threshold the step does not look at the batch size
+    probe = _one_step(tiny_dir, tmp_path / "probe", short_data, gc=True, method=method,
+                      activation_checkpointing_min_tokens=10**9)
+    (g,) = probe[0].grad_tokens_seen
+    inputs = ref[2][0][2] if method == "ccft" else None
+    if inputs is not None:  # two-pass CCFT: only the tail runs with gradient
+        assert g == inputs["tail_ids"].numel()
+    own_prefill = 0 if method == "full-ft" else 1  # the base's no-grad prefill runs layer 0 once more
+    assert ref[4] == own_prefill + 2 and probe[4] == own_prefill + 1  # recompute / none
+    at = _one_step(tiny_dir, tmp_path / "at", short_data, gc=True, method=method, activation_checkpointing_min_tokens=g)
+    above = _one_step(tiny_dir, tmp_path / "above", short_data, gc=True, method=method,
+                      activation_checkpointing_min_tokens=g + 1)
+    assert at[4] == own_prefill + 2 and above[4] == own_prefill + 1
+    for run in (probe, at, above):
+        assert run[0].state.log_history[0]["loss"] == ref[0].state.log_history[0]["loss"]
+        assert set(run[3][0]) == set(ref[3][0]) and ref[3][0]
+        for n, grad in ref[3][0].items():
+            assert torch.equal(run[3][0][n], grad), n
+    # the flags are back as transformers set them
+    layers = [m for m in above[0].model.modules() if hasattr(m, "gradient_checkpointing")]
+    assert layers and all(m.gradient_checkpointing is True for m in layers)
+
+
+def test_checkpointing_min_tokens_needs_checkpointing(tmp_path, tiny_dir, short_data):
+    with pytest.raises(ccft.ConfigError, match="activation_checkpointing_min_tokens=512 needs activation_checkpointing"):
+        config(tiny_dir, tmp_path / "run", short_data, activation_checkpointing_min_tokens=512)
+    with pytest.raises(ccft.ConfigError, match="activation_checkpointing_min_tokens=-1"):
+        config(tiny_dir, tmp_path / "run", short_data, activation_checkpointing="true",
+               activation_checkpointing_min_tokens=-1)
 
 
 # ------------------------------------------------------------------ 4: invariant 3

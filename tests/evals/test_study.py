@@ -306,11 +306,23 @@ def test_run_digest_and_stamps(tmp_path):
     run.mkdir()
     with pytest.raises(ConfigError, match="not a finished training run"):
         run_digest(run)
-    (run / "ccft.json").write_text('{"method": "ccft"}')
+    meta = {"method": "ccft", "handoff_tokens": 1, "recipe": {"activation_checkpointing": True}}
+    (run / "ccft.json").write_text(json.dumps(meta))
     (run / "adapter_model.safetensors").write_bytes(b"\x00" * 10)
     (run / "log_history.json").write_text("[]")
+    (run / "tokenizer_config.json").write_text("{}")
     first = run_digest(run)
     (run / "log_history.json").write_text("[1]")  # not the decoder
+    (run / "ccft.json").write_text(json.dumps({**meta, "recipe": {}, "steps": 5}))  # how it was trained
+    (run / "README.md").write_text("a model card")
+    (run / "checkpoint-5").mkdir()
+    assert run_digest(run) == first
+    (run / "ccft.json").write_text(json.dumps({**meta, "handoff_tokens": 2}))  # how it reads C_base
+    assert run_digest(run) != first
+    (run / "ccft.json").write_text(json.dumps(meta))
+    (run / "tokenizer_config.json").write_text('{"chat_template": "x"}')  # how prompts are rendered
+    assert run_digest(run) != first
+    (run / "tokenizer_config.json").write_text("{}")
     assert run_digest(run) == first
     (run / "adapter_model.safetensors").write_bytes(b"\x00" * 9 + b"\x01")  # one weight byte
     assert run_digest(run) != first

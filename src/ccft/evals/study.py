@@ -241,19 +241,34 @@ class StudyPhases:
         return _Phase()
 
 
+#: the ``ccft.json`` fields that shape a decoder's outputs (what ``ccft.load_decoder`` reads); the rest records
+#: how it was trained (recipe, data counts, training path), which the weights already reflect
+DECODER_FIELDS = ("method", "decoder_kind", "base_fingerprint", "handoff_tokens", "dtype")
+#: the run folder's files that define the decoder besides ``ccft.json``: weights, model/adapter configs, tokenizer
+DECODER_FILE_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
+#: top-level files that only record the training (``ccft.json`` enters through ``DECODER_FIELDS``)
+NOT_DECODER_FILES = ("ccft.json", "log_history.json", "trainer_state.json")
+
+
 def run_digest(folder: str | os.PathLike) -> str:
-    """sha256 (hex) of a training run's decoder: its ``ccft.json`` and the weight files (``*.safetensors``) at the
-    run folder's top level, by name. Two runs with equal digests hold the same decoder bit for bit.
+    """sha256 (hex) of a training run's decoder: the ``DECODER_FIELDS`` of its ``ccft.json`` and the files at the
+    run folder's top level that define it (weights ``*.safetensors``, adapter/model configs, tokenizer and chat
+    template), by name. Two runs with equal digests hold the same decoder bit for bit, whatever their recipes
+    say about how they got there (a recipe change that changes the weights changes the digest through them; one
+    that does not, such as activation checkpointing, leaves it).
 
     Raises:
-        ConfigError: the folder holds no ``ccft.json`` (not a finished run).
+        ConfigError: the folder holds no ``ccft.json`` (not a finished training run).
     """
     root = Path(folder)
     if not (root / "ccft.json").is_file():
         raise ConfigError(f"{root}: no ccft.json (not a finished training run)")
-    h = hashlib.sha256()
-    for f in sorted([root / "ccft.json", *root.glob("*.safetensors")]):
-        h.update(f.name.encode() + b"\0")
+    meta = json.loads((root / "ccft.json").read_text())
+    h = hashlib.sha256(json.dumps({k: meta.get(k) for k in DECODER_FIELDS}, sort_keys=True).encode())
+    files = [f for f in root.iterdir() if f.is_file() and f.name.endswith(DECODER_FILE_SUFFIXES)
+             and f.name not in NOT_DECODER_FILES]
+    for f in sorted(files):
+        h.update(b"\0" + f.name.encode() + b"\0")
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)

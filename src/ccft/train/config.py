@@ -94,6 +94,11 @@ class TrainConfig(TrainingArguments):
             full-vocabulary logits (``ccft.train.loss``); 0: the full-logits loss.
         freeze_embeddings: full-weight decoders: keep the input embedding (and with tied embeddings the LM
             head, the same matrix) frozen; false trains it (a dense ``(v, h)`` gradient every step).
+        activation_checkpointing_min_tokens: with ``activation_checkpointing``, checkpoint only the batches
+            whose decoder forward runs at least this many token positions with gradient (rows × padded length:
+            the tail for two-pass CCFT, prompt + tail otherwise); shorter batches keep their activations, which
+            saves the recompute and gives the same numbers. Peak memory is then that of an uncheckpointed batch
+            of this many tokens (docs/training.md, "Training memory"). 0: every batch is checkpointed.
     """
 
     output_dir: str = field(default="runs/ccft", metadata={"help": "Run folder: the final decoder (with ccft.json) and its checkpoint-N/ folders."})
@@ -125,6 +130,9 @@ class TrainConfig(TrainingArguments):
         "help": "Supervised tokens per LM-head + cross-entropy chunk (no full-vocabulary logits); 0: full logits."})
     freeze_embeddings: bool = field(default=True, metadata={
         "help": "decoder_kind=full: freeze the input embedding (with tied embeddings also the LM head)."})
+    activation_checkpointing_min_tokens: int = field(default=0, metadata={
+        "help": "With activation_checkpointing: checkpoint only batches of at least this many token positions "
+                "with gradient (rows x padded length); shorter ones keep their activations. 0: every batch."})
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -145,7 +153,7 @@ class TrainConfig(TrainingArguments):
                               "use train_path=auto")
         for name, low in (("per_device_train_batch_size", 1), ("per_device_eval_batch_size", 1),
                           ("gradient_accumulation_steps", 1), ("lora_r", 1), ("data_offset", 0),
-                          ("loss_chunk_tokens", 0)):
+                          ("loss_chunk_tokens", 0), ("activation_checkpointing_min_tokens", 0)):
             if getattr(self, name) < low:
                 raise ConfigError(f"{name}={getattr(self, name)}; it must be ≥ {low}")
         for name in ("train_rows", "eval_rows"):
@@ -160,6 +168,10 @@ class TrainConfig(TrainingArguments):
         if self.gradient_checkpointing and not self.gradient_checkpointing_kwargs:
             self.gradient_checkpointing_kwargs = {"use_reentrant": False}
         super().__post_init__()
+        if self.activation_checkpointing_min_tokens and not self.activation_checkpointing:
+            raise ConfigError(f"activation_checkpointing_min_tokens={self.activation_checkpointing_min_tokens} "
+                              "needs activation_checkpointing: true (it picks which batches are checkpointed); "
+                              "set activation_checkpointing: true or remove the key")
 
     @property
     def chat_template_flag(self) -> bool | str:

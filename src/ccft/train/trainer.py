@@ -15,7 +15,7 @@ Everything else (optimizer, schedule, accumulation, logging/``report_to``, evalu
 ``compute_metrics``, checkpoints and their rotation, ``load_best_model_at_end``, resume,
 accelerate/DeepSpeed) is the stock Trainer. Hooks overridden, all of them real ``transformers.Trainer``
 hooks: ``_set_signature_columns_if_needed`` (the row fields the collator reads), ``compute_loss``,
-``training_step`` (the one-pass LoRA gate), ``prediction_step`` / ``evaluation_loop`` (token-weighted eval
+``training_step`` (the one-pass LoRA gate; ``activation_checkpointing_min_tokens``), ``prediction_step`` / ``evaluation_loop`` (token-weighted eval
 NLL) and ``_save_checkpoint``: a checkpoint is written into ``OUTPUT_DIR/.staging/checkpoint-N`` and
 renamed into place (docs/design.md, "Atomic writes"), so a killed run never leaves a half-written
 ``checkpoint-N``, while rotation and the best checkpoint refer to the run folder.
@@ -23,7 +23,9 @@ renamed into place (docs/design.md, "Atomic writes"), so a killed run never leav
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -74,6 +76,24 @@ def freeze_input_embeddings(model) -> list[str]:
             p.requires_grad_(False)
             frozen.append(name)
     return frozen
+
+
+@contextlib.contextmanager
+def checkpointing_off(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Run the enclosed forward and backward without activation checkpointing, then restore each module's
+    ``gradient_checkpointing`` flag as it was (``transformers``' per-layer flags, ``every_n_layers`` included).
+
+    Checkpointing recomputes a layer's forward in the backward with the same inputs and kernels, so a step
+    gives the same loss and gradients either way; only the memory held between forward and backward (and the
+    recompute time) differ."""
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True] if enabled else []
+    for m in flagged:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in flagged:
+            m.gradient_checkpointing = True
 
 
 class CacheConditionedTrainer(Trainer):
@@ -190,11 +210,24 @@ class CacheConditionedTrainer(Trainer):
         total, nll_rows, count_rows = chunked_nll(hidden, labels, lm_head(model), self.args.loss_chunk_tokens)
         return total, nll_rows, count_rows, out if logits else None
 
+    def grad_tokens(self, inputs) -> int:
+        """Token positions the decoder's forward runs with gradient for a collated batch (rows × padded length):
+        the tail on the two-pass CCFT path, the prompt and the tail otherwise (one-pass and Full-FT run the
+        whole sequence in one forward)."""
+        tail = inputs["tail_ids"].numel()
+        if self.method == "ccft" and self.train_path != "one-pass":
+            return tail
+        return tail + inputs["prefix_ids"].numel()
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The stock step; on the one-pass path the LoRA token gate stays on through the backward
-        (gradient checkpointing recomputes the gated forward there)."""
+        (gradient checkpointing recomputes the gated forward there). With ``activation_checkpointing_min_tokens``
+        a batch below that many ``grad_tokens`` runs with checkpointing off (``checkpointing_off``)."""
         one_pass = self.method == "ccft" and self.train_path == "one-pass"
-        with gate_for_step(self.accelerator.unwrap_model(model), one_pass) as gate:
+        low = int(getattr(self.args, "activation_checkpointing_min_tokens", 0) or 0)
+        skip = bool(low) and self.grad_tokens(inputs) < low
+        unwrapped = self.accelerator.unwrap_model(model)
+        with gate_for_step(unwrapped, one_pass) as gate, checkpointing_off(unwrapped, skip):
             self._gate = gate
             try:
                 return super().training_step(model, inputs, num_items_in_batch)
