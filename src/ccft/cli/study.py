@@ -106,11 +106,13 @@ def run(args) -> int:
         paths = {m: str(runs / name / m) for m in METHODS}
         decoders = {m: load_decoder(paths[m], base=base) for m in METHODS}
         ccft_decoders[name] = paths["ccft"]
-        # earlier results are stale when a decoder was (re)trained now, or when the decoders they were computed with
-        # (the stamp next to them) are not these: a sitting killed between training and evaluation leaves new
-        # decoders beside old items. A folder without a stamp (written before stamps) is taken as it is.
+        # earlier results are stale when the decoders they were computed with (the stamp next to them) are not these:
+        # a sitting killed between training and evaluation leaves new decoders beside old items. A retrained run
+        # that came out bit for bit the same (training is deterministic on one machine) keeps its results. A
+        # folder without a stamp (written before stamps) is taken as it is unless a decoder was retrained now.
         digests = {m: run_digest(paths[m]) for m in METHODS}
-        fresh = not all(trained[name]["reused"].values()) or stamp_matches(out / name, digests) is False
+        stamped = stamp_matches(out / name, digests)
+        fresh = stamped is False or (stamped is None and not all(trained[name]["reused"].values()))
         fmt = resolve_prompt_format("decoder", decoders.values())
         handoff = shared_handoff(decoders.values())
         task_list = [(t, ts.limit, ts.max_new_tokens) for t, ts in spec.tasks.items()]
