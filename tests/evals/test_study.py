@@ -324,6 +324,12 @@ def test_run_digest_and_stamps(tmp_path):
     assert run_digest(run) != first
     (run / "tokenizer_config.json").write_text("{}")
     assert run_digest(run) == first
+    (run / "adapter_config.json").write_text('{"r": 16, "target_modules": ["q_proj", "v_proj"]}')
+    second = run_digest(run)
+    assert second != first
+    (run / "adapter_config.json").write_text('{"target_modules": ["v_proj", "q_proj"], "r": 16}')  # PEFT's set order
+    (run / "ccft-recipe.json").write_text('{"max_steps": 5}')  # the recipe stamp training writes first
+    assert run_digest(run) == second
     (run / "adapter_model.safetensors").write_bytes(b"\x00" * 9 + b"\x01")  # one weight byte
     assert run_digest(run) != first
     out = tmp_path / "out"
@@ -331,6 +337,32 @@ def test_run_digest_and_stamps(tmp_path):
     write_stamp(out, {"ccft": first, "full-ft": "ab"})
     assert stamp_matches(out, {"full-ft": "ab", "ccft": first}) is True
     assert stamp_matches(out, {"full-ft": "ab", "ccft": run_digest(run)}) is False
+
+
+def test_a_retrained_run_with_the_same_weights_keeps_its_results(tiny_study, tmp_path):
+    """A run trained again (here: its folder deleted) comes out bit for bit the same decoder, so the stamp still
+    matches and the specialist's results, sweep and the serving result are reused, not computed again."""
+    import shutil
+
+    root, _, _ = tiny_study
+    runs, out = tmp_path / "runs-whole", tmp_path / "out-whole"
+    shutil.copytree(root / "runs-whole", runs)
+    shutil.copytree(root / "out-whole", out)
+    for meta in runs.rglob("ccft.json"):  # the copies record their new folder, as runs trained there would
+        meta.write_text(meta.read_text().replace(str(root / "runs-whole"), str(runs)))
+    digest_before = json.loads((out / "code" / "decoders.json").read_text())["full-ft"]
+    shutil.rmtree(runs / "code" / "full-ft")
+    items = {f: f.stat().st_mtime_ns for f in out.rglob("items.*.jsonl")}
+    cfg = _write(tmp_path / "again.yaml", (root / "whole.yaml").read_text().replace(str(root / "out-whole"), str(out))
+                 .replace(str(root / "runs-whole"), str(runs)))
+    proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("reusing finished run") == 3  # code full-ft trained again
+    assert json.loads((out / "code" / "decoders.json").read_text())["full-ft"] == digest_before
+    assert "small tasks decoded together" not in proc.stdout  # nothing evaluated again
+    assert {f: f.stat().st_mtime_ns for f in out.rglob("items.*.jsonl")} == items
+    assert _numbers(out) == _numbers(root / "out-whole")
 
 
 def test_results_of_other_decoders_are_computed_again(tiny_study, tmp_path):

@@ -25,6 +25,8 @@ from ccft.core.models import Base, load_base
 from ccft.core.version import __version__
 
 META_FILE = "ccft.json"
+#: the recipe a run folder's checkpoints are being trained with (``ccft.train.run`` writes it when training starts)
+RECIPE_STAMP = "ccft-recipe.json"
 
 
 def decoder_meta(decoder: Decoder, **extra: Any) -> dict:

@@ -246,16 +246,18 @@ class StudyPhases:
 DECODER_FIELDS = ("method", "decoder_kind", "base_fingerprint", "handoff_tokens", "dtype")
 #: the run folder's files that define the decoder besides ``ccft.json``: weights, model/adapter configs, tokenizer
 DECODER_FILE_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
-#: top-level files that only record the training (``ccft.json`` enters through ``DECODER_FIELDS``)
+#: top-level files that only record the training (``ccft.json`` enters through ``DECODER_FIELDS``; the recipe stamp
+#: ``ccft.core.checkpoint.RECIPE_STAMP`` is left out too)
 NOT_DECODER_FILES = ("ccft.json", "log_history.json", "trainer_state.json")
 
 
 def run_digest(folder: str | os.PathLike) -> str:
     """sha256 (hex) of a training run's decoder: the ``DECODER_FIELDS`` of its ``ccft.json`` and the files at the
     run folder's top level that define it (weights ``*.safetensors``, adapter/model configs, tokenizer and chat
-    template), by name. Two runs with equal digests hold the same decoder bit for bit, whatever their recipes
-    say about how they got there (a recipe change that changes the weights changes the digest through them; one
-    that does not, such as activation checkpointing, leaves it).
+    template; JSON files by content, keys and PEFT's ``target_modules`` sorted), by name. Two runs with equal
+    digests hold the same decoder bit for bit, whatever their recipes say about how they got there (a recipe
+    change that changes the weights changes the digest through them; one that does not, such as activation
+    checkpointing, leaves it).
 
     Raises:
         ConfigError: the folder holds no ``ccft.json`` (not a finished training run).
@@ -263,16 +265,28 @@ def run_digest(folder: str | os.PathLike) -> str:
     root = Path(folder)
     if not (root / "ccft.json").is_file():
         raise ConfigError(f"{root}: no ccft.json (not a finished training run)")
+    from ccft.core.checkpoint import RECIPE_STAMP  # (torch: imported only when a digest is taken)
+
     meta = json.loads((root / "ccft.json").read_text())
     h = hashlib.sha256(json.dumps({k: meta.get(k) for k in DECODER_FIELDS}, sort_keys=True).encode())
     files = [f for f in root.iterdir() if f.is_file() and f.name.endswith(DECODER_FILE_SUFFIXES)
-             and f.name not in NOT_DECODER_FILES]
+             and f.name not in (*NOT_DECODER_FILES, RECIPE_STAMP)]
     for f in sorted(files):
         h.update(b"\0" + f.name.encode() + b"\0")
+        if f.suffix == ".json":  # by content: PEFT writes target_modules (a set) in a different order every run
+            h.update(_canonical_json(json.loads(f.read_text())).encode())
+            continue
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+def _canonical_json(obj: Any) -> str:
+    """``obj`` as JSON with sorted keys and ``target_modules`` (a set in PEFT's ``LoraConfig``) sorted."""
+    if isinstance(obj, dict) and isinstance(obj.get("target_modules"), list):
+        obj = {**obj, "target_modules": sorted(obj["target_modules"], key=str)}
+    return json.dumps(obj, sort_keys=True)
 
 
 #: the decoders a folder's results were computed with (method or agent -> ``run_digest``), next to the results

@@ -19,7 +19,7 @@ from typing import Any
 from transformers import set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from ccft.core.checkpoint import save_decoder
+from ccft.core.checkpoint import RECIPE_STAMP, save_decoder
 from ccft.core.decoder import Decoder, make_decoder
 from ccft.core.errors import ConfigError
 from ccft.core.io import atomic_write_text
@@ -141,8 +141,6 @@ def check_process_group(trainer) -> None:
                           "(`ccft train --num-processes N` does this for you)")
 
 
-#: the recipe a run folder's checkpoints are being trained with (written when training starts)
-RECIPE_STAMP = "ccft-recipe.json"
 
 
 def recorded_recipe(out: str | os.PathLike) -> dict | None:
