@@ -141,8 +141,6 @@ def check_process_group(trainer) -> None:
                           "(`ccft train --num-processes N` does this for you)")
 
 
-
-
 def recorded_recipe(out: str | os.PathLike) -> dict | None:
     """The recipe the run in folder ``out`` was started with (``ccft-recipe.json``, else a finished run's
     ``ccft.json``), or None when the folder records none (nothing trained there, or checkpoints written before

@@ -15,10 +15,10 @@ Everything else (optimizer, schedule, accumulation, logging/``report_to``, evalu
 ``compute_metrics``, checkpoints and their rotation, ``load_best_model_at_end``, resume,
 accelerate/DeepSpeed) is the stock Trainer. Hooks overridden, all of them real ``transformers.Trainer``
 hooks: ``_set_signature_columns_if_needed`` (the row fields the collator reads), ``compute_loss``,
-``training_step`` (the one-pass LoRA gate; ``activation_checkpointing_min_tokens``), ``prediction_step`` / ``evaluation_loop`` (token-weighted eval
-NLL) and ``_save_checkpoint``: a checkpoint is written into ``OUTPUT_DIR/.staging/checkpoint-N`` and
-renamed into place (docs/design.md, "Atomic writes"), so a killed run never leaves a half-written
-``checkpoint-N``, while rotation and the best checkpoint refer to the run folder.
+``training_step`` (the one-pass LoRA gate; ``activation_checkpointing_min_tokens``), ``prediction_step`` /
+``evaluation_loop`` (token-weighted eval NLL) and ``_save_checkpoint``: a checkpoint is written into
+``OUTPUT_DIR/.staging/checkpoint-N`` and renamed into place (docs/design.md, "Atomic writes"), so a killed run
+never leaves a half-written ``checkpoint-N``, while rotation and the best checkpoint refer to the run folder.
 """
 
 from __future__ import annotations
