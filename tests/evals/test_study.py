@@ -95,6 +95,9 @@ def test_config_errors_name_the_key_and_the_fix(tmp_path):
         load_study_config(good, ["specialists.math.tasks.gsm9k.limit=3"])
     with pytest.raises(ConfigError, match="max_stepz"):  # a bad training key fails before any model loads
         load_study_config(good, ["specialists.math.train.max_stepz=3"])
+    with pytest.raises(ConfigError, match=r"s.yaml: specialists.math.train sets activation_checkpointing_min_tokens "
+                                          r"\(applied to .*math-gsm8k.yaml.*needs activation_checkpointing: true"):
+        load_study_config(good, ["specialists.math.train.activation_checkpointing_min_tokens=64"])
     with pytest.raises(ConfigError, match="needs `recipe:`"):
         load_study_config(_write(tmp_path / "b.yaml", "specialists:\n  math:\n    tasks: {gsm8k: {}}\n"))
     with pytest.raises(ConfigError, match="does not exist"):

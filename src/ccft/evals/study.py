@@ -188,7 +188,13 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
                                 multipl_e_max_new_tokens=s.get("multipl_e_max_new_tokens", 256))
         if not spec.tasks and not spec.multipl_e:
             raise ConfigError(f"{p}: specialists.{name} has no tasks")
-        recipe_overrides(spec)  # validates the training keys now
+        try:
+            recipe_overrides(spec)  # validates the training keys now
+        except ConfigError as e:  # the recipe parser names the recipe; the key may come from this file's train:
+            named = sorted(k for k in spec.train if f"{k}=" in str(e))
+            if not named:
+                raise
+            raise ConfigError(f"{p}: specialists.{name}.train sets {', '.join(named)} (applied to {e})") from None
         specialists[name] = spec
     modes = list(raw.get("modes") or MODES)
     bad = [m for m in modes if m not in MODES]
