@@ -261,7 +261,8 @@ def test_rerun_reuses_everything(tiny_study):
     out = root / "out-whole"
     before = _numbers(out)
     mtimes = {p: p.stat().st_mtime for p in (root / "runs-whole").rglob("adapter_model.safetensors")}
-    assert "SITTINGS.md" not in (out / "README.md").read_text()
+    sweeps = {p: p.read_text() for p in out.rglob("sweep/*.json")}
+    assert sweeps and "SITTINGS.md" not in (out / "README.md").read_text()
     (out / "SITTINGS.md").write_text("Sitting 1: paused 5 min with SIGSTOP.\nSitting 2: idle machine.\n")
     proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True,
                           text=True)
@@ -269,6 +270,7 @@ def test_rerun_reuses_everything(tiny_study):
     assert proc.stdout.count("reusing finished run") == 4
     assert "reusing" in proc.stdout and "serve.json" in proc.stdout  # the serving result: same decoders (stamp)
     assert {p: p.stat().st_mtime for p in mtimes} == mtimes
+    assert {p: p.read_text() for p in sweeps} == sweeps  # reused sweeps keep their meta and summary as written
     assert _numbers(out) == before
     assert json.loads((out / "phases.json").read_text())["sittings"] == 2
     readme = (out / "README.md").read_text()  # the hand-written notes survive the regenerated README, quoted

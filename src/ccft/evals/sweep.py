@@ -157,8 +157,10 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
     if overwrite:
         points_path.unlink(missing_ok=True)
         meta_path.unlink(missing_ok=True)
+    created = time.strftime("%Y-%m-%d %H:%M:%S")
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
+        created = old.get("created", created)  # a resumed sweep keeps the date it was started
         if old.get("settings") != settings or old.get("base_fingerprint") != base.fingerprint:
             raise ConfigError(f"{out} holds a sweep with other settings or another base; pass --overwrite or use "
                               "another --out folder")
@@ -167,7 +169,7 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
     meta = {"kind": "ccft-sweep", "task": task_name(task), "settings": settings, "model": describe_base(base),
             "base_fingerprint": base.fingerprint, "data": task_description(task), "n_items": prep.n,
             "hardware": hardware(), "num_layers": base.config.num_hidden_layers, "decoders": desc,
-            "rhos": list(rhos), "axes": list(axes), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "rhos": list(rhos), "axes": list(axes), "created": created}
     atomic_write_text(meta_path, json.dumps(meta, indent=2))
     done = {_key(p["label"], p["over"], p["rho"]): p for p in read_jsonl(points_path)}
     plan: list[tuple[str, str | None, float | None]] = [
