@@ -217,6 +217,39 @@ def test_full_ft_loss_equals_masked_causal_lm_loss(tmp_path, tiny_dir, short_dat
     assert abs(loss - ccft_ref) > 1e-3
 
 
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_padding_free_full_ft_equals_the_padded_layout(tmp_path, tiny_dir, short_data, kind):
+    """``padding_free`` (default) runs a Full-FT batch's real tokens as one packed sequence: the tail logits, the
+    loss and every gradient equal the padded layout's up to fp32 rounding, rows of different lengths included."""
+    from ccft.core.decoder import full_forward
+
+    cfg, _ = config(tiny_dir, tmp_path / "run", short_data, decoder_kind=kind, method="full-ft")
+    assert cfg.padding_free is True
+    base, decoder, train_set, _, trainer = setup(cfg)
+    perturb(decoder.model, lora_only=kind == "lora")
+    batch = trainer.data_collator([train_set[i] for i in (1, 6, 11)])
+    args = (batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"], batch["tail_mask"])
+    assert batch["prefix_mask"].sum(1).unique().numel() > 1 and batch["tail_mask"].sum(1).unique().numel() > 1
+    with torch.no_grad():
+        padded, packed = (full_forward(decoder.model, *args, packed=p) for p in (False, True))
+    real = batch["tail_mask"].bool()
+    assert torch.allclose(packed[real], padded[real], atol=1e-4, rtol=1e-5)
+    grads, losses = {}, {}
+    for free in (False, True):
+        trainer.args.padding_free = free
+        trainer.model.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        losses[free] = loss.item()
+        grads[free] = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        assert trainer.grad_tokens(batch) == (int(batch["prefix_mask"].sum() + batch["tail_mask"].sum()) if free
+                                              else batch["prefix_ids"].numel() + batch["tail_ids"].numel())
+    assert close(losses[True], losses[False], 1e-6), losses
+    assert grads[True].keys() == grads[False].keys() and grads[True]
+    for n, g in grads[False].items():
+        assert torch.allclose(grads[True][n], g, atol=1e-5, rtol=1e-4), n
+
+
 # ------------------------------------------------------------------ 3: K1 / invariant 2
 
 

@@ -114,12 +114,18 @@ def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: 
 
 
 def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor,
-                 tail_mask: torch.Tensor | None = None, *, logits_to_keep: int | torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 tail_mask: torch.Tensor | None = None, *, logits_to_keep: int | torch.Tensor | None = None,
+                 packed: bool = False) -> torch.Tensor:
     """Logits of a model prefilling its own prompt (Full-FT, base): one forward over prefix + tail.
 
     Same layout and positions as ``decoder_forward``; returns only the tail's logits ``(b, t, v)``.
     ``logits_to_keep``: default the t tail positions; an empty index tensor projects none (``(b, 0, v)``).
+    ``packed``: run the rows' real tokens as one sequence ``(1, Σ n_r)`` with each row's positions restarting at
+    0 (the padding-free layout of TRL's ``padding_free``; transformers builds the block-diagonal causal mask from
+    the positions), then put the body's output back in the padded ``(b, p + t, h)`` layout (zeros at pads)
+    before the LM head, so callers (and ``ccft.train.loss.capture_final_hidden``) see the same shapes. The
+    same function as the padded forward, without computing the pads: equal up to fp32 rounding
+    (``tests/test_decoder.py``), faster when rows differ in length (docs/training.md, "Full-FT without padding").
     """
     if isinstance(model, Decoder):
         model = model.activate()
@@ -134,8 +140,36 @@ def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tai
     t = tail_ids.shape[1]
     # Only the tail's logits are needed: skip the vocabulary projection over the prompt.
     keep = t if logits_to_keep is None else logits_to_keep
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep)
+    if not packed:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep)
+        return out.logits[:, -t:]
+    real = mask.bool()
+    body = unwrap_pretrained(model).get_decoder()
+
+    def unpack(module, args, output):  # (1, N, h) -> (b, p + t, h), before any other hook sees it
+        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        full = hidden.new_zeros((*real.shape, hidden.shape[-1])).index_put((real,), hidden[0])
+        if hasattr(output, "last_hidden_state"):
+            output.last_hidden_state = full
+            return output
+        return (full, *output[1:])
+
+    handle = body.register_forward_hook(unpack, prepend=True)
+    try:
+        out = model(input_ids=ids[real][None], position_ids=positions[real][None], use_cache=False,
+                    logits_to_keep=keep)
+    finally:
+        handle.remove()
     return out.logits[:, -t:]
+
+
+def unwrap_pretrained(model) -> torch.nn.Module:
+    """The ``PreTrainedModel`` under accelerate/DDP/DeepSpeed and PEFT wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP, DeepSpeed engine
+        model = model.module
+    if hasattr(model, "get_base_model"):  # PeftModel
+        model = model.get_base_model()
+    return model
 
 
 @dataclass(eq=False)

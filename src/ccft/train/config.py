@@ -94,6 +94,9 @@ class TrainConfig(TrainingArguments):
             full-vocabulary logits (``ccft.train.loss``); 0: the full-logits loss.
         freeze_embeddings: full-weight decoders: keep the input embedding (and with tied embeddings the LM
             head, the same matrix) frozen; false trains it (a dense ``(v, h)`` gradient every step).
+        padding_free: Full-FT: a batch's rows run as one packed sequence of their real tokens (positions restart
+            per row, block-diagonal attention; ``ccft.core.decoder.full_forward(packed=True)``), the same loss
+            up to fp32 rounding without computing the pads; false: the padded layout.
         activation_checkpointing_min_tokens: with ``activation_checkpointing``, checkpoint only the batches
             whose decoder forward runs at least this many token positions with gradient (rows × padded length:
             the tail for two-pass CCFT, prompt + tail otherwise); shorter batches keep their activations, which
@@ -130,6 +133,9 @@ class TrainConfig(TrainingArguments):
         "help": "Supervised tokens per LM-head + cross-entropy chunk (no full-vocabulary logits); 0: full logits."})
     freeze_embeddings: bool = field(default=True, metadata={
         "help": "decoder_kind=full: freeze the input embedding (with tied embeddings also the LM head)."})
+    padding_free: bool = field(default=True, metadata={
+        "help": "method=full-ft: run a batch's rows as one sequence without pads (as TRL's padding_free); "
+                "false: the padded layout."})
     activation_checkpointing_min_tokens: int = field(default=0, metadata={
         "help": "With activation_checkpointing: checkpoint only batches of at least this many token positions "
                 "with gradient (rows x padded length); shorter ones keep their activations. 0: every batch."})

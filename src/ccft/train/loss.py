@@ -35,6 +35,7 @@ from typing import Iterator
 
 import torch
 
+from ccft.core.decoder import unwrap_pretrained
 from ccft.core.tokens import IGNORE_INDEX
 
 #: Model types whose ``ForCausalLM.forward`` computes ``logits = lm_head(last_hidden_state)`` and nothing
@@ -46,18 +47,9 @@ CHUNKED_LOSS_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smo
 NO_LOGITS = torch.zeros(0, dtype=torch.long)
 
 
-def _unwrap(model) -> torch.nn.Module:
-    """The ``PreTrainedModel`` under accelerate/DDP and PEFT wrappers."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP, DeepSpeed engine
-        model = model.module
-    if hasattr(model, "get_base_model"):  # PeftModel
-        model = model.get_base_model()
-    return model
-
-
 def chunked_loss_unsupported(model) -> str | None:
     """Why the chunked loss would not equal the full-logits loss for ``model`` (any wrapper), or None."""
-    inner = _unwrap(model)
+    inner = unwrap_pretrained(model)
     config = getattr(inner, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in CHUNKED_LOSS_MODEL_TYPES:
@@ -82,7 +74,7 @@ def chunked_loss_unsupported(model) -> str | None:
 
 def lm_head(model) -> torch.nn.Linear:
     """The output projection of ``model`` (any wrapper); check ``chunked_loss_unsupported`` first."""
-    return _unwrap(model).get_output_embeddings()
+    return unwrap_pretrained(model).get_output_embeddings()
 
 
 @contextlib.contextmanager
@@ -93,7 +85,7 @@ def capture_final_hidden(model) -> Iterator[dict]:
     The hook sits on the body module (``get_decoder()``), so the call still goes through every wrapper
     (DDP, DeepSpeed, PEFT) and gradient checkpointing works as usual."""
     holder: dict = {}
-    body = _unwrap(model).get_decoder()
+    body = unwrap_pretrained(model).get_decoder()
 
     def hook(module, args, output):
         holder["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]

@@ -189,7 +189,8 @@ class CacheConditionedTrainer(Trainer):
             return decoder_forward(model, cache, inputs["tail_ids"], inputs["tail_mask"],
                                    logits_to_keep=0 if logits_to_keep is None else logits_to_keep)
         return full_forward(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"],
-                            inputs["tail_mask"], logits_to_keep=logits_to_keep)
+                            inputs["tail_mask"], logits_to_keep=logits_to_keep,
+                            packed=bool(getattr(self.args, "padding_free", False)))
 
     def response_nll(self, model, inputs, *, logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                               torch.Tensor | None]:
@@ -211,12 +212,14 @@ class CacheConditionedTrainer(Trainer):
         return total, nll_rows, count_rows, out if logits else None
 
     def grad_tokens(self, inputs) -> int:
-        """Token positions the decoder's forward runs with gradient for a collated batch (rows × padded length):
-        the tail on the two-pass CCFT path, the prompt and the tail otherwise (one-pass and Full-FT run the
-        whole sequence in one forward)."""
+        """Token positions the decoder's forward runs with gradient for a collated batch: the tail (rows × padded
+        length) on the two-pass CCFT path; the prompt and the tail otherwise (one-pass and Full-FT run the whole
+        sequence in one forward), their real tokens only with Full-FT's ``padding_free``."""
         tail = inputs["tail_ids"].numel()
         if self.method == "ccft" and self.train_path != "one-pass":
             return tail
+        if self.method == "full-ft" and getattr(self.args, "padding_free", False):  # only the real tokens run
+            return int(inputs["prefix_mask"].sum() + inputs["tail_mask"].sum())
         return tail + inputs["prefix_ids"].numel()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
