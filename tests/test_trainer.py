@@ -226,6 +226,7 @@ def test_padding_free_full_ft_equals_the_padded_layout(tmp_path, tiny_dir, short
     cfg, _ = config(tiny_dir, tmp_path / "run", short_data, decoder_kind=kind, method="full-ft")
     assert cfg.padding_free is True
     base, decoder, train_set, _, trainer = setup(cfg)
+    assert trainer.packs_full_ft and trainer.padding_free_reason is None
     perturb(decoder.model, lora_only=kind == "lora")
     batch = trainer.data_collator([train_set[i] for i in (1, 6, 11)])
     args = (batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"], batch["tail_mask"])
@@ -248,6 +249,20 @@ def test_padding_free_full_ft_equals_the_padded_layout(tmp_path, tiny_dir, short
     assert grads[True].keys() == grads[False].keys() and grads[True]
     for n, g in grads[False].items():
         assert torch.allclose(grads[True][n], g, atol=1e-5, rtol=1e-4), n
+
+
+def test_padding_free_falls_back_to_the_padded_layout_for_a_model_it_cannot_pack(tmp_path, tiny_dir, short_data,
+                                                                                   monkeypatch):
+    """A model type outside ``PADDING_FREE_MODEL_TYPES`` (its mask may ignore restarting positions, letting rows
+    attend across the pack) trains the padded layout, says why, and counts padded positions."""
+    from ccft.core import decoder as decoder_mod
+
+    cfg, _ = config(tiny_dir, tmp_path / "run", short_data, decoder_kind="lora", method="full-ft")
+    monkeypatch.setattr(decoder_mod, "PADDING_FREE_MODEL_TYPES", frozenset({"not-this-model"}))
+    *_, train_set, _, trainer = setup(cfg)
+    assert trainer.packs_full_ft is False and "is not one of ['not-this-model']" in trainer.padding_free_reason
+    batch = trainer.data_collator([train_set[i] for i in (1, 6, 11)])
+    assert trainer.grad_tokens(batch) == batch["prefix_ids"].numel() + batch["tail_ids"].numel()
 
 
 # ------------------------------------------------------------------ 3: K1 / invariant 2

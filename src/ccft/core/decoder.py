@@ -125,7 +125,9 @@ def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tai
     the positions), then put the body's output back in the padded ``(b, p + t, h)`` layout (zeros at pads)
     before the LM head, so callers (and ``ccft.train.loss.capture_final_hidden``) see the same shapes. The
     same function as the padded forward, without computing the pads: equal up to fp32 rounding
-    (``tests/test_decoder.py``), faster when rows differ in length (docs/training.md, "Full-FT without padding").
+    (``tests/test_trainer.py``), faster when rows differ in length (docs/training.md, "Full-FT without padding").
+    Check ``padding_free_unsupported(model)`` first: packing relies on the model building its mask from the
+    positions.
     """
     if isinstance(model, Decoder):
         model = model.activate()
@@ -161,6 +163,25 @@ def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tai
     finally:
         handle.remove()
     return out.logits[:, -t:]
+
+
+#: Model types whose attention mask transformers builds with ``masking_utils.create_causal_mask``, which turns
+#: positions that restart inside one row into a block-diagonal mask when no 2-D attention mask is given.
+PADDING_FREE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3"})
+
+
+def padding_free_unsupported(model) -> str | None:
+    """Why ``full_forward(packed=True)`` would not equal the padded forward for ``model`` (any wrapper), or None.
+
+    Packed rows are kept apart only by their positions, so the model type must build its causal mask from them
+    (``PADDING_FREE_MODEL_TYPES``); any other model would let a row attend to the rows packed before it."""
+    inner = unwrap_pretrained(model)
+    model_type = getattr(getattr(inner, "config", None), "model_type", None)
+    if model_type not in PADDING_FREE_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {sorted(PADDING_FREE_MODEL_TYPES)}"
+    if not hasattr(inner, "get_decoder"):
+        return f"{type(inner).__name__} has no get_decoder() whose output can be unpacked"
+    return None
 
 
 def unwrap_pretrained(model) -> torch.nn.Module:

@@ -33,14 +33,17 @@ import torch.nn.functional as F
 from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.utils import logging
 
 from ccft.core.cache import prefill_tensors
-from ccft.core.decoder import decoder_forward, full_forward
+from ccft.core.decoder import decoder_forward, full_forward, padding_free_unsupported
 from ccft.core.io import replace_dir
 from ccft.core.tokens import IGNORE_INDEX
 from ccft.train.data import Collator
 from ccft.train.fastpath import gate_for_step, one_pass_forward, resolve_train_path
 from ccft.train.loss import NO_LOGITS, capture_final_hidden, chunked_loss_unsupported, chunked_nll, lm_head
+
+logger = logging.get_logger(__name__)
 
 #: Where checkpoints are written before they are renamed into ``OUTPUT_DIR/checkpoint-N``.
 STAGING_DIR = ".staging"
@@ -109,7 +112,9 @@ class CacheConditionedTrainer(Trainer):
             ``Collator.features`` columns); data_collator: ``ccft.train.data.Collator``.
     Paths (``args.train_path``, resolved into ``self.train_path``; see ``ccft.train.fastpath``): CCFT runs
     ``two-pass`` (no-grad base prefill, then the decoder on the tail) or, LoRA only, ``one-pass``
-    (one forward, LoRA gated off on the prefix); Full-FT runs ``self-prefill``.
+    (one forward, LoRA gated off on the prefix); Full-FT runs ``self-prefill``, its rows packed into one
+    sequence without pads when ``args.padding_free`` and the model qualifies (``self.packs_full_ft``; why not:
+    ``self.padding_free_reason``, from ``ccft.core.decoder.padding_free_unsupported``).
     Loss (``self.loss_path``): ``chunked`` (``args.loss_chunk_tokens`` > 0 and the model qualifies,
     ``ccft.train.loss``: the LM head and cross-entropy over the supervised tokens, that many at a time, no
     full-vocabulary logits; the tail's logits are still computed where they are returned: ``return_outputs``,
@@ -145,6 +150,9 @@ class CacheConditionedTrainer(Trainer):
         chunk = int(getattr(self.args, "loss_chunk_tokens", 0) or 0)
         self.loss_unchunked_reason = "loss_chunk_tokens=0" if chunk <= 0 else chunked_loss_unsupported(self.model)
         self.loss_path = "full-logits" if self.loss_unchunked_reason else "chunked"
+        self.padding_free_reason = padding_free_unsupported(self.model) if self.method == "full-ft" else None
+        if self.padding_free_reason and getattr(self.args, "padding_free", False):
+            logger.warning("padding_free: Full-FT runs the padded layout: %s", self.padding_free_reason)
         if base is not None and self.method == "ccft" and self.is_deepspeed_enabled:
             from ccft.train.distributed import place_frozen_base
 
@@ -190,7 +198,7 @@ class CacheConditionedTrainer(Trainer):
                                    logits_to_keep=0 if logits_to_keep is None else logits_to_keep)
         return full_forward(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"],
                             inputs["tail_mask"], logits_to_keep=logits_to_keep,
-                            packed=bool(getattr(self.args, "padding_free", False)))
+                            packed=self.packs_full_ft)
 
     def response_nll(self, model, inputs, *, logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                               torch.Tensor | None]:
@@ -211,6 +219,12 @@ class CacheConditionedTrainer(Trainer):
         total, nll_rows, count_rows = chunked_nll(hidden, labels, lm_head(model), self.args.loss_chunk_tokens)
         return total, nll_rows, count_rows, out if logits else None
 
+    @property
+    def packs_full_ft(self) -> bool:
+        """Whether Full-FT batches run packed (``args.padding_free`` and no ``self.padding_free_reason``)."""
+        return (self.method == "full-ft" and bool(getattr(self.args, "padding_free", False))
+                and self.padding_free_reason is None)
+
     def grad_tokens(self, inputs) -> int:
         """Token positions the decoder's forward runs with gradient for a collated batch: the tail (rows × padded
         length) on the two-pass CCFT path; the prompt and the tail otherwise (one-pass and Full-FT run the whole
@@ -218,7 +232,7 @@ class CacheConditionedTrainer(Trainer):
         tail = inputs["tail_ids"].numel()
         if self.method == "ccft" and self.train_path != "one-pass":
             return tail
-        if self.method == "full-ft" and getattr(self.args, "padding_free", False):  # only the real tokens run
+        if self.packs_full_ft:  # only the real tokens run
             return int(inputs["prefix_mask"].sum() + inputs["tail_mask"].sum())
         return tail + inputs["prefix_ids"].numel()
 
