@@ -184,10 +184,16 @@ def padding_free_unsupported(model) -> str | None:
     return None
 
 
-def unwrap_pretrained(model) -> torch.nn.Module:
-    """The ``PreTrainedModel`` under accelerate/DDP/DeepSpeed and PEFT wrappers."""
+def unwrap_distributed(model) -> torch.nn.Module:
+    """The module under accelerate/DDP/DeepSpeed wrappers (a ``PeftModel`` stays one)."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP, DeepSpeed engine
         model = model.module
+    return model
+
+
+def unwrap_pretrained(model) -> torch.nn.Module:
+    """The ``PreTrainedModel`` under accelerate/DDP/DeepSpeed and PEFT wrappers."""
+    model = unwrap_distributed(model)
     if hasattr(model, "get_base_model"):  # PeftModel
         model = model.get_base_model()
     return model

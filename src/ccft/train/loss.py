@@ -35,7 +35,7 @@ from typing import Iterator
 
 import torch
 
-from ccft.core.decoder import unwrap_pretrained
+from ccft.core.decoder import unwrap_distributed, unwrap_pretrained
 from ccft.core.tokens import IGNORE_INDEX
 
 #: Model types whose ``ForCausalLM.forward`` computes ``logits = lm_head(last_hidden_state)`` and nothing
@@ -54,10 +54,7 @@ def chunked_loss_unsupported(model) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in CHUNKED_LOSS_MODEL_TYPES:
         return f"model type {model_type!r} is not one of {sorted(CHUNKED_LOSS_MODEL_TYPES)}"
-    peft_model = model
-    while hasattr(peft_model, "module") and isinstance(peft_model.module, torch.nn.Module):
-        peft_model = peft_model.module
-    peft_config = getattr(peft_model, "peft_config", None)
+    peft_config = getattr(unwrap_distributed(model), "peft_config", None)
     if isinstance(peft_config, dict):
         for name, cfg in peft_config.items():
             if getattr(cfg, "alora_invocation_tokens", None):
