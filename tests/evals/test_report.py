@@ -164,3 +164,16 @@ def test_deltas_table_names_the_pairs_behind_nll_and_scores():
     assert modes_table(summary).splitlines()[-1].endswith("| 100 (NLL), 50 (scored) |")
     summary["deltas_vs_full_ft"]["naive"]["em"]["n"] = 100
     assert modes_table(summary).splitlines()[-1].endswith("| 100 |")
+
+
+def test_hardware_line_names_the_cpu_vector_instructions_and_threads(monkeypatch):
+    # two machines with the same CPU model name ran the study 1.7x apart; the line must tell them apart
+    import torch
+
+    from ccft.evals.results import hardware
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    line = hardware()
+    assert "(AVX512)" in line and f"using {torch.get_num_threads()} threads" in line
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert "(AVX2)" in hardware()

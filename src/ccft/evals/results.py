@@ -131,7 +131,9 @@ def check_resumable(folder: Path, meta: dict, settings: dict, base_fingerprint: 
 
 
 def hardware() -> str:
-    """One line naming the CPU/GPU and thread count the numbers were measured on."""
+    """One line naming the CPU/GPU, the CPU vector instructions torch's kernels use and the thread count the numbers
+    were measured on (two CPUs with the same model name can differ: an AVX2-only one ran the study's training
+    ~1.7x slower than one whose line did not say; docs/study.md, "Time")."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -142,7 +144,9 @@ def hardware() -> str:
     except OSError:
         pass
     dev = f"CUDA {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__} using {torch.get_num_threads()} threads, {dev}"
+    isa = torch.backends.cpu.get_cpu_capability()  # e.g. AVX2, AVX512: the kernels torch dispatches to
+    return (f"{cpu} ({isa}), {os.cpu_count()} logical cores, torch {torch.__version__} using "
+            f"{torch.get_num_threads()} threads, {dev}")
 
 
 def describe_base(base) -> str:
