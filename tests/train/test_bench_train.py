@@ -76,3 +76,52 @@ def test_repeated_runs_are_reported_as_medians_with_every_value_kept():
     assert m["repeats"] == 3 and m["all"] == {"step_s": [1.0, 3.0, 2.0], "peak_rss_mb_rusage": [2600.0, 3300.0, 2700.0]}
     assert m["head_trains"] is False  # booleans are not averaged
     assert median_runs(runs[:1]) == runs[0] and "repeats" not in median_runs(runs[:1])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_bench_train_runs_ccft_and_trl_with_the_same_activation_checkpointing(tmp_path, tiny_dir, checkpointing):
+    # TRL's SFTConfig turns activation checkpointing on by default, ccft's TrainConfig leaves it off: the bench states
+    # it for both, or ccft's peak memory and speed would be compared with a trainer that recomputes its activations
+    from ccft.cli.main import main
+
+    out = tmp_path / "train.json"
+    before = torch.get_num_threads()
+    try:
+        assert main(["bench", "train", "--model", str(tiny_dir), "--kinds", "lora", "--ratios", "1:1",
+                     "--row-tokens", "12", "--batch-size", "2", "--steps", "1", "--warmup", "0", "--threads", "1",
+                     "--in-process", "--out", str(out)] + (["--activation-checkpointing"] if checkpointing else [])) == 0
+    finally:
+        torch.set_num_threads(before)
+    result = json.loads(out.read_text())
+    assert result["activation_checkpointing"] is checkpointing
+    runs = result["cases"][0]["runs"]
+    assert "trl-sft" in runs and len(runs) >= 3
+    assert {m: r["activation_checkpointing"] for m, r in runs.items()} == {m: checkpointing for m in runs}
+    # anonymous memory is part of the resident set and grows while training
+    for r in runs.values():
+        assert 0 < r["setup_anon_mb"] <= r["peak_anon_mb"] <= r["peak_rss_mb"]
+    case = result["cases"][0]
+    full, trl = runs["ccft-full-ft"], runs["trl-sft"]
+    assert case["fullft_anon_peak_vs_trl"] == pytest.approx(full["peak_anon_mb"] / trl["peak_anon_mb"], rel=1e-12)
+    assert result["fullft_anon_peak_vs_trl"] == case["fullft_anon_peak_vs_trl"]
+
+
+def test_anonymous_memory_leaves_out_file_pages_that_were_only_read(tmp_path):
+    # a frozen base's weights are memory-mapped from safetensors and only read: resident, but not anonymous memory
+    import mmap
+
+    from ccft.bench.train import RSSPeak
+
+    path = tmp_path / "weights.bin"
+    size = 64 * 2 ** 20
+    path.write_bytes(b"\x01" * size)
+    meter = RSSPeak()
+    rss0, anon0 = meter.rss(), meter.rss_anon()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        assert sum(mm[i] for i in range(0, size, 4096)) == size // 4096  # every page read
+        rss1, anon1 = meter.rss(), meter.rss_anon()
+    assert rss1 - rss0 >= 48 * 2 ** 20
+    assert anon1 - anon0 < 16 * 2 ** 20
+    buf = bytearray(size)  # written memory is anonymous
+    buf[::4096] = b"\x02" * (size // 4096)
+    assert meter.rss_anon() - anon1 >= 48 * 2 ** 20

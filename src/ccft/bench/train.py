@@ -26,7 +26,10 @@ work. Ratios: CCFT speedup over ccft Full-FT against (a) the plain FLOP-count sp
 optimizer update a common per-step cost), and ccft Full-FT speed ÷ TRL's. The JSON's top level has
 ``fraction_of_theory`` and ``fraction_of_reachable`` (the lowest over the cases, for the default CCFT
 path), ``fullft_vs_trl`` (the lowest over the cases), ``peak_rss_mb`` (per case and method) and
-``fullft_peak_vs_trl`` (the highest over the cases of ccft Full-FT's peak ÷ TRL's). ``--store`` adds the
+``fullft_peak_vs_trl`` (the highest over the cases of ccft Full-FT's peak ÷ TRL's), and the same for the sampled
+peak of anonymous memory (``peak_anon_mb``, ``fullft_anon_peak_vs_trl``: without the file-backed pages of
+memory-mapped weights that were only read, such as a frozen base's). Both trainers run with the same activation
+checkpointing (``--activation-checkpointing``; off by default in both, stated per run). ``--store`` adds the
 C_base store's break-even: prefill vs read time per prefix token and the epochs after which precomputing pays.
 """
 
@@ -103,23 +106,41 @@ def build_rows(tokenizer, n: int, p: int, r: int) -> list[tuple[list[int], list[
 # ------------------------------------------------------------------ measurement helpers
 
 class RSSPeak:
-    """Samples this process's resident set size every few ms; ``peak`` in bytes."""
+    """Samples this process's resident set size every few ms; ``peak`` in bytes, and ``peak_anon``: the peak of its
+    anonymous part (``RssAnon`` in ``/proc/self/status``: tensors, optimizer state, the Python heap), which leaves
+    out file-backed pages such as weights memory-mapped from a safetensors file that were read but never written
+    (clean pages the kernel can drop and read again). ``peak_anon`` is 0 where the kernel does not report it."""
 
     def __init__(self, interval: float = 0.02):
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self.interval, self.peak, self.peak_anon, self._stop = interval, 0, 0, threading.Event()
         self._page = os.sysconf("SC_PAGE_SIZE")
 
     def rss(self) -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * self._page
 
+    @staticmethod
+    def rss_anon() -> int:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("RssAnon:"):
+                        return int(line.split()[1]) * 1024  # kB
+        except OSError:
+            pass
+        return 0
+
+    def _sample(self):
+        self.peak = max(self.peak, self.rss())
+        self.peak_anon = max(self.peak_anon, self.rss_anon())
+
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
+            self._sample()
             time.sleep(self.interval)
 
     def __enter__(self):
-        self.peak = self.rss()
+        self.peak, self.peak_anon = self.rss(), self.rss_anon()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
         return self
@@ -127,7 +148,7 @@ class RSSPeak:
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
-        self.peak = max(self.peak, self.rss())
+        self._sample()
 
 
 def _step_timer():
@@ -175,7 +196,11 @@ def _train_args(spec: dict, out: str) -> dict:
     return dict(output_dir=out, per_device_train_batch_size=spec["batch"], max_steps=spec["warmup"] + spec["steps"],
                 learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=10 ** 6, save_strategy="no",
                 report_to="none", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
-                weight_decay=0.0)
+                weight_decay=0.0,
+                # stated for both trainers: TRL's SFTConfig turns activation checkpointing on by default and
+                # ccft's TrainConfig (like transformers' TrainingArguments) leaves it off; a default left to each
+                # would compare a recomputing trainer with one that keeps its activations
+                gradient_checkpointing=bool(spec.get("activation_checkpointing", False)))
 
 
 # ------------------------------------------------------------------ one method on one case
@@ -203,7 +228,8 @@ def run_case(spec: dict) -> dict:
         else:
             trainer, extra = _ccft_trainer(spec, rows, out)
         trainer.add_callback(timer)
-        setup_rss = meter.rss()
+        extra["activation_checkpointing"] = bool(trainer.args.gradient_checkpointing)
+        setup_rss, setup_anon = meter.rss(), meter.rss_anon()
         t0 = time.perf_counter()
         with meter:
             trainer.train()
@@ -218,7 +244,8 @@ def run_case(spec: dict) -> dict:
                 opt_s=statistics.median(timer.opt[spec["warmup"]:]),
                 opt_cpu_s=statistics.median(timer.opt_cpu[spec["warmup"]:]), peak_rss_mb_rusage=rusage_mb,
                 tokens_per_s=tokens / step, tokens_per_cpu_s=tokens / cpu, peak_rss_mb=meter.peak / 2 ** 20, train_peak_over_setup_mb=(meter.peak - setup_rss) / 2 ** 20,
-                setup_rss_mb=setup_rss / 2 ** 20, train_wall_s=wall)
+                setup_rss_mb=setup_rss / 2 ** 20, train_wall_s=wall, peak_anon_mb=meter.peak_anon / 2 ** 20,
+                setup_anon_mb=setup_anon / 2 ** 20)
 
 
 def _ccft_trainer(spec, rows, out):
@@ -383,7 +410,8 @@ def run(args) -> dict:
                     spec = {"method": m, "kind": kind, "P": p, "R": r, "batch": args.batch_size, "steps": args.steps,
                             "warmup": args.warmup, "threads": args.threads, "model": args.model,
                             "lora_r": args.lora_r, "loss_chunk_tokens": args.loss_chunk_tokens,
-                            "freeze_embeddings": not args.train_embeddings}
+                            "freeze_embeddings": not args.train_embeddings,
+                            "activation_checkpointing": args.activation_checkpointing}
                     tag = f" #{rep + 1}" if repeats > 1 else ""
                     print(f"[bench] {kind:4s} {a}:{b} {m:14s}{tag} ...", end="", file=sys.stderr, flush=True)
                     res = _worker(spec, args.in_process)
@@ -397,7 +425,7 @@ def run(args) -> dict:
            "repeats": repeats,
            "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "lora_r": args.lora_r,
            "row_tokens": args.row_tokens, "loss_chunk_tokens": args.loss_chunk_tokens,
-           "freeze_embeddings": not args.train_embeddings,
+           "freeze_embeddings": not args.train_embeddings, "activation_checkpointing": args.activation_checkpointing,
            "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
                        "platform": platform.platform()},
            "cases": cases}
@@ -411,6 +439,10 @@ def run(args) -> dict:
     out["peak_rss_mb"] = {f"{c['decoder']} {c['ratio']}": {m: r["peak_rss_mb_rusage"] for m, r in c["runs"].items()}
                           for c in cases}
     out["fullft_peak_vs_trl"] = max(fm) if fm else None
+    fa = [c["fullft_anon_peak_vs_trl"] for c in cases if c.get("fullft_anon_peak_vs_trl") is not None]
+    out["peak_anon_mb"] = {f"{c['decoder']} {c['ratio']}": {m: r.get("peak_anon_mb") for m, r in c["runs"].items()}
+                           for c in cases}
+    out["fullft_anon_peak_vs_trl"] = max(fa) if fa else None
     lora_mem = [c["default_path_peak_le_other"] for c in cases if c.get("default_path_peak_le_other") is not None]
     out["goals"] = {"fraction_of_theory>=0.9": bool(fr) and min(fr) >= 0.9,
                     "fraction_of_reachable>=0.9": bool(fre) and min(fre) >= 0.9,
@@ -460,6 +492,8 @@ def _ratios(case: dict, clock: str) -> None:
     if full and runs.get("trl-sft"):
         case["fullft_vs_trl"] = runs["trl-sft"][key] / full[key]
         case["fullft_peak_vs_trl"] = full["peak_rss_mb_rusage"] / runs["trl-sft"]["peak_rss_mb_rusage"]
+        if full.get("peak_anon_mb") and runs["trl-sft"].get("peak_anon_mb"):
+            case["fullft_anon_peak_vs_trl"] = full["peak_anon_mb"] / runs["trl-sft"]["peak_anon_mb"]
     if "ccft-one-pass" in runs and "ccft-two-pass" in runs:
         other = "one-pass" if default == "two-pass" else "two-pass"
         case["peak_rss_mb_by_path"] = {p: runs[f"ccft-{p}"]["peak_rss_mb"] for p in ("two-pass", "one-pass")}
@@ -470,19 +504,20 @@ def _ratios(case: dict, clock: str) -> None:
 def table(result: dict) -> str:
     key = "cpu_s" if result.get("clock") == "cpu" else "step_s"
     lines = ["| decoder | P:R (tokens) | method | wall s/step | CPU s/step | optimizer CPU s | tokens/CPU-s | "
-             "peak RSS MiB | train growth MiB | speed vs Full-FT |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "peak RSS MiB | peak anon MiB | train growth MiB | speed vs Full-FT |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in result["cases"]:
         full = c["runs"].get("ccft-full-ft")
         for m, r in c["runs"].items():
             rel = f"{full[key] / r[key]:.2f}×" if full else ""
             lines.append(f"| {c['decoder']} | {c['ratio']} ({c['prompt_tokens']}+{c['response_tokens']}) | {m} | "
                          f"{r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['opt_cpu_s']:.3f} | {r['tokens_per_cpu_s']:.1f} | "
-                         f"{r['peak_rss_mb_rusage']:.0f} | {r['train_peak_over_setup_mb']:.0f} | {rel} |")
+                         f"{r['peak_rss_mb_rusage']:.0f} | {r.get('peak_anon_mb') or 0:.0f} | "
+                         f"{r['train_peak_over_setup_mb']:.0f} | {rel} |")
     lines.append("")
     lines.append("| decoder | P:R | theory | reachable (default) | CCFT two-pass | CCFT one-pass | fraction of theory | "
-                 "fraction of reachable | Full-FT ÷ TRL (speed) | Full-FT ÷ TRL (peak) |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+                 "fraction of reachable | Full-FT ÷ TRL (speed) | Full-FT ÷ TRL (peak) | Full-FT ÷ TRL (anon peak) |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     fmt = lambda v, unit="": f"{v:.2f}{unit}" if v is not None else "—"  # noqa: E731
     for c in result["cases"]:
         sp = c["ccft_speedup"]
@@ -490,11 +525,12 @@ def table(result: dict) -> str:
                      f"{fmt(c['reachable_speedup'].get(c['default_path']), '×')} | {fmt(sp.get('two-pass'), '×')} | "
                      f"{fmt(sp.get('one-pass'), '×')} | {fmt(c.get('fraction_of_theory'))} | "
                      f"{fmt(c.get('fraction_of_reachable'))} | {fmt(c.get('fullft_vs_trl'))} | "
-                     f"{fmt(c.get('fullft_peak_vs_trl'))} |")
+                     f"{fmt(c.get('fullft_peak_vs_trl'))} | {fmt(c.get('fullft_anon_peak_vs_trl'))} |")
     lines.append("")
     lines.append(f"fraction_of_theory = {result['fraction_of_theory']}, fraction_of_reachable = "
                  f"{result['fraction_of_reachable']}, fullft_vs_trl = {result['fullft_vs_trl']}, fullft_peak_vs_trl = "
-                 f"{result['fullft_peak_vs_trl']}, goals = {result['goals']}")
+                 f"{result['fullft_peak_vs_trl']}, fullft_anon_peak_vs_trl = {result.get('fullft_anon_peak_vs_trl')}, "
+                 f"goals = {result['goals']}")
     if "c_base_store" in result:
         s = result["c_base_store"]
         us = s["us_per_token"]
@@ -531,6 +567,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ccft's loss_chunk_tokens (supervised tokens per LM-head + CE chunk); 0: full logits")
     p.add_argument("--train-embeddings", action="store_true",
                    help="full weights: train the (tied) embedding too, in ccft and TRL (default: frozen in both)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute activations in the backward, in ccft and TRL alike (default: off in both; TRL's "
+                        "own default is on)")
     p.add_argument("--no-trl", action="store_true", help="skip the TRL SFTTrainer peer")
     p.add_argument("--store", action="store_true", help="also measure the C_base store break-even")
     p.add_argument("--in-process", action="store_true", help="run every method in this process (quick checks)")
