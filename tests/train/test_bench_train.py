@@ -80,8 +80,9 @@ def test_repeated_runs_are_reported_as_medians_with_every_value_kept():
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_bench_train_runs_ccft_and_trl_with_the_same_activation_checkpointing(tmp_path, tiny_dir, checkpointing):
-    # TRL's SFTConfig turns activation checkpointing on by default, ccft's TrainConfig leaves it off: the bench states
-    # it for both, or ccft's peak memory and speed would be compared with a trainer that recomputes its activations
+    # TRL's SFTConfig turns activation checkpointing and bf16 autocast on by default, ccft's TrainConfig leaves both
+    # off: the bench states them for both, or ccft's fp32 peak memory and speed would be compared with a bf16 trainer
+    # that recomputes its activations
     from ccft.cli.main import main
 
     out = tmp_path / "train.json"
@@ -97,6 +98,7 @@ def test_bench_train_runs_ccft_and_trl_with_the_same_activation_checkpointing(tm
     runs = result["cases"][0]["runs"]
     assert "trl-sft" in runs and len(runs) >= 3
     assert {m: r["activation_checkpointing"] for m, r in runs.items()} == {m: checkpointing for m in runs}
+    assert {r["mixed_precision"] for r in runs.values()} == {"no"}  # TRL's SFTConfig defaults to bf16 autocast
     # anonymous memory is part of the resident set and grows while training
     for r in runs.values():
         assert 0 < r["setup_anon_mb"] <= r["peak_anon_mb"] <= r["peak_rss_mb"]

@@ -28,8 +28,9 @@ optimizer update a common per-step cost), and ccft Full-FT speed ÷ TRL's. The J
 path), ``fullft_vs_trl`` (the lowest over the cases), ``peak_rss_mb`` (per case and method) and
 ``fullft_peak_vs_trl`` (the highest over the cases of ccft Full-FT's peak ÷ TRL's), and the same for the sampled
 peak of anonymous memory (``peak_anon_mb``, ``fullft_anon_peak_vs_trl``: without the file-backed pages of
-memory-mapped weights that were only read, such as a frozen base's). Both trainers run with the same activation
-checkpointing (``--activation-checkpointing``; off by default in both, stated per run). ``--store`` adds the
+memory-mapped weights that were only read, such as a frozen base's). Both trainers run in fp32 without mixed
+precision and with the same activation checkpointing (``--activation-checkpointing``; off by default in both),
+stated per run (TRL's own defaults are bf16 autocast and checkpointing on). ``--store`` adds the
 C_base store's break-even: prefill vs read time per prefix token and the epochs after which precomputing pays.
 """
 
@@ -197,10 +198,11 @@ def _train_args(spec: dict, out: str) -> dict:
                 learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=10 ** 6, save_strategy="no",
                 report_to="none", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
                 weight_decay=0.0,
-                # stated for both trainers: TRL's SFTConfig turns activation checkpointing on by default and
-                # ccft's TrainConfig (like transformers' TrainingArguments) leaves it off; a default left to each
-                # would compare a recomputing trainer with one that keeps its activations
-                gradient_checkpointing=bool(spec.get("activation_checkpointing", False)))
+                # stated for both trainers, because their defaults differ: TRL's SFTConfig turns activation
+                # checkpointing and bf16 autocast on, ccft's TrainConfig (like transformers' TrainingArguments)
+                # leaves both off. Left to each, a bf16 trainer that recomputes its activations would be compared
+                # with an fp32 one that keeps them (the bench is fp32: "dtype" in its JSON)
+                gradient_checkpointing=bool(spec.get("activation_checkpointing", False)), bf16=False, fp16=False)
 
 
 # ------------------------------------------------------------------ one method on one case
@@ -229,6 +231,7 @@ def run_case(spec: dict) -> dict:
             trainer, extra = _ccft_trainer(spec, rows, out)
         trainer.add_callback(timer)
         extra["activation_checkpointing"] = bool(trainer.args.gradient_checkpointing)
+        extra["mixed_precision"] = "bf16" if trainer.args.bf16 else "fp16" if trainer.args.fp16 else "no"
         setup_rss, setup_anon = meter.rss(), meter.rss_anon()
         t0 = time.perf_counter()
         with meter:
