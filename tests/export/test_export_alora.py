@@ -2,7 +2,7 @@
 
 The exported adapter is loaded with ``PeftModel.from_pretrained(AutoModelForCausalLM..., OUT)`` and run
 over ``prompt + response`` in one ordinary forward; its logits from the handoff tokens on must equal
-ccft's two-pass reference (``C_base`` from the base, then ``decoder_forward``) within 1e-5 (fp32), and
+ccft's two-pass reference (``C_base`` from the base, then ``decoder_forward``) within 3e-5 (fp32), and
 greedy ``generate`` must give ccft's tokens. Also: the one-token-newline trap (PEFT activates at the
 *last* occurrence of the invocation sequence), and every refusal.
 """
@@ -23,7 +23,7 @@ from ccft.train.export import export_decoder
 from conftest import make_full, make_lora, make_tiny_folder
 
 N_NEW = 12
-TOL = 1e-5
+TOL = 3e-5  # fp32 over 30 layers; kernels differ by CPU (1.1e-5 seen on an AVX2-only CPU)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +222,7 @@ def _assert_stock_peft_matches(dec, model, tokenizer, rows, handoff: int = 4) ->
 @pytest.mark.slow
 def test_alora_export_on_the_embedded_model(tmp_path, tokenizer, gsm8k_rows):
     """The embedded SmolLM2-135M (fp32, 30 layers) with a random non-zero LoRA, handoff_tokens=4: logits within
-    1e-5 of the logits' scale (two passes vs one forward round differently over 30 layers), same greedy tokens."""
+    3e-5 of the logits' scale (two passes vs one forward round differently over 30 layers), same greedy tokens."""
     from ccft.core.models import resolve_model_path
 
     base = ccft.load_base("smollm2-135m-instruct")

@@ -73,11 +73,17 @@ def onednn_available() -> bool:
 
 
 def prepack(lin: Linear) -> Linear:
-    """A copy of ``lin`` with its weight prepacked for oneDNN (no batch-size hint: good for 1..64 rows)."""
+    """A copy of ``lin`` with its weight prepacked for oneDNN (no batch-size hint: good for 1..64 rows); ``lin``
+    itself where oneDNN cannot pack it (not on the CPU, another dtype, or bf16 on a CPU without the
+    instructions oneDNN's bf16 kernels need, e.g. AVX2 only)."""
     if lin.weight.device.type != "cpu" or lin.weight.dtype not in (torch.float32, torch.bfloat16) \
             or not onednn_available():
         return lin
-    return Linear(lin.weight, lin.bias, torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach().contiguous()))
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach().contiguous())
+    except RuntimeError:  # oneDNN's bf16 path needs AVX-512 (or AVX-NE-CONVERT): on an AVX2 CPU the plain linear
+        return lin
+    return Linear(lin.weight, lin.bias, packed)
 
 
 @dataclass
