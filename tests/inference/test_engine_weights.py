@@ -145,3 +145,21 @@ def test_full_decoder_in_place_edit(sharp_dir, prompts):
         got = unpacked.generate(h, decoder="full", max_new_tokens=N_NEW)
     want = ccft.generate([prompts[1]], mode="prefillshare", decoder=full, max_new_tokens=N_NEW)
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
+
+
+def test_prepack_keeps_the_plain_linear_where_onednn_refuses_the_dtype(monkeypatch):
+    # on an AVX2-only CPU oneDNN raises for bf16 weights (no bf16 kernels); the lane must keep F.linear, same output
+    from ccft.inference import weights as W
+
+    if not W.onednn_available():
+        pytest.skip("oneDNN prepacking is not available in this torch build")
+    lin = W.Linear(torch.randn(8, 4), None)
+
+    def refuse(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    kept = W.prepack(lin)
+    assert kept is lin and kept.packed is None
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(kept(x), x @ lin.weight.T, rtol=0, atol=0)
