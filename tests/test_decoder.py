@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -177,6 +179,30 @@ def test_full_decoder_gradient_stays_in_the_copy(tiny_base):
     assert all(g is not None for g in grads) and sum(g.abs().sum() for g in grads) > 0
     assert all(p.grad is None and not p.requires_grad for p in tiny_base.model.parameters())
     assert all(t.grad is None for t in cache.keys + cache.values)
+
+
+def test_full_decoder_starts_from_the_stored_base_weights_in_its_own_memory(tiny_base):
+    """A full-weight decoder loads θ_base from the base's folder (not a copy of base.model): equal weights, its
+    own storage, and no LoRA layers even when the base already hosts an adapter (docs/training.md, Peak memory)."""
+    from safetensors.torch import load_file
+
+    ccft.make_decoder(tiny_base, "lora", method="ccft", adapter_name="math")  # PEFT injects layers into the base
+    decoder = ccft.make_decoder(tiny_base, "full", method="full-ft")
+    stored = load_file(str(Path(tiny_base.path) / "model.safetensors"))
+    state = decoder.model.state_dict()
+    assert not [n for n in state if "lora_" in n or "base_layer" in n]
+    assert set(stored) <= set(state)
+    for name, value in stored.items():
+        assert torch.equal(state[name], value), name
+    base_ptrs = {p.data_ptr() for p in tiny_base.model.parameters()}
+    assert not base_ptrs & {p.data_ptr() for p in decoder.model.parameters()}
+    assert all(p.requires_grad for p in decoder.model.parameters())
+    with torch.no_grad():
+        next(decoder.model.parameters()).add_(1.0)  # training writes to the decoder, never to the base
+    base_state = {n.replace("base_layer.", "").removeprefix("base_model.model."): v
+                  for n, v in tiny_base.model.state_dict().items() if "lora_" not in n}
+    for name, value in stored.items():
+        assert torch.equal(base_state[name], value), name
 
 
 def test_loaded_lora_decoders_with_same_folder_name_do_not_overwrite(tiny_base, tmp_path):

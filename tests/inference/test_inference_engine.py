@@ -7,6 +7,8 @@ and every cache buffer NaN-filled before use (a read of unwritten memory would r
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -396,7 +398,9 @@ def test_decoder_folders_and_clear_errors(world, refs, prompts, tmp_path, tokeni
     with pytest.raises(FingerprintMismatchError, match="conditioned on base"):
         eng.add_decoder("foreign", foreign)
     with pytest.raises(IncompatibleModelError, match="contains LoRA layers"):
-        eng.add_decoder("copied", ccft.make_decoder(base, "full"))  # copied after adapters were attached
+        copied = ccft.make_decoder(base, "full")
+        copied.model = copy.deepcopy(base.model)  # a user's copy taken after adapters were attached
+        eng.add_decoder("copied", copied)
     bad_tok = make_tiny_folder(tmp_path / "badtok", tokenizer)
     from transformers import AutoTokenizer
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -293,13 +294,18 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
     if kind == "full":
         from transformers.integrations import is_deepspeed_zero3_enabled
 
-        if is_deepspeed_zero3_enabled():
-            # The base was loaded partitioned (zero.Init): a deep copy would share its empty shards.
-            # Load the same stored weights again, partitioned for this decoder.
+        stored = bool(base.path) and (Path(base.path) / "config.json").is_file()
+        if is_deepspeed_zero3_enabled() or stored:
+            # Load the stored weights θ_base again (the ones base.fingerprint names) rather than deep-copying
+            # base.model: under ZeRO-3 the base is partitioned (zero.Init) and a copy would share its empty
+            # shards; otherwise a copy reads every memory-mapped page of the base, which a Full-FT run never
+            # touches again (docs/training.md, "Peak memory"), and would carry any adapters PEFT injected into it.
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(base.path, dtype=base.dtype)
-        else:
+            if not is_deepspeed_zero3_enabled():
+                model = model.to(base.device)
+        else:  # a base built in memory (no stored folder)
             model = copy.deepcopy(base.model)
         model.requires_grad_(True)
         model.train()
