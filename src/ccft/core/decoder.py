@@ -284,7 +284,9 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
     """A new decoder initialised from ``base``.
 
     Args:
-        kind: ``"lora"`` (PEFT adapter on the base's weights; one weight copy) or ``"full"`` (a trainable copy).
+        kind: ``"lora"`` (PEFT adapter on the base's weights; one weight copy) or ``"full"`` (a trainable
+            copy of θ_base in its own memory: loaded again from ``base.path`` when that is a stored folder,
+            else a deep copy of ``base.model``).
         lora: ``peft.LoraConfig`` fields (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
             ``init_lora_weights``...). Default: r=16, alpha=32, attention and MLP projections.
     Raises:
