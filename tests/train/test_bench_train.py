@@ -44,6 +44,7 @@ def test_bench_train_reports_reachable_fraction_and_peak_memory(tmp_path, tiny_d
         torch.set_num_threads(before)
     result = json.loads(out.read_text())
     assert result["loss_chunk_tokens"] == 3 and result["freeze_embeddings"] is True and result["repeats"] == 2
+    assert f"({torch.backends.cpu.get_cpu_capability()})" in result["machine"]["hardware"]  # e.g. "(AVX2)"
     assert all(r["repeats"] == 2 for c in result["cases"] for r in c["runs"].values())
     cases = {c["decoder"]: c for c in result["cases"]}
     for kind, case in cases.items():

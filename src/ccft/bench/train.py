@@ -395,6 +395,9 @@ def median_runs(runs: list[dict]) -> dict:
 
 
 def run(args) -> dict:
+    # the CPU's vector instructions change these times (docs/study.md, "Time")
+    from ccft.evals.results import hardware
+
     ratios = [r if isinstance(r, tuple) else token_ratio(r) for r in args.ratios]
     repeats = max(1, int(getattr(args, "repeats", 1) or 1))
     cases = []
@@ -430,7 +433,7 @@ def run(args) -> dict:
            "row_tokens": args.row_tokens, "loss_chunk_tokens": args.loss_chunk_tokens,
            "freeze_embeddings": not args.train_embeddings, "activation_checkpointing": args.activation_checkpointing,
            "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
-                       "platform": platform.platform()},
+                       "platform": platform.platform(), "hardware": hardware()},
            "cases": cases}
     fr = [c["fraction_of_theory"] for c in cases if c.get("fraction_of_theory") is not None]
     fre = [c["fraction_of_reachable"] for c in cases if c.get("fraction_of_reachable") is not None]
