@@ -15,8 +15,12 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# pytest-xdist: one worker per core (at most 4: each holds its own models), a test module per worker at a time so
+# module fixtures are built once. PYTEST_PARALLEL= runs in one process.
+PYTEST_PARALLEL ?= -n auto --maxprocesses 4 --dist loadscope
+
 test: venv  ## the test suite (tiny models, CPU, CI-fast)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-slow: venv  ## real-model tests on the embedded SmolLM2
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

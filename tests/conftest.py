@@ -17,7 +17,10 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT / "src" / "ccft" / "resources" / "gsm8k"
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# `make test` runs pytest-xdist workers (Makefile, PYTEST_PARALLEL): they share the cores instead of each
+# taking two threads on a 2-core machine.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 # ------------------------------------------------------------------ loopback only (in this process)
