@@ -149,3 +149,34 @@ def test_bf16_top1_agreement(worlds, refs, prompts, kind, path):
         assert _rate(_ref_forced_agreement(world, kind, prompts, refs[("float32", kind)])) >= BF16_MIN_AGREEMENT
     elif path != "scheduler":  # the engine teacher-forced on the bf16 reference's tokens
         assert _rate(_forced_agreement(world, kind, path, prompts, want)) >= BF16_MIN_AGREEMENT
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_half_precision_on_a_cpu_without_native_kernels_warns_with_the_fix(tiny_dir, monkeypatch, native):
+    """bf16 on an AVX2-only CPU runs oneDNN's fallback kernels (7x slower than fp32 measured on one): load_base
+    says so and names the fix; where the CPU has the kernels (or in fp32) it says nothing."""
+    import warnings
+
+    import ccft.core.models as models
+
+    monkeypatch.setattr(models, "cpu_has_native_kernels", lambda dtype: native or dtype == torch.float32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        base = ccft.load_base(str(tiny_dir), dtype="bfloat16")
+        ccft.load_base(str(tiny_dir), dtype="float32")
+    slow = [w for w in seen if "native bfloat16 matmul kernels" in str(w.message)]
+    assert base.dtype == torch.bfloat16  # a warning, not a refusal: the run still works
+    if native:
+        assert not slow
+    else:
+        assert len(slow) == 1 and "dtype=float32" in str(slow[0].message)
+        assert slow[0].filename == __file__  # points at the caller's line
+
+
+def test_native_kernel_probe_answers_for_this_cpu():
+    """float32 is always native; the half-precision answers agree with oneDNN's own probes on this machine."""
+    from ccft.core.models import cpu_has_native_kernels
+
+    assert cpu_has_native_kernels(torch.float32)
+    assert cpu_has_native_kernels(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert cpu_has_native_kernels(torch.float16) == torch.ops.mkldnn._is_mkldnn_fp16_supported()

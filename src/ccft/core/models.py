@@ -47,6 +47,31 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ConfigError(f"dtype={dtype!r} is not supported; use one of float32, bfloat16, float16") from None
 
 
+def cpu_has_native_kernels(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs ``dtype`` matmuls in oneDNN's native kernels (float32 always; bfloat16 / float16 need
+    AVX-512 BF16/FP16, AMX or AVX-NE-CONVERT). Without them torch falls back to kernels that were 6-15x slower
+    than float32 on an AVX2-only CPU (docs/training.md, "Results at TRL's settings made equal")."""
+    if dtype == torch.float32:
+        return True
+    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    try:
+        return bool(getattr(torch.ops.mkldnn, probe)())
+    except (AttributeError, RuntimeError, TypeError):  # a torch build without the probe: assume native
+        return True
+
+
+def warn_slow_cpu_dtype(dtype: torch.dtype, device: str | torch.device, what: str) -> None:
+    """Warn (``UserWarning``) when ``what`` will run half-precision matmuls on a CPU without native kernels."""
+    import warnings
+
+    if torch.device(device).type == "cpu" and not cpu_has_native_kernels(dtype):
+        name = str(dtype).replace("torch.", "")
+        warnings.warn(f"{what}: dtype={name} on this CPU ({torch.backends.cpu.get_cpu_capability()}), which has no "
+                      f"native {name} matmul kernels: expect it several times slower than float32. Use "
+                      "dtype=float32 on this CPU (ccft's default), or a CPU with AVX-512 BF16 / AMX, or a GPU",
+                      stacklevel=3)
+
+
 def ccft_home() -> Path:
     """Folder for converted models and other caches: ``$CCFT_HOME`` or ``~/.cache/ccft``."""
     return Path(os.environ.get("CCFT_HOME") or Path.home() / ".cache" / "ccft")
@@ -174,10 +199,13 @@ def load_base(name_or_path: str = DEFAULT_BASE, *, dtype: str | torch.dtype = "f
         dtype: ``float32`` (use it on CPU), ``bfloat16`` or ``float16``.
     Raises:
         ConfigError: embedded package missing or unknown dtype.
+    Warns:
+        UserWarning: ``bfloat16`` / ``float16`` on a CPU without native kernels for it (``cpu_has_native_kernels``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
+    warn_slow_cpu_dtype(torch_dtype, device, f"load_base({name_or_path!r})")
     path = resolve_model_path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     try:
