@@ -4,6 +4,7 @@ the same decode work, the budget holds, and the KV / prefill counts follow Eq. 9
 from __future__ import annotations
 
 import pytest
+import torch
 
 import ccft
 from ccft.bench import serve as serve_bench
@@ -78,6 +79,7 @@ def test_bench_run_eight_agents_both_policies_chunked(tmp_path, tokenizer):
                          "--policy", "both", "--max-running", "12", "--check-outputs", "--threads", "1",
                          "--out", str(tmp_path / "serve.json")])
     result = serve_bench.run(args)
+    assert f"({torch.backends.cpu.get_cpu_capability()})" in result["hardware"]  # e.g. "(AVX2)"
     assert result["agents"] == 8 and result["workload"]["agents"][4:] == ["critic", "search", "writer", "verifier"]
     sat = next(p for p in result["points"] if p["sessions"] == result["saturation_sessions"])
     assert result["work_ratio_at_saturation"] == sat["work_ratio"] > 1

@@ -325,6 +325,8 @@ def eq9(trace, n_agents: int, gen_tokens: int) -> dict:
 
 
 def run(args) -> dict:
+    from ccft.evals.results import hardware  # the CPU's vector instructions (docs/study.md, "Time")
+
     if getattr(args, "from_json", None):  # nothing measured: the saved result with its derived keys recomputed
         return derive(json.loads(Path(args.from_json).read_text()))
     from ccft.serving import workloads
@@ -374,7 +376,7 @@ def run(args) -> dict:
         "benchmark": "serve", "model": desc["model"], "decoders": desc["decoders"], "dtype": str(base.dtype),
         "device": f"{platform.processor() or platform.machine()} CPU" if base.device.type == "cpu"
         else torch.cuda.get_device_name(base.device), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-        "torch": torch.__version__, "agents": len(agents), "workload": {
+        "torch": torch.__version__, "hardware": hardware(), "agents": len(agents), "workload": {
             "kind": args.workload, "agents": agents, "turns": args.turns, "shared_tokens": args.shared_tokens,
             "unique_tokens": args.unique_tokens, "growth_tokens": args.growth_tokens,
             "max_new_tokens": args.max_new_tokens, "new_tokens_spread": getattr(args, "new_tokens_spread", 0.0),
