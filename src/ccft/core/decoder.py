@@ -296,8 +296,9 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
     if kind == "full":
         from transformers.integrations import is_deepspeed_zero3_enabled
 
+        zero3 = is_deepspeed_zero3_enabled()
         stored = bool(base.path) and (Path(base.path) / "config.json").is_file()
-        if is_deepspeed_zero3_enabled() or stored:
+        if zero3 or stored:
             # Load the stored weights θ_base again (the ones base.fingerprint names) rather than deep-copying
             # base.model: under ZeRO-3 the base is partitioned (zero.Init) and a copy would share its empty
             # shards; otherwise a copy reads every memory-mapped page of the base, which a Full-FT run never
@@ -305,7 +306,7 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(base.path, dtype=base.dtype)
-            if not is_deepspeed_zero3_enabled():
+            if not zero3:  # ZeRO-3 places its partitions itself
                 model = model.to(base.device)
         else:  # a base built in memory (no stored folder)
             model = copy.deepcopy(base.model)
