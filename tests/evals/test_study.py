@@ -370,6 +370,33 @@ def test_a_retrained_run_with_the_same_weights_keeps_its_results(tiny_study, tmp
     assert _numbers(out) == _numbers(root / "out-whole")
 
 
+def test_a_task_evaluated_with_other_settings_is_computed_again(tiny_study, tmp_path):
+    """A task folder of the study written with other settings (here: other stop strings, as MultiPL-E's results
+    from before its generation stopped at the stop tokens) is the study's own stale output: computed again with
+    a message naming the setting, not refused with FolderConflictError; the other task's items are kept."""
+    import shutil
+
+    root, _, _ = tiny_study
+    shutil.copytree(root / "out-whole", tmp_path / "out-old")
+    out = tmp_path / "out-old"
+    meta_path = out / "code" / "humaneval" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    now_stop = meta["settings"]["stop"]
+    meta["settings"]["stop"] = []
+    meta_path.write_text(json.dumps(meta))
+    kept = {f: f.stat().st_mtime_ns for f in (out / "math").rglob("items.*.jsonl")}
+    cfg = (root / "whole.yaml").read_text().replace(str(root / "out-whole"), str(out))  # the same runs
+    (tmp_path / "old.yaml").write_text(cfg)
+    proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(tmp_path / "old.yaml")], env=_env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"humaneval was evaluated with other settings {{'stop': ([], {now_stop!r})}}" in proc.stdout
+    assert proc.stdout.count("small tasks decoded together") == 1  # code evaluated again, math reused
+    assert {f: f.stat().st_mtime_ns for f in (out / "math").rglob("items.*.jsonl")} == kept
+    assert json.loads(meta_path.read_text())["settings"]["stop"] == now_stop
+    assert _numbers(out) == _numbers(root / "out-whole")
+
+
 def test_results_of_other_decoders_are_computed_again(tiny_study, tmp_path):
     """Results whose stamp names other decoders (a sitting killed between retraining and evaluation leaves new
     decoders beside old items) are evaluated again, serving too; with these decoders the numbers are the same."""

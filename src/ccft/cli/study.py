@@ -45,7 +45,7 @@ def run(args) -> int:
     from ccft.core.models import load_base, resolve_model_path
     from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.protocol import get_task
-    from ccft.evals.results import clear_task_folder
+    from ccft.evals.results import clear_task_folder, stale_settings
     from ccft.evals.runner import EvalMemo, decode_ahead, run_task
     from ccft.evals.settings import EvalSettings, mode_specs, shared_handoff
     from ccft.evals.study import (
@@ -130,6 +130,14 @@ def run(args) -> int:
         specs = mode_specs(cfg.modes, decoders, paths)
         settings_of = {t: EvalSettings(limit=limit, max_new_tokens=max_new, seed=cfg.seed, handoff_tokens=handoff,
                                        prompt_format=fmt, engine=True) for t, limit, max_new in task_list}
+        # a task folder of this study written with other settings (the study config changed, or the task's
+        # protocol did: MultiPL-E now stops at its stop tokens) is the study's own stale output: computed again
+        for t, _, _ in task_list:
+            diff = {} if fresh else stale_settings(out / name / t, settings_of[t].as_dict(get_task(t)))
+            if diff:
+                print(f"[ccft study] {name}: {t} was evaluated with other settings {diff} (was, now): computing it "
+                      f"again", flush=True)
+                clear_task_folder(out / name / t)
         # tasks too small to fill the engine's rows alone (MultiPL-E: 10 items per language) decode together
         small = [t for t, limit, _ in task_list if limit is not None and limit < cfg.batch_size]
         with phases(f"eval_{name}"):

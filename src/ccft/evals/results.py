@@ -27,6 +27,7 @@ from ccft.core.io import atomic_write_text
 from ccft.evals.records import summarize_task
 
 __all__ = ["FolderConflictError", "append_jsonl", "check_resumable", "clear_task_folder", "describe_base", "folder_records", "hardware",
+           "settings_diff", "stale_settings",
            "item_files", "load_task_folder", "read_jsonl", "write_json"]
 
 
@@ -102,6 +103,23 @@ class FolderConflictError(ConfigError):
     """A result folder holds a run that this one cannot continue (other settings, base, decoder or prompts)."""
 
 
+def settings_diff(old: dict, new: dict) -> dict:
+    """``{key: (was, now)}`` for every setting that differs between a folder's ``meta.json`` settings ``old`` and
+    ``new`` (a key only in ``old`` is ``(was, None)``); empty when a run with ``new`` may continue the folder."""
+    diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
+    diff.update({k: (v, None) for k, v in old.items() if k not in new})
+    return diff
+
+
+def stale_settings(folder: Path, settings: dict) -> dict:
+    """:func:`settings_diff` of the run in ``folder`` (its ``meta.json``) against ``settings``; empty when the folder
+    holds no run yet."""
+    meta_path = Path(folder) / "meta.json"
+    if not meta_path.is_file():
+        return {}
+    return settings_diff(json.loads(meta_path.read_text()).get("settings") or {}, settings)
+
+
 def check_resumable(folder: Path, meta: dict, settings: dict, base_fingerprint: str, modes: dict[str, dict]) -> None:
     """Refuse to add to a folder holding a run with other settings, another base or another decoder per mode.
 
@@ -111,10 +129,8 @@ def check_resumable(folder: Path, meta: dict, settings: dict, base_fingerprint: 
     Raises:
         FolderConflictError: naming what differs and the way out (``--overwrite`` or another ``--out``).
     """
-    old = meta.get("settings") or {}
-    if old != settings:
-        diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
-        diff.update({k: (v, None) for k, v in old.items() if k not in settings})
+    diff = settings_diff(meta.get("settings") or {}, settings)
+    if diff:
         raise FolderConflictError(f"{folder} holds a run with other settings {diff} (was, now); pass --overwrite or "
                           "use another --out folder")
     if meta.get("base_fingerprint") != base_fingerprint:
