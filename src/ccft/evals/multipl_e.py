@@ -7,6 +7,10 @@ php, rb, pl, lua, r, sh (154-161 problems each).
 
 Protocol (MultiPL-E's): completion prompting on the raw prompt; the row's ``stop_tokens`` cut the
 generation *before* the stop string, and the program is ``prompt + completion + "\\n" + tests``.
+Generation stops at them too, as MultiPL-E's own harness does (every row of a language has the same
+``stop_tokens``; they are the task's ``stop``): the text up to the first stop string is the same as
+when decoding on to ``max_new_tokens`` and cutting afterwards, so the scores are too, for fewer
+decoded tokens (about half on the study's records, docs/study.md "Time").
 For brace languages the tests begin with the closing brace the stop string cut (``\\n}`` for
 cpp/rs/sh, ``\\n    }\\n`` for java), so the brace appears exactly once — the stop string is never
 appended back (docs/design.md K8). Verdict: exit status 0 (Perl: and no ``ERROR``; Go: ``go test`` without
@@ -26,11 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ccft.core.errors import DataError
 from ccft.evals.code import CodeTask
 from ccft.evals.execution import check_language, language, run_programs
-from ccft.evals.task_base import EnvironmentCheckError, Item, data_rows, truncate_at_stop
+from ccft.evals.task_base import EnvironmentCheckError, Item, data_rows
 
-__all__ = ["FIXTURES", "MBXP_FILES", "MULTIPL_E_LANGUAGES", "MultiPLETask", "mbxp_canonical_jobs", "tasks"]
+__all__ = ["FIXTURES", "MBXP_FILES", "MULTIPL_E_LANGUAGES", "MultiPLETask", "language_stop", "mbxp_canonical_jobs",
+           "tasks"]
 
 MULTIPL_E_LANGUAGES = ("cpp", "java", "js", "ts", "go", "rs", "php", "rb", "pl", "lua", "r", "sh")
 
@@ -69,6 +75,20 @@ def _rows(lang: str) -> tuple[dict, ...]:
     return tuple(data_rows(f"multipl_e_humaneval/humaneval-{lang}.jsonl"))
 
 
+def language_stop(lang: str) -> tuple[str, ...]:
+    """The ``stop_tokens`` every bundled MultiPL-E row of ``lang`` carries (``("\\n}",)`` for cpp).
+
+    Raises:
+        DataError: the rows of ``lang`` do not all carry the same stop tokens (then no single
+            task-wide stop exists; the bundled data has one per language).
+    """
+    found = {tuple(r["stop_tokens"]) for r in _rows(lang)}
+    if len(found) != 1:
+        raise DataError(f"multipl-e-{lang}: the rows' stop_tokens differ ({sorted(found)}); expected one set "
+                        f"per language as in MultiPL-E's data")
+    return found.pop()
+
+
 def mbxp_canonical_jobs(lang: str, limit: int | None = 10) -> list[tuple[str, dict]]:
     """(task_id, run_program kwargs) for the first ``limit`` MBXP problems of ``lang`` that have a
     canonical solution (not in :data:`MBXP_KNOWN_BROKEN`): ``prompt + canonical_solution + "\\n" +
@@ -98,13 +118,15 @@ class MultiPLETask(CodeTask):
     timeout_s: float = 15.0
     license: str = "MultiPL-E: BSD-3-Clause + no-ML-training clause (evaluation only)"
 
+    def __post_init__(self) -> None:
+        # generation stops where scoring cuts (MultiPL-E's harness does the same); an explicit ``stop`` is kept
+        if not self.stop:
+            self.stop = language_stop(self.language)
+
     def _load_all(self) -> list[Item]:
         return [Item(id=r["name"], prompt=r["prompt"], reference=None,
                      metadata={"tests": r["tests"], "stop": tuple(r["stop_tokens"]), "language": self.language})
                 for r in _rows(self.language)]
-
-    def postprocess(self, item: Item, generation: str) -> str:
-        return truncate_at_stop(self.strip_prompt_echo(item, generation), item.metadata.get("stop", self.stop))
 
     def build_program(self, item: Item, completion: str) -> tuple[str, dict]:
         return item.prompt + completion + "\n" + item.metadata["tests"], {}
