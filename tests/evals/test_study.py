@@ -370,6 +370,16 @@ def test_a_retrained_run_with_the_same_weights_keeps_its_results(tiny_study, tmp
     assert _numbers(out) == _numbers(root / "out-whole")
 
 
+def _study_again_into(root: Path, out: Path) -> subprocess.CompletedProcess:
+    """``ccft study`` with the tiny study's config and runs, writing into ``out`` (a copy of its results)."""
+    cfg = _write(out.parent / f"{out.name}.yaml", (root / "whole.yaml").read_text().replace(str(root / "out-whole"),
+                                                                                            str(out)))
+    proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def test_a_task_evaluated_with_other_settings_is_computed_again(tiny_study, tmp_path):
     """A task folder of the study written with other settings (here: other stop strings, as MultiPL-E's results
     from before its generation stopped at the stop tokens) is the study's own stale output: computed again with
@@ -385,11 +395,7 @@ def test_a_task_evaluated_with_other_settings_is_computed_again(tiny_study, tmp_
     meta["settings"]["stop"] = []
     meta_path.write_text(json.dumps(meta))
     kept = {f: f.stat().st_mtime_ns for f in (out / "math").rglob("items.*.jsonl")}
-    cfg = (root / "whole.yaml").read_text().replace(str(root / "out-whole"), str(out))  # the same runs
-    (tmp_path / "old.yaml").write_text(cfg)
-    proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(tmp_path / "old.yaml")], env=_env(),
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _study_again_into(root, out)
     assert f"humaneval was evaluated with other settings {{'stop': ([], {now_stop!r})}}" in proc.stdout
     assert proc.stdout.count("small tasks decoded together") == 1  # code evaluated again, math reused
     assert {f: f.stat().st_mtime_ns for f in (out / "math").rglob("items.*.jsonl")} == kept
@@ -410,11 +416,7 @@ def test_results_of_other_decoders_are_computed_again(tiny_study, tmp_path):
     (out / "math" / "decoders.json").write_text(json.dumps({**stamp, "ccft": "0" * 64}))
     (out / "serving" / "decoders.json").write_text("{}")
     before = {f: f.stat().st_mtime_ns for f in (out / "code").rglob("items.*.jsonl")}
-    cfg = (root / "whole.yaml").read_text().replace(str(root / "out-whole"), str(out))  # the same runs
-    (tmp_path / "stale.yaml").write_text(cfg)
-    proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(tmp_path / "stale.yaml")], env=_env(),
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _study_again_into(root, out)
     assert proc.stdout.count("reusing finished run") == 4  # nothing retrained
     assert proc.stdout.count("small tasks decoded together") == 1  # math evaluated again, code reused
     assert {f: f.stat().st_mtime_ns for f in (out / "code").rglob("items.*.jsonl")} == before
