@@ -536,3 +536,32 @@ def test_length_chunks_sorts_and_bounds_forwards():
     assert length_chunks({}, max_rows=4, max_tokens=100) == []
     for chunk in length_chunks(list(range(1, 60)), max_rows=16, max_tokens=200):
         assert len(chunk) == 1 or (len(chunk) <= 16 and len(chunk) * max(c + 1 for c in chunk) <= 200)
+
+
+def test_group_prefills_grow_the_arena_once_and_records_stay_the_same(setup, tmp_path, monkeypatch):
+    """Each group sizes the engine's prefix arena once for its producers' prefills (``GroupPrefill.reserve``),
+    so no prefill grows it by doubling; memory only: the records equal a run without the reservation."""
+    from ccft.evals.generation import GroupPrefill
+    from ccft.inference.kv import PrefixArena
+
+    base, _, _, specs = setup
+    grows, reserves = [], []
+    real_grow, real_reserve = PrefixArena._grow, PrefixArena.reserve
+    monkeypatch.setattr(PrefixArena, "_grow", lambda self, tokens: grows.append(tokens) or real_grow(self, tokens))
+    monkeypatch.setattr(PrefixArena, "reserve",
+                        lambda self, tokens: reserves.append(tokens) or real_reserve(self, tokens))
+    settings = EvalSettings(engine=True)
+    task = ToyTask(n=40)  # 32 + 8 items in two groups; two producers (the base and the Full-FT decoder)
+    got = run_task(task, base, specs, tmp_path / "reserved", settings=settings, batch_size=8, progress=False)
+    assert grows == [] and len(reserves) == 2
+    from ccft.evals.scoring import prepare
+
+    prep_widths = [len(p) for p in prepare(task, base.tokenizer, None).prompts]
+    assert reserves[0] == 2 * 32 * (max(sorted(prep_widths)[:32]) - 1)  # shortest prompts first; k = 1
+    monkeypatch.setattr(GroupPrefill, "reserve", lambda self, specs: None)
+    plain = run_task(ToyTask(n=40), base, specs, tmp_path / "plain", settings=settings, batch_size=8,
+                     progress=False)
+    assert grows, "without the reservation a prefill grows the arena (the test needs prompts that overflow it)"
+    for mode in MODES:
+        assert [(r["id"], r["text"], r["new_tokens"], r["nll"]) for r in got.records[mode]] == \
+               [(r["id"], r["text"], r["new_tokens"], r["nll"]) for r in plain.records[mode]]

@@ -175,6 +175,33 @@ def test_arena_allocates_frees_and_grows():
         capped.allocate(3)
 
 
+def test_arena_reserve_grows_once_to_exactly_what_the_regions_need():
+    """Reserving for two regions: one growth to their sum (not a power of two), the regions then fit without
+    another; contents kept; an arena that already has room does not grow; max_tokens caps a reservation."""
+    arena = PrefixArena(2, 1, 4, torch.float32, "cpu", capacity_tokens=8, fill=float("nan"))
+    a = arena.allocate(3)
+    arena.view("k", 1, a, 1, 3).fill_(1.0)
+    arena.reserve(2 * 30)
+    assert arena.generation == 1 and arena.capacity == 3 + 60  # the 5 free tail slots count towards it
+    r1, r2 = arena.allocate(30), arena.allocate(30)
+    assert arena.generation == 1 and {r1, r2} == {3, 33}
+    assert (arena.view("k", 1, a, 1, 3) == 1.0).all()
+    for s in (a, r1, r2):
+        arena.free(s)
+    arena.reserve(40)  # 63 free slots in one range: nothing to do
+    assert (arena.generation, arena.capacity) == (1, 63)
+    # allocating region by region instead doubles to a power of two (what reserve avoids)
+    doubling = PrefixArena(2, 1, 4, torch.float32, "cpu", capacity_tokens=8)
+    doubling.allocate(3)
+    doubling.allocate(40), doubling.allocate(40)
+    assert doubling.capacity == 128 and doubling.generation == 2  # reserve(80) would make it 83, growing once
+    capped = PrefixArena(1, 1, 4, torch.float32, "cpu", capacity_tokens=4, max_tokens=10)
+    capped.reserve(50)
+    assert capped.capacity == 10
+    arena.reserve(0)
+    assert arena.generation == 1
+
+
 def test_tail_pool_grows_keeps_rows_and_compacts():
     pool = TailPool(2, 1, 4, torch.float32, "cpu", slots=1, capacity=4, max_slots=4, max_capacity=64,
                     fill=float("nan"))

@@ -129,6 +129,12 @@ class GroupPrefill:
         #: prefills run so far (one per producer; tests count them)
         self.prefills = 0
 
+    def reserve(self, specs: Sequence[ModeSpec]) -> None:
+        """Size the engine's prefix arena once for the prefills ``specs`` will read (one per producer), so they
+        do not grow it one by one (``SharedPrefillEngine.reserve_prefix``; memory only, same results)."""
+        producers = {producer_of(self.engine, spec) for spec in specs}
+        self.engine.reserve_prefix(self._prompts, handoff_tokens=self.k, prefills=len(producers))
+
     def rows(self, items: Sequence[int]) -> list[int]:
         """The handle rows of ``items`` (runner indices in this group)."""
         return [self._row[i] for i in items]

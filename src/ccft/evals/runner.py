@@ -236,6 +236,8 @@ def decode_ahead(tasks: Sequence[tuple[object, EvalSettings]], base, modes: Sequ
                 prompts.setdefault(st.handoff_tokens, {}).update({(t, i): prep.prompts[i] for i in items})
                 entries.append((t, task, st, prep, rows))
         prefills = {k: GroupPrefill(engine, ps, k) for k, ps in prompts.items()}
+        for group in prefills.values():  # one arena growth for every producer's prefill of the group
+            group.reserve(specs)
         joint = [JointGroup(task, specs, prep, rows, st, _TaskRows(prefills[st.handoff_tokens], t))
                  for t, task, st, prep, rows in entries]
         total = sum(len(v) for g in joint for v in g.rows_by_mode.values())
@@ -367,6 +369,8 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
             rows = todo[start:start + group]
             prefills = GroupPrefill(engine, {i: prep.prompts[i] for i in rows}, settings.handoff_tokens) \
                 if engine is not None else None
+            if prefills is not None:  # one arena growth for the prefills of the modes with work in this group
+                prefills.reserve([s for s in specs if any(i in pending[s.mode] for i in rows)])
             try:
                 if joint:
                     decode_group_jointly(task, specs, prep, {s.mode: [i for i in rows if i in pending[s.mode]

@@ -91,6 +91,26 @@ class PrefixArena:
                 return s
         return None
 
+    def reserve(self, tokens: int) -> None:
+        """Make ``tokens`` contiguous free token slots available now, growing (at most once) to exactly the
+        capacity that needs, instead of the doubling ``allocate`` does when it runs out.
+
+        For a caller that knows what it will allocate (an evaluation group's prefills, one region per
+        producer): one growth to the sum, where allocating region by region doubles the arena for each and
+        holds the old and the new storage at once while copying (on the study's 100 BFCL prompts, two
+        regions of 67,600 slots: 262,144 slots and an 18.9 GiB resident peak; reserved: 135,200).
+        Beyond ``max_tokens`` it grows to ``max_tokens`` (``allocate`` then raises CapacityError).
+        """
+        tokens = int(tokens)
+        if tokens <= 0 or any(n >= tokens for _, n in self.free_ranges):
+            return
+        tail_free = next((n for s, n in self.free_ranges if s + n == self.capacity), 0)
+        new_cap = self.capacity + tokens - tail_free
+        if self.max_tokens is not None:
+            new_cap = min(new_cap, int(self.max_tokens))
+        if new_cap > self.capacity:
+            self._resize(new_cap)
+
     def _grow(self, tokens: int) -> None:
         old_cap = self.capacity
         new_cap = bucket(max(2 * old_cap, old_cap + tokens))
@@ -102,6 +122,10 @@ class PrefixArena:
                 f"the prefix arena holds at most max_prefix_tokens={self.max_tokens} token slots "
                 f"({self.used_tokens} in use, {tokens} requested); release finished PrefixHandles or "
                 "raise max_prefix_tokens")
+        self._resize(new_cap)
+
+    def _resize(self, new_cap: int) -> None:
+        old_cap = self.capacity
         k = _full((self.num_layers, new_cap * self.unit), self.fill, self.dtype, self.device)
         v = _full((self.num_layers, new_cap * self.unit), self.fill, self.dtype, self.device)
         k[:, : old_cap * self.unit].copy_(self.k)
