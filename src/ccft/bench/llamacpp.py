@@ -3,7 +3,7 @@ F32 GGUF, its speed at batch 1 and 16, and its greedy tokens.
 
 * **Source**: the sdist of ``llama-cpp-python`` at :data:`LLAMA_CPP_PYTHON_VERSION` (the pin in the source
   repository's ``constraints.txt``; a test keeps the two equal), which vendors one llama.cpp commit.
-  ``pip download --no-binary :all: --no-deps`` fetches it from the package registry; nothing else is
+  ``pip download --no-binary llama-cpp-python --no-deps`` fetches it from the package registry; nothing else is
   downloaded.
 * **Build** (once, CPU only, cmake + ninja, ``-DGGML_NATIVE=ON``): the tools :data:`TOOLS` in
   :func:`llamacpp_dir` = ``<cache>/llama.cpp/<version>/`` with ``<cache>`` = ``$CCFT_CACHE``, else
@@ -180,7 +180,8 @@ def fetch_source(root: Path, version: str, *, log=print, runner: Runner = subpro
         return source
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
-        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", tmp,
+        # only llama-cpp-python from source: ":all:" would also build every build-backend package from source
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps", "-d", tmp,
               f"llama-cpp-python=={version}"], log=log, runner=runner)
         sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"), None)
         if sdist is None:
@@ -373,19 +374,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict, timeout: float) -> dict:
+def post_json(url: str, body: dict, timeout: float) -> dict:
+    """POST ``body`` as JSON to ``url`` and return the decoded JSON reply (urllib; raises its errors)."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
 
 @contextlib.contextmanager
-def server(build: LlamaCpp, gguf: Path, ctx: int, threads: int, *, log=print, ready_timeout: float = 300.0):
-    """``llama-server`` on 127.0.0.1 (one slot, no web UI) for the ``with`` block; yields its base URL.
+def server(build: LlamaCpp, gguf: Path, ctx: int, threads: int, *, parallel: int = 1, extra_args: Sequence = (),
+           log=print, ready_timeout: float = 300.0):
+    """``llama-server`` on 127.0.0.1 (no web UI, fp32 KV) for the ``with`` block; yields its base URL.
+
+    ``ctx``: context tokens in all (``-c``; llama-server splits it over the ``parallel`` slots, ``-np``);
+    ``extra_args``: more flags (``--lora FILE``, ``--lora-init-without-apply``, ...).
     Raises LlamaCppError when it exits or is not healthy within ``ready_timeout`` seconds."""
     port = _free_port()
     cmd = [build.tool("llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", port, "-t", threads,
-           "-tb", threads, "-c", ctx, *KV_FLAGS, "-np", 1, "--no-webui", "--no-warmup"]
+           "-tb", threads, "-c", ctx, *KV_FLAGS, "-np", parallel, "--no-webui", "--no-warmup", *extra_args]
     log("[ccft] $ " + " ".join(map(str, cmd)))
     with tempfile.TemporaryFile() as errlog:
         proc = subprocess.Popen([str(c) for c in cmd], stdout=errlog, stderr=subprocess.STDOUT)
@@ -424,7 +430,7 @@ def greedy_tokens(build: LlamaCpp, gguf: Path, prompts: Sequence[Sequence[int]],
     out = []
     with server(build, gguf, ctx, threads, log=log) as url:
         for ids in prompts:
-            r = _post(url + "/completion", {"prompt": list(map(int, ids)), "n_predict": new_tokens,
+            r = post_json(url + "/completion", {"prompt": list(map(int, ids)), "n_predict": new_tokens,
                                             "temperature": 0.0, "top_k": 1, "ignore_eos": True,
                                             "cache_prompt": False, "return_tokens": True, "seed": 0}, timeout=600)
             out.append([int(t) for t in r["tokens"]])
