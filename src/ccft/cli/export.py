@@ -1,14 +1,17 @@
-"""``ccft export DECODER --to peft-alora|merged OUT``: a decoder folder for engines that know nothing of ccft.
+"""``ccft export DECODER --to peft-alora|gguf-alora|merged OUT``: a decoder for engines that know nothing of ccft.
 
 ``peft-alora``: a CCFT LoRA decoder as a stock PEFT activated-LoRA adapter whose invocation tokens are
 the decoder's handoff tokens (``PeftModel.from_pretrained(AutoModelForCausalLM..., OUT)`` gives ccft's
 prefillshare logits). ``merged``: a plain transformers folder (a full-weight decoder, or a LoRA one
 merged), with ``ccft.json`` so ``ccft.load_decoder`` still loads it. Both get a ``README.md`` model card.
+``gguf-alora``: the CCFT LoRA decoder and its base as GGUF files for ``llama-server``, whose aLoRA requests
+reuse the base's cached prompt up to the handoff (``ccft.bench.llamacpp_alora``; builds llama.cpp once).
 What is refused and why: ``ccft.train.export``; how to serve the result: docs/deploy.md.
 
 Example::
 
     ccft export runs/math --to peft-alora exports/math-alora
+    ccft export runs/math --to gguf-alora exports/math-gguf
     ccft export runs/math --to merged exports/math-merged --eval-summary reports/eval/gsm8k/summary.json
 """
 
@@ -16,11 +19,15 @@ from __future__ import annotations
 
 from ccft.train.export import EXPORT_TARGETS  # stdlib-only module level: light at parse time
 
+TARGETS = (*EXPORT_TARGETS, "gguf-alora")
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="decoder -> PEFT aLoRA adapter or merged transformers folder (+ model card)")
+    p = sub.add_parser("export", help="decoder -> PEFT aLoRA adapter, llama.cpp aLoRA GGUF, or merged transformers "
+                                      "folder (+ model card)")
     p.add_argument("decoder", help="decoder folder (ccft train output: HF or PEFT files + ccft.json)")
-    p.add_argument("--to", required=True, choices=EXPORT_TARGETS, help="peft-alora (LoRA CCFT decoders) or merged")
+    p.add_argument("--to", required=True, choices=TARGETS,
+                   help="peft-alora / gguf-alora (LoRA CCFT decoders; gguf-alora needs handoff_tokens >= 2) or merged")
     p.add_argument("out", help="new (or empty) output folder")
     p.add_argument("--invocation-text", default=None,
                    help="peft-alora for plain-text prompts only: the fixed text every served prompt ends with "
@@ -45,6 +52,27 @@ def run(args) -> int:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{f}:{e.lineno}:{e.colno}: --eval-summary is not valid JSON ({e.msg}); pass the "
                               "summary.json of a ccft eval task folder") from None
+    if args.to == "gguf-alora":
+        if args.invocation_text is not None:
+            raise ConfigError("--invocation-text is for --to peft-alora; --to gguf-alora exports chat-prompt decoders")
+        from ccft.bench.llamacpp_alora import export_gguf_alora
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            g = export_gguf_alora(args.decoder, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+        if evals:  # the numbers go into the PEFT export's card (the GGUF folder's README points to it)
+            from ccft.core.checkpoint import read_meta
+            from ccft.train.card import write_model_card
+            from ccft.train.export import EXPORT_META_FILE
+
+            write_model_card(g.peft_dir, read_meta(args.decoder),
+                             export=json.loads((g.peft_dir / EXPORT_META_FILE).read_text()), evals=evals)
+        for w in g.warnings:
+            print(f"ccft export: warning: {w}", file=sys.stderr)
+        print(f"[ccft] exported {args.decoder} as gguf-alora -> {g.out} (adapter {g.adapter_gguf.name}, base "
+              f"{g.base_gguf.name}; GGUF invocation tokens {g.invocation_ids}: llama-server turns the adapter on one "
+              f"token before them, at the handoff {g.handoff_ids})")
+        return 0
     from ccft.train.export import export_decoder
 
     with warnings.catch_warnings():  # the warnings are printed once, below, as ccft's own lines

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from ccft.core.errors import ConfigError
 
-__all__ = ["EXPORT_META_FILE", "EXPORT_TARGETS", "ExportResult", "InvocationSequence", "export_alora",
+__all__ = ["EXPORT_META_FILE", "EXPORT_TARGETS", "ExportResult", "InvocationSequence", "check_alora_kind", "export_alora",
            "export_decoder", "export_merged", "invocation_sequence"]
 
 EXPORT_TARGETS = ("peft-alora", "merged")
@@ -184,7 +184,7 @@ def invocation_sequence(meta: dict, tokenizer, *, invocation_text: str | None = 
                               safe_text=tokenizer.decode(suffix[-safe:]) if safe else None)
 
 
-def _check_alora_kind(kind: str, method: str | None, what: str) -> None:
+def check_alora_kind(kind: str, method: str | None, what: str) -> None:
     """Refuse full-weight and non-CCFT decoders for ``peft-alora`` (ConfigError naming the fix)."""
     if kind != "lora":
         raise ConfigError(f"{what} is a full-weight decoder; an aLoRA adapter holds LoRA weights only. Fix: "
@@ -252,7 +252,7 @@ def export_alora(decoder, out: str | os.PathLike, *, invocation_text: str | None
             adapter aLoRA cannot run, or a non-empty ``out`` — all before anything is written.
     """
     what = source or "the decoder"
-    _check_alora_kind(decoder.kind, decoder.method, what)
+    check_alora_kind(decoder.kind, decoder.method, what)
     _check_alora_adapter(decoder, what)
     inv = invocation_sequence(decoder.meta, decoder.base.tokenizer, invocation_text=invocation_text)
     out = Path(out)
@@ -359,7 +359,7 @@ def export_decoder(decoder_path: str | os.PathLike, to: str, out: str | os.PathL
     meta = read_meta(decoder_path)
     kind = meta.get("decoder_kind") or ("lora" if (Path(decoder_path) / "adapter_config.json").is_file() else "full")
     if to == "peft-alora":  # before loading any model
-        _check_alora_kind(kind, meta.get("method"), str(decoder_path))
+        check_alora_kind(kind, meta.get("method"), str(decoder_path))
     if to == "merged" and kind == "lora":
         base = None  # merging rewrites the host's weights: never the caller's base
     decoder = load_decoder(decoder_path, base=base, adapter_name="default" if base is None else None)
