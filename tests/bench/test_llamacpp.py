@@ -102,6 +102,9 @@ def test_interrupted_build_is_discarded_and_redone(clean_env, tmp_path):
     assert not stale.exists()
     kinds = [("download" in c, "-S" in c, "--build" in c) for c in run.calls]
     assert kinds == [(True, False, False), (False, True, False), (False, False, True)]
+    # only the llama-cpp-python sdist from source: ":all:" would build every build backend from source too
+    dl = [str(c) for c in run.calls[0]]
+    assert dl[dl.index("--no-binary") + 1] == "llama-cpp-python" and ":all:" not in dl
     assert all(t in run.calls[2] for t in lc.TOOLS) and all(f in run.calls[1] for f in lc.CMAKE_FLAGS)
     info = json.loads((root / lc.MARKER).read_text())
     assert info["version"] == "9.9" and info["ggml_version"] == "0.25.3" and info == build.build_info
