@@ -536,6 +536,9 @@ def test_metrics_parse_and_count_what_was_served(served, prompt_ids, offline):
     assert delta("ccft_generation_tokens_total") == sum(len(g["token_ids"]) for g in results)
     assert delta("ccft_prompt_tokens_total") == sum(len(b["prompt"]) for b in bodies)
     assert delta("ccft_scheduler_submitted_total") == len(bodies)
+    # both kinds of reuse are exported (a client reads the hit ratio of a window from these counters)
+    for name in ("prefix_hit_tokens", "context_reuse_tokens"):
+        assert _sum(after, f"ccft_scheduler_{name}_total") == served.scheduler.counters[name]
     assert _sum(after, "ccft_live_kv_bytes") == 0
     assert _sum(after, "ccft_queue_depth") == 0 and _sum(after, "ccft_active_requests") == 0
     assert _sum(after, "ccft_prefix_store_bytes") > 0  # the store keeps blocks after the requests end

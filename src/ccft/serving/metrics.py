@@ -48,7 +48,8 @@ class ServerMetrics:
     scheduler's counters (prefills, prefill_tokens, prefix_hit_tokens, decode_steps, ...).
     """
 
-    SCHEDULER_COUNTERS = ("submitted", "admitted", "prefills", "prefill_tokens", "prefix_hit_tokens", "decode_steps",
+    SCHEDULER_COUNTERS = ("submitted", "admitted", "prefills", "prefill_tokens", "prefix_hit_tokens",
+                          "context_reuse_tokens", "decode_steps",
                           "decode_rows", "admission_waits", "done", "cancelled", "error", "rejected_queue_full",
                           "prefill_chunks", "mlfq_demotions", "mlfq_promotions")
 
