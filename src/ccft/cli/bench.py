@@ -1,4 +1,4 @@
-"""``ccft bench {decode,train,serve} [--out FILE] ...``: side-by-side benchmarks that print ratios and write JSON.
+"""``ccft bench {decode,train,serve,peers} [--out FILE] ...``: side-by-side benchmarks that print ratios and write JSON.
 
 The benchmark code is the package ``ccft.bench`` (``ccft.bench.decode``: the inference engine against
 HF ``generate``, with the roofline of the decode step; ``ccft.bench.train``; ``ccft.bench.serve``), so
@@ -16,6 +16,8 @@ BENCHMARKS = {
               "peak memory, fraction of the FLOP-count speedup"),
     "serve": ("ccft.bench.serve", "multi-agent serving, PrefillShare vs --no-share on one KV budget: p50/p95 "
               "latency, TTFT, throughput, prefix hit ratio, peak KV vs Eq. 9"),
+    "peers": ("ccft.bench.peers", "ccft serve vs vLLM (multi-LoRA, prefix caching) and llama.cpp (aLoRA) on the same "
+              "multi-agent traces over HTTP: outputs vs offline, latency, TTFT, throughput, ratios (`make peers` first)"),
 }
 
 
