@@ -170,3 +170,35 @@ def test_gguf_alora_in_llama_server_equals_prefillshare(sharp_dir, tmp_path, tok
             complete(url, prompt, n_new, n_adapters=3)
             assert complete(url, prompt, n_new, adapter_id=0, n_adapters=3)["prompt_n"] == 4
             assert complete(url, prompt, n_new, adapter_id=1, n_adapters=3)["prompt_n"] == 4
+
+
+@pytest.mark.slow
+def test_trained_decoder_on_the_embedded_model_in_llama_server(tmp_path, tokenizer, gsm8k_rows):
+    """``ccft train`` (the math recipe, handoff_tokens=4, 3 steps) on the embedded SmolLM2-135M, exported with
+    ``--to gguf-alora``: llama-server's greedy tokens are ccft prefillshare's on 4 chat prompts x 16 tokens and
+    its log-probabilities are within 1e-3 along them; a base then an aLoRA request recomputes k = 4 tokens.
+    (benchmarks/gguf_alora_equality.py measures 16 prompts x 32 tokens and records the figures.)"""
+    from pathlib import Path
+
+    from ccft.bench.llamacpp_alora import alora_server_args, cache_reuse, compare_with_prefillshare
+    from ccft.train.config import load_recipe
+    from ccft.train.run import run_training
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "math-gsm8k.yaml"
+    cfg, _, raw = load_recipe(recipe, [
+        "handoff_tokens=4", "train_rows=8", "max_steps=3", "per_device_train_batch_size=4",
+        "gradient_accumulation_steps=1", "learning_rate=2e-3", "warmup_steps=0", "eval_strategy=no",
+        "save_strategy=no", "logging_steps=1", "use_cpu=true", "disable_tqdm=true", f"output_dir={tmp_path / 'dec'}"])
+    run_training(cfg, recipe=raw)
+    ex = export_gguf_alora(tmp_path / "dec", tmp_path / "gguf")
+    base = ccft.load_base("smollm2-135m-instruct")
+    dec = ccft.load_decoder(tmp_path / "dec", base=base)
+    prompts = [tokenize_prompt(tokenizer, r["prompt"], chat_template=True) for r in gsm8k_rows[100:104]]
+    build = lc.ensure_built()
+    ctx = max(map(len, prompts)) + 32
+    with lc.server(build, ex.base_gguf, ctx, 2, extra_args=alora_server_args([ex.adapter_gguf])) as url:
+        got = compare_with_prefillshare(dec, url, 0, 1, prompts, 16)
+        reuse = cache_reuse(url, prompts[0], 1)
+    assert got["rows_equal"] == 4, got
+    assert got["max_logprob_gap"] < 1e-3, got
+    assert reuse == {"prompt_tokens": len(prompts[0]), "base_first": len(prompts[0]), "alora_after_base": 4}

@@ -262,4 +262,60 @@ def complete(url: str, prompt_ids: Sequence[int], n_predict: int, *, adapter_id:
             "cached": r.get("tokens_cached"), "top_logprobs": top, "raw": r}
 
 
-__all__ += ["LLAMACPP_EARLY_TOKENS", "LlamaCppError"]
+def compare_with_prefillshare(decoder, url: str, adapter_id: int, n_adapters: int, prompts: Sequence[Sequence[int]],
+                              new_tokens: int, *, n_probs: int = 10) -> dict:
+    """llama-server's aLoRA outputs against ccft's prefillshare for ``decoder`` (a loaded ``ccft.Decoder``).
+
+    Per prompt (token ids), llama-server generates ``new_tokens`` greedily with adapter ``adapter_id`` (its
+    ``n_probs`` top log-probabilities per step, before sampling); ccft computes, on ``C_base(prompt[:n-k])``,
+    the decoder's log-probabilities along llama.cpp's tokens (teacher forcing, so a flipped near tie does not
+    hide the rest of the row) and generates greedily on its own (``ccft.core.generation.generate``).
+
+    Returns ``{"rows", "rows_equal", "rows_equal_share", "max_logprob_gap" (largest |ccft − llama.cpp| over every
+    reported (step, token)), "first_divergence" (per row: the first step whose greedy tokens differ, or None),
+    "margin_at_divergence" (ccft's top-1 − top-2 log-probability there: a near tie when small)}``."""
+    import torch
+
+    import ccft
+    from ccft.core.generation import generate
+
+    k = decoder.handoff_tokens
+    gaps, equal, firsts, margins = [], 0, [], []
+    for prompt in prompts:
+        prompt = [int(t) for t in prompt]
+        got = complete(url, prompt, new_tokens, adapter_id=adapter_id, n_adapters=n_adapters, n_probs=n_probs)
+        toks = got["tokens"]
+        cache = ccft.compute_base_cache(decoder.base, [prompt], handoff_tokens=k)
+        with torch.no_grad():
+            logits = ccft.decoder_forward(decoder, cache, torch.tensor([prompt[-k:] + toks[:-1]]))[0]
+        want = torch.log_softmax(logits[k - 1:].double(), dim=-1)
+        gaps.append(max(abs(float(want[i, t]) - lp) for i, step in enumerate(got["top_logprobs"])
+                        for t, lp in step.items()))
+        own = list(generate([prompt], mode="prefillshare", decoder=decoder, max_new_tokens=new_tokens)[0].token_ids)
+        n = len(own)  # ccft stops at EOS; llama.cpp's request ignores it
+        first = next((i for i in range(n) if own[i] != toks[i]), None)
+        equal += first is None
+        firsts.append(first)
+        if first is not None:
+            top2 = torch.topk(want[first], 2).values
+            margins.append(float(top2[0] - top2[1]))
+        else:
+            margins.append(None)
+    return {"rows": len(prompts), "rows_equal": equal, "rows_equal_share": equal / len(prompts) if prompts else None,
+            "new_tokens": new_tokens, "n_probs": n_probs, "max_logprob_gap": max(gaps, default=None),
+            "logprob_gap_per_row": gaps, "first_divergence": firsts, "margin_at_divergence": margins}
+
+
+def cache_reuse(url: str, prompt: Sequence[int], n_adapters: int, *, new_tokens: int = 4) -> dict:
+    """Prompt tokens llama-server computes for one prompt sent as base, then adapter 0, then adapter 1 (if
+    loaded), each on the cache the previous left (``timings.prompt_n``); the first request gets a fresh slot
+    prompt (``cache_prompt`` false)."""
+    out = {"prompt_tokens": len(prompt),
+           "base_first": complete(url, prompt, new_tokens, n_adapters=n_adapters, cache_prompt=False)["prompt_n"]}
+    out["alora_after_base"] = complete(url, prompt, new_tokens, adapter_id=0, n_adapters=n_adapters)["prompt_n"]
+    if n_adapters > 1:
+        out["alora_after_alora"] = complete(url, prompt, new_tokens, adapter_id=1, n_adapters=n_adapters)["prompt_n"]
+    return out
+
+
+__all__ += ["LLAMACPP_EARLY_TOKENS", "LlamaCppError", "cache_reuse", "compare_with_prefillshare"]
