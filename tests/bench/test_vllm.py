@@ -350,8 +350,9 @@ def test_vllm_serves_random_adapters_like_transformers_and_peft(tmp_path):
                      log=lambda m: None) as url:
         got = {name: [vllm.complete(url, name, p, 16) for p in prompts] for name in loras}
         before = vllm.prefix_cache_metrics(url)
-        vllm.complete(url, "math", prompts[0] * 3, 1)
-        vllm.complete(url, "math", prompts[0] * 3, 1)
+        long = (prompts[0] * 10)[:300]  # > 2 of vLLM-CPU's 128-token prefix blocks (a chat prompt is ~40 tokens)
+        vllm.complete(url, "math", long, 1)
+        vllm.complete(url, "math", long, 1)
         after = vllm.prefix_cache_metrics(url)
     assert got == ref
     assert after["prefix_cache_queries"] > before["prefix_cache_queries"]

@@ -177,6 +177,8 @@ class BFCLMultipleTask(Task):
     #: ``parsed``: at least one call parses (``tool_calls.parse_tool_calls``); ``offered_call``: at least one
     #: parsed call names a function the item offers (right or wrong arguments): the study's secondary metric.
     metrics: tuple[str, ...] = ("accuracy", "offered_call", "parsed")
+    primary_metric: str = "accuracy"
+    secondary_metric: str | None = "offered_call"
     license: str = "Apache-2.0 (bfcl-eval 2026.3.23 / ShishirPatil/gorilla)"
     data: str = "ccft/evals/data/bfcl/BFCL_v4_multiple.json (200 items) + possible answers"
     last_results: list = field(default_factory=list, repr=False, compare=False)

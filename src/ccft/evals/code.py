@@ -32,6 +32,7 @@ class CodeTask(Task):
     language: str = "python"
     timeout_s: float = 10.0
     metrics: tuple[str, ...] = ("pass@1",)
+    primary_metric: str = "passed"  # per item: the share of its samples that pass; its mean is pass@1 (n = 1)
     workers: int = 0  # 0 = os.cpu_count()
     last_results: list = field(default_factory=list, repr=False, compare=False)
 

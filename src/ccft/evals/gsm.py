@@ -30,7 +30,9 @@ class GSM8KTask(Task):
     #: ``answer_format``: the generation states an answer in GSM8K's ``#### N`` form (the strict
     #: extractor finds a number), right or wrong; the study's secondary metric for math (it moves after a
     #: few dozen steps on GSM8K solutions while exact match of a 135M model stays near the floor).
-    metrics: tuple[str, ...] = ("exact_match_strict", "exact_match_flexible", "answer_format")
+    metrics: tuple[str, ...] = ("exact_match_flexible", "exact_match_strict", "answer_format")
+    primary_metric: str = "exact_match_flexible"  # the last number: the model is not taught the ``####`` form
+    secondary_metric: str | None = "answer_format"
     license: str = "MIT (openai/grade-school-math)"
     data: str = "src/ccft/resources/gsm8k/test.jsonl (1,319 rows)"
 

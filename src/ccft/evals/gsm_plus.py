@@ -134,7 +134,9 @@ class GSMPlusTask(Task):
     prompt_style: str = "chat"
     max_new_tokens: int = 256
     default_limit: int | None = 80
-    metrics: tuple[str, ...] = ("exact_match_strict", "exact_match_flexible", "answer_format")
+    metrics: tuple[str, ...] = ("exact_match_flexible", "exact_match_strict", "answer_format")
+    primary_metric: str = "exact_match_flexible"  # the last number: the model is not taught the ``####`` form
+    secondary_metric: str | None = "answer_format"
     license: str = "CC-BY-SA-4.0 (qtli/GSM-Plus data card); derived from GSM8K (MIT)"
     data: str = "ccft/evals/data/gsm_plus/gsmplus_testmini.jsonl (2,400 rows)"
 

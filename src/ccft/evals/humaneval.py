@@ -83,6 +83,7 @@ class HumanEvalTask(CodeTask):
     #: ``compiles``: prompt + completion parse as Python and define the entry point at module level
     #: (``defines_entry_point``; nothing is run); the study's secondary metric for code.
     metrics: tuple[str, ...] = ("pass@1", "compiles")
+    secondary_metric: str | None = "compiles"
     license: str = "MIT (openai/human-eval)"
     data: str = "ccft/evals/data/humaneval/HumanEval.jsonl.gz (164 problems)"
     file: str = "humaneval/HumanEval.jsonl.gz"

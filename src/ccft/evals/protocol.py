@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from ccft.core.errors import ConfigError
 
-__all__ = ["accepts_arg", "get_task", "item_id", "normalize_scores", "primary_metric_of", "score_extras",
+__all__ = ["accepts_arg", "get_task", "item_id", "normalize_scores", "primary_metric_of", "score_extras", "secondary_metric_of",
            "score_texts", "stop_setting", "task_description", "task_name", "task_names", "task_stop"]
 
 
@@ -124,12 +124,19 @@ def score_texts(task, pairs: Sequence[tuple[Any, str]]) -> list:
 
 
 def primary_metric_of(task) -> str | None:
-    """``task.primary_metric``, else the first of ``task.metrics``."""
+    """``task.primary_metric``, else the first of ``task.metrics``: the headline metric of every report
+    (``ccft report``, ``ccft study``, the demo), a key of the summaries' per-mode ``metrics``."""
     p = getattr(task, "primary_metric", None)
     if p:
         return str(p)
     metrics = getattr(task, "metrics", None)
     return str(metrics[0]) if metrics else None
+
+
+def secondary_metric_of(task) -> str | None:
+    """``task.secondary_metric`` (the study's second column), else None."""
+    s = getattr(task, "secondary_metric", None)
+    return str(s) if s else None
 
 
 def accepts_arg(fn) -> bool:

@@ -71,12 +71,20 @@ def _is_rate(metric: str, summary_modes: dict) -> bool:
 
 
 def primary_metric(summary: dict) -> str | None:
-    """The task's declared primary metric, else the first metric any mode reports."""
-    want = (summary.get("meta") or {}).get("primary_metric")
+    """The headline metric of a summary: its task's declared one (``primary_metric_of`` of the registered
+    task, the rule ``ccft study`` reads too), else the one its ``meta`` recorded, else the first metric any
+    mode reports. A declared metric the modes do not report is passed over."""
     keys = sorted({k for m in summary["modes"].values() for k in m.get("metrics", {})})
-    if want and (want in keys or not keys):
-        return want
+    for want in (_declared_primary(summary.get("task")), (summary.get("meta") or {}).get("primary_metric")):
+        if want and (want in keys or not keys):
+            return want
     return keys[0] if keys else None
+
+
+def _declared_primary(task: str | None) -> str | None:
+    from ccft.evals.protocol import get_task, primary_metric_of, task_names
+
+    return primary_metric_of(get_task(task)) if task and task in task_names() else None
 
 
 def provenance(meta: dict, n=None) -> str:

@@ -16,7 +16,8 @@ Every phase resumes: finished training runs are reused (``ccft.train.run.train_o
 one restarts from its newest checkpoint, an evaluation resumes item by item and a sweep point by point.
 Wall time per phase is added up over sittings in ``OUT/phases.json``.
 
-Metrics per task (``TASK_METRICS``): the primary metric is the task's accuracy (exact match, pass@1, BFCL
+Metrics per task (``metrics_of``: what each task declares, ``Task.primary_metric`` / ``secondary_metric``,
+the headline ``ccft report`` reads too): the primary metric is the task's accuracy (exact match, pass@1, BFCL
 AST accuracy); the secondary metric is a coarser property that already moves at the scale of a 135M model
 and a few dozen steps (``#### N`` answer form, code that parses and defines the entry point, a call to an
 offered function). NLL/token on the reference answer is reported for every task.
@@ -40,18 +41,10 @@ from ccft.core.errors import ConfigError
 from ccft.core.io import atomic_write_text, display_path
 from ccft.core.modes import MODES, REFERENCE_MODE
 
-__all__ = ["DECODERS_STAMP", "SPECIALIST_DEFAULT_TASKS", "TASK_METRICS", "SpecialistConfig", "StudyConfig", "StudyPhases",
-           "build_study_report", "full_ft_beats_base", "load_study_config", "run_digest", "stamp_matches",
+__all__ = ["DECODERS_STAMP", "SPECIALIST_DEFAULT_TASKS", "SpecialistConfig", "StudyConfig", "StudyPhases",
+           "build_study_report", "full_ft_beats_base", "load_study_config", "metrics_of", "run_digest", "stamp_matches",
            "study_reading", "study_readme", "task_entry", "write_stamp"]
 
-#: task -> (primary metric, secondary metric or None): the record keys of ``items.MODE.jsonl`` scores.
-TASK_METRICS: dict[str, tuple[str, str | None]] = {
-    "gsm8k": ("exact_match_flexible", "answer_format"),
-    "gsm-plus": ("exact_match_flexible", "answer_format"),
-    "humaneval": ("passed", "compiles"),
-    "humaneval-plus": ("passed", "compiles"),
-    "bfcl-multiple": ("accuracy", "offered_call"),
-}
 #: what each secondary metric means, for reports
 SECONDARY_MEANING = {
     "answer_format": "share of answers in GSM8K's `#### N` form (right or wrong)",
@@ -68,12 +61,31 @@ SPECIALIST_DEFAULT_TASKS = {"math": ("gsm8k", "gsm-plus"), "code": ("humaneval",
 
 
 def metrics_of(task: str) -> tuple[str, str | None]:
-    """(primary, secondary) metric keys of ``task``; MultiPL-E languages: (``passed``, None)."""
-    if task in TASK_METRICS:
-        return TASK_METRICS[task]
-    if task.startswith("multipl-e-"):
-        return ("passed", None)
-    raise ConfigError(f"the study has no metrics for task {task!r}; add it to ccft.evals.study.TASK_METRICS")
+    """(primary, secondary) metric keys of ``task`` as the task declares them (``primary_metric_of``,
+    ``secondary_metric_of``: the same headline ``ccft report`` reads); keys of ``items.MODE.jsonl`` scores.
+
+    Raises:
+        ConfigError: no task of that name.
+    """
+    from ccft.evals.protocol import get_task, primary_metric_of, secondary_metric_of
+
+    t = get_task(task)
+    primary = primary_metric_of(t)
+    if primary is None:
+        raise ConfigError(f"task {task!r} declares no metrics; give it a primary_metric")
+    return primary, secondary_metric_of(t)
+
+
+def __getattr__(name: str):
+    if name == "TASK_METRICS":  # deprecated: each task declares its metrics (``Task.primary_metric``)
+        import warnings
+
+        from ccft.evals.protocol import task_names
+
+        warnings.warn("ccft.evals.study.TASK_METRICS is deprecated; read metrics_of(task) or the task's "
+                      "primary_metric / secondary_metric", DeprecationWarning, stacklevel=2)
+        return {t: metrics_of(t) for t in task_names()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -176,7 +188,10 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
             raise ConfigError(f"{p}: specialists.{name}: unknown key(s) {bad}; use {sorted(_SPEC_KEYS)}")
         tasks = {}
         for t, ts in (s.get("tasks") or {}).items():
-            metrics_of(t)
+            try:
+                metrics_of(t)
+            except ConfigError as e:
+                raise ConfigError(f"{p}: specialists.{name}.tasks.{t}: {e}") from None
             ts = ts or {}
             bad = sorted(set(ts) - {"limit", "max_new_tokens"})
             if bad:

@@ -29,8 +29,11 @@ runner (modes, batching, resumability, reports) never needs to know which benchm
     (stop strings: generation is cut *before* the first one; the runner passes them to the
     generator and ``score`` truncates again, so both paths agree); ``max_new_tokens``;
     ``default_limit`` (items in a default CPU-sized run; ``None`` = all); ``samples`` (n per item:
-    1 = greedy; n > 1 turns on unbiased pass@k for code tasks); ``metrics`` (keys ``score``
-    returns, the primary first); ``license`` and ``data`` (bundled files, for reports).
+    1 = greedy; n > 1 turns on unbiased pass@k for code tasks); ``metrics`` (what ``aggregate``
+    reports); ``primary_metric`` and ``secondary_metric`` (keys ``score`` returns, so every summary
+    holds them per mode: the primary is the headline of ``ccft report``, ``ccft study`` and the demo,
+    the one rule all of them read through ``ccft.evals.protocol.primary_metric_of``); ``license`` and
+    ``data`` (bundled files, for reports).
 
 ``Task`` methods
     ``load(limit)``; ``prompt_ids(tokenizer, item)``; ``score(item, generation)`` — ``generation``
@@ -178,6 +181,8 @@ class Task:
     default_limit: int | None = None
     samples: int = 1
     metrics: tuple[str, ...] = ()
+    primary_metric: str = ""  # a key of ``score``'s dict; "" = the first of ``metrics``
+    secondary_metric: str | None = None
     license: str = ""
     data: str = ""
     system_prompt: str | None = None
@@ -250,7 +255,7 @@ class Task:
     def per_item_scores(self, per_item: Mapping[str, Sequence[Mapping[str, float]]],
                         metric: str | None = None) -> dict[str, float]:
         """One value per item for ``metric`` (default: the primary metric), for paired bootstraps."""
-        metric = metric or self.metrics[0]
+        metric = metric or self.primary_metric or self.metrics[0]
         out = {}
         for item_id, samples in per_item.items():
             vals = [s[metric] for s in samples if metric in s]
@@ -267,7 +272,8 @@ class Task:
         """Settings that name what was measured (for result files and reports)."""
         return {"task": self.name, "prompt_style": self.prompt_style, "stop": list(self.stop),
                 "max_new_tokens": self.max_new_tokens, "default_limit": self.default_limit,
-                "samples": self.samples, "metrics": list(self.metrics), "license": self.license,
+                "samples": self.samples, "metrics": list(self.metrics), "primary_metric": self.primary_metric or None,
+                "secondary_metric": self.secondary_metric, "license": self.license,
                 "data": self.data}
 
 
