@@ -592,8 +592,9 @@ def report(result: dict, out: str | None) -> int:
     print(json.dumps({k: v for k, v in result.items() if k.startswith(("speedup_", "roofline_fraction_", "bandwidth_fraction_",
                                                                       "llamacpp_ratio_"))}))
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2))
+        from ccft.core.io import atomic_write_json
+
+        atomic_write_json(out, result)
         print(f"wrote {out}", file=sys.stderr)
     return 0
 

@@ -598,7 +598,7 @@ def plots(result: dict, folder: str | None) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ccft.core.io import display_path
+    from ccft.core.io import display_path, save_figure
 
     out = []
     for key, r in result.get("runs", {}).items():
@@ -616,7 +616,7 @@ def plots(result: dict, folder: str | None) -> list[str]:
         fig.tight_layout()
         path = Path(folder) / f"serve_peers_{key}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=90)
+        save_figure(fig, path, dpi=90)
         plt.close(fig)
         out.append(display_path(path))
     return out

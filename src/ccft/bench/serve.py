@@ -433,10 +433,10 @@ def plots(result: dict, folder: str | None) -> list[str]:
                  f"{result['device']} ({result['threads']} threads), KV budget "
                  f"{result['kv_budget_bytes'] / 2 ** 20:.0f} MiB", fontsize=9)
     fig.tight_layout()
-    from ccft.core.io import atomic_write_file
+    from ccft.core.io import save_figure
 
     path = str(Path(folder) / "serve_sweep.png")
-    atomic_write_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return [path]
 

@@ -549,8 +549,9 @@ def table(result: dict) -> str:
 def report(result: dict, out: str | None) -> int:
     print(table(result))
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2))
+        from ccft.core.io import atomic_write_json
+
+        atomic_write_json(out, result)
         print(f"[bench] wrote {out}", file=sys.stderr)
     return 0
 

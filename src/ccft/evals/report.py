@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ccft.core.errors import ConfigError
-from ccft.core.io import atomic_write_text, display_path
+from ccft.core.io import atomic_write_text, display_path, save_figure
 from ccft.core.modes import MODES, REFERENCE_MODE, get_mode
 from ccft.evals.records import paired_deltas_by_id, summarize_records
 from ccft.evals.results import hardware, load_task_folder
@@ -338,7 +338,7 @@ def plot_task(summary: dict, path) -> None:
     meta = summary.get("meta") or {}
     fig.suptitle(f"{summary.get('task')} — {meta.get('model')}, n={meta.get('n_items')}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -398,7 +398,7 @@ def plot_sweep(sweep: dict, path) -> None:
     meta = sweep["meta"]
     fig.suptitle(f"Sharing sweep, {meta.get('task')} — {meta.get('model')}, n={meta.get('n_items')}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
