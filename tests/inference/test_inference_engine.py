@@ -8,6 +8,7 @@ and every cache buffer NaN-filled before use (a read of unwritten memory would r
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -437,6 +438,16 @@ def test_decoder_folders_and_clear_errors(world, refs, prompts, tmp_path, tokeni
             k2.add_request(h2, 0, decoder="math")
     with pytest.raises(FingerprintMismatchError):
         k2.prefill_cache(ccft.compute_base_cache(other_base, prompts[:2]))
+    # decoders trained with different k: a prefill without handoff_tokens is refused (ccft.core.decoder.resolve_handoff)
+    math2 = dataclasses.replace(eng.decoders["math"].decoder, handoff_tokens=2)
+    mixed = _engine(base, {"math": eng.decoders["math"].decoder, "math2": math2})
+    with pytest.raises(ConfigError, match=r"different handoff_tokens \[1, 2\].*pass handoff_tokens="):
+        mixed.prefill(prompts[:2])
+    with mixed.prefill(prompts[:2], handoff_tokens=2) as h2:
+        assert h2.handoff_tokens == 2
+    with mixed.prefill(prompts[:2], producer="math2") as own:  # a decoder's own prefill: its k
+        assert own.handoff_tokens == 2
+    mixed.close()
     with pytest.raises(ConfigError, match="cuda_graph"):
         SharedPrefillEngine(base, decode="cuda_graph")
 

@@ -22,6 +22,36 @@ from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.fingerprint import check_compatible
 
 
+def resolve_handoff(handoffs, requested: int | None = None, *, what: str = "the decoders") -> int:
+    """The handoff ``k`` one prefill uses when the decoders trained with ``handoffs`` read it (docs/design.md,
+    "Terms": the decoder recomputes the last k prompt tokens). The one rule every path asks — the engine,
+    the scheduler, the eval runner, the sweep, reference generation.
+
+    Args:
+        handoffs: each reading decoder's ``handoff_tokens`` (ints; None entries, e.g. the base, are skipped).
+        requested: an explicit k; it must equal every decoder's k.
+        what: names the decoders in errors (e.g. ``"decoders ['math', 'code']"``).
+
+    Returns:
+        ``requested``, else the k every decoder shares, else 1 (no decoder: the base's default).
+
+    Raises:
+        ConfigError: the decoders disagree (one ``C_base`` cannot serve both: the fix is one prefill per k,
+            i.e. separate runs, or decoders trained with one k), ``requested`` differs from theirs, or k < 1.
+    """
+    ks = sorted({int(k) for k in handoffs if k is not None})
+    if len(ks) > 1:
+        raise ConfigError(f"{what} were trained with different handoff_tokens {ks}: one prefill cannot serve them; "
+                          "use decoders trained with one handoff_tokens, or separate runs / prefills per value")
+    if requested is not None and ks and int(requested) != ks[0]:
+        raise ConfigError(f"handoff_tokens={requested} was asked for, but {what} were trained with {ks[0]}; "
+                          f"prefill with handoff_tokens={ks[0]}")
+    k = int(requested) if requested is not None else (ks[0] if ks else 1)
+    if k < 1:
+        raise ConfigError(f"handoff_tokens={k}; it must be ≥ 1")
+    return k
+
+
 def reader_dtype(model) -> torch.dtype:
     """The dtype ``model`` computes in: the autocast dtype when autocast is on for its device, else the
     dtype of its first parameter (``Decoder.dtype``'s rule; for LoRA the base's, not the adapters')."""

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ccft.core.decoder import Decoder
-from ccft.core.errors import ConfigError
+from ccft.core.decoder import Decoder, resolve_handoff
 from ccft.core.modes import MODES, check_mode, decoder_for_mode, get_mode
 from ccft.evals.prompting import PromptFormat
 from ccft.evals.protocol import stop_setting, task_name
@@ -135,8 +134,4 @@ def shared_handoff(decoders: Iterable[Decoder]) -> int:
     Raises:
         ConfigError: the decoders disagree (their modes cannot share one ``C_base``).
     """
-    handoffs = {d.handoff_tokens for d in decoders if d is not None}
-    if len(handoffs) > 1:
-        raise ConfigError(f"the decoders were trained with different handoff_tokens {sorted(handoffs)}; "
-                          "evaluate them in separate runs")
-    return handoffs.pop() if handoffs else 1
+    return resolve_handoff((d.handoff_tokens for d in decoders if d is not None), what="the decoders")

@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ccft.core.decoder import Decoder, check_base_reader
+from ccft.core.decoder import Decoder, check_base_reader, resolve_handoff
 from ccft.core.errors import ConfigError
 from ccft.core.generation import generate
 from ccft.core.io import atomic_write_text
@@ -139,15 +139,13 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
         raise ConfigError(f"unknown sharing axis {bad}; use {', '.join(AXES)}")
     for r in rhos:
         recompute_tokens(10, r)  # validates the range
-    handoffs = {d.handoff_tokens for d in decoders.values()}
-    if len(handoffs) > 1:
-        raise ConfigError(f"decoders with different handoff_tokens {sorted(handoffs)}; sweep them separately")
+    handoff = resolve_handoff((d.handoff_tokens for d in decoders.values()), what="the swept decoders")
     for d in decoders.values():
         check_base_reader(base, d)  # K5: before any compute or write
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prep = prepare(task, base.tokenizer, limit if limit is not None else getattr(task, "default_limit", None),
-                   handoffs.pop(), prompt_format)
+                   handoff, prompt_format)
     max_new = int(max_new_tokens or getattr(task, "max_new_tokens", None) or 256)
     settings = {"task": task_name(task), "limit": limit, "gen_rows": gen_rows, "max_new_tokens": max_new,
                 "item_ids_sha": _ids_sha(prep)}

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from ccft.core.decoder import Decoder
+from ccft.core.decoder import Decoder, resolve_handoff
 from ccft.core.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
 from ccft.core.fingerprint import check_compatible, tokenizer_digest, weights_digest_module
 from ccft.core.tokens import eos_token_ids
@@ -278,23 +278,24 @@ class LaneRegistry:
         return Producer(entry.lane.weights, entry.lora_plan(), producer, entry.key)
 
     def handoff(self, handoff_tokens: int | None, producer: str | None = None) -> int:
-        """k: ``handoff_tokens``, else the producer decoder's k, else the k the registered decoders
-        agree on, else 1.
+        """k: ``handoff_tokens``, else the producer decoder's k (its own prefill), else the k the
+        registered decoders share (``ccft.core.decoder.resolve_handoff``: 1 without decoders).
 
         Raises:
-            ConfigError: k < 1.
+            ConfigError: k < 1; no k given and the registered decoders were trained with different ones
+                (which of them will read the prefill is not known here: pass ``handoff_tokens``).
         """
         if handoff_tokens is None:
             entry = self.decoders.get(producer) if producer not in (None, BASE) else None
             if entry is not None and entry.decoder is not None:
-                handoff_tokens = entry.decoder.handoff_tokens
-            else:
-                ks = {e.decoder.handoff_tokens for e in self.decoders.values() if e.decoder is not None}
-                handoff_tokens = ks.pop() if len(ks) == 1 else 1
-        k = int(handoff_tokens)
-        if k < 1:
-            raise ConfigError(f"handoff_tokens={k}; it must be ≥ 1")
-        return k
+                return resolve_handoff([entry.decoder.handoff_tokens], what=f"decoder {producer!r}")
+            try:
+                return resolve_handoff((e.decoder.handoff_tokens for e in self.decoders.values()
+                                        if e.decoder is not None), what="the registered decoders")
+            except ConfigError as e:
+                raise ConfigError(f"{e}; or pass handoff_tokens= (the k of the decoders that will read "
+                                  "this prefill)") from None
+        return resolve_handoff([], handoff_tokens)
 
 
 __all__ = ["Lane", "DecoderEntry", "Producer", "LaneRegistry"]

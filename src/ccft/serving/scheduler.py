@@ -73,6 +73,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from ccft.core.decoder import resolve_handoff
 from ccft.core.errors import CCFTError, ConfigError
 from ccft.core.generation import Generation
 from ccft.inference import BASE, SamplingParams, SharedPrefillEngine, StepError
@@ -332,8 +333,9 @@ class Scheduler:
         return (t._level, t.id) if self.policy == "mlfq" else (0, t.id)
 
     def _handoff(self, decoder: str) -> int:
+        """The k this decoder's requests recompute (``resolve_handoff``: its own; the base's is 1)."""
         d = self.engine.decoders[decoder].decoder
-        return d.handoff_tokens if d is not None else 1
+        return resolve_handoff([d.handoff_tokens] if d is not None else [], what=f"decoder {decoder!r}")
 
     def _split(self, r: ServeRequest) -> tuple[int, int]:
         """(tokens in the context handle's prefix, tokens in the request's tail before generation)."""
