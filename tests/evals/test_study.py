@@ -18,6 +18,7 @@ from ccft.evals.bfcl import calls_offered_function
 from ccft.evals.humaneval import defines_entry_point
 from ccft.evals.protocol import get_task
 from ccft.evals.study import full_ft_beats_base, load_study_config, task_entry
+from ccft.train.config import parse_overrides
 from conftest import make_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,8 +90,15 @@ def test_config_errors_name_the_key_and_the_fix(tmp_path):
     assert cfg.specialists["math"].tasks["gsm8k"].limit == 7 and cfg.batch_size == 4
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['batchsize'\]"):
         load_study_config(good, ["batchsize=4"])
-    with pytest.raises(ConfigError, match="write KEY=value"):
+    with pytest.raises(ConfigError, match="is not key=value"):
         load_study_config(good, ["batch_size"])
+    # one override rule with ccft train (ccft.train.config.parse_override): unquoted text stays text
+    text = load_study_config(good, ["specialists.math.train.system_prompt=Answer: briefly, after #### N"])
+    assert text.specialists["math"].train["system_prompt"] == "Answer: briefly, after #### N"
+    assert parse_overrides(["system_prompt=Answer: briefly, after #### N"])["system_prompt"] == \
+        text.specialists["math"].train["system_prompt"]
+    with pytest.raises(ConfigError, match="not a valid YAML value"):
+        load_study_config(good, ["batch_size=[1, 2"])
     with pytest.raises(ConfigError, match=r"specialists\.math\.tasks\.gsm9k.*unknown task 'gsm9k'"):
         load_study_config(good, ["specialists.math.tasks.gsm9k.limit=3"])
     with pytest.raises(ConfigError, match="max_stepz"):  # a bad training key fails before any model loads

@@ -167,12 +167,11 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
         raise ConfigError(f"{p}: not valid YAML ({e}); see recipes/study.yaml") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: the study config must be a mapping of keys; see recipes/study.yaml")
+    from ccft.train.config import parse_override
+
     for ov in overrides or []:
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r}: write KEY=value (dotted keys for sections, e.g. "
-                              "specialists.tools.train.max_steps=20)")
-        k, v = ov.split("=", 1)
-        _set_dotted(raw, k.strip(), yaml.safe_load(v), str(p))
+        k, v = parse_override(ov, example="specialists.tools.train.max_steps=20; dotted keys reach into sections")
+        _set_dotted(raw, k, v, str(p))
     unknown = sorted(set(raw) - _TOP_KEYS)
     if unknown:
         raise ConfigError(f"{p}: unknown key(s) {unknown}; the study config takes {sorted(_TOP_KEYS)}")

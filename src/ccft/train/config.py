@@ -361,24 +361,35 @@ def check_paths(cfg: "TrainConfig", where: str = "config") -> None:
         raise ConfigError(f"{where}: base folder {str(base)!r} has no config.json; give a Hugging Face model folder")
 
 
+def parse_override(item: str, example: str = "max_steps=10") -> tuple[str, Any]:
+    """One ``key=value`` override -> ``(key, value)``: the rule ``ccft train``, ``ccft demo``, ``ccft eval`` and
+    ``ccft study`` share. The value is YAML (``10`` an int, ``0.5`` a float, ``true``, ``null``, flow
+    collections ``[a, b]`` / ``{k: v}``, quoted strings); unquoted text stays as typed (YAML would read
+    ``Answer: briefly`` as a mapping and cut ``after #### N`` at the comment sign); an empty value is None.
+
+    Raises:
+        ConfigError: not ``key=value`` (the message shows ``example``), or a value that is not valid YAML.
+    """
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not key=value (e.g. {example})")
+    key = key.strip()
+    text = value.strip()
+    try:
+        parsed = yaml.safe_load(value) if text else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}={value!r} is not a valid YAML value "
+                          f"({getattr(e, 'problem', None) or e}); fix the brackets or quotes") from None
+    if isinstance(parsed, (str, dict, list)) and not text.startswith(("{", "[", "'", '"')):
+        parsed = text
+    return key, parsed
+
+
 def parse_overrides(overrides: list[str] | None) -> dict:
-    """``["key=value", ...]`` -> dict with YAML-parsed values; ConfigError on a malformed item."""
+    """``["key=value", ...]`` -> dict (``parse_override`` per item; ``eval.KEY`` into the ``eval`` section)."""
     out: dict[str, Any] = {}
     for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} is not key=value (e.g. max_steps=10)")
-        key = key.strip()
-        text = value.strip()
-        try:
-            parsed = yaml.safe_load(value) if text else None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {key}={value!r} is not a valid YAML value "
-                              f"({getattr(e, 'problem', None) or e}); fix the brackets or quotes") from None
-        if isinstance(parsed, (str, dict, list)) and not text.startswith(("{", "[", "'", '"')):
-            # Unquoted text stays as typed: YAML would read `Answer: briefly` as a mapping and cut
-            # `after #### N` at the comment sign. Collections use flow syntax: [a, b], {k: v}.
-            parsed = text
+        key, parsed = parse_override(item)
         if key.startswith("eval."):
             out.setdefault("eval", {})[key[5:]] = parsed
         else:
