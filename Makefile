@@ -25,8 +25,9 @@ test: venv  ## the test suite (tiny models, CPU, CI-fast)
 test-slow: venv  ## real-model tests on the embedded SmolLM2
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-lint: venv  ## ruff + the import contract (.importlinter; docs/design.md, "Layers")
+lint: venv  ## ruff + the import contract (.importlinter; docs/design.md, "Layers") + dead code (vulture)
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/vulture src/ccft tests benchmarks scripts --min-confidence 60
 	$(VENV)/bin/lint-imports --no-cache
 
 demo: venv  ## the main job: CCFT + Full-FT on GSM8K, four-mode evaluation, reports/demo/

@@ -122,8 +122,8 @@ def _sync(device) -> None:
 class _Clock:
     """An HF streamer that records when each new token arrives (the first ``put`` is the prompt)."""
 
-    def __init__(self, device):
-        self.device, self.times = device, []
+    def __init__(self):
+        self.times = []
 
     def put(self, value) -> None:
         self.times.append(time.perf_counter())
@@ -140,7 +140,7 @@ def run_hf(base, prompts, new_tokens: int) -> dict:
     pad = base.tokenizer.pad_token_id
     ids, mask = left_pad(prompts, pad)
     ids, mask = ids.to(base.device), mask.to(base.device)
-    clock = _Clock(base.device)
+    clock = _Clock()
     _sync(base.device)
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,

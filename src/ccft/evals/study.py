@@ -38,10 +38,10 @@ from typing import Any
 import yaml
 
 from ccft.core.errors import ConfigError
-from ccft.core.io import atomic_write_text, display_path
+from ccft.core.io import atomic_write_text
 from ccft.core.modes import MODES, REFERENCE_MODE
 
-__all__ = ["DECODERS_STAMP", "SPECIALIST_DEFAULT_TASKS", "SpecialistConfig", "StudyConfig", "StudyPhases",
+__all__ = ["DECODERS_STAMP", "SpecialistConfig", "StudyConfig", "StudyPhases",
            "build_study_report", "full_ft_beats_base", "load_study_config", "metrics_of", "run_digest", "stamp_matches",
            "study_reading", "study_readme", "task_entry", "write_stamp"]
 
@@ -56,9 +56,6 @@ PRIMARY_MEANING = {
     "passed": "pass@1 (greedy, tests run in the sandbox)",
     "accuracy": "BFCL AST accuracy (bfcl-eval's checker)",
 }
-SPECIALIST_DEFAULT_TASKS = {"math": ("gsm8k", "gsm-plus"), "code": ("humaneval", "humaneval-plus"),
-                            "tools": ("bfcl-multiple",)}
-
 
 def metrics_of(task: str) -> tuple[str, str | None]:
     """(primary, secondary) metric keys of ``task`` as the task declares them (``primary_metric_of``,
@@ -622,7 +619,3 @@ def _sittings_block(notes: str | None) -> str:
             "The phase times above are wall time; these notes say what else shared the machine.\n\n"
             f"{quoted}\n\n")
 
-
-def display(path) -> str:
-    """A path as reports show it (relative to the working directory, never a machine path)."""
-    return display_path(path)

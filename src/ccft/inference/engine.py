@@ -743,10 +743,6 @@ class SharedPrefillEngine:
         del self._requests[req.id]
         req.handle.unref()
 
-    def static_inputs(self, lane: Lane, rows: list[Request], tokens, positions, write, batch: int) -> M.StaticInputs:
-        """Host-built ``StaticInputs`` for ``rows`` of ``lane`` padded to ``batch`` (``planner.static_inputs``)."""
-        return planner.static_inputs(lane.weights, rows, tokens, positions, write, batch, self.device)
-
     # ------------------------------------------------------------------ generate
     @_inference
     def generate(self, handle: PrefixHandle, *, decoder: str = BASE, max_new_tokens: int = 256,

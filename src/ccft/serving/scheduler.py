@@ -143,7 +143,6 @@ class Ticket:
     result: Generation | None = None
     error: str | None = None
     t_submit: float = 0.0
-    t_admit: float | None = None
     t_first: float | None = None
     t_done: float | None = None
     prefix_hit_tokens: int = 0
@@ -570,7 +569,7 @@ class Scheduler:
                 self._end(t, "error", error=f"{type(e).__name__}: {e}")
                 continue
             ctx.users += 1
-            t._ctx, t.state, t.t_admit = ctx, "running", time.perf_counter()
+            t._ctx, t.state = ctx, "running"
             t._reserved = (tail + r.max_new_tokens) * self.bytes_per_token
             self.live_bytes += t._reserved
             self.counters["admitted"] += 1
@@ -661,7 +660,7 @@ class Scheduler:
 
     def _score_only(self, t: Ticket) -> None:
         """A request with ``max_new_tokens=0``: its prompt logprobs, then done with an empty generation."""
-        t.state, t.t_admit = "running", time.perf_counter()
+        t.state = "running"
         self.counters["admitted"] += 1
         self.counters["prompt_tokens"] += len(t.request.prompt_ids)
         try:
