@@ -123,15 +123,15 @@ def test_long_prefill_mid_decode_is_interleaved_and_outputs_equal(world, long_id
         before = [len(t.tokens) for t in tickets[:2]]
         chunks = sched.counters["prefill_chunks"]
         sched.step()
-        pending = [c for c in sched._contexts.values() if c.job is not None]
+        pending = sched.prefill_progress()
         if sched.counters["prefill_chunks"] == chunks:
             break
         chunk_steps += 1
         # the running decodes got their token in the same step as the piece
         assert [len(t.tokens) for t in tickets[:2]] == [b + 1 for b in before]
-        for c in pending:  # piece boundaries on store blocks
-            assert (c.job.total - c.job.remaining) % BLOCK == 0
-        if not pending and all(t._rid is not None for t in tickets[2:]):
+        for computed, _total in pending:  # piece boundaries on store blocks
+            assert computed % BLOCK == 0
+        if not pending and all(t.state not in ("queued", "prefilling") for t in tickets[2:]):
             break
     # 1099 positions per context, in pieces of (128 - decode rows) rounded down to blocks, at least one block
     assert chunk_steps >= 1099 * expected_contexts // budget
@@ -150,10 +150,10 @@ def test_budget_below_decode_rows_still_progresses_one_block(world, long_ids, te
     runner = sched.submit(ServeRequest("math", texts_short[0], max_new_tokens=40))
     sched.step()
     sched.step()  # 29 context positions: two one-block pieces (budget 1 < one block)
-    assert runner._rid is not None and len(runner.tokens) == 1
+    assert runner.state == "running" and len(runner.tokens) == 1
     long = sched.submit(ServeRequest("code", long_ids[:200] + texts_short[1][:4], shared_len=200, max_new_tokens=3))
     steps = 0
-    while long._rid is None:
+    while long.state != "running":
         sched.step()
         steps += 1
     assert steps == -(-199 // BLOCK)  # one block per step: 199 positions
@@ -170,11 +170,11 @@ def test_cancel_while_its_context_is_prefilled(world, long_ids, texts_short):
     t = sched.submit(ServeRequest("math", long_ids[:600] + texts_short[0][:3], shared_len=600, max_new_tokens=3))
     sched.step()
     sched.step()
-    assert t.state == "running" and sched.pending_prefill_tokens > 0
+    assert t.state == "prefilling" and sched.pending_prefill_tokens > 0
     t.cancel()
     sched.run_until_idle()
     assert t.state == "cancelled" and sched.live_bytes == 0 and eng.arena.used_tokens == 0
-    assert sched.pending_prefill_tokens == 0 and not sched._contexts
+    assert sched.pending_prefill_tokens == 0 and sched.live_contexts == 0
 
 
 def test_kv_budget_holds_while_a_context_is_prefilled_in_pieces(world, long_ids, texts_short):

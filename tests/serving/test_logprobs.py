@@ -143,7 +143,7 @@ def test_n_choices_prefill_the_prompt_once(world, prompt):
     assert stats["prefills"] == 1 and stats["prefill_tokens"] == len(prompt) - 1
     assert stats["context_reuse_tokens"] == 2 * (len(prompt) - 1)
     for j, t in enumerate(tickets):  # each choice equals its own seed alone on a fresh engine
-        with SharedPrefillEngine(base, decoders=decs).prefill([prompt]) as h:
+        with SharedPrefillEngine(base, decoders=decs).prefill([prompt], handoff_tokens=1) as h:  # k1's k
             ref = h.engine.generate(h, decoder="k1", max_new_tokens=4, sampling=SamplingParams(True, 1.0, 1.0, 7 + j))
         assert t.state == "done" and t.tokens == ref[0].token_ids and len(t.token_logprobs) == len(t.tokens)
 
@@ -169,7 +169,7 @@ def test_default_path_computes_no_logprobs(world, prompt, monkeypatch):
     def refuse(*a, **kw):
         raise AssertionError("log_softmax called")
 
-    with engine.prefill([prompt, prompt[:-3]]) as h:
+    with engine.prefill([prompt, prompt[:-3]], handoff_tokens=1) as h:  # k1's k
         ref = engine.generate(h, decoder="k1", max_new_tokens=4)
         monkeypatch.setattr(torch, "log_softmax", refuse)
         got = engine.generate(h, decoder="k1", max_new_tokens=4)

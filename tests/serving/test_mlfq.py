@@ -10,6 +10,7 @@ import ccft
 from ccft.core.tokens import tokenize_prompt
 from ccft.inference import SharedPrefillEngine
 from ccft.serving import PrefixKVStore
+from ccft.serving.policies import FCFS, MLFQ
 from ccft.serving.scheduler import Scheduler, ServeRequest
 from conftest import make_lora, make_tiny_folder
 
@@ -150,3 +151,44 @@ def test_workload_varied_output_lengths_and_eight_agents(tokenizer):
     assert varied.meta["new_tokens_spread"] == 0.8
     with pytest.raises(ConfigError, match="new_tokens_spread"):
         workloads.generate("react", new_tokens_spread=-1, **kw)
+
+
+class NewestFirst(FCFS):
+    """A custom request-queue policy (a subclass, as a user writes one): the newest queued request first."""
+
+    name = "newest-first"
+
+    def next_to_admit(self, queue):
+        return max(queue, key=lambda t: t.id) if queue else None
+
+
+def test_a_policy_object_decides_admission_order_and_nothing_else(world, texts):
+    """Scheduler(policy=<object>): with one slot, the policy alone orders admission; outputs stay the reference."""
+    base, decs = world
+    sched = Scheduler(SharedPrefillEngine(base, decoders=decs, max_batch=1), policy=NewestFirst())
+    clock = StepClock(sched)
+    tickets = [clock.submit(ServeRequest("math", texts[i], max_new_tokens=3)) for i in range(3)]
+    clock.run()
+    assert sorted(clock.ended, key=clock.ended.get) == [tickets[2].id, tickets[1].id, tickets[0].id]
+    assert sched.policy == "newest-first" and sched.stats()["policy"] == "newest-first"
+    for t in tickets:
+        assert t.state == "done" and t.tokens == list(_reference(world, t.request).token_ids)
+
+
+def test_mlfq_state_lives_in_the_policy():
+    """Entry level by prompt length (skip-join), demotion after the quantum, promotion after aging."""
+    from types import SimpleNamespace
+
+    p = MLFQ(levels=3, quantum=2, entry_tokens=4, aging_steps=3)
+    short, long = (SimpleNamespace(id=i, request=SimpleNamespace(prompt_ids=[0] * n)) for i, n in ((0, 4), (1, 9)))
+    for t in (short, long):
+        p.on_submit(t)
+    assert (p.level(short), p.level(long)) == (0, 2)  # 9 > 4, 9 > 8: two levels skipped
+    p.after_step([short, long], {short.id})
+    p.after_step([short, long], {short.id})
+    assert p.level(short) == 1 and p.counters["mlfq_demotions"] == 1
+    p.after_step([short, long], {short.id})  # the long one waited 3 steps unstepped: promoted to the top
+    assert p.level(long) == 0 and p.counters["mlfq_promotions"] == 1
+    assert p.next_to_admit([long, short]) is long  # level 0 (promoted) before level 1
+    p.forget(short)
+    assert p.order(short) == (0, short.id)  # no state left for an ended request

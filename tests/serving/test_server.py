@@ -679,7 +679,7 @@ def test_client_disconnect_mid_stream_cancels(faulty, prompt_ids, offline):
     try:
         _run(go())
         ticket = s.tickets[n0]
-        s.wait_for(lambda: ticket._cancel, "the server to cancel the ticket")
+        s.wait_for(lambda: ticket.cancel_requested, "the server to cancel the ticket")
     finally:
         s.gate.open()
     assert ticket.done.wait(WAIT)
@@ -709,7 +709,7 @@ def test_client_gone_before_non_streaming_response_cancels(faulty, prompt_ids, o
     try:
         _run(go())
         ticket = s.tickets[n0]
-        s.wait_for(lambda: ticket._cancel, "the server to cancel the ticket")
+        s.wait_for(lambda: ticket.cancel_requested, "the server to cancel the ticket")
     finally:
         s.gate.open()
     assert ticket.done.wait(WAIT) and ticket.state == "cancelled" and len(ticket.tokens) < 300

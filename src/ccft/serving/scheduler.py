@@ -2,14 +2,21 @@
 
 A request is one agent call: a decoder name, a prompt of ``shared_len`` context tokens (the part
 several agents / turns have in common) followed by the agent's own tokens, and decoding settings.
-Each ``step()``:
+Each ``step()`` reads in four parts:
 
-1. **admits** queued requests in arrival order while the decoder's lane has a free slot
-   (``max_batch``) and the KV byte budget allows it; admission prefills what is missing and adds
-   the request to the engine (``add_request``). Rows join between decode steps;
-2. runs **one decode step** for every active row of every decoder (the engine batches each lane's
-   rows across sessions: LoRA decoders on the base share one lane);
-3. **delivers** the new tokens (``Ticket.on_token``) and finishes requests that ended.
+1. **admit** (``_admit``): the request-queue policy (``ccft.serving.policies``: FCFS or MLFQ) names the
+   next queued request; it is admitted while its decoder's lane has a free slot (``max_batch``) and
+   the ``KVLedger`` (``ccft.serving.kv_ledger``) makes room for its bytes; admission finds or starts
+   its context's prefill and reserves its tail. Rows join between decode steps;
+2. **prefill** (``_prefill_pieces``, chunked prefill only): pieces of the contexts still being prefilled;
+3. **decode** (``_decode``): one engine step for the rows the policy picks (all of them, or the best
+   ``max_running`` under MLFQ; the engine batches each lane's rows across sessions: LoRA decoders on
+   the base share one lane);
+4. **deliver** (``_deliver``): the new tokens (``Ticket.on_token``); requests that ended finish. Then the
+   policy's bookkeeping (MLFQ demotion and aging) and the release of contexts nobody reads.
+
+A request's public state is ``Ticket.state``: queued → prefilling (chunked prefill: admitted, its
+context not complete) → running → done | error | cancelled.
 
 A failing request fails alone: when a decode step raises for some rows (a broken decoder, a bad
 token), the engine confines the error to the requests that cause it (``SharedPrefillEngine.step``,
@@ -46,9 +53,10 @@ being prefilled wait for the same pieces (one prefill per context, as without ch
 admitted request's own tokens (its tail) are computed at once when it joins and counted against
 the step's budget. None (default): each context is prefilled whole at admission, between steps.
 
-Policies (``policy=``): ``"fcfs"`` admits in arrival order (head of line) and steps every active
-row. ``"mlfq"`` is a preemptive multi-level feedback queue in the spirit of FastServe's skip-join
-MLFQ: a request enters at a priority level set by its prompt length (level i holds prompts up to
+Policies (``policy=``, objects in ``ccft.serving.policies``; the scheduler only asks them which request
+to admit, whether one more may be admitted and which rows to step): ``"fcfs"`` admits in arrival
+order (head of line) and steps every active row. ``"mlfq"`` is a preemptive multi-level feedback
+queue in the spirit of FastServe's skip-join MLFQ: a request enters at a priority level set by its prompt length (level i holds prompts up to
 ``mlfq_entry_tokens·2^i``; skip-join: long prompts skip the top levels), is demoted one level
 after it decoded its level's quantum (``mlfq_quantum·2^i`` tokens), and any request that waited
 ``mlfq_aging_steps`` steps without being stepped (queued or paused) is promoted to the top level
@@ -78,6 +86,8 @@ from ccft.core.errors import CCFTError, ConfigError
 from ccft.core.generation import Generation
 from ccft.inference import BASE, SamplingParams, SharedPrefillEngine, StepError
 from ccft.inference.scoring import prompt_logprobs
+from ccft.serving.kv_ledger import KVLedger
+from ccft.serving.policies import LAST, RequestQueuePolicy, make_policy
 
 
 class QueueFullError(CCFTError, RuntimeError):
@@ -125,7 +135,9 @@ class ServeRequest:
 class Ticket:
     """A submitted request's state. Times are ``time.perf_counter()`` seconds.
 
-    ``state``: queued → running → done | error | cancelled. ``tokens``: ids generated so far.
+    ``state``: queued → (prefilling →) running → done | error | cancelled. ``prefilling``: admitted, its
+    context still being prefilled in pieces (chunked prefill); ``running``: in the decode batch (its
+    tokens may be paused by the policy). ``tokens``: ids generated so far.
     ``result``: the ``Generation`` once done. ``done``: an event set when the request ends.
     ``token_logprobs``: with ``request.logprobs``, one ``(logprob, [(id, logprob), ...])`` per token of
     ``tokens`` (appended before ``on_token`` is called). ``prompt_logprobs``: with
@@ -151,13 +163,15 @@ class Ticket:
     _rid: int | None = None
     _reserved: int = 0
     _ctx: "_Context | None" = None
-    _level: int = 0  # MLFQ: priority level (0 = highest), quantum used at it, steps waited unstepped
-    _used: int = 0
-    _waited: int = 0
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request (thread-safe; takes effect at its next step)."""
         self._cancel = True
+
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether ``cancel`` was called (the request ends ``"cancelled"`` at the scheduler's next step)."""
+        return self._cancel
 
     @property
     def ttft(self) -> float | None:
@@ -202,7 +216,8 @@ class Scheduler:
         max_prompt_tokens: longest accepted prompt (None: the engine's limits only).
         prefill_chunk_tokens: per-step token budget shared by decode rows and prefill pieces
             (chunked prefill; None: whole prefills at admission, between steps).
-        policy: ``"fcfs"`` or ``"mlfq"`` (see the module docstring).
+        policy: ``"fcfs"``, ``"mlfq"`` (see the module docstring) or a ``RequestQueuePolicy`` object
+            (``ccft.serving.policies``; then ``max_running`` and the ``mlfq_*`` knobs are its own).
         max_running: rows decoded per step (``"mlfq"``: the best ones, the others paused; ``"fcfs"``:
             a cap on admitted requests). None: every active row.
         mlfq_levels, mlfq_quantum, mlfq_entry_tokens, mlfq_aging_steps: MLFQ levels, the top level's
@@ -216,24 +231,19 @@ class Scheduler:
 
     def __init__(self, engine: SharedPrefillEngine, *, share: bool = True, store=None,
                  kv_budget_bytes: int | None = None, max_queue: int = 4096, max_prompt_tokens: int | None = None,
-                 prefill_chunk_tokens: int | None = None, policy: str = "fcfs", max_running: int | None = None,
-                 mlfq_levels: int = 4, mlfq_quantum: int = 8, mlfq_entry_tokens: int = 512,
-                 mlfq_aging_steps: int = 64):
-        if policy not in self.POLICIES:
-            raise ConfigError(f"policy={policy!r}; use one of {', '.join(self.POLICIES)}")
-        for name, value in (("prefill_chunk_tokens", prefill_chunk_tokens), ("max_running", max_running)):
-            if value is not None and int(value) < 1:
-                raise ConfigError(f"{name}={value}; it must be ≥ 1 (or None)")
-        for name, value in (("mlfq_levels", mlfq_levels), ("mlfq_quantum", mlfq_quantum),
-                            ("mlfq_entry_tokens", mlfq_entry_tokens), ("mlfq_aging_steps", mlfq_aging_steps)):
-            if int(value) < 1:
-                raise ConfigError(f"{name}={value}; it must be ≥ 1")
+                 prefill_chunk_tokens: int | None = None, policy: str | RequestQueuePolicy = "fcfs",
+                 max_running: int | None = None, mlfq_levels: int = 4, mlfq_quantum: int = 8,
+                 mlfq_entry_tokens: int = 512, mlfq_aging_steps: int = 64):
+        if prefill_chunk_tokens is not None and int(prefill_chunk_tokens) < 1:
+            raise ConfigError(f"prefill_chunk_tokens={prefill_chunk_tokens}; it must be ≥ 1 (or None)")
+        self.queue_policy = make_policy(policy, max_running=max_running, mlfq_levels=mlfq_levels,
+                                        mlfq_quantum=mlfq_quantum, mlfq_entry_tokens=mlfq_entry_tokens,
+                                        mlfq_aging_steps=mlfq_aging_steps)
+        self.policy, self.max_running = self.queue_policy.name, self.queue_policy.max_running
         self.prefill_chunk_tokens = None if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
-        self.policy, self.max_running = policy, None if max_running is None else int(max_running)
-        self.mlfq_levels, self.mlfq_quantum = int(mlfq_levels), int(mlfq_quantum)
-        self.mlfq_entry_tokens, self.mlfq_aging_steps = int(mlfq_entry_tokens), int(mlfq_aging_steps)
         self.engine, self.share, self.store = engine, bool(share), store
         self.kv_budget_bytes = None if kv_budget_bytes is None else int(kv_budget_bytes)
+        self.kv = KVLedger(engine.kv_bytes_per_token, self.kv_budget_bytes, store)
         self.max_queue, self.max_prompt_tokens = int(max_queue), max_prompt_tokens
         self.bytes_per_token = engine.kv_bytes_per_token
         self._queue: collections.deque[Ticket] = collections.deque()
@@ -244,16 +254,29 @@ class Scheduler:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = False
-        self.live_bytes = 0  # handles + reserved tail slots of active requests
-        # chunked prefill: store bytes that unfinished prefill jobs may insert when they finish (admission counts
-        # them, so requests admitted meanwhile cannot take that room; the budget holds when the blocks arrive)
-        self.pending_store_bytes = 0
-        self.peak_live_bytes = 0
-        self.peak_total_bytes = 0
         self.counters = collections.Counter()
+        self.queue_policy.counters = self.counters  # its events (MLFQ demotions, promotions) count here
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
         self._budget: int | None = None  # chunked prefill: tokens left in this step's budget
+
+    # KV bytes (``KVLedger``): live = handles + reserved tail slots; pending = store blocks unfinished chunked
+    # prefills will insert; the peaks since start
+    @property
+    def live_bytes(self) -> int:
+        return self.kv.live_bytes
+
+    @property
+    def pending_store_bytes(self) -> int:
+        return self.kv.pending_store_bytes
+
+    @property
+    def peak_live_bytes(self) -> int:
+        return self.kv.peak_live_bytes
+
+    @property
+    def peak_total_bytes(self) -> int:
+        return self.kv.peak_total_bytes
 
     # ------------------------------------------------------------------ submission (any thread)
     def submit(self, request: ServeRequest, *, on_token=None, on_done=None) -> Ticket:
@@ -288,9 +311,10 @@ class Scheduler:
                 self.counters["rejected_queue_full"] += len(requests)
                 raise QueueFullError(f"{len(self._queue)} requests are queued (max_queue={self.max_queue}); "
                                      "retry later or raise max_queue")
-            tickets = [Ticket(next(self._ids), r, on_token=tok, on_done=done, t_submit=now,
-                              _level=self._entry_level(r))
+            tickets = [Ticket(next(self._ids), r, on_token=tok, on_done=done, t_submit=now)
                        for r, tok, done in zip(requests, on_token, on_done, strict=True)]
+            for t in tickets:
+                self.queue_policy.on_submit(t)
             self._queue.extend(tickets)
             self.counters["submitted"] += len(tickets)
             self._wake.notify_all()
@@ -316,20 +340,10 @@ class Scheduler:
                 f"the agent's own {tail} prompt tokens + max_new_tokens={r.max_new_tokens} exceed the engine's "
                 f"max_tail_tokens={self.engine.max_tail_tokens}; lower max_new_tokens or mark more of the prompt "
                 "as shared (shared_len)")
-        need = (ctx + tail + r.max_new_tokens) * self.bytes_per_token
-        if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
+        need = self.kv.never_fits(ctx, tail, r.max_new_tokens)
+        if need is not None:
             raise PromptTooLongError(f"the request needs {need} bytes of KV but kv_budget_bytes="
                                      f"{self.kv_budget_bytes}; shorten the prompt or raise the budget")
-
-    def _entry_level(self, r: ServeRequest) -> int:
-        """MLFQ skip-join: the first level whose prompt limit (``mlfq_entry_tokens·2^i``) holds the prompt."""
-        level, limit = 0, self.mlfq_entry_tokens
-        while len(r.prompt_ids) > limit and level < self.mlfq_levels - 1:
-            level, limit = level + 1, limit * 2
-        return level
-
-    def _priority(self, t: Ticket) -> tuple:
-        return (t._level, t.id) if self.policy == "mlfq" else (0, t.id)
 
     def _handoff(self, decoder: str) -> int:
         """The k this decoder's requests recompute (``resolve_handoff``: its own; the base's is 1)."""
@@ -354,7 +368,16 @@ class Scheduler:
 
     @property
     def store_bytes(self) -> int:
-        return 0 if self.store is None else int(self.store.bytes_in_use)
+        return self.kv.store_bytes
+
+    @property
+    def live_contexts(self) -> int:
+        """Prefilled (or being prefilled) contexts held: one handle each."""
+        return len(self._contexts)
+
+    def prefill_progress(self) -> list[tuple[int, int]]:
+        """``(positions computed, positions in all)`` of each context being prefilled in pieces (chunked prefill)."""
+        return [(c.job.total - c.job.remaining, c.job.total) for c in self._contexts.values() if c.job is not None]
 
     @property
     def running(self) -> bool:
@@ -373,28 +396,38 @@ class Scheduler:
         return not self._queue and not self._running and not any(c.waiting for c in self._contexts.values())
 
     def step(self) -> int:
-        """Admit what fits, prefill (pieces), run one decode step, deliver tokens; returns the rows stepped."""
+        """One scheduling iteration: admit → prefill (pieces) → decode → deliver; returns the rows decoded."""
         self._reap_cancelled()
-        self._budget = None
-        if self.prefill_chunk_tokens is not None:
-            self._budget = self.prefill_chunk_tokens - len(self._rows_to_step() or self._running)
+        self._budget = self._step_token_budget()
         self._admit()
-        if self.prefill_chunk_tokens is not None:
-            self._prefill_pieces()
-        chosen = self._rows_to_step()
+        self._prefill_pieces()
+        outs, stepped = self._decode()
+        self._deliver(outs)
+        self.queue_policy.after_step(self._live_tickets(), stepped)
+        self._drop_unused_contexts()
+        return len(outs)
+
+    def _step_token_budget(self) -> int | None:
+        """Chunked prefill: the step's token budget left for prefill pieces after one token per decode row."""
+        if self.prefill_chunk_tokens is None:
+            return None
+        return self.prefill_chunk_tokens - len(self.queue_policy.rows_to_step(self._running) or self._running)
+
+    def _decode(self) -> tuple[list, set[int]]:
+        """One engine decode step over the rows the policy picks; (outputs, ids of the tickets stepped).
+        Requests the engine could not step fail alone (``StepError``)."""
         if not self._running:
-            self._age(set())
-            self._drop_unused_contexts()
-            return 0
+            return [], set()
+        chosen = self.queue_policy.rows_to_step(self._running)
+        rids = self._running.keys() if chosen is None else chosen
+        stepped = {self._running[rid].id for rid in rids}
         t0 = time.perf_counter()
         failed: dict = {}
         try:
             outs = self.engine.step(request_ids=chosen)
         except StepError as e:  # those requests were removed by the engine; the others were stepped
             outs, failed = e.outputs, e.failed
-        stepped = set(self._running) if chosen is None else set(chosen)
-        now = time.perf_counter()
-        self.decode_seconds += now - t0
+        self.decode_seconds += time.perf_counter() - t0
         for rid, err in failed.items():
             t = self._running.get(rid)
             if t is not None:
@@ -402,6 +435,11 @@ class Scheduler:
                 self._end(t, "error", error=f"{type(err).__name__}: {err}")
         self.counters["decode_steps"] += 1
         self.counters["decode_rows"] += len(outs)
+        return outs, stepped
+
+    def _deliver(self, outs) -> None:
+        """Hand each new token to its ticket (``on_token``) and end the requests that finished."""
+        now = time.perf_counter()
         for o in outs:
             t = self._running.get(o.request_id)
             if t is None:
@@ -419,37 +457,12 @@ class Scheduler:
                 if t.t_first is None:
                     t.t_first = now
                 self._end(t, "done", result=o.generation)
-        self._age(stepped)
-        self._drop_unused_contexts()
-        return len(outs)
 
-    def _rows_to_step(self) -> list[int] | None:
-        """Engine request ids to decode this step (None: all). MLFQ with ``max_running``: the best ones."""
-        if self.policy != "mlfq" or self.max_running is None or len(self._running) <= self.max_running:
-            return None
-        best = sorted(self._running.values(), key=self._priority)[: self.max_running]
-        return [t._rid for t in best]
-
-    def _age(self, stepped: set) -> None:
-        """MLFQ bookkeeping after a step: demote a request that used its level's quantum, promote one
-        that waited ``mlfq_aging_steps`` steps unstepped to the top level."""
-        if self.policy != "mlfq":
-            return
+    def _live_tickets(self) -> list[Ticket]:
+        """Every ticket not ended: running, waiting for its context's prefill, queued."""
         with self._lock:  # submit may append from another thread
             queued = list(self._queue)
-        for t in list(self._running.values()) + self._waiting_tickets() + queued:
-            if t._rid is not None and t._rid in stepped:
-                t._waited = 0
-                t._used += 1
-                if t._used >= self.mlfq_quantum * 2 ** t._level and t._level < self.mlfq_levels - 1:
-                    t._level, t._used = t._level + 1, 0
-                    self.counters["mlfq_demotions"] += 1
-            else:
-                t._waited += 1
-                if t._waited >= self.mlfq_aging_steps:
-                    if t._level > 0:
-                        self.counters["mlfq_promotions"] += 1
-                    t._level, t._used, t._waited = 0, 0, 0
+        return list(self._running.values()) + self._waiting_tickets() + queued
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
         """Step until no request is queued or active (or ``max_steps`` steps)."""
@@ -514,11 +527,9 @@ class Scheduler:
         return (producer, pkey, k, tuple(r.prompt_ids[: ctx_tokens + k]))
 
     def _next_queued(self) -> Ticket | None:
-        """The queued request admission considers next: the head (fcfs) or the best (level, arrival) (mlfq)."""
+        """The queued request admission considers next (``RequestQueuePolicy.next_to_admit``)."""
         with self._lock:
-            if not self._queue:
-                return None
-            return self._queue[0] if self.policy == "fcfs" else min(self._queue, key=self._priority)
+            return self.queue_policy.next_to_admit(self._queue)
 
     def _dequeue(self, t: Ticket) -> None:
         with self._lock:
@@ -542,18 +553,13 @@ class Scheduler:
                 continue
             if self._free_slots(r.decoder) <= 0:
                 return  # head of line waits for its lane
-            if (self.policy == "fcfs" and self.max_running is not None
-                    and len(self._running) + len(self._waiting_tickets()) >= self.max_running):
+            if not self.queue_policy.may_admit(len(self._running) + len(self._waiting_tickets())):
                 return
             ctx_tokens, tail = self._split(r)
             key = self._context_key(r, ctx_tokens)
             ctx = self._contexts.get(key)
-            need = (tail + r.max_new_tokens) * self.bytes_per_token
-            if ctx is None:
-                need += ctx_tokens * self.bytes_per_token
-                if self.store is not None:  # the prefill may copy up to its context's full blocks into the store
-                    need += ctx_tokens // self.store.block_tokens * self.store.block_tokens * self.bytes_per_token
-            if not self._make_room(need):
+            need = self.kv.admission_bytes(ctx_tokens, tail, r.max_new_tokens, new_context=ctx is None)
+            if not self.kv.make_room(need):
                 self.counters["admission_waits"] += 1
                 return
             self._dequeue(t)
@@ -569,13 +575,13 @@ class Scheduler:
                 self._end(t, "error", error=f"{type(e).__name__}: {e}")
                 continue
             ctx.users += 1
-            t._ctx, t.state = ctx, "running"
-            t._reserved = (tail + r.max_new_tokens) * self.bytes_per_token
-            self.live_bytes += t._reserved
+            t._ctx = ctx
+            t._reserved = self.kv.reserve(self.kv.request_bytes(tail, r.max_new_tokens))
             self.counters["admitted"] += 1
             self.counters["prompt_tokens"] += len(r.prompt_ids)
-            self._note_peak()
+            self.kv.note_peak()
             if ctx.job is not None:
+                t.state = "prefilling"
                 ctx.waiting.append(t)  # joins the decode batch when its context is complete
             else:
                 self._join(t)
@@ -598,18 +604,18 @@ class Scheduler:
         self.counters["tail_tokens"] += own
         if self._budget is not None:
             self._budget -= own
-        t._rid = rid
+        t._rid, t.state = rid, "running"
         self._running[rid] = t
 
     def _prefill_pieces(self) -> None:
         """Chunked prefill: spend what is left of the step's budget on contexts being prefilled (best
         waiting request first), in pieces on block multiples, at least one block per step."""
         pending = [c for c in self._contexts.values() if c.job is not None]
-        if not pending:
+        if self.prefill_chunk_tokens is None or not pending:
             return
         align = self.store.block_tokens if self.store is not None else 1
-        nobody = (self.mlfq_levels, 0)  # a context no admitted request waits for (kept for the queue's head): last
-        pending.sort(key=lambda c: min((self._priority(t) for t in c.waiting), default=nobody))
+        # a context no admitted request waits for (kept for the queue's head) comes last
+        pending.sort(key=lambda c: min((self.queue_policy.order(t) for t in c.waiting), default=LAST))
         progressed = False
         for ctx in pending:
             left = max(0, self._budget or 0)
@@ -634,7 +640,7 @@ class Scheduler:
             self.counters["prefill_chunks"] += 1
             self.counters["prefill_tokens"] += done
             if ctx.job is None:
-                self._note_peak()
+                self.kv.note_peak()
                 for t in list(ctx.waiting):
                     ctx.waiting.remove(t)
                     self._join(t)
@@ -648,7 +654,7 @@ class Scheduler:
         self._release_store_reserve(ctx)
         if self._contexts.get(ctx.key) is ctx:
             del self._contexts[ctx.key]
-            self.live_bytes -= ctx.tokens * self.bytes_per_token
+            self.kv.release(self.kv.bytes(ctx.tokens))
 
     def _prompt_logprobs(self, r: ServeRequest) -> list:
         t0 = time.perf_counter()
@@ -671,17 +677,8 @@ class Scheduler:
         t.t_first = time.perf_counter()
         self._end(t, "done", result=Generation(text="", token_ids=[], finish_reason="length"))
 
-    def _make_room(self, need: int) -> bool:
-        if self.kv_budget_bytes is None:
-            return True
-        used = self.live_bytes + self.pending_store_bytes
-        over = used + self.store_bytes + need - self.kv_budget_bytes
-        if over > 0 and self.store is not None:
-            self.store.evict(over)
-        return used + self.store_bytes + need <= self.kv_budget_bytes
-
     def _release_store_reserve(self, ctx: _Context) -> None:
-        self.pending_store_bytes -= ctx.store_reserve
+        self.kv.release_store(ctx.store_reserve)
         ctx.store_reserve = 0
 
     def _prefill(self, key: tuple, r: ServeRequest, ctx_tokens: int, t: Ticket) -> _Context:
@@ -696,12 +693,11 @@ class Scheduler:
             self.counters["prefix_hit_tokens"] += job.hit
             t.prefix_hit_tokens = job.hit
             ctx = _Context(key, job.handle, ctx_tokens, job=job)
-            if self.store is not None:  # the full blocks it does not find in the store are inserted at finish
-                blocks = ctx_tokens // self.store.block_tokens * self.store.block_tokens
-                ctx.store_reserve = max(0, blocks - job.hit) * self.bytes_per_token
-                self.pending_store_bytes += ctx.store_reserve
+            # the full blocks it does not find in the store are inserted at finish
+            blocks = self.kv.store_block_tokens(ctx_tokens)
+            ctx.store_reserve = self.kv.reserve_store(self.kv.bytes(max(0, blocks - job.hit)))
             self._contexts[key] = ctx
-            self.live_bytes += ctx_tokens * self.bytes_per_token
+            self.kv.reserve(self.kv.bytes(ctx_tokens))
             return ctx
         if self.store is not None:
             handle, hit = self.engine.prefill_cached(prompt, self.store, producer=producer, handoff_tokens=k)
@@ -714,7 +710,7 @@ class Scheduler:
         t.prefix_hit_tokens = hit
         ctx = _Context(key, handle, ctx_tokens)
         self._contexts[key] = ctx
-        self.live_bytes += ctx_tokens * self.bytes_per_token
+        self.kv.reserve(self.kv.bytes(ctx_tokens))
         return ctx
 
     def _end(self, t: Ticket, state: str, *, result: Generation | None = None, error: str | None = None) -> None:
@@ -722,13 +718,14 @@ class Scheduler:
         if t._rid is not None:
             self._running.pop(t._rid, None)
         if t._ctx is not None:  # admitted: its reservation and its use of the context end
-            self.live_bytes -= t._reserved
+            self.kv.release(t._reserved)
             t._reserved = 0
             t._ctx.users -= 1
             if t in t._ctx.waiting:
                 t._ctx.waiting.remove(t)
             t._ctx = None
         self.counters[state] += 1
+        self.queue_policy.forget(t)
         t.done.set()
         if t.on_done is not None:
             t.on_done(t)
@@ -750,11 +747,7 @@ class Scheduler:
                 else:
                     ctx.handle.release()
                 del self._contexts[key]
-                self.live_bytes -= ctx.tokens * self.bytes_per_token
-
-    def _note_peak(self) -> None:
-        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
-        self.peak_total_bytes = max(self.peak_total_bytes, self.live_bytes + self.store_bytes)
+                self.kv.release(self.kv.bytes(ctx.tokens))
 
     def _fail_all(self, message: str) -> None:
         for rid, t in list(self._running.items()):

@@ -1,0 +1,101 @@
+"""``KVLedger``: the scheduler's KV byte accounting against ``kv_budget_bytes`` (docs/serving.md, "KV budget").
+
+Three kinds of bytes, at ``bytes_per_token = layers × 2 × kv_heads × head_dim × dtype bytes``:
+
+- **live**: every live context's prefix (its handle) and the tail slots each admitted request reserves
+  (its own prompt tokens + ``max_new_tokens``), from admission to its end;
+- **pending store**: with chunked prefill, the full blocks an unfinished prefill will insert into the prefix
+  store when it finishes (counted from its start, so requests admitted meanwhile cannot take that room);
+- **store**: the prefix store's blocks (``PrefixKVStore.bytes_in_use``), evicted LRU to make room.
+
+Invariant: live + pending + store ≤ budget at every admission (tested with the budget set to the bytes
+the requests need).
+"""
+
+from __future__ import annotations
+
+__all__ = ["KVLedger"]
+
+
+class KVLedger:
+    """Reserve, release and make room; the one place the bytes and the store's block rounding are computed.
+
+    Args:
+        bytes_per_token: KV bytes per token of the engine (``SharedPrefillEngine.kv_bytes_per_token``).
+        budget_bytes: the cap (None: unbounded).
+        store: the ``PrefixKVStore`` (None: no store).
+    """
+
+    def __init__(self, bytes_per_token: int, budget_bytes: int | None = None, store=None):
+        self.bytes_per_token = int(bytes_per_token)
+        self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
+        self.store = store
+        self.live_bytes = 0
+        self.pending_store_bytes = 0
+        self.peak_live_bytes = 0
+        self.peak_total_bytes = 0
+
+    # -- sizes
+    def bytes(self, tokens: int) -> int:
+        """KV bytes of ``tokens`` tokens."""
+        return int(tokens) * self.bytes_per_token
+
+    def store_block_tokens(self, context_tokens: int) -> int:
+        """Tokens of a context's full store blocks (what a prefill may copy into the store); 0 without a store."""
+        if self.store is None:
+            return 0
+        block = self.store.block_tokens
+        return int(context_tokens) // block * block
+
+    def request_bytes(self, tail_tokens: int, max_new_tokens: int) -> int:
+        """The tail slots one request reserves: its own prompt tokens + its generated tokens."""
+        return self.bytes(tail_tokens + max_new_tokens)
+
+    def admission_bytes(self, context_tokens: int, tail_tokens: int, max_new_tokens: int, *,
+                        new_context: bool) -> int:
+        """Bytes admitting a request needs: its tail slots, and for a context not live yet its prefix and the
+        store blocks its prefill may insert."""
+        need = self.request_bytes(tail_tokens, max_new_tokens)
+        if new_context:
+            need += self.bytes(context_tokens) + self.bytes(self.store_block_tokens(context_tokens))
+        return need
+
+    def never_fits(self, context_tokens: int, tail_tokens: int, max_new_tokens: int) -> int | None:
+        """The bytes a request needs alone when that exceeds the budget (it can never be admitted); else None."""
+        need = self.bytes(context_tokens + tail_tokens + max_new_tokens)
+        return need if self.budget_bytes is not None and need > self.budget_bytes else None
+
+    @property
+    def store_bytes(self) -> int:
+        return 0 if self.store is None else int(self.store.bytes_in_use)
+
+    # -- accounting
+    def make_room(self, need: int) -> bool:
+        """Whether ``need`` more bytes fit; evicts unreferenced store blocks (LRU) first when they would not."""
+        if self.budget_bytes is None:
+            return True
+        used = self.live_bytes + self.pending_store_bytes
+        over = used + self.store_bytes + need - self.budget_bytes
+        if over > 0 and self.store is not None:
+            self.store.evict(over)
+        return used + self.store_bytes + need <= self.budget_bytes
+
+    def reserve(self, nbytes: int) -> int:
+        """Count ``nbytes`` as live; returns them (to release later)."""
+        self.live_bytes += int(nbytes)
+        return int(nbytes)
+
+    def release(self, nbytes: int) -> None:
+        self.live_bytes -= int(nbytes)
+
+    def reserve_store(self, nbytes: int) -> int:
+        """Count ``nbytes`` a running prefill will insert into the store; returns them."""
+        self.pending_store_bytes += int(nbytes)
+        return int(nbytes)
+
+    def release_store(self, nbytes: int) -> None:
+        self.pending_store_bytes -= int(nbytes)
+
+    def note_peak(self) -> None:
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        self.peak_total_bytes = max(self.peak_total_bytes, self.live_bytes + self.store_bytes)
