@@ -30,7 +30,7 @@ _EXPORTS = {
     "DEFAULT_BASE": "ccft.core.models", "Base": "ccft.core.models", "load_base": "ccft.core.models",
     "TrainConfig": "ccft.train.config", "load_recipe": "ccft.train.config",
     "CacheConditionedTrainer": "ccft.train.trainer", "run_training": "ccft.train.run",
-    "SharedPrefillEngine": "ccft.inference.engine", "SamplingParams": "ccft.core.sampling",
+    "SharedPrefillEngine": "ccft.inference.engine", "SamplingParams": "ccft.core.sampling", "DecodeParams": "ccft.core.sampling",
 }
 
 #: module paths of ccft 0.1 -> where they live now. Importing an old path still works (same module

@@ -226,3 +226,39 @@ def test_no_share_context_follows_in_place_weight_edits(tmp_path, tokenizer, tex
     with fresh.prefill([list(req.prompt_ids)], producer="math") as h:
         want = fresh.generate(h, decoder="math", max_new_tokens=N_NEW)[0].token_ids
     assert second.result.token_ids == want != first.result.token_ids
+
+
+def test_decode_params_pass_whole_to_the_engine(world, texts, refs, monkeypatch):
+    """ServeRequest(params=DecodeParams) reaches SharedPrefillEngine.add_request as the same object (a field added
+    to DecodeParams cannot be dropped on the way), and gives the outputs of the separate keywords."""
+    base, decs = world
+    eng = SharedPrefillEngine(base, decoders=decs)
+    seen = []
+    real = eng.add_request
+
+    def spy(*a, **kw):
+        seen.append(kw.get("params"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(eng, "add_request", spy)
+    sched = Scheduler(eng)
+    old = _requests(texts)[:4]
+    params = [ccft.DecodeParams(max_new_tokens=N_NEW, stop=("zzz",), logprobs=0) for _ in old]
+    new = [ServeRequest(r.decoder, r.prompt_ids, shared_len=r.shared_len, params=p) for r, p in zip(old, params)]
+    assert [r.max_new_tokens for r in new] == [N_NEW] * 4 and new[0].stop == ["zzz"]  # the old fields follow
+    tickets = [sched.submit(r) for r in new]
+    sched.run_until_idle()
+    assert [id(p) for p in seen] == [id(p) for p in params]
+    assert [t.tokens for t in tickets] == refs[:4] and all(len(t.token_logprobs) == N_NEW for t in tickets)
+    with pytest.raises(ConfigError, match="not both"):
+        with eng.prefill([texts[0][:10]]) as h:
+            real(h, 0, decoder="math", params=params[0], max_new_tokens=3)
+
+
+def test_decode_params_validation_and_choices():
+    p = ccft.DecodeParams(max_new_tokens=4, stop="x", sampling=ccft.SamplingParams(True, 0.7, 0.9, 2 ** 63 - 1), n=3)
+    assert p.stop == ("x",) and p.for_choice(1).sampling.seed == 0 and p.for_choice(1).n == 1
+    assert ccft.DecodeParams().for_choice(5).sampling.seed == 0  # greedy: no seed to advance
+    for bad in ({"max_new_tokens": -1}, {"logprobs": -2}, {"n": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            ccft.DecodeParams(**bad)

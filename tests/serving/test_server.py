@@ -442,7 +442,7 @@ def test_streamed_text_equals_final_text_multibyte(served, prompt_ids, tokenizer
     add_request = engine.add_request
 
     def forcing(handle, row=0, **kw):  # the decoder "generates" FORCED_TEXT (teacher forcing in the engine)
-        return add_request(handle, row, forced_tokens=forced[:kw["max_new_tokens"]], **kw)
+        return add_request(handle, row, forced_tokens=forced[:kw["params"].max_new_tokens], **kw)
 
     stops = [None, "🚀 na", ["\n\nE", "never"], ["京 🙂", "é, d"], "字かな한"]
 

@@ -7,9 +7,13 @@ Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration", §3.1).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+
+from ccft.core.errors import ConfigError
 
 
 @dataclass
@@ -24,6 +28,60 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
 
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """One request's decoding settings, passed whole from the HTTP schema through the scheduler to the engine
+    (``SharedPrefillEngine.add_request(params=...)``, ``ServeRequest(params=...)``): a setting added here
+    reaches every path without being copied field by field.
+
+    Attributes:
+        max_new_tokens: tokens to generate at most (≥ 1; 0 only where a path scores the prompt alone).
+        stop: stop strings; the text is cut before the earliest one (``ccft.core.text.StopMatcher``).
+        ignore_eos: keep decoding past EOS (benchmarks: every row runs ``max_new_tokens`` steps).
+        sampling: ``SamplingParams`` (greedy by default; ``seed`` seeds the request's own generator).
+        logprobs: None, or k ≥ 0: each generated token's log-probability and the k most likely tokens.
+        n: choices per prompt; choice j samples with ``sampling.seed + j`` (``for_choice``).
+    Raises (at construction):
+        ConfigError: a negative ``max_new_tokens`` or ``logprobs``, ``n`` < 1.
+    """
+
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    logprobs: int | None = None
+    n: int = 1
+
+    def __post_init__(self):
+        stop = self.stop
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "sampling", self.sampling or SamplingParams())
+        if int(self.max_new_tokens) < 0:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens}; it must be ≥ 0")
+        if self.logprobs is not None and int(self.logprobs) < 0:
+            raise ConfigError(f"logprobs={self.logprobs}; it must be ≥ 0 (or None)")
+        if int(self.n) < 1:
+            raise ConfigError(f"n={self.n}; it must be ≥ 1")
+
+    def replace(self, **changes) -> "DecodeParams":
+        """A copy with ``changes`` (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def for_choice(self, j: int) -> "DecodeParams":
+        """Choice j of ``n``: sampling seeded with ``seed + j`` (mod 2**63), ``n`` = 1."""
+        s = self.sampling
+        seed = (s.seed + j) % 2 ** 63 if s.do_sample else s.seed
+        return dataclasses.replace(self, sampling=SamplingParams(s.do_sample, s.temperature, s.top_p, seed), n=1)
+
+    @classmethod
+    def of(cls, *, max_new_tokens: int = 256, stop: Sequence[str] | str | None = None, ignore_eos: bool = False,
+           sampling: SamplingParams | None = None, logprobs: int | None = None, n: int = 1) -> "DecodeParams":
+        """From the separate keyword arguments older call sites pass (None: the defaults)."""
+        return cls(int(max_new_tokens), stop, bool(ignore_eos), sampling or SamplingParams(),
+                   None if logprobs is None else int(logprobs), int(n))
 
 
 def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ from ccft.core.cache import BaseCache
 from ccft.core.errors import ConfigError
 from ccft.core.generation import Generation, generate
 from ccft.core.modes import get_mode
-from ccft.core.sampling import SamplingParams
+from ccft.core.sampling import DecodeParams, SamplingParams
 from ccft.evals.protocol import normalize_scores, score_extras, score_texts, task_stop
 from ccft.evals.scoring import Prepared, handle_nll
 from ccft.evals.settings import EvalSettings, ModeSpec
@@ -94,15 +94,15 @@ def engine_generate(engine, spec: ModeSpec, prompts: Sequence[Sequence[int]] | N
     """
     name = _decoder_name(engine, spec)
     producer = producer_of(engine, spec)
-    sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, seed=seed)
+    params = DecodeParams.of(max_new_tokens=max_new_tokens, stop=stop, sampling=SamplingParams(
+        do_sample=do_sample, temperature=temperature, top_p=top_p, seed=seed))
     if handle is not None:
         if handle.producer != (producer or "base"):
             raise ConfigError(f"mode {spec.mode!r} decodes on the prefill of {producer or 'base'!r}, but this handle "
                               f"was written by {handle.producer!r}")
-        return engine.generate(handle, decoder=name, max_new_tokens=max_new_tokens, stop=stop, sampling=sampling,
-                               rows=rows)
+        return engine.generate(handle, decoder=name, params=params, rows=rows)
     with engine.prefill(prompts, handoff_tokens=handoff_tokens, producer=producer) as handle:
-        return engine.generate(handle, decoder=name, max_new_tokens=max_new_tokens, stop=stop, sampling=sampling)
+        return engine.generate(handle, decoder=name, params=params)
 
 
 class GroupPrefill:

@@ -10,10 +10,10 @@ per step for the rows that ask (``add_request(logprobs=k)``), and of a prompt's 
 (``scoring.prompt_logprobs``, what ``ccft serve`` returns for ``echo``).
 """
 
-from ccft.core.sampling import SamplingParams
+from ccft.core.sampling import DecodeParams, SamplingParams
 from ccft.inference.engine import SharedPrefillEngine
 from ccft.inference.handles import BASE, PrefixHandle
 from ccft.inference.kv import CapacityError
 from ccft.inference.requests import StepError, StepOutput
 
-__all__ = ["SharedPrefillEngine", "PrefixHandle", "SamplingParams", "StepOutput", "StepError", "CapacityError", "BASE"]
+__all__ = ["SharedPrefillEngine", "PrefixHandle", "SamplingParams", "DecodeParams", "StepOutput", "StepError", "CapacityError", "BASE"]

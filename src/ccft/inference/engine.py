@@ -56,7 +56,7 @@ from ccft.core.cache import BaseCache
 from ccft.core.decoder import Decoder
 from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.generation import Generation
-from ccft.core.sampling import SamplingParams
+from ccft.core.sampling import DecodeParams, SamplingParams
 from ccft.core.text import StopMatcher
 from ccft.core.tokens import left_pad, pad_token_id
 from ccft.inference import model as M
@@ -497,10 +497,14 @@ class SharedPrefillEngine:
     def add_request(self, handle: PrefixHandle, row: int = 0, *, decoder: str = BASE, max_new_tokens: int | None = None,
                     stop: Sequence[str] | str | None = None, sampling: SamplingParams | None = None,
                     forced_tokens: Sequence[int] | None = None, ignore_eos: bool = False,
-                    suffix_ids: Sequence[int] | None = None, logprobs: int | None = None) -> int:
+                    suffix_ids: Sequence[int] | None = None, logprobs: int | None = None,
+                    params: DecodeParams | None = None) -> int:
         """Admit one prompt row of ``handle`` for ``decoder``; it decodes from the next ``step()``.
 
         Args:
+            params: the decoding settings whole (``ccft.core.sampling.DecodeParams``: max_new_tokens, stop,
+                ignore_eos, sampling, logprobs), as the scheduler passes them; or the same settings as the
+                separate keywords below (not both).
             row: the prompt's index in the handle.
             suffix_ids: prompt tokens that follow the handle's prompt for this request only (an
                 agent's own instruction after a shared context). The request's prompt is
@@ -531,6 +535,12 @@ class SharedPrefillEngine:
             FingerprintMismatchError: the handle holds another decoder's own K/V (no-share prefill, K5),
                 or this decoder's K/V from before an in-place edit of its weights.
         """
+        if params is not None:
+            if (max_new_tokens, stop, sampling, ignore_eos, logprobs) != (None, None, None, False, None):
+                raise ConfigError("pass the decoding settings as params=DecodeParams(...) or as keywords "
+                                  "(max_new_tokens, stop, sampling, ignore_eos, logprobs), not both")
+            max_new_tokens, stop, sampling = params.max_new_tokens, params.stop, params.sampling
+            ignore_eos, logprobs = params.ignore_eos, params.logprobs
         entry = self._check_reader(handle, decoder)
         if not 0 <= row < handle.batch_size:
             raise ConfigError(f"row={row} but the handle has {handle.batch_size} prompts")
@@ -747,14 +757,20 @@ class SharedPrefillEngine:
     @_inference
     def generate(self, handle: PrefixHandle, *, decoder: str = BASE, max_new_tokens: int = 256,
                  stop: Sequence[str] | str | None = None, sampling: SamplingParams | None = None,
-                 rows: Sequence[int] | None = None, ignore_eos: bool = False) -> list[Generation]:
+                 rows: Sequence[int] | None = None, ignore_eos: bool = False,
+                 params: DecodeParams | None = None) -> list[Generation]:
         """Decode every prompt row of ``handle`` (or ``rows``) with ``decoder``; one ``Generation`` per row.
 
-        Built on the step API: rows are admitted as slots free up (continuous batching). Requests
-        added by a scheduler are stepped too; their outputs are not returned here.
+        ``params``: the decoding settings whole (``DecodeParams``), or the separate keywords (not both);
+        row r samples with seed + r. Built on the step API: rows are admitted as slots free up (continuous
+        batching). Requests added by a scheduler are stepped too; their outputs are not returned here.
         """
         rows = list(range(handle.batch_size)) if rows is None else list(rows)
-        sampling = sampling or SamplingParams()
+        if params is None:
+            params = DecodeParams.of(max_new_tokens=max_new_tokens, stop=stop, sampling=sampling, ignore_eos=ignore_eos)
+        elif (max_new_tokens, stop, sampling, ignore_eos) != (256, None, None, False):
+            raise ConfigError("pass the decoding settings as params=DecodeParams(...) or as keywords, not both")
+        sampling = params.sampling
         pending = list(rows)
         mine: dict[int, int] = {}
         results: dict[int, Generation] = {}
@@ -762,8 +778,7 @@ class SharedPrefillEngine:
             while pending and self.free_slots(decoder) > 0:
                 row = pending.pop(0)
                 s = SamplingParams(sampling.do_sample, sampling.temperature, sampling.top_p, sampling.seed + row)
-                rid = self.add_request(handle, row, decoder=decoder, max_new_tokens=max_new_tokens, stop=stop,
-                                       sampling=s, ignore_eos=ignore_eos)
+                rid = self.add_request(handle, row, decoder=decoder, params=params.replace(sampling=s))
                 mine[rid] = row
             if not mine:
                 raise CapacityError(f"decoder {decoder!r} has no free slot (max_batch={self.max_batch} rows are "

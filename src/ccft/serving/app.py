@@ -305,9 +305,8 @@ class ServerState:
         the first one also scores the prompt when ``echo`` asks for its logprobs.
         Raises ``APIError`` 503 (queue full) or 400 (never servable)."""
         echo_lps = req.token_logprobs if req.echo_prompt else None
-        requests = [ServeRequest(decoder, prompt_ids, shared_len=req.shared_prefix_tokens, max_new_tokens=max_tokens,
-                                 stop=req.stop, sampling=req.sampling(j), ignore_eos=bool(req.ignore_eos),
-                                 session_id=req.session_id, logprobs=req.token_logprobs,
+        requests = [ServeRequest(decoder, prompt_ids, shared_len=req.shared_prefix_tokens,
+                                 params=req.decode_params(max_tokens, j), session_id=req.session_id,
                                  prompt_logprobs=echo_lps if j == 0 else None,
                                  prompt_context_tokens=getattr(req, "echo_context_tokens", None))
                     for j in range(len(sinks))]

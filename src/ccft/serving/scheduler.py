@@ -84,6 +84,7 @@ from typing import Callable, Sequence
 from ccft.core.decoder import resolve_handoff
 from ccft.core.errors import CCFTError, ConfigError
 from ccft.core.generation import Generation
+from ccft.core.sampling import DecodeParams
 from ccft.inference import BASE, SamplingParams, SharedPrefillEngine, StepError
 from ccft.inference.scoring import prompt_logprobs
 from ccft.serving.kv_ledger import KVLedger
@@ -107,8 +108,11 @@ class ServeRequest:
         prompt_ids: the whole prompt's token ids (shared context + the agent's own tokens).
         shared_len: how many leading prompt tokens are the shared context (default: the whole
             prompt). Only a hint for placing KV: outputs do not depend on it.
-        max_new_tokens, stop, sampling, ignore_eos: decoding settings (``SharedPrefillEngine.add_request``).
-            ``max_new_tokens`` may be 0 only with ``prompt_logprobs`` (score the prompt, generate nothing).
+        params: the decoding settings whole (``ccft.core.sampling.DecodeParams``), passed as they are to
+            ``SharedPrefillEngine.add_request``. Without it they are built from the separate fields
+            ``max_new_tokens, stop, sampling, ignore_eos, logprobs`` (kept for existing callers); with it those
+            fields are set from it. ``max_new_tokens`` may be 0 only with ``prompt_logprobs`` (score the
+            prompt, generate nothing).
         session_id: the caller's session (metrics, routing); optional.
         logprobs: None, or k ≥ 0: each generated token's logprob and the k most likely tokens
             (``Ticket.token_logprobs``; ``SharedPrefillEngine.add_request(logprobs=k)``).
@@ -129,6 +133,15 @@ class ServeRequest:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_context_tokens: int | None = None
+    params: DecodeParams | None = None
+
+    def __post_init__(self):
+        if self.params is None:
+            self.params = DecodeParams.of(max_new_tokens=self.max_new_tokens, stop=self.stop, sampling=self.sampling,
+                                          ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+        p = self.params
+        self.max_new_tokens, self.stop, self.sampling = p.max_new_tokens, list(p.stop) or None, p.sampling
+        self.ignore_eos, self.logprobs = p.ignore_eos, p.logprobs
 
 
 @dataclass(eq=False)
@@ -329,18 +342,18 @@ class Scheduler:
             raise ConfigError(f"prompt_ids has {n} tokens; a request needs at least handoff_tokens+1={k + 1}")
         if r.shared_len is not None and not 0 <= int(r.shared_len) <= n:
             raise ConfigError(f"shared_len={r.shared_len} is outside 0..{n} (the prompt's length)")
-        if int(r.max_new_tokens) < (0 if r.prompt_logprobs is not None else 1):
-            raise ConfigError(f"max_new_tokens={r.max_new_tokens}; it must be ≥ 1 (0 only with prompt_logprobs)")
+        if int(r.params.max_new_tokens) < (0 if r.prompt_logprobs is not None else 1):
+            raise ConfigError(f"max_new_tokens={r.params.max_new_tokens}; it must be ≥ 1 (0 only with prompt_logprobs)")
         if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
             raise PromptTooLongError(f"the prompt has {n} tokens but max_prompt_tokens={self.max_prompt_tokens}; "
                                      "shorten it")
         ctx, tail = self._split(r)
-        if tail + r.max_new_tokens > self.engine.max_tail_tokens:
+        if tail + r.params.max_new_tokens > self.engine.max_tail_tokens:
             raise PromptTooLongError(
-                f"the agent's own {tail} prompt tokens + max_new_tokens={r.max_new_tokens} exceed the engine's "
+                f"the agent's own {tail} prompt tokens + max_new_tokens={r.params.max_new_tokens} exceed the engine's "
                 f"max_tail_tokens={self.engine.max_tail_tokens}; lower max_new_tokens or mark more of the prompt "
                 "as shared (shared_len)")
-        need = self.kv.never_fits(ctx, tail, r.max_new_tokens)
+        need = self.kv.never_fits(ctx, tail, r.params.max_new_tokens)
         if need is not None:
             raise PromptTooLongError(f"the request needs {need} bytes of KV but kv_budget_bytes="
                                      f"{self.kv_budget_bytes}; shorten the prompt or raise the budget")
@@ -547,7 +560,7 @@ class Scheduler:
             if t is None:
                 return
             r = t.request
-            if r.max_new_tokens == 0:  # score the prompt only (echo): no KV, no lane slot
+            if r.params.max_new_tokens == 0:  # score the prompt only (echo): no KV, no lane slot
                 self._dequeue(t)
                 self._score_only(t)
                 continue
@@ -558,7 +571,7 @@ class Scheduler:
             ctx_tokens, tail = self._split(r)
             key = self._context_key(r, ctx_tokens)
             ctx = self._contexts.get(key)
-            need = self.kv.admission_bytes(ctx_tokens, tail, r.max_new_tokens, new_context=ctx is None)
+            need = self.kv.admission_bytes(ctx_tokens, tail, r.params.max_new_tokens, new_context=ctx is None)
             if not self.kv.make_room(need):
                 self.counters["admission_waits"] += 1
                 return
@@ -576,7 +589,7 @@ class Scheduler:
                 continue
             ctx.users += 1
             t._ctx = ctx
-            t._reserved = self.kv.reserve(self.kv.request_bytes(tail, r.max_new_tokens))
+            t._reserved = self.kv.reserve(self.kv.request_bytes(tail, r.params.max_new_tokens))
             self.counters["admitted"] += 1
             self.counters["prompt_tokens"] += len(r.prompt_ids)
             self.kv.note_peak()
@@ -593,9 +606,7 @@ class Scheduler:
         suffix = list(r.prompt_ids)[ctx_tokens + self._handoff(r.decoder):]
         t0 = time.perf_counter()
         try:
-            rid = self.engine.add_request(ctx.handle, 0, decoder=r.decoder, max_new_tokens=int(r.max_new_tokens),
-                                          stop=r.stop, sampling=r.sampling, ignore_eos=r.ignore_eos,
-                                          suffix_ids=suffix, logprobs=r.logprobs)
+            rid = self.engine.add_request(ctx.handle, 0, decoder=r.decoder, params=r.params, suffix_ids=suffix)
         except Exception as e:  # noqa: BLE001 - the request fails, the scheduler goes on
             self._end(t, "error", error=f"{type(e).__name__}: {e}")
             return

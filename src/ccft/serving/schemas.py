@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
     raise serve_extra_missing(e) from e
 
 from ccft.core.generation import Generation
-from ccft.core.sampling import SamplingParams
+from ccft.core.sampling import DecodeParams, SamplingParams
 
 __all__ = ["APIError", "error_response", "FINISH_REASONS", "json_type", "StreamOptions", "ChatMessage",
            "CompletionRequest", "ChatCompletionRequest", "parse_request", "Reply", "LogprobText", "TokenLogprob", "MAX_N", "MAX_LOGPROBS"]
@@ -288,6 +288,12 @@ class _GenerationRequest(_Strict):
         return SamplingParams(do_sample=True, temperature=float(self.temperature),
                               top_p=1.0 if self.top_p is None else float(self.top_p),
                               seed=secrets.randbits(63) if self.seed is None else (self.seed + choice) % 2 ** 63)
+
+    def decode_params(self, max_tokens: int, choice: int = 0) -> DecodeParams:
+        """The request's decoding settings whole (``DecodeParams``) for choice ``choice``: ``max_tokens``,
+        ``stop``, ``ignore_eos``, ``sampling(choice)`` and the generated tokens' logprobs."""
+        return DecodeParams(max_new_tokens=int(max_tokens), stop=self.stop, ignore_eos=bool(self.ignore_eos),
+                            sampling=self.sampling(choice), logprobs=self.token_logprobs)
 
     @property
     def choices(self) -> int:
