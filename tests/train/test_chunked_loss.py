@@ -1,7 +1,7 @@
 """The chunked LM-head + cross-entropy loss (``ccft.train.loss``) and frozen embeddings for full-weight decoders.
 
 The reference is the full-logits path (``response_nll_rows`` over ``F.cross_entropy`` of the tail's logits;
-tests/test_trainer.py checks it against independent two-pass and self-prefill references). Everything
+tests/train/test_trainer.py checks it against independent two-pass and self-prefill references). Everything
 is fp32 on tiny random Llamas with the real 49,152-token SmolLM2 vocabulary.
 """
 

@@ -28,7 +28,7 @@ concurrency at which no-share reaches 95% of its best throughput over the sweep)
 (shared, over the sweep) and ``kv_bytes_vs_eq9`` (measured peak-KV ratio no-share ÷ shared in the
 unbudgeted calibration runs, divided by Eq. 9's ratio with the generated tokens included).
 
-What the theory allows (issue #15): per point, ``work_ratio`` is the token-work ratio of the trace,
+What the theory allows: per point, ``work_ratio`` is the token-work ratio of the trace,
 no-share work ÷ shared work, where a system's work is the prompt tokens it must compute plus the
 generated tokens: no-share computes every request's whole prompt (``Σ prompt_len``), shared
 computes each turn's shared context once and every request's own tokens (``Σ_turns shared_len +
@@ -458,7 +458,7 @@ def table(result: dict) -> str:
                 r = into[mode]
                 tpot = "-" if r.get("tpot_p95_s") is None else f"{1000 * r['tpot_p95_s']:.1f}"
                 ratios = " | "
-                if mode == "shared" and "work_ratio" in p:  # (results written before issue #15 lack them)
+                if mode == "shared" and "work_ratio" in p:  # older result files lack them
                     ratios = f"{p['work_ratio']:.2f} | {into['throughput_ratio']:.2f}"
                 lines.append(f"| {p['sessions']} | {policy} | {mode.replace('_', '-')} | {r['latency_p50_s']:.2f} | "
                              f"{r['latency_p95_s']:.2f} | {r['ttft_p95_s']:.2f} | {tpot} | "

@@ -130,8 +130,8 @@ def run(args) -> int:
         specs = mode_specs(cfg.modes, decoders, paths)
         settings_of = {t: EvalSettings(limit=limit, max_new_tokens=max_new, seed=cfg.seed, handoff_tokens=handoff,
                                        prompt_format=fmt, engine=True) for t, limit, max_new in task_list}
-        # a task folder of this study written with other settings (the study config changed, or the task's
-        # protocol did: MultiPL-E now stops at its stop tokens) is the study's own stale output: computed again
+        # a task folder of this study written with other settings (the study config or the task's protocol
+        # changed) is the study's own stale output: computed again
         for t, _, _ in task_list:
             diff = {} if fresh else stale_settings(out / name / t, settings_of[t].as_dict(get_task(t)))
             if diff:

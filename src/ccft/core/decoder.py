@@ -156,7 +156,7 @@ def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tai
     the positions), then put the body's output back in the padded ``(b, p + t, h)`` layout (zeros at pads)
     before the LM head, so callers (and ``ccft.train.loss.capture_final_hidden``) see the same shapes. The
     same function as the padded forward, without computing the pads: equal up to fp32 rounding
-    (``tests/test_trainer.py``), faster when rows differ in length (docs/training.md, "Full-FT without padding").
+    (``tests/train/test_trainer.py``), faster when rows differ in length (docs/training.md, "Full-FT without padding").
     Check ``padding_free_unsupported(model)`` first: packing relies on the model building its mask from the
     positions.
     """

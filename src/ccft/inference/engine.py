@@ -259,9 +259,8 @@ class SharedPrefillEngine:
         region of len(prompts) rows × the longest prefix) then fit without growing it again.
 
         Memory only: results are the same with or without it. Without it each such prefill that does not fit
-        doubles the arena (power-of-two capacity) and holds the old and new storage at once while copying;
-        on an evaluation group of 100 BFCL prompts read by two producers that was a 262,144-slot arena and
-        an 18.9 GiB resident peak on SmolLM2-135M fp32 (docs/study.md, "Time").
+        doubles the arena (power-of-two capacity) and holds the old and new storage at once while copying
+        (measured: docs/study.md, "Time").
 
         Args:
             prompts: the prompts the prefills will take; handoff_tokens: their k (as for ``prefill``).

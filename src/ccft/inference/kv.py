@@ -97,8 +97,7 @@ class PrefixArena:
 
         For a caller that knows what it will allocate (an evaluation group's prefills, one region per
         producer): one growth to the sum, where allocating region by region doubles the arena for each and
-        holds the old and the new storage at once while copying (on the study's 100 BFCL prompts, two
-        regions of 67,600 slots: 262,144 slots and an 18.9 GiB resident peak; reserved: 135,200).
+        holds the old and the new storage at once while copying (the measured peak is in docs/study.md, "Time").
         Beyond ``max_tokens`` it grows to ``max_tokens`` (``allocate`` then raises CapacityError).
         """
         tokens = int(tokens)

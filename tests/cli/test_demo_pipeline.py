@@ -28,7 +28,7 @@ import torch
 
 MODES = ("base", "full-ft", "naive", "prefillshare")
 NLL_ROWS, EM_ROWS, NEW_TOKENS = 4, 3, 8
-GSM8K_TEST = Path(__file__).resolve().parents[1] / "src" / "ccft" / "resources" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = Path(__file__).resolve().parents[2] / "src" / "ccft" / "resources" / "gsm8k" / "test.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from ccft.train.config import load_recipe
 from ccft.train.data import TokenizedDataset
 from ccft.train.run import run_training, setup
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ helpers

@@ -12,7 +12,7 @@ import torch
 from ccft import ConfigError
 from ccft.train.config import EvalConfig, TrainConfig, load_recipe, parse_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: training recipes (study.yaml is the study's config, not a training recipe: tests/evals/test_study.py parses it)
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.name != "study.yaml")
 

@@ -26,7 +26,7 @@ from ccft.train.config import load_recipe
 from ccft.train.distributed import accelerate_command, inside_launcher
 from ccft.train.run import run_training
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ACCEL = ROOT / "recipes" / "accelerate"
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
