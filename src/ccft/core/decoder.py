@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ccft.core.cache import BaseCache, allow_readonly_cache_under_checkpointing, cache_kwarg
+from ccft.core.deprecation import moved_name_getattr
 from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.fingerprint import check_compatible
 
@@ -364,3 +365,6 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
     if kind == "lora":
         meta["adapter_name"] = adapter_name  # generate/save/decoder_forward select this adapter on the shared host
     return Decoder(model=model, base=base, kind=kind, method=method, handoff_tokens=handoff_tokens, meta=meta)
+
+
+__getattr__ = moved_name_getattr(__name__)  # 0.1 names: ccft.core.deprecation.MOVED_NAMES

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from ccft.core.cache import BaseCache, cache_kwarg, compute_base_cache, prefill
 from ccft.core.decoder import Decoder, check_base_reader, check_cache_reader
+from ccft.core.deprecation import moved_name_getattr
 from ccft.core.modes import MODES, check_mode  # noqa: F401 - MODES re-exported
 from ccft.core.sampling import SamplingParams, select_tokens
 from ccft.core.text import StopMatcher
@@ -166,3 +167,6 @@ def generate(prompts: Sequence[Sequence[int]], *, mode: str, base=None, decoder:
         for i, g in zip(chunk, outs):
             results[i] = g
     return results  # type: ignore[return-value]
+
+
+__getattr__ = moved_name_getattr(__name__)  # 0.1 names: ccft.core.deprecation.MOVED_NAMES

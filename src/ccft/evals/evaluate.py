@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ccft.core.decoder import Decoder
+from ccft.core.deprecation import moved_name_getattr
 from ccft.evals.prompting import resolve_prompt_format
 from ccft.evals.protocol import get_task
 from ccft.evals.results import hardware
@@ -63,3 +64,6 @@ def evaluate_decoders(base, decoders: Mapping[str, Decoder], ecfg, out_dir: str 
     specs = mode_specs(ecfg.modes, decoders, decoder_paths)
     return run_task(task, base, specs, out_dir, settings=demo_settings(ecfg, decoders), batch_size=ecfg.batch_size,
                     progress=progress, overwrite=overwrite, n_resamples=ecfg.bootstrap)
+
+
+__getattr__ = moved_name_getattr(__name__)  # 0.1 names: ccft.core.deprecation.MOVED_NAMES

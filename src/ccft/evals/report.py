@@ -14,6 +14,7 @@ import re
 import time
 from pathlib import Path
 
+from ccft.core.deprecation import moved_name_getattr
 from ccft.core.errors import ConfigError
 from ccft.core.io import atomic_write_text, display_path, save_figure
 from ccft.core.modes import MODES, REFERENCE_MODE, get_mode
@@ -536,3 +537,6 @@ def build_report(paths, out_dir, *, title: str = "ccft report") -> dict:
 
 def _slug(s) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", str(s)).strip("-") or "task"
+
+
+__getattr__ = moved_name_getattr(__name__)  # 0.1 names: ccft.core.deprecation.MOVED_NAMES
