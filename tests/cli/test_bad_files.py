@@ -196,6 +196,24 @@ def test_corrupted_inputs_end_in_one_line_with_exit_2(workdir, capsys, case, com
     assert snapshot(workdir) == before  # nothing half-written (no output_dir, no store, no temp files)
 
 
+# a real run rebuilds a store whose manifest is broken (the store is a cache of C_base); --dry-run reports it
+REAL_RUN = [c for c in CASES if c != "store with a broken manifest"]
+
+
+@pytest.mark.parametrize("case", REAL_RUN)
+def test_a_real_run_that_fails_to_start_writes_nothing(workdir, capsys, case):
+    """Without --dry-run: the same one-line error, and output_dir (and everything else) as it was."""
+    make, extra, pattern = CASES[case]
+    make(workdir)
+    before = snapshot(workdir)
+    rc, err = run_cli(["train", "r.yaml", *extra], capsys)
+    assert rc == 2, (case, err)
+    import re
+
+    assert re.search(pattern, err.strip().splitlines()[-1]), (pattern, err)
+    assert snapshot(workdir) == before
+
+
 def test_precompute_out_that_is_a_file(workdir, capsys):
     (workdir / "store.bin").write_text("x")
     rc, err = run_cli(["precompute", "r.yaml", "--out", "store.bin", "--estimate-only"], capsys)

@@ -179,20 +179,22 @@ def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | N
 
     With ``recipe`` (the parsed recipe, as ``ccft train`` and the study pass it), checkpoints another recipe
     trained are refused before any work (``check_resumable_run``) and the recipe is recorded in
-    ``output_dir/ccft-recipe.json`` for the next resume.
+    ``output_dir/ccft-recipe.json`` for the next resume. Nothing is written to ``output_dir`` before the
+    data, the base and the decoder are set up: a run that fails to start leaves the folder as it was.
 
     Raises:
         ConfigError: checkpoints in ``output_dir`` from another recipe (``resume``), or a bad config.
     """
     start = time.time()
     out = Path(cfg.output_dir)
-    if recipe is not None:
-        if resume and out.is_dir():
-            check_resumable_run(out, recipe)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / RECIPE_STAMP, json.dumps(recipe, indent=2, default=str))
+    if recipe is not None and resume and out.is_dir():
+        check_resumable_run(out, recipe)
+    # every input is checked (recipe, data rows, base, LoRA targets, store) before the first write to output_dir
     base, decoder, train_set, eval_set, trainer = setup(cfg, base=base)
     check_process_group(trainer)
+    if recipe is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / RECIPE_STAMP, json.dumps(recipe, indent=2, default=str))
     last = get_last_checkpoint(str(out)) if resume and out.is_dir() else None
     if last:
         print(f"[ccft] resuming from {last}", flush=True)
