@@ -65,6 +65,17 @@ def loopback_only():
         socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny models
+    are latency-bound, and one thread avoids the large slowdown of OpenMP barriers when other processes
+    share the cores. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The embedded SmolLM2 converted to an HF folder (tokenizer used by the tiny models)."""

@@ -26,13 +26,7 @@ from ccft.train.config import load_recipe
 from ccft.train.data import Collator, build_dataset
 from ccft.train.run import setup
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def rows(n: int = 7) -> list[dict]:

@@ -19,13 +19,7 @@ from ccft.train.config import load_recipe
 from ccft.train.loss import LinearCrossEntropy, chunked_loss_unsupported, chunked_nll
 from ccft.train.run import setup
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -31,12 +31,7 @@ LOSS_TOL = 2e-6   # fp32 losses ≈ ln(vocab) ≈ 10.8; the paths differ in summ
 GRAD_TOL = 1e-5   # relative to the largest gradient entry of the tensor
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def rows(n: int = 5) -> list[dict]:

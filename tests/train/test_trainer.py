@@ -41,14 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # ------------------------------------------------------------------ helpers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tiny models are latency-bound: one intra-op thread is fastest, and it avoids the large slowdown
-    of OpenMP barriers when other processes share the cores. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
