@@ -29,9 +29,11 @@ import hashlib
 import json
 import math
 import os
+import string
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -505,7 +507,8 @@ def _sweep_row(pts: dict, rhos: list, label: str) -> str:
 
 
 def study_readme(report: dict, command: str, sittings_notes: str | None = None) -> str:
-    """``README.md`` of ``reports/study/``: setup, the headline tables, retention, sweeps, serving, reading.
+    """``README.md`` of ``reports/study/``: setup, the headline tables, retention, sweeps, serving, reading,
+    rendered from the template ``ccft/evals/templates/study_README.md`` (``string.Template`` fields).
 
     Args:
         sittings_notes: the text of ``OUT/SITTINGS.md`` when present: what the person who ran the study wrote
@@ -551,64 +554,22 @@ def study_readme(report: dict, command: str, sittings_notes: str | None = None) 
     partial = "" if report.get("complete", True) else (
         f"> **Partial report**: finished specialists: {', '.join(done) or 'none'}. The study resumes where it "
         f"stopped; rerun `{command}` to continue.\n\n")
-    return f"""# ccft study: math, code and tool-calling specialists — PrefillShare vs Full-FT vs naive sharing
-
-{partial}Produced by `{command}`. Every number below was measured by that command (in {report['sittings']} sitting(s);
-finished work is reused when it is rerun). Per-item records: `SPECIALIST/TASK/items.MODE.jsonl`.
-
-- **Model**: {report['model']} (frozen base); each specialist's decoders are LoRA adapters on it.
-- **Hardware**: {report['hardware']}.
-- **Wall time per phase (s)**, summed over sittings: {', '.join(f'{k} {v:.0f}' for k, v in ps.items())};
-  total {total:.0f} s ({total / 60:.0f} min). Load average at the end of each phase (other jobs sharing
-  the CPU inflate these times): {', '.join(f'{k} {v}' for k, v in report['load_average'].items())}.
-- **Modes**: base (frozen base, own prefill), full-ft (Full-FT decoder, own prefill: the reference), naive
-  (Full-FT decoder reading the base's cache C_base), prefillshare (CCFT decoder reading C_base: the method).
-  Same items, prompts, stop strings and greedy settings in every mode.
-
-{_sittings_block(sittings_notes)}## Specialists
-
-{chr(10).join(specs)}
-
-## Primary metric (95% CI; Δ = mode − full-ft, paired bootstrap over the same items)
-
-Primary metrics: {'; '.join(f'`{k}` = {v}' for k, v in report['metrics']['primary'].items())}.
-
-{chr(10).join(_table(report, 'score', lambda x, ci: _pct(x) + _ci_pct(ci), _pp))}
-
-## Secondary metric
-
-{'; '.join(f'`{k}` = {v}' for k, v in report['metrics']['secondary'].items())}.
-
-{chr(10).join(_table(report, 'secondary', lambda x, ci: _pct(x) + _ci_pct(ci), _pp))}
-
-## Response NLL/token (teacher-forced on the reference answer; lower is better)
-
-{chr(10).join(_table(report, 'nll', _nll, _dnll))}
-
-## Retention (shared mode ÷ full-ft, on the means)
-
-{chr(10).join(retention)}
-
-## Does Full-FT beat base? (paired 95% CI of base − full-ft excludes 0, per metric)
-
-{chr(10).join(resolved)}
-
-## Sharing sweep per specialist
-
-{chr(10).join(sweeps) if sweeps else 'Not run.'}
-
-## Serving with the trained specialists
-
-{serving_md}
-
-## Reading
-
-{study_reading(report)}
-
-This is a CPU-scale study of a 135M model with LoRA decoders and tens of training steps: it measures the
-mechanism (a decoder reading another model's cache, trained or not trained to do so) per specialist, not
-the accuracy an 8B model reaches.
-"""
+    fields = {
+        "partial": partial, "command": command, "sittings": report["sittings"], "model": report["model"],
+        "hardware": report["hardware"], "phase_seconds": ", ".join(f"{k} {v:.0f}" for k, v in ps.items()),
+        "total_s": f"{total:.0f}", "total_min": f"{total / 60:.0f}",
+        "load_average": ", ".join(f"{k} {v}" for k, v in report["load_average"].items()),
+        "sittings_block": _sittings_block(sittings_notes), "specialists": "\n".join(specs),
+        "primary_meaning": "; ".join(f"`{k}` = {v}" for k, v in report["metrics"]["primary"].items()),
+        "primary_table": "\n".join(_table(report, "score", lambda x, ci: _pct(x) + _ci_pct(ci), _pp)),
+        "secondary_meaning": "; ".join(f"`{k}` = {v}" for k, v in report["metrics"]["secondary"].items()),
+        "secondary_table": "\n".join(_table(report, "secondary", lambda x, ci: _pct(x) + _ci_pct(ci), _pp)),
+        "nll_table": "\n".join(_table(report, "nll", _nll, _dnll)), "retention": "\n".join(retention),
+        "resolved": "\n".join(resolved), "sweeps": "\n".join(sweeps) if sweeps else "Not run.",
+        "serving": serving_md, "reading": study_reading(report),
+    }
+    template = (resources.files("ccft.evals") / "templates" / "study_README.md").read_text(encoding="utf-8")
+    return string.Template(template).substitute(fields)
 
 
 def _sittings_block(notes: str | None) -> str:
