@@ -310,6 +310,29 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
         check_mode(spec.mode, spec.decoder)
     name = task_name(task)
     folder = Path(out_dir) / name
+    prep, meta, unavailable = _open_task_folder(task, base, modes, folder, settings, overwrite)
+    specs = sorted(modes, key=_mode_order)
+    index_of = {x: i for i, x in enumerate(prep.ids)}
+    done = _done_records(folder, prep, specs)
+    computed, specs = _run_groups(task, base, specs, prep, folder, done, settings, batch_size=batch_size,
+                                  progress=progress, unavailable=unavailable, on_item=on_item, memo=memo)
+    records: dict[str, list[dict]] = {}
+    for spec in specs:
+        records[spec.mode] = sorted(done[spec.mode].values(), key=lambda r: index_of[r["id"]])
+    # every mode present in the folder goes into the summary (also modes run by an earlier command)
+    for mode, recs in folder_records(folder, index_of).items():
+        records.setdefault(mode, recs)
+    summary = summarize_task(meta, records, task, n_resamples=n_resamples, seed=settings.seed)
+    write_json(folder / "summary.json", summary)
+    return TaskResult(summary, records, computed)
+
+
+def _open_task_folder(task, base, modes: Sequence[ModeSpec], folder: Path, settings: EvalSettings,
+                      overwrite: bool) -> tuple:
+    """The folder and resume part of ``run_task``: clear it (``overwrite``) or check that its earlier run may be
+    resumed, run the task's environment check, and write ``meta.json``. Returns (prepared items, meta, whether
+    the task's toolchain is unavailable)."""
+    name = task_name(task)
     if overwrite and folder.exists():
         clear_task_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -335,18 +358,24 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
     for spec in modes:
         meta["modes"][spec.mode] = spec.describe()
     write_json(meta_path, meta)
+    return prep, meta, unavailable
 
+
+def _run_groups(task, base, specs: list[ModeSpec], prep, folder: Path, done: dict, settings: EvalSettings, *,
+                batch_size: int, progress: bool, unavailable: bool, on_item,
+                memo: EvalMemo | None) -> tuple[dict[str, int], list[ModeSpec]]:
+    """The group loop of ``run_task``: the items not in ``done`` in groups, every mode per group (each producer
+    prefills a group once with the engine), records appended to ``items.MODE.jsonl`` and added to ``done``.
+    Returns the items computed per mode and the modes in the order they ran."""
+    name = task_name(task)
     engine = None
     if settings.engine and settings.generate:
-        engine = make_engine(base, modes, max_batch=batch_size)
+        engine = make_engine(base, specs, max_batch=batch_size)
     # the engine decodes batch_size rows at a time and refills a row's slot as soon as it finishes, so it gets
     # several batches per call (records are written per call)
     group = batch_size * (ENGINE_BATCHES_PER_CALL if engine is not None else 1)
-    records: dict[str, list[dict]] = {}
     computed: dict[str, int] = {}
-    index_of = {x: i for i, x in enumerate(prep.ids)}
-    specs = sorted(modes, key=_mode_order)
-    done = _done_records(folder, prep, specs)
+    specs = list(specs)
     pending = {spec.mode: {i for i in range(prep.n) if prep.ids[i] not in done[spec.mode]} for spec in specs}
     computed.update({spec.mode: 0 for spec in specs})
     # items in groups, every mode per group (with the engine each producer prefills a group once: GroupPrefill);
@@ -397,11 +426,4 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
                     prefills.close()
     finally:
         bar.close()
-    for spec in specs:
-        records[spec.mode] = sorted(done[spec.mode].values(), key=lambda r: index_of[r["id"]])
-    # every mode present in the folder goes into the summary (also modes run by an earlier command)
-    for mode, recs in folder_records(folder, index_of).items():
-        records.setdefault(mode, recs)
-    summary = summarize_task(meta, records, task, n_resamples=n_resamples, seed=settings.seed)
-    write_json(folder / "summary.json", summary)
-    return TaskResult(summary, records, computed)
+    return computed, specs
