@@ -524,6 +524,8 @@ def run(args, *, log: Callable[[str], None] | None = None) -> dict:
             if set(args.sessions) <= done and name in run_["outputs"]:
                 continue
             if name not in run_["outputs"] and refs is None:
+                log(f"[ccft] {key}: offline references (ccft.generate, prefillshare and full-ft) for the outputs "
+                    f"check: {len(check.requests)} requests of {len(agents)} agents, a few minutes on 2 cores")
                 refs = offline_references(args.model, adapters, agents, check)
             system = System(name, args, agents, adapters, kv_bytes_per_token=_kv_bytes_per_token(args.model),
                             max_prompt=max_prompt, log=log)
