@@ -84,3 +84,4 @@ control  # unused variable (tests/test_trainer.py:152)
 _.on_step_end  # unused method (tests/test_trainer.py:687)
 control  # unused variable (tests/test_trainer.py:687)
 one_thread  # unused function (tests/train/test_chunked_loss.py:23)
+prompt_token_ids  # a response field (ccft.serving.schemas._Choice) set through **kwargs

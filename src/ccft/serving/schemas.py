@@ -38,7 +38,8 @@ from ccft.core.generation import Generation
 from ccft.core.sampling import DecodeParams, SamplingParams
 
 __all__ = ["APIError", "error_response", "FINISH_REASONS", "json_type", "StreamOptions", "ChatMessage",
-           "CompletionRequest", "ChatCompletionRequest", "parse_request", "Reply", "LogprobText", "TokenLogprob", "MAX_N", "MAX_LOGPROBS"]
+           "CompletionRequest", "ChatCompletionRequest", "parse_request", "Reply", "LogprobText", "TokenLogprob", "MAX_N", "MAX_LOGPROBS", "AssistantMessage", "ChatChoice", "ChatChunkChoice", "CompletionChoice", "CompletionResponse", "Delta",
+           "Usage"]
 
 #: most choices (``n``) one request may ask for
 MAX_N = 64
@@ -504,6 +505,66 @@ def _lone_surrogate(raw: bytes | str) -> tuple[str, str] | None:
 TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
+# ------------------------------------------------------------------ responses (OpenAI's shapes, ccft's extensions)
+class _Out(BaseModel):
+    """A response object: fields left unset (an extension not asked for) are left out of the JSON
+    (``body()``: ``model_dump(exclude_unset=True)``); fields set to None are written as null."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def body(self) -> dict:
+        return self.model_dump(exclude_unset=True)
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(_Out):
+    role: str  # "assistant" (set explicitly: an unset field is left out)
+    content: str
+
+
+class Delta(_Out):
+    """A chat stream chunk's delta: the role in the first chunk, then content (an empty delta at the end)."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class _Choice(_Out):
+    index: int
+    finish_reason: str | None
+    logprobs: dict | None
+    prompt_token_ids: list[int] | None = None  # ``return_token_ids`` (as vLLM)
+    token_ids: list[int] | None = None
+
+
+class CompletionChoice(_Choice):
+    text: str
+
+
+class ChatChoice(_Choice):
+    message: AssistantMessage
+
+
+class ChatChunkChoice(_Choice):
+    delta: Delta
+
+
+class CompletionResponse(_Out):
+    """``/v1/completions`` and ``/v1/chat/completions`` bodies and their stream chunks (``object`` tells which)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice | ChatChoice | ChatChunkChoice]
+    usage: Usage | None = None
+
+
 class LogprobText:
     """Token ids → the token strings, bytes and offsets of OpenAI's logprobs objects (one tokenizer, one thread).
 
@@ -578,9 +639,9 @@ class Reply:
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def usage(self, completion_tokens: int) -> dict:
+    def usage(self, completion_tokens: int) -> Usage:
         n = len(self.prompt_ids)
-        return {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
+        return Usage(prompt_tokens=n, completion_tokens=completion_tokens, total_tokens=n + completion_tokens)
 
     def logprobs_of(self, ids: Sequence[int], entries: Sequence | None, *, offset: int = 0,
                     prompt: Sequence | None = None) -> dict | None:
@@ -609,42 +670,43 @@ class Reply:
         for i, gen in enumerate(gens):
             finish = FINISH_REASONS.get(gen.finish_reason, gen.finish_reason)
             entries = logprobs[i] if logprobs is not None else None
+            ids = ({"prompt_token_ids": list(self.prompt_ids), "token_ids": list(gen.token_ids)}
+                   if self.return_token_ids else {})
             if self.chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": gen.text}, "finish_reason": finish,
-                          "logprobs": self.logprobs_of(gen.token_ids, entries)}
+                choice = ChatChoice(index=i, message=AssistantMessage(role="assistant", content=gen.text), finish_reason=finish,
+                                    logprobs=self.logprobs_of(gen.token_ids, entries), **ids)
             else:
                 text = (self.prompt_text if self.echo else "") + gen.text
                 lp = self.logprobs_of(gen.token_ids, entries,
                                       prompt=(prompt_logprobs or [None] * len(self.prompt_ids)) if self.echo else None)
-                choice = {"text": text, "index": i, "finish_reason": finish, "logprobs": lp}
-            if self.return_token_ids:
-                choice.update(prompt_token_ids=list(self.prompt_ids), token_ids=list(gen.token_ids))
+                choice = CompletionChoice(text=text, index=i, finish_reason=finish, logprobs=lp, **ids)
             choices.append(choice)
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": self.usage(sum(len(gen.token_ids) for gen in gens))}
+        return CompletionResponse(id=self.rid, object="chat.completion" if self.chat else "text_completion",
+                                  created=self.created, model=self.model, choices=choices,
+                                  usage=self.usage(sum(len(gen.token_ids) for gen in gens))).body()
 
     def chunk(self, text: str, ids: list[int], finish: str | None = None, *, first: bool = False, index: int = 0,
               logprobs: dict | None = None) -> dict:
         """One stream chunk of choice ``index``: ``text`` with the ``ids`` that produced it (chat: a
         ``delta``, with the role in the ``first`` chunk) and their ``logprobs`` object (``logprobs_of``)."""
-        if self.chat:
-            delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-        else:
-            choice = {"text": text, "index": index, "finish_reason": finish, "logprobs": logprobs}
+        extra: dict = {}
         if self.return_token_ids:
-            choice["token_ids"] = list(ids)
+            extra["token_ids"] = list(ids)
             if first:
-                choice["prompt_token_ids"] = list(self.prompt_ids)
-        out = {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model,
-               "choices": [choice]}
+                extra["prompt_token_ids"] = list(self.prompt_ids)
+        if self.chat:
+            delta = Delta(role="assistant", content=text) if first else (Delta(content=text) if text else Delta())
+            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs, **extra)
+        else:
+            choice = CompletionChoice(text=text, index=index, finish_reason=finish, logprobs=logprobs, **extra)
+        out = CompletionResponse(id=self.rid, object=self.chunk_object, created=self.created, model=self.model,
+                                 choices=[choice])
         if self.include_usage:
-            out["usage"] = None
-        return out
+            out.usage = None  # a set field: written as null in every chunk but the last
+        return out.body()
 
     def usage_chunk(self, g: Generation | Sequence[Generation]) -> dict:
         """The last chunk of a stream with ``include_usage``: no choices, the usage (tokens of every choice)."""
         gens = [g] if isinstance(g, Generation) else list(g)
-        return {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model,
-                "choices": [], "usage": self.usage(sum(len(gen.token_ids) for gen in gens))}
+        return CompletionResponse(id=self.rid, object=self.chunk_object, created=self.created, model=self.model,
+                                  choices=[], usage=self.usage(sum(len(gen.token_ids) for gen in gens))).body()
