@@ -171,6 +171,29 @@ def test_other_settings_refused_unless_overwrite(setup, tmp_path):
         run_task(ToyTask(), base, [ModeSpec("naive")], tmp_path, progress=False)
 
 
+def test_a_task_that_cannot_run_leaves_earlier_results(setup, tmp_path):
+    """--overwrite with a task whose environment check fails: the earlier run's files are untouched (the check
+    comes before the folder is cleared), and a fresh folder is not even created."""
+    from ccft.evals.task_base import EnvironmentCheckError
+
+    base, _, cc, _ = setup
+    specs = [ModeSpec("prefillshare", cc, "cc")]
+    run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(limit=2), progress=False)
+    folder = tmp_path / task_name(ToyTask())
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    class Broken(ToyTask):
+        def check_environment(self, limit=None):
+            raise EnvironmentCheckError("the toolchain is gone")
+
+    with pytest.raises(EnvironmentCheckError):
+        run_task(Broken(), base, specs, tmp_path, settings=EvalSettings(limit=2), progress=False, overwrite=True)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    with pytest.raises(EnvironmentCheckError):
+        run_task(Broken(), base, specs, tmp_path / "new", settings=EvalSettings(limit=2), progress=False)
+    assert not (tmp_path / "new").exists()
+
+
 def test_gsm8k_task_and_registry():
     from ccft.evals.gsm import GSM8KTask
     from ccft.evals.tasks import TASKS

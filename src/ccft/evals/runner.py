@@ -333,12 +333,13 @@ def _open_task_folder(task, base, modes: Sequence[ModeSpec], folder: Path, setti
     resumed, run the task's environment check, and write ``meta.json``. Returns (prepared items, meta, whether
     the task's toolchain is unavailable)."""
     name = task_name(task)
-    if overwrite and folder.exists():
-        clear_task_folder(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    # the items and the task's environment first: a task that cannot run leaves the folder as it was
     prep = prepare(task, base.tokenizer, settings.limit, settings.handoff_tokens, settings.prompt_format)
     want = settings.as_dict(task)
     environment = _check_environment(task, settings)
+    if overwrite and folder.exists():
+        clear_task_folder(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     meta_path = folder / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
     if meta is not None:
