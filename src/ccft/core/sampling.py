@@ -74,7 +74,7 @@ class DecodeParams:
         """Choice j of ``n``: sampling seeded with ``seed + j`` (mod 2**63), ``n`` = 1."""
         s = self.sampling
         seed = (s.seed + j) % 2 ** 63 if s.do_sample else s.seed
-        return dataclasses.replace(self, sampling=SamplingParams(s.do_sample, s.temperature, s.top_p, seed), n=1)
+        return dataclasses.replace(self, sampling=dataclasses.replace(s, seed=seed), n=1)
 
     @classmethod
     def of(cls, *, max_new_tokens: int = 256, stop: Sequence[str] | str | None = None, ignore_eos: bool = False,

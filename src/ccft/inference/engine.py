@@ -45,6 +45,7 @@ the tests hold" 6; fault classes K1-K5 and K12 for its entry points).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from pathlib import Path
@@ -776,7 +777,7 @@ class SharedPrefillEngine:
         while pending or mine:
             while pending and self.free_slots(decoder) > 0:
                 row = pending.pop(0)
-                s = SamplingParams(sampling.do_sample, sampling.temperature, sampling.top_p, sampling.seed + row)
+                s = dataclasses.replace(sampling, seed=sampling.seed + row)
                 rid = self.add_request(handle, row, decoder=decoder, params=params.replace(sampling=s))
                 mine[rid] = row
             if not mine:
