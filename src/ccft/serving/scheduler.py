@@ -56,10 +56,10 @@ the step's budget. None (default): each context is prefilled whole at admission,
 Policies (``policy=``, objects in ``ccft.serving.policies``; the scheduler only asks them which request
 to admit, whether one more may be admitted and which rows to step): ``"fcfs"`` admits in arrival
 order (head of line) and steps every active row. ``"mlfq"`` is a preemptive multi-level feedback
-queue in the spirit of FastServe's skip-join MLFQ: a request enters at a priority level set by its prompt length (level i holds prompts up to
-``mlfq_entry_tokens·2^i``; skip-join: long prompts skip the top levels), is demoted one level
-after it decoded its level's quantum (``mlfq_quantum·2^i`` tokens), and any request that waited
-``mlfq_aging_steps`` steps without being stepped (queued or paused) is promoted to the top level
+queue in the spirit of FastServe's skip-join MLFQ: a request enters at a priority level set by its
+prompt length (level i holds prompts up to ``mlfq_entry_tokens·2^i``; skip-join: long prompts skip
+the top levels), is demoted one level after it decoded its level's quantum (``mlfq_quantum·2^i``
+tokens), and any request that waited ``mlfq_aging_steps`` steps without being stepped (queued or paused) is promoted to the top level
 (no starvation). Admission picks the best (level, arrival) queued request; with ``max_running``
 only that many of the active rows, best first, are decoded per step: the others are paused in
 their engine slots (their KV kept; ``SharedPrefillEngine.step(request_ids=...)``) and resume
