@@ -456,7 +456,7 @@ def run(args, *, log: Callable[[str], None] | None = None) -> dict:
         return result
     from ccft.bench.llamacpp import cache_root
     from ccft.bench.serve import agent_names
-    from ccft.core.io import atomic_write_text
+    from ccft.core.io import atomic_write_json
     from ccft.evals.results import hardware
     from ccft.serving import workloads
 
@@ -475,8 +475,7 @@ def run(args, *, log: Callable[[str], None] | None = None) -> dict:
 
     def save():
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(Path(args.out), json.dumps(result, indent=2))
+            atomic_write_json(args.out, result)
 
     for n_agents in args.agents:
         agents = agent_names(n_agents)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -57,8 +56,12 @@ class DecodeParams:
     def __post_init__(self):
         stop = self.stop
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+        # keyword callers pass None for "default"; the fields hold plain values
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "sampling", self.sampling or SamplingParams())
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        object.__setattr__(self, "logprobs", None if self.logprobs is None else int(self.logprobs))
         if int(self.max_new_tokens) < 0:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}; it must be ≥ 0")
         if self.logprobs is not None and int(self.logprobs) < 0:
@@ -75,13 +78,6 @@ class DecodeParams:
         s = self.sampling
         seed = (s.seed + j) % 2 ** 63 if s.do_sample else s.seed
         return dataclasses.replace(self, sampling=dataclasses.replace(s, seed=seed), n=1)
-
-    @classmethod
-    def of(cls, *, max_new_tokens: int = 256, stop: Sequence[str] | str | None = None, ignore_eos: bool = False,
-           sampling: SamplingParams | None = None, logprobs: int | None = None, n: int = 1) -> "DecodeParams":
-        """From the separate keyword arguments older call sites pass (None: the defaults)."""
-        return cls(int(max_new_tokens), stop, bool(ignore_eos), sampling or SamplingParams(),
-                   None if logprobs is None else int(logprobs), int(n))
 
 
 def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

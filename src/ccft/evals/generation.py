@@ -94,7 +94,7 @@ def engine_generate(engine, spec: ModeSpec, prompts: Sequence[Sequence[int]] | N
     """
     name = _decoder_name(engine, spec)
     producer = producer_of(engine, spec)
-    params = DecodeParams.of(max_new_tokens=max_new_tokens, stop=stop, sampling=SamplingParams(
+    params = DecodeParams(max_new_tokens=max_new_tokens, stop=stop, sampling=SamplingParams(
         do_sample=do_sample, temperature=temperature, top_p=top_p, seed=seed))
     if handle is not None:
         if handle.producer != (producer or "base"):

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from ccft.core.errors import ConfigError
-from ccft.core.io import atomic_write_text
+from ccft.core.io import atomic_write_json
 from ccft.evals.records import summarize_task
 
 __all__ = ["FolderConflictError", "append_jsonl", "check_resumable", "clear_task_folder", "describe_base", "folder_records", "hardware",
@@ -66,8 +66,8 @@ def append_jsonl(path: Path, records: Sequence[dict]) -> None:
 
 
 def write_json(path: Path, obj) -> None:
-    """``obj`` as indented JSON, written atomically."""
-    atomic_write_text(path, json.dumps(obj, indent=2, default=str))
+    """``obj`` as indented JSON, written atomically (``ccft.core.io.atomic_write_json``; other objects as ``str``)."""
+    atomic_write_json(path, obj, default=str)
 
 
 def item_files(folder: Path) -> dict[str, Path]:

@@ -767,7 +767,7 @@ class SharedPrefillEngine:
         """
         rows = list(range(handle.batch_size)) if rows is None else list(rows)
         if params is None:
-            params = DecodeParams.of(max_new_tokens=max_new_tokens, stop=stop, sampling=sampling, ignore_eos=ignore_eos)
+            params = DecodeParams(max_new_tokens=max_new_tokens, stop=stop, sampling=sampling, ignore_eos=ignore_eos)
         elif (max_new_tokens, stop, sampling, ignore_eos) != (256, None, None, False):
             raise ConfigError("pass the decoding settings as params=DecodeParams(...) or as keywords, not both")
         sampling = params.sampling

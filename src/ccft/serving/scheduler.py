@@ -137,7 +137,7 @@ class ServeRequest:
 
     def __post_init__(self):
         if self.params is None:
-            self.params = DecodeParams.of(max_new_tokens=self.max_new_tokens, stop=self.stop, sampling=self.sampling,
+            self.params = DecodeParams(max_new_tokens=self.max_new_tokens, stop=self.stop, sampling=self.sampling,
                                           ignore_eos=self.ignore_eos, logprobs=self.logprobs)
         p = self.params
         self.max_new_tokens, self.stop, self.sampling = p.max_new_tokens, list(p.stop) or None, p.sampling
@@ -253,6 +253,7 @@ class Scheduler:
                                         mlfq_quantum=mlfq_quantum, mlfq_entry_tokens=mlfq_entry_tokens,
                                         mlfq_aging_steps=mlfq_aging_steps)
         self.policy, self.max_running = self.queue_policy.name, self.queue_policy.max_running
+        self._policy_observes_steps = type(self.queue_policy).after_step is not RequestQueuePolicy.after_step
         self.prefill_chunk_tokens = None if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
         self.engine, self.share, self.store = engine, bool(share), store
         self.kv_budget_bytes = None if kv_budget_bytes is None else int(kv_budget_bytes)
@@ -416,7 +417,8 @@ class Scheduler:
         self._prefill_pieces()
         outs, stepped = self._decode()
         self._deliver(outs)
-        self.queue_policy.after_step(self._live_tickets(), stepped)
+        if self._policy_observes_steps:  # MLFQ's aging; FCFS keeps no per-step state (no list built per step)
+            self.queue_policy.after_step(self._live_tickets(), stepped)
         self._drop_unused_contexts()
         return len(outs)
 

@@ -13,7 +13,6 @@ The serving phase runs ``ccft bench serve``, a layer above the evaluation: the c
 from __future__ import annotations
 
 import gc
-import json
 import sys
 from pathlib import Path
 from typing import Callable
@@ -54,7 +53,6 @@ class StudyRecipe:
         self.specialists_meta: dict[str, dict] = {}
         self.ccft_decoders: dict[str, str] = {}
         self.serving: dict | None = None
-        self._fresh, self._fmt = False, None  # the current specialist's: recompute everything, its prompt format
 
     # ------------------------------------------------------------------ the recipe
     def run(self) -> dict:
@@ -68,8 +66,8 @@ class StudyRecipe:
         self.setup()
         for name in self.cfg.specialists:  # one specialist at a time: its numbers are complete early
             trained = self.train(name)
-            decoders, paths, task_list, records = self.evaluate(name, trained)
-            self.sweep(name, decoders, paths, records)
+            decoders, paths, task_list, records, fresh, fmt = self.evaluate(name, trained)
+            self.sweep(name, decoders, paths, records, fresh=fresh, prompt_format=fmt)
             self.describe(name, trained, paths, task_list)
             self.write_report()  # partial
         if self.serve_fn is not None:
@@ -108,7 +106,8 @@ class StudyRecipe:
 
     def evaluate(self, name: str, trained: dict):
         """Every task of the specialist in the four modes; results of other decoders or settings are recomputed.
-        Returns (decoders, their paths, the task list, per task: mode -> item id -> record)."""
+        Returns (decoders, their paths, the task list, per task: mode -> item id -> record, whether every result
+        was recomputed, the decoders' prompt format)."""
         from ccft.core.checkpoint import load_decoder
         from ccft.core.models import load_base
         from ccft.evals.prompting import resolve_prompt_format
@@ -171,11 +170,9 @@ class StudyRecipe:
                                batch_size=cfg.batch_size, n_resamples=cfg.bootstrap, overwrite=fresh, memo=memo)
                 self.summaries[name].append(res.summary)
                 records[task_name] = {m: {r["id"]: r for r in rs} for m, rs in res.records.items()}
-        self._fresh = fresh
-        self._fmt = fmt
-        return decoders, paths, task_list, records
+        return decoders, paths, task_list, records, fresh, fmt
 
-    def sweep(self, name: str, decoders: dict, paths: dict, records: dict) -> None:
+    def sweep(self, name: str, decoders: dict, paths: dict, records: dict, *, fresh: bool, prompt_format) -> None:
         """NLL/token against the sharing ratio ρ on the specialist's first task (its eval modes' points reused)."""
         from ccft.evals.protocol import get_task
         from ccft.evals.sweep import run_sweep
@@ -188,9 +185,9 @@ class StudyRecipe:
             self.sweeps[name] = run_sweep(get_task(first), self.base, {"naive": decoders["full-ft"],
                                                                        "prefillshare": decoders["ccft"]},
                                           self.out / name / "sweep", rhos=cfg.sweep_rhos, axes=("positions",),
-                                          limit=cfg.sweep_limit, batch_size=cfg.batch_size, overwrite=self._fresh,
+                                          limit=cfg.sweep_limit, batch_size=cfg.batch_size, overwrite=fresh,
                                           decoder_paths={"naive": paths["full-ft"], "prefillshare": paths["ccft"]},
-                                          n_resamples=cfg.bootstrap, prompt_format=self._fmt,
+                                          n_resamples=cfg.bootstrap, prompt_format=prompt_format,
                                           eval_records=records.get(first))
 
     def describe(self, name: str, trained: dict, paths: dict, task_list: list) -> None:
@@ -211,7 +208,7 @@ class StudyRecipe:
 
     def write_report(self) -> dict:
         """``OUT/report.json``, ``OUT/README.md`` and the plots from what is finished; returns the report."""
-        from ccft.core.io import atomic_write_text
+        from ccft.core.io import atomic_write_json, atomic_write_text
         from ccft.core.models import describe_model
         from ccft.evals.report import plot_sweep, plot_task
         from ccft.evals.results import hardware
@@ -237,7 +234,7 @@ class StudyRecipe:
                                     hardware=hardware(), model=describe_model(self.base_name))
         report["plots"] = plots
         report["complete"] = set(self.summaries) == set(self.cfg.specialists)
-        atomic_write_text(out / "report.json", json.dumps(report, indent=2, default=str))
+        atomic_write_json(out / "report.json", report, default=str)
         notes = out / "SITTINGS.md"  # hand-written notes on each sitting, kept across regenerations
         atomic_write_text(out / "README.md", study_readme(report, self.command,
                                                           notes.read_text(encoding="utf-8") if notes.is_file()
