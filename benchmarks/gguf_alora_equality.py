@@ -32,19 +32,37 @@ def train(folder: Path, steps: int) -> Path:
     from ccft.train.config import load_recipe
     from ccft.train.run import run_training
 
-    cfg, _, raw = load_recipe(REPO / "recipes" / "math-gsm8k.yaml", [
-        "handoff_tokens=4", "train_rows=64", f"max_steps={steps}", "per_device_train_batch_size=4",
-        "gradient_accumulation_steps=1", "learning_rate=2e-3", "warmup_steps=0", "eval_strategy=no",
-        "save_strategy=no", "logging_steps=1", "use_cpu=true", "disable_tqdm=true", f"output_dir={folder}"])
+    cfg, _, raw = load_recipe(
+        REPO / "recipes" / "math-gsm8k.yaml",
+        [
+            "handoff_tokens=4",
+            "train_rows=64",
+            f"max_steps={steps}",
+            "per_device_train_batch_size=4",
+            "gradient_accumulation_steps=1",
+            "learning_rate=2e-3",
+            "warmup_steps=0",
+            "eval_strategy=no",
+            "save_strategy=no",
+            "logging_steps=1",
+            "use_cpu=true",
+            "disable_tqdm=true",
+            f"output_dir={folder}",
+        ],
+    )
     result = run_training(cfg, recipe=raw)
-    print(f"trained {steps} steps: loss {result.loss_curve[0][1]:.3f} -> {result.loss_curve[-1][1]:.3f}",
-          file=sys.stderr)
+    print(
+        f"trained {steps} steps: loss {result.loss_curve[0][1]:.3f} -> {result.loss_curve[-1][1]:.3f}",
+        file=sys.stderr,
+    )
     return folder
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--decoder", default=None, help="a trained CCFT LoRA decoder (handoff_tokens >= 2); default: train")
+    p.add_argument(
+        "--decoder", default=None, help="a trained CCFT LoRA decoder (handoff_tokens >= 2); default: train"
+    )
     p.add_argument("--steps", type=int, default=12, help="training steps when no --decoder is given")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -73,19 +91,40 @@ def main(argv=None) -> int:
     dec_dir = Path(args.decoder) if args.decoder else train(work / "trained", args.steps)
     base = ccft.load_base("smollm2-135m-instruct")
     torch.manual_seed(11)
-    other = ccft.make_decoder(base, "lora", lora={"r": 8, "lora_alpha": 2, "init_lora_weights": False},
-                              method="ccft", handoff_tokens=4, adapter_name="other")
+    other = ccft.make_decoder(
+        base,
+        "lora",
+        lora={"r": 8, "lora_alpha": 2, "init_lora_weights": False},
+        method="ccft",
+        handoff_tokens=4,
+        adapter_name="other",
+    )
     ccft.save_decoder(other, work / "other", recipe={"chat_template": "auto"})
     build = lc.ensure_built()
     ex = export_gguf_alora(dec_dir, work / "gguf")
     ex2 = export_gguf_alora(work / "other", work / "gguf-other")
     naive = work / "naive.gguf"
-    subprocess.run([sys.executable, str(build.source / "convert_lora_to_gguf.py"), "--base",
-                    resolve_model_path("smollm2-135m-instruct"), "--outtype", "f32", "--outfile", str(naive),
-                    str(ex.peft_dir)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(build.source / "convert_lora_to_gguf.py"),
+            "--base",
+            resolve_model_path("smollm2-135m-instruct"),
+            "--outtype",
+            "f32",
+            "--outfile",
+            str(naive),
+            str(ex.peft_dir),
+        ],
+        check=True,
+        capture_output=True,
+    )
     dec = ccft.load_decoder(dec_dir, base=base, adapter_name="trained")
-    rows = [json.loads(line) for line in (REPO / "src/ccft/resources/gsm8k/test.jsonl").read_text().splitlines()
-            if line.strip()][: args.prompts]
+    rows = [
+        json.loads(line)
+        for line in (REPO / "src/ccft/resources/gsm8k/test.jsonl").read_text().splitlines()
+        if line.strip()
+    ][: args.prompts]
     prompts = [tokenize_prompt(base.tokenizer, r["question"], chat_template=True) for r in rows]
     ctx = max(map(len, prompts)) + args.new_tokens + 16
     adapters = [ex.adapter_gguf, ex2.adapter_gguf, naive]
@@ -95,19 +134,32 @@ def main(argv=None) -> int:
         reuse = [cache_reuse(url, pr, 3) for pr in prompts[:4]]
     meta = json.loads((ex.out / "ccft_export.json").read_text())
     result = {
-        "benchmark": "gguf-alora-equality", "model": "SmolLM2-135M-Instruct (embedded, Q4_1/Q8_0 dequantised, fp32)",
-        "decoder": {"trained_steps": None if args.decoder else args.steps, "handoff_tokens": meta["handoff_tokens"],
-                    "peft_invocation": meta["peft_alora_invocation_tokens"],
-                    "gguf_invocation": meta["gguf_alora_invocation_tokens"]},
-        "llamacpp": {"version": build.version, "ggml": build.build_info.get("ggml_version"),
-                     "flags": ["-ctk", "f32", "-ctv", "f32", "-fa", "off"]},
+        "benchmark": "gguf-alora-equality",
+        "model": "SmolLM2-135M-Instruct (embedded, Q4_1/Q8_0 dequantised, fp32)",
+        "decoder": {
+            "trained_steps": None if args.decoder else args.steps,
+            "handoff_tokens": meta["handoff_tokens"],
+            "peft_invocation": meta["peft_alora_invocation_tokens"],
+            "gguf_invocation": meta["gguf_alora_invocation_tokens"],
+        },
+        "llamacpp": {
+            "version": build.version,
+            "ggml": build.build_info.get("ggml_version"),
+            "flags": ["-ctk", "f32", "-ctv", "f32", "-fa", "off"],
+        },
         "prompts": f"GSM8K test questions 0..{args.prompts - 1}, SmolLM2 chat template",
-        "exported": exported, "naive_conversion": shifted, "cache_reuse": reuse,
-        "machine": {"hardware": hardware(), "threads": args.threads}, "wall_s": time.perf_counter() - t0}
+        "exported": exported,
+        "naive_conversion": shifted,
+        "cache_reuse": reuse,
+        "machine": {"hardware": hardware(), "threads": args.threads},
+        "wall_s": time.perf_counter() - t0,
+    }
     print(json.dumps({k: result[k] for k in ("decoder", "cache_reuse")}, indent=1))
     for name in ("exported", "naive_conversion"):
         r = result[name]
-        print(f"{name}: rows equal {r['rows_equal']}/{r['rows']}, max log-prob gap {r['max_logprob_gap']:.2e}")
+        print(
+            f"{name}: rows equal {r['rows_equal']}/{r['rows']}, max log-prob gap {r['max_logprob_gap']:.2e}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

@@ -17,7 +17,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+SHAPES = {
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
 COUNTS = {"qkv": 30, "o": 30, "gate_up": 30, "down": 30, "lm_head": 1}
 
 
@@ -29,9 +35,11 @@ def measure(batch: int) -> dict:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
         wts = [w.t().contiguous() for w in ws]
         x = torch.randn(batch, i)
-        variants = {"onednn_packed": lambda: [lin(x, p, None, "none", [], "") for p in packed],  # noqa: B023
-                    "F.linear": lambda: [F.linear(x, w) for w in ws],  # noqa: B023
-                    "x@Wt(in,out)": lambda: [x @ w for w in wts]}  # noqa: B023
+        variants = {
+            "onednn_packed": lambda: [lin(x, p, None, "none", [], "") for p in packed],  # noqa: B023
+            "F.linear": lambda: [F.linear(x, w) for w in ws],  # noqa: B023
+            "x@Wt(in,out)": lambda: [x @ w for w in wts],  # noqa: B023
+        }
         if batch == 1:
             variants["torch.mv"] = lambda: [torch.mv(w, x[0]) for w in ws]  # noqa: B023
         for v, fn in variants.items():

@@ -41,15 +41,27 @@ def mode_list(base, which: str) -> list[ModeSpec]:
         return [ModeSpec("base")]
     ff = ccft.make_decoder(base, "lora", method="full-ft", adapter_name="ff")
     cc = ccft.make_decoder(base, "lora", method="ccft", adapter_name="cc")
-    return [ModeSpec("base"), ModeSpec("full-ft", ff, "ff"), ModeSpec("naive", ff, "ff"),
-            ModeSpec("prefillshare", cc, "cc")]
+    return [
+        ModeSpec("base"),
+        ModeSpec("full-ft", ff, "ff"),
+        ModeSpec("naive", ff, "ff"),
+        ModeSpec("prefillshare", cc, "cc"),
+    ]
 
 
 def run(base, specs: list[ModeSpec], kind: str) -> tuple[float, int, dict[str, str]]:
     """(seconds, generated tokens, scored completion per mode/task/item) of one joint decode of every language."""
-    tasks = [(MultiPLETask(name=f"multipl-e-{lang}", language=lang,
-                           stop=NEVER if kind == "never" else language_stop(lang)),
-              EvalSettings(limit=LIMIT, max_new_tokens=MAX_NEW, engine=True)) for lang in MULTIPL_E_LANGUAGES]
+    tasks = [
+        (
+            MultiPLETask(
+                name=f"multipl-e-{lang}",
+                language=lang,
+                stop=NEVER if kind == "never" else language_stop(lang),
+            ),
+            EvalSettings(limit=LIMIT, max_new_tokens=MAX_NEW, engine=True),
+        )
+        for lang in MULTIPL_E_LANGUAGES
+    ]
     memo = EvalMemo()
     t0 = time.perf_counter()
     decode_ahead(tasks, base, specs, Path(tempfile.mkdtemp()), memo=memo, batch_size=ROWS, progress=False)
@@ -69,35 +81,57 @@ def run(base, specs: list[ModeSpec], kind: str) -> tuple[float, int, dict[str, s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the figures as JSON here")
-    ap.add_argument("--modes", choices=("base", "four"), default="base",
-                    help="base alone (120 rows) or the study's four modes decoded jointly (480 rows)")
+    ap.add_argument(
+        "--modes",
+        choices=("base", "four"),
+        default="base",
+        help="base alone (120 rows) or the study's four modes decoded jointly (480 rows)",
+    )
     args = ap.parse_args()
     base = ccft.load_base("smollm2-135m-instruct", dtype="float32")
     specs = mode_list(base, args.modes)
     res = {}
     for kind in ("never", "stop"):
         res[kind] = run(base, specs, kind)
-        print(f"{kind}: {res[kind][0]:.1f} s, {res[kind][1]} generated tokens, {len(res[kind][2])} generations",
-              flush=True)
+        print(
+            f"{kind}: {res[kind][0]:.1f} s, {res[kind][1]} generated tokens, {len(res[kind][2])} generations",
+            flush=True,
+        )
     equal = sum(res["never"][2][k] == res["stop"][2][k] for k in res["never"][2])
     t_ratio, n_ratio = res["stop"][0] / res["never"][0], res["stop"][1] / res["never"][1]
-    print(f"scored completions equal: {equal} of {len(res['never'][2])}; stop / never: time {t_ratio:.3f}, "
-          f"tokens {n_ratio:.3f}")
+    print(
+        f"scored completions equal: {equal} of {len(res['never'][2])}; stop / never: time {t_ratio:.3f}, "
+        f"tokens {n_ratio:.3f}"
+    )
     if args.out:
-        Path(args.out).write_text(json.dumps({
-            "what": ("MultiPL-E base-mode greedy decode" if args.modes == "base" else
-                     "MultiPL-E greedy decode of the four modes jointly (LoRA decoders freshly initialised)")
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "what": (
+                        "MultiPL-E base-mode greedy decode"
+                        if args.modes == "base"
+                        else "MultiPL-E greedy decode of the four modes jointly (LoRA decoders freshly initialised)"
+                    )
                     + f", {len(MULTIPL_E_LANGUAGES)} languages x {LIMIT} items, "
                     f"max_new_tokens {MAX_NEW}, {ROWS} engine rows; never = decode to max_new_tokens and cut "
                     f"afterwards, stop = stop at the language's stop tokens",
-            "model": "smollm2-135m-instruct (embedded), float32", "hardware": hardware(),
-            "generations": len(res["never"][2]), "seconds": {k: round(v[0], 1) for k, v in res.items()},
-            "new_tokens": {k: v[1] for k, v in res.items()}, "scored_completions_equal": equal,
-            "time_ratio_stop_vs_never": round(t_ratio, 3), "token_ratio_stop_vs_never": round(n_ratio, 3),
-            # the freshly initialised decoders' texts equal the base's (LoRA B = 0): the proxy's row lengths
-            "scored_completions_equal_to_base": sum(
-                v == res["stop"][2]["base/" + k.split("/", 1)[1]] for k, v in res["stop"][2].items())},
-            indent=1) + "\n")
+                    "model": "smollm2-135m-instruct (embedded), float32",
+                    "hardware": hardware(),
+                    "generations": len(res["never"][2]),
+                    "seconds": {k: round(v[0], 1) for k, v in res.items()},
+                    "new_tokens": {k: v[1] for k, v in res.items()},
+                    "scored_completions_equal": equal,
+                    "time_ratio_stop_vs_never": round(t_ratio, 3),
+                    "token_ratio_stop_vs_never": round(n_ratio, 3),
+                    # the freshly initialised decoders' texts equal the base's (LoRA B = 0): the proxy's row lengths
+                    "scored_completions_equal_to_base": sum(
+                        v == res["stop"][2]["base/" + k.split("/", 1)[1]] for k, v in res["stop"][2].items()
+                    ),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -43,12 +43,19 @@ def main() -> None:
     base = ccft.load_base("smollm2-135m-instruct", dtype="float32")
     ff = ccft.make_decoder(base, "lora", method="full-ft", adapter_name="ff")
     cc = ccft.make_decoder(base, "lora", method="ccft", adapter_name="cc")
-    specs = [ModeSpec("base"), ModeSpec("full-ft", ff, "ff"), ModeSpec("naive", ff, "ff"),
-             ModeSpec("prefillshare", cc, "cc")]  # the study's four modes: two producers
+    specs = [
+        ModeSpec("base"),
+        ModeSpec("full-ft", ff, "ff"),
+        ModeSpec("naive", ff, "ff"),
+        ModeSpec("prefillshare", cc, "cc"),
+    ]  # the study's four modes: two producers
     prep = prepare(get_task("bfcl-multiple"), base.tokenizer, 100)
     engine = make_engine(base, specs, max_batch=64)
-    print(f"{len(prep.prompts)} prompts, {sum(map(len, prep.prompts))} tokens, longest {max(map(len, prep.prompts))}; "
-          f"rss {rss():.2f} GiB", flush=True)
+    print(
+        f"{len(prep.prompts)} prompts, {sum(map(len, prep.prompts))} tokens, longest {max(map(len, prep.prompts))}; "
+        f"rss {rss():.2f} GiB",
+        flush=True,
+    )
     group = GroupPrefill(engine, dict(enumerate(prep.prompts)), 1)
     if args.reserve:
         group.reserve(specs)
@@ -57,8 +64,11 @@ def main() -> None:
         peak[0] = rss()
         t0 = time.perf_counter()
         group.handle(spec)
-        print(f"prefill {spec.mode}: {time.perf_counter() - t0:.0f} s, arena {engine.arena.capacity} token slots, "
-              f"rss after {rss():.2f} GiB, peak during {peak[0]:.2f} GiB", flush=True)
+        print(
+            f"prefill {spec.mode}: {time.perf_counter() - t0:.0f} s, arena {engine.arena.capacity} token slots, "
+            f"rss after {rss():.2f} GiB, peak during {peak[0]:.2f} GiB",
+            flush=True,
+        )
     group.close()
 
 

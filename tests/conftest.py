@@ -25,6 +25,7 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 # ------------------------------------------------------------------ loopback only (in this process)
 
+
 def _loopback_only(address) -> None:
     """Raise ``OSError`` unless ``address`` (a connect() argument) is a Unix socket or a loopback host."""
     import ipaddress
@@ -39,7 +40,9 @@ def _loopback_only(address) -> None:
     except ValueError:  # a name other than localhost (not resolved here: that could send a DNS query)
         loopback = False
     if not loopback:
-        raise OSError(f"tests send no traffic beyond loopback: connect to {address!r} refused (tests/conftest.py)")
+        raise OSError(
+            f"tests send no traffic beyond loopback: connect to {address!r} refused (tests/conftest.py)"
+        )
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -91,17 +94,37 @@ def tokenizer(smol_dir):
     return AutoTokenizer.from_pretrained(smol_dir)
 
 
-def make_tiny_folder(path: Path, tokenizer, *, seed: int = 0, layers: int = 2, kv_heads: int = 2,
-                     hidden: int = 64, heads: int = 4, rope_theta: float = 10000.0, scale: float = 1.0) -> Path:
+def make_tiny_folder(
+    path: Path,
+    tokenizer,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    kv_heads: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    rope_theta: float = 10000.0,
+    scale: float = 1.0,
+) -> Path:
     """Save a random tiny Llama (GQA, RoPE) with ``tokenizer`` to ``path``. ``scale`` > 1 sharpens logits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      head_dim=hidden // heads, max_position_embeddings=4096, rope_theta=rope_theta,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=4096,
+        rope_theta=rope_theta,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).float()
     if scale != 1.0:
         with torch.no_grad():
@@ -148,7 +171,9 @@ def perturb(model, seed: int, scale: float = 0.05) -> None:
                 p.add_(scale * torch.randn(p.shape, generator=g))
 
 
-def make_lora(base, name: str, seed: int, r: int, handoff: int = 1, targets=None, *, method: str | None = "ccft"):
+def make_lora(
+    base, name: str, seed: int, r: int, handoff: int = 1, targets=None, *, method: str | None = "ccft"
+):
     """A LoRA decoder ``name`` on ``base`` with random B too (``init_lora_weights=False``: an ignored adapter shows)."""
     import ccft
 
@@ -174,10 +199,15 @@ def make_full(base, seed: int, handoff: int = 1, *, method: str | None = "ccft")
 
 # ------------------------------------------------------------------ order independence
 
+
 def pytest_addoption(parser):
-    parser.addoption("--reverse", action="store_true", default=False,
-                     help="run the collected tests in reverse order (checks that no test depends on state an "
-                          "earlier test built; works without pytest-randomly)")
+    parser.addoption(
+        "--reverse",
+        action="store_true",
+        default=False,
+        help="run the collected tests in reverse order (checks that no test depends on state an "
+        "earlier test built; works without pytest-randomly)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,14 +18,22 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
-BLOCK = re.compile(r"(?P<skip><!--\s*not run:(?P<reason>[^>]*)-->\s*\n)?^```python\n(?P<code>.*?)^```", re.S | re.M)
+BLOCK = re.compile(
+    r"(?P<skip><!--\s*not run:(?P<reason>[^>]*)-->\s*\n)?^```python\n(?P<code>.*?)^```", re.S | re.M
+)
 
 
 def blocks(path: Path) -> list[tuple[int, str, str | None]]:
     """(line, code, skip reason or None) of each python block of ``path``."""
     text = path.read_text(encoding="utf-8")
-    return [(text[: m.start("code")].count("\n") + 1, m.group("code"),
-             m.group("reason").strip() if m.group("skip") else None) for m in BLOCK.finditer(text)]
+    return [
+        (
+            text[: m.start("code")].count("\n") + 1,
+            m.group("code"),
+            m.group("reason").strip() if m.group("skip") else None,
+        )
+        for m in BLOCK.finditer(text)
+    ]
 
 
 def test_the_docs_have_examples():

@@ -30,18 +30,51 @@ from ccft.train.data import Collator, build_dataset
 from ccft.train.run import setup
 from ccft.train.trainer import response_nll_sum
 
-FUZZ = settings(deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
 
 # Text that has bitten tokenisers and templates: brackets at the boundary, a leading newline, special-token
 # look-alikes, template markers, unicode, lone whitespace.
-PIECES = ["]", "{", "}", "\n", " ", "  ", "\t", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "assistant",
-          "user\n", "####", "8,000", "$1,325", "é", "中文", "🙂", "\u200b", "\\", '"', "def f():\n    return 1",
-          "The answer is 42.", "Q:", "A:"]
-text = st.one_of(st.text(max_size=40),
-                 st.lists(st.sampled_from(PIECES), max_size=8).map("".join),
-                 st.sampled_from(["", " ", "\n", "x"]))
+PIECES = [
+    "]",
+    "{",
+    "}",
+    "\n",
+    " ",
+    "  ",
+    "\t",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "assistant",
+    "user\n",
+    "####",
+    "8,000",
+    "$1,325",
+    "é",
+    "中文",
+    "🙂",
+    "\u200b",
+    "\\",
+    '"',
+    "def f():\n    return 1",
+    "The answer is 42.",
+    "Q:",
+    "A:",
+]
+text = st.one_of(
+    st.text(max_size=40),
+    st.lists(st.sampled_from(PIECES), max_size=8).map("".join),
+    st.sampled_from(["", " ", "\n", "x"]),
+)
 content = st.one_of(text, text, st.none(), st.integers(), st.lists(st.integers(), max_size=2))
 role = st.sampled_from(["system", "user", "assistant", "tool", "bogus"])
 message = st.fixed_dictionaries({"role": role, "content": content})
@@ -62,8 +95,18 @@ def rows(draw) -> dict:
             turns.insert(0, {"role": "system", "content": draw(text)})
         return {"messages": turns}
     if kind == "missing":
-        return draw(st.sampled_from([{}, {"prompt": "hi"}, {"response": "hi"}, {"messages": []},
-                                     {"messages": "hello"}, {"messages": [{"role": "assistant"}]}]))
+        return draw(
+            st.sampled_from(
+                [
+                    {},
+                    {"prompt": "hi"},
+                    {"response": "hi"},
+                    {"messages": []},
+                    {"messages": "hello"},
+                    {"messages": [{"role": "assistant"}]},
+                ]
+            )
+        )
     return {"prompt": draw(text), "response": draw(text), "id": draw(st.integers()), "meta": {"x": 1}}
 
 
@@ -71,8 +114,9 @@ def rows(draw) -> dict:
 def fuzz_decoder(tiny_dir):
     base = load_base(str(tiny_dir))
     torch.manual_seed(0)
-    decoder = make_decoder(base, "lora", lora={"r": 2, "target_modules": ["q_proj", "v_proj"],
-                                               "init_lora_weights": False})
+    decoder = make_decoder(
+        base, "lora", lora={"r": 2, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
+    )
     decoder.model.eval()
     return base, decoder
 
@@ -87,12 +131,13 @@ def check_batch(batch: dict, examples, k: int) -> None:
     for i, e in enumerate(examples):
         row = tail[i, : k + len(e.response_ids)].tolist()
         assert row == list(e.prompt_ids[-k:]) + list(e.response_ids)
-        assert labels[i, k:k + len(e.response_ids)].tolist() == list(e.response_ids)
+        assert labels[i, k : k + len(e.response_ids)].tolist() == list(e.response_ids)
         assert bool((labels[i, :k] == IGNORE_INDEX).all())
 
 
 def _malformed(row: dict) -> str | None:
     """Why ``row`` breaks the documented row format (README "Data"), or None: an independent restatement."""
+
     def nonblank(x):
         return isinstance(x, str) and x.strip() != ""
 
@@ -100,8 +145,10 @@ def _malformed(row: dict) -> str | None:
         msgs = row["messages"]
         if not isinstance(msgs, list) or len(msgs) < 2:
             return "messages is not a list of >= 2 turns"
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                   for m in msgs):
+        if not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in msgs
+        ):
             return "a turn without a string role and content"
         if msgs[-1]["role"] != "assistant" or not nonblank(msgs[-1]["content"]):
             return "no final non-empty assistant turn"
@@ -115,7 +162,11 @@ def _malformed(row: dict) -> str | None:
 
 def _holds_control_text(row: dict, tokenizer) -> bool:
     """Any string in ``row`` contains a special token's text (ccft may refuse it: docs/design.md K2)."""
-    specials = [t for t in tokenizer.all_special_tokens + [str(a) for a in tokenizer.added_tokens_decoder.values()] if t]
+    specials = [
+        t
+        for t in tokenizer.all_special_tokens + [str(a) for a in tokenizer.added_tokens_decoder.values()]
+        if t
+    ]
     leaves = json.dumps(row, ensure_ascii=False)
     return any(t in leaves for t in specials)
 
@@ -140,19 +191,33 @@ def _refusal_is_justified(msg: str, data, tokenizer, max_length: int, k: int, ch
 
 
 @settings(FUZZ, max_examples=80)
-@given(data=st.lists(rows(), min_size=1, max_size=4), chat=st.sampled_from(["auto", True, False]),
-       system=st.one_of(st.none(), text), max_length=st.integers(2, 300), k=st.integers(1, 4))
-def test_rows_tokenise_to_supervised_batches_or_raise_data_error(tokenizer, fuzz_decoder, data, chat, system,
-                                                                 max_length, k):
+@given(
+    data=st.lists(rows(), min_size=1, max_size=4),
+    chat=st.sampled_from(["auto", True, False]),
+    system=st.one_of(st.none(), text),
+    max_length=st.integers(2, 300),
+    k=st.integers(1, 4),
+)
+def test_rows_tokenise_to_supervised_batches_or_raise_data_error(
+    tokenizer, fuzz_decoder, data, chat, system, max_length, k
+):
     base, decoder = fuzz_decoder
     try:
-        ds = build_dataset(data, tokenizer, max_length=max_length, handoff_tokens=k, chat_template=chat,
-                           system_prompt=system or None)
+        ds = build_dataset(
+            data,
+            tokenizer,
+            max_length=max_length,
+            handoff_tokens=k,
+            chat_template=chat,
+            system_prompt=system or None,
+        )
     except DataError as e:
         # refused only for a reason the rows really have (checked here, not taken from ccft)
         assert str(e) and _refusal_is_justified(str(e), data, tokenizer, max_length, k, chat), (str(e), data)
         return
-    assert not any(_malformed(r) for r in data), [_malformed(r) for r in data]  # nothing malformed slips through
+    assert not any(_malformed(r) for r in data), [
+        _malformed(r) for r in data
+    ]  # nothing malformed slips through
     eos = tokenizer.eos_token_id
     assert len(ds) + ds.dropped_too_long == len(data) and len(ds) >= 1
     for e in ds.examples:
@@ -164,17 +229,31 @@ def test_rows_tokenise_to_supervised_batches_or_raise_data_error(tokenizer, fuzz
     batch = Collator(tokenizer.pad_token_id, k)(ds.examples)
     check_batch(batch, ds.examples, k)
     with torch.no_grad(), base.base_weights() as m:
-        cache = prefill_tensors(m, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k],
-                                 handoff_tokens=k, fingerprint=base.fingerprint)
+        cache = prefill_tensors(
+            m,
+            batch["prefix_ids"],
+            batch["prefix_mask"],
+            batch["tail_ids"][:, :k],
+            handoff_tokens=k,
+            fingerprint=base.fingerprint,
+        )
     with torch.no_grad():
-        nll, count = response_nll_sum(decoder_forward(decoder.model, cache, batch["tail_ids"], batch["tail_mask"]),
-                                      batch["labels"])
+        nll, count = response_nll_sum(
+            decoder_forward(decoder.model, cache, batch["tail_ids"], batch["tail_mask"]), batch["labels"]
+        )
     assert int(count) == int(batch["num_supervised"]) and math.isfinite(float(nll / count))
 
 
 CONTROL_PIECES = {"<|im_start|>", "<|im_end|>", "<|endoftext|>"}
-plain = st.lists(st.sampled_from([p for p in PIECES if p not in CONTROL_PIECES] + ["word", "7"]), min_size=1,
-                 max_size=8).map("".join).map(lambda t: "Question: " + t)  # never blank, >= 2 tokens before it
+plain = (
+    st.lists(
+        st.sampled_from([p for p in PIECES if p not in CONTROL_PIECES] + ["word", "7"]),
+        min_size=1,
+        max_size=8,
+    )
+    .map("".join)
+    .map(lambda t: "Question: " + t)
+)  # never blank, >= 2 tokens before it
 
 
 @st.composite
@@ -193,8 +272,11 @@ def well_formed_rows(draw) -> dict:
 
 
 @settings(FUZZ, max_examples=40)
-@given(data=st.lists(well_formed_rows(), min_size=1, max_size=4), chat=st.sampled_from(["auto", True, False]),
-       k=st.integers(1, 2))
+@given(
+    data=st.lists(well_formed_rows(), min_size=1, max_size=4),
+    chat=st.sampled_from(["auto", True, False]),
+    k=st.integers(1, 2),
+)
 def test_well_formed_rows_are_never_refused(tokenizer, data, chat, k):
     """Rows in the documented format, without control-token text, short enough: build_dataset keeps them all
     (a DataError here is a refusal of good data)."""
@@ -235,16 +317,24 @@ OVERRIDES = {
 @pytest.fixture(scope="module")
 def fuzz_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz")
-    rows_ = [{"prompt": f"Q{i}: what is {i} + {i}?" + " Think." * (i % 3), "response": f"{2 * i}." + " Ok." * (i % 2)}
-             for i in range(6)]
+    rows_ = [
+        {
+            "prompt": f"Q{i}: what is {i} + {i}?" + " Think." * (i % 3),
+            "response": f"{2 * i}." + " Ok." * (i % 2),
+        }
+        for i in range(6)
+    ]
     path = d / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows_))
     return d, path
 
 
 @settings(FUZZ, max_examples=30)
-@given(chosen=st.dictionaries(st.sampled_from(sorted(OVERRIDES)), st.none(), max_size=5).flatmap(
-    lambda keys: st.fixed_dictionaries({k: OVERRIDES[k] for k in keys})))
+@given(
+    chosen=st.dictionaries(st.sampled_from(sorted(OVERRIDES)), st.none(), max_size=5).flatmap(
+        lambda keys: st.fixed_dictionaries({k: OVERRIDES[k] for k in keys})
+    )
+)
 # Each of these once escaped as a bare ZeroDivisionError / ValueError from transformers or PEFT.
 @example(chosen={"gradient_accumulation_steps": 0})
 @example(chosen={"lora_target_modules": ["nope_proj"]})
@@ -255,9 +345,20 @@ def fuzz_data(tmp_path_factory):
 @example(chosen={"train_path": "one-pass", "gradient_checkpointing": True, "gradient_accumulation_steps": 2})
 def test_recipe_overrides_train_or_raise_a_ccft_error(tiny_dir, fuzz_data, chosen):
     d, path = fuzz_data
-    ov = {"base": str(tiny_dir), "train_data": str(path), "output_dir": str(d / "run"), "max_steps": 1,
-          "per_device_train_batch_size": 3, "use_cpu": True, "report_to": "none", "save_strategy": "no",
-          "disable_tqdm": True, "chat_template": "false", "lora_r": 2, "logging_steps": 1}
+    ov = {
+        "base": str(tiny_dir),
+        "train_data": str(path),
+        "output_dir": str(d / "run"),
+        "max_steps": 1,
+        "per_device_train_batch_size": 3,
+        "use_cpu": True,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "chat_template": "false",
+        "lora_r": 2,
+        "logging_steps": 1,
+    }
     ov.update(chosen)
     items = [f"{k}={json.dumps(v) if isinstance(v, (list, dict)) or v is None else v}" for k, v in ov.items()]
     try:

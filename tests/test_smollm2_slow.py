@@ -24,12 +24,24 @@ EOS = 2
 
 # question -> (prompt length, greedy new tokens (EOS included when it stopped), decoded text)
 GREEDY = [
-    ("What is the capital of France?", 37, [504, 3575, 282, 4649, 314, 7042, 30, EOS], "The capital of France is Paris."),
-    ("Write a Python function that returns the square of a number.", 42,
-     [3725, 5367, 198, 1604, 5222, 79, 7979, 24, 2871, 727, 472, 1003, 861, 1903, 216, 34],
-     "```python\ndef square_number(num):\n    return num ** 2"),
-    ("gsm8k-train-0", 69, [62, 6927, 542, 3459, 216, 36, 40, 23026, 281, 4124, 28, 284, 1041, 3459, 2745, 282],
-     "Natalia sold 48 clips in April, and she sold half of"),
+    (
+        "What is the capital of France?",
+        37,
+        [504, 3575, 282, 4649, 314, 7042, 30, EOS],
+        "The capital of France is Paris.",
+    ),
+    (
+        "Write a Python function that returns the square of a number.",
+        42,
+        [3725, 5367, 198, 1604, 5222, 79, 7979, 24, 2871, 727, 472, 1003, 861, 1903, 216, 34],
+        "```python\ndef square_number(num):\n    return num ** 2",
+    ),
+    (
+        "gsm8k-train-0",
+        69,
+        [62, 6927, 542, 3459, 216, 36, 40, 23026, 281, 4124, 28, 284, 1041, 3459, 2745, 282],
+        "Natalia sold 48 clips in April, and she sold half of",
+    ),
 ]
 # first two GSM8K train rows: (prompt length, response length incl. EOS, mean NLL per response token in nats)
 NLL = [(69, 62, 1.070868730545044), (64, 67, 2.2198359966278076)]
@@ -56,7 +68,9 @@ def test_greedy_outputs_equal_plain_transformers(smol, train_rows):
     import ccft
     from ccft.core.tokens import tokenize_prompt
 
-    prompts = [tokenize_prompt(smol.tokenizer, _question(q, train_rows), chat_template=True) for q, *_ in GREEDY]
+    prompts = [
+        tokenize_prompt(smol.tokenizer, _question(q, train_rows), chat_template=True) for q, *_ in GREEDY
+    ]
     assert [len(p) for p in prompts] == [n for _, n, _, _ in GREEDY]
     gens = ccft.generate(prompts, mode="base", base=smol, max_new_tokens=16)
     for g, (q, _, new, text) in zip(gens, GREEDY, strict=True):

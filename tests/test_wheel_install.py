@@ -34,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(cmd, cwd, env, timeout=None):
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{cmd}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return proc
 
@@ -80,34 +82,78 @@ def test_wheel_installs_and_runs_from_an_empty_folder(open_tmp, tokenizer):
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(ROOT / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", dist, src], cwd=tmp_path, env=os.environ.copy())
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            dist,
+            src,
+        ],
+        cwd=tmp_path,
+        env=os.environ.copy(),
+    )
     (wheel,) = dist.glob("ccft-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for f in ("ccft/evals/data/README.md", "ccft/evals/data/gsm_plus/gsmplus_testmini.jsonl",
-              "ccft/evals/data/gsm_plus/LICENSE-NOTE.txt", "ccft/evals/data/multipl_e_humaneval/LICENSE.MultiPL-E",
-              "ccft/evals/data/humaneval/HumanEval.jsonl.gz", "ccft/evals/data/bfcl/BFCL_v4_multiple.json",
-              "ccft/evals/data/mbxp/metadata.json", "ccft/bench/decode.py", "ccft/resources/gsm8k/test.jsonl"):
+    for f in (
+        "ccft/evals/data/README.md",
+        "ccft/evals/data/gsm_plus/gsmplus_testmini.jsonl",
+        "ccft/evals/data/gsm_plus/LICENSE-NOTE.txt",
+        "ccft/evals/data/multipl_e_humaneval/LICENSE.MultiPL-E",
+        "ccft/evals/data/humaneval/HumanEval.jsonl.gz",
+        "ccft/evals/data/bfcl/BFCL_v4_multiple.json",
+        "ccft/evals/data/mbxp/metadata.json",
+        "ccft/bench/decode.py",
+        "ccft/resources/gsm8k/test.jsonl",
+    ):
         assert f in names, f
 
     # 2. A fresh venv seeing the project venv's packages but not its editable ccft; install the wheel.
     venv = tmp_path / "venv"
-    _run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", venv], cwd=tmp_path,
-         env=os.environ.copy())
+    _run(
+        [getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", venv],
+        cwd=tmp_path,
+        env=os.environ.copy(),
+    )
     py = venv / "bin" / "python"
-    purelib = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                  capture_output=True, text=True, check=True).stdout.strip())
+    purelib = Path(
+        subprocess.run(
+            [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     deps = [p for p in site.getsitepackages() + [sysconfig.get_paths()["purelib"]] if Path(p).is_dir()]
     (purelib / "_deps.pth").write_text("".join(f"{p}\n" for p in dict.fromkeys(deps)))
-    _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", wheel],
-         cwd=tmp_path, env=os.environ.copy())
+    _run(
+        [sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", wheel],
+        cwd=tmp_path,
+        env=os.environ.copy(),
+    )
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     work = tmp_path / "empty"
     work.mkdir()
-    where = json.loads(_run([py, "-c", "import json, ccft, ccft.evals.task_base as t; "
-                             "print(json.dumps([ccft.__file__, str(t.data_dir())]))"], cwd=work, env=env).stdout)
+    where = json.loads(
+        _run(
+            [
+                py,
+                "-c",
+                "import json, ccft, ccft.evals.task_base as t; "
+                "print(json.dumps([ccft.__file__, str(t.data_dir())]))",
+            ],
+            cwd=work,
+            env=env,
+        ).stdout
+    )
     for p in where:
         assert Path(p).is_relative_to(purelib) and not Path(p).is_relative_to(ROOT), where
 
@@ -116,16 +162,50 @@ def test_wheel_installs_and_runs_from_an_empty_folder(open_tmp, tokenizer):
 
     tiny = make_tiny_folder(tmp_path / "tiny", tokenizer)
     ccft_bin = venv / "bin" / "ccft"
-    cmd = [ccft_bin, "eval", "--mode", "base", "--base", tiny, "--limit", "1", "--max-new-tokens", "4",
-           "--no-progress", "--bootstrap", "10", "--out", "eval"]
+    cmd = [
+        ccft_bin,
+        "eval",
+        "--mode",
+        "base",
+        "--base",
+        tiny,
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--no-progress",
+        "--bootstrap",
+        "10",
+        "--out",
+        "eval",
+    ]
     for task in TASKS:
         cmd += ["--task", task]
     _run(cmd, cwd=work, env=env)
     for task in TASKS:
         summary = json.loads((work / "eval" / task / "summary.json").read_text())
         assert summary["task"] == task and summary["modes"]["base"]["n"] == 1, task
-    _run([ccft_bin, "bench", "decode", "--model", tiny, "--batch-sizes", "1", "--new-tokens", "2", "--repeats", "1",
-          "--threads", "1", "--out", "bench/decode.json"], cwd=work, env=env)
+    _run(
+        [
+            ccft_bin,
+            "bench",
+            "decode",
+            "--model",
+            tiny,
+            "--batch-sizes",
+            "1",
+            "--new-tokens",
+            "2",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            "bench/decode.json",
+        ],
+        cwd=work,
+        env=env,
+    )
     bench = json.loads((work / "bench" / "decode.json").read_text())
     assert set(bench["batches"]) == {"1"}
     _run([ccft_bin, "report", "eval", "-o", "report"], cwd=work, env=env)

@@ -18,31 +18,53 @@ from ccft.core.version import __version__
 
 #: public name -> module that defines it (loaded on first attribute access, PEP 562)
 _EXPORTS = {
-    "BaseCache": "ccft.core.cache", "compute_base_cache": "ccft.core.cache",
-    "load_decoder": "ccft.core.checkpoint", "save_decoder": "ccft.core.checkpoint",
-    "Decoder": "ccft.core.decoder", "decoder_forward": "ccft.core.decoder", "full_forward": "ccft.core.decoder",
+    "BaseCache": "ccft.core.cache",
+    "compute_base_cache": "ccft.core.cache",
+    "load_decoder": "ccft.core.checkpoint",
+    "save_decoder": "ccft.core.checkpoint",
+    "Decoder": "ccft.core.decoder",
+    "decoder_forward": "ccft.core.decoder",
+    "full_forward": "ccft.core.decoder",
     "make_decoder": "ccft.core.decoder",
-    "CacheMutatedError": "ccft.core.errors", "CCFTError": "ccft.core.errors", "ConfigError": "ccft.core.errors",
-    "DataError": "ccft.core.errors", "FingerprintMismatchError": "ccft.core.errors",
+    "CacheMutatedError": "ccft.core.errors",
+    "CCFTError": "ccft.core.errors",
+    "ConfigError": "ccft.core.errors",
+    "DataError": "ccft.core.errors",
+    "FingerprintMismatchError": "ccft.core.errors",
     "IncompatibleModelError": "ccft.core.errors",
     "check_compatible": "ccft.core.fingerprint",
-    "MODES": "ccft.core.modes", "Generation": "ccft.core.generation", "generate": "ccft.core.generation",
-    "DEFAULT_BASE": "ccft.core.models", "Base": "ccft.core.models", "load_base": "ccft.core.models",
-    "TrainConfig": "ccft.train.config", "load_recipe": "ccft.train.config",
-    "CacheConditionedTrainer": "ccft.train.trainer", "run_training": "ccft.train.run",
-    "SharedPrefillEngine": "ccft.inference.engine", "SamplingParams": "ccft.core.sampling", "DecodeParams": "ccft.core.sampling",
+    "MODES": "ccft.core.modes",
+    "Generation": "ccft.core.generation",
+    "generate": "ccft.core.generation",
+    "DEFAULT_BASE": "ccft.core.models",
+    "Base": "ccft.core.models",
+    "load_base": "ccft.core.models",
+    "TrainConfig": "ccft.train.config",
+    "load_recipe": "ccft.train.config",
+    "CacheConditionedTrainer": "ccft.train.trainer",
+    "run_training": "ccft.train.run",
+    "SharedPrefillEngine": "ccft.inference.engine",
+    "SamplingParams": "ccft.core.sampling",
+    "DecodeParams": "ccft.core.sampling",
 }
 
 #: module paths of ccft 0.1 -> where they live now. Importing an old path still works (same module
 #: object) and emits a DeprecationWarning; the aliases go away in ccft 0.3.
 MOVED_MODULES = {
-    "ccft.errors": "ccft.core.errors", "ccft.fingerprint": "ccft.core.fingerprint",
-    "ccft.models": "ccft.core.models", "ccft.base_cache": "ccft.core.cache",
-    "ccft.decoder": "ccft.core.decoder", "ccft.generation": "ccft.core.generation",
-    "ccft.checkpoint": "ccft.core.checkpoint", "ccft.config": "ccft.train.config",
-    "ccft.data": "ccft.train.data", "ccft.trainer": "ccft.train.trainer",
-    "ccft.fastpath": "ccft.train.fastpath", "ccft.cache_store": "ccft.train.cache_store",
-    "ccft.distributed": "ccft.train.distributed", "ccft.evaluate": "ccft.evals.evaluate",
+    "ccft.errors": "ccft.core.errors",
+    "ccft.fingerprint": "ccft.core.fingerprint",
+    "ccft.models": "ccft.core.models",
+    "ccft.base_cache": "ccft.core.cache",
+    "ccft.decoder": "ccft.core.decoder",
+    "ccft.generation": "ccft.core.generation",
+    "ccft.checkpoint": "ccft.core.checkpoint",
+    "ccft.config": "ccft.train.config",
+    "ccft.data": "ccft.train.data",
+    "ccft.trainer": "ccft.train.trainer",
+    "ccft.fastpath": "ccft.train.fastpath",
+    "ccft.cache_store": "ccft.train.cache_store",
+    "ccft.distributed": "ccft.train.distributed",
+    "ccft.evaluate": "ccft.evals.evaluate",
     "ccft.report": "ccft.evals.report",
 }
 
@@ -61,8 +83,11 @@ class _MovedModuleFinder:  # a sys.meta_path finder and its loader (duck-typed: 
 
     def create_module(self, spec):
         new = MOVED_MODULES[spec.name]
-        warnings.warn(f"{spec.name} moved to {new}; import it from there (the old path goes away in ccft 0.3)",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{spec.name} moved to {new}; import it from there (the old path goes away in ccft 0.3)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return importlib.import_module(new)
 
     def exec_module(self, module):  # the module is already executed under its new name

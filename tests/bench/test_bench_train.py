@@ -18,11 +18,15 @@ def test_step_flops_counts_the_lm_head_on_the_response_for_both_methods():
     assert step_flops("full", "two-pass", p, r, body, head, True) == 2 * 10 * 3 + 6 * 10 * 2 + 6 * 5 * 2
     # LoRA: activation-only backward (4); one-pass costs what Full-FT costs
     assert step_flops("lora", "two-pass", p, r, body, head, False) == 2 * 10 * 3 + 4 * 10 * 2 + 4 * 5 * 2
-    assert step_flops("lora", "one-pass", p, r, body, head, False) == step_flops("lora", "self-prefill", p, r, body,
-                                                                                 head, False) == 4 * 10 * 5 + 40
+    assert (
+        step_flops("lora", "one-pass", p, r, body, head, False)
+        == step_flops("lora", "self-prefill", p, r, body, head, False)
+        == 4 * 10 * 5 + 40
+    )
     # no LM head and no optimizer: the plain formula's ratio
-    assert step_flops("full", "self-prefill", 48, 48, 1, 0, False) / step_flops("full", "two-pass", 48, 48, 1, 0,
-                                                                              False) == pytest.approx(1.5)
+    assert step_flops("full", "self-prefill", 48, 48, 1, 0, False) / step_flops(
+        "full", "two-pass", 48, 48, 1, 0, False
+    ) == pytest.approx(1.5)
 
 
 def test_reachable_speedup_keeps_the_optimizer_update_common():
@@ -37,9 +41,40 @@ def test_bench_train_reports_reachable_fraction_and_peak_memory(tmp_path, tiny_d
     out = tmp_path / "train.json"
     before = torch.get_num_threads()
     try:
-        assert main(["bench", "train", "--model", str(tiny_dir), "--kinds", "full", "lora", "--ratios", "4:1",
-                     "--row-tokens", "20", "--batch-size", "2", "--steps", "1", "--warmup", "0", "--threads", "1",
-                     "--no-trl", "--in-process", "--loss-chunk-tokens", "3", "--repeats", "2", "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "train",
+                    "--model",
+                    str(tiny_dir),
+                    "--kinds",
+                    "full",
+                    "lora",
+                    "--ratios",
+                    "4:1",
+                    "--row-tokens",
+                    "20",
+                    "--batch-size",
+                    "2",
+                    "--steps",
+                    "1",
+                    "--warmup",
+                    "0",
+                    "--threads",
+                    "1",
+                    "--no-trl",
+                    "--in-process",
+                    "--loss-chunk-tokens",
+                    "3",
+                    "--repeats",
+                    "2",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(before)
     result = json.loads(out.read_text())
@@ -69,18 +104,25 @@ def test_bench_train_reports_reachable_fraction_and_peak_memory(tmp_path, tiny_d
 def test_repeated_runs_are_reported_as_medians_with_every_value_kept():
     from ccft.bench.train import median_runs
 
-    runs = [{"method": "trl-sft", "step_s": 1.0, "peak_rss_mb_rusage": 2600.0, "steps": 4, "head_trains": False},
-            {"method": "trl-sft", "step_s": 3.0, "peak_rss_mb_rusage": 3300.0, "steps": 4, "head_trains": False},
-            {"method": "trl-sft", "step_s": 2.0, "peak_rss_mb_rusage": 2700.0, "steps": 4, "head_trains": False}]
+    runs = [
+        {"method": "trl-sft", "step_s": 1.0, "peak_rss_mb_rusage": 2600.0, "steps": 4, "head_trains": False},
+        {"method": "trl-sft", "step_s": 3.0, "peak_rss_mb_rusage": 3300.0, "steps": 4, "head_trains": False},
+        {"method": "trl-sft", "step_s": 2.0, "peak_rss_mb_rusage": 2700.0, "steps": 4, "head_trains": False},
+    ]
     m = median_runs(runs)
     assert (m["step_s"], m["peak_rss_mb_rusage"], m["steps"], m["method"]) == (2.0, 2700.0, 4, "trl-sft")
-    assert m["repeats"] == 3 and m["all"] == {"step_s": [1.0, 3.0, 2.0], "peak_rss_mb_rusage": [2600.0, 3300.0, 2700.0]}
+    assert m["repeats"] == 3 and m["all"] == {
+        "step_s": [1.0, 3.0, 2.0],
+        "peak_rss_mb_rusage": [2600.0, 3300.0, 2700.0],
+    }
     assert m["head_trains"] is False  # booleans are not averaged
     assert median_runs(runs[:1]) == runs[0] and "repeats" not in median_runs(runs[:1])
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_bench_train_runs_ccft_and_trl_with_the_same_activation_checkpointing(tmp_path, tiny_dir, checkpointing):
+def test_bench_train_runs_ccft_and_trl_with_the_same_activation_checkpointing(
+    tmp_path, tiny_dir, checkpointing
+):
     # TRL's SFTConfig turns activation checkpointing and bf16 autocast on by default, ccft's TrainConfig leaves both
     # off: the bench states them for both, or ccft's fp32 peak memory and speed would be compared with a bf16 trainer
     # that recomputes its activations
@@ -89,9 +131,35 @@ def test_bench_train_runs_ccft_and_trl_with_the_same_activation_checkpointing(tm
     out = tmp_path / "train.json"
     before = torch.get_num_threads()
     try:
-        assert main(["bench", "train", "--model", str(tiny_dir), "--kinds", "lora", "--ratios", "1:1",
-                     "--row-tokens", "12", "--batch-size", "2", "--steps", "1", "--warmup", "0", "--threads", "1",
-                     "--in-process", "--out", str(out)] + (["--activation-checkpointing"] if checkpointing else [])) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "train",
+                    "--model",
+                    str(tiny_dir),
+                    "--kinds",
+                    "lora",
+                    "--ratios",
+                    "1:1",
+                    "--row-tokens",
+                    "12",
+                    "--batch-size",
+                    "2",
+                    "--steps",
+                    "1",
+                    "--warmup",
+                    "0",
+                    "--threads",
+                    "1",
+                    "--in-process",
+                    "--out",
+                    str(out),
+                ]
+                + (["--activation-checkpointing"] if checkpointing else [])
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(before)
     result = json.loads(out.read_text())
@@ -99,13 +167,17 @@ def test_bench_train_runs_ccft_and_trl_with_the_same_activation_checkpointing(tm
     runs = result["cases"][0]["runs"]
     assert "trl-sft" in runs and len(runs) >= 3
     assert {m: r["activation_checkpointing"] for m, r in runs.items()} == {m: checkpointing for m in runs}
-    assert {r["mixed_precision"] for r in runs.values()} == {"no"}  # TRL's SFTConfig defaults to bf16 autocast
+    assert {r["mixed_precision"] for r in runs.values()} == {
+        "no"
+    }  # TRL's SFTConfig defaults to bf16 autocast
     # anonymous memory is part of the resident set and grows while training
     for r in runs.values():
         assert 0 < r["setup_anon_mb"] <= r["peak_anon_mb"] <= r["peak_rss_mb"]
     case = result["cases"][0]
     full, trl = runs["ccft-full-ft"], runs["trl-sft"]
-    assert case["fullft_anon_peak_vs_trl"] == pytest.approx(full["peak_anon_mb"] / trl["peak_anon_mb"], rel=1e-12)
+    assert case["fullft_anon_peak_vs_trl"] == pytest.approx(
+        full["peak_anon_mb"] / trl["peak_anon_mb"], rel=1e-12
+    )
     assert result["fullft_anon_peak_vs_trl"] == case["fullft_anon_peak_vs_trl"]
 
 
@@ -116,16 +188,18 @@ def test_anonymous_memory_leaves_out_file_pages_that_were_only_read(tmp_path):
     from ccft.bench.train import RSSPeak
 
     path = tmp_path / "weights.bin"
-    size = 64 * 2 ** 20
+    size = 64 * 2**20
     path.write_bytes(b"\x01" * size)
     meter = RSSPeak()
     rss0, anon0 = meter.rss(), meter.rss_anon()
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         assert sum(mm[i] for i in range(0, size, 4096)) == size // 4096  # every page read
         rss1, anon1 = meter.rss(), meter.rss_anon()
-    assert rss1 - rss0 >= 48 * 2 ** 20
-    assert anon1 - anon0 < 16 * 2 ** 20
-    with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as anon:  # written: anonymous (fresh pages)
+    assert rss1 - rss0 >= 48 * 2**20
+    assert anon1 - anon0 < 16 * 2**20
+    with mmap.mmap(
+        -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    ) as anon:  # written: anonymous (fresh pages)
         for i in range(0, size, 4096):
             anon[i] = 2
-        assert meter.rss_anon() - anon1 >= 48 * 2 ** 20
+        assert meter.rss_anon() - anon1 >= 48 * 2**20

@@ -22,10 +22,15 @@ def _args(**kw):
     return args
 
 
-@pytest.mark.parametrize("kw, match", [({"random_weights": True}, "drop --random-weights"),
-                                       ({"device": "cuda"}, "use --device cpu"),
-                                       ({"dtype": "bfloat16"}, "use --dtype float32"),
-                                       ({"model": "org/hub-id"}, "neither an embedded model")])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"random_weights": True}, "drop --random-weights"),
+        ({"device": "cuda"}, "use --device cpu"),
+        ({"dtype": "bfloat16"}, "use --dtype float32"),
+        ({"model": "org/hub-id"}, "neither an embedded model"),
+    ],
+)
 def test_llamacpp_flag_checks(kw, match):
     args = _args(**{"llamacpp": True, "device": "cpu", **kw})
     with pytest.raises(ConfigError, match=match):
@@ -58,13 +63,27 @@ def test_roofline_is_the_slower_of_bandwidth_and_peak(tiny_base):
 
 
 def _result():
-    row = lambda eng, hf: {"hf": {"decode_tok_s": hf, "ttft_s": 0.1}, "engine": {"decode_tok_s": eng, "ttft_s": 0.05},  # noqa: E731
-                           "speedup": eng / hf, "roofline": {"roofline_tok_s": 100.0, "bound": "memory"},
-                           "roofline_fraction": eng / 100, "hf_roofline_fraction": hf / 100,
-                           "bandwidth_fraction": 0.5}
-    return {"model": "m", "dtype": "float32", "device": "cpu", "threads": 2, "decode_mode": "static",
-            "new_tokens": 8, "bandwidth_GBps": 30.0, "peak_matmul_GFLOPs_per_s": 100.0,
-            "load_average": {"before": 1.0, "after": 1.0}, "batches": {"1": row(30.0, 15.0), "4": row(200.0, 100.0)}}
+    row = lambda eng, hf: {  # noqa: E731
+        "hf": {"decode_tok_s": hf, "ttft_s": 0.1},
+        "engine": {"decode_tok_s": eng, "ttft_s": 0.05},
+        "speedup": eng / hf,
+        "roofline": {"roofline_tok_s": 100.0, "bound": "memory"},
+        "roofline_fraction": eng / 100,
+        "hf_roofline_fraction": hf / 100,
+        "bandwidth_fraction": 0.5,
+    }
+    return {
+        "model": "m",
+        "dtype": "float32",
+        "device": "cpu",
+        "threads": 2,
+        "decode_mode": "static",
+        "new_tokens": 8,
+        "bandwidth_GBps": 30.0,
+        "peak_matmul_GFLOPs_per_s": 100.0,
+        "load_average": {"before": 1.0, "after": 1.0},
+        "batches": {"1": row(30.0, 15.0), "4": row(200.0, 100.0)},
+    }
 
 
 def test_llamacpp_rows_and_ratios(monkeypatch):
@@ -76,26 +95,49 @@ def test_llamacpp_rows_and_ratios(monkeypatch):
 
     def batched(build, gguf, p_len, new, batch, threads, repeats, log):
         calls.append(("llama-batched-bench", p_len, new, batch, threads, repeats))
-        return {"decode_tok_s": {1: 60.0, 4: 160.0}[batch], "prefill_tok_s": {1: 600.0, 4: 900.0}[batch],
-                "commands": [f"b{batch}"]}
+        return {
+            "decode_tok_s": {1: 60.0, 4: 160.0}[batch],
+            "prefill_tok_s": {1: 600.0, 4: 900.0}[batch],
+            "commands": [f"b{batch}"],
+        }
 
     monkeypatch.setattr(lc, "bench_llama_bench", llama_bench)
     monkeypatch.setattr(lc, "bench_batched", batched)
-    monkeypatch.setattr(lc, "greedy_tokens", lambda build, gguf, prompts, n, threads, log: [[1, 2, 3], [4, 5, 0],
-                                                                                           [7, 8, 9], [1, 1, 1]])
+    monkeypatch.setattr(
+        lc,
+        "greedy_tokens",
+        lambda build, gguf, prompts, n, threads, log: [[1, 2, 3], [4, 5, 0], [7, 8, 9], [1, 1, 1]],
+    )
     build = lc.LlamaCpp(root=lc.llamacpp_dir("9.9"), version="9.9", build_info={"ggml_version": "0.25.3"})
     result = _result()
     prompts = {1: [[1] * 7], 4: [[1] * 7, [1] * 8, [1] * 8, [1] * 9]}
     engine_tokens = {1: [[1, 2, 3]], 4: [[1, 2, 3], [4, 5, 6], [7, 8, 9], [2, 1, 1]]}
-    block = decode.run_llamacpp(build, "w.gguf", _args(threads=2, repeats=3, new_tokens=3, llamacpp_compare=3),
-                                prompts, engine_tokens, result)
-    assert calls == [("llama-batched-bench", 7, 3, 1, 2, 3), ("llama-bench", 7, 3, 2, 3),
-                     ("llama-batched-bench", 8, 3, 4, 2, 3)]
+    block = decode.run_llamacpp(
+        build,
+        "w.gguf",
+        _args(threads=2, repeats=3, new_tokens=3, llamacpp_compare=3),
+        prompts,
+        engine_tokens,
+        result,
+    )
+    assert calls == [
+        ("llama-batched-bench", 7, 3, 1, 2, 3),
+        ("llama-bench", 7, 3, 2, 3),
+        ("llama-batched-bench", 8, 3, 4, 2, 3),
+    ]
     assert result["llamacpp_ratio_batch1"] == 30.0 / 60.0 and result["llamacpp_ratio_batch4"] == 200.0 / 160.0
-    assert result["batches"]["4"]["llamacpp"] == {"decode_tok_s": 160.0, "prefill_tok_s": 900.0, "ratio": 1.25}
+    assert result["batches"]["4"]["llamacpp"] == {
+        "decode_tok_s": 160.0,
+        "prefill_tok_s": 900.0,
+        "ratio": 1.25,
+    }
     assert result["batches"]["1"]["llamacpp"]["llama_bench_decode_tok_s"] == 70.0
     g = block["greedy"]["vs_engine"]
-    assert block["greedy"]["batch"] == 4 and g["rows_equal"] == 0.5 and g["leading_share"] == (3 + 2 + 3 + 0) / 12
+    assert (
+        block["greedy"]["batch"] == 4
+        and g["rows_equal"] == 0.5
+        and g["leading_share"] == (3 + 2 + 3 + 0) / 12
+    )
     assert block["version"] == "9.9" and block["threads"] == 2 and block["batches"]["1"]["prompt_tokens"] == 7
     result["llamacpp"] = block
     text = decode.table(result)
@@ -106,7 +148,10 @@ def test_llamacpp_rows_and_ratios(monkeypatch):
 
 def test_table_without_llamacpp_has_no_llamacpp_columns():
     text = decode.table(_result())
-    assert "llama.cpp" not in text and "| 1 | 15.0 | 30.0 | 2.00x | 100 | 50 | 100.0 (memory) | 30% | 15% | 50% |" in text
+    assert (
+        "llama.cpp" not in text
+        and "| 1 | 15.0 | 30.0 | 2.00x | 100 | 50 | 100.0 (memory) | 30% | 15% | 50% |" in text
+    )
 
 
 def test_llamacpp_without_cmake_fails_before_loading_anything(monkeypatch, tmp_path):
@@ -121,10 +166,14 @@ def test_llamacpp_without_cmake_fails_before_loading_anything(monkeypatch, tmp_p
     monkeypatch.setenv("PATH", str(bin_dir))
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(decode, "load", lambda *a, **k: pytest.fail("loaded a model before checking the toolchain"))
+    monkeypatch.setattr(
+        decode, "load", lambda *a, **k: pytest.fail("loaded a model before checking the toolchain")
+    )
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    with pytest.raises(lc.LlamaCppError, match=r"needs cmake, not found on PATH; install cmake .*apt-get install cmake"):
+    with pytest.raises(
+        lc.LlamaCppError, match=r"needs cmake, not found on PATH; install cmake .*apt-get install cmake"
+    ):
         decode.run(_args(llamacpp=True, device="cpu", model=str(tmp_path / "model")))
     assert not (tmp_path / "cache" / "llama.cpp").exists()  # nothing downloaded or created
 

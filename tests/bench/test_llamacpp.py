@@ -83,7 +83,8 @@ class FakeRunner:
             (tree / "CMakeLists.txt").write_text("project(llama.cpp)\n")
             (tree / "convert_hf_to_gguf.py").write_text("")
             (tree / "ggml" / "CMakeLists.txt").write_text(
-                "set(GGML_VERSION_MAJOR 0)\nset(GGML_VERSION_MINOR 25)\nset(GGML_VERSION_PATCH 3)\n")
+                "set(GGML_VERSION_MAJOR 0)\nset(GGML_VERSION_MINOR 25)\nset(GGML_VERSION_PATCH 3)\n"
+            )
             with tarfile.open(dest / "llama_cpp_python-9.9.tar.gz", "w:gz") as tar:
                 tar.add(dest / "t" / "llama_cpp_python-9.9", arcname="llama_cpp_python-9.9")
         elif "--build" in cmd:
@@ -142,10 +143,13 @@ def test_missing_cmake_is_named_before_any_download(clean_env, tmp_path):
     with pytest.raises(lc.LlamaCppError, match=r"a C\+\+ compiler"):
         lc.check_toolchain(_bin_without(tmp_path, "c++"))
     tools = lc.check_toolchain(_bin_without(tmp_path, "ninja"))  # make instead of ninja
-    assert tools["generator"] == "Unix Makefiles" and tools["cmake"] == str(tmp_path / "bin-no-ninja" / "cmake")
+    assert tools["generator"] == "Unix Makefiles" and tools["cmake"] == str(
+        tmp_path / "bin-no-ninja" / "cmake"
+    )
 
 
 # ------------------------------------------------------------------ parsers on captured output
+
 
 def test_parse_llama_bench_captured():
     pp = lc.parse_llama_bench((DATA / "llama_bench_pp.json").read_text())
@@ -160,7 +164,11 @@ def test_parse_llama_bench_captured():
 
 def test_parse_batched_bench_captured():
     rows = lc.parse_batched_bench((DATA / "batched_bench.jsonl").read_text())
-    assert [(r["pp"], r["tg"], r["pl"], r["n_threads"]) for r in rows] == [(32, 4, 1, 1), (32, 4, 1, 1), (32, 4, 2, 1)]
+    assert [(r["pp"], r["tg"], r["pl"], r["n_threads"]) for r in rows] == [
+        (32, 4, 1, 1),
+        (32, 4, 1, 1),
+        (32, 4, 2, 1),
+    ]
     assert [r["speed_tg"] for r in rows] == [1.406437, 9.129502, 7.252427]
     assert [r["speed_pp"] for r in rows] == [12.678329, 10.325822, 32.816643]
     for r in rows:  # the tool's own definitions
@@ -189,15 +197,22 @@ def test_runners_on_captured_output(tmp_path):
     assert r["prefill_tok_s"] == pytest.approx((12.678329 + 10.325822) / 2) and len(r["raw"]) == 2
     cmd = run.calls[0]
     assert cmd[cmd.index("-npl") + 1] == "1,1" and cmd[cmd.index("-ctk") + 1] == "f32"
-    assert cmd[cmd.index("-c") + 1] == str(1 * (32 + 4) + 16) and cmd[0] == str(build.tool("llama-batched-bench"))
+    assert cmd[cmd.index("-c") + 1] == str(1 * (32 + 4) + 16) and cmd[0] == str(
+        build.tool("llama-batched-bench")
+    )
     run = Replay("batched_bench.jsonl")
-    assert lc.bench_batched(build, Path("m.gguf"), 32, 4, 2, 1, runner=run, log=lambda m: None)["decode_tok_s"] == 7.252427
+    assert (
+        lc.bench_batched(build, Path("m.gguf"), 32, 4, 2, 1, runner=run, log=lambda m: None)["decode_tok_s"]
+        == 7.252427
+    )
     with pytest.raises(lc.LlamaCppError, match="no row for 16 sequences"):
-        lc.bench_batched(build, Path("m.gguf"), 32, 4, 16, 1, runner=Replay("batched_bench.jsonl"), log=lambda m: None)
+        lc.bench_batched(
+            build, Path("m.gguf"), 32, 4, 16, 1, runner=Replay("batched_bench.jsonl"), log=lambda m: None
+        )
     run = Replay("llama_bench_pp.json", "llama_bench_tg.json")
     r = lc.bench_llama_bench(build, Path("m.gguf"), 94, 8, 2, 2, runner=run, log=lambda m: None)
     assert (r["prefill_tok_s"], r["decode_tok_s"]) == (2.433824, 0.09157)
-    assert [c[c.index("-p") + 1:] for c in run.calls] == [["94", "-n", "0"], ["0", "-n", "8", "-d", "94"]]
+    assert [c[c.index("-p") + 1 :] for c in run.calls] == [["94", "-n", "0"], ["0", "-n", "8", "-d", "94"]]
 
 
 def test_agreement_known_answers():
@@ -216,6 +231,7 @@ def test_agreement_known_answers():
 
 # ------------------------------------------------------------------ a real build (slow)
 
+
 @pytest.mark.slow
 def test_llamacpp_greedy_equals_hf_on_tiny_model(tiny_dir, tokenizer):
     """Builds (or reuses) llama.cpp, converts the tiny fp32 test Llama (tests/conftest.py) to an F32 GGUF and
@@ -230,14 +246,25 @@ def test_llamacpp_greedy_equals_hf_on_tiny_model(tiny_dir, tokenizer):
     build = lc.ensure_built()
     gguf = lc.convert_to_gguf(build, tiny_dir, "test-" + fingerprint_folder(tiny_dir, tokenizer))
     assert gguf.stat().st_size > 4 * 64 * len(tokenizer)  # fp32 embedding alone
-    prompts = [tokenizer.encode(t) for t in ("Natalia sold clips to 48 of her friends in April.", "def add(a, b):",
-                                             "The quick brown fox jumps over the lazy dog.")]
+    prompts = [
+        tokenizer.encode(t)
+        for t in (
+            "Natalia sold clips to 48 of her friends in April.",
+            "def add(a, b):",
+            "The quick brown fox jumps over the lazy dog.",
+        )
+    ]
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     want = []
     for ids in prompts:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
-        want.append(out[0, len(ids):].tolist())
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        want.append(out[0, len(ids) :].tolist())
     got = lc.greedy_tokens(build, gguf, prompts, 8, threads=2)
     assert got == want
     assert lc.agreement(want, got, 8)["rows_equal"] == 1.0
@@ -247,9 +274,16 @@ def test_portable_writes_the_cache_folder_as_a_variable(tmp_path, monkeypatch):
     """Recorded commands and paths name $CCFT_CACHE, not this machine's folder (no machine paths in results)."""
     monkeypatch.setenv("CCFT_CACHE", str(tmp_path / "cache"))
     root = lc.cache_root()
-    block = {"root": str(root / "llama.cpp" / "0.3.36"), "n": 3,
-             "batches": {"1": {"commands": [f"{root}/llama.cpp/0.3.36/build/bin/llama-bench -m {root}/x.gguf -t 2"]}}}
+    block = {
+        "root": str(root / "llama.cpp" / "0.3.36"),
+        "n": 3,
+        "batches": {
+            "1": {"commands": [f"{root}/llama.cpp/0.3.36/build/bin/llama-bench -m {root}/x.gguf -t 2"]}
+        },
+    }
     out = lc.portable(block)
     assert out["root"] == "$CCFT_CACHE/llama.cpp/0.3.36" and out["n"] == 3
-    assert out["batches"]["1"]["commands"] == ["$CCFT_CACHE/llama.cpp/0.3.36/build/bin/llama-bench -m $CCFT_CACHE/x.gguf -t 2"]
+    assert out["batches"]["1"]["commands"] == [
+        "$CCFT_CACHE/llama.cpp/0.3.36/build/bin/llama-bench -m $CCFT_CACHE/x.gguf -t 2"
+    ]
     assert str(tmp_path) not in repr(out)

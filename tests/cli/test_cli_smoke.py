@@ -29,13 +29,21 @@ def ccft_command() -> list[str]:
 
 
 def run_ccft(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(ccft_command() + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(
+        ccft_command() + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _ok(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
     return proc.stdout
 
 
@@ -49,10 +57,25 @@ def workdir(tmp_path_factory, tiny_dir, gsm8k_rows) -> Path:
 
 
 def write_recipe(d: Path, base: Path, name: str = "r.yaml", **extra) -> Path:
-    fields = {"base": str(base), "train_data": "data.jsonl", "output_dir": "out", "decoder_kind": "lora",
-              "lora_r": 4, "lora_alpha": 8, "max_steps": 3, "per_device_train_batch_size": 2,
-              "learning_rate": 1e-3, "max_length": 384, "chat_template": "false", "logging_steps": 1,
-              "use_cpu": "true", "report_to": "none", "save_strategy": "no", "seed": 0, **extra}
+    fields = {
+        "base": str(base),
+        "train_data": "data.jsonl",
+        "output_dir": "out",
+        "decoder_kind": "lora",
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "max_steps": 3,
+        "per_device_train_batch_size": 2,
+        "learning_rate": 1e-3,
+        "max_length": 384,
+        "chat_template": "false",
+        "logging_steps": 1,
+        "use_cpu": "true",
+        "report_to": "none",
+        "save_strategy": "no",
+        "seed": 0,
+        **extra,
+    }
     (d / name).write_text("".join(f"{k}: {v}\n" for k, v in fields.items()))
     return d / name
 
@@ -111,7 +134,9 @@ def test_single_process_train_writes_a_loadable_decoder(workdir):
     assert all(math.isfinite(v) and v > 0 for _, v in losses), losses
     dec = ccft.load_decoder(folder)
     assert dec.method == "ccft" and dec.kind == "lora"
-    ids = dec.base.tokenizer("Natalia sold clips to 48 of her friends.", add_special_tokens=False)["input_ids"]
+    ids = dec.base.tokenizer("Natalia sold clips to 48 of her friends.", add_special_tokens=False)[
+        "input_ids"
+    ]
     cache = ccft.compute_base_cache(dec.base, [ids])
     with torch.no_grad():
         logits = ccft.decoder_forward(dec, cache, torch.tensor([ids[-1:]]))
@@ -134,37 +159,106 @@ def test_eval_task_list_prints_the_registry():
 
 def test_bench_decode_tiny(tiny_dir, tmp_path):
     out_json = tmp_path / "decode.json"
-    _ok(run_ccft(["bench", "decode", "--model", str(tiny_dir), "--device", "cpu", "--batch-sizes", "1", "2",
-                  "--new-tokens", "3", "--prompt-tokens", "8", "--repeats", "1", "--threads", "1",
-                  "--out", str(out_json)], ROOT))
+    _ok(
+        run_ccft(
+            [
+                "bench",
+                "decode",
+                "--model",
+                str(tiny_dir),
+                "--device",
+                "cpu",
+                "--batch-sizes",
+                "1",
+                "2",
+                "--new-tokens",
+                "3",
+                "--prompt-tokens",
+                "8",
+                "--repeats",
+                "1",
+                "--threads",
+                "1",
+                "--out",
+                str(out_json),
+            ],
+            ROOT,
+        )
+    )
     d = json.loads(out_json.read_text())
     # documented keys (benchmarks/decode.py docstring and result dict)
-    assert {"model", "device", "dtype", "threads", "decode_mode", "new_tokens", "repeats", "bandwidth_GBps",
-            "batches", "speedup_batch1", "roofline_fraction_batch1"} <= set(d)
+    assert {
+        "model",
+        "device",
+        "dtype",
+        "threads",
+        "decode_mode",
+        "new_tokens",
+        "repeats",
+        "bandwidth_GBps",
+        "batches",
+        "speedup_batch1",
+        "roofline_fraction_batch1",
+    } <= set(d)
     assert d["new_tokens"] == 3 and d["repeats"] == 1 and d["dtype"] == "float32" and d["threads"] == 1
     assert sorted(d["batches"]) == ["1", "2"]
     for row in d["batches"].values():
-        assert row["greedy_rows_identical"] == 1.0  # fraction of rows whose engine greedy tokens equal HF generate's
+        assert (
+            row["greedy_rows_identical"] == 1.0
+        )  # fraction of rows whose engine greedy tokens equal HF generate's
         assert row["prompt_tokens_mean"] == 8
         for side in ("hf", "engine"):
             assert row[side]["decode_tok_s"] > 0 and row[side]["ttft_s"] > 0
         assert row["speedup"] == pytest.approx(row["engine"]["decode_tok_s"] / row["hf"]["decode_tok_s"])
         roof = row["roofline"]
         assert roof["roofline_tok_s"] > 0 and roof["bound"] in ("memory", "matmul")
-        assert row["roofline_fraction"] == pytest.approx(row["engine"]["decode_tok_s"] / roof["roofline_tok_s"])
+        assert row["roofline_fraction"] == pytest.approx(
+            row["engine"]["decode_tok_s"] / roof["roofline_tok_s"]
+        )
     assert d["speedup_batch1"] == pytest.approx(d["batches"]["1"]["speedup"])
 
 
 def test_bench_train_tiny(tiny_dir, tmp_path):
     out_json = tmp_path / "train.json"
-    _ok(run_ccft(["bench", "train", "--model", str(tiny_dir), "--kinds", "lora", "--ratios", "4:1",
-                  "--row-tokens", "40", "--batch-size", "2", "--steps", "1", "--warmup", "0", "--no-trl",
-                  "--in-process", "--threads", "1", "--out", str(out_json)], ROOT))
+    _ok(
+        run_ccft(
+            [
+                "bench",
+                "train",
+                "--model",
+                str(tiny_dir),
+                "--kinds",
+                "lora",
+                "--ratios",
+                "4:1",
+                "--row-tokens",
+                "40",
+                "--batch-size",
+                "2",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--no-trl",
+                "--in-process",
+                "--threads",
+                "1",
+                "--out",
+                str(out_json),
+            ],
+            ROOT,
+        )
+    )
     d = json.loads(out_json.read_text())
     assert d["benchmark"] == "train" and d["steps"] == 1 and d["batch_size"] == 2
     assert {"cases", "fraction_of_theory", "fullft_vs_trl", "goals"} <= set(d)
     (case,) = d["cases"]
-    assert (case["decoder"], case["ratio"], case["prompt_tokens"], case["response_tokens"]) == ("lora", "4:1", 32, 8)
+    assert (case["decoder"], case["ratio"], case["prompt_tokens"], case["response_tokens"]) == (
+        "lora",
+        "4:1",
+        32,
+        8,
+    )
     # LoRA FLOP count by hand: (4·32 + 4·8) / (2·32 + 4·8) = 160 / 96
     assert case["theory_speedup"] == pytest.approx(160 / 96)
     assert set(case["runs"]) == {"ccft-full-ft", "ccft-two-pass", "ccft-one-pass"}
@@ -178,17 +272,51 @@ def test_bench_train_tiny(tiny_dir, tmp_path):
 @pytest.mark.parametrize("bad", ["4x1", "4:0", "1:2:3", "a:b"])
 def test_bench_train_bad_ratio_is_a_usage_error(bad, tmp_path):
     proc = run_ccft(["bench", "train", "--ratios", bad, "--out", str(tmp_path / "t.json")], ROOT)
-    assert proc.returncode == 2 and "--ratios" in proc.stderr and "PROMPT:RESPONSE" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "--ratios" in proc.stderr and "PROMPT:RESPONSE" in proc.stderr, (
+        proc.stderr
+    )
     assert "Traceback" not in proc.stderr and not (tmp_path / "t.json").exists()
 
 
 def test_bench_serve_tiny(tiny_dir, tmp_path):
     out_json = tmp_path / "serve.json"
-    _ok(run_ccft(["bench", "serve", "--model", str(tiny_dir), "--sessions", "1", "2", "--turns", "2",
-                  "--shared-tokens", "16", "--unique-tokens", "4", "--growth-tokens", "2", "--max-new-tokens", "2",
-                  "--threads", "1", "--out", str(out_json), "--plots", str(tmp_path / "plots")], ROOT))
+    _ok(
+        run_ccft(
+            [
+                "bench",
+                "serve",
+                "--model",
+                str(tiny_dir),
+                "--sessions",
+                "1",
+                "2",
+                "--turns",
+                "2",
+                "--shared-tokens",
+                "16",
+                "--unique-tokens",
+                "4",
+                "--growth-tokens",
+                "2",
+                "--max-new-tokens",
+                "2",
+                "--threads",
+                "1",
+                "--out",
+                str(out_json),
+                "--plots",
+                str(tmp_path / "plots"),
+            ],
+            ROOT,
+        )
+    )
     d = json.loads(out_json.read_text())
-    assert d["benchmark"] == "serve" and {"workload", "points", "kv_bytes_per_token", "kv_budget_bytes"} <= set(d)
+    assert d["benchmark"] == "serve" and {
+        "workload",
+        "points",
+        "kv_bytes_per_token",
+        "kv_budget_bytes",
+    } <= set(d)
     agents = d["workload"]["agents"]
     assert len(agents) == 4 and d["workload"]["turns"] == 2
     # tiny model: 2 layers × (K and V) × 2 KV heads × head dim 16 × 4 bytes (fp32)

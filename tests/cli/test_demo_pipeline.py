@@ -66,11 +66,22 @@ eval:
     rc = main(["demo", str(d / "r.yaml"), "--out", str(d / "report"), "--runs", str(d / "runs")])
     assert rc == 0
     out = d / "report"
-    items = {m: sorted((json.loads(x) for x in (out / "gsm8k" / f"items.{m}.jsonl").read_text().splitlines()),
-                       key=lambda r: r["index"]) for m in MODES}
-    return {"dir": d, "base": Path(tiny_dir), "runs": d / "runs", "results": json.loads((out / "results.json").read_text()),
-            "summary": json.loads((out / "gsm8k" / "summary.json").read_text()), "items": items,
-            "readme": (out / "README.md").read_text()}
+    items = {
+        m: sorted(
+            (json.loads(x) for x in (out / "gsm8k" / f"items.{m}.jsonl").read_text().splitlines()),
+            key=lambda r: r["index"],
+        )
+        for m in MODES
+    }
+    return {
+        "dir": d,
+        "base": Path(tiny_dir),
+        "runs": d / "runs",
+        "results": json.loads((out / "results.json").read_text()),
+        "summary": json.loads((out / "gsm8k" / "summary.json").read_text()),
+        "items": items,
+        "readme": (out / "README.md").read_text(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +93,12 @@ def hf(demo):
     def plain():
         return AutoModelForCausalLM.from_pretrained(demo["base"], dtype=torch.float32).eval()
 
-    return {"tok": AutoTokenizer.from_pretrained(demo["base"]), "base": plain(),
-            "ccft": PeftModel.from_pretrained(plain(), demo["runs"] / "ccft").eval(),
-            "full-ft": PeftModel.from_pretrained(plain(), demo["runs"] / "full-ft").eval()}
+    return {
+        "tok": AutoTokenizer.from_pretrained(demo["base"]),
+        "base": plain(),
+        "ccft": PeftModel.from_pretrained(plain(), demo["runs"] / "ccft").eval(),
+        "full-ft": PeftModel.from_pretrained(plain(), demo["runs"] / "full-ft").eval(),
+    }
 
 
 def _rows():
@@ -92,7 +106,9 @@ def _rows():
 
 
 def _prompt(tok, question: str) -> list[int]:
-    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
@@ -112,24 +128,38 @@ def _nll(hf, mode: str, prompt: list[int], response: list[int]) -> float:
     with torch.no_grad():
         if mode in ("base", "full-ft"):
             model = hf["base"] if mode == "base" else hf["full-ft"]
-            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, n - 1:n + r - 1]
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, n - 1 : n + r - 1]
         else:  # the decoder reads the base's cache over prompt[:-1], recomputes the last prompt token
             decoder = hf["full-ft"] if mode == "naive" else hf["ccft"]
             cache = _cache_of_base(hf, prompt)
-            logits = decoder(input_ids=torch.tensor([prompt[-1:] + response]), past_key_values=cache,
-                             position_ids=torch.arange(n - 1, n + r)[None]).logits[0, :r]
+            logits = decoder(
+                input_ids=torch.tensor([prompt[-1:] + response]),
+                past_key_values=cache,
+                position_ids=torch.arange(n - 1, n + r)[None],
+            ).logits[0, :r]
     return float(-torch.log_softmax(logits.float(), -1).gather(-1, target[:, None]).mean())
 
 
 def _greedy(hf, mode: str, prompt: list[int]) -> list[int]:
-    model = {"base": hf["base"], "full-ft": hf["full-ft"], "naive": hf["full-ft"], "prefillshare": hf["ccft"]}[mode]
+    model = {
+        "base": hf["base"],
+        "full-ft": hf["full-ft"],
+        "naive": hf["full-ft"],
+        "prefillshare": hf["ccft"],
+    }[mode]
     kw = {}
     if mode in ("naive", "prefillshare"):
         kw["past_key_values"] = _cache_of_base(hf, prompt)
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=hf["tok"].pad_token_id, **kw)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=hf["tok"].pad_token_id,
+            **kw,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def _hand_em(text: str, answer: str) -> float:
@@ -164,12 +194,16 @@ def test_prompts_and_responses_are_the_documented_ones(demo, hf):
 def test_report_nll_equals_an_independent_forward(demo, hf):
     tok = hf["tok"]
     rows = _rows()
-    expected = {mode: [_nll(hf, mode, _prompt(tok, r["question"]), _response(tok, r["answer"])) for r in rows]
-                for mode in MODES}
+    expected = {
+        mode: [_nll(hf, mode, _prompt(tok, r["question"]), _response(tok, r["answer"])) for r in rows]
+        for mode in MODES
+    }
     for mode in MODES:
         got = [rec["nll"] for rec in demo["items"][mode]]
         assert got == pytest.approx(expected[mode], abs=2e-4), mode
-        assert demo["summary"]["modes"][mode]["nll"] == pytest.approx(sum(expected[mode]) / NLL_ROWS, abs=2e-4)
+        assert demo["summary"]["modes"][mode]["nll"] == pytest.approx(
+            sum(expected[mode]) / NLL_ROWS, abs=2e-4
+        )
         assert demo["results"]["eval"]["modes"][mode]["nll"] == demo["summary"]["modes"][mode]["nll"]
     # the four modes really differ on these rows (a report that swapped two modes would fail above)
     means = sorted(sum(v) / NLL_ROWS for v in expected.values())

@@ -41,13 +41,16 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("damage,pattern", [
-    ("file", r"dec is a file; a decoder is a folder"),
-    ("empty", r"dec is not a ccft decoder folder \(ccft\.json missing\)"),
-    ("truncated", r"ccft\.json:1:\d+: not valid JSON"),
-    ("not utf-8", r"ccft\.json: not UTF-8"),
-    ("a list", r"ccft\.json:1: ccft\.json holds a JSON object, got list"),
-])
+@pytest.mark.parametrize(
+    "damage,pattern",
+    [
+        ("file", r"dec is a file; a decoder is a folder"),
+        ("empty", r"dec is not a ccft decoder folder \(ccft\.json missing\)"),
+        ("truncated", r"ccft\.json:1:\d+: not valid JSON"),
+        ("not utf-8", r"ccft\.json: not UTF-8"),
+        ("a list", r"ccft\.json:1: ccft\.json holds a JSON object, got list"),
+    ],
+)
 def test_damaged_decoder_folders(tmp_path, capsys, no_model, damage, pattern):
     import re
 
@@ -56,8 +59,11 @@ def test_damaged_decoder_folders(tmp_path, capsys, no_model, damage, pattern):
         dec.write_text("weights")
     else:
         dec.mkdir()
-        meta = {"truncated": b'{"method": "ccft", "base": {"na', "not utf-8": b'{"method": "\xff"}',
-                "a list": b"[1, 2]"}.get(damage)
+        meta = {
+            "truncated": b'{"method": "ccft", "base": {"na',
+            "not utf-8": b'{"method": "\xff"}',
+            "a list": b"[1, 2]",
+        }.get(damage)
         if meta is not None:
             (dec / "ccft.json").write_bytes(meta)
     rc, err = run(["eval", "--task", "gsm8k", "--decoder", str(dec), "--out", str(tmp_path / "out")], capsys)
@@ -68,6 +74,8 @@ def test_damaged_decoder_folders(tmp_path, capsys, no_model, damage, pattern):
 
 def test_missing_task_data_fails_before_the_model_loads(tmp_path, capsys, no_model, monkeypatch):
     monkeypatch.setenv("CCFT_EVAL_DATA", str(tmp_path / "no-data"))
-    rc, err = run(["eval", "--task", "humaneval", "--mode", "base", "--base", "tiny",
-                   "--out", str(tmp_path / "out")], capsys)
+    rc, err = run(
+        ["eval", "--task", "humaneval", "--mode", "base", "--base", "tiny", "--out", str(tmp_path / "out")],
+        capsys,
+    )
     assert rc == 2 and "no-data" in one_line(err) and not no_model, err

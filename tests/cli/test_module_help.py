@@ -39,8 +39,13 @@ def test_entry_points_are_found():
 def test_bfcl_setup_help_is_help_not_a_folder(args, tmp_path):
     """``python -m ccft.evals.bfcl setup --help`` used to create a virtual environment named ``--help``."""
     env = dict(os.environ, PYTHONPATH=str(SRC))
-    proc = subprocess.run([sys.executable, "-m", "ccft.evals.bfcl", *args], cwd=tmp_path, capture_output=True,
-                          text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ccft.evals.bfcl", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m ccft.evals.bfcl") and not list(tmp_path.iterdir())
 
@@ -48,8 +53,14 @@ def test_bfcl_setup_help_is_help_not_a_folder(args, tmp_path):
 @pytest.mark.parametrize("module", entry_modules())
 def test_module_help_exits_0(module, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(SRC))
-    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path, capture_output=True, text=True,
-                          env=env, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage" in proc.stdout.lower() and "Traceback" not in proc.stderr
     assert not list(tmp_path.iterdir())  # --help writes nothing
@@ -60,7 +71,18 @@ def test_every_ccft_subcommand_has_help(capsys):
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices  # noqa: SLF001 - argparse API
-    assert {"train", "eval", "precompute", "demo", "study", "sweep", "report", "serve", "bench", "export"} <= set(commands)
+    assert {
+        "train",
+        "eval",
+        "precompute",
+        "demo",
+        "study",
+        "sweep",
+        "report",
+        "serve",
+        "bench",
+        "export",
+    } <= set(commands)
     for name in commands:
         with pytest.raises(SystemExit) as exit_info:
             main([name, "--help"])

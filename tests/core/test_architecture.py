@@ -18,10 +18,18 @@ def private_imports(path: Path, root: Path = ROOT) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ccft":
             for alias in node.names:
-                if alias.name.startswith("_") and not (alias.name.startswith("__") and alias.name.endswith("__")):
-                    found.append(f"{path.relative_to(root)}:{node.lineno}: from {node.module} import {alias.name}")
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ccft" and any(
-                part.startswith("_") and part != "__init__" for part in node.module.split(".")[1:]):
+                if alias.name.startswith("_") and not (
+                    alias.name.startswith("__") and alias.name.endswith("__")
+                ):
+                    found.append(
+                        f"{path.relative_to(root)}:{node.lineno}: from {node.module} import {alias.name}"
+                    )
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "ccft"
+            and any(part.startswith("_") and part != "__init__" for part in node.module.split(".")[1:])
+        ):
             found.append(f"{path.relative_to(root)}:{node.lineno}: from {node.module} (a private module)")
     return found
 

@@ -52,7 +52,7 @@ def _reference(model, prompts, responses, k):
     out = []
     for p, r in zip(prompts, responses, strict=True):
         logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0]
-        out.append(logits[len(p) - k:])  # (k + len(r), v)
+        out.append(logits[len(p) - k :])  # (k + len(r), v)
     return out
 
 
@@ -80,7 +80,9 @@ class _PositionSpy:
         self.handle.remove()
 
 
-CASES = [(shape, k, dec) for shape in ("mixed3", "single") for k in (1, 3) for dec in ("base", "lora-identity")]
+CASES = [
+    (shape, k, dec) for shape in ("mixed3", "single") for k in (1, 3) for dec in ("base", "lora-identity")
+]
 
 
 @pytest.mark.parametrize("shape,k,dec", CASES, ids=[f"{s}-k{k}-{d}" for s, k, d in CASES])
@@ -100,8 +102,12 @@ def test_invariant1_decoder_equals_base_full_forward(tiny_base, shape, k, dec):
     # C_base layout: (b, h, max(n) - k, d), left padded, lengths = n - k, tail = the last k prompt tokens
     cfg = tiny_base.config
     assert cache.num_layers == cfg.num_hidden_layers
-    assert tuple(cache.keys[0].shape) == (len(prompts), cfg.num_key_value_heads, max(map(len, prompts)) - k,
-                                          cfg.head_dim)
+    assert tuple(cache.keys[0].shape) == (
+        len(prompts),
+        cfg.num_key_value_heads,
+        max(map(len, prompts)) - k,
+        cfg.head_dim,
+    )
     assert cache.lengths.tolist() == [len(p) - k for p in prompts]
     assert cache.tail_ids.tolist() == [list(p[-k:]) for p in prompts]
 
@@ -143,7 +149,9 @@ def test_cache_copied_from_elsewhere_gives_same_logits(tiny_base, tmp_path):
 
     own = ccft.compute_base_cache(tiny_base, prompts, handoff_tokens=k)
     cloned = own.clone()
-    assert cloned.equal(own) and all(a.data_ptr() != b.data_ptr() for a, b in zip(cloned.keys, own.keys, strict=True))
+    assert cloned.equal(own) and all(
+        a.data_ptr() != b.data_ptr() for a, b in zip(cloned.keys, own.keys, strict=True)
+    )
 
     # rebuilt from tensors that went through torch.save/torch.load (a cache stored elsewhere)
     buf = io.BytesIO()
@@ -201,8 +209,13 @@ def test_nan_in_unwritten_pad_slots_never_reaches_logits(tiny_base):
     attn = tiny_base.model.model.layers[-1].self_attn
     handles = [attn.k_proj.register_forward_hook(poison), attn.v_proj.register_forward_hook(poison)]
     try:
-        cache = prefill(tiny_base.model, prompts, handoff_tokens=k, pad_token_id=tok.pad_token_id,
-                        fingerprint=tiny_base.fingerprint)
+        cache = prefill(
+            tiny_base.model,
+            prompts,
+            handoff_tokens=k,
+            pad_token_id=tok.pad_token_id,
+            fingerprint=tiny_base.fingerprint,
+        )
     finally:
         for h in handles:
             h.remove()

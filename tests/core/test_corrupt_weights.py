@@ -22,8 +22,12 @@ def test_cli_train_on_corrupt_weights_is_one_line(tmp_path, tokenizer, capsys):
     folder = make_tiny_folder(tmp_path / "base", tokenizer)
     (folder / "model.safetensors").write_bytes(b"\x00" * 64)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"base: {folder}\ntrain_data: gsm8k:train\ntrain_rows: 2\nmax_steps: 1\nuse_cpu: true\n"
-                      f"output_dir: {tmp_path / 'out'}\nreport_to: none\n")
+    recipe.write_text(
+        f"base: {folder}\ntrain_data: gsm8k:train\ntrain_rows: 2\nmax_steps: 1\nuse_cpu: true\n"
+        f"output_dir: {tmp_path / 'out'}\nreport_to: none\n"
+    )
     assert main(["train", str(recipe)]) == 2
-    err = [x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("ccft")]  # not library warnings
+    err = [
+        x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("ccft")
+    ]  # not library warnings
     assert len(err) == 1 and err[0].startswith("ccft train: error:") and "corrupt or truncated" in err[0]

@@ -70,7 +70,9 @@ def test_full_decoder_equals_base_until_perturbed(tiny_base):
     decoder = ccft.make_decoder(tiny_base, "full", method="ccft", handoff_tokens=2)
     assert decoder.fingerprint == tiny_base.fingerprint
     base_ptrs = {p.data_ptr() for p in tiny_base.model.parameters()}
-    assert not base_ptrs & {p.data_ptr() for p in decoder.model.parameters()}, "full decoder aliases base weights"
+    assert not base_ptrs & {p.data_ptr() for p in decoder.model.parameters()}, (
+        "full decoder aliases base weights"
+    )
     with torch.no_grad():
         same = ccft.decoder_forward(decoder, cache, tail_ids, tail_mask)
     assert _real_diff(same, ref, tails) <= 1e-6
@@ -121,7 +123,9 @@ def test_k1_interleaved_decoders_share_one_cache(tiny_base, kind):
     assert [g.token_ids for g in ga1] == [g.token_ids for g in ga2]
     assert [g.text for g in ga1] == [g.text for g in ga2]
     assert torch.equal(la1, la2), "A's logits changed after B ran"
-    assert _real_diff(la1, lb, tails) > 1e-2, "A and B must be different decoders for this test to mean anything"
+    assert _real_diff(la1, lb, tails) > 1e-2, (
+        "A and B must be different decoders for this test to mean anything"
+    )
     assert [g.token_ids for g in ga1] != [g.token_ids for g in gb]
     assert all(len(g.token_ids) == 4 for g in ga1 + gb)
     assert cache.equal(snapshot), "C_base was mutated by interleaved decoding"
@@ -134,7 +138,9 @@ def test_lora_gradient_reaches_adapter_only(tiny_base):
     tok = tiny_base.tokenizer
     k = 1
     prompts = [tokenize_prompt(tok, p) for p in PROMPTS]
-    examples = [Example(tuple(p), tuple(tokenize_response(tok, r))) for p, r in zip(prompts, RESPONSES, strict=True)]
+    examples = [
+        Example(tuple(p), tuple(tokenize_response(tok, r))) for p, r in zip(prompts, RESPONSES, strict=True)
+    ]
     batch = Collator(tok.pad_token_id, handoff_tokens=k)(examples)
     base_state = {n: v.clone() for n, v in tiny_base.model.state_dict().items()}
     decoder = ccft.make_decoder(tiny_base, "lora", lora=LORA_FALSE, method="ccft")
@@ -143,8 +149,15 @@ def test_lora_gradient_reaches_adapter_only(tiny_base):
     snapshot = cache.clone()
 
     logits = ccft.decoder_forward(decoder, cache, batch["tail_ids"], batch["tail_mask"])
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
-                                             ignore_index=IGNORE_INDEX, reduction="sum") / batch["num_supervised"]
+    loss = (
+        torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1),
+            batch["labels"][:, 1:].flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        / batch["num_supervised"]
+    )
     loss.backward()
 
     lora = {n: p for n, p in decoder.model.named_parameters() if "lora_" in n}
@@ -186,7 +199,9 @@ def test_full_decoder_starts_from_the_stored_base_weights_in_its_own_memory(tiny
     own storage, and no LoRA layers even when the base already hosts an adapter (docs/training.md, Peak memory)."""
     from safetensors.torch import load_file
 
-    ccft.make_decoder(tiny_base, "lora", method="ccft", adapter_name="math")  # PEFT injects layers into the base
+    ccft.make_decoder(
+        tiny_base, "lora", method="ccft", adapter_name="math"
+    )  # PEFT injects layers into the base
     decoder = ccft.make_decoder(tiny_base, "full", method="full-ft")
     stored = load_file(str(Path(tiny_base.path) / "model.safetensors"))
     state = decoder.model.state_dict()
@@ -199,8 +214,11 @@ def test_full_decoder_starts_from_the_stored_base_weights_in_its_own_memory(tiny
     assert all(p.requires_grad for p in decoder.model.parameters())
     with torch.no_grad():
         next(decoder.model.parameters()).add_(1.0)  # training writes to the decoder, never to the base
-    base_state = {n.replace("base_layer.", "").removeprefix("base_model.model."): v
-                  for n, v in tiny_base.model.state_dict().items() if "lora_" not in n}
+    base_state = {
+        n.replace("base_layer.", "").removeprefix("base_model.model."): v
+        for n, v in tiny_base.model.state_dict().items()
+        if "lora_" not in n
+    }
     for name, value in stored.items():
         assert torch.equal(base_state[name], value), name
 
@@ -230,15 +248,25 @@ def test_loaded_lora_decoders_with_same_folder_name_do_not_overwrite(tiny_base, 
 
 # ------------------------------------------------------------------ modules_to_save on a tied embedding
 
+
 @pytest.fixture(scope="module")
 def tied_dir(tmp_path_factory, tokenizer):
     """A tiny Llama whose lm_head is its input embedding (tie_word_embeddings=True)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     path = tmp_path_factory.mktemp("tied_base")
     LlamaForCausalLM(cfg).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -248,9 +276,18 @@ def tied_dir(tmp_path_factory, tokenizer):
 def _embedding_decoder(base, seed: int, name: str = "default"):
     """A LoRA decoder that also trains (saves) the tied embedding, tied back to lm_head (PEFT ensure_weight_tying)."""
     torch.manual_seed(seed)
-    dec = ccft.make_decoder(base, "lora", method="ccft", adapter_name=name,
-                            lora={"r": 2, "init_lora_weights": False, "modules_to_save": ["embed_tokens"],
-                                  "ensure_weight_tying": True})
+    dec = ccft.make_decoder(
+        base,
+        "lora",
+        method="ccft",
+        adapter_name=name,
+        lora={
+            "r": 2,
+            "init_lora_weights": False,
+            "modules_to_save": ["embed_tokens"],
+            "ensure_weight_tying": True,
+        },
+    )
     with torch.no_grad():
         for n, p in dec.model.named_parameters():
             if "modules_to_save" in n and f".{name}." in n:
@@ -259,7 +296,9 @@ def _embedding_decoder(base, seed: int, name: str = "default"):
     return dec
 
 
-def test_tied_embedding_adapter_loads_exactly_onto_its_own_base_and_is_refused_as_a_second(tied_dir, tmp_path):
+def test_tied_embedding_adapter_loads_exactly_onto_its_own_base_and_is_refused_as_a_second(
+    tied_dir, tmp_path
+):
     """A LoRA decoder with modules_to_save on the tied embedding: exact as the first adapter of a base; as a
     second adapter PEFT would untie its lm_head (logits off by tens, silently), so load_decoder and
     make_decoder refuse it with a message naming the fix."""
@@ -276,7 +315,9 @@ def test_tied_embedding_adapter_loads_exactly_onto_its_own_base_and_is_refused_a
 
     used = ccft.load_base(str(tied_dir))
     _embedding_decoder(used, 1, name="other")  # the base already serves a decoder
-    with pytest.raises(ccft.ConfigError, match=r"tied embedding .*already carries LoRA adapters.*base of its own"):
+    with pytest.raises(
+        ccft.ConfigError, match=r"tied embedding .*already carries LoRA adapters.*base of its own"
+    ):
         ccft.load_decoder(path, base=used)
     with pytest.raises(ccft.ConfigError, match=r"tied embedding"):
         _embedding_decoder(used, 2, name="third")

@@ -16,7 +16,9 @@ REMOVED = [(m, n, w) for m, names in REMOVED_NAMES.items() for n, w in names.ite
 def test_moved_name_resolves_with_a_warning(module, name, where):
     mod = importlib.import_module(module)
     home, _, attr = where.partition(":")
-    with pytest.warns(DeprecationWarning, match=rf"{module}\.{name} moved: import it from {home}.*{REMOVED_IN}"):
+    with pytest.warns(
+        DeprecationWarning, match=rf"{module}\.{name} moved: import it from {home}.*{REMOVED_IN}"
+    ):
         got = getattr(mod, name)
     assert got is getattr(importlib.import_module(home), attr or name)
 

@@ -69,16 +69,20 @@ def _reference(world, kind, prompts):
 @pytest.fixture(scope="module")
 def refs(worlds, prompts):
     """(dtype, kind) -> the reference path's greedy token ids per prompt."""
-    return {(dtype, kind): [g.token_ids for g in _reference(worlds[dtype], kind, prompts)]
-            for dtype in DTYPES for kind in KINDS}
+    return {
+        (dtype, kind): [g.token_ids for g in _reference(worlds[dtype], kind, prompts)]
+        for dtype in DTYPES
+        for kind in KINDS
+    }
 
 
 def _tokens(world, kind, path, prompts):
     base, decs = world
     if path == "reference":
         return [g.token_ids for g in _reference(world, kind, prompts)]
-    eng = SharedPrefillEngine(base, decoders=decs, decode="eager" if path == "scheduler" else path,
-                              fill=float("nan"))
+    eng = SharedPrefillEngine(
+        base, decoders=decs, decode="eager" if path == "scheduler" else path, fill=float("nan")
+    )
     if path == "scheduler":
         sched = Scheduler(eng)
         tickets = [sched.submit(ServeRequest(kind, p, max_new_tokens=N_NEW)) for p in prompts]
@@ -114,7 +118,9 @@ def _ref_forced_agreement(world, kind, prompts, want) -> list[list[bool]]:
         with torch.no_grad():
             if kind == "base":  # the base over prompt + tokens: position j predicts token j+1
                 with base.base_weights() as model:  # LoRA adapters attached to the base disabled
-                    logits = model(input_ids=torch.tensor([list(p) + list(toks)], device=base.device)).logits[0]
+                    logits = model(input_ids=torch.tensor([list(p) + list(toks)], device=base.device)).logits[
+                        0
+                    ]
                 first = len(p) - 1
             else:  # prefillshare: C_base of p[:-k], the decoder over p[-k:] + tokens
                 k = decs[kind].handoff_tokens
@@ -122,7 +128,7 @@ def _ref_forced_agreement(world, kind, prompts, want) -> list[list[bool]]:
                 tail = torch.tensor([list(p[-k:]) + list(toks)], device=base.device)
                 logits = ccft.decoder_forward(decs[kind], cache, tail)[0]
                 first = k - 1
-        pred = logits[first: first + len(toks)].argmax(-1).tolist()
+        pred = logits[first : first + len(toks)].argmax(-1).tolist()
         out.append([a == b for a, b in zip(pred, toks, strict=True)])
     return out
 
@@ -146,7 +152,9 @@ def test_bf16_top1_agreement(worlds, refs, prompts, kind, path):
     # each token the path chose is the bf16 reference's top-1 given the same history
     assert _rate(_ref_forced_agreement(world, kind, prompts, got)) >= BF16_MIN_AGREEMENT
     if path == "reference":  # bf16 against fp32: the fp32 reference's tokens, teacher-forced in bf16
-        assert _rate(_ref_forced_agreement(world, kind, prompts, refs[("float32", kind)])) >= BF16_MIN_AGREEMENT
+        assert (
+            _rate(_ref_forced_agreement(world, kind, prompts, refs[("float32", kind)])) >= BF16_MIN_AGREEMENT
+        )
     elif path != "scheduler":  # the engine teacher-forced on the bf16 reference's tokens
         assert _rate(_forced_agreement(world, kind, path, prompts, want)) >= BF16_MIN_AGREEMENT
 

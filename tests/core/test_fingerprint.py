@@ -34,7 +34,8 @@ def variants(tmp_path_factory, tiny_dir, tokenizer):
     assert tok.chat_template
     (template / "chat_template.jinja").write_text(
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     out["template"] = template
 
     config = root / "config"
@@ -95,20 +96,31 @@ def test_fingerprint_ignores_bookkeeping_config_keys(base, variants):
 
 
 def _cfg(**kw):
-    args = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+    args = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+    )
     args.update(kw)
     if "hidden_size" in kw or "num_attention_heads" in kw:
         args.setdefault("head_dim", args["hidden_size"] // args["num_attention_heads"])
     return LlamaConfig(**args)
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"num_hidden_layers": 3}, "num_hidden_layers: base=2 decoder=3"),
-    ({"num_key_value_heads": 1}, "num_key_value_heads: base=2 decoder=1"),
-    ({"num_attention_heads": 8, "head_dim": 8}, "head_dim: base=16 decoder=8"),
-    ({"rope_theta": 500000.0}, "rope: "),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"num_hidden_layers": 3}, "num_hidden_layers: base=2 decoder=3"),
+        ({"num_key_value_heads": 1}, "num_key_value_heads: base=2 decoder=1"),
+        ({"num_attention_heads": 8, "head_dim": 8}, "head_dim: base=16 decoder=8"),
+        ({"rope_theta": 500000.0}, "rope: "),
+    ],
+)
 def test_check_compatible_names_the_field(tiny_dir, change, field):
     base_config = AutoConfig.from_pretrained(tiny_dir)
     with pytest.raises(ccft.IncompatibleModelError, match=field):
@@ -163,8 +175,13 @@ def test_cache_dtype_mismatch_refused_unless_converted(base, base_bf16):
 def test_cache_written_by_a_decoder_is_refused(base):
     prompts = _prompts(base.tokenizer)
     decoder = ccft.make_decoder(base, "full", method="ccft")
-    own = prefill(decoder.model, prompts, pad_token_id=base.tokenizer.pad_token_id,
-                  fingerprint=base.fingerprint, producer="self")
+    own = prefill(
+        decoder.model,
+        prompts,
+        pad_token_id=base.tokenizer.pad_token_id,
+        fingerprint=base.fingerprint,
+        producer="self",
+    )
     with pytest.raises(ccft.FingerprintMismatchError, match="written by 'self'"):
         own.check_reader(decoder.fingerprint, decoder.dtype)
     with pytest.raises(ccft.FingerprintMismatchError, match="written by 'self'"):
@@ -211,8 +228,9 @@ def test_prefillshare_really_reads_c_base(base):
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
 
     c_base = ccft.compute_base_cache(base, prompts)
-    own = prefill(decoder.model, prompts, pad_token_id=tok.pad_token_id, fingerprint=base.fingerprint,
-                  producer="self")
+    own = prefill(
+        decoder.model, prompts, pad_token_id=tok.pad_token_id, fingerprint=base.fingerprint, producer="self"
+    )
     responses = [tokenize_response(tok, r) for r in RESPONSES]
     tails = [p[-1:] + r for p, r in zip(prompts, responses, strict=True)]
     tail_ids, tail_mask = right_pad(tails, tok.pad_token_id)
@@ -236,8 +254,11 @@ def test_prefillshare_really_reads_c_base(base):
         forced_tails = [p[-1:] + gen.token_ids for p, gen in zip(prompts, gens, strict=True)]
         ids, mask = right_pad(forced_tails, tok.pad_token_id)
         with torch.no_grad():
-            logits = (ccft.decoder_forward(decoder, c_base, ids, mask) if mode == "prefillshare"
-                      else ccft.full_forward(decoder, *_prefix(prompts, tok), ids, mask))
+            logits = (
+                ccft.decoder_forward(decoder, c_base, ids, mask)
+                if mode == "prefillshare"
+                else ccft.full_forward(decoder, *_prefix(prompts, tok), ids, mask)
+            )
         for i, gen in enumerate(gens):
             assert len(gen.token_ids) == n
             assert logits[i, :n].argmax(-1).tolist() == gen.token_ids, mode

@@ -37,7 +37,9 @@ def prompts(gsm8k_rows, tokenizer):
 
 def _min_margin(model, prompt, new_ids):
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + new_ids])).logits[0, len(prompt) - 1: len(prompt) - 1 + len(new_ids)]
+        logits = model(input_ids=torch.tensor([prompt + new_ids])).logits[
+            0, len(prompt) - 1 : len(prompt) - 1 + len(new_ids)
+        ]
     top = logits.topk(2, dim=-1).values
     assert logits.argmax(-1).tolist() == new_ids
     return (top[:, 0] - top[:, 1]).min().item()
@@ -45,9 +47,15 @@ def _min_margin(model, prompt, new_ids):
 
 def _hf_greedy(model, prompt, eos, pad, n=N_NEW):
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_base_mode_equals_hf_generate(sharp, prompts):
@@ -73,14 +81,20 @@ def test_batch_size_does_not_change_greedy_output(sharp, prompts):
                 p.add_(0.02 * torch.randn(p.shape, generator=g))
     cache = ccft.compute_base_cache(sharp, prompts)
     snapshot = cache.clone()
-    for mode, kw in (("base", {"base": sharp}), ("prefillshare", {"decoder": decoder, "cache": cache}),
-                     ("prefillshare", {"decoder": decoder})):
+    for mode, kw in (
+        ("base", {"base": sharp}),
+        ("prefillshare", {"decoder": decoder, "cache": cache}),
+        ("prefillshare", {"decoder": decoder}),
+    ):
         one = ccft.generate(prompts, mode=mode, max_new_tokens=N_NEW, batch_size=1, **kw)
         eight = ccft.generate(prompts, mode=mode, max_new_tokens=N_NEW, batch_size=8, **kw)
-        assert [(x.token_ids, x.text, x.finish_reason) for x in one] == \
-               [(x.token_ids, x.text, x.finish_reason) for x in eight], mode
+        assert [(x.token_ids, x.text, x.finish_reason) for x in one] == [
+            (x.token_ids, x.text, x.finish_reason) for x in eight
+        ], mode
         assert all(len(x.token_ids) == N_NEW for x in one)
-        if mode == "prefillshare":  # each row follows the teacher-forced argmax on C_base, with a clear margin
+        if (
+            mode == "prefillshare"
+        ):  # each row follows the teacher-forced argmax on C_base, with a clear margin
             tails = [p[-1:] + x.token_ids for p, x in zip(prompts, one, strict=True)]
             ids, mask = right_pad(tails, tok.pad_token_id)
             with torch.no_grad():
@@ -98,7 +112,7 @@ def test_stop_strings_cut_text_per_row(sharp, prompts):
     text0 = free[0].text
     # a stop string that first appears in row 0's text after a few tokens, and in no other row
     start = len(tok.decode(free[0].token_ids[:3], skip_special_tokens=True))
-    stop = text0[start: start + 3]
+    stop = text0[start : start + 3]
     assert len(stop) == 3 and stop.strip() and all(stop not in f.text for f in free[1:])
     cut = text0.find(stop)
     for stops in (stop, [stop], ["never-appears-xyz", stop]):
@@ -111,7 +125,9 @@ def test_stop_strings_cut_text_per_row(sharp, prompts):
         assert stop not in tok.decode(got[0].token_ids[:-1], skip_special_tokens=True)
         for f, g in zip(free[1:], got[1:], strict=True):  # other rows run on, unaffected
             assert (g.token_ids, g.text, g.finish_reason) == (f.token_ids, f.text, "length")
-    nothing = ccft.generate(rows, mode="base", base=sharp, max_new_tokens=N_NEW, stop=["never-appears-xyz", ""])
+    nothing = ccft.generate(
+        rows, mode="base", base=sharp, max_new_tokens=N_NEW, stop=["never-appears-xyz", ""]
+    )
     assert [(g.token_ids, g.finish_reason) for g in nothing] == [(f.token_ids, "length") for f in free]
 
 
@@ -151,13 +167,19 @@ def test_eos_stops_a_row(sharp_dir, sharp, prompts, tmp_path):
 def test_mode_method_mismatch_raises_config_error(sharp, prompts):
     full_ft = ccft.make_decoder(sharp, "full", method="full-ft")
     ccft_dec = ccft.make_decoder(sharp, "full", method="ccft")
-    with pytest.raises(ccft.ConfigError, match=r"mode='prefillshare' needs a decoder trained with method='ccft'"):
+    with pytest.raises(
+        ccft.ConfigError, match=r"mode='prefillshare' needs a decoder trained with method='ccft'"
+    ):
         ccft.generate(prompts[:1], mode="prefillshare", decoder=full_ft, max_new_tokens=1)
     with pytest.raises(ccft.ConfigError, match=r"mode='naive' needs a decoder trained with method='full-ft'"):
         ccft.generate(prompts[:1], mode="naive", decoder=ccft_dec, max_new_tokens=1)
-    with pytest.raises(ccft.ConfigError, match=r"mode='full-ft' needs a decoder trained with method='full-ft'"):
+    with pytest.raises(
+        ccft.ConfigError, match=r"mode='full-ft' needs a decoder trained with method='full-ft'"
+    ):
         ccft.generate(prompts[:1], mode="full-ft", decoder=ccft_dec, max_new_tokens=1)
-    with pytest.raises(ccft.ConfigError, match=r"mode='bogus'; use one of base, full-ft, naive, prefillshare"):
+    with pytest.raises(
+        ccft.ConfigError, match=r"mode='bogus'; use one of base, full-ft, naive, prefillshare"
+    ):
         ccft.generate(prompts[:1], mode="bogus", base=sharp, max_new_tokens=1)
     with pytest.raises(ccft.ConfigError, match="needs a decoder"):
         ccft.generate(prompts[:1], mode="prefillshare", base=sharp, max_new_tokens=1)
@@ -169,7 +191,9 @@ def test_mode_method_mismatch_raises_config_error(sharp, prompts):
 
 def _decoder_logits(decoder, base, k):
     tok = base.tokenizer
-    prompts = [tokenize_prompt(tok, p) for p in ("What is 12 + 30?", "Spell the word 'cat' backwards, then stop.")]
+    prompts = [
+        tokenize_prompt(tok, p) for p in ("What is 12 + 30?", "Spell the word 'cat' backwards, then stop.")
+    ]
     responses = [tokenize_response(tok, r) for r in ("12 + 30 = 42\n#### 42", "tac")]
     cache = ccft.compute_base_cache(base, prompts, handoff_tokens=k)
     ids, mask = right_pad([p[-k:] + r for p, r in zip(prompts, responses, strict=True)], tok.pad_token_id)
@@ -182,8 +206,9 @@ def test_save_load_round_trip(tiny_dir, tmp_path, kind):
     base = ccft.load_base(str(tiny_dir))
     k = 2
     if kind == "lora":
-        decoder = ccft.make_decoder(base, "lora", lora={"init_lora_weights": False, "r": 4}, method="ccft",
-                                    handoff_tokens=k)
+        decoder = ccft.make_decoder(
+            base, "lora", lora={"init_lora_weights": False, "r": 4}, method="ccft", handoff_tokens=k
+        )
     else:
         decoder = ccft.make_decoder(base, "full", method="ccft", handoff_tokens=k)
         g = torch.Generator().manual_seed(3)
@@ -194,7 +219,9 @@ def test_save_load_round_trip(tiny_dir, tmp_path, kind):
     before, prompts = _decoder_logits(decoder, base, k)
     with torch.no_grad(), base.base_weights() as m:
         plain, _ = _decoder_logits(m, base, k)
-    assert (before - plain).abs().max() > 1e-3, "the decoder must differ from the base for a meaningful round trip"
+    assert (before - plain).abs().max() > 1e-3, (
+        "the decoder must differ from the base for a meaningful round trip"
+    )
     gen_before = ccft.generate(prompts, mode="prefillshare", decoder=decoder, max_new_tokens=4)
 
     path = ccft.save_decoder(decoder, tmp_path / f"math_{kind}", recipe="test")

@@ -13,8 +13,12 @@ from ccft.core.modes import MODES, check_mode, decoder_for_mode, get_mode
 def test_table():
     assert MODES == ("base", "full-ft", "naive", "prefillshare")
     got = {m: (get_mode(m).shared_prefill, get_mode(m).decoder_method) for m in MODES}
-    assert got == {"base": (False, None), "full-ft": (False, "full-ft"), "naive": (True, "full-ft"),
-                   "prefillshare": (True, "ccft")}
+    assert got == {
+        "base": (False, None),
+        "full-ft": (False, "full-ft"),
+        "naive": (True, "full-ft"),
+        "prefillshare": (True, "ccft"),
+    }
 
 
 def test_check_mode_errors_name_the_fix():

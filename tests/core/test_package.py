@@ -12,8 +12,10 @@ import ccft
 
 
 def test_import_ccft_loads_no_heavy_module():
-    code = ("import sys, ccft; heavy = [m for m in ('torch', 'transformers', 'ccft.inference.engine', "
-            "'ccft.serving', 'ccft.evals', 'ccft.train') if m in sys.modules]; print(heavy)")
+    code = (
+        "import sys, ccft; heavy = [m for m in ('torch', 'transformers', 'ccft.inference.engine', "
+        "'ccft.serving', 'ccft.evals', 'ccft.train') if m in sys.modules]; print(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -46,7 +48,9 @@ def test_old_from_import_still_works():
 
 
 def test_subpackages_load_on_attribute_access():
-    code = "import ccft; print(ccft.train.data.Collator.__name__, ccft.inference.SharedPrefillEngine.__name__)"
+    code = (
+        "import ccft; print(ccft.train.data.Collator.__name__, ccft.inference.SharedPrefillEngine.__name__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["Collator", "SharedPrefillEngine"]
 

@@ -21,10 +21,12 @@ from ccft.core.tokens import right_pad, tokenize_prompt, tokenize_response
 QUESTIONS = ["What is 2 + 2?", "Natalia sold clips to 48 of her friends in April, and half as many in May."]
 ANSWERS = ["4", "72 clips"]
 CASES = ["foreign", "dtype", "self", "mutated"]
-ERRORS = {"foreign": (FingerprintMismatchError, "computed by base"),
-          "dtype": (FingerprintMismatchError, "dtype"),
-          "self": (FingerprintMismatchError, "written by 'self'"),
-          "mutated": (CacheMutatedError, "modified in place")}
+ERRORS = {
+    "foreign": (FingerprintMismatchError, "computed by base"),
+    "dtype": (FingerprintMismatchError, "dtype"),
+    "self": (FingerprintMismatchError, "written by 'self'"),
+    "mutated": (CacheMutatedError, "modified in place"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +58,16 @@ def world(tiny_dir, foreign_dir):
     tok = base.tokenizer
     prompts = [tokenize_prompt(tok, q, chat_template=False) for q in QUESTIONS]
     responses = [tokenize_response(tok, a) for a in ANSWERS]
-    return {"base": base, "full": full, "lora": lora, "foreign": foreign, "bf16": bf16, "prompts": prompts,
-            "responses": responses, "models": [base.model, full.model, foreign.model, bf16.model]}
+    return {
+        "base": base,
+        "full": full,
+        "lora": lora,
+        "foreign": foreign,
+        "bf16": bf16,
+        "prompts": prompts,
+        "responses": responses,
+        "models": [base.model, full.model, foreign.model, bf16.model],
+    }
 
 
 def make_cache(w, case: str, decoder):
@@ -67,8 +77,13 @@ def make_cache(w, case: str, decoder):
     if case == "dtype":
         return ccft.compute_base_cache(w["bf16"], prompts)
     if case == "self":
-        return prefill(decoder.activate(), prompts, pad_token_id=w["base"].tokenizer.pad_token_id,
-                       fingerprint=w["base"].fingerprint, producer="self")
+        return prefill(
+            decoder.activate(),
+            prompts,
+            pad_token_id=w["base"].tokenizer.pad_token_id,
+            fingerprint=w["base"].fingerprint,
+            producer="self",
+        )
     cache = ccft.compute_base_cache(w["base"], prompts)
     cache.keys[0][0, 0, -1, 0] += 1.0  # one value of layer 0 written in place
     return cache
@@ -152,12 +167,16 @@ def test_every_cache_reader_refuses_before_compute(world, entry, case, kind):
 
 def test_generate_refuses_a_foreign_base_before_computing_c_base(world):
     """No cache given: the C_base the base would compute is refused before the prefill runs."""
-    for other, match in ((world["foreign"], "conditioned on base"), (world["bf16"], "computed in torch.bfloat16")):
+    for other, match in (
+        (world["foreign"], "conditioned on base"),
+        (world["bf16"], "computed in torch.bfloat16"),
+    ):
         forwards = Forwards(world["models"])
         try:
             with pytest.raises(FingerprintMismatchError, match=match):
-                ccft.generate(world["prompts"], mode="prefillshare", base=other, decoder=world["full"],
-                              max_new_tokens=2)
+                ccft.generate(
+                    world["prompts"], mode="prefillshare", base=other, decoder=world["full"], max_new_tokens=2
+                )
         finally:
             forwards.close()
         assert forwards.calls == 0
@@ -176,8 +195,12 @@ def test_the_checks_accept_what_they_should(world):
     with torch.no_grad():
         ccft.decoder_forward(dec, own, ids, mask, allow_self=True)
     converted = ccft.compute_base_cache(world["bf16"], world["prompts"]).to(dtype=torch.float32)
-    assert [g.token_ids for g in ccft.generate(world["prompts"], mode="prefillshare", decoder=dec, cache=converted,
-                                               max_new_tokens=2)]
+    assert [
+        g.token_ids
+        for g in ccft.generate(
+            world["prompts"], mode="prefillshare", decoder=dec, cache=converted, max_new_tokens=2
+        )
+    ]
     # Under autocast the reader computes in the autocast dtype: a bf16 C_base is its own dtype there.
     bf16_cache = ccft.compute_base_cache(world["bf16"], world["prompts"])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -186,12 +209,15 @@ def test_the_checks_accept_what_they_should(world):
 
 # ------------------------------------------------------------------ the C_base store and the trainer
 
+
 @pytest.fixture
 def store(world, tmp_path, tokenizer):
     from ccft.train.cache_store import precompute
     from ccft.train.data import Example
 
-    examples = [Example(tuple(p), tuple(r)) for p, r in zip(world["prompts"], world["responses"], strict=True)]
+    examples = [
+        Example(tuple(p), tuple(r)) for p, r in zip(world["prompts"], world["responses"], strict=True)
+    ]
     path = tmp_path / "store"
     precompute(world["base"], examples, path, log=lambda *a: None)
     return path, examples
@@ -219,9 +245,12 @@ def test_cache_store_refuses_before_compute(world, store, case):
     batch = _batch(world, examples)
     forwards = Forwards(world["models"])
     try:
-        with pytest.raises(error, match="changed since it was written" if case == "mutated" else "C_base store"):
-            CacheStore(path).batch_cache(batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :1],
-                                         base=reader)
+        with pytest.raises(
+            error, match="changed since it was written" if case == "mutated" else "C_base store"
+        ):
+            CacheStore(path).batch_cache(
+                batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :1], base=reader
+            )
     finally:
         forwards.close()
     assert forwards.calls == 0
@@ -237,11 +266,22 @@ def test_trainer_refuses_a_store_of_another_base(world, store, tmp_path):
     _, examples = store
     other = tmp_path / "other_store"
     precompute(world["foreign"], examples, other, log=lambda *a: None)
-    args = TrainConfig(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=2,
-                       report_to=[], save_strategy="no", use_cpu=True)
-    trainer = CacheConditionedTrainer(model=world["lora"].model, args=args, base=world["base"],
-                                      cache_store=CacheStore(other), train_dataset=TokenizedDataset(examples),
-                                      data_collator=Collator(world["base"].tokenizer.pad_token_id, 1))
+    args = TrainConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+    )
+    trainer = CacheConditionedTrainer(
+        model=world["lora"].model,
+        args=args,
+        base=world["base"],
+        cache_store=CacheStore(other),
+        train_dataset=TokenizedDataset(examples),
+        data_collator=Collator(world["base"].tokenizer.pad_token_id, 1),
+    )
     forwards = Forwards(world["models"])
     try:
         with pytest.raises(FingerprintMismatchError, match="computed by base"):
@@ -254,7 +294,6 @@ def test_trainer_refuses_a_store_of_another_base(world, store, tmp_path):
 # ------------------------------------------------------------------ evals (their public API)
 
 
-
 @pytest.mark.parametrize("other", ["foreign", "bf16"])
 @pytest.mark.parametrize("fn", ["shared_forward", "shared_generate"])
 def test_sharing_refuses_another_base_before_compute(world, fn, other):
@@ -264,11 +303,18 @@ def test_sharing_refuses_another_base_before_compute(world, fn, other):
     try:
         with pytest.raises(FingerprintMismatchError):
             if fn == "shared_forward":
-                sharing.shared_forward(world[other], world["full"], world["prompts"], world["responses"],
-                                       over="positions", rho=1.0)
+                sharing.shared_forward(
+                    world[other],
+                    world["full"],
+                    world["prompts"],
+                    world["responses"],
+                    over="positions",
+                    rho=1.0,
+                )
             else:
-                sharing.shared_generate(world[other], world["full"], world["prompts"], over="positions", rho=1.0,
-                                        max_new_tokens=2)
+                sharing.shared_generate(
+                    world[other], world["full"], world["prompts"], over="positions", rho=1.0, max_new_tokens=2
+                )
     finally:
         forwards.close()
     assert forwards.calls == 0  # refused before any forward
@@ -300,8 +346,16 @@ def test_sweep_refuses_a_decoder_of_another_base_before_compute(world, other, tm
     forwards = Forwards(world["models"])
     try:
         with pytest.raises(FingerprintMismatchError):
-            run_sweep(ToyTask(2), world[other], {"prefillshare": world["full"]}, tmp_path / "sw", rhos=[1.0],
-                      axes=["positions"], progress=False, n_resamples=10)
+            run_sweep(
+                ToyTask(2),
+                world[other],
+                {"prefillshare": world["full"]},
+                tmp_path / "sw",
+                rhos=[1.0],
+                axes=["positions"],
+                progress=False,
+                n_resamples=10,
+            )
     finally:
         forwards.close()
     assert forwards.calls == 0  # refused before any forward

@@ -15,7 +15,10 @@ def test_agreed_requested_and_default():
 
 
 def test_refusals_name_the_values_and_the_fix():
-    with pytest.raises(ConfigError, match=r"decoders \['a', 'b'\] were trained with different handoff_tokens \[1, 4\].*separate"):
+    with pytest.raises(
+        ConfigError,
+        match=r"decoders \['a', 'b'\] were trained with different handoff_tokens \[1, 4\].*separate",
+    ):
         resolve_handoff([4, 1], what="decoders ['a', 'b']")
     with pytest.raises(ConfigError, match="handoff_tokens=2 was asked for.*prefill with handoff_tokens=4"):
         resolve_handoff([4], 2)

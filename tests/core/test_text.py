@@ -54,14 +54,17 @@ def test_text_stream_slow_fallback_equals_full_decode(tokenizer):
         assert out == tokenizer.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("stop, text, cut", [
-    (["\n\n"], "a\nb\n\nc", 3),
-    (["Question:", "\n\n"], "x Question: y\n\n", 2),   # the earliest occurrence wins, not the first listed
-    (["abc"], "xxabxabc", 5),
-    ([], "anything", -1),
-    ([""], "empty stop strings are ignored", -1),
-    ("##", "a ## b", 2),                                # a single string is one stop string
-])
+@pytest.mark.parametrize(
+    "stop, text, cut",
+    [
+        (["\n\n"], "a\nb\n\nc", 3),
+        (["Question:", "\n\n"], "x Question: y\n\n", 2),  # the earliest occurrence wins, not the first listed
+        (["abc"], "xxabxabc", 5),
+        ([], "anything", -1),
+        ([""], "empty stop strings are ignored", -1),
+        ("##", "a ## b", 2),  # a single string is one stop string
+    ],
+)
 def test_stop_matcher_find(stop, text, cut):
     assert StopMatcher(stop).find(text) == cut
 
@@ -81,7 +84,7 @@ def test_stop_matcher_incremental_scan_equals_full_find():
     seen, found = "", -1
     for i in range(0, len(text), 2):
         new_from = len(seen)
-        seen += text[i:i + 2]
+        seen += text[i : i + 2]
         found = m.scan_from(seen, new_from)
         if found >= 0:
             break

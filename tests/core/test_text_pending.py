@@ -46,5 +46,5 @@ def test_pending_holds_complete_text_that_shares_a_token_with_a_split_character(
     stream = TextStream(tokenizer)
     stream.push(ids[: split + 1])
     assert stream.text == "42" and stream.pending == " \ufffd"
-    stream.push(ids[split + 1:])
+    stream.push(ids[split + 1 :])
     assert stream.text == "42 🎉" and stream.pending == ""

@@ -37,7 +37,9 @@ class ToyTask:
 
     def load(self, limit=None):
         rows = self.rows if limit is None else self.rows[:limit]
-        return [{"id": f"toy/{i}", "question": r["question"], "answer": r["answer"]} for i, r in enumerate(rows)]
+        return [
+            {"id": f"toy/{i}", "question": r["question"], "answer": r["answer"]} for i, r in enumerate(rows)
+        ]
 
     def prompt_ids(self, tokenizer, item):
         from ccft.core.tokens import tokenize_prompt
@@ -74,5 +76,7 @@ def decoders(base):
     """A Full-FT decoder and a CCFT decoder (full weight copies, different seeded perturbations)."""
     import ccft
 
-    return (perturb(ccft.make_decoder(base, "full", method="full-ft"), 1),
-            perturb(ccft.make_decoder(base, "full", method="ccft"), 2))
+    return (
+        perturb(ccft.make_decoder(base, "full", method="full-ft"), 1),
+        perturb(ccft.make_decoder(base, "full", method="ccft"), 2),
+    )

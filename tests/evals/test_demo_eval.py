@@ -84,8 +84,12 @@ def _gsm8k_test(n):
 
 
 def _decoder(mode, decoders):
-    return {"base": None, "full-ft": decoders["full-ft"], "naive": decoders["full-ft"],
-            "prefillshare": decoders["ccft"]}[mode]
+    return {
+        "base": None,
+        "full-ft": decoders["full-ft"],
+        "naive": decoders["full-ft"],
+        "prefillshare": decoders["ccft"],
+    }[mode]
 
 
 def _expected_nll(mode, base, dec, prompt, response):
@@ -93,7 +97,9 @@ def _expected_nll(mode, base, dec, prompt, response):
     own prompt (base, full-ft) or the decoder over the last prompt token + response on C_base (naive, prefillshare)."""
     with torch.no_grad():
         if mode in ("naive", "prefillshare"):
-            logits = ccft.decoder_forward(dec, ccft.compute_base_cache(base, [prompt]), torch.tensor([[prompt[-1]] + response]))
+            logits = ccft.decoder_forward(
+                dec, ccft.compute_base_cache(base, [prompt]), torch.tensor([[prompt[-1]] + response])
+            )
             logp = torch.log_softmax(logits[0].float(), -1)[:-1]
         else:
             if mode == "base":
@@ -101,7 +107,7 @@ def _expected_nll(mode, base, dec, prompt, response):
                     logits = model(input_ids=torch.tensor([prompt + response])).logits[0]
             else:
                 logits = dec.activate()(input_ids=torch.tensor([prompt + response])).logits[0]
-            logp = torch.log_softmax(logits.float(), -1)[len(prompt) - 1:-1]
+            logp = torch.log_softmax(logits.float(), -1)[len(prompt) - 1 : -1]
     return float(-logp.gather(-1, torch.tensor(response)[:, None]).mean())
 
 
@@ -121,8 +127,12 @@ def test_demo_evaluates_through_the_runner_end_to_end(demo, tmp_path):
     folder = demo.out / "gsm8k"
     recs = _records(folder)
     # the prompt ids are the training rule's: the recipe's chat template and system prompt, in every mode
-    train_ids = [tokenize_row(tok, {"prompt": it.prompt, "response": it.reference}, chat_template=True,
-                              system_prompt=SYSTEM).prompt_ids for it in items]
+    train_ids = [
+        tokenize_row(
+            tok, {"prompt": it.prompt, "response": it.reference}, chat_template=True, system_prompt=SYSTEM
+        ).prompt_ids
+        for it in items
+    ]
     task_ids = [task.prompt_ids(tok, it) for it in items]
     assert all(list(a) != b for a, b in zip(train_ids, task_ids, strict=True))  # the system prompt is there
     for mode in MODES:
@@ -161,7 +171,9 @@ def test_demo_evaluates_through_the_runner_end_to_end(demo, tmp_path):
     for mode in MODES:
         assert f"| {mode} | {get_mode(mode).note} | {summary['modes'][mode]['nll']:.4f}" in readme
     rep = build_report([str(demo.out)], tmp_path / "rep")
-    assert sorted(r["mode"] for r in rep["headline"]) == sorted(MODES)  # results.json is not read a second time
+    assert sorted(r["mode"] for r in rep["headline"]) == sorted(
+        MODES
+    )  # results.json is not read a second time
     assert {r["n"] for r in rep["headline"]} == {3}
     # rerunning the demo reuses both decoders and every evaluated item
     lines = {m: (folder / f"items.{m}.jsonl").read_text() for m in MODES}
@@ -171,12 +183,25 @@ def test_demo_evaluates_through_the_runner_end_to_end(demo, tmp_path):
     import shutil
 
     shutil.copytree(demo.out, tmp_path / "again")
-    assert main(["demo", str(demo.recipe), "eval.em_rows=1", "--out", str(tmp_path / "again"), "--runs",
-                 str(demo.runs)]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                str(demo.recipe),
+                "eval.em_rows=1",
+                "--out",
+                str(tmp_path / "again"),
+                "--runs",
+                str(demo.runs),
+            ]
+        )
+        == 0
+    )
     again = _records(tmp_path / "again" / "gsm8k")
     for mode in MODES:
-        assert [("text" in r, r["nll"]) for r in again[mode]] == [(True, r["nll"]) for r in recs[mode][:1]] + \
-               [(False, r["nll"]) for r in recs[mode][1:]]
+        assert [("text" in r, r["nll"]) for r in again[mode]] == [
+            (True, r["nll"]) for r in recs[mode][:1]
+        ] + [(False, r["nll"]) for r in recs[mode][1:]]
 
 
 def test_ccft_eval_builds_the_demos_prompt_ids(demo, tmp_path, capsys):
@@ -185,15 +210,33 @@ def test_ccft_eval_builds_the_demos_prompt_ids(demo, tmp_path, capsys):
     from ccft.cli.main import main
 
     base = [str(demo.runs / "full-ft"), str(demo.runs / "ccft")]
-    argv = ["eval", "--task", "gsm8k", "--decoder", base[0], "--decoder", base[1], "--limit", "3", "--nll-only",
-            "--batch-size", "2", "--no-progress", "--bootstrap", "200"]
+    argv = [
+        "eval",
+        "--task",
+        "gsm8k",
+        "--decoder",
+        base[0],
+        "--decoder",
+        base[1],
+        "--limit",
+        "3",
+        "--nll-only",
+        "--batch-size",
+        "2",
+        "--no-progress",
+        "--bootstrap",
+        "200",
+    ]
     assert main(argv + ["--out", str(tmp_path / "eval")]) == 0
     assert SYSTEM in capsys.readouterr().out  # it says which prompts it measured
     demo_recs, eval_recs = _records(demo.out / "gsm8k"), _records(tmp_path / "eval" / "gsm8k")
     for mode in MODES:
-        assert [(r["id"], r["prompt_sha"]) for r in eval_recs[mode]] == \
-               [(r["id"], r["prompt_sha"]) for r in demo_recs[mode]]
-        assert [r["nll"] for r in eval_recs[mode]] == pytest.approx([r["nll"] for r in demo_recs[mode]], abs=1e-6)
+        assert [(r["id"], r["prompt_sha"]) for r in eval_recs[mode]] == [
+            (r["id"], r["prompt_sha"]) for r in demo_recs[mode]
+        ]
+        assert [r["nll"] for r in eval_recs[mode]] == pytest.approx(
+            [r["nll"] for r in demo_recs[mode]], abs=1e-6
+        )
     assert main(argv + ["--prompt-format", "task", "--out", str(tmp_path / "task")]) == 0
     task, items = _gsm8k_test(3)
     tok = ccft.load_base(str(demo.base_dir)).tokenizer
@@ -226,34 +269,72 @@ def test_prompt_echo_is_scored_by_one_rule(demo, tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr("ccft.evals.generation.generate", echo)
-    ecfg = EvalConfig(task="gsm8k", nll_rows=5, em_rows=5, max_new_tokens=4, batch_size=5,
-                      modes=["base", "prefillshare"], bootstrap=100)
+    ecfg = EvalConfig(
+        task="gsm8k",
+        nll_rows=5,
+        em_rows=5,
+        max_new_tokens=4,
+        batch_size=5,
+        modes=["base", "prefillshare"],
+        bootstrap=100,
+    )
     demo_res = evaluate_decoders(base, decoders, ecfg, tmp_path / "demo", progress=False)
-    assert main(["eval", "--task", "gsm8k", "--decoder", str(demo.runs / "ccft"), "--mode", "base", "--mode",
-                 "prefillshare", "--limit", "5", "--max-new-tokens", "4", "--no-progress", "--bootstrap", "100",
-                 "--out", str(tmp_path / "eval")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--task",
+                "gsm8k",
+                "--decoder",
+                str(demo.runs / "ccft"),
+                "--mode",
+                "base",
+                "--mode",
+                "prefillshare",
+                "--limit",
+                "5",
+                "--max-new-tokens",
+                "4",
+                "--no-progress",
+                "--bootstrap",
+                "100",
+                "--out",
+                str(tmp_path / "eval"),
+            ]
+        )
+        == 0
+    )
     eval_recs = _records(tmp_path / "eval" / "gsm8k", ("base", "prefillshare"))
     zero = {"exact_match_strict": 0.0, "exact_match_flexible": 0.0, "answer_format": 0.0}
     for mode in ("base", "prefillshare"):
         for recs in (demo_res.records[mode], eval_recs[mode]):
             by_id = {r["id"]: r["scores"] for r in recs}
             assert by_id[echo_only.id] == zero
-            assert by_id[echo_answer.id] == {"exact_match_strict": 1.0, "exact_match_flexible": 1.0,
-                                             "answer_format": 1.0}
+            assert by_id[echo_answer.id] == {
+                "exact_match_strict": 1.0,
+                "exact_match_flexible": 1.0,
+                "answer_format": 1.0,
+            }
             assert sum(s["exact_match_flexible"] for s in by_id.values()) == 1.0
         assert [r["scores"] for r in demo_res.records[mode]] == [r["scores"] for r in eval_recs[mode]]
 
 
 def test_prompt_format_rule(tokenizer):
     assert PromptFormat.from_recipe({}) == PromptFormat("auto", None)  # TrainConfig's defaults
-    assert PromptFormat.from_recipe({"chat_template": "false", "system_prompt": "S"}) == PromptFormat(False, "S")
+    assert PromptFormat.from_recipe({"chat_template": "false", "system_prompt": "S"}) == PromptFormat(
+        False, "S"
+    )
     assert PromptFormat.from_recipe({"chat_template": True}) == PromptFormat(True, None)
     task, items = _gsm8k_test(1)
     item = items[0]
     # a chat task in the decoders' format == a training row with that prompt, for each chat_template setting
     for fmt in (PromptFormat(True, SYSTEM), PromptFormat(False, SYSTEM), PromptFormat("auto", None)):
-        row = tokenize_row(tokenizer, {"prompt": item.prompt, "response": "x"}, chat_template=fmt.chat_template,
-                           system_prompt=fmt.system_prompt)
+        row = tokenize_row(
+            tokenizer,
+            {"prompt": item.prompt, "response": "x"},
+            chat_template=fmt.chat_template,
+            system_prompt=fmt.system_prompt,
+        )
         assert prompt_ids(task, tokenizer, item, fmt) == list(row.prompt_ids)
     assert prompt_ids(task, tokenizer, item, None) == task.prompt_ids(tokenizer, item)
     # a completion task keeps its own prompt: its scoring expects a continuation of the text
@@ -263,8 +344,9 @@ def test_prompt_format_rule(tokenizer):
     assert prompt_ids(code, tokenizer, cit, PromptFormat(True, SYSTEM)) == code.prompt_ids(tokenizer, cit)
     # resolving from decoders: their recorded recipe; none recorded -> the task's; different ones -> ConfigError
     dec = lambda recipe: SimpleNamespace(meta={"recipe": recipe})  # noqa: E731
-    assert resolve_prompt_format("decoder", [dec({"system_prompt": SYSTEM}), dec({"system_prompt": SYSTEM})]) == \
-        PromptFormat("auto", SYSTEM)
+    assert resolve_prompt_format(
+        "decoder", [dec({"system_prompt": SYSTEM}), dec({"system_prompt": SYSTEM})]
+    ) == PromptFormat("auto", SYSTEM)
     assert resolve_prompt_format("decoder", [SimpleNamespace(meta={}), dec({})]) is None
     assert resolve_prompt_format("task", [dec({"system_prompt": SYSTEM})]) is None
     with pytest.raises(ConfigError, match="rendered differently"):

@@ -49,7 +49,11 @@ def test_fixtures_pass_and_fail_as_written(lang):
     task = get_task(f"multipl-e-{lang}")
     item = next(it for it in task.load() if it.id == FIXTURE_PROBLEM)
     good, bad, raw = FIXTURES[lang]
-    assert [s["passed"] for s in task.score_many([(item, good), (item, bad), (item, raw)], workers=3)] == [1.0, 0.0, 1.0]
+    assert [s["passed"] for s in task.score_many([(item, good), (item, bad), (item, raw)], workers=3)] == [
+        1.0,
+        0.0,
+        1.0,
+    ]
 
 
 @pytest.mark.parametrize("lang", ["cpp", "rs", "sh", "java"])
@@ -142,11 +146,12 @@ def test_compile_error_and_runtime_error_statuses():
 def test_perl_error_marker_fails_even_with_exit_zero():
     if not check_language("pl").available:
         pytest.skip("perl unavailable")
-    assert run_program("pl", "print \"ERROR: boom\\n\"; exit 0;").status == "failed"
-    assert run_program("pl", "print \"ok\\n\"; exit 0;").status == "passed"
+    assert run_program("pl", 'print "ERROR: boom\\n"; exit 0;').status == "failed"
+    assert run_program("pl", 'print "ok\\n"; exit 0;').status == "passed"
 
 
 # ------------------------------------------------------------------ no isolation: refuse unless opted in (K10)
+
 
 def test_no_isolation_refuses_generated_code_unless_opted_in(monkeypatch):
     """Where neither namespaces nor user namespaces work, running generated code needs an explicit opt-in

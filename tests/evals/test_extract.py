@@ -18,7 +18,11 @@ from ccft.evals.extract import (
     normalize_number,
 )
 
-GSM8K_TEST = Path(os.environ.get("CCFT_GSM8K_TEST", Path(__file__).resolve().parents[2] / "src/ccft/resources/gsm8k/test.jsonl"))
+GSM8K_TEST = Path(
+    os.environ.get(
+        "CCFT_GSM8K_TEST", Path(__file__).resolve().parents[2] / "src/ccft/resources/gsm8k/test.jsonl"
+    )
+)
 
 # (generation text, strict-match, flexible-extract). Source of every value: lm-eval's gsm8k filters and
 # exact_match clean-up (lm_eval/tasks/gsm8k/gsm8k.yaml), compared as numbers; the rows where ccft deliberately
@@ -94,9 +98,12 @@ DEVIATIONS: dict[tuple[str, str], str] = {
     ("The answer is 7...", "flexible-extract"): "lm-eval's run '7...' is not a number; the last number is 7",
     ("Numbers 5,6,7", "flexible-extract"): "a list without spaces is one lm-eval run ('567'); ccft takes 7",
     ("#### 5,6", "strict-match"): "'5,6' is not a well-formed number: no answer (lm-eval: '56')",
-    ("#### 5,6", "flexible-extract"): "'5,6' is not one number; the last well-formed number is 6 (lm-eval: '56')",
+    (
+        "#### 5,6",
+        "flexible-extract",
+    ): "'5,6' is not one number; the last well-formed number is 6 (lm-eval: '56')",
     ("The answer is 1,0000", "flexible-extract"): "'1,0000' has a malformed separator; the last well-formed "
-                                                  "number is 0000 (lm-eval deletes ',' and reads 10000)",
+    "number is 0000 (lm-eval deletes ',' and reads 10000)",
     ("Value \u22125 degrees", "flexible-extract"): "a Unicode minus is read as '-' (lm-eval: 5)",
     ("#### \u22125", "strict-match"): "a Unicode minus is read as '-' (lm-eval: no match)",
     ("#### \u22125", "flexible-extract"): "a Unicode minus is read as '-' (lm-eval: 5)",
@@ -121,7 +128,9 @@ def _lm_eval_gsm8k():
     filters = {}
     for f in cfg["filter_list"]:
         regex = f["filter"][0]
-        filters[f["name"]] = RegexFilter(regex_pattern=regex["regex_pattern"], group_select=regex.get("group_select", 0))
+        filters[f["name"]] = RegexFilter(
+            regex_pattern=regex["regex_pattern"], group_select=regex.get("group_select", 0)
+        )
 
     def run(name: str, text: str) -> str:
         out = filters[name].apply([[text]], [{}])[0][0]

@@ -44,14 +44,20 @@ def _evaluate(model_args: str, tasks=("ccft_tiny_gen", "ccft_tiny_mc")):
     import ccft.evals.lm_eval_model  # noqa: F401  (registers "ccft")
 
     tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
-    return lm_eval.simple_evaluate(model="ccft", model_args=model_args, tasks=list(tasks), task_manager=tm,
-                                   log_samples=True, bootstrap_iters=0)
+    return lm_eval.simple_evaluate(
+        model="ccft",
+        model_args=model_args,
+        tasks=list(tasks),
+        task_manager=tm,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
 
 
 def _expected_logprob(mode, base, decoder, ctx: str, cont: str) -> float:
     tok = base.tokenizer
     ctx_ids = tok(ctx, add_special_tokens=False)["input_ids"]
-    cont_ids = tok(ctx + cont, add_special_tokens=False)["input_ids"][len(ctx_ids):]
+    cont_ids = tok(ctx + cont, add_special_tokens=False)["input_ids"][len(ctx_ids) :]
     with torch.no_grad():
         if mode in ("naive", "prefillshare"):
             cache = ccft.compute_base_cache(base, [ctx_ids])
@@ -60,7 +66,7 @@ def _expected_logprob(mode, base, decoder, ctx: str, cont: str) -> float:
         else:
             model = base.model if mode == "base" else decoder.model
             logits = model(input_ids=torch.tensor([ctx_ids + cont_ids])).logits[0]
-            lp = torch.log_softmax(logits.float(), -1)[len(ctx_ids) - 1:-1]
+            lp = torch.log_softmax(logits.float(), -1)[len(ctx_ids) - 1 : -1]
     return float(lp.gather(-1, torch.tensor(cont_ids)[:, None]).sum())
 
 
@@ -68,7 +74,9 @@ def _check_against_primitives(res, mode, base, decoder):
     samples = res["samples"]["ccft_tiny_mc"]
     correct = []
     for s in samples:
-        want = [_expected_logprob(mode, base, decoder, ctx, cont) for ctx, cont in (a for a in s["arguments"])]
+        want = [
+            _expected_logprob(mode, base, decoder, ctx, cont) for ctx, cont in (a for a in s["arguments"])
+        ]
         got = [r[0] for r in s["filtered_resps"]]
         assert got == pytest.approx(want, rel=1e-5, abs=1e-3)
         correct.append(max(range(len(want)), key=want.__getitem__) == s["target"])
@@ -77,8 +85,15 @@ def _check_against_primitives(res, mode, base, decoder):
     gen = res["samples"]["ccft_tiny_gen"]
     prompts = [tok(s["arguments"][0][0], add_special_tokens=False)["input_ids"] for s in gen]
     kw = gen[0]["arguments"][0][1]
-    ref = ccft.generate(prompts, mode=mode, base=base, decoder=decoder if mode != "base" else None,
-                        max_new_tokens=kw["max_gen_toks"], stop=kw["until"], batch_size=1)
+    ref = ccft.generate(
+        prompts,
+        mode=mode,
+        base=base,
+        decoder=decoder if mode != "base" else None,
+        max_new_tokens=kw["max_gen_toks"],
+        stop=kw["until"],
+        batch_size=1,
+    )
     assert [s["filtered_resps"][0] for s in gen] == [g.text for g in ref]
     assert len({g.text for g in ref}) > 1
     em = sum(s["filtered_resps"][0] == s["target"] for s in gen) / len(gen)
@@ -100,8 +115,9 @@ def test_decoder_equal_to_base_scores_like_the_base(folders):
     a = _evaluate(f"base={folders['base']},mode=base", tasks)["samples"]["ccft_tiny_mc"]
     b = _evaluate(f"decoder={folders['same']},mode=prefillshare", tasks)["samples"]["ccft_tiny_mc"]
     for x, y in zip(a, b, strict=True):
-        assert [r[0] for r in y["filtered_resps"]] == pytest.approx([r[0] for r in x["filtered_resps"]], rel=1e-5,
-                                                                    abs=1e-3)
+        assert [r[0] for r in y["filtered_resps"]] == pytest.approx(
+            [r[0] for r in x["filtered_resps"]], rel=1e-5, abs=1e-3
+        )
 
 
 def test_mode_errors(folders):
@@ -119,9 +135,22 @@ def test_lm_eval_command_line(folders, tmp_path):
     """The lm_eval CLI (its own argument parser) with ccft registered: naive mode, a log-likelihood task."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_TOKEN", "OPENAI"))}
     env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "ccft.evals.lm_eval_model", "--model", "ccft", "--model_args",
-           f"base={folders['base']},decoder={folders['ff']},mode=naive", "--tasks", "ccft_tiny_mc",
-           "--include_path", str(TASKS_DIR), "--output_path", str(tmp_path / "out"), "--log_samples"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ccft.evals.lm_eval_model",
+        "--model",
+        "ccft",
+        "--model_args",
+        f"base={folders['base']},decoder={folders['ff']},mode=naive",
+        "--tasks",
+        "ccft_tiny_mc",
+        "--include_path",
+        str(TASKS_DIR),
+        "--output_path",
+        str(tmp_path / "out"),
+        "--log_samples",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = sorted((tmp_path / "out").rglob("results_*.json"))
@@ -133,9 +162,11 @@ def test_lm_eval_command_line(folders, tmp_path):
     correct = []
     for line in samples[-1].read_text().splitlines():
         s = json.loads(line)
-        want = [_expected_logprob("naive", base, dec, a["arg_0"], a["arg_1"]) for a in s["arguments"].values()] \
-            if isinstance(s["arguments"], dict) else \
-            [_expected_logprob("naive", base, dec, ctx, cont) for ctx, cont in s["arguments"]]
+        want = (
+            [_expected_logprob("naive", base, dec, a["arg_0"], a["arg_1"]) for a in s["arguments"].values()]
+            if isinstance(s["arguments"], dict)
+            else [_expected_logprob("naive", base, dec, ctx, cont) for ctx, cont in s["arguments"]]
+        )
         got = [float(r[0]) for r in s["filtered_resps"]]
         assert got == pytest.approx(want, rel=1e-5, abs=1e-3)
         correct.append(max(range(len(want)), key=want.__getitem__) == int(s["target"]))

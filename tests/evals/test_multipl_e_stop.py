@@ -28,7 +28,9 @@ def test_task_stop_is_the_stop_tokens_of_every_row(lang):
 
 
 def test_rows_that_disagree_on_stop_tokens_are_refused(monkeypatch):
-    monkeypatch.setattr(multipl_e, "_rows", lambda lang: ({"stop_tokens": ["\n}"]}, {"stop_tokens": ["\nend"]}))
+    monkeypatch.setattr(
+        multipl_e, "_rows", lambda lang: ({"stop_tokens": ["\n}"]}, {"stop_tokens": ["\nend"]})
+    )
     with pytest.raises(DataError, match="multipl-e-cpp.*stop_tokens differ"):
         language_stop("cpp")
 
@@ -38,8 +40,15 @@ def _generate(task, base, tmp_path, max_new=24, limit=4):
     settings = EvalSettings(limit=limit, max_new_tokens=max_new, engine=True)
     spec = ModeSpec("base")
     memo = EvalMemo()
-    decode_ahead([(task, settings)], base, [spec], tmp_path / str(abs(hash(task.stop))), memo=memo,
-                 batch_size=4, progress=False)
+    decode_ahead(
+        [(task, settings)],
+        base,
+        [spec],
+        tmp_path / str(abs(hash(task.stop))),
+        memo=memo,
+        batch_size=4,
+        progress=False,
+    )
     prep = prepare(task, base.tokenizer, limit)
     out = []
     for item, prompt in zip(prep.items, prep.prompts, strict=True):

@@ -16,7 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _summary(task: str, keys, meta_primary=None) -> dict:
     block = {"metrics": {k: {"mean": 0.5, "ci": [0.4, 0.6], "n": 4} for k in keys}, "n": 4, "nll": 1.0}
-    return {"task": task, "meta": {"primary_metric": meta_primary}, "modes": {"full-ft": block, "prefillshare": block}}
+    return {
+        "task": task,
+        "meta": {"primary_metric": meta_primary},
+        "modes": {"full-ft": block, "prefillshare": block},
+    }
 
 
 @pytest.mark.parametrize("name", task_names())
@@ -35,14 +39,22 @@ def test_report_and_study_headline_the_declared_metric(name):
 def test_declarations():
     assert primary_metric_of(get_task("gsm8k")) == "exact_match_flexible"
     assert primary_metric_of(get_task("gsm-plus")) == "exact_match_flexible"
-    assert (primary_metric_of(get_task("humaneval")), secondary_metric_of(get_task("humaneval"))) == ("passed", "compiles")
+    assert (primary_metric_of(get_task("humaneval")), secondary_metric_of(get_task("humaneval"))) == (
+        "passed",
+        "compiles",
+    )
     assert primary_metric_of(get_task("multipl-e-lua")) == "passed"
     assert secondary_metric_of(get_task("multipl-e-lua")) is None
     assert primary_metric_of(get_task("bfcl-multiple")) == "accuracy"
 
 
-@pytest.mark.parametrize("rel, want", [("reports/demo/gsm8k/summary.json", "exact_match_flexible"),
-                                       ("reports/study/code/humaneval/summary.json", "passed")])
+@pytest.mark.parametrize(
+    "rel, want",
+    [
+        ("reports/demo/gsm8k/summary.json", "exact_match_flexible"),
+        ("reports/study/code/humaneval/summary.json", "passed"),
+    ],
+)
 def test_committed_summaries(rel, want):
     """These were written when the runner recorded ``exact_match_strict`` / ``pass@1`` (not a summary key),
     so the report headlined strict match for GSM8K and ``compiles`` for HumanEval."""

@@ -12,11 +12,16 @@ from ccft.evals.report import build_report, headline_table, modes_table, reading
 from ccft.evals.stats import mean_ci, paired_bootstrap_delta
 from ccft.evals.sweep import summarize_sweep
 
-pytest.importorskip("matplotlib", reason="ccft report draws its plots with matplotlib (pin it with the test extras)")
+pytest.importorskip(
+    "matplotlib", reason="ccft report draws its plots with matplotlib (pin it with the test extras)"
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
-META = {"model": "SmolLM2-135M-Instruct, Q4_1 weights dequantised to fp32", "hardware": "test CPU, 2 cores",
-        "data": "GSM8K test (MIT), first 40 rows"}
+META = {
+    "model": "SmolLM2-135M-Instruct, Q4_1 weights dequantised to fp32",
+    "hardware": "test CPU, 2 cores",
+    "data": "GSM8K test (MIT), first 40 rows",
+}
 
 
 def _eval_folder(root, task="gsm8k", n=40, modes=("base", "full-ft", "naive", "prefillshare"), missing=0):
@@ -24,8 +29,13 @@ def _eval_folder(root, task="gsm8k", n=40, modes=("base", "full-ft", "naive", "p
     rng = np.random.default_rng(0)
     folder = root / task
     folder.mkdir(parents=True)
-    meta = {"task": task, "n_items": n, "primary_metric": "exact_match_flexible", **META,
-            "settings": {"max_new_tokens": 256, "handoff_tokens": 1, "prompting": "zero-shot chat"}}
+    meta = {
+        "task": task,
+        "n_items": n,
+        "primary_metric": "exact_match_flexible",
+        **META,
+        "settings": {"max_new_tokens": 256, "handoff_tokens": 1, "prompting": "zero-shot chat"},
+    }
     (folder / "meta.json").write_text(json.dumps(meta))
     truth = {}
     shift = {"base": 0.5, "full-ft": 0.0, "naive": 0.08, "prefillshare": 0.01}
@@ -35,9 +45,19 @@ def _eval_folder(root, task="gsm8k", n=40, modes=("base", "full-ft", "naive", "p
         nll = base_nll + shift[mode] + rng.normal(0, 0.02, n)
         em = (rng.uniform(0, 1, n) < acc[mode]).astype(float)
         keep = n - (missing if mode == "prefillshare" else 0)
-        recs = [{"id": f"{task}/{i}", "index": i, "nll": float(nll[i]), "nll_sum": float(nll[i]) * 10,
-                 "nll_tokens": 10, "text": "x", "finish_reason": "eos",
-                 "scores": {"exact_match_flexible": float(em[i]), "exact_match_strict": 0.0}} for i in range(keep)]
+        recs = [
+            {
+                "id": f"{task}/{i}",
+                "index": i,
+                "nll": float(nll[i]),
+                "nll_sum": float(nll[i]) * 10,
+                "nll_tokens": 10,
+                "text": "x",
+                "finish_reason": "eos",
+                "scores": {"exact_match_flexible": float(em[i]), "exact_match_strict": 0.0},
+            }
+            for i in range(keep)
+        ]
         (folder / f"items.{mode}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         truth[mode] = recs
     return folder, truth
@@ -48,14 +68,24 @@ def _sweep_folder(root):
     n = 12
     ids = [f"toy/{i}" for i in range(n)]
     ref = rng.uniform(1, 2, n)
-    points = [{"label": "full-ft", "over": None, "rho": None, "ids": ids, "nll": list(ref)},
-              {"label": "base", "over": None, "rho": None, "ids": ids, "nll": list(ref + 0.5)}]
+    points = [
+        {"label": "full-ft", "over": None, "rho": None, "ids": ids, "nll": list(ref)},
+        {"label": "base", "over": None, "rho": None, "ids": ids, "nll": list(ref + 0.5)},
+    ]
     for label, slope in (("naive", 0.3), ("prefillshare", 0.02)):
         for over in ("positions", "layers"):
             for rho in (0.0, 0.25, 0.5, 0.75, 1.0):
-                points.append({"label": label, "over": over, "rho": rho, "ids": ids,
-                               "nll": list(ref + slope * rho + rng.normal(0, 0.01, n)),
-                               "gen_ids": ids[:4], "scores": [{"acc": float(i % 2)} for i in range(4)]})
+                points.append(
+                    {
+                        "label": label,
+                        "over": over,
+                        "rho": rho,
+                        "ids": ids,
+                        "nll": list(ref + slope * rho + rng.normal(0, 0.01, n)),
+                        "gen_ids": ids[:4],
+                        "scores": [{"acc": float(i % 2)} for i in range(4)],
+                    }
+                )
     meta = {"kind": "ccft-sweep", "task": "toy", "n_items": n, "num_layers": 30, **META}
     s = summarize_sweep(meta, points, n_resamples=500)
     (root / "sweep").mkdir()
@@ -76,9 +106,16 @@ def test_report_tables_deltas_plots_and_json(tmp_path):
         em = [r["scores"]["exact_match_flexible"] for r in truth[mode]]
         assert row["nll"] == pytest.approx(float(np.mean(nll)))
         assert row["nll_ci"] == pytest.approx(list(mean_ci(nll)["ci"]))
-        assert row["score"] == pytest.approx(float(np.mean(em))) and row["primary_metric"] == "exact_match_flexible"
-        assert (row["model"], row["data"], row["hardware"], row["n"]) == (META["model"], META["data"],
-                                                                            META["hardware"], 40)
+        assert (
+            row["score"] == pytest.approx(float(np.mean(em)))
+            and row["primary_metric"] == "exact_match_flexible"
+        )
+        assert (row["model"], row["data"], row["hardware"], row["n"]) == (
+            META["model"],
+            META["data"],
+            META["hardware"],
+            40,
+        )
         if mode != "full-ft":
             d = paired_bootstrap_delta(nll, [r["nll"] for r in truth["full-ft"]])
             assert row["delta_vs_full_ft"]["nll"]["delta"] == pytest.approx(d["delta"])
@@ -88,8 +125,17 @@ def test_report_tables_deltas_plots_and_json(tmp_path):
     naive = rep["headline"][2]["delta_vs_full_ft"]["nll"]
     assert naive["ci"][0] > 0  # naive sharing is worse than Full-FT on these rows, and the CI says so
     # every number names model (with quantisation), data, n and hardware
-    assert "Q4_1 weights dequantised to fp32" in md and META["data"] in md and "n = 40" in md and META["hardware"] in md
-    assert "| gsm8k | naive | exact_match_flexible |" in md and "### gsm8k" in md and "### Sharing sweep: toy" in md
+    assert (
+        "Q4_1 weights dequantised to fp32" in md
+        and META["data"] in md
+        and "n = 40" in md
+        and META["hardware"] in md
+    )
+    assert (
+        "| gsm8k | naive | exact_match_flexible |" in md
+        and "### gsm8k" in md
+        and "### Sharing sweep: toy" in md
+    )
     # plots: one per task + the sweep, real PNGs referenced from the Markdown
     assert set(rep["plots"].values()) == {"gsm8k.png", "sweep.png"}
     for fn in rep["plots"].values():
@@ -108,18 +154,34 @@ def test_incomplete_runs_report_their_n_and_pair_only_common_items(tmp_path):
     rep = build_report([str(tmp_path / "runs")], tmp_path / "out")
     ps = next(r for r in rep["headline"] if r["mode"] == "prefillshare")
     assert ps["n"] == 15 and ps["delta_vs_full_ft"]["nll"]["n"] == 15
-    d = paired_bootstrap_delta([r["nll"] for r in truth["prefillshare"]], [r["nll"] for r in truth["full-ft"][:15]])
+    d = paired_bootstrap_delta(
+        [r["nll"] for r in truth["prefillshare"]], [r["nll"] for r in truth["full-ft"][:15]]
+    )
     assert ps["delta_vs_full_ft"]["nll"]["delta"] == pytest.approx(d["delta"])
     assert "15 (incomplete)" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_demo_results_json_is_accepted(tmp_path):
-    per_row = {m: {"nll_rows": [1.0 + 0.1 * i + off for i in range(6)], "em_strict_rows": [True, False] * 3,
-                   "em_flexible_rows": [True] * 6} for m, off in (("full-ft", 0.0), ("naive", 0.05))}
+    per_row = {
+        m: {
+            "nll_rows": [1.0 + 0.1 * i + off for i in range(6)],
+            "em_strict_rows": [True, False] * 3,
+            "em_flexible_rows": [True] * 6,
+        }
+        for m, off in (("full-ft", 0.0), ("naive", 0.05))
+    }
     (tmp_path / "demo").mkdir()
-    (tmp_path / "demo" / "results.json").write_text(json.dumps(
-        {"model": META["model"], "hardware": META["hardware"], "data": {"eval_nll": "GSM8K test, first 6 rows"},
-         "modes": {}, "per_row": per_row}))
+    (tmp_path / "demo" / "results.json").write_text(
+        json.dumps(
+            {
+                "model": META["model"],
+                "hardware": META["hardware"],
+                "data": {"eval_nll": "GSM8K test, first 6 rows"},
+                "modes": {},
+                "per_row": per_row,
+            }
+        )
+    )
     rep = build_report([str(tmp_path / "demo")], tmp_path / "out")
     naive = next(r for r in rep["headline"] if r["mode"] == "naive")
     assert naive["delta_vs_full_ft"]["nll"]["delta"] == pytest.approx(0.05)
@@ -141,26 +203,51 @@ def test_cli_report_and_errors(tmp_path, capsys):
 
 
 def test_headline_and_legacy_tables_keep_working():
-    summary = {"task": "t", "meta": {**META, "n_items": 2, "primary_metric": "acc"},
-               "modes": {"full-ft": {"n": 2, "nll": 1.0, "nll_ci": [0.9, 1.1],
-                                     "metrics": {"acc": {"mean": 0.5, "ci": [0.0, 1.0], "n": 2}}}},
-               "deltas_vs_full_ft": {}}
+    summary = {
+        "task": "t",
+        "meta": {**META, "n_items": 2, "primary_metric": "acc"},
+        "modes": {
+            "full-ft": {
+                "n": 2,
+                "nll": 1.0,
+                "nll_ci": [0.9, 1.1],
+                "metrics": {"acc": {"mean": 0.5, "ci": [0.0, 1.0], "n": 2}},
+            }
+        },
+        "deltas_vs_full_ft": {},
+    }
     table = headline_table([summary])
     assert "| t | full-ft | acc | 50.0% [0.0, 100.0] |  | 1.0000 [0.9000, 1.1000] |  | 2 | [1] |" in table
     assert "[1] model: SmolLM2-135M-Instruct, Q4_1 weights dequantised to fp32; data:" in table
-    legacy = {"modes": {"full-ft": {"nll": 1.0, "nll_ci": [0.9, 1.1], "n": 3},
-                        "naive": {"nll": 1.2, "nll_ci": [1.0, 1.3], "n": 3}},
-              "deltas_vs_full_ft": {"naive": {"nll": {"delta": 0.2, "ci": [0.1, 0.3]}}}}
+    legacy = {
+        "modes": {
+            "full-ft": {"nll": 1.0, "nll_ci": [0.9, 1.1], "n": 3},
+            "naive": {"nll": 1.2, "nll_ci": [1.0, 1.3], "n": 3},
+        },
+        "deltas_vs_full_ft": {"naive": {"nll": {"delta": 0.2, "ci": [0.1, 0.3]}}},
+    }
     assert "| naive | +0.2000 [+0.1000, +0.3000] |" in modes_table(legacy)
     assert isinstance(reading(legacy), str)
 
 
 def test_deltas_table_names_the_pairs_behind_nll_and_scores():
     """NLL on 100 items, generations scored on the first 50 (generate_limit): the n pairs cell says both."""
-    block = {"nll": 1.0, "nll_ci": [0.9, 1.1], "n": 100, "metrics": {"em": {"mean": 0.1, "ci": [0.0, 0.2], "n": 50}}}
-    summary = {"meta": {"primary_metric": "em"}, "modes": {"full-ft": block, "naive": block},
-               "deltas_vs_full_ft": {"naive": {"nll": {"delta": 0.2, "ci": [0.1, 0.3], "n": 100},
-                                               "em": {"delta": 0.0, "ci": [-0.1, 0.1], "n": 50}}}}
+    block = {
+        "nll": 1.0,
+        "nll_ci": [0.9, 1.1],
+        "n": 100,
+        "metrics": {"em": {"mean": 0.1, "ci": [0.0, 0.2], "n": 50}},
+    }
+    summary = {
+        "meta": {"primary_metric": "em"},
+        "modes": {"full-ft": block, "naive": block},
+        "deltas_vs_full_ft": {
+            "naive": {
+                "nll": {"delta": 0.2, "ci": [0.1, 0.3], "n": 100},
+                "em": {"delta": 0.0, "ci": [-0.1, 0.1], "n": 50},
+            }
+        },
+    }
     assert modes_table(summary).splitlines()[-1].endswith("| 100 (NLL), 50 (scored) |")
     summary["deltas_vs_full_ft"]["naive"]["em"]["n"] = 100
     assert modes_table(summary).splitlines()[-1].endswith("| 100 |")

@@ -31,8 +31,12 @@ def sharp_dir(tmp_path_factory, tokenizer):
 def setup(sharp_dir):
     base = ccft.load_base(str(sharp_dir))
     ff, cc = decoders(base)
-    specs = [ModeSpec("base"), ModeSpec("full-ft", ff, "ff"), ModeSpec("naive", ff, "ff"),
-             ModeSpec("prefillshare", cc, "cc")]
+    specs = [
+        ModeSpec("base"),
+        ModeSpec("full-ft", ff, "ff"),
+        ModeSpec("naive", ff, "ff"),
+        ModeSpec("prefillshare", cc, "cc"),
+    ]
     return base, ff, cc, specs
 
 
@@ -50,7 +54,7 @@ def _hf_nll(model, prompt, response):
         logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
     n = len(prompt)
     tgt = torch.tensor(response)
-    return float(-logp[n - 1:n - 1 + len(response)].gather(-1, tgt[:, None]).mean())
+    return float(-logp[n - 1 : n - 1 + len(response)].gather(-1, tgt[:, None]).mean())
 
 
 def test_modes_run_same_items_with_real_values(setup, full_run):
@@ -78,11 +82,21 @@ def test_modes_run_same_items_with_real_values(setup, full_run):
             want = float(-logp[:-1].gather(-1, torch.tensor(y)[:, None]).mean())
             assert r["nll"] == pytest.approx(want, abs=1e-5)
     # naive reads C_base: its NLL differs from the same decoder's own prefill
-    assert any(abs(a["nll"] - b["nll"]) > 1e-3 for a, b in zip(res.records["naive"], res.records["full-ft"], strict=True))
+    assert any(
+        abs(a["nll"] - b["nll"]) > 1e-3
+        for a, b in zip(res.records["naive"], res.records["full-ft"], strict=True)
+    )
     # generations == ccft.generate with the same settings; scores == task.score of that text
     for mode, dec in (("base", None), ("full-ft", ff), ("naive", ff), ("prefillshare", cc)):
-        gens = ccft.generate(prompts, mode=mode, base=base, decoder=dec, max_new_tokens=task.max_new_tokens,
-                             stop=task.stop, batch_size=9)
+        gens = ccft.generate(
+            prompts,
+            mode=mode,
+            base=base,
+            decoder=dec,
+            max_new_tokens=task.max_new_tokens,
+            stop=task.stop,
+            batch_size=9,
+        )
         for r, g, it in zip(res.records[mode], gens, items, strict=True):
             assert (r["text"], r["finish_reason"]) == (g.text, g.finish_reason)
             assert r["scores"] == {k: float(v) for k, v in task.score(it, g.text).items()}
@@ -97,13 +111,17 @@ def test_modes_run_same_items_with_real_values(setup, full_run):
         assert s["modes"][mode]["metrics"]["long"]["mean"] == pytest.approx(sum(long) / len(long))
         assert s["modes"][mode]["task_aggregate"] == {"items": 9, "long_count": sum(long)}
         assert s["modes"][mode]["n"] == 9 and s["modes"][mode]["complete"]
-    d = paired_bootstrap_delta([r["nll"] for r in res.records["naive"]], [r["nll"] for r in res.records["full-ft"]])
+    d = paired_bootstrap_delta(
+        [r["nll"] for r in res.records["naive"]], [r["nll"] for r in res.records["full-ft"]]
+    )
     assert s["deltas_vs_full_ft"]["naive"]["nll"]["delta"] == pytest.approx(d["delta"])
     assert s["deltas_vs_full_ft"]["naive"]["nll"]["ci"] == pytest.approx(list(d["ci"]))
     assert "full-ft" not in s["deltas_vs_full_ft"]
     # every number names model, data, n and hardware
     meta = json.loads((out / "toy" / "meta.json").read_text())
-    assert meta["n_items"] == 9 and meta["data"] == task.data and "float32" in meta["model"] and meta["hardware"]
+    assert (
+        meta["n_items"] == 9 and meta["data"] == task.data and "float32" in meta["model"] and meta["hardware"]
+    )
     assert meta["settings"]["max_new_tokens"] == 6 and meta["settings"]["prompting"] == task.prompting
     assert json.loads((out / "toy" / "summary.json").read_text())["modes"]["naive"]["n"] == 9
 
@@ -119,8 +137,9 @@ def test_greedy_scores_identical_at_batch_size_1_and_8(setup, full_run, tmp_path
     one = run_task(ToyTask(), base, two, tmp_path, settings=EvalSettings(), batch_size=1, progress=False)
     for mode in ("full-ft", "prefillshare"):
         a, b = one.records[mode], eight.records[mode]
-        assert [(r["id"], r["text"], r["finish_reason"], r["scores"]) for r in a] == \
-               [(r["id"], r["text"], r["finish_reason"], r["scores"]) for r in b]
+        assert [(r["id"], r["text"], r["finish_reason"], r["scores"]) for r in a] == [
+            (r["id"], r["text"], r["finish_reason"], r["scores"]) for r in b
+        ]
         assert [r["nll"] for r in a] == pytest.approx([r["nll"] for r in b], abs=1e-5)
         assert len({r["text"] for r in a}) > 1  # the model does not emit one constant string
 
@@ -143,16 +162,26 @@ def test_interrupted_eval_resumes_without_redoing_items(setup, full_run, tmp_pat
     with open(path, "a") as f:  # a process killed in the middle of a write leaves a torn line
         f.write('{"id": "toy/8", "nll": 1.')
     second: list[tuple[str, str]] = []
-    res = run_task(ToyTask(), base, specs, tmp_path, batch_size=4, progress=False,
-                   on_item=lambda m, r: second.append((m, r["id"])))
+    res = run_task(
+        ToyTask(),
+        base,
+        specs,
+        tmp_path,
+        batch_size=4,
+        progress=False,
+        on_item=lambda m, r: second.append((m, r["id"])),
+    )
     assert not set(first) & set(second), "an item finished before the interruption was computed again"
     assert len(second) == 2 * 9 - 5 and res.computed == {m: 9 - written[m] for m in written}
     assert [json.loads(x)["id"] for x in path.read_text().splitlines()].count("toy/8") == 1
     full, _ = full_run
     for mode in ("base", "prefillshare"):
-        assert [(r["id"], r["text"], r["scores"]) for r in res.records[mode]] == \
-               [(r["id"], r["text"], r["scores"]) for r in full.records[mode]]
-        assert res.summary["modes"][mode]["nll"] == pytest.approx(full.summary["modes"][mode]["nll"], abs=1e-6)
+        assert [(r["id"], r["text"], r["scores"]) for r in res.records[mode]] == [
+            (r["id"], r["text"], r["scores"]) for r in full.records[mode]
+        ]
+        assert res.summary["modes"][mode]["nll"] == pytest.approx(
+            full.summary["modes"][mode]["nll"], abs=1e-6
+        )
     # a third run has nothing left to do
     again = run_task(ToyTask(), base, specs, tmp_path, batch_size=4, progress=False)
     assert again.computed == {"base": 0, "prefillshare": 0}
@@ -163,10 +192,21 @@ def test_other_settings_refused_unless_overwrite(setup, tmp_path):
     specs = [ModeSpec("prefillshare", cc, "cc")]
     run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(limit=2), progress=False)
     with pytest.raises(ConfigError, match="other settings"):
-        run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(limit=2, max_new_tokens=3), progress=False)
-    res = run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(limit=2, max_new_tokens=3), progress=False,
-                   overwrite=True)
-    assert res.computed == {"prefillshare": 2} and all(r["new_tokens"] <= 3 for r in res.records["prefillshare"])
+        run_task(
+            ToyTask(), base, specs, tmp_path, settings=EvalSettings(limit=2, max_new_tokens=3), progress=False
+        )
+    res = run_task(
+        ToyTask(),
+        base,
+        specs,
+        tmp_path,
+        settings=EvalSettings(limit=2, max_new_tokens=3),
+        progress=False,
+        overwrite=True,
+    )
+    assert res.computed == {"prefillshare": 2} and all(
+        r["new_tokens"] <= 3 for r in res.records["prefillshare"]
+    )
     with pytest.raises(ConfigError, match="needs a decoder"):
         run_task(ToyTask(), base, [ModeSpec("naive")], tmp_path, progress=False)
 
@@ -187,7 +227,9 @@ def test_a_task_that_cannot_run_leaves_earlier_results(setup, tmp_path):
             raise EnvironmentCheckError("the toolchain is gone")
 
     with pytest.raises(EnvironmentCheckError):
-        run_task(Broken(), base, specs, tmp_path, settings=EvalSettings(limit=2), progress=False, overwrite=True)
+        run_task(
+            Broken(), base, specs, tmp_path, settings=EvalSettings(limit=2), progress=False, overwrite=True
+        )
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     with pytest.raises(EnvironmentCheckError):
         run_task(Broken(), base, specs, tmp_path / "new", settings=EvalSettings(limit=2), progress=False)
@@ -223,9 +265,26 @@ def test_cli_eval_writes_and_resumes(setup, tmp_path, capsys):
     base, ff, cc, _ = setup
     ccft.save_decoder(ff, tmp_path / "ff")
     ccft.save_decoder(cc, tmp_path / "cc")
-    argv = ["eval", "--task", "gsm8k", "--decoder", str(tmp_path / "ff"), "--decoder", str(tmp_path / "cc"),
-            "--limit", "2", "--max-new-tokens", "3", "--batch-size", "2", "--no-progress", "--bootstrap", "200",
-            "--out", str(tmp_path / "out")]
+    argv = [
+        "eval",
+        "--task",
+        "gsm8k",
+        "--decoder",
+        str(tmp_path / "ff"),
+        "--decoder",
+        str(tmp_path / "cc"),
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--batch-size",
+        "2",
+        "--no-progress",
+        "--bootstrap",
+        "200",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     assert main(argv) == 0
     first = capsys.readouterr().out
     s = json.loads((tmp_path / "out" / "gsm8k.json").read_text())
@@ -280,8 +339,9 @@ def test_samples_and_unavailable_toolchain(setup, tmp_path):
             assert s["scores"] == {k: float(v) for k, v in task.score(None, s["text"]).items()}
         assert r["scores"]["long"] == pytest.approx(sum(s["scores"]["long"] for s in r["samples"]) / 3)
     assert res.summary["modes"]["prefillshare"]["task_aggregate"]["items"] == 3
-    assert res.summary["modes"]["prefillshare"]["task_aggregate"]["long_count"] == \
-        sum(s["scores"]["long"] for r in recs for s in r["samples"])
+    assert res.summary["modes"]["prefillshare"]["task_aggregate"]["long_count"] == sum(
+        s["scores"]["long"] for r in recs for s in r["samples"]
+    )
 
     res = run_task(_NoToolchainTask(3), base, specs, tmp_path, progress=False)
     recs = res.records["prefillshare"]
@@ -326,9 +386,18 @@ def test_engine_path_equals_reference_generation(setup, full_run, tmp_path, monk
     monkeypatch.setattr(scoring_mod, "full_forward", no_other_pass)
     joint = []
     real_joint = runner_mod.decode_group_jointly
-    monkeypatch.setattr(runner_mod, "decode_group_jointly", lambda *a, **kw: joint.append(real_joint(*a, **kw)))
-    res = run_task(ToyTask(), base, specs, tmp_path, settings=EvalSettings(engine=True), batch_size=batch_size,
-                   progress=False)
+    monkeypatch.setattr(
+        runner_mod, "decode_group_jointly", lambda *a, **kw: joint.append(real_joint(*a, **kw))
+    )
+    res = run_task(
+        ToyTask(),
+        base,
+        specs,
+        tmp_path,
+        settings=EvalSettings(engine=True),
+        batch_size=batch_size,
+        progress=False,
+    )
     assert prefills == [(9, None), (9, "full-ft")]  # 9 items, one group (up to 4 batches of 4, or < 16 items)
     assert joint == [4 * 9]  # every mode's 9 generations in one joint decode (mode after mode at batch 4)
     assert res.summary["meta"]["settings"]["decode_path"] == "SharedPrefillEngine (every mode)"
@@ -336,9 +405,12 @@ def test_engine_path_equals_reference_generation(setup, full_run, tmp_path, monk
     assert sorted(engine.decoders) == ["base", "full-ft", "prefillshare"]  # naive reuses the Full-FT decoder
     ref, _ = full_run
     for mode in ("base", "full-ft", "naive", "prefillshare"):
-        assert [(r["text"], r["finish_reason"], r["scores"]) for r in res.records[mode]] == \
-               [(r["text"], r["finish_reason"], r["scores"]) for r in ref.records[mode]]
-        assert [r["nll"] for r in res.records[mode]] == pytest.approx([r["nll"] for r in ref.records[mode]], abs=1e-5)
+        assert [(r["text"], r["finish_reason"], r["scores"]) for r in res.records[mode]] == [
+            (r["text"], r["finish_reason"], r["scores"]) for r in ref.records[mode]
+        ]
+        assert [r["nll"] for r in res.records[mode]] == pytest.approx(
+            [r["nll"] for r in ref.records[mode]], abs=1e-5
+        )
 
 
 def test_own_prefill_mode_refuses_a_cache_another_model_wrote(setup):
@@ -348,9 +420,12 @@ def test_own_prefill_mode_refuses_a_cache_another_model_wrote(setup):
     prompts, refs = [[5, 6, 7, 8]], [[9, 10, base.tokenizer.eos_token_id]]
     c_base = compute_base_cache(base, prompts)
     with pytest.raises(ConfigError, match="reads its own prefill"):
-        batch_nll("full-ft", base, ff, prompts, refs, cache=c_base)  # C_base is not the Full-FT decoder's prefix
+        batch_nll(
+            "full-ft", base, ff, prompts, refs, cache=c_base
+        )  # C_base is not the Full-FT decoder's prefix
     assert batch_nll("base", base, None, prompts, refs, cache=c_base)[0][0] == pytest.approx(
-        batch_nll("base", base, None, prompts, refs)[0][0], abs=1e-4)
+        batch_nll("base", base, None, prompts, refs)[0][0], abs=1e-4
+    )
 
 
 def test_sigkill_mid_run_then_resume(sharp_dir, setup, tmp_path):
@@ -380,8 +455,16 @@ run_task(ToyTask(), base, [ModeSpec("base")], {str(tmp_path)!r}, settings=EvalSe
     assert len(read_jsonl(tmp_path / "toy" / "items.base.jsonl")) == 3
     base = setup[0]
     again: list[str] = []
-    res = run_task(ToyTask(), base, [ModeSpec("base")], tmp_path, settings=EvalSettings(limit=5), batch_size=2,
-                   progress=False, on_item=lambda m, r: again.append(r["id"]))
+    res = run_task(
+        ToyTask(),
+        base,
+        [ModeSpec("base")],
+        tmp_path,
+        settings=EvalSettings(limit=5),
+        batch_size=2,
+        progress=False,
+        on_item=lambda m, r: again.append(r["id"]),
+    )
     assert len(again) == 2 and res.summary["modes"]["base"]["n"] == 5
     assert len({r["id"] for r in res.records["base"]}) == 5
 
@@ -394,7 +477,11 @@ def test_mode_specs_and_settings_follow_core_modes(setup):
     _, ff, cc, _ = setup
     specs = mode_specs(MODES, {"full-ft": ff, "ccft": cc}, {"full-ft": "ff", "ccft": "cc"})
     assert [(s.mode, s.decoder, s.decoder_path) for s in specs] == [
-        ("base", None, None), ("full-ft", ff, "ff"), ("naive", ff, "ff"), ("prefillshare", cc, "cc")]
+        ("base", None, None),
+        ("full-ft", ff, "ff"),
+        ("naive", ff, "ff"),
+        ("prefillshare", cc, "cc"),
+    ]
     assert default_modes(["ccft"]) == ["base", "prefillshare"]
     assert default_modes(["full-ft", "ccft"]) == list(MODES) and default_modes([]) == ["base"]
     with pytest.raises(ConfigError, match="needs a full-ft decoder"):
@@ -429,6 +516,7 @@ def _no_model_pass(m) -> None:
 
     def fail(*a, **kw):
         raise AssertionError("computed again")
+
     m.setattr(runner, "batch_nll", fail)
     m.setattr(runner, "compute_base_cache", fail)
     m.setattr(generation, "generate", fail)
@@ -436,8 +524,9 @@ def _no_model_pass(m) -> None:
 
 
 @pytest.mark.parametrize("engine", [False, True])
-def test_eval_memo_reuses_identical_generations_and_nlls_across_tasks(setup, full_run, tmp_path, engine,
-                                                                       monkeypatch):
+def test_eval_memo_reuses_identical_generations_and_nlls_across_tasks(
+    setup, full_run, tmp_path, engine, monkeypatch
+):
     """A task with another task's prompts, references and settings is scored on the same greedy texts and NLLs
     without computing them again (no prefill, no forward, no decode); its records equal a run without the memo."""
     from ccft.evals.runner import EvalMemo
@@ -445,32 +534,63 @@ def test_eval_memo_reuses_identical_generations_and_nlls_across_tasks(setup, ful
     base, _, _, specs = setup
     memo = EvalMemo()
     settings = EvalSettings(engine=engine)
-    first = run_task(ToyTask(), base, specs, tmp_path / "a", settings=settings, batch_size=4, progress=False, memo=memo)
+    first = run_task(
+        ToyTask(), base, specs, tmp_path / "a", settings=settings, batch_size=4, progress=False, memo=memo
+    )
     assert memo.hits == 0 and memo.nll_hits == 0
     n = len(first.records["base"])
     with monkeypatch.context() as m:  # everything comes from the memo: any model pass would raise
         _no_model_pass(m)
-        plus = run_task(_ToyPlus(), base, specs, tmp_path / "a", settings=settings, batch_size=4, progress=False,
-                        memo=memo)
+        plus = run_task(
+            _ToyPlus(),
+            base,
+            specs,
+            tmp_path / "a",
+            settings=settings,
+            batch_size=4,
+            progress=False,
+            memo=memo,
+        )
     assert memo.hits == len(specs) * n and memo.nll_hits == len(specs) * n  # every item of every mode reused
     alone = run_task(_ToyPlus(), base, specs, tmp_path / "b", settings=settings, batch_size=4, progress=False)
     for mode in ("base", "full-ft", "naive", "prefillshare"):
         assert [r["text"] for r in plus.records[mode]] == [r["text"] for r in first.records[mode]]
-        assert [(r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
-                for r in plus.records[mode]] == \
-               [(r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
-                for r in alone.records[mode]]
-        torch.testing.assert_close([r["nll"] for r in plus.records[mode]], [r["nll"] for r in alone.records[mode]],
-                                   atol=1e-5, rtol=0)
+        assert [
+            (r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
+            for r in plus.records[mode]
+        ] == [
+            (r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
+            for r in alone.records[mode]
+        ]
+        torch.testing.assert_close(
+            [r["nll"] for r in plus.records[mode]], [r["nll"] for r in alone.records[mode]], atol=1e-5, rtol=0
+        )
     # a changed setting (max_new_tokens) is a different generation: nothing reused
     before = memo.hits
     before_nll = memo.nll_hits
-    run_task(ToyTask(), base, specs, tmp_path / "c", settings=EvalSettings(engine=engine, max_new_tokens=3),
-             batch_size=4, progress=False, memo=memo)
+    run_task(
+        ToyTask(),
+        base,
+        specs,
+        tmp_path / "c",
+        settings=EvalSettings(engine=engine, max_new_tokens=3),
+        batch_size=4,
+        progress=False,
+        memo=memo,
+    )
     assert memo.hits == before
     assert memo.nll_hits == before_nll + len(specs) * n  # the NLL does not depend on max_new_tokens
     # another reference is another NLL: nothing reused
-    run_task(_ToyShortRef(), base, specs, tmp_path / "d", settings=settings, batch_size=4, progress=False, memo=memo)
+    run_task(
+        _ToyShortRef(),
+        base,
+        specs,
+        tmp_path / "d",
+        settings=settings,
+        batch_size=4,
+        progress=False,
+        memo=memo,
+    )
     assert memo.nll_hits == before_nll + len(specs) * n
 
 
@@ -481,12 +601,16 @@ class _ToyOther(ToyTask):
     max_new_tokens = 9
 
     def load(self, limit=None):
-        rows = self.rows[3:] if limit is None else self.rows[3:3 + limit]
-        return [{"id": f"toy-other/{i}", "question": r["question"][::-1], "answer": r["answer"]}
-                for i, r in enumerate(rows)]
+        rows = self.rows[3:] if limit is None else self.rows[3 : 3 + limit]
+        return [
+            {"id": f"toy-other/{i}", "question": r["question"][::-1], "answer": r["answer"]}
+            for i, r in enumerate(rows)
+        ]
 
 
-def test_decode_ahead_decodes_small_tasks_together_with_the_same_records(setup, full_run, tmp_path, monkeypatch):
+def test_decode_ahead_decodes_small_tasks_together_with_the_same_records(
+    setup, full_run, tmp_path, monkeypatch
+):
     """Two small tasks' generations and NLLs in one joint decode (decode_ahead): run_task then computes nothing
     (no prefill, forward or decode) and writes the records a run without it writes; items already in a task's
     folder are not decoded again; the memo counts no hits for what was decoded ahead."""
@@ -498,8 +622,11 @@ def test_decode_ahead_decodes_small_tasks_together_with_the_same_records(setup, 
     settings = EvalSettings(engine=True, limit=5)
     tasks = [(ToyTask(), settings), (_ToyOther(), settings)]
     # reference: each task alone, no memo
-    alone = {task_name(t): run_task(t, base, specs, tmp_path / "alone", settings=st, batch_size=4, progress=False)
-             for t, st in tasks}
+    alone = {
+        task_name(t): run_task(t, base, specs, tmp_path / "alone", settings=st, batch_size=4, progress=False)
+        for t, st in tasks
+    }
+
     # resume: the first task stopped after its first mode's 5 records
     class Stop(Exception):
         pass
@@ -508,38 +635,76 @@ def test_decode_ahead_decodes_small_tasks_together_with_the_same_records(setup, 
         seen.append(mode)
         if len(seen) == 5:
             raise Stop
+
     with pytest.raises(Stop):
-        run_task(ToyTask(), base, specs, tmp_path / "ahead", settings=settings, batch_size=4, progress=False,
-                 on_item=stop_after_five)
+        run_task(
+            ToyTask(),
+            base,
+            specs,
+            tmp_path / "ahead",
+            settings=settings,
+            batch_size=4,
+            progress=False,
+            on_item=stop_after_five,
+        )
     from ccft.inference import SharedPrefillEngine
 
     prefills = []
     real_prefill = SharedPrefillEngine.prefill
-    monkeypatch.setattr(SharedPrefillEngine, "prefill", lambda self, prompts, **kw: prefills.append(
-        (len(prompts), kw.get("producer"))) or real_prefill(self, prompts, **kw))
+    monkeypatch.setattr(
+        SharedPrefillEngine,
+        "prefill",
+        lambda self, prompts, **kw: (
+            prefills.append((len(prompts), kw.get("producer"))) or real_prefill(self, prompts, **kw)
+        ),
+    )
     rows = []
     real = generation.decode_jointly
-    monkeypatch.setattr(generation, "decode_jointly", lambda engine, jobs, **kw: rows.append(
-        sum(len(j[2]) for j in jobs)) or real(engine, jobs, **kw))
+    monkeypatch.setattr(
+        generation,
+        "decode_jointly",
+        lambda engine, jobs, **kw: rows.append(sum(len(j[2]) for j in jobs)) or real(engine, jobs, **kw),
+    )
     memo = EvalMemo()
     n = decode_ahead(tasks, base, specs, tmp_path / "ahead", memo=memo, batch_size=4, progress=False)
-    assert n == rows[0] == 3 * 5 + 4 * 5  # one decode: the first task's 3 pending modes and the other's 4, 5 items
-    assert sorted(prefills, key=str) == [(10, "full-ft"), (10, None)]  # both tasks' items: one prefill per producer
+    assert (
+        n == rows[0] == 3 * 5 + 4 * 5
+    )  # one decode: the first task's 3 pending modes and the other's 4, 5 items
+    assert sorted(prefills, key=str) == [
+        (10, "full-ft"),
+        (10, None),
+    ]  # both tasks' items: one prefill per producer
     with monkeypatch.context() as m:  # everything comes from the memo: any model pass would raise
         _no_model_pass(m)
-        ahead = {task_name(t): run_task(t, base, specs, tmp_path / "ahead", settings=st, batch_size=4,
-                                        progress=False, memo=memo) for t, st in tasks}
+        ahead = {
+            task_name(t): run_task(
+                t, base, specs, tmp_path / "ahead", settings=st, batch_size=4, progress=False, memo=memo
+            )
+            for t, st in tasks
+        }
     assert memo.hits == 0 and memo.nll_hits == 0
-    assert decode_ahead(tasks, base, specs, tmp_path / "ahead", memo=EvalMemo(), batch_size=4, progress=False) == 0
+    assert (
+        decode_ahead(tasks, base, specs, tmp_path / "ahead", memo=EvalMemo(), batch_size=4, progress=False)
+        == 0
+    )
     for name, res in ahead.items():
         for mode in MODES:
-            assert [(r["id"], r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
-                    for r in res.records[mode]] == \
-                   [(r["id"], r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
-                    for r in alone[name].records[mode]], (name, mode)
-            torch.testing.assert_close([r["nll"] for r in res.records[mode]],
-                                       [r["nll"] for r in alone[name].records[mode]], atol=1e-5, rtol=0)
-    assert {r["text"] for r in ahead["toy-other"].records["base"]} != {r["text"] for r in ahead["toy"].records["base"]}
+            assert [
+                (r["id"], r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
+                for r in res.records[mode]
+            ] == [
+                (r["id"], r["text"], r["finish_reason"], r["new_tokens"], r["scores"], r["nll_tokens"])
+                for r in alone[name].records[mode]
+            ], (name, mode)
+            torch.testing.assert_close(
+                [r["nll"] for r in res.records[mode]],
+                [r["nll"] for r in alone[name].records[mode]],
+                atol=1e-5,
+                rtol=0,
+            )
+    assert {r["text"] for r in ahead["toy-other"].records["base"]} != {
+        r["text"] for r in ahead["toy"].records["base"]
+    }
 
 
 class _ToyShortRef(ToyTask):
@@ -570,9 +735,12 @@ def test_group_prefills_grow_the_arena_once_and_records_stay_the_same(setup, tmp
     base, _, _, specs = setup
     grows, reserves = [], []
     real_grow, real_reserve = PrefixArena._grow, PrefixArena.reserve
-    monkeypatch.setattr(PrefixArena, "_grow", lambda self, tokens: grows.append(tokens) or real_grow(self, tokens))
-    monkeypatch.setattr(PrefixArena, "reserve",
-                        lambda self, tokens: reserves.append(tokens) or real_reserve(self, tokens))
+    monkeypatch.setattr(
+        PrefixArena, "_grow", lambda self, tokens: grows.append(tokens) or real_grow(self, tokens)
+    )
+    monkeypatch.setattr(
+        PrefixArena, "reserve", lambda self, tokens: reserves.append(tokens) or real_reserve(self, tokens)
+    )
     settings = EvalSettings(engine=True)
     task = ToyTask(n=40)  # 32 + 8 items in two groups; two producers (the base and the Full-FT decoder)
     got = run_task(task, base, specs, tmp_path / "reserved", settings=settings, batch_size=8, progress=False)
@@ -582,9 +750,13 @@ def test_group_prefills_grow_the_arena_once_and_records_stay_the_same(setup, tmp
     prep_widths = [len(p) for p in prepare(task, base.tokenizer, None).prompts]
     assert reserves[0] == 2 * 32 * (max(sorted(prep_widths)[:32]) - 1)  # shortest prompts first; k = 1
     monkeypatch.setattr(GroupPrefill, "reserve", lambda self, specs: None)
-    plain = run_task(ToyTask(n=40), base, specs, tmp_path / "plain", settings=settings, batch_size=8,
-                     progress=False)
-    assert grows, "without the reservation a prefill grows the arena (the test needs prompts that overflow it)"
+    plain = run_task(
+        ToyTask(n=40), base, specs, tmp_path / "plain", settings=settings, batch_size=8, progress=False
+    )
+    assert grows, (
+        "without the reservation a prefill grows the arena (the test needs prompts that overflow it)"
+    )
     for mode in MODES:
-        assert [(r["id"], r["text"], r["new_tokens"], r["nll"]) for r in got.records[mode]] == \
-               [(r["id"], r["text"], r["new_tokens"], r["nll"]) for r in plain.records[mode]]
+        assert [(r["id"], r["text"], r["new_tokens"], r["nll"]) for r in got.records[mode]] == [
+            (r["id"], r["text"], r["new_tokens"], r["nll"]) for r in plain.records[mode]
+        ]

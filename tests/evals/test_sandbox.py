@@ -41,7 +41,9 @@ def run_py(source: str, level: str, limits: Limits = FAST):
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_well_behaved_program_passes(level):
-    res = run_py("import os\nopen('out.txt', 'w').write('hi')\nprint(open('out.txt').read(), os.getcwd())", level)
+    res = run_py(
+        "import os\nopen('out.txt', 'w').write('hi')\nprint(open('out.txt').read(), os.getcwd())", level
+    )
     assert res.ok and res.status == "ok"
     assert res.stdout.split()[0] == "hi"
     assert Path(res.stdout.split()[1]).name.startswith("ccft-sbx-")  # a fresh temporary directory
@@ -77,9 +79,13 @@ def test_memory_limit(level):
 def test_fork_bomb_is_contained(level):
     import secrets
 
-    name = f"bomb_{secrets.token_hex(8)}.py"  # in every bomb process's command line (other runs may be going on)
+    name = (
+        f"bomb_{secrets.token_hex(8)}.py"  # in every bomb process's command line (other runs may be going on)
+    )
     src = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    res = run_once({name: src}, [sys.executable, name], limits=Limits(timeout_s=2.0, max_procs=32), level=level)
+    res = run_once(
+        {name: src}, [sys.executable, name], limits=Limits(timeout_s=2.0, max_procs=32), level=level
+    )
     assert not res.ok
     if level != "basic":  # the PID namespace died with its init: nothing of the bomb is left
         assert _processes_with(name) == []
@@ -148,8 +154,10 @@ def test_environment_secrets_are_not_inherited(level, monkeypatch):
 @pytest.mark.skipif(LEVEL != "namespaces", reason="needs the namespaces level (root with unshare)")
 def test_parent_environment_unreadable_through_proc(monkeypatch):
     monkeypatch.setenv("CCFT_TEST_SECRET", "topsecret789")
-    src = (f"import os\nfor pid in ({os.getpid()}, os.getppid(), 1):\n    try:\n"
-           "        print(open(f'/proc/{pid}/environ', 'rb').read())\n    except OSError as e:\n        print('denied', e)\n")
+    src = (
+        f"import os\nfor pid in ({os.getpid()}, os.getppid(), 1):\n    try:\n"
+        "        print(open(f'/proc/{pid}/environ', 'rb').read())\n    except OSError as e:\n        print('denied', e)\n"
+    )
     res = run_py(src, "namespaces")
     assert "topsecret789" not in res.stdout
     assert [line.split()[0] for line in res.stdout.splitlines()] == ["denied"] * 3
@@ -159,8 +167,12 @@ def test_parent_environment_unreadable_through_proc(monkeypatch):
 def test_shell_escape_is_contained_too(tmp_path):
     target = tmp_path / "shell.txt"
     os.chmod(tmp_path, 0o777)
-    res = run_once({"main.sh": f"ls -a /root\necho pwned > /tmp/ccft-shell-escape || exit 3\n"
-                                f"echo pwned > {target}\n"}, ["bash", "main.sh"], limits=FAST, level="namespaces")
+    res = run_once(
+        {"main.sh": f"ls -a /root\necho pwned > /tmp/ccft-shell-escape || exit 3\necho pwned > {target}\n"},
+        ["bash", "main.sh"],
+        limits=FAST,
+        level="namespaces",
+    )
     assert res.returncode == 3 and not res.ok
     assert not target.exists() and not os.path.exists("/tmp/ccft-shell-escape")
     assert "Read-only file system" in res.stderr
@@ -192,8 +204,10 @@ def test_hostile_humaneval_completions_score_as_failed(name):
 
 
 # A correct has_close_elements body: scores 1.0 when it runs (the control below).
-CLOSE_ELEMENTS = ("    for i, a in enumerate(numbers):\n        for j, b in enumerate(numbers):\n"
-                  "            if i != j and abs(a - b) < threshold:\n                return True\n    return False\n")
+CLOSE_ELEMENTS = (
+    "    for i, a in enumerate(numbers):\n        for j, b in enumerate(numbers):\n"
+    "            if i != j and abs(a - b) < threshold:\n                return True\n    return False\n"
+)
 
 
 def test_socket_completion_fails_only_because_the_network_is_blocked():
@@ -214,6 +228,7 @@ def test_socket_completion_fails_only_because_the_network_is_blocked():
 
 # ------------------------------------------------------------------ the launcher and the guard
 
+
 def _imported_modules(path: str) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(Path(path).read_text(encoding="utf-8"))):
@@ -233,11 +248,22 @@ def test_child_side_files_use_only_the_standard_library(path):
 
 
 def test_launcher_runs_by_path_without_the_package(tmp_path):
-    cfg = {"workdir": str(tmp_path), "level": "basic", "limits": asdict(Limits()),
-           "env": {"PATH": DEFAULT_PATH}, "argv": [sys.executable, "-c", "import os; print(6 * 7, os.getcwd())"],
-           "expose": {}}
-    r = subprocess.run([sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)], capture_output=True, text=True,
-                       env={"PATH": DEFAULT_PATH}, cwd="/", timeout=60)
+    cfg = {
+        "workdir": str(tmp_path),
+        "level": "basic",
+        "limits": asdict(Limits()),
+        "env": {"PATH": DEFAULT_PATH},
+        "argv": [sys.executable, "-c", "import os; print(6 * 7, os.getcwd())"],
+        "expose": {},
+    }
+    r = subprocess.run(
+        [sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        env={"PATH": DEFAULT_PATH},
+        cwd="/",
+        timeout=60,
+    )
     assert (r.returncode, r.stdout.split()) == (0, ["42", str(tmp_path)]), r.stderr
 
 
@@ -265,10 +291,12 @@ def test_uid_processes_finds_this_process():
 
 
 def test_guard_installs_nothing_when_imported_as_a_module():
-    src = ("import ccft.evals.sandbox_guard, socket, subprocess, sys\n"
-           "socket.socket().close()\n"
-           "subprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
-           "print('unguarded')\n")
+    src = (
+        "import ccft.evals.sandbox_guard, socket, subprocess, sys\n"
+        "socket.socket().close()\n"
+        "subprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
+        "print('unguarded')\n"
+    )
     env = {"PATH": DEFAULT_PATH, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     r = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, env=env, timeout=60)
     assert r.stdout.strip() == "unguarded", r.stderr
@@ -392,9 +420,17 @@ def _python_for(uid: int) -> str | None:
         if not os.path.isfile(py):
             continue
         try:
-            r = subprocess.run([py, "-c", "import sys; print(sys.version_info >= (3, 9))"], user=uid, group=uid,
-                               extra_groups=[], capture_output=True, text=True, env={"PATH": DEFAULT_PATH},
-                               cwd="/", timeout=60)
+            r = subprocess.run(
+                [py, "-c", "import sys; print(sys.version_info >= (3, 9))"],
+                user=uid,
+                group=uid,
+                extra_groups=[],
+                capture_output=True,
+                text=True,
+                env={"PATH": DEFAULT_PATH},
+                cwd="/",
+                timeout=60,
+            )
         except (OSError, subprocess.SubprocessError):
             continue
         if r.stdout.strip() == "True":
@@ -409,8 +445,11 @@ def _readable_copy_of_ccft() -> str:
     import ccft
 
     root = tempfile.mkdtemp(prefix="ccft-src-")
-    shutil.copytree(os.path.dirname(ccft.__file__), os.path.join(root, "ccft"),
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        os.path.dirname(ccft.__file__),
+        os.path.join(root, "ccft"),
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     for dirpath, _, filenames in os.walk(root):
         os.chmod(dirpath, 0o755)
         for n in filenames:
@@ -448,7 +487,9 @@ def hostile(request):
     if user == "nobody":
         py = _python_for(NOBODY)
         if py is None:
-            pytest.skip("no Python 3.9+ interpreter that uid 65534 can execute (tried this one and /usr/bin/python3)")
+            pytest.skip(
+                "no Python 3.9+ interpreter that uid 65534 can execute (tried this one and /usr/bin/python3)"
+            )
         kwargs = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
     src = _readable_copy_of_ccft()
     token = "ccft-hostile-" + secrets.token_hex(8)
@@ -460,8 +501,15 @@ def hostile(request):
     os.chmod(harness, 0o644)
     port = _free_port()
     try:
-        r = subprocess.run([py, harness, src, token, str(port)], capture_output=True, text=True, env=env,
-                           cwd="/", timeout=900, **kwargs)
+        r = subprocess.run(
+            [py, harness, src, token, str(port)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd="/",
+            timeout=900,
+            **kwargs,
+        )
     finally:
         shutil.rmtree(src, ignore_errors=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -480,7 +528,9 @@ def _contained(report) -> dict:
     """The results, or a skip where the machine has no isolation for this user (the refusal is tested below)."""
     if "refused" in report:
         assert report["user"] != "root" and "CCFT_ALLOW_UNISOLATED_CODE" in report["refused"]
-        pytest.skip(f"no isolation for {report['user']} here; generated code is refused: {report['refused'][:200]}")
+        pytest.skip(
+            f"no isolation for {report['user']} here; generated code is refused: {report['refused'][:200]}"
+        )
     return report["results"]
 
 
@@ -497,9 +547,16 @@ def test_hostile_level_is_isolated_for_every_user(hostile):
 def test_hostile_harness_still_scores_items(hostile):
     results = _contained(hostile)
     statuses = {name: r["status"] for name, r in results.items()}
-    assert statuses == {"good": "passed", "daemon": "passed", "secrets": "passed", "write outside": "passed",
-                        "network": "passed", "fork bomb": "timeout", "memory bomb": "failed",
-                        "output flood": "output_limit"}, {n: r["detail"][-300:] for n, r in results.items()}
+    assert statuses == {
+        "good": "passed",
+        "daemon": "passed",
+        "secrets": "passed",
+        "write outside": "passed",
+        "network": "passed",
+        "fork bomb": "timeout",
+        "memory bomb": "failed",
+        "output flood": "output_limit",
+    }, {n: r["detail"][-300:] for n, r in results.items()}
     assert "MemoryError" in results["memory bomb"]["detail"]
 
 

@@ -26,13 +26,16 @@ ROOT = Path(__file__).resolve().parents[2]
 # ---------------------------------------------------------------- secondary metrics (known answers)
 
 
-@pytest.mark.parametrize("text, form", [
-    ("She pays 3 + 4 = 7 dollars.\n#### 7", 1.0),
-    ("#### 1,325.", 1.0),      # a well-formed number, wrong or right
-    ("The answer is 7.", 0.0),  # a number, but not in the #### form
-    ("#### seven", 0.0),
-    ("", 0.0),
-])
+@pytest.mark.parametrize(
+    "text, form",
+    [
+        ("She pays 3 + 4 = 7 dollars.\n#### 7", 1.0),
+        ("#### 1,325.", 1.0),  # a well-formed number, wrong or right
+        ("The answer is 7.", 0.0),  # a number, but not in the #### form
+        ("#### seven", 0.0),
+        ("", 0.0),
+    ],
+)
 def test_gsm8k_answer_format(text, form):
     task = get_task("gsm8k")
     item = task.load(1)[0]
@@ -46,15 +49,18 @@ def test_gsm_plus_answer_format_counts_an_explicit_none():
     assert task.score(item, "I cannot tell")["answer_format"] == 0.0
 
 
-@pytest.mark.parametrize("code, ok", [
-    ("def f(x):\n    return x\n", True),
-    ("import math\n\ndef f(x):\n    '''doc'''\n    return math.sqrt(x)\n", True),
-    ("def f(x):\n    '''doc'''\nreturn x\n", False),       # module-level return: a compile-time error
-    ("def f(x):\n    return (x\n", False),                 # unbalanced parenthesis
-    ("def g(x):\n    return x\n", False),                  # the entry point is not defined
-    ("class A:\n    def f(self):\n        return 1\n", False),  # only as a method, not at module level
-    ("def f(x):\n    return x\x00\n", False),              # NUL byte
-])
+@pytest.mark.parametrize(
+    "code, ok",
+    [
+        ("def f(x):\n    return x\n", True),
+        ("import math\n\ndef f(x):\n    '''doc'''\n    return math.sqrt(x)\n", True),
+        ("def f(x):\n    '''doc'''\nreturn x\n", False),  # module-level return: a compile-time error
+        ("def f(x):\n    return (x\n", False),  # unbalanced parenthesis
+        ("def g(x):\n    return x\n", False),  # the entry point is not defined
+        ("class A:\n    def f(self):\n        return 1\n", False),  # only as a method, not at module level
+        ("def f(x):\n    return x\x00\n", False),  # NUL byte
+    ],
+)
 def test_defines_entry_point(code, ok):
     assert defines_entry_point(code, "f") is ok
 
@@ -84,8 +90,10 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_config_errors_name_the_key_and_the_fix(tmp_path):
-    good = _write(tmp_path / "s.yaml", "specialists:\n  math:\n    recipe: recipes/math-gsm8k.yaml\n"
-                                      "    tasks: {gsm8k: {limit: 5}}\n")
+    good = _write(
+        tmp_path / "s.yaml",
+        "specialists:\n  math:\n    recipe: recipes/math-gsm8k.yaml\n    tasks: {gsm8k: {limit: 5}}\n",
+    )
     cfg = load_study_config(good, ["specialists.math.tasks.gsm8k.limit=7", "batch_size=4"])
     assert cfg.specialists["math"].tasks["gsm8k"].limit == 7 and cfg.batch_size == 4
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['batchsize'\]"):
@@ -95,16 +103,21 @@ def test_config_errors_name_the_key_and_the_fix(tmp_path):
     # one override rule with ccft train (ccft.train.config.parse_override): unquoted text stays text
     text = load_study_config(good, ["specialists.math.train.system_prompt=Answer: briefly, after #### N"])
     assert text.specialists["math"].train["system_prompt"] == "Answer: briefly, after #### N"
-    assert parse_overrides(["system_prompt=Answer: briefly, after #### N"])["system_prompt"] == \
-        text.specialists["math"].train["system_prompt"]
+    assert (
+        parse_overrides(["system_prompt=Answer: briefly, after #### N"])["system_prompt"]
+        == text.specialists["math"].train["system_prompt"]
+    )
     with pytest.raises(ConfigError, match="not a valid YAML value"):
         load_study_config(good, ["batch_size=[1, 2"])
     with pytest.raises(ConfigError, match=r"specialists\.math\.tasks\.gsm9k.*unknown task 'gsm9k'"):
         load_study_config(good, ["specialists.math.tasks.gsm9k.limit=3"])
     with pytest.raises(ConfigError, match="max_stepz"):  # a bad training key fails before any model loads
         load_study_config(good, ["specialists.math.train.max_stepz=3"])
-    with pytest.raises(ConfigError, match=r"s.yaml: specialists.math.train sets activation_checkpointing_min_tokens "
-                                          r"\(applied to .*math-gsm8k.yaml.*needs activation_checkpointing: true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"s.yaml: specialists.math.train sets activation_checkpointing_min_tokens "
+        r"\(applied to .*math-gsm8k.yaml.*needs activation_checkpointing: true",
+    ):
         load_study_config(good, ["specialists.math.train.activation_checkpointing_min_tokens=64"])
     with pytest.raises(ConfigError, match="needs `recipe:`"):
         load_study_config(_write(tmp_path / "b.yaml", "specialists:\n  math:\n    tasks: {gsm8k: {}}\n"))
@@ -127,24 +140,49 @@ def test_shipped_study_config_parses():
 
 def test_task_entry_and_resolution_from_a_summary():
     def block(nll, acc, form):
-        return {"n": 10, "nll": nll, "nll_ci": [nll - 0.1, nll + 0.1],
-                "metrics": {"exact_match_flexible": {"mean": acc, "ci": [acc - 0.1, acc + 0.1], "n": 10},
-                            "answer_format": {"mean": form, "ci": [form - 0.1, form + 0.1], "n": 10}}}
-    summary = {"task": "gsm8k", "meta": {"settings": {"limit": 10}},
-               "modes": {"base": block(1.5, 0.0, 0.1), "full-ft": block(0.9, 0.2, 0.8),
-                         "naive": block(1.0, 0.1, 0.4), "prefillshare": block(0.92, 0.2, 0.6)},
-               "deltas_vs_full_ft": {
-                   "base": {"nll": {"delta": 0.6, "ci": [0.5, 0.7]},
-                            "exact_match_flexible": {"delta": -0.2, "ci": [-0.4, 0.0]},
-                            "answer_format": {"delta": -0.7, "ci": [-0.9, -0.5]}},
-                   "naive": {"nll": {"delta": 0.1, "ci": [0.05, 0.15]},
-                             "exact_match_flexible": {"delta": -0.1, "ci": [-0.3, 0.1]},
-                             "answer_format": {"delta": -0.4, "ci": [-0.6, -0.2]}},
-                   "prefillshare": {"nll": {"delta": 0.02, "ci": [0.0, 0.04]},
-                                    "exact_match_flexible": {"delta": 0.0, "ci": [-0.1, 0.1]},
-                                    "answer_format": {"delta": -0.2, "ci": [-0.4, 0.0]}}}}
+        return {
+            "n": 10,
+            "nll": nll,
+            "nll_ci": [nll - 0.1, nll + 0.1],
+            "metrics": {
+                "exact_match_flexible": {"mean": acc, "ci": [acc - 0.1, acc + 0.1], "n": 10},
+                "answer_format": {"mean": form, "ci": [form - 0.1, form + 0.1], "n": 10},
+            },
+        }
+
+    summary = {
+        "task": "gsm8k",
+        "meta": {"settings": {"limit": 10}},
+        "modes": {
+            "base": block(1.5, 0.0, 0.1),
+            "full-ft": block(0.9, 0.2, 0.8),
+            "naive": block(1.0, 0.1, 0.4),
+            "prefillshare": block(0.92, 0.2, 0.6),
+        },
+        "deltas_vs_full_ft": {
+            "base": {
+                "nll": {"delta": 0.6, "ci": [0.5, 0.7]},
+                "exact_match_flexible": {"delta": -0.2, "ci": [-0.4, 0.0]},
+                "answer_format": {"delta": -0.7, "ci": [-0.9, -0.5]},
+            },
+            "naive": {
+                "nll": {"delta": 0.1, "ci": [0.05, 0.15]},
+                "exact_match_flexible": {"delta": -0.1, "ci": [-0.3, 0.1]},
+                "answer_format": {"delta": -0.4, "ci": [-0.6, -0.2]},
+            },
+            "prefillshare": {
+                "nll": {"delta": 0.02, "ci": [0.0, 0.04]},
+                "exact_match_flexible": {"delta": 0.0, "ci": [-0.1, 0.1]},
+                "answer_format": {"delta": -0.2, "ci": [-0.4, 0.0]},
+            },
+        },
+    }
     e = task_entry(summary, "math")
-    assert (e["primary_metric"], e["secondary_metric"], e["n"]) == ("exact_match_flexible", "answer_format", 10)
+    assert (e["primary_metric"], e["secondary_metric"], e["n"]) == (
+        "exact_match_flexible",
+        "answer_format",
+        10,
+    )
     assert e["modes"]["naive"] | {} == {**e["modes"]["naive"], "score": 0.1, "secondary": 0.4, "nll": 1.0}
     assert e["paired_vs_full_ft"]["naive"]["secondary_ci"] == [-0.6, -0.2]
     assert e["retention"]["naive"] == {"score": pytest.approx(0.5), "secondary": pytest.approx(0.5)}
@@ -197,12 +235,18 @@ specialists:
 def _study_files(root: Path, base: Path, name: str) -> Path:
     math = _write(root / "math.yaml", RECIPE.format(base=base, data="gsm8k:train", chat="true"))
     code = _write(root / "code.yaml", RECIPE.format(base=base, data="mbpp:train", chat="false"))
-    return _write(root / f"{name}.yaml", STUDY.format(runs=root / f"runs-{name}", out=root / f"out-{name}",
-                                                       math=math, code=code))
+    return _write(
+        root / f"{name}.yaml",
+        STUDY.format(runs=root / f"runs-{name}", out=root / f"out-{name}", math=math, code=code),
+    )
 
 
 def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     return env
 
 
@@ -212,7 +256,11 @@ def spec_runs(report: dict, name: str) -> str:
 
 def _numbers(out: Path) -> dict:
     report = json.loads((out / "report.json").read_text())
-    return {(t["task"], m): (b["score"], b["secondary"], b["nll"]) for t in report["tasks"] for m, b in t["modes"].items()}
+    return {
+        (t["task"], m): (b["score"], b["secondary"], b["nll"])
+        for t in report["tasks"]
+        for m, b in t["modes"].items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +268,9 @@ def tiny_study(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("study")
     base = make_tiny_folder(root / "base", tokenizer, seed=5, scale=30.0)
     cfg = _study_files(root, base, "whole")
-    proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # both specialists' tasks are smaller than the engine's 4 rows: decoded together ahead of scoring
     assert proc.stdout.count("small tasks decoded together") == 2
@@ -240,7 +289,9 @@ def test_study_report_has_every_field(tiny_study):
         assert spec["training"]["steps"] == 6
     assert [t["task"] for t in report["tasks"]] == ["gsm8k", "humaneval"]
     for t in report["tasks"]:
-        assert {"specialist", "primary_metric", "secondary_metric", "n", "modes", "paired_vs_full_ft"} <= set(t)
+        assert {"specialist", "primary_metric", "secondary_metric", "n", "modes", "paired_vs_full_ft"} <= set(
+            t
+        )
         assert set(t["modes"]) == {"base", "full-ft", "naive", "prefillshare"}
         assert set(t["paired_vs_full_ft"]) == {"base", "naive", "prefillshare"}
         for b in t["modes"].values():
@@ -251,9 +302,17 @@ def test_study_report_has_every_field(tiny_study):
     gsm = next(t for t in report["tasks"] if t["task"] == "gsm8k")
     assert gsm["modes"]["naive"]["nll"] == pytest.approx(sum(r["nll"] for r in items) / len(items))
     assert gsm["modes"]["naive"]["secondary"] == pytest.approx(
-        sum(r["scores"]["answer_format"] for r in items) / len(items))
-    assert set(report["phase_seconds"]) >= {"setup", "train_math_ccft", "train_math_full_ft", "eval_math",
-                                            "sweep_math", "train_code_ccft", "eval_code"}
+        sum(r["scores"]["answer_format"] for r in items) / len(items)
+    )
+    assert set(report["phase_seconds"]) >= {
+        "setup",
+        "train_math_ccft",
+        "train_math_full_ft",
+        "eval_math",
+        "sweep_math",
+        "train_code_ccft",
+        "eval_code",
+    }
     assert "| math | gsm8k (exact_match_flexible) | 3 |" in (out / "README.md").read_text()
     # serving with the trained CCFT decoders as agents; outputs equal offline ccft.generate per request
     serving = report["serving"]
@@ -272,13 +331,18 @@ def test_rerun_reuses_everything(tiny_study):
     sweeps = {p: p.read_text() for p in out.rglob("sweep/*.json")}
     assert sweeps and "SITTINGS.md" not in (out / "README.md").read_text()
     (out / "SITTINGS.md").write_text("Sitting 1: paused 5 min with SIGSTOP.\nSitting 2: idle machine.\n")
-    proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("reusing finished run") == 4
-    assert "reusing" in proc.stdout and "serve.json" in proc.stdout  # the serving result: same decoders (stamp)
+    assert (
+        "reusing" in proc.stdout and "serve.json" in proc.stdout
+    )  # the serving result: same decoders (stamp)
     assert {p: p.stat().st_mtime for p in mtimes} == mtimes
-    assert {p: p.read_text() for p in sweeps} == sweeps  # reused sweeps keep their meta and summary as written
+    assert {
+        p: p.read_text() for p in sweeps
+    } == sweeps  # reused sweeps keep their meta and summary as written
     assert _numbers(out) == before
     assert json.loads((out / "phases.json").read_text())["sittings"] == 2
     readme = (out / "README.md").read_text()  # the hand-written notes survive the regenerated README, quoted
@@ -291,19 +355,29 @@ def test_sigkilled_study_resumes_to_the_same_numbers(tiny_study, tmp_path, kill_
     root, base, _ = tiny_study
     cfg = _study_files(tmp_path, base, "killed")
     runs, out = tmp_path / "runs-killed", tmp_path / "out-killed"
-    proc = subprocess.Popen([sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ccft", "study", str(cfg)],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
     def reached():
         if kill_when == "checkpoint":  # mid-training: the first CCFT run has a checkpoint but is not finished
-            return any((runs / "math" / "ccft").glob("checkpoint-*")) and not (runs / "math" / "ccft" / "ccft.json").exists()
+            return (
+                any((runs / "math" / "ccft").glob("checkpoint-*"))
+                and not (runs / "math" / "ccft" / "ccft.json").exists()
+            )
         return any((out / "math" / "gsm8k").glob("items.*.jsonl"))  # mid-evaluation
+
     while proc.poll() is None and not reached():
         time.sleep(0.05)
     assert proc.poll() is None, "the study finished before the kill point; the test needs a later kill point"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    again = subprocess.run([sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True,
-                           text=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True, text=True
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     got, want = _numbers(out), _numbers(root / "out-whole")
     assert got.keys() == want.keys()
@@ -340,7 +414,9 @@ def test_run_digest_and_stamps(tmp_path):
     (run / "adapter_config.json").write_text('{"r": 16, "target_modules": ["q_proj", "v_proj"]}')
     second = run_digest(run)
     assert second != first
-    (run / "adapter_config.json").write_text('{"target_modules": ["v_proj", "q_proj"], "r": 16}')  # PEFT's set order
+    (run / "adapter_config.json").write_text(
+        '{"target_modules": ["v_proj", "q_proj"], "r": 16}'
+    )  # PEFT's set order
     (run / "ccft-recipe.json").write_text('{"max_steps": 5}')  # the recipe stamp training writes first
     assert run_digest(run) == second
     (run / "adapter_model.safetensors").write_bytes(b"\x00" * 9 + b"\x01")  # one weight byte
@@ -366,10 +442,16 @@ def test_a_retrained_run_with_the_same_weights_keeps_its_results(tiny_study, tmp
     digest_before = json.loads((out / "code" / "decoders.json").read_text())["full-ft"]
     shutil.rmtree(runs / "code" / "full-ft")
     items = {f: f.stat().st_mtime_ns for f in out.rglob("items.*.jsonl")}
-    cfg = _write(tmp_path / "again.yaml", (root / "whole.yaml").read_text().replace(str(root / "out-whole"), str(out))
-                 .replace(str(root / "runs-whole"), str(runs)))
-    proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True,
-                          text=True)
+    cfg = _write(
+        tmp_path / "again.yaml",
+        (root / "whole.yaml")
+        .read_text()
+        .replace(str(root / "out-whole"), str(out))
+        .replace(str(root / "runs-whole"), str(runs)),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("reusing finished run") == 3  # code full-ft trained again
     assert json.loads((out / "code" / "decoders.json").read_text())["full-ft"] == digest_before
@@ -380,10 +462,13 @@ def test_a_retrained_run_with_the_same_weights_keeps_its_results(tiny_study, tmp
 
 def _study_again_into(root: Path, out: Path) -> subprocess.CompletedProcess:
     """``ccft study`` with the tiny study's config and runs, writing into ``out`` (a copy of its results)."""
-    cfg = _write(out.parent / f"{out.name}.yaml", (root / "whole.yaml").read_text().replace(str(root / "out-whole"),
-                                                                                            str(out)))
-    proc = subprocess.run([sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True,
-                          text=True)
+    cfg = _write(
+        out.parent / f"{out.name}.yaml",
+        (root / "whole.yaml").read_text().replace(str(root / "out-whole"), str(out)),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ccft", "study", str(cfg)], env=_env(), capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

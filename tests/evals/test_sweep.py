@@ -22,9 +22,14 @@ from ccft.train.data import Collator, Example
 from conftest import make_tiny_folder
 
 TOL = 1e-5
-TEXTS = [("Natalia sold clips to 48 of her friends in April, and then she sold half as many in May.", "72 clips"),
-         ("What is 2 + 2?", "4"),
-         ("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?", "She earned $10.")]
+TEXTS = [
+    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many in May.", "72 clips"),
+    ("What is 2 + 2?", "4"),
+    (
+        "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+        "She earned $10.",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +69,9 @@ def _decoder(base, kind):
 
 
 def _batch(tok, prompts, responses, k=1):
-    return Collator(tok.pad_token_id, k)([Example(tuple(p), tuple(r)) for p, r in zip(prompts, responses, strict=True)])
+    return Collator(tok.pad_token_id, k)(
+        [Example(tuple(p), tuple(r)) for p, r in zip(prompts, responses, strict=True)]
+    )
 
 
 def _own_prefill_nll(model, tok, prompts, responses):
@@ -74,15 +81,38 @@ def _own_prefill_nll(model, tok, prompts, responses):
     return [s / n for s, n in row_nlls(logits, b["labels"])]
 
 
-@pytest.mark.parametrize("n,rho,h,k", [(10, 1.0, 1, 1), (10, 0.0, 1, 10), (10, 0.5, 1, 5), (10, 0.75, 1, 3),
-                                       (10, 0.25, 1, 8), (7, 0.7, 1, 3), (10, 1.0, 3, 3), (10, 0.9, 3, 3),
-                                       (10, 0.6, 3, 4), (2, 0.0, 1, 2), (3, 0.999, 1, 1)])
+@pytest.mark.parametrize(
+    "n,rho,h,k",
+    [
+        (10, 1.0, 1, 1),
+        (10, 0.0, 1, 10),
+        (10, 0.5, 1, 5),
+        (10, 0.75, 1, 3),
+        (10, 0.25, 1, 8),
+        (7, 0.7, 1, 3),
+        (10, 1.0, 3, 3),
+        (10, 0.9, 3, 3),
+        (10, 0.6, 3, 4),
+        (2, 0.0, 1, 2),
+        (3, 0.999, 1, 1),
+    ],
+)
 def test_recompute_tokens_table(n, rho, h, k):
     assert recompute_tokens(n, rho, h) == k
 
 
-@pytest.mark.parametrize("rho,L,layers", [(0.0, 4, []), (0.25, 4, [0]), (0.5, 4, [0, 1]), (0.75, 4, [0, 1, 2]),
-                                          (1.0, 4, [0, 1, 2, 3]), (0.5, 3, [0, 1]), (0.3, 30, list(range(9)))])
+@pytest.mark.parametrize(
+    "rho,L,layers",
+    [
+        (0.0, 4, []),
+        (0.25, 4, [0]),
+        (0.5, 4, [0, 1]),
+        (0.75, 4, [0, 1, 2]),
+        (1.0, 4, [0, 1, 2, 3]),
+        (0.5, 3, [0, 1]),
+        (0.3, 30, list(range(9))),
+    ],
+)
 def test_shared_layer_table(rho, L, layers):
     assert shared_layer_list(rho, L) == layers
 
@@ -125,7 +155,7 @@ def test_rho_0_is_the_decoders_own_prefill(base, rows, kind):
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         n = len(p)
         assert (labels[i] != -100).sum().item() == len(r)
-        assert (logits[i, n - 1:n - 1 + len(r)] - own[i, :len(r)]).abs().max().item() <= TOL
+        assert (logits[i, n - 1 : n - 1 + len(r)] - own[i, : len(r)]).abs().max().item() <= TOL
     want = _own_prefill_nll(dec, base.tokenizer, prompts, responses)
     got = [s / c for s, c in row_nlls(logits, labels)]
     assert got == pytest.approx(want, abs=TOL)
@@ -167,7 +197,7 @@ def test_ragged_position_split_equals_row_by_row(base, rows):
         with torch.no_grad():
             one = ccft.decoder_forward(dec, cache, torch.tensor([p[-k:] + r]))
         assert (labels[i] != -100).sum().item() == len(r)
-        assert (logits[i, :k + len(r)] - one[0]).abs().max().item() <= TOL
+        assert (logits[i, : k + len(r)] - one[0]).abs().max().item() <= TOL
 
 
 def test_shared_generation_matches_reference_generation(sharp, rows):
@@ -188,8 +218,17 @@ def test_run_sweep_references_resume_and_cli(sharp, tmp_path, capsys):
     task = ToyTask(4)
     ff, cc = decoders(base)
     curves = {"naive": ff, "prefillshare": cc}
-    s = run_sweep(task, base, curves, tmp_path / "sw", rhos=[0.0, 1.0], gen_rows=1, batch_size=3, progress=False,
-                  n_resamples=200)
+    s = run_sweep(
+        task,
+        base,
+        curves,
+        tmp_path / "sw",
+        rhos=[0.0, 1.0],
+        gen_rows=1,
+        batch_size=3,
+        progress=False,
+        n_resamples=200,
+    )
     pts = {(p["label"], p["over"], p["rho"]): p for p in s["per_item"]}
     assert len(pts) == 2 + 2 * 2 * 2  # full-ft and base references + 2 curves x 2 axes x 2 ratios
     ref = pts[("full-ft", None, None)]["nll"]
@@ -201,19 +240,32 @@ def test_run_sweep_references_resume_and_cli(sharp, tmp_path, capsys):
     ps = [a / b for a, b in batch_nll("prefillshare", base, cc, prep.prompts, prep.references)]
     for over in ("positions", "layers"):
         assert pts[("prefillshare", over, 1.0)]["nll"] == pytest.approx(ps, abs=TOL)
-        assert pts[("prefillshare", over, 1.0)]["recomputed_mean" if over == "positions" else "shared_layers"] in (
-            1.0, [0, 1, 2, 3])
+        assert pts[("prefillshare", over, 1.0)][
+            "recomputed_mean" if over == "positions" else "shared_layers"
+        ] in (1.0, [0, 1, 2, 3])
     rows = {(p["label"], p["over"], p["rho"]): p for p in s["points"]}
     assert rows[("naive", "layers", 0.0)]["delta_nll_vs_full_ft"]["delta"] == pytest.approx(0.0, abs=TOL)
-    assert rows[("naive", "layers", 1.0)]["n"] == 4 and set(rows[("naive", "layers", 1.0)]["metrics"]) == {"long",
-                                                                                                        "has_space"}
+    assert rows[("naive", "layers", 1.0)]["n"] == 4 and set(rows[("naive", "layers", 1.0)]["metrics"]) == {
+        "long",
+        "has_space",
+    }
     assert s["meta"]["n_items"] == 4 and s["meta"]["model"] and s["meta"]["hardware"] and s["meta"]["data"]
     # resume: finished points are kept, only the new ratio runs
     lines = (tmp_path / "sw" / "points.jsonl").read_text().splitlines()
-    s2 = run_sweep(task, base, curves, tmp_path / "sw", rhos=[0.0, 0.5, 1.0], axes=["layers"], gen_rows=1,
-                   batch_size=3, progress=False, n_resamples=200)
+    s2 = run_sweep(
+        task,
+        base,
+        curves,
+        tmp_path / "sw",
+        rhos=[0.0, 0.5, 1.0],
+        axes=["layers"],
+        gen_rows=1,
+        batch_size=3,
+        progress=False,
+        n_resamples=200,
+    )
     lines2 = (tmp_path / "sw" / "points.jsonl").read_text().splitlines()
-    assert lines2[:len(lines)] == lines and len(lines2) == len(lines) + 2
+    assert lines2[: len(lines)] == lines and len(lines2) == len(lines) + 2
     assert len(s2["points"]) == len(pts) + 2
     with pytest.raises(ConfigError, match="other settings"):
         run_sweep(task, base, curves, tmp_path / "sw", rhos=[0.0], gen_rows=2, progress=False)
@@ -222,13 +274,41 @@ def test_run_sweep_references_resume_and_cli(sharp, tmp_path, capsys):
 
     ccft.save_decoder(ff, tmp_path / "ff")
     ccft.save_decoder(cc, tmp_path / "cc")
-    assert main(["sweep", "--task", "gsm8k", "--decoder", str(tmp_path / "ff"), "--decoder", str(tmp_path / "cc"),
-                 "--limit", "2", "--rho", "0", "1", "--over", "layers", "--no-progress", "--bootstrap", "100",
-                 "--out", str(tmp_path / "cli")]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--task",
+                "gsm8k",
+                "--decoder",
+                str(tmp_path / "ff"),
+                "--decoder",
+                str(tmp_path / "cc"),
+                "--limit",
+                "2",
+                "--rho",
+                "0",
+                "1",
+                "--over",
+                "layers",
+                "--no-progress",
+                "--bootstrap",
+                "100",
+                "--out",
+                str(tmp_path / "cli"),
+            ]
+        )
+        == 0
+    )
     out = json.loads((tmp_path / "cli" / "sweep.json").read_text())
-    assert {(p["label"], p["rho"]) for p in out["points"]} == {("full-ft", None), ("base", None), ("naive", 0.0),
-                                                              ("naive", 1.0), ("prefillshare", 0.0),
-                                                              ("prefillshare", 1.0)}
+    assert {(p["label"], p["rho"]) for p in out["points"]} == {
+        ("full-ft", None),
+        ("base", None),
+        ("naive", 0.0),
+        ("naive", 1.0),
+        ("prefillshare", 0.0),
+        ("prefillshare", 1.0),
+    }
     assert "wrote" in capsys.readouterr().out
 
 
@@ -242,10 +322,21 @@ def test_sweep_points_that_are_eval_modes_reuse_the_eval_records(sharp, tmp_path
     task = ToyTask(4)
     ff, cc = decoders(base)
     curves = {"naive": ff, "prefillshare": cc}
-    specs = [ModeSpec("base"), ModeSpec("full-ft", ff, "ff"), ModeSpec("naive", ff, "ff"),
-             ModeSpec("prefillshare", cc, "cc")]
-    ev = run_task(task, base, specs, tmp_path / "ev", settings=EvalSettings(generate=False), progress=False,
-                  n_resamples=100)
+    specs = [
+        ModeSpec("base"),
+        ModeSpec("full-ft", ff, "ff"),
+        ModeSpec("naive", ff, "ff"),
+        ModeSpec("prefillshare", cc, "cc"),
+    ]
+    ev = run_task(
+        task,
+        base,
+        specs,
+        tmp_path / "ev",
+        settings=EvalSettings(generate=False),
+        progress=False,
+        n_resamples=100,
+    )
     recs = {m: {r["id"]: r for r in rs} for m, rs in ev.records.items()}
     kw = dict(rhos=[0.0, 0.5, 1.0], batch_size=3, progress=False, n_resamples=100)
     fresh = run_sweep(task, base, curves, tmp_path / "a", **kw)
@@ -258,11 +349,16 @@ def test_sweep_points_that_are_eval_modes_reuse_the_eval_records(sharp, tmp_path
         assert p["nll"] == pytest.approx(a[key]["nll"], abs=TOL), key
         assert p.get("recomputed_mean") == a[key].get("recomputed_mean")
     from_eval = {k: p["source"] for k, p in b.items() if "source" in p}
-    assert from_eval == {("base", None, None): "eval:base", ("full-ft", None, None): "eval:full-ft",
-                         ("naive", "positions", 0.0): "eval:full-ft", ("naive", "positions", 1.0): "eval:naive",
-                         ("naive", "layers", 0.0): "eval:full-ft", ("naive", "layers", 1.0): "eval:naive",
-                         ("prefillshare", "positions", 1.0): "eval:prefillshare",
-                         ("prefillshare", "layers", 1.0): "eval:prefillshare"}
+    assert from_eval == {
+        ("base", None, None): "eval:base",
+        ("full-ft", None, None): "eval:full-ft",
+        ("naive", "positions", 0.0): "eval:full-ft",
+        ("naive", "positions", 1.0): "eval:naive",
+        ("naive", "layers", 0.0): "eval:full-ft",
+        ("naive", "layers", 1.0): "eval:naive",
+        ("prefillshare", "positions", 1.0): "eval:prefillshare",
+        ("prefillshare", "layers", 1.0): "eval:prefillshare",
+    }
     # a record on another prompt: that mode's points are computed
     first = next(iter(recs["naive"]))
     recs["naive"][first] = dict(recs["naive"][first], prompt_sha="0" * 16)

@@ -24,10 +24,13 @@ from ccft.evals.tasks import TASKS, Item, get_task, pass_at_k_summary, truncate_
 from ccft.evals.tool_calls import format_tool_call, glaive_to_rows, openai_tool, parse_tool_calls
 
 EXPECTED_TASKS = {"gsm8k", "gsm-plus", "humaneval", "humaneval-plus", "bfcl-multiple"} | {
-    f"multipl-e-{lang}" for lang in ("cpp", "java", "js", "ts", "go", "rs", "php", "rb", "pl", "lua", "r", "sh")}
+    f"multipl-e-{lang}"
+    for lang in ("cpp", "java", "js", "ts", "go", "rs", "php", "rb", "pl", "lua", "r", "sh")
+}
 
 
 # ------------------------------------------------------------------ registry and API
+
 
 def test_registry_holds_every_task_with_declared_settings():
     assert set(TASKS) == EXPECTED_TASKS
@@ -39,8 +42,17 @@ def test_registry_holds_every_task_with_declared_settings():
 
 
 def test_registry_reexports_the_task_api_and_lists_names():
-    for name in ("Item", "Task", "EnvironmentCheckError", "data_dir", "data_rows", "read_jsonl", "truncate_at_stop",
-                 "pass_at_k_summary", "sample_counts"):
+    for name in (
+        "Item",
+        "Task",
+        "EnvironmentCheckError",
+        "data_dir",
+        "data_rows",
+        "read_jsonl",
+        "truncate_at_stop",
+        "pass_at_k_summary",
+        "sample_counts",
+    ):
         assert getattr(tasks, name) is getattr(task_base, name)
     assert tasks.task_names() == sorted(EXPECTED_TASKS)
     with pytest.raises(ValueError, match="needs a name"):
@@ -121,16 +133,23 @@ def test_prompt_ids_completion_vs_chat(tokenizer):
 
 # ------------------------------------------------------------------ K7: stop strings and prompts
 
-@pytest.mark.parametrize(("text", "stop", "expected"), [
-    ("    return x\ndef g():\n    pass", HUMANEVAL_STOP, "    return x"),
-    ("    if x:\n        return 1\n    return 2\nif __name__ == '__main__':", HUMANEVAL_STOP,
-     "    if x:\n        return 1\n    return 2"),
-    ("    # comment kept\n    return 1\n# cut", HUMANEVAL_STOP, "    # comment kept\n    return 1"),
-    ("\tx = 1\n\treturn x\nprint(f())", HUMANEVAL_STOP, "\tx = 1\n\treturn x"),
-    ("    return 1", HUMANEVAL_STOP, "    return 1"),
-    ("abcSTOPdefEND", ("END", "STOP"), "abc"),
-    ("", HUMANEVAL_STOP, ""),
-])
+
+@pytest.mark.parametrize(
+    ("text", "stop", "expected"),
+    [
+        ("    return x\ndef g():\n    pass", HUMANEVAL_STOP, "    return x"),
+        (
+            "    if x:\n        return 1\n    return 2\nif __name__ == '__main__':",
+            HUMANEVAL_STOP,
+            "    if x:\n        return 1\n    return 2",
+        ),
+        ("    # comment kept\n    return 1\n# cut", HUMANEVAL_STOP, "    # comment kept\n    return 1"),
+        ("\tx = 1\n\treturn x\nprint(f())", HUMANEVAL_STOP, "\tx = 1\n\treturn x"),
+        ("    return 1", HUMANEVAL_STOP, "    return 1"),
+        ("abcSTOPdefEND", ("END", "STOP"), "abc"),
+        ("", HUMANEVAL_STOP, ""),
+    ],
+)
 def test_truncation_keeps_indentation(text, stop, expected):
     out = truncate_at_stop(text, stop)
     assert out == expected
@@ -151,7 +170,10 @@ def test_humaneval_program_contains_prompt_once():
 def test_humaneval_first_line_indentation_survives_scoring():
     task = get_task("humaneval")
     item = task.load(3)[2]  # HumanEval/2 truncate_number
-    assert task.score(item, "    return number % 1.0\n\ndef extra():\n    pass\n") == {"passed": 1.0, "compiles": 1.0}
+    assert task.score(item, "    return number % 1.0\n\ndef extra():\n    pass\n") == {
+        "passed": 1.0,
+        "compiles": 1.0,
+    }
     # lost indentation: a module-level return, a compile-time error
     assert task.score(item, "return number % 1.0\n") == {"passed": 0.0, "compiles": 0.0}
 
@@ -159,12 +181,15 @@ def test_humaneval_first_line_indentation_survives_scoring():
 def test_humaneval_chat_style_extracts_code_block():
     task = get_task("humaneval", prompt_style="chat")
     item = task.load(3)[2]
-    reply = "Sure!\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\nDone."
+    reply = (
+        "Sure!\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\nDone."
+    )
     assert extract_code_block(reply).startswith("def truncate_number")
     assert task.score(item, reply)["passed"] == 1.0
 
 
 # ------------------------------------------------------------------ K8: canonical solutions here
+
 
 def test_humaneval_canonical_solutions_pass_in_this_environment():
     report = get_task("humaneval").check_environment(limit=12)
@@ -180,13 +205,16 @@ def test_humaneval_plus_canonical_and_extended_tests():
     assert all(len(it.metadata["inputs"]) > it.metadata["n_base"] for it in items)  # plus inputs present
     # HumanEval/0 with `<=` passes the 7 original asserts but not EvalPlus's extended inputs
     item = items[0]
-    weak = ("    for i, a in enumerate(numbers):\n        for b in numbers[i + 1:]:\n"
-            "            if abs(a - b) <= threshold:\n                return True\n    return False\n")
+    weak = (
+        "    for i, a in enumerate(numbers):\n        for b in numbers[i + 1:]:\n"
+        "            if abs(a - b) <= threshold:\n                return True\n    return False\n"
+    )
     assert get_task("humaneval").score(get_task("humaneval").load(1)[0], weak)["passed"] == 1.0
     assert task.score(item, weak)["passed"] == 0.0
 
 
 # ------------------------------------------------------------------ pass@k
+
 
 def _closed_form(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
@@ -242,8 +270,9 @@ GSM_PLUS_GOLDEN = [
 ]
 
 
-@pytest.mark.parametrize(("text", "answer", "strict", "flexible"), GSM_PLUS_GOLDEN,
-                         ids=[repr(g[0])[:30] for g in GSM_PLUS_GOLDEN])
+@pytest.mark.parametrize(
+    ("text", "answer", "strict", "flexible"), GSM_PLUS_GOLDEN, ids=[repr(g[0])[:30] for g in GSM_PLUS_GOLDEN]
+)
 def test_gsm_plus_golden(text, answer, strict, flexible):
     task = get_task("gsm-plus")
     ptype = "critical thinking" if answer == "None" else "digit expansion"
@@ -285,29 +314,43 @@ def test_gsm_plus_every_reference_solution_scores_correct():
 def test_gsm_plus_limit_covers_every_type():
     items = get_task("gsm-plus").load(limit=16)
     types = [it.metadata["perturbation_type"] for it in items]
-    assert sorted(set(types)) == sorted(PERTURBATION_TYPES) and all(types.count(t) == 2 for t in PERTURBATION_TYPES)
+    assert sorted(set(types)) == sorted(PERTURBATION_TYPES) and all(
+        types.count(t) == 2 for t in PERTURBATION_TYPES
+    )
 
 
 def test_gsm8k_task_scores_reference():
     task = get_task("gsm8k")
     it = task.load(2)[1]
-    assert task.score(it, it.reference) == {"exact_match_strict": 1.0, "exact_match_flexible": 1.0,
-                                            "answer_format": 1.0}
-    assert task.score(it, "I give up") == {"exact_match_strict": 0.0, "exact_match_flexible": 0.0,
-                                           "answer_format": 0.0}
+    assert task.score(it, it.reference) == {
+        "exact_match_strict": 1.0,
+        "exact_match_flexible": 1.0,
+        "answer_format": 1.0,
+    }
+    assert task.score(it, "I give up") == {
+        "exact_match_strict": 0.0,
+        "exact_match_flexible": 0.0,
+        "answer_format": 0.0,
+    }
 
 
 # ------------------------------------------------------------------ tool calls and BFCL
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', [{"f": {"a": 1}}]),
-    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2]}"}</tool_call>', [{"f": {"a": [1, 2]}}]),
-    ('<tool_call>{"name": "a.b", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {"x": "y"}}',
-     [{"a.b": {}}, {"g": {"x": "y"}}]),
-    ('{"name": "f", "arguments": {"a": 1}}', [{"f": {"a": 1}}]),
-    ("<tool_call>not json</tool_call>", []),
-    ("I cannot help with that.", []),
-])
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', [{"f": {"a": 1}}]),
+        ('<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2]}"}</tool_call>', [{"f": {"a": [1, 2]}}]),
+        (
+            '<tool_call>{"name": "a.b", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {"x": "y"}}',
+            [{"a.b": {}}, {"g": {"x": "y"}}],
+        ),
+        ('{"name": "f", "arguments": {"a": 1}}', [{"f": {"a": 1}}]),
+        ("<tool_call>not json</tool_call>", []),
+        ("I cannot help with that.", []),
+    ],
+)
 def test_parse_tool_calls(text, expected):
     assert parse_tool_calls(text) == expected
 
@@ -322,7 +365,7 @@ def test_bfcl_items_and_reference_calls():
     items = task.load()
     assert len(items) == 200
     for it in items:
-        (name, _), = it.reference[0].items()
+        ((name, _),) = it.reference[0].items()
         assert name in {f["name"] for f in it.metadata["functions"]}
         assert [next(iter(c)) for c in parse_tool_calls(task.reference_text(it))] == [name]
         assert all(t["type"] == "function" for t in it.metadata["tools"])
@@ -339,13 +382,15 @@ def test_bfcl_prompt_shows_the_functions(tokenizer):
     assert item.prompt[0]["content"] in text
 
 
-@pytest.mark.skipif(bfcl.checker_python() is None, reason="BFCL checker env absent (python -m ccft.evals.bfcl setup)")
+@pytest.mark.skipif(
+    bfcl.checker_python() is None, reason="BFCL checker env absent (python -m ccft.evals.bfcl setup)"
+)
 def test_bfcl_scored_by_its_ast_checker():
     task = get_task("bfcl-multiple")
     items = task.load(4)
     good = [(it, task.reference_text(it)) for it in items]
     wrong_fn = [(items[0], format_tool_call("not_a_function", {}))]
-    (name, args), = items[1].reference[0].items()
+    ((name, args),) = items[1].reference[0].items()
     wrong_arg = [(items[1], format_tool_call(name, {k: "definitely wrong" for k in args}))]
     scores = task.score_many(good + wrong_fn + wrong_arg + [(items[2], "no call at all")])
     assert [s["accuracy"] for s in scores] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
@@ -365,8 +410,14 @@ def test_glaive_rows_convert_one_row_per_assistant_turn():
     from ccft.train.config import resolve_data
 
     # the bundled rows' source, first 12 conversations (tests/fixtures/glaive/README.md): always checked
-    src = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "glaive"
-                      / "glaive_toolcall_en_demo_head12.json").read_text(encoding="utf-8"))
+    src = json.loads(
+        (
+            Path(__file__).resolve().parents[1]
+            / "fixtures"
+            / "glaive"
+            / "glaive_toolcall_en_demo_head12.json"
+        ).read_text(encoding="utf-8")
+    )
     path, _ = resolve_data("glaive-tools:train")
     rows = [json.loads(x) for x in open(path)]
     assert len(rows) == 957
@@ -385,14 +436,27 @@ def test_glaive_rows_convert_one_row_per_assistant_turn():
 def test_tools_reach_the_prompt_for_any_template(tokenizer):
     from ccft.core.tokens import tokenize_prompt
 
-    tools = [openai_tool({"name": "get_weather", "description": "Weather", "parameters": {
-        "type": "dict", "properties": {"city": {"type": "string"}}, "required": ["city"]}})]
+    tools = [
+        openai_tool(
+            {
+                "name": "get_weather",
+                "description": "Weather",
+                "parameters": {
+                    "type": "dict",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            }
+        )
+    ]
     text = tokenizer.decode(tokenize_prompt(tokenizer, "Weather in Paris?", tools=tools))
     assert "get_weather" in text and "<tool_call>" in text  # fallback system turn (SmolLM2 ignores tools)
     assert text.count("<|im_start|>system") == 1
     native = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    native.chat_template = ("{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}{% for m in messages %}"
-                            "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}"
-                            "assistant:{% endif %}")
+    native.chat_template = (
+        "{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}{% for m in messages %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}"
+        "assistant:{% endif %}"
+    )
     ntext = native.decode(tokenize_prompt(native, "Weather in Paris?", tools=tools))
     assert ntext.startswith("TOOLS:") and "get_weather" in ntext and "<tool_call>" not in ntext

@@ -37,8 +37,13 @@ def _lora_folder(sharp_dir, folder, *, handoff, seed=3, recipe=None, method="ccf
     base = ccft.load_base(str(sharp_dir))
     if lora:
         torch.manual_seed(seed)
-        dec = ccft.make_decoder(base, "lora", lora={"r": 4, "lora_alpha": 8, "init_lora_weights": False, **lora},
-                                method=method, handoff_tokens=handoff)
+        dec = ccft.make_decoder(
+            base,
+            "lora",
+            lora={"r": 4, "lora_alpha": 8, "init_lora_weights": False, **lora},
+            method=method,
+            handoff_tokens=handoff,
+        )
     else:
         dec = make_lora(base, "default", seed, r=4, handoff=handoff, method=method)
     dec.model.eval()
@@ -64,14 +69,16 @@ def _ccft_logits(dec, prompt, response):
 
 def _peft_logits(model, prompt, response, k, **kwargs):
     with torch.no_grad():
-        return model(input_ids=torch.tensor([prompt + response]), **kwargs).logits[0, len(prompt) - k:]
+        return model(input_ids=torch.tensor([prompt + response]), **kwargs).logits[0, len(prompt) - k :]
 
 
 def _chat(tokenizer, text):
     return tokenize_prompt(tokenizer, text, chat_template=True)
 
 
-def test_alora_export_equals_prefillshare_logits_and_greedy_tokens(sharp_dir, tmp_path, tokenizer, gsm8k_rows):
+def test_alora_export_equals_prefillshare_logits_and_greedy_tokens(
+    sharp_dir, tmp_path, tokenizer, gsm8k_rows
+):
     """handoff_tokens=4 (the generation prompt '<|im_start|>assistant\\n'): exact for any response."""
     dec, folder = _lora_folder(sharp_dir, tmp_path / "dec", handoff=4)
     res = export_decoder(folder, "peft-alora", tmp_path / "alora")
@@ -91,7 +98,7 @@ def test_alora_export_equals_prefillshare_logits_and_greedy_tokens(sharp_dir, tm
     assert (ours - theirs).abs().max().item() <= TOL
     # The test can fail: the adapter changes the logits, and a plain LoRA (on for the whole prompt) differs.
     with torch.no_grad(), model.disable_adapter():
-        plain_base = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 4:]
+        plain_base = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 4 :]
     assert (ours - plain_base).abs().max().item() > 1e-2
     everywhere = _peft_logits(model, prompt, response, 4, alora_offsets=[len(prompt) + len(response)])
     assert (ours - everywhere).abs().max().item() > 1e-3
@@ -101,9 +108,14 @@ def test_alora_export_equals_prefillshare_logits_and_greedy_tokens(sharp_dir, tm
         p = _chat(tokenizer, row["prompt"])
         (gen,) = ccft.generate([p], mode="prefillshare", decoder=dec, max_new_tokens=N_NEW)
         with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=N_NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        peft_ids = out[0, len(p):].tolist()
+            out = model.generate(
+                input_ids=torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=N_NEW,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        peft_ids = out[0, len(p) :].tolist()
         eos = tokenizer.eos_token_id
         assert [t for t in peft_ids if t != eos] == [t for t in gen.token_ids if t != eos]
         assert len(gen.token_ids) > 0
@@ -148,7 +160,7 @@ def test_one_token_newline_handoff_trap(sharp_dir, tmp_path, tokenizer, gsm8k_ro
     before = slice(0, 1 + last_nl)
     assert (ours[before] - theirs[before]).abs().max().item() > 1e-2
     with torch.no_grad(), model.disable_adapter():
-        plain = model(input_ids=torch.tensor([prompt + multi])).logits[0, len(prompt) - 1:]
+        plain = model(input_ids=torch.tensor([prompt + multi])).logits[0, len(prompt) - 1 :]
     assert (theirs[before] - plain[before]).abs().max().item() <= TOL
     # The workaround: give PEFT the activation offset (tokens from the handoff to the end) yourself.
     fixed = _peft_logits(model, prompt, multi, 1, alora_offsets=[1 + len(multi)])
@@ -201,11 +213,15 @@ def _assert_same_greedy(dec, model, tokenizer, prompt) -> None:
     """ccft's prefillshare greedy tokens equal stock PEFT ``model.generate`` on ``prompt`` (EOS dropped)."""
     (gen,) = ccft.generate([prompt], mode="prefillshare", decoder=dec, max_new_tokens=N_NEW)
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            max_new_tokens=N_NEW,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            pad_token_id=tokenizer.pad_token_id,
+        )
     eos = tokenizer.eos_token_id
-    assert [t for t in out[0, len(prompt):].tolist() if t != eos] == [t for t in gen.token_ids if t != eos]
+    assert [t for t in out[0, len(prompt) :].tolist() if t != eos] == [t for t in gen.token_ids if t != eos]
 
 
 def _assert_stock_peft_matches(dec, model, tokenizer, rows, handoff: int = 4) -> None:
@@ -243,10 +259,24 @@ def test_alora_export_of_a_trained_decoder_on_the_embedded_model(tmp_path, token
     from ccft.train.run import run_training
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "math-gsm8k.yaml"
-    cfg, _, raw = load_recipe(recipe, [
-        "handoff_tokens=4", "train_rows=8", "max_steps=3", "per_device_train_batch_size=4",
-        "gradient_accumulation_steps=1", "learning_rate=1e-3", "warmup_steps=0", "eval_strategy=no",
-        "save_strategy=no", "logging_steps=1", "use_cpu=true", "disable_tqdm=true", f"output_dir={tmp_path / 'dec'}"])
+    cfg, _, raw = load_recipe(
+        recipe,
+        [
+            "handoff_tokens=4",
+            "train_rows=8",
+            "max_steps=3",
+            "per_device_train_batch_size=4",
+            "gradient_accumulation_steps=1",
+            "learning_rate=1e-3",
+            "warmup_steps=0",
+            "eval_strategy=no",
+            "save_strategy=no",
+            "logging_steps=1",
+            "use_cpu=true",
+            "disable_tqdm=true",
+            f"output_dir={tmp_path / 'dec'}",
+        ],
+    )
     result = run_training(cfg, recipe=raw)
     assert len(result.loss_curve) == 3 and all(math.isfinite(x) for _, x in result.loss_curve)
     base = ccft.load_base("smollm2-135m-instruct")

@@ -25,10 +25,24 @@ STEPS = 3
 def trained(tmp_path_factory, tiny_dir):
     """A CCFT LoRA decoder trained STEPS steps on 8 GSM8K rows, chat prompts, handoff_tokens=4."""
     folder = tmp_path_factory.mktemp("trained")
-    recipe = {"base": str(tiny_dir), "output_dir": str(folder / "dec"), "train_data": "gsm8k:train", "train_rows": 8,
-              "max_steps": STEPS, "per_device_train_batch_size": 4, "learning_rate": 5e-2, "use_cpu": True,
-              "disable_tqdm": True, "chat_template": True, "save_strategy": "no", "seed": 3, "lora_r": 4,
-              "lora_alpha": 8, "handoff_tokens": 4, "report_to": "none"}
+    recipe = {
+        "base": str(tiny_dir),
+        "output_dir": str(folder / "dec"),
+        "train_data": "gsm8k:train",
+        "train_rows": 8,
+        "max_steps": STEPS,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 5e-2,
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "chat_template": True,
+        "save_strategy": "no",
+        "seed": 3,
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "handoff_tokens": 4,
+        "report_to": "none",
+    }
     (folder / "r.yaml").write_text(yaml.safe_dump(recipe))
     out = folder / "dec"
     rc = main(["train", str(folder / "r.yaml")])
@@ -54,11 +68,22 @@ def test_train_writes_a_model_card(trained):
 
 
 def test_card_header_fields_for_an_embedded_base():
-    meta = {"method": "ccft", "decoder_kind": "lora", "handoff_tokens": 1, "base_fingerprint": "abc",
-            "base": {"name": "smollm2-135m-instruct", "path": "/x"}, "data": {"train_data": "mbpp:train"},
-            "recipe": {"system_prompt": "{{ not jinja }}"}}
-    summary = {"task": "gsm8k", "modes": {"prefillshare": {"n": 5, "nll": 0.5, "metrics": {"accuracy": {"mean": 0.4}}},
-                                          "full-ft": {"n": 5, "nll": 0.4, "metrics": {"accuracy": {"mean": 0.6}}}}}
+    meta = {
+        "method": "ccft",
+        "decoder_kind": "lora",
+        "handoff_tokens": 1,
+        "base_fingerprint": "abc",
+        "base": {"name": "smollm2-135m-instruct", "path": "/x"},
+        "data": {"train_data": "mbpp:train"},
+        "recipe": {"system_prompt": "{{ not jinja }}"},
+    }
+    summary = {
+        "task": "gsm8k",
+        "modes": {
+            "prefillshare": {"n": 5, "nll": 0.5, "metrics": {"accuracy": {"mean": 0.4}}},
+            "full-ft": {"n": 5, "nll": 0.4, "metrics": {"accuracy": {"mean": 0.6}}},
+        },
+    }
     text = model_card_text(meta, evals=[summary])
     header = yaml.safe_load(text.split("---\n")[1])
     assert header["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -68,32 +93,49 @@ def test_card_header_fields_for_an_embedded_base():
     assert "{{ not jinja }}" in text
 
 
-def test_export_cli_alora_from_a_trained_decoder_runs_on_stock_peft(trained, tmp_path, tiny_dir, tokenizer,
-                                                                    gsm8k_rows, capsys):
+def test_export_cli_alora_from_a_trained_decoder_runs_on_stock_peft(
+    trained, tmp_path, tiny_dir, tokenizer, gsm8k_rows, capsys
+):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     summary = tmp_path / "summary.json"
-    summary.write_text(json.dumps({"task": "gsm8k", "modes": {"prefillshare": {"n": 2, "metrics": {
-        "accuracy": {"mean": 0.5}}}}}))
-    rc = main(["export", str(trained), "--to", "peft-alora", str(tmp_path / "alora"), "--eval-summary", str(summary)])
+    summary.write_text(
+        json.dumps(
+            {"task": "gsm8k", "modes": {"prefillshare": {"n": 2, "metrics": {"accuracy": {"mean": 0.5}}}}}
+        )
+    )
+    rc = main(
+        [
+            "export",
+            str(trained),
+            "--to",
+            "peft-alora",
+            str(tmp_path / "alora"),
+            "--eval-summary",
+            str(summary),
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0 and "invocation tokens" in out.out and "warning" not in out.err
     header, text = _header(tmp_path / "alora" / "README.md")
     assert header["library_name"] == "peft" and {"alora", "method-ccft"} <= set(header["tags"])
-    assert "| gsm8k | prefillshare | 2 | - | accuracy 0.5000 |" in text and "PeftModel.from_pretrained" in text
+    assert (
+        "| gsm8k | prefillshare | 2 | - | accuracy 0.5000 |" in text and "PeftModel.from_pretrained" in text
+    )
 
     dec = ccft.load_decoder(trained)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32),
-                                      str(tmp_path / "alora")).eval()
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32), str(tmp_path / "alora")
+    ).eval()
     prompt = tokenize_prompt(tokenizer, gsm8k_rows[20]["prompt"], chat_template=True)
     response = tokenize_response(tokenizer, gsm8k_rows[20]["response"])
     cache = ccft.compute_base_cache(dec.base, [prompt], handoff_tokens=4)
     with torch.no_grad():
         ours = ccft.decoder_forward(dec, cache, torch.tensor([prompt[-4:] + response]))[0]
-        theirs = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 4:]
+        theirs = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 4 :]
         with model.disable_adapter():
-            untrained = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 4:]
+            untrained = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 4 :]
     assert (ours - theirs).abs().max().item() <= 1e-5
     assert (ours - untrained).abs().max().item() > 1e-3  # three steps moved the adapter off zero
 

@@ -29,8 +29,10 @@ def sharp_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def row(tokenizer, gsm8k_rows):
-    return (tokenize_prompt(tokenizer, gsm8k_rows[2]["prompt"], chat_template=True),
-            tokenize_response(tokenizer, gsm8k_rows[2]["response"]))
+    return (
+        tokenize_prompt(tokenizer, gsm8k_rows[2]["prompt"], chat_template=True),
+        tokenize_response(tokenizer, gsm8k_rows[2]["response"]),
+    )
 
 
 def test_full_ft_decoder_merged_is_a_plain_model_with_full_ft_logits(sharp_dir, tmp_path, row):
@@ -44,10 +46,14 @@ def test_full_ft_decoder_merged_is_a_plain_model_with_full_ft_logits(sharp_dir, 
     prompt, response = row
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
     with torch.no_grad():
-        theirs = plain(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt):]
-        ours = ccft.full_forward(dec, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long),
-                                 torch.tensor([response]))[0]
-        untouched = base.model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt):]
+        theirs = plain(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) :]
+        ours = ccft.full_forward(
+            dec,
+            torch.tensor([prompt]),
+            torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([response]),
+        )[0]
+        untouched = base.model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) :]
     assert (ours - theirs).abs().max().item() <= TOL
     assert (ours - untouched).abs().max().item() > 1e-2  # the decoder differs from its base
     meta = json.loads((tmp_path / "merged" / "ccft.json").read_text())
@@ -73,7 +79,9 @@ def test_lora_ccft_decoder_merged_keeps_prefillshare_logits(sharp_dir, tmp_path,
     assert merged.kind == "full" and merged.method == "ccft" and merged.handoff_tokens == 4
     with torch.no_grad():
         ours = ccft.decoder_forward(dec, cache, tail)[0]
-        theirs = ccft.decoder_forward(merged, ccft.compute_base_cache(fresh, [prompt], handoff_tokens=4), tail)[0]
+        theirs = ccft.decoder_forward(
+            merged, ccft.compute_base_cache(fresh, [prompt], handoff_tokens=4), tail
+        )[0]
         with dec.model.disable_adapter():
             plain = ccft.decoder_forward(dec.model, cache, tail, fingerprint=base.fingerprint)[0]
     # W + s·BA folded into one matrix rounds differently from W x + s·B(A x) in fp32: equal to within

@@ -19,12 +19,18 @@ N_NEW = 5
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tokenizer, gsm8k_rows):
-    base = ccft.load_base(str(make_tiny_folder(tmp_path_factory.mktemp("isolate"), tokenizer, seed=3, scale=30.0)))
+    base = ccft.load_base(
+        str(make_tiny_folder(tmp_path_factory.mktemp("isolate"), tokenizer, seed=3, scale=30.0))
+    )
     decs = {"math": make_lora(base, "math", 1, 4), "code": make_lora(base, "code", 2, 2)}
-    prompts = [tokenize_prompt(tokenizer, r["prompt"], chat_template=False)[: 5 + 4 * i]
-               for i, r in enumerate(gsm8k_rows[:3])]
-    refs = {"base": ccft.generate(prompts, mode="base", base=base, max_new_tokens=N_NEW),
-            "math": ccft.generate(prompts, mode="prefillshare", decoder=decs["math"], max_new_tokens=N_NEW)}
+    prompts = [
+        tokenize_prompt(tokenizer, r["prompt"], chat_template=False)[: 5 + 4 * i]
+        for i, r in enumerate(gsm8k_rows[:3])
+    ]
+    refs = {
+        "base": ccft.generate(prompts, mode="base", base=base, max_new_tokens=N_NEW),
+        "math": ccft.generate(prompts, mode="prefillshare", decoder=decs["math"], max_new_tokens=N_NEW),
+    }
     return base, decs, prompts, refs
 
 
@@ -61,14 +67,16 @@ def test_step_error_is_confined_to_the_broken_decoder(world, decode):
     assert eng.step_errors == 1 if decode == "eager" else eng.step_errors == N_NEW
     assert {rids[r] for r in failed} == {("code", row) for row in range(len(prompts))}
     assert all(isinstance(e, RuntimeError) for e in failed.values())
-    assert results == {(name, row): refs[name][row].token_ids for name in ("base", "math")
-                       for row in range(len(prompts))}
+    assert results == {
+        (name, row): refs[name][row].token_ids for name in ("base", "math") for row in range(len(prompts))
+    }
     # generate with the broken decoder raises its own error and leaves nothing active; the engine goes on
     with pytest.raises(RuntimeError):
         eng.generate(h, decoder="code", max_new_tokens=N_NEW)
     assert eng.active == 0
-    assert [g.token_ids for g in eng.generate(h, decoder="math", max_new_tokens=N_NEW)] == \
-           [g.token_ids for g in refs["math"]]
+    assert [g.token_ids for g in eng.generate(h, decoder="math", max_new_tokens=N_NEW)] == [
+        g.token_ids for g in refs["math"]
+    ]
     h.release()
     assert eng.arena.used_tokens == 0
 

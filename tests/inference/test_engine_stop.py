@@ -61,15 +61,18 @@ def test_chain_model_emits_the_text(chain, tokenizer):
     assert sum(_decode(tokenizer, seq[:t]).endswith("\ufffd") for t in range(1, len(seq))) >= 5
 
 
-@pytest.mark.parametrize("stop, text", [
-    ("42 ", "答案是 "),            # completed by " " + the first byte of 🎉: the stop is in the full decode
-                                   # one token before the emoji is complete
-    ("🎉 do", "答案是 42 "),       # the emoji's bytes and " done": spans four tokens
-    ("漢", "答案是 42 🎉 done "),  # one CJK character split over tokens
-    (["字", "案是"], "答"),        # the earliest occurrence wins
-    ("e 漢字", "答案是 42 🎉 don"),
-    ("not in the text", TEXT),
-])
+@pytest.mark.parametrize(
+    "stop, text",
+    [
+        ("42 ", "答案是 "),  # completed by " " + the first byte of 🎉: the stop is in the full decode
+        # one token before the emoji is complete
+        ("🎉 do", "答案是 42 "),  # the emoji's bytes and " done": spans four tokens
+        ("漢", "答案是 42 🎉 done "),  # one CJK character split over tokens
+        (["字", "案是"], "答"),  # the earliest occurrence wins
+        ("e 漢字", "答案是 42 🎉 don"),
+        ("not in the text", TEXT),
+    ],
+)
 @pytest.mark.parametrize("decode", ["eager", "static"])
 def test_stop_strings_on_multibyte_text_equal_reference(chain, tokenizer, stop, text, decode):
     base, prompt, seq = chain
@@ -88,11 +91,11 @@ def test_stop_strings_on_multibyte_text_equal_reference(chain, tokenizer, stop, 
         assert ours.finish_reason == "stop" and ours.token_ids == seq[:t]
         stops = [stop] if isinstance(stop, str) else stop
         assert any(s in _decode(tokenizer, seq[:t]) for s in stops)
-        assert not any(s in _decode(tokenizer, seq[:t - 1]) for s in stops)
+        assert not any(s in _decode(tokenizer, seq[: t - 1]) for s in stops)
 
 
 def test_stop_completed_by_a_token_that_starts_a_character(chain, tokenizer):
-    """"42 " is complete in the full decode at the token " " + first byte of 🎉, while a stream of
+    """ "42 " is complete in the full decode at the token " " + first byte of 🎉, while a stream of
     complete characters shows the space only with the emoji, three tokens later."""
     base, prompt, seq = chain
     eng = SharedPrefillEngine(base, fill=float("nan"))

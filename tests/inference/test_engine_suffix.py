@@ -50,7 +50,9 @@ def test_suffix_logits_equal_whole_prompt(tmp_path, tokenizer, gsm8k_rows, decod
     forced = torch.randint(3, 200, (N_NEW,), generator=torch.Generator().manual_seed(0)).tolist()
     for name in ("base", "math", "full"):
         for suf in suffixes:
-            got, _ = _run(eng, eng.add_request(h, 0, decoder=name, suffix_ids=suf, forced_tokens=forced), True)
+            got, _ = _run(
+                eng, eng.add_request(h, 0, decoder=name, suffix_ids=suf, forced_tokens=forced), True
+            )
             with eng.prefill([shared + suf], handoff_tokens=handoff) as whole:
                 ref, _ = _run(eng, eng.add_request(whole, 0, decoder=name, forced_tokens=forced), True)
             assert len(got) == N_NEW
@@ -70,5 +72,7 @@ def test_suffix_greedy_equals_reference(tmp_path, tokenizer, gsm8k_rows, handoff
             for suf in suffixes:
                 _, gen = _run(eng, eng.add_request(h, 0, decoder=name, suffix_ids=suf, max_new_tokens=N_NEW))
                 mode, dec = ("base", None) if name == "base" else ("prefillshare", decs[name])
-                want = ccft.generate([shared + suf], mode=mode, base=base, decoder=dec, max_new_tokens=N_NEW)[0]
+                want = ccft.generate([shared + suf], mode=mode, base=base, decoder=dec, max_new_tokens=N_NEW)[
+                    0
+                ]
                 assert gen.token_ids == want.token_ids, (name, len(suf))

@@ -41,7 +41,9 @@ def _adapter_dtypes(dec, name):
 def test_bf16_base_lora_decoder_is_served(sharp_dir, prompts, decode):
     base = ccft.load_base(str(sharp_dir), dtype="bfloat16")
     lora = make_lora(base, "math", 1, 4)
-    assert _adapter_dtypes(lora, "math") == {torch.float32}  # PEFT's autocast_adapter_dtype: the reported crash
+    assert _adapter_dtypes(lora, "math") == {
+        torch.float32
+    }  # PEFT's autocast_adapter_dtype: the reported crash
     eng = SharedPrefillEngine(base, decoders={"math": lora}, decode=decode)
     assert _adapter_dtypes(lora, "math") == {torch.bfloat16}  # cast at registration
     assert all(t.dtype == torch.bfloat16 for t in eng.decoders["math"].watched)

@@ -56,8 +56,9 @@ def make_case(seed, kv_heads, rep, d, handles, n_rows, device="cpu"):
         regions.append((start, p, lengths))
     # every prefix row is used at least once when there are enough rows; then random extra sharers
     pairs = [(h, i) for h, (_, _, lengths) in enumerate(regions) for i in range(len(lengths))]
-    rows = pairs[:n_rows] + [pairs[int(j)] for j in torch.randint(len(pairs), (max(0, n_rows - len(pairs)),),
-                                                                    generator=g)]
+    rows = pairs[:n_rows] + [
+        pairs[int(j)] for j in torch.randint(len(pairs), (max(0, n_rows - len(pairs)),), generator=g)
+    ]
     rows = [rows[int(j)] for j in torch.randperm(len(rows), generator=g)]
     heads = kv_heads * rep
     q = torch.randn(n_rows, heads, d, generator=g)
@@ -66,8 +67,8 @@ def make_case(seed, kv_heads, rep, d, handles, n_rows, device="cpu"):
     tk = torch.randn(n_rows, kv_heads, width, d, generator=g)
     tv = torch.randn(n_rows, kv_heads, width, d, generator=g)
     for r in range(n_rows):  # never-written tail slots hold stale finite data, which must not matter
-        tk[r, :, tail_len[r]:] = 1e3
-        tv[r, :, tail_len[r]:] = -1e3
+        tk[r, :, tail_len[r] :] = 1e3
+        tv[r, :, tail_len[r] :] = -1e3
     return arena, regions, rows, q, tk, tv, tail_len
 
 
@@ -76,10 +77,10 @@ def reference(arena, regions, rows, q, tk, tv, tail_len, scale):
     for r, (h, i) in enumerate(rows):
         start, p, lengths = regions[h]
         n = lengths[i]
-        k = torch.cat([arena.view("k", 0, start, len(lengths), p)[i, :, p - n:], tk[r, :, : tail_len[r]]], 1)
-        v = torch.cat([arena.view("v", 0, start, len(lengths), p)[i, :, p - n:], tv[r, :, : tail_len[r]]], 1)
+        k = torch.cat([arena.view("k", 0, start, len(lengths), p)[i, :, p - n :], tk[r, :, : tail_len[r]]], 1)
+        v = torch.cat([arena.view("v", 0, start, len(lengths), p)[i, :, p - n :], tv[r, :, : tail_len[r]]], 1)
         valid = torch.ones(1, 1, k.shape[1], dtype=torch.bool, device=q.device)
-        out.append(plain_attention(q[r: r + 1, :, None], k[None], v[None], valid, scale)[0, :, 0])
+        out.append(plain_attention(q[r : r + 1, :, None], k[None], v[None], valid, scale)[0, :, 0])
     return torch.stack(out)
 
 
@@ -98,17 +99,22 @@ def grouped_plan(arena, regions, rows, device="cpu"):
         for j, u in enumerate(used):
             table[j, : len(members[u])] = torch.tensor(members[u])
         n_rows = len(lengths)
-        groups.append(PrefixGroup(
-            k=lambda layer, s=start, n=n_rows, p=p: arena.view("k", layer, s, n, p),
-            v=lambda layer, s=start, n=n_rows, p=p: arena.view("v", layer, s, n, p),
-            key_start=torch.tensor([p - n for n in lengths], device=device), rows=table.to(device),
-            used=None if len(used) == len(lengths) else torch.tensor(used, device=device)))
+        groups.append(
+            PrefixGroup(
+                k=lambda layer, s=start, n=n_rows, p=p: arena.view("k", layer, s, n, p),
+                v=lambda layer, s=start, n=n_rows, p=p: arena.view("v", layer, s, n, p),
+                key_start=torch.tensor([p - n for n in lengths], device=device),
+                rows=table.to(device),
+                used=None if len(used) == len(lengths) else torch.tensor(used, device=device),
+            )
+        )
     return groups
 
 
 def static_meta(regions, rows, batch, kv_heads, device="cpu"):
-    return build_prefix_meta([(regions[h][0], i, regions[h][1], regions[h][2][i]) for h, i in rows], batch,
-                             kv_heads, device)
+    return build_prefix_meta(
+        [(regions[h][0], i, regions[h][1], regions[h][2][i]) for h, i in rows], batch, kv_heads, device
+    )
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["cpu-flash", "matmul"])
@@ -118,7 +124,7 @@ def test_cascade_equals_plain_attention(case, fused, monkeypatch):
         monkeypatch.setattr(attention, "_FLASH_CPU", None)
     arena, regions, rows, q, tk, tv, tail_len = make_case(*case)
     kv_heads, d = case[1], case[3]
-    scale = d ** -0.5
+    scale = d**-0.5
     ref = reference(arena, regions, rows, q, tk, tv, tail_len, scale)
     ot, lt = tail_attention(q, tk, tv, tail_len, scale)
     og, lg = prefix_attention_grouped(q, grouped_plan(arena, regions, rows), 0, scale)
@@ -139,18 +145,27 @@ def test_identity_layout_reads_views_without_copies():
     arena, regions, rows, q, tk, tv, tail_len = make_case(5, 2, 2, 16, [[4, 6, 3]], 3)
     rows = [(0, 0), (0, 1), (0, 2)]
     start, p, lengths = regions[0]
-    group = PrefixGroup(lambda layer: arena.view("k", layer, start, 3, p), lambda layer: arena.view("v", layer, start, 3, p),
-                        torch.tensor([p - n for n in lengths]))
+    group = PrefixGroup(
+        lambda layer: arena.view("k", layer, start, 3, p),
+        lambda layer: arena.view("v", layer, start, 3, p),
+        torch.tensor([p - n for n in lengths]),
+    )
     ref = reference(arena, regions, rows, q, tk, tv, tail_len, 0.25)
     ot, lt = tail_attention(q, tk, tv, tail_len, 0.25)
     og, lg = prefix_attention_grouped(q, [group], 0, 0.25)
     torch.testing.assert_close(merge(og, lg, ot, lt), ref, atol=1e-6, rtol=0)
     # the eager fast path: both score blocks under one softmax (same decomposition, no K/V concatenation)
     key_start = torch.tensor([p - n for n in lengths])
-    bias = torch.cat([key_bias(key_start, torch.full_like(key_start, p), p),
-                      key_bias(torch.zeros_like(tail_len), tail_len, tk.shape[2])], dim=-1)
-    out = cascade_attention_rowwise(q, arena.view("k", 0, start, 3, p), arena.view("v", 0, start, 3, p), tk, tv,
-                                    bias, 0.25)
+    bias = torch.cat(
+        [
+            key_bias(key_start, torch.full_like(key_start, p), p),
+            key_bias(torch.zeros_like(tail_len), tail_len, tk.shape[2]),
+        ],
+        dim=-1,
+    )
+    out = cascade_attention_rowwise(
+        q, arena.view("k", 0, start, 3, p), arena.view("v", 0, start, 3, p), tk, tv, bias, 0.25
+    )
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
 
 
@@ -203,8 +218,9 @@ def test_arena_reserve_grows_once_to_exactly_what_the_regions_need():
 
 
 def test_tail_pool_grows_keeps_rows_and_compacts():
-    pool = TailPool(2, 1, 4, torch.float32, "cpu", slots=1, capacity=4, max_slots=4, max_capacity=64,
-                    fill=float("nan"))
+    pool = TailPool(
+        2, 1, 4, torch.float32, "cpu", slots=1, capacity=4, max_slots=4, max_capacity=64, fill=float("nan")
+    )
     pool.k[:, 0, :, :3] = 7.0
     pool.ensure(3, 20)
     assert (pool.slots, pool.capacity, pool.generation) == (4, 32, 1)
@@ -225,8 +241,13 @@ def test_triton_kernel_in_interpreter():
     pytest.importorskip("triton", reason="the Triton kernel test needs `pip install triton` (CI installs it)")
     env = dict(os.environ, TRITON_INTERPRET="1")
     target = Path(__file__).with_name("test_inference_triton_interpret.py")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(target)], cwd=ROOT,
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(target)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, tail

@@ -26,9 +26,12 @@ ATOL = 1e-5
 NAN = float("nan")
 MODES = [("eager", "gather"), ("static", "gather")]
 #: engine configurations of the teacher-forced test: eager and static, packed (CPU default) and per-projection weights
-CONFIGS = {"eager": {"decode": "eager"}, "static": {"decode": "static"},
-           "eager-unpacked": {"decode": "eager", "pack_weights": False},
-           "static-unpacked": {"decode": "static", "pack_weights": False}}
+CONFIGS = {
+    "eager": {"decode": "eager"},
+    "static": {"decode": "static"},
+    "eager-unpacked": {"decode": "eager", "pack_weights": False},
+    "static-unpacked": {"decode": "static", "pack_weights": False},
+}
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +74,9 @@ def _reference(base, dec, prompts, n=N_NEW, **kw):
 
 
 def _same(ours, ref):
-    assert [(g.token_ids, g.text, g.finish_reason) for g in ours] == \
-           [(g.token_ids, g.text, g.finish_reason) for g in ref]
+    assert [(g.token_ids, g.text, g.finish_reason) for g in ours] == [
+        (g.token_ids, g.text, g.finish_reason) for g in ref
+    ]
 
 
 def _forced_logits(base, dec, cache, tails):
@@ -130,13 +134,18 @@ def test_tail_logits_equal_decoder_forward(tiny_dir, prompts, handoff):
     prefill); nothing is written; a decoder may not read another decoder's own prefill (K5)."""
     base = ccft.load_base(str(tiny_dir))
     full = _full(base, 9, handoff)
-    decs = {"math": _lora(base, "math", 1, 4, handoff), "code": _lora(base, "code", 2, 2, handoff, ["k_proj", "up_proj"]),
-            "full": full}
+    decs = {
+        "math": _lora(base, "math", 1, 4, handoff),
+        "code": _lora(base, "code", 2, 2, handoff, ["k_proj", "up_proj"]),
+        "full": full,
+    }
     eng = _engine(base, decs, max_batch=4)
     g = torch.Generator().manual_seed(0)
     rows = [4, 0, 2, 5]
-    tails = [prompts[r][-handoff:] + torch.randint(0, len(base.tokenizer), (3 + r,), generator=g).tolist()
-             for r in rows]
+    tails = [
+        prompts[r][-handoff:] + torch.randint(0, len(base.tokenizer), (3 + r,), generator=g).tolist()
+        for r in rows
+    ]
     ids, mask = right_pad(tails, base.tokenizer.pad_token_id)
     with eng.prefill(prompts) as h, eng.prefill(prompts, producer="full") as own:
         cache = h.to_base_cache().select(rows)
@@ -216,8 +225,11 @@ def test_teacher_forced_logits_every_step(tiny_dir, prompts, config, handoff):
     On the unsharpened tiny model (logits of order 1, so 1e-5 is a meaningful fp32 bound)."""
     base = ccft.load_base(str(tiny_dir))
     full = _full(base, 9, handoff)
-    decs = {"math": _lora(base, "math", 1, 4, handoff), "code": _lora(base, "code", 2, 2, handoff, ["k_proj", "up_proj"]),
-            "full": full}
+    decs = {
+        "math": _lora(base, "math", 1, 4, handoff),
+        "code": _lora(base, "code", 2, 2, handoff, ["k_proj", "up_proj"]),
+        "full": full,
+    }
     cache = ccft.compute_base_cache(base, prompts, handoff_tokens=handoff)
     g = torch.Generator().manual_seed(0)
     forced = torch.randint(0, len(base.tokenizer), (len(prompts), N_NEW), generator=g).tolist()
@@ -225,7 +237,11 @@ def test_teacher_forced_logits_every_step(tiny_dir, prompts, config, handoff):
     h = eng.prefill(prompts)  # k defaults to the decoders' handoff_tokens
     assert h.handoff_tokens == handoff
     names = ["base", "math", "code", "full"]
-    rid = {(n, i): eng.add_request(h, i, decoder=n, forced_tokens=forced[i]) for n in names for i in range(len(prompts))}
+    rid = {
+        (n, i): eng.add_request(h, i, decoder=n, forced_tokens=forced[i])
+        for n in names
+        for i in range(len(prompts))
+    }
     steps = []
     while eng.active:
         steps.append({o.request_id: o for o in eng.step(return_logits=True)})
@@ -236,7 +252,7 @@ def test_teacher_forced_logits_every_step(tiny_dir, prompts, config, handoff):
         ref = _forced_logits(base, None if n == "base" else decs[n], cache, tails)
         for i in range(len(prompts)):
             got = torch.stack([s[rid[n, i]].logits for s in steps])
-            torch.testing.assert_close(got, ref[i, handoff - 1: handoff - 1 + N_NEW], atol=ATOL, rtol=0)
+            torch.testing.assert_close(got, ref[i, handoff - 1 : handoff - 1 + N_NEW], atol=ATOL, rtol=0)
             assert [s[rid[n, i]].token_id for s in steps] == forced[i]
     assert eng.arena.used_tokens == 0
 
@@ -315,16 +331,25 @@ def test_output_independent_of_capacity_and_padding(tiny_dir, prompts):
     Eager configurations agree bit for bit (same widths read); static ones (bucketed widths, padded
     batch) within fp32 rounding (unsharpened model, logits of order 1)."""
     base = ccft.load_base(str(tiny_dir))
-    decs = {"math": _lora(base, "math", 1, 4), "code": _lora(base, "code", 2, 2, targets=["o_proj", "gate_proj"])}
+    decs = {
+        "math": _lora(base, "math", 1, 4),
+        "code": _lora(base, "code", 2, 2, targets=["o_proj", "gate_proj"]),
+    }
     results = []
-    configs = ({"max_tail_tokens": 16}, {"max_tail_tokens": 4096, "max_batch": 32},
-               {"decode": "static", "max_batch": 7}, {"decode": "static", "max_prefix_tokens": 4096})
+    configs = (
+        {"max_tail_tokens": 16},
+        {"max_tail_tokens": 4096, "max_batch": 32},
+        {"decode": "static", "max_batch": 7},
+        {"decode": "static", "max_prefix_tokens": 4096},
+    )
     for kw in configs:
         eng = _engine(base, decs, **kw)
         h = eng.prefill(prompts)
         if kw.get("max_batch") == 32:
             eng.lanes["base"].pool.ensure(32, 1024)  # a much larger pool than needed
-        ids = [eng.add_request(h, i, decoder=n, max_new_tokens=N_NEW) for i in range(3) for n in ("math", "code")]
+        ids = [
+            eng.add_request(h, i, decoder=n, max_new_tokens=N_NEW) for i in range(3) for n in ("math", "code")
+        ]
         logits = {rid: [] for rid in ids}
         while eng.active:
             for o in eng.step(return_logits=True):
@@ -349,7 +374,11 @@ def test_stop_strings_and_eos_match_reference(world, refs, prompts):
     eos_dec = decs["full"]
     cfg = eos_dec.model.generation_config
     saved = cfg.eos_token_id
-    cfg.eos_token_id = [base.tokenizer.eos_token_id, refs["full"][0].token_ids[0], refs["full"][1].token_ids[2]]
+    cfg.eos_token_id = [
+        base.tokenizer.eos_token_id,
+        refs["full"][0].token_ids[0],
+        refs["full"][1].token_ids[2],
+    ]
     try:
         eng = _engine(base, {"full": eos_dec})
         with eng.prefill(prompts) as h:
@@ -368,7 +397,9 @@ def test_sampling_is_reproducible(world, prompts):
         s = SamplingParams(do_sample=True, temperature=5.0, top_p=0.9, seed=11)
         one = eng.generate(h, decoder="math", max_new_tokens=N_NEW, sampling=s)
         two = eng.generate(h, decoder="math", max_new_tokens=N_NEW, sampling=s)
-        other = eng.generate(h, decoder="math", max_new_tokens=N_NEW, sampling=SamplingParams(True, 5.0, 0.9, seed=12))
+        other = eng.generate(
+            h, decoder="math", max_new_tokens=N_NEW, sampling=SamplingParams(True, 5.0, 0.9, seed=12)
+        )
     assert [g.token_ids for g in one] == [g.token_ids for g in two]
     assert [g.token_ids for g in one] != [g.token_ids for g in other]
 
@@ -463,7 +494,9 @@ def test_compiled_decode_equals_eager_with_bounded_recompiles(world, refs, promp
             _same(eng.generate(h, decoder=name, max_new_tokens=N_NEW), refs[name])
         runner = eng.lanes["base"].runner
         keys = runner.captures
-        _same(eng.generate(h, decoder="code", max_new_tokens=N_NEW), refs["code"])  # same keys: no new compile
+        _same(
+            eng.generate(h, decoder="code", max_new_tokens=N_NEW), refs["code"]
+        )  # same keys: no new compile
         assert runner.captures == keys
     # batch buckets {8, 4, 2, 1} as rows finish (6 rows padded to 8) x one tail width x one prefix width
     assert keys <= 4

@@ -12,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 N_NEW = 8
 
@@ -50,9 +52,20 @@ def _base(scale=30.0, seed=0):
     import ccft
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).float().cuda().eval()
     model.requires_grad_(False)
     with torch.no_grad():
@@ -74,8 +87,9 @@ def _decoders(base):
     decs = {"full": full}
     for i, name in enumerate(("math", "code")):
         torch.manual_seed(10 + i)
-        d = ccft.make_decoder(base, "lora", lora={"r": 4 + 4 * i, "init_lora_weights": False}, method="ccft",
-                              adapter_name=name)
+        d = ccft.make_decoder(
+            base, "lora", lora={"r": 4 + 4 * i, "init_lora_weights": False}, method="ccft", adapter_name=name
+        )
         d.model.eval()
         decs[name] = d
     return decs
@@ -97,7 +111,9 @@ def test_cuda_graph_greedy_equals_reference(attention, batch):
     base = _base()
     decs = _decoders(base)
     prompts = _prompts(batch)
-    eng = SharedPrefillEngine(base, decoders=decs, decode="cuda_graph", attention=attention, fill=float("nan"))
+    eng = SharedPrefillEngine(
+        base, decoders=decs, decode="cuda_graph", attention=attention, fill=float("nan")
+    )
     with eng.prefill(prompts) as h:
         snap = h.snapshot()
         for name in ("base", "math", "code", "math", "full"):  # A, B, A on one handle
@@ -176,13 +192,15 @@ def test_triton_kernel_on_cuda_equals_gather():
     for case in CASES:
         arena, regions, rows, q, tk, tv, tail_len = make_case(*case, device="cuda")
         kv_heads, d = case[1], case[3]
-        scale = d ** -0.5
+        scale = d**-0.5
         q, tk, tv, tail_len = q.cuda(), tk.cuda(), tv.cuda(), tail_len.cuda()
         ref = reference(arena, regions, rows, q, tk, tv, tail_len, scale)
         b = bucket(len(rows))
         qp = torch.cat([q, torch.randn(b - len(rows), *q.shape[1:], device="cuda")])
         meta = static_meta(regions, rows, b, kv_heads, device="cuda")
-        out, lse = prefix_attention_triton(qp, arena.k[0].view(-1, d), arena.v[0].view(-1, d), meta, kv_heads, scale)
+        out, lse = prefix_attention_triton(
+            qp, arena.k[0].view(-1, d), arena.v[0].view(-1, d), meta, kv_heads, scale
+        )
         ot, lt = tail_attention(q, tk, tv, tail_len, scale)
         torch.testing.assert_close(merge(out[: len(rows)], lse[: len(rows)], ot, lt), ref, atol=1e-5, rtol=0)
 
@@ -211,8 +229,9 @@ def test_graphs_recaptured_after_buffers_grow():
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
     with eng.prefill(small) as h:  # and back to a small bucket on the grown buffers
         got = eng.generate(h, max_new_tokens=N_NEW)
-    assert [g.token_ids for g in got] == [r.token_ids for r in ccft.generate(small, mode="base", base=base,
-                                                                           max_new_tokens=N_NEW)]
+    assert [g.token_ids for g in got] == [
+        r.token_ids for r in ccft.generate(small, mode="base", base=base, max_new_tokens=N_NEW)
+    ]
 
 
 def test_scheduler_shared_prefill_store_and_suffixes_on_cuda():
@@ -230,8 +249,16 @@ def test_scheduler_shared_prefill_store_and_suffixes_on_cuda():
     g = torch.Generator().manual_seed(7)
     ctx = [torch.randint(3, 256, (40 + 9 * t,), generator=g).tolist() for t in range(2)]
     ctx[1][:40] = ctx[0]  # the second turn extends the first: store hits
-    reqs = [ServeRequest(name, c + torch.randint(3, 256, (3 + i,), generator=g).tolist(), shared_len=len(c),
-                         max_new_tokens=N_NEW) for c in ctx for i, name in enumerate(("base", "math", "code", "full"))]
+    reqs = [
+        ServeRequest(
+            name,
+            c + torch.randint(3, 256, (3 + i,), generator=g).tolist(),
+            shared_len=len(c),
+            max_new_tokens=N_NEW,
+        )
+        for c in ctx
+        for i, name in enumerate(("base", "math", "code", "full"))
+    ]
     for share in (True, False):
         eng = SharedPrefillEngine(base, decoders=decs, decode="cuda_graph", fill=float("nan"))
         sched = Scheduler(eng, share=share, store=PrefixKVStore(block_tokens=16))

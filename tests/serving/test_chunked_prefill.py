@@ -21,10 +21,15 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tokenizer):
-    base = ccft.load_base(str(make_tiny_folder(tmp_path_factory.mktemp("chunk"), tokenizer, seed=5, scale=30.0)))
+    base = ccft.load_base(
+        str(make_tiny_folder(tmp_path_factory.mktemp("chunk"), tokenizer, seed=5, scale=30.0))
+    )
     full = ccft.make_decoder(base, "full", method="ccft")
     full.model.eval()
-    return base, {"full": full, **{name: make_lora(base, name, 30 + i, 4) for i, name in enumerate(("math", "code"))}}
+    return base, {
+        "full": full,
+        **{name: make_lora(base, name, 30 + i, 4) for i, name in enumerate(("math", "code"))},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +54,9 @@ def _reference(world, r, share=True):
             return fresh.generate(h, decoder=r.decoder, max_new_tokens=r.max_new_tokens)[0]
     if r.decoder == "base":
         return ccft.generate([list(r.prompt_ids)], mode="base", base=base, max_new_tokens=r.max_new_tokens)[0]
-    return ccft.generate([list(r.prompt_ids)], mode="prefillshare", decoder=decs[r.decoder],
-                         max_new_tokens=r.max_new_tokens)[0]
+    return ccft.generate(
+        [list(r.prompt_ids)], mode="prefillshare", decoder=decs[r.decoder], max_new_tokens=r.max_new_tokens
+    )[0]
 
 
 @pytest.mark.parametrize("producer", [None, "math"])
@@ -110,8 +116,10 @@ def test_long_prefill_mid_decode_is_interleaved_and_outputs_equal(world, long_id
     sched = Scheduler(eng, share=share, store=PrefixKVStore(block_tokens=BLOCK), prefill_chunk_tokens=budget)
     early = [ServeRequest(d, texts_short[i], max_new_tokens=48) for i, d in enumerate(("code", "base"))]
     ctx = long_ids[:1100]
-    late = [ServeRequest(d, ctx + texts_short[2 + i][:5 + i], shared_len=len(ctx), max_new_tokens=6)
-            for i, d in enumerate(("math", "full", "base"))]
+    late = [
+        ServeRequest(d, ctx + texts_short[2 + i][: 5 + i], shared_len=len(ctx), max_new_tokens=6)
+        for i, d in enumerate(("math", "full", "base"))
+    ]
     tickets = [sched.submit(r) for r in early]
     sched.step()
     sched.step()
@@ -135,7 +143,9 @@ def test_long_prefill_mid_decode_is_interleaved_and_outputs_equal(world, long_id
             break
     # 1099 positions per context, in pieces of (128 - decode rows) rounded down to blocks, at least one block
     assert chunk_steps >= 1099 * expected_contexts // budget
-    assert sched.counters["prefills"] == 2 + expected_contexts  # the two early requests, then the long context(s)
+    assert (
+        sched.counters["prefills"] == 2 + expected_contexts
+    )  # the two early requests, then the long context(s)
     sched.run_until_idle()
     assert [t.state for t in tickets] == ["done"] * 5
     for t in tickets:
@@ -151,7 +161,9 @@ def test_budget_below_decode_rows_still_progresses_one_block(world, long_ids, te
     sched.step()
     sched.step()  # 29 context positions: two one-block pieces (budget 1 < one block)
     assert runner.state == "running" and len(runner.tokens) == 1
-    long = sched.submit(ServeRequest("code", long_ids[:200] + texts_short[1][:4], shared_len=200, max_new_tokens=3))
+    long = sched.submit(
+        ServeRequest("code", long_ids[:200] + texts_short[1][:4], shared_len=200, max_new_tokens=3)
+    )
     steps = 0
     while long.state != "running":
         sched.step()
@@ -167,7 +179,9 @@ def test_cancel_while_its_context_is_prefilled(world, long_ids, texts_short):
     eng = SharedPrefillEngine(base, decoders=decs)
     store = PrefixKVStore(block_tokens=BLOCK)
     sched = Scheduler(eng, store=store, prefill_chunk_tokens=64)
-    t = sched.submit(ServeRequest("math", long_ids[:600] + texts_short[0][:3], shared_len=600, max_new_tokens=3))
+    t = sched.submit(
+        ServeRequest("math", long_ids[:600] + texts_short[0][:3], shared_len=600, max_new_tokens=3)
+    )
     sched.step()
     sched.step()
     assert t.state == "prefilling" and sched.pending_prefill_tokens > 0
@@ -185,9 +199,15 @@ def test_kv_budget_holds_while_a_context_is_prefilled_in_pieces(world, long_ids,
     eng = SharedPrefillEngine(base, decoders=decs)
     bpt = eng.kv_bytes_per_token
     budget = 1300 * bpt  # one 400-token context + its 400 store tokens + a tail fit; two do not
-    sched = Scheduler(eng, store=PrefixKVStore(block_tokens=BLOCK), prefill_chunk_tokens=64, kv_budget_bytes=budget)
-    reqs = [ServeRequest(d, long_ids[400 * i:400 * (i + 1)] + texts_short[i][:4], shared_len=400, max_new_tokens=4)
-            for i, d in enumerate(("math", "code"))]
+    sched = Scheduler(
+        eng, store=PrefixKVStore(block_tokens=BLOCK), prefill_chunk_tokens=64, kv_budget_bytes=budget
+    )
+    reqs = [
+        ServeRequest(
+            d, long_ids[400 * i : 400 * (i + 1)] + texts_short[i][:4], shared_len=400, max_new_tokens=4
+        )
+        for i, d in enumerate(("math", "code"))
+    ]
     tickets = [sched.submit(reqs[0])]
     sched.step()
     assert sched.pending_prefill_tokens > 0  # the first context is being prefilled in pieces
@@ -219,12 +239,24 @@ def test_serve_cli_flags(world):
     from ccft.cli.main import build_parser
     from ccft.cli.serve import build_scheduler
 
-    args = build_parser().parse_args(["serve", "--model", world[0].path, "--prefill-chunk-tokens", "64",
-                                      "--policy", "mlfq", "--max-running", "3"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            world[0].path,
+            "--prefill-chunk-tokens",
+            "64",
+            "--policy",
+            "mlfq",
+            "--max-running",
+            "3",
+        ]
+    )
     sched, _ = build_scheduler(args)
     assert sched.prefill_chunk_tokens == 64 and sched.policy == "mlfq" and sched.max_running == 3
     sched, _ = build_scheduler(build_parser().parse_args(["serve", "--model", world[0].path]))
     assert sched.prefill_chunk_tokens is None and sched.policy == "fcfs"
-    bench = build_parser().parse_args(["bench", "serve", "--prefill-chunk-tokens", "32", "--policy", "both",
-                                       "--agents", "8"])
+    bench = build_parser().parse_args(
+        ["bench", "serve", "--prefill-chunk-tokens", "32", "--policy", "both", "--agents", "8"]
+    )
     assert (bench.prefill_chunk_tokens, bench.policy, bench.agents) == (32, "both", 8)

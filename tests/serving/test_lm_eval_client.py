@@ -34,17 +34,37 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 WAIT = 120.0
 
 ROWS = [  # lm-eval joins context and choice with its target delimiter " "
-    {"question": "What is 2 + 3?", "answer": "5", "letters": ["A", "B", "C"],
-     "words": ["five apples", "six pears", "twenty three"], "label": 0},
-    {"question": "Natalia sold 48 clips in April and half as many in May. How many in May?", "answer": "24",
-     "letters": ["A", "B", "C"], "words": ["ninety six", "twenty four", "seventy two"], "label": 1},
-    {"question": "Which is larger, 7 or 70?", "answer": "70", "letters": ["A", "B"],
-     "words": ["seven pears", "seventy apples"], "label": 1},
-    {"question": "Tom has 3 boxes of 4 pens. How many pens?", "answer": "12", "letters": ["A", "B", "C", "D"],
-     "words": ["twelve pens", "seven boxes", "thirty four", "one pen"], "label": 0},
+    {
+        "question": "What is 2 + 3?",
+        "answer": "5",
+        "letters": ["A", "B", "C"],
+        "words": ["five apples", "six pears", "twenty three"],
+        "label": 0,
+    },
+    {
+        "question": "Natalia sold 48 clips in April and half as many in May. How many in May?",
+        "answer": "24",
+        "letters": ["A", "B", "C"],
+        "words": ["ninety six", "twenty four", "seventy two"],
+        "label": 1,
+    },
+    {
+        "question": "Which is larger, 7 or 70?",
+        "answer": "70",
+        "letters": ["A", "B"],
+        "words": ["seven pears", "seventy apples"],
+        "label": 1,
+    },
+    {
+        "question": "Tom has 3 boxes of 4 pens. How many pens?",
+        "answer": "12",
+        "letters": ["A", "B", "C", "D"],
+        "words": ["twelve pens", "seven boxes", "thirty four", "one pen"],
+        "label": 0,
+    },
 ]
 
-UTILS = '''
+UTILS = """
 import json
 from pathlib import Path
 
@@ -54,9 +74,9 @@ def load(**kwargs):
 
     rows = [json.loads(x) for x in (Path(__file__).parent / "rows.jsonl").read_text().splitlines() if x.strip()]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
-'''
+"""
 
-MC = '''
+MC = """
 task: {name}
 custom_dataset: !function utils.load
 output_type: multiple_choice
@@ -70,9 +90,9 @@ metric_list:
     higher_is_better: true
 metadata:
   version: 1.0
-'''
+"""
 
-GEN = '''
+GEN = """
 task: clients_gen
 custom_dataset: !function utils.load
 output_type: generate_until
@@ -89,7 +109,7 @@ metric_list:
     higher_is_better: true
 metadata:
   version: 1.0
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +140,16 @@ def _evaluate(setup, model: str, model_args: str, tasks: list[str]) -> dict:
     import ccft.evals.lm_eval_model  # noqa: F401  (registers "ccft")
 
     tm = TaskManager(include_path=str(setup["tasks"]), include_defaults=False)
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, task_manager=tm,
-                                   log_samples=True, bootstrap_iters=0)
+    return lm_eval.simple_evaluate(
+        model=model, model_args=model_args, tasks=tasks, task_manager=tm, log_samples=True, bootstrap_iters=0
+    )
 
 
 def _served(setup, model: str, tasks: list[str]) -> dict:
-    args = (f"model={model},base_url={setup['url']}/v1/completions,tokenizer_backend=huggingface,"
-            f"tokenizer={setup['base']},max_retries=1,num_concurrent=1")
+    args = (
+        f"model={model},base_url={setup['url']}/v1/completions,tokenizer_backend=huggingface,"
+        f"tokenizer={setup['base']},max_retries=1,num_concurrent=1"
+    )
     return _evaluate(setup, "local-completions", args, tasks)
 
 
@@ -138,11 +161,15 @@ def _same(served: dict, local: dict, tasks: list[str]) -> None:
             assert sa["arguments"] == sb["arguments"]
             ra, rb = sa["filtered_resps"], sb["filtered_resps"]
             if isinstance(ra[0], (list, tuple)):  # loglikelihoods: (logprob, greedy) per choice
-                assert [float(x[0]) for x in ra] == pytest.approx([float(x[0]) for x in rb], rel=1e-5, abs=1e-4)
+                assert [float(x[0]) for x in ra] == pytest.approx(
+                    [float(x[0]) for x in rb], rel=1e-5, abs=1e-4
+                )
                 assert [bool(x[1]) for x in ra] == [bool(x[1]) for x in rb]
             else:  # generated text
                 assert ra == rb
-        metrics = {k: v for k, v in local["results"][task].items() if k.endswith(",none") and "stderr" not in k}
+        metrics = {
+            k: v for k, v in local["results"][task].items() if k.endswith(",none") and "stderr" not in k
+        }
         assert metrics and all(served["results"][task][k] == pytest.approx(v) for k, v in metrics.items())
 
 
@@ -167,16 +194,34 @@ def test_echo_context_tokens_matches_in_process_multi_token(setup, tokenizer):
 
     lm = CCFTLM(decoder=str(setup["decoder"]), mode="prefillshare", batch_size=4)
     items = [(f"Question: {r['question']}\nAnswer:", " " + w) for r in ROWS for w in r["words"]]
-    pairs = [(lm.tok_encode(c), lm.tok_encode(c + w)[len(lm.tok_encode(c)):]) for c, w in items]
+    pairs = [(lm.tok_encode(c), lm.tok_encode(c + w)[len(lm.tok_encode(c)) :]) for c, w in items]
     want = [lp for lp, _ in lm._loglikelihood_tokens([(None, c, x) for c, x in pairs], disable_tqdm=True)]
     got = []
     with httpx.Client(base_url=setup["url"], timeout=WAIT) as http:
         for c, x in pairs:
-            r = http.post("/v1/completions", json={"model": "cc", "prompt": c + x, "max_tokens": 0, "echo": True,
-                                                   "logprobs": 0, "echo_context_tokens": len(c)})
+            r = http.post(
+                "/v1/completions",
+                json={
+                    "model": "cc",
+                    "prompt": c + x,
+                    "max_tokens": 0,
+                    "echo": True,
+                    "logprobs": 0,
+                    "echo_context_tokens": len(c),
+                },
+            )
             assert r.status_code == 200, r.text
-            got.append(sum(r.json()["choices"][0]["logprobs"]["token_logprobs"][len(c):]))
-        r = http.post("/v1/completions", json={"model": "cc", "prompt": pairs[0][0], "max_tokens": 0, "echo": True,
-                                               "logprobs": 0, "echo_context_tokens": len(pairs[0][0])})
+            got.append(sum(r.json()["choices"][0]["logprobs"]["token_logprobs"][len(c) :]))
+        r = http.post(
+            "/v1/completions",
+            json={
+                "model": "cc",
+                "prompt": pairs[0][0],
+                "max_tokens": 0,
+                "echo": True,
+                "logprobs": 0,
+                "echo_context_tokens": len(pairs[0][0]),
+            },
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "echo_context_tokens"
     assert got == pytest.approx(want, rel=1e-5, abs=1e-4)

@@ -45,11 +45,11 @@ def _reference_logprobs(base, dec, context: list[int], cont: list[int]) -> torch
     with torch.no_grad():
         if dec is None:
             with base.base_weights() as m:
-                logits = m(input_ids=torch.tensor([context + cont])).logits[0, len(context) - 1:-1]
+                logits = m(input_ids=torch.tensor([context + cont])).logits[0, len(context) - 1 : -1]
         else:
             k = min(dec.handoff_tokens, len(context) - 1)
             cache = ccft.compute_base_cache(base, [context], handoff_tokens=k)
-            logits = decoder_forward(dec, cache, torch.tensor([context[-k:] + cont]))[0, k - 1:-1]
+            logits = decoder_forward(dec, cache, torch.tensor([context[-k:] + cont]))[0, k - 1 : -1]
     return torch.log_softmax(logits.float(), -1)
 
 
@@ -61,8 +61,9 @@ def test_step_logprobs_equal_teacher_forced_reference(world, prompt, decoder, sa
     k = 1 if decoder == "base" else decs[decoder].handoff_tokens
     sampling = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, seed=5) if sampled else None
     with engine.prefill([prompt], handoff_tokens=k) as h:
-        rid = engine.add_request(h, decoder=decoder, max_new_tokens=6, logprobs=3, sampling=sampling,
-                                 ignore_eos=True)
+        rid = engine.add_request(
+            h, decoder=decoder, max_new_tokens=6, logprobs=3, sampling=sampling, ignore_eos=True
+        )
         plain = engine.add_request(h, decoder=decoder, max_new_tokens=6, sampling=sampling, ignore_eos=True)
         outs = []
         while engine.active:
@@ -92,9 +93,11 @@ def test_prompt_logprobs_equal_per_position_reference(world, prompt, decoder):
     for i in range(1, len(prompt)):
         if dec is not None and i <= dec.handoff_tokens:  # shorter than the handoff: the decoder over it all
             with torch.no_grad():
-                ref = torch.log_softmax(dec.activate()(input_ids=torch.tensor([prompt[:i]])).logits[0, -1].float(), -1)
+                ref = torch.log_softmax(
+                    dec.activate()(input_ids=torch.tensor([prompt[:i]])).logits[0, -1].float(), -1
+                )
         else:
-            ref = _reference_logprobs(base, dec, prompt[:i], prompt[i:i + 1])[0]
+            ref = _reference_logprobs(base, dec, prompt[:i], prompt[i : i + 1])[0]
         lp, top = got[i]
         assert lp == pytest.approx(float(ref[prompt[i]]), abs=TOL), i
         assert [t for t, _ in top] == ref.topk(2).indices.tolist()
@@ -124,9 +127,9 @@ def test_context_tokens_scores_the_continuation_as_generated(world, prompt, deco
     ref = _reference_logprobs(base, decs.get(decoder), prompt[:c], prompt[c:])
     want = [float(ref[j, t]) for j, t in enumerate(prompt[c:])]
     assert [e[0] for e in got[c:]] == pytest.approx(want, abs=TOL)
-    assert [e[0] for e in got[1:c + 1]] == pytest.approx([e[0] for e in per_position[1:c + 1]], abs=TOL)
+    assert [e[0] for e in got[1 : c + 1]] == pytest.approx([e[0] for e in per_position[1 : c + 1]], abs=TOL)
     if decoder != "base":  # the decoder's later continuation tokens read its own K/V, not the base's
-        assert max(abs(a[0] - b[0]) for a, b in zip(got[c + 1:], per_position[c + 1:], strict=True)) > 1e-3
+        assert max(abs(a[0] - b[0]) for a, b in zip(got[c + 1 :], per_position[c + 1 :], strict=True)) > 1e-3
     with pytest.raises(ccft.ConfigError, match="context_tokens=.* must be in 1.."):
         prompt_logprobs(engine, decoder, prompt, context_tokens=len(prompt))
 
@@ -135,8 +138,12 @@ def test_n_choices_prefill_the_prompt_once(world, prompt):
     base, decs = world
     engine = SharedPrefillEngine(base, decoders=decs)
     sched = Scheduler(engine)
-    reqs = [ServeRequest("k1", prompt, max_new_tokens=4, sampling=SamplingParams(True, 1.0, 1.0, 7 + j),
-                         logprobs=1) for j in range(3)]
+    reqs = [
+        ServeRequest(
+            "k1", prompt, max_new_tokens=4, sampling=SamplingParams(True, 1.0, 1.0, 7 + j), logprobs=1
+        )
+        for j in range(3)
+    ]
     tickets = sched.submit_many(reqs)
     sched.run_until_idle()
     stats = sched.stats()
@@ -144,7 +151,9 @@ def test_n_choices_prefill_the_prompt_once(world, prompt):
     assert stats["context_reuse_tokens"] == 2 * (len(prompt) - 1)
     for j, t in enumerate(tickets):  # each choice equals its own seed alone on a fresh engine
         with SharedPrefillEngine(base, decoders=decs).prefill([prompt], handoff_tokens=1) as h:  # k1's k
-            ref = h.engine.generate(h, decoder="k1", max_new_tokens=4, sampling=SamplingParams(True, 1.0, 1.0, 7 + j))
+            ref = h.engine.generate(
+                h, decoder="k1", max_new_tokens=4, sampling=SamplingParams(True, 1.0, 1.0, 7 + j)
+            )
         assert t.state == "done" and t.tokens == ref[0].token_ids and len(t.token_logprobs) == len(t.tokens)
 
 
@@ -156,7 +165,9 @@ def test_score_only_request(world, prompt):
     (t,) = sched.submit_many([ServeRequest("k2", prompt, max_new_tokens=0, prompt_logprobs=1)])
     sched.run_until_idle()
     assert t.state == "done" and t.result.token_ids == [] and sched.stats().get("prefills", 0) == 0
-    assert [e and e[0] for e in t.prompt_logprobs] == [e and e[0] for e in prompt_logprobs(engine, "k2", prompt, top=1)]
+    assert [e and e[0] for e in t.prompt_logprobs] == [
+        e and e[0] for e in prompt_logprobs(engine, "k2", prompt, top=1)
+    ]
     with pytest.raises(ccft.ConfigError, match="0 only with prompt_logprobs"):
         sched.submit(ServeRequest("k2", prompt, max_new_tokens=0))
 

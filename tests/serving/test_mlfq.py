@@ -17,10 +17,15 @@ from conftest import make_lora, make_tiny_folder
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tokenizer):
-    base = ccft.load_base(str(make_tiny_folder(tmp_path_factory.mktemp("mlfq"), tokenizer, seed=5, scale=30.0)))
+    base = ccft.load_base(
+        str(make_tiny_folder(tmp_path_factory.mktemp("mlfq"), tokenizer, seed=5, scale=30.0))
+    )
     full = ccft.make_decoder(base, "full", method="ccft")
     full.model.eval()
-    return base, {"full": full, **{name: make_lora(base, name, 40 + i, 4) for i, name in enumerate(("math", "code"))}}
+    return base, {
+        "full": full,
+        **{name: make_lora(base, name, 40 + i, 4) for i, name in enumerate(("math", "code"))},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +37,9 @@ def _reference(world, r):
     base, decs = world
     if r.decoder == "base":
         return ccft.generate([list(r.prompt_ids)], mode="base", base=base, max_new_tokens=r.max_new_tokens)[0]
-    return ccft.generate([list(r.prompt_ids)], mode="prefillshare", decoder=decs[r.decoder],
-                         max_new_tokens=r.max_new_tokens)[0]
+    return ccft.generate(
+        [list(r.prompt_ids)], mode="prefillshare", decoder=decs[r.decoder], max_new_tokens=r.max_new_tokens
+    )[0]
 
 
 class StepClock:
@@ -62,12 +68,20 @@ def test_outputs_do_not_depend_on_the_policy(world, texts, decode):
     reqs = []
     for c in range(2):
         for j, d in enumerate(("base", "math", "code", "full")):
-            reqs.append(ServeRequest(d, texts[c] + texts[10 + j][:3 + j], shared_len=24, max_new_tokens=3 + 5 * j))
+            reqs.append(
+                ServeRequest(d, texts[c] + texts[10 + j][: 3 + j], shared_len=24, max_new_tokens=3 + 5 * j)
+            )
     want = [list(_reference(world, r).token_ids) for r in reqs]
     for policy in ("fcfs", "mlfq"):
         eng = SharedPrefillEngine(base, decoders=decs, decode=decode, fill=float("nan"))
-        sched = Scheduler(eng, store=PrefixKVStore(block_tokens=8), policy=policy, max_running=2, mlfq_quantum=2,
-                          mlfq_aging_steps=5)
+        sched = Scheduler(
+            eng,
+            store=PrefixKVStore(block_tokens=8),
+            policy=policy,
+            max_running=2,
+            mlfq_quantum=2,
+            mlfq_aging_steps=5,
+        )
         tickets = [sched.submit(r) for r in reqs]
         sched.run_until_idle()
         assert [t.tokens for t in tickets] == want, policy
@@ -78,10 +92,13 @@ def test_outputs_do_not_depend_on_the_policy(world, texts, decode):
 
 def _short_behind_long(world, texts, policy):
     base, decs = world
-    sched = Scheduler(SharedPrefillEngine(base, decoders=decs, max_batch=4), policy=policy, max_running=2,
-                      mlfq_quantum=4)
+    sched = Scheduler(
+        SharedPrefillEngine(base, decoders=decs, max_batch=4), policy=policy, max_running=2, mlfq_quantum=4
+    )
     clock = StepClock(sched)
-    longs = [clock.submit(ServeRequest(d, texts[i], max_new_tokens=30)) for i, d in enumerate(("math", "code"))]
+    longs = [
+        clock.submit(ServeRequest(d, texts[i], max_new_tokens=30)) for i, d in enumerate(("math", "code"))
+    ]
     for _ in range(6):
         clock.step()
     short = clock.submit(ServeRequest("math", texts[5], max_new_tokens=3))
@@ -103,8 +120,13 @@ def test_short_request_behind_long_ones_finishes_first_under_mlfq(world, texts):
 
 def _long_under_a_stream_of_short_ones(world, texts, aging_steps, steps):
     base, decs = world
-    sched = Scheduler(SharedPrefillEngine(base, decoders=decs, max_batch=32), policy="mlfq", max_running=1,
-                      mlfq_quantum=4, mlfq_aging_steps=aging_steps)
+    sched = Scheduler(
+        SharedPrefillEngine(base, decoders=decs, max_batch=32),
+        policy="mlfq",
+        max_running=1,
+        mlfq_quantum=4,
+        mlfq_aging_steps=aging_steps,
+    )
     clock = StepClock(sched)
     long = clock.submit(ServeRequest("code", texts[0], max_new_tokens=20))
     shorts = []
@@ -136,8 +158,18 @@ def test_workload_varied_output_lengths_and_eight_agents(tokenizer):
     from ccft.core.errors import ConfigError
     from ccft.serving import workloads
 
-    kw = dict(sessions=3, turns=2, agents=list(workloads.EIGHT_AGENTS), shared_tokens=64, unique_tokens=24,
-              growth_tokens=8, max_new_tokens=16, rate=None, seed=3, tokenizer=tokenizer)
+    kw = dict(
+        sessions=3,
+        turns=2,
+        agents=list(workloads.EIGHT_AGENTS),
+        shared_tokens=64,
+        unique_tokens=24,
+        growth_tokens=8,
+        max_new_tokens=16,
+        rate=None,
+        seed=3,
+        tokenizer=tokenizer,
+    )
     fixed = workloads.generate("react", **kw)
     varied = workloads.generate("react", new_tokens_spread=0.8, **kw)
     again = workloads.generate("react", new_tokens_spread=0.8, **kw)
@@ -180,7 +212,9 @@ def test_mlfq_state_lives_in_the_policy():
     from types import SimpleNamespace
 
     p = MLFQ(levels=3, quantum=2, entry_tokens=4, aging_steps=3)
-    short, long = (SimpleNamespace(id=i, request=SimpleNamespace(prompt_ids=[0] * n)) for i, n in ((0, 4), (1, 9)))
+    short, long = (
+        SimpleNamespace(id=i, request=SimpleNamespace(prompt_ids=[0] * n)) for i, n in ((0, 4), (1, 9))
+    )
     for t in (short, long):
         p.on_submit(t)
     assert (p.level(short), p.level(long)) == (0, 2)  # 9 > 4, 9 > 8: two levels skipped

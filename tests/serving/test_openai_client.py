@@ -62,7 +62,10 @@ def offline(world):
 
     def run(ids, decoder="math", max_tokens=6, sampling=None, stop=None):
         with engine.prefill([list(ids)]) as h:
-            return engine.generate(h, decoder=decoder, max_new_tokens=max_tokens, sampling=sampling, stop=stop)[0]
+            return engine.generate(
+                h, decoder=decoder, max_new_tokens=max_tokens, sampling=sampling, stop=stop
+            )[0]
+
     run.engine = engine
     return run
 
@@ -77,7 +80,7 @@ def _ref_logprobs(world, decoder, prompt: list[int], out: list[int]) -> torch.Te
     with torch.no_grad():
         if decoder == "base":
             with base.base_weights() as m:
-                logits = m(input_ids=torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+                logits = m(input_ids=torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1]
         else:
             cache = ccft.compute_base_cache(base, [prompt])
             logits = decoder_forward(decs[decoder], cache, torch.tensor([prompt[-1:] + out]))[0, :-1]
@@ -106,13 +109,17 @@ def test_completion_logprobs_and_usage(client, world, tokenizer, text, offline):
     ref = offline(ids, max_tokens=5)
     r = client.completions.create(model="math", prompt=text, max_tokens=5, logprobs=3)
     (choice,) = r.choices
-    assert choice.text == ref.text and choice.finish_reason == {"eos": "stop"}.get(ref.finish_reason, ref.finish_reason)
+    assert choice.text == ref.text and choice.finish_reason == {"eos": "stop"}.get(
+        ref.finish_reason, ref.finish_reason
+    )
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref.token_ids)
     assert r.usage.total_tokens == len(ids) + len(ref.token_ids)
     lp = choice.logprobs
     assert lp.tokens == [tokenizer.decode([t]) for t in ref.token_ids]
     want = _ref_logprobs(world, "math", ids, ref.token_ids)
-    assert lp.token_logprobs == pytest.approx([float(want[j, t]) for j, t in enumerate(ref.token_ids)], abs=TOL)
+    assert lp.token_logprobs == pytest.approx(
+        [float(want[j, t]) for j, t in enumerate(ref.token_ids)], abs=TOL
+    )
     for j, top in enumerate(lp.top_logprobs):
         vals, tids = want[j].topk(3)
         assert list(top) == [tokenizer.decode([t]) for t in tids.tolist()]  # most likely first
@@ -142,34 +149,47 @@ def test_echo_scores_the_prompt(client, world, tokenizer, text):
     assert g.text.startswith(text) and len(g.logprobs.tokens) == len(ids) + 3
     assert g.logprobs.top_logprobs[1:] == [{}] * (len(ids) + 2)
     full = _ref_logprobs(world, "base", ids[:1], ids[1:])  # the base over its own prompt
-    assert g.logprobs.token_logprobs[1:len(ids)] == pytest.approx(
-        [float(full[j, t]) for j, t in enumerate(ids[1:])], abs=TOL)
+    assert g.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(
+        [float(full[j, t]) for j, t in enumerate(ids[1:])], abs=TOL
+    )
 
 
 def test_chat_logprobs_streaming_and_usage(client, world, tokenizer, offline):
     messages = [{"role": "user", "content": "What is 7 times 6?"}]
     ids = tokenize_prompt(tokenizer, messages, chat_template=True)
     ref = offline(ids, max_tokens=6)
-    r = client.chat.completions.create(model="math", messages=messages, max_tokens=6, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model="math", messages=messages, max_tokens=6, logprobs=True, top_logprobs=2
+    )
     (choice,) = r.choices
     assert choice.message.role == "assistant" and choice.message.content == ref.text
     want = _ref_logprobs(world, "math", ids, ref.token_ids)
     content = choice.logprobs.content
     assert [c.token for c in content] == [tokenizer.decode([t]) for t in ref.token_ids]
     assert [c.bytes for c in content] == [list(c.token.encode()) for c in content]
-    assert [c.logprob for c in content] == pytest.approx([float(want[j, t]) for j, t in enumerate(ref.token_ids)],
-                                                         abs=TOL)
+    assert [c.logprob for c in content] == pytest.approx(
+        [float(want[j, t]) for j, t in enumerate(ref.token_ids)], abs=TOL
+    )
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob for c in content)
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref.token_ids)
 
-    stream = client.chat.completions.create(model="math", messages=messages, max_tokens=6, logprobs=True,
-                                            top_logprobs=2, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="math",
+        messages=messages,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     usage = chunks[-1]
     assert usage.choices == [] and usage.usage.completion_tokens == len(ref.token_ids)
     deltas = [c.choices[0] for c in chunks[:-1]]
     assert "".join(d.delta.content or "" for d in deltas) == ref.text
-    assert deltas[0].delta.role == "assistant" and [d.finish_reason for d in deltas][-1] == choice.finish_reason
+    assert (
+        deltas[0].delta.role == "assistant" and [d.finish_reason for d in deltas][-1] == choice.finish_reason
+    )
     streamed = [c for d in deltas if d.logprobs for c in d.logprobs.content]
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
 
@@ -177,8 +197,16 @@ def test_chat_logprobs_streaming_and_usage(client, world, tokenizer, offline):
 def test_completion_stream_equals_non_stream(client, tokenizer, text, offline):
     ids = tokenize_prompt(tokenizer, text, chat_template=False)
     ref = offline(ids, max_tokens=7)
-    chunks = list(client.completions.create(model="math", prompt=text, max_tokens=7, stream=True, logprobs=1,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="math",
+            prompt=text,
+            max_tokens=7,
+            stream=True,
+            logprobs=1,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
     body = [c.choices[0] for c in chunks[:-1]]
     assert "".join(c.text for c in body) == ref.text
@@ -191,22 +219,36 @@ def test_completion_stream_equals_non_stream(client, tokenizer, text, offline):
 def test_n_choices_distinct_seeds_prefilled_once(client, server, tokenizer, text, offline):
     ids = tokenize_prompt(tokenizer, text, chat_template=False)
     before, prompt_before = _prefills(server), _metric(server, "ccft_prompt_tokens_total", model="math")
-    r = client.completions.create(model="math", prompt=ids, max_tokens=8, n=4, temperature=1.0, seed=11,
-                                  stop=["\n"], logprobs=0)
+    r = client.completions.create(
+        model="math", prompt=ids, max_tokens=8, n=4, temperature=1.0, seed=11, stop=["\n"], logprobs=0
+    )
     assert _prefills(server) - before == 1  # one prefill for the 4 choices
     assert _metric(server, "ccft_prompt_tokens_total", model="math") - prompt_before == len(ids)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
-    refs = [offline(ids, max_tokens=8, sampling=SamplingParams(True, 1.0, 1.0, 11 + j), stop=["\n"]) for j in range(4)]
+    refs = [
+        offline(ids, max_tokens=8, sampling=SamplingParams(True, 1.0, 1.0, 11 + j), stop=["\n"])
+        for j in range(4)
+    ]
     assert [c.text for c in r.choices] == [g.text for g in refs]
-    assert [c.finish_reason for c in r.choices] == [{"eos": "stop"}.get(g.finish_reason, g.finish_reason)
-                                                   for g in refs]
+    assert [c.finish_reason for c in r.choices] == [
+        {"eos": "stop"}.get(g.finish_reason, g.finish_reason) for g in refs
+    ]
     assert len({c.text for c in r.choices}) > 1  # distinct seeds, distinct samples
     assert r.usage.completion_tokens == sum(len(g.token_ids) for g in refs)
     assert r.usage.prompt_tokens == len(ids)
 
     before = _prefills(server)
-    chunks = list(client.chat.completions.create(model="math", messages=[{"role": "user", "content": text}],
-                                                 max_tokens=5, n=3, temperature=1.0, seed=2, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="math",
+            messages=[{"role": "user", "content": text}],
+            max_tokens=5,
+            n=3,
+            temperature=1.0,
+            seed=2,
+            stream=True,
+        )
+    )
     assert _prefills(server) - before == 1
     chat_ids = tokenize_prompt(tokenizer, [{"role": "user", "content": text}], chat_template=True)
     texts = {i: "" for i in range(3)}
@@ -231,12 +273,17 @@ def test_errors_reach_the_client(client):
 
 def test_echo_streams_the_prompt_first_and_stop_keeps_token_logprobs(client, tokenizer, text, offline):
     ids = tokenize_prompt(tokenizer, text, chat_template=False)
-    whole = client.completions.create(model="math", prompt=text, max_tokens=4, logprobs=1, echo=True).choices[0]
-    chunks = list(client.completions.create(model="math", prompt=text, max_tokens=4, logprobs=1, echo=True,
-                                            stream=True))
+    whole = client.completions.create(model="math", prompt=text, max_tokens=4, logprobs=1, echo=True).choices[
+        0
+    ]
+    chunks = list(
+        client.completions.create(model="math", prompt=text, max_tokens=4, logprobs=1, echo=True, stream=True)
+    )
     first = chunks[0].choices[0]
     assert first.text == text and first.logprobs.token_logprobs[0] is None
-    assert first.logprobs.token_logprobs[1:] == pytest.approx(whole.logprobs.token_logprobs[1:len(ids)], abs=1e-6)
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(
+        whole.logprobs.token_logprobs[1 : len(ids)], abs=1e-6
+    )
     assert "".join(c.choices[0].text for c in chunks) == whole.text
     streamed = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
     assert streamed == whole.logprobs.tokens

@@ -52,18 +52,21 @@ def test_match_returns_longest_chain_with_its_kv_and_counts():
     m = s.match("fp", torch.float32, a)
     assert [b.index for b in m] == [0, 1] and all(b.refs == 1 for b in m)
     for j, b in enumerate(m):  # a copy of the right positions, every layer
-        assert torch.equal(b.k, k[:, :, 4 * j: 4 * j + 4]) and torch.equal(b.v, v[:, :, 4 * j: 4 * j + 4])
+        assert torch.equal(b.k, k[:, :, 4 * j : 4 * j + 4]) and torch.equal(b.v, v[:, :, 4 * j : 4 * j + 4])
         assert b.k.data_ptr() != k.data_ptr()
     k.zero_()  # the store holds copies
     assert not torch.equal(m[0].k, k[:, :, :4])
     s.release(m)
-    assert [len(s.match("fp", torch.float32, t)) for t in (a[:7], a[:8], a[:4] + [0] * 4, [0] + a[1:8], a[:3])] \
-        == [1, 2, 1, 0, 0]  # partial block not looked up; chain: block 1 after a different block 0 misses
+    assert [
+        len(s.match("fp", torch.float32, t)) for t in (a[:7], a[:8], a[:4] + [0] * 4, [0] + a[1:8], a[:3])
+    ] == [1, 2, 1, 0, 0]  # partial block not looked up; chain: block 1 after a different block 0 misses
     st = s.stats()
     # looked-up full blocks: 2 + 1 + 2 + 2 + 2 + 0 = 9; hits: 2 + 1 + 2 + 1 + 0 = 6
     assert (st["lookups"], st["hit_blocks"], st["miss_blocks"]) == (6, 6, 3)
     assert (st["hit_tokens"], st["miss_tokens"]) == (24, 12) and st["hit_ratio"] == pytest.approx(24 / 36)
-    assert st["referenced_blocks"] == 2  # the matches above were never released: block 0 held 3 times, block 1 once
+    assert (
+        st["referenced_blocks"] == 2
+    )  # the matches above were never released: block 0 held 3 times, block 1 once
     assert [b.refs for b in s.match("fp", torch.float32, a[:4])] == [4]
     s.reset_stats()
     assert s.hit_ratio == 0.0 and s.stats()["lookups"] == 0
@@ -115,7 +118,9 @@ def test_lru_eviction_leaves_first_refcounts_and_budget():
     x, y, z, w = [1, 2, 3, 4], [5, 6], [7, 8], [9, 10, 11, 12]
     _put(s, "fp", y)  # y0
     _put(s, "fp", x)  # x0 <- x1
-    s.release(s.match("fp", torch.float32, x[:2]))  # touch x0 only: LRU order y0, x1, x0 (a parent is never older)
+    s.release(
+        s.match("fp", torch.float32, x[:2])
+    )  # touch x0 only: LRU order y0, x1, x0 (a parent is never older)
     assert [b.tokens for b in s.blocks()] == [(5, 6), (3, 4), (1, 2)]
     _put(s, "fp", z)  # full: evicts the LRU unreferenced leaf y0
     assert s.match("fp", torch.float32, y) == [] and s.stats()["evicted_blocks"] == 1
@@ -170,8 +175,11 @@ def _full(base, seed, handoff=1):
 
 def _decoders(base, handoff=1):
     full = _full(base, 7, handoff)  # before any adapter is attached: a copy of the plain base
-    return {"full": full, "math": _lora(base, "math", 1, 4, handoff=handoff),
-            "code": _lora(base, "code", 2, 2, ["q_proj", "v_proj", "down_proj"], handoff=handoff)}
+    return {
+        "full": full,
+        "math": _lora(base, "math", 1, 4, handoff=handoff),
+        "code": _lora(base, "code", 2, 2, ["q_proj", "v_proj", "down_proj"], handoff=handoff),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +193,9 @@ def world(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module")
 def prompt(gsm8k_rows, tokenizer):
     """40 real tokens: a shared context (two GSM8K questions) the test cuts into turns."""
-    ids = tokenize_prompt(tokenizer, gsm8k_rows[0]["prompt"] + "\n" + gsm8k_rows[1]["prompt"], chat_template=False)
+    ids = tokenize_prompt(
+        tokenizer, gsm8k_rows[0]["prompt"] + "\n" + gsm8k_rows[1]["prompt"], chat_template=False
+    )
     assert len(ids) >= 40
     return ids[:40]
 
@@ -237,7 +247,9 @@ def test_prefill_cached_equals_prefill(world, prompt, chunk):
         h.release()
     st = store.stats()
     assert st["hit_tokens"] == sum(w for _, w in cases) and st["referenced_blocks"] == 0
-    assert st["blocks"] == 5 + 1 + 1 + 4 + 7  # prompt[:23]: 5; each diverging block 3; [:40] grows to 9; other: 7
+    assert (
+        st["blocks"] == 5 + 1 + 1 + 4 + 7
+    )  # prompt[:23]: 5; each diverging block 3; [:40] grows to 9; other: 7
     assert eng.arena.used_tokens == 0
 
 
@@ -247,12 +259,16 @@ def test_prefill_cached_handoff_and_hold(world, prompt):
     eng = _engine(base, decs)
     bb = 2 * eng.num_layers * 2 * 4 * 16 * 4  # layers x KV heads 2 x block 4 x head dim 16, fp32, K and V
     store = PrefixKVStore(block_tokens=4, budget_bytes=6 * bb)
-    h1, hit = eng.prefill_cached(prompt[:26], store, handoff_tokens=2)  # 24 tokens: 6 blocks, the whole budget
+    h1, hit = eng.prefill_cached(
+        prompt[:26], store, handoff_tokens=2
+    )  # 24 tokens: 6 blocks, the whole budget
     assert hit == 0 and h1.tail_ids == [prompt[24:26]] and h1.lengths == [24]
     assert store.stats()["referenced_blocks"] == 6
     eng.add_request(h1, decoder="base", max_new_tokens=2)
     h1.release()  # a request still reads it: the blocks stay pinned
-    h2, _ = eng.prefill_cached(prompt[1:27], store, handoff_tokens=2)  # another chain: no room, nothing evicted
+    h2, _ = eng.prefill_cached(
+        prompt[1:27], store, handoff_tokens=2
+    )  # another chain: no room, nothing evicted
     assert store.stats()["skipped_blocks"] == 6 and store.bytes_in_use == 6 * bb
     assert all(b.refs == 1 for b in store.blocks())
     while eng.active:
@@ -335,7 +351,9 @@ def test_no_share_teacher_forced_logits_equal_full_forward(tiny_dir, prompt, han
     eng.prefill_cached(prompt[:20], store, producer="code", hold=False)
     eng.prefill_cached(prompt[:20], store, producer="full", hold=False)
     p = prompt[:33]
-    forced = torch.randint(0, len(base.tokenizer), (N_NEW,), generator=torch.Generator().manual_seed(0)).tolist()
+    forced = torch.randint(
+        0, len(base.tokenizer), (N_NEW,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     for name in ("code", "full"):
         h, hit = eng.prefill_cached(p, store, producer=name)
         assert hit == 16 and h.handoff_tokens == handoff
@@ -346,8 +364,12 @@ def test_no_share_teacher_forced_logits_equal_full_forward(tiny_dir, prompt, han
         n = len(p) - handoff
         tail = torch.tensor([p[n:] + forced])
         with torch.no_grad():
-            ref = ccft.full_forward(decs[name], torch.tensor([p[:n]]), torch.ones(1, n, dtype=torch.long), tail)
-        torch.testing.assert_close(torch.stack(got), ref[0, handoff - 1: handoff - 1 + N_NEW], atol=ATOL, rtol=0)
+            ref = ccft.full_forward(
+                decs[name], torch.tensor([p[:n]]), torch.ones(1, n, dtype=torch.long), tail
+            )
+        torch.testing.assert_close(
+            torch.stack(got), ref[0, handoff - 1 : handoff - 1 + N_NEW], atol=ATOL, rtol=0
+        )
         h.release()
 
 
@@ -357,11 +379,15 @@ def test_add_request_refuses_kv_written_by_another_decoder(world, prompt):
     store = PrefixKVStore(block_tokens=4)
     h, _ = eng.prefill_cached(prompt[:10], store, producer="math")
     for reader in ("code", "full", "base"):
-        with pytest.raises(FingerprintMismatchError, match=f"decoder 'math'.*decoder '{reader}'.*producer='{reader}'"):
+        with pytest.raises(
+            FingerprintMismatchError, match=f"decoder 'math'.*decoder '{reader}'.*producer='{reader}'"
+        ):
             eng.add_request(h, decoder=reader)
     assert eng.active == 0 and h.refs == 1  # refused before anything was admitted
     eng.add_request(h, decoder="math", max_new_tokens=1)  # its own K/V: fine
-    with pytest.raises(FingerprintMismatchError, match="not by the base"):  # exported, it is not C_base either
+    with pytest.raises(
+        FingerprintMismatchError, match="not by the base"
+    ):  # exported, it is not C_base either
         h.to_base_cache().check_reader(base.fingerprint, base.dtype)
     with eng.prefill([prompt[:10]], producer="full") as hf:
         with pytest.raises(FingerprintMismatchError, match="decoder 'full'"):

@@ -53,20 +53,20 @@ def _router(**options) -> SessionRequestRouter:
 def test_router_affinity_and_fallback():
     r = _router(policy="session", max_load_ratio=2.0, min_load_gap=4)
     ids = ["a", "b"]
-    assert r.place("s1", ids, [0, 0]) == 0          # new session: least loaded, ties lowest index
-    assert r.place("s2", ids, [1, 0]) == 1          # new session: least loaded
-    assert r.place("s1", ids, [3, 0]) == 0          # home, not overloaded (gap 3 < 4)
-    assert r.place("s1", ids, [4, 0]) == 1          # gap 4 and 4 > 2*0: falls back, re-pinned
+    assert r.place("s1", ids, [0, 0]) == 0  # new session: least loaded, ties lowest index
+    assert r.place("s2", ids, [1, 0]) == 1  # new session: least loaded
+    assert r.place("s1", ids, [3, 0]) == 0  # home, not overloaded (gap 3 < 4)
+    assert r.place("s1", ids, [4, 0]) == 1  # gap 4 and 4 > 2*0: falls back, re-pinned
     assert r.homes["s1"] == "b"
-    assert r.place("s1", ids, [0, 1]) == 1          # stays on its new home
+    assert r.place("s1", ids, [0, 1]) == 1  # stays on its new home
     assert r.policy.stats() == {"new": 2, "affinity": 2, "fallback": 1, "sessions": 2}
 
 
 def test_router_follows_replica_ids_not_positions():
     r = _router()
-    assert r.place("s", ["a", "b"], [1, 0]) == 1   # home "b"
-    assert r.place("s", ["b", "c"], [0, 0]) == 0   # "a" left: "b" is index 0 now, still home
-    assert r.place("s", ["c", "d"], [5, 0]) == 1   # home gone: placed as new (least loaded)
+    assert r.place("s", ["a", "b"], [1, 0]) == 1  # home "b"
+    assert r.place("s", ["b", "c"], [0, 0]) == 0  # "a" left: "b" is index 0 now, still home
+    assert r.place("s", ["c", "d"], [5, 0]) == 1  # home gone: placed as new (least loaded)
     assert r.homes["s"] == "d"
     assert r.policy.stats()["new"] == 2
 
@@ -147,8 +147,20 @@ def cluster(world):
     folder, decoders, _ = world
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # min-load-gap 8: the fault test loads one replica with 3 requests and must keep its session there
-    args = build_parser().parse_args(["serve", "--model", str(folder), "--threads", "1", "--replicas", "2",
-                                      "--min-load-gap", "8", *[f"--decoder={k}={v}" for k, v in decoders.items()]])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(folder),
+            "--threads",
+            "1",
+            "--replicas",
+            "2",
+            "--min-load-gap",
+            "8",
+            *[f"--decoder={k}={v}" for k, v in decoders.items()],
+        ]
+    )
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         port = _free_port()
@@ -193,7 +205,9 @@ def test_outputs_equal_single_engine(cluster, world, tokenizer, gsm8k_rows):
     r = cluster.post("/v1/chat/completions", json={"model": "math", "messages": messages, "max_tokens": 6})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ref.text
     (ref,) = _offline(engine, [prompts[0]], "math", 8)
-    r = cluster.post("/v1/completions", json={"model": "math", "prompt": prompts[0], "max_tokens": 8, "stream": True})
+    r = cluster.post(
+        "/v1/completions", json={"model": "math", "prompt": prompts[0], "max_tokens": 8, "stream": True}
+    )
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert r.status_code == 200 and "data: [DONE]" in r.text
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == ref.text
@@ -206,21 +220,35 @@ def test_outputs_equal_single_engine(cluster, world, tokenizer, gsm8k_rows):
 @pytest.mark.slow
 def test_session_requests_stay_on_one_replica(cluster, tokenizer, gsm8k_rows):
     ctx = ragged_prompts(gsm8k_rows, tokenizer, 2, 40, 0)
-    with cluster.stream("POST", "/v1/completions", json={
-            "model": "math", "prompt": ctx[0], "max_tokens": 300, "ignore_eos": True, "stream": True,
-            "session_id": "A"}) as stream:
+    with cluster.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": "math",
+            "prompt": ctx[0],
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "stream": True,
+            "session_id": "A",
+        },
+    ) as stream:
         chunks = stream.iter_bytes()
         next(chunks)  # A's first turn is decoding on its replica
         home_a = stream.headers[REPLICA_HEADER]
         # B arrives while A's replica has one request and the other none: the less-loaded one
-        home_b = _complete(cluster, model="base", prompt=ctx[1], max_tokens=4, session_id="B").headers[REPLICA_HEADER]
+        home_b = _complete(cluster, model="base", prompt=ctx[1], max_tokens=4, session_id="B").headers[
+            REPLICA_HEADER
+        ]
         assert home_b != home_a
         seen = {"A": set(), "B": set()}
         for turn in range(3):
             for sid, p in (("A", ctx[0]), ("B", ctx[1])):
                 ids = p + p[: 5 * (turn + 1)]  # the session's growing context
-                seen[sid].add(_complete(cluster, model="math", prompt=ids, max_tokens=3,
-                                        session_id=sid).headers[REPLICA_HEADER])
+                seen[sid].add(
+                    _complete(cluster, model="math", prompt=ids, max_tokens=3, session_id=sid).headers[
+                        REPLICA_HEADER
+                    ]
+                )
         for _ in chunks:
             pass
     assert seen == {"A": {home_a}, "B": {home_b}}
@@ -239,13 +267,30 @@ def test_killed_replica_loses_no_accepted_request(cluster, world, tokenizer, gsm
     answers: dict = {}
 
     def send(i):
-        answers[i] = cluster.post("/v1/completions", json={
-            "model": "math", "prompt": prompts[i], "max_tokens": 400, "ignore_eos": True,
-            "return_token_ids": True, "session_id": "K"})
+        answers[i] = cluster.post(
+            "/v1/completions",
+            json={
+                "model": "math",
+                "prompt": prompts[i],
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "session_id": "K",
+            },
+        )
 
-    with cluster.stream("POST", "/v1/completions", json={
-            "model": "math", "prompt": prompts[0], "max_tokens": 3000, "ignore_eos": True, "stream": True,
-            "session_id": "K"}) as stream:
+    with cluster.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": "math",
+            "prompt": prompts[0],
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+            "session_id": "K",
+        },
+    ) as stream:
         chunks = stream.iter_bytes()
         first = next(chunks)
         victim = stream.headers[REPLICA_HEADER]

@@ -53,10 +53,14 @@ def test_affinity_is_kept_under_moderate_imbalance():
 # (home load, least load, moves?) with the defaults max_load_ratio=2.0, min_load_gap=4:
 # a move needs home - least >= 4 AND home > 2 * least.
 THRESHOLDS = [
-    (3, 0, False), (4, 0, True),      # gap decides at an idle worker
-    (6, 3, False), (7, 3, True),      # gap 3 -> no; gap 4 and 7 > 6 -> yes
-    (10, 5, False), (11, 5, True),    # ratio decides: 10 is not > 2*5
-    (40, 20, False), (41, 20, True),
+    (3, 0, False),
+    (4, 0, True),  # gap decides at an idle worker
+    (6, 3, False),
+    (7, 3, True),  # gap 3 -> no; gap 4 and 7 > 6 -> yes
+    (10, 5, False),
+    (11, 5, True),  # ratio decides: 10 is not > 2*5
+    (40, 20, False),
+    (41, 20, True),
 ]
 
 

@@ -18,10 +18,17 @@ AGENTS = ("base", "math", "code", "full")
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tokenizer):
-    base = ccft.load_base(str(make_tiny_folder(tmp_path_factory.mktemp("sched"), tokenizer, seed=5, scale=30.0)))
-    full = ccft.make_decoder(base, "full", method="ccft")  # before any adapter: an unperturbed copy of the base
+    base = ccft.load_base(
+        str(make_tiny_folder(tmp_path_factory.mktemp("sched"), tokenizer, seed=5, scale=30.0))
+    )
+    full = ccft.make_decoder(
+        base, "full", method="ccft"
+    )  # before any adapter: an unperturbed copy of the base
     full.model.eval()
-    return base, {"full": full, **{name: make_lora(base, name, 20 + i, 4) for i, name in enumerate(("math", "code"))}}
+    return base, {
+        "full": full,
+        **{name: make_lora(base, name, 20 + i, 4) for i, name in enumerate(("math", "code"))},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +43,9 @@ def _requests(texts, n_ctx=2, shared=24, unique=(3, 5, 7, 9)):
         ctx = texts[c][:shared]
         for j, agent in enumerate(AGENTS):
             prompt = ctx + texts[4 + j][: unique[j]]
-            out.append(ServeRequest(agent, prompt, shared_len=len(ctx), max_new_tokens=N_NEW, session_id=f"s{c}"))
+            out.append(
+                ServeRequest(agent, prompt, shared_len=len(ctx), max_new_tokens=N_NEW, session_id=f"s{c}")
+            )
     return out
 
 
@@ -44,8 +53,9 @@ def _reference(world, r):
     base, decs = world
     if r.decoder == "base":
         return ccft.generate([list(r.prompt_ids)], mode="base", base=base, max_new_tokens=r.max_new_tokens)[0]
-    return ccft.generate([list(r.prompt_ids)], mode="prefillshare", decoder=decs[r.decoder],
-                         max_new_tokens=r.max_new_tokens)[0]
+    return ccft.generate(
+        [list(r.prompt_ids)], mode="prefillshare", decoder=decs[r.decoder], max_new_tokens=r.max_new_tokens
+    )[0]
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +93,13 @@ def _own_prefill_reference(world, r):
     dec = decs[r.decoder]
     if dec.kind == "lora":
         dec.model.set_adapter(r.decoder)
-    cache = prefill(dec.model, [list(r.prompt_ids)], handoff_tokens=1, pad_token_id=pad_token_id(base.tokenizer),
-                    producer="self")
+    cache = prefill(
+        dec.model,
+        [list(r.prompt_ids)],
+        handoff_tokens=1,
+        pad_token_id=pad_token_id(base.tokenizer),
+        producer="self",
+    )
     return decode_on_cache(dec.model, base.tokenizer, cache, max_new_tokens=r.max_new_tokens)[0].token_ids
 
 
@@ -199,7 +214,9 @@ def test_a_failing_request_fails_alone(world, texts, refs, decode):
     # the engine goes on serving: the same requests again (without the broken decoder)
     again = [sched.submit(r) for r in reqs if r.decoder != "code"]
     sched.run_until_idle()
-    assert [t.result.token_ids for t in again] == [w for r, w in zip(reqs, refs, strict=True) if r.decoder != "code"]
+    assert [t.result.token_ids for t in again] == [
+        w for r, w in zip(reqs, refs, strict=True) if r.decoder != "code"
+    ]
 
 
 def test_no_share_context_follows_in_place_weight_edits(tmp_path, tokenizer, texts):
@@ -211,8 +228,9 @@ def test_no_share_context_follows_in_place_weight_edits(tmp_path, tokenizer, tex
 
     base = ccft.load_base(str(make_tiny_folder(tmp_path, tokenizer, seed=5, scale=30.0)))
     math = make_lora(base, "math", 20, 4)
-    sched = Scheduler(SharedPrefillEngine(base, decoders={"math": math}), share=False,
-                      store=PrefixKVStore(block_tokens=4))
+    sched = Scheduler(
+        SharedPrefillEngine(base, decoders={"math": math}), share=False, store=PrefixKVStore(block_tokens=4)
+    )
     req = ServeRequest("math", texts[0][:24] + texts[4][:5], shared_len=24, max_new_tokens=N_NEW)
     first = sched.submit(req)
     sched.step()  # admitted: its context is live while the edit happens
@@ -244,7 +262,9 @@ def test_decode_params_pass_whole_to_the_engine(world, texts, refs, monkeypatch)
     sched = Scheduler(eng)
     old = _requests(texts)[:4]
     params = [ccft.DecodeParams(max_new_tokens=N_NEW, stop=("zzz",), logprobs=0) for _ in old]
-    new = [ServeRequest(r.decoder, r.prompt_ids, shared_len=r.shared_len, params=p) for r, p in zip(old, params)]
+    new = [
+        ServeRequest(r.decoder, r.prompt_ids, shared_len=r.shared_len, params=p) for r, p in zip(old, params)
+    ]
     assert [r.max_new_tokens for r in new] == [N_NEW] * 4 and new[0].stop == ["zzz"]  # the old fields follow
     tickets = [sched.submit(r) for r in new]
     sched.run_until_idle()
@@ -256,7 +276,9 @@ def test_decode_params_pass_whole_to_the_engine(world, texts, refs, monkeypatch)
 
 
 def test_decode_params_validation_and_choices():
-    p = ccft.DecodeParams(max_new_tokens=4, stop="x", sampling=ccft.SamplingParams(True, 0.7, 0.9, 2 ** 63 - 1), n=3)
+    p = ccft.DecodeParams(
+        max_new_tokens=4, stop="x", sampling=ccft.SamplingParams(True, 0.7, 0.9, 2**63 - 1), n=3
+    )
     assert p.stop == ("x",) and p.for_choice(1).sampling.seed == 0 and p.for_choice(1).n == 1
     assert ccft.DecodeParams().for_choice(5).sampling.seed == 0  # greedy: no seed to advance
     for bad in ({"max_new_tokens": -1}, {"logprobs": -2}, {"n": 0}):

@@ -23,8 +23,19 @@ def engine(tmp_path_factory, tokenizer):
 
 
 def _trace(tokenizer, sessions):
-    return workloads.generate("react", sessions=sessions, turns=2, agents=AGENTS, shared_tokens=128, unique_tokens=8,
-                              growth_tokens=16, max_new_tokens=3, rate=None, seed=0, tokenizer=tokenizer)
+    return workloads.generate(
+        "react",
+        sessions=sessions,
+        turns=2,
+        agents=AGENTS,
+        shared_tokens=128,
+        unique_tokens=8,
+        growth_tokens=16,
+        max_new_tokens=3,
+        rate=None,
+        seed=0,
+        tokenizer=tokenizer,
+    )
 
 
 def test_replay_both_modes_same_work(engine, tokenizer):
@@ -34,7 +45,9 @@ def test_replay_both_modes_same_work(engine, tokenizer):
     n = len(trace)  # 2 sessions x 2 turns x 4 agents
     assert n == 16 and shared["requests"] == no_share["requests"] == n
     assert shared["generated_tokens"] == no_share["generated_tokens"] == 3 * n
-    assert shared["prefills"] == 4 and no_share["prefills"] == 16  # one per session-turn vs one per agent call
+    assert (
+        shared["prefills"] == 4 and no_share["prefills"] == 16
+    )  # one per session-turn vs one per agent call
     # every request computes its own 8 unique tokens + 1 handoff token on top of its context, in both systems
     assert shared["tail_tokens"] == no_share["tail_tokens"] == n * (8 + 1)
     # peak live KV: both sessions in their last turn (context 128 + 16) at once; Eq. 9 with the generation included
@@ -73,14 +86,48 @@ def test_bench_run_eight_agents_both_policies_chunked(tmp_path, tokenizer):
     folder = make_tiny_folder(tmp_path / "tiny", tokenizer, seed=3)
     p = argparse.ArgumentParser()
     serve_bench.add_arguments(p)
-    args = p.parse_args(["--model", str(folder), "--agents", "8", "--sessions", "1", "2", "--turns", "2",
-                         "--shared-tokens", "96", "--unique-tokens", "8", "--growth-tokens", "16",
-                         "--max-new-tokens", "4", "--new-tokens-spread", "0.5", "--prefill-chunk-tokens", "48",
-                         "--policy", "both", "--max-running", "12", "--check-outputs", "--threads", "1",
-                         "--out", str(tmp_path / "serve.json")])
+    args = p.parse_args(
+        [
+            "--model",
+            str(folder),
+            "--agents",
+            "8",
+            "--sessions",
+            "1",
+            "2",
+            "--turns",
+            "2",
+            "--shared-tokens",
+            "96",
+            "--unique-tokens",
+            "8",
+            "--growth-tokens",
+            "16",
+            "--max-new-tokens",
+            "4",
+            "--new-tokens-spread",
+            "0.5",
+            "--prefill-chunk-tokens",
+            "48",
+            "--policy",
+            "both",
+            "--max-running",
+            "12",
+            "--check-outputs",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "serve.json"),
+        ]
+    )
     result = serve_bench.run(args)
     assert f"({torch.backends.cpu.get_cpu_capability()})" in result["hardware"]  # e.g. "(AVX2)"
-    assert result["agents"] == 8 and result["workload"]["agents"][4:] == ["critic", "search", "writer", "verifier"]
+    assert result["agents"] == 8 and result["workload"]["agents"][4:] == [
+        "critic",
+        "search",
+        "writer",
+        "verifier",
+    ]
     sat = next(p for p in result["points"] if p["sessions"] == result["saturation_sessions"])
     assert result["work_ratio_at_saturation"] == sat["work_ratio"] > 1
     assert result["throughput_ratio"] == sat["throughput_ratio"]
@@ -105,16 +152,33 @@ def test_cost_work_ratio_weighs_prompt_and_generated_tokens_by_their_measured_co
 
     from ccft.bench import serve as bs
 
-    shared = {"prefill_s": 2.0, "prefill_tokens": 900, "tail_tokens": 100, "decode_s": 4.0, "generated_tokens": 200}
-    no_share = {"prefill_s": 9.0, "prefill_tokens": 3900, "tail_tokens": 100, "decode_s": 5.0,
-                "generated_tokens": 200}
+    shared = {
+        "prefill_s": 2.0,
+        "prefill_tokens": 900,
+        "tail_tokens": 100,
+        "decode_s": 4.0,
+        "generated_tokens": 200,
+    }
+    no_share = {
+        "prefill_s": 9.0,
+        "prefill_tokens": 3900,
+        "tail_tokens": 100,
+        "decode_s": 5.0,
+        "generated_tokens": 200,
+    }
     into = {"shared": shared, "no_share": no_share, "throughput_ratio": 2.0}
     assert bs.cost_work({**into, "shared": {k: v for k, v in shared.items() if k != "tail_tokens"}}) == {}
     got = bs.cost_work(into)
     # c_p = 2 s / 1000 prompt tokens = 2 ms, c_d = 20 ms: shared 2 + 4 = 6 s, no-share 8 + 4 = 12 s
-    assert got["prefill_s_per_token"] == pytest.approx(0.002) and got["decode_s_per_token"] == pytest.approx(0.02)
+    assert got["prefill_s_per_token"] == pytest.approx(0.002) and got["decode_s_per_token"] == pytest.approx(
+        0.02
+    )
     assert got["cost_work_ratio"] == pytest.approx(2.0) and got["throughput_vs_cost"] == pytest.approx(1.0)
-    saved = {"points": [{"sessions": 1, **into}], "saturation_sessions": 1, "scheduler": {"policies": ["fcfs"]}}
+    saved = {
+        "points": [{"sessions": 1, **into}],
+        "saturation_sessions": 1,
+        "scheduler": {"policies": ["fcfs"]},
+    }
     path = tmp_path / "serve.json"
     path.write_text(json.dumps(saved))
     out = bs.run(argparse.Namespace(from_json=str(path)))

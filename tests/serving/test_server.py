@@ -47,7 +47,9 @@ MAX_TOKENS = (4, 6)
 # ---------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tokenizer):
-    base = ccft.load_base(str(make_tiny_folder(tmp_path_factory.mktemp("serve"), tokenizer, seed=11, scale=30.0)))
+    base = ccft.load_base(
+        str(make_tiny_folder(tmp_path_factory.mktemp("serve"), tokenizer, seed=11, scale=30.0))
+    )
     return base, {name: make_lora(base, name, 40 + i, 4) for i, name in enumerate(("math", "code"))}
 
 
@@ -76,8 +78,9 @@ class Offline:
         with self.lock:
             if key not in self.cache:
                 with self.engine.prefill([list(ids)]) as h:
-                    self.cache[key] = self.engine.generate(h, decoder=decoder, max_new_tokens=max_tokens,
-                                                           stop=list(stop) or None)[0]
+                    self.cache[key] = self.engine.generate(
+                        h, decoder=decoder, max_new_tokens=max_tokens, stop=list(stop) or None
+                    )[0]
             return self.cache[key]
 
 
@@ -187,8 +190,9 @@ def faulty(world):
 
 
 def _client(url: str) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=url, timeout=WAIT,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    return httpx.AsyncClient(
+        base_url=url, timeout=WAIT, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    )
 
 
 def _run(coro):
@@ -205,12 +209,29 @@ async def _complete(client: httpx.AsyncClient, body: dict, *, chat: bool = False
         if r.status_code != 200:
             return {"status": r.status_code, "error": data["error"], "headers": r.headers}
         c = data["choices"][0]
-        return {"status": 200, "text": c["message"]["content"] if chat else c["text"], "token_ids": c["token_ids"],
-                "prompt_token_ids": c["prompt_token_ids"], "finish_reason": c["finish_reason"],
-                "usage": data["usage"], "object": data["object"], "chunks": 0}
+        return {
+            "status": 200,
+            "text": c["message"]["content"] if chat else c["text"],
+            "token_ids": c["token_ids"],
+            "prompt_token_ids": c["prompt_token_ids"],
+            "finish_reason": c["finish_reason"],
+            "usage": data["usage"],
+            "object": data["object"],
+            "chunks": 0,
+        }
     body["stream_options"] = {"include_usage": True}
-    out = {"status": 0, "text": "", "token_ids": [], "finish_reason": None, "usage": None, "chunks": 0,
-           "prompt_token_ids": None, "done": False, "roles": [], "deltas": []}
+    out = {
+        "status": 0,
+        "text": "",
+        "token_ids": [],
+        "finish_reason": None,
+        "usage": None,
+        "chunks": 0,
+        "prompt_token_ids": None,
+        "done": False,
+        "roles": [],
+        "deltas": [],
+    }
     async with client.stream("POST", path, json=body) as r:
         out["status"] = r.status_code
         if r.status_code != 200:
@@ -221,7 +242,7 @@ async def _complete(client: httpx.AsyncClient, body: dict, *, chat: bool = False
             if not line:
                 continue
             assert line.startswith("data: "), line
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             if payload == "[DONE]":
                 out["done"] = True
                 continue
@@ -290,8 +311,11 @@ def _outcomes(s) -> dict[str, float]:
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The outcomes that changed between two ``_outcomes`` readings: {outcome: increase}."""
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)
-            if after.get(k, 0.0) != before.get(k, 0.0)}
+    return {
+        k: after.get(k, 0.0) - before.get(k, 0.0)
+        for k in set(before) | set(after)
+        if after.get(k, 0.0) != before.get(k, 0.0)
+    }
 
 
 # ---------------------------------------------------------------------------------------- (a) load
@@ -303,13 +327,17 @@ def test_load_hundreds_of_concurrent_requests_equal_offline(served, texts, promp
         j = i % len(texts)
         decoder = DECODERS[(i // len(texts)) % len(DECODERS)]
         max_tokens = MAX_TOKENS[(i // 7) % 2]
-        body = {"model": decoder, "max_tokens": max_tokens, "stream": i % 2 == 0,
-                "prompt": texts[j] if i % 4 < 2 else prompt_ids[j]}
+        body = {
+            "model": decoder,
+            "max_tokens": max_tokens,
+            "stream": i % 2 == 0,
+            "prompt": texts[j] if i % 4 < 2 else prompt_ids[j],
+        }
         stop = ()
         if i % 5 == 0:
             full = offline(prompt_ids[j], decoder, max_tokens)
             if len(full.text) >= 4:
-                stop = (full.text[len(full.text) // 2: len(full.text) // 2 + 2],)
+                stop = (full.text[len(full.text) // 2 : len(full.text) // 2 + 2],)
                 body["stop"] = list(stop) if i % 10 == 0 else stop[0]
         if i % 3 == 0:
             body["shared_prefix_tokens"] = len(prompt_ids[j]) // 2  # context + per-request suffix
@@ -346,9 +374,17 @@ def test_replay_client_sessions_and_trace_adapter(served, prompt_ids, offline, t
     for s in range(3):
         for turn in range(2):
             ids = prompt_ids[2 * s + turn]
-            rows.append({"request_id": f"s{s}t{turn}", "session": s, "model": DECODERS[(s + turn) % 3],
-                         "prompt": ids, "max_tokens": 5, "arrival": 0.01 * s,
-                         "shared_prefix_tokens": len(ids) - 2})
+            rows.append(
+                {
+                    "request_id": f"s{s}t{turn}",
+                    "session": s,
+                    "model": DECODERS[(s + turn) % 3],
+                    "prompt": ids,
+                    "max_tokens": 5,
+                    "arrival": 0.01 * s,
+                    "shared_prefix_tokens": len(ids) - 2,
+                }
+            )
     reqs = requests_from_dicts(rows)
     assert reqs[1].depends_on == ("s0t0",) and reqs[0].depends_on == ()
     records = _run(replay(served.url, reqs, return_token_ids=True))
@@ -367,9 +403,19 @@ def test_replay_client_sessions_and_trace_adapter(served, prompt_ids, offline, t
     # non-streaming replay of a workloads.Trace
     from ccft.serving import workloads
 
-    trace = workloads.generate("react", sessions=2, turns=2, agents=("base", "math", "code"), shared_tokens=24,
-                               unique_tokens=6, growth_tokens=8, max_new_tokens=3, rate=None, seed=0,
-                               tokenizer=tokenizer)
+    trace = workloads.generate(
+        "react",
+        sessions=2,
+        turns=2,
+        agents=("base", "math", "code"),
+        shared_tokens=24,
+        unique_tokens=6,
+        growth_tokens=8,
+        max_new_tokens=3,
+        rate=None,
+        seed=0,
+        tokenizer=tokenizer,
+    )
     treqs = requests_from_trace(trace)
     assert len(treqs) == len(trace) and all(r.depends_on == tuple(t.depends_on) for r, t in zip(treqs, trace))
     records = _run(replay(served.url, treqs, stream=False, return_token_ids=True))
@@ -391,21 +437,47 @@ def test_replay_cli(served, prompt_ids, tmp_path, offline):
     assert data["summary"]["ok"] == 3
     assert [r["text"] for r in data["records"]] == [offline(prompt_ids[i], "math", 3).text for i in range(3)]
     # agents the server does not serve, remapped at replay (`--model-map AGENT=MODEL`, `*` for the rest)
-    rows = [{"model": a, "prompt": prompt_ids[i], "max_tokens": 3} for i, a in enumerate(("planner", "code", "tools"))]
+    rows = [
+        {"model": a, "prompt": prompt_ids[i], "max_tokens": 3}
+        for i, a in enumerate(("planner", "code", "tools"))
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["serve", "replay", "--url", served.url, "--trace", str(path), "--out", str(out)]) == 1  # 404s
-    assert main(["serve", "replay", "--url", served.url, "--trace", str(path), "--out", str(out),
-                 "--model-map", "planner=math", "--model-map", "*=base"]) == 0
+    assert (
+        main(["serve", "replay", "--url", served.url, "--trace", str(path), "--out", str(out)]) == 1
+    )  # 404s
+    assert (
+        main(
+            [
+                "serve",
+                "replay",
+                "--url",
+                served.url,
+                "--trace",
+                str(path),
+                "--out",
+                str(out),
+                "--model-map",
+                "planner=math",
+                "--model-map",
+                "*=base",
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
-    assert [r["text"] for r in data["records"]] == [offline(prompt_ids[0], "math", 3).text,
-                                                     offline(prompt_ids[1], "base", 3).text,
-                                                     offline(prompt_ids[2], "base", 3).text]
+    assert [r["text"] for r in data["records"]] == [
+        offline(prompt_ids[0], "math", 3).text,
+        offline(prompt_ids[1], "base", 3).text,
+        offline(prompt_ids[2], "base", 3).text,
+    ]
 
 
 # ---------------------------------------------------------------------------------------- (d) chat
 def test_chat_renders_template_and_equals_offline(served, tokenizer, gsm8k_rows, offline):
-    messages = [{"role": "system", "content": "You are a careful math tutor."},
-                {"role": "user", "content": gsm8k_rows[3]["prompt"][:120]}]
+    messages = [
+        {"role": "system", "content": "You are a careful math tutor."},
+        {"role": "user", "content": gsm8k_rows[3]["prompt"][:120]},
+    ]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
     assert "<|im_start|>assistant" in tokenizer.decode(rendered[-4:])
@@ -414,9 +486,13 @@ def test_chat_renders_template_and_equals_offline(served, tokenizer, gsm8k_rows,
     async def go():
         async with _client(served.url) as c:
             plain = await _complete(c, {"model": "code", "messages": messages, "max_tokens": 6}, chat=True)
-            parts = [{**messages[0]}, {"role": "user", "content": [{"type": "text", "text": messages[1]["content"]}]}]
-            streamed = await _complete(c, {"model": "code", "messages": parts, "max_completion_tokens": 6,
-                                           "stream": True}, chat=True)
+            parts = [
+                {**messages[0]},
+                {"role": "user", "content": [{"type": "text", "text": messages[1]["content"]}]},
+            ]
+            streamed = await _complete(
+                c, {"model": "code", "messages": parts, "max_completion_tokens": 6, "stream": True}, chat=True
+            )
             return plain, streamed
 
     plain, streamed = _run(go())
@@ -437,12 +513,14 @@ def test_streamed_text_equals_final_text_multibyte(served, prompt_ids, tokenizer
     the earliest stop string; no delta holds an incomplete character or any part of a stop string."""
     forced = tokenizer(FORCED_TEXT, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(forced, skip_special_tokens=True) == FORCED_TEXT
-    assert any("\ufffd" in tokenizer.decode([i]) for i in forced), "the test needs tokens that split a character"
+    assert any("\ufffd" in tokenizer.decode([i]) for i in forced), (
+        "the test needs tokens that split a character"
+    )
     engine = served.engine
     add_request = engine.add_request
 
     def forcing(handle, row=0, **kw):  # the decoder "generates" FORCED_TEXT (teacher forcing in the engine)
-        return add_request(handle, row, forced_tokens=forced[:kw["params"].max_new_tokens], **kw)
+        return add_request(handle, row, forced_tokens=forced[: kw["params"].max_new_tokens], **kw)
 
     stops = [None, "🚀 na", ["\n\nE", "never"], ["京 🙂", "é, d"], "字かな한"]
 
@@ -451,8 +529,11 @@ def test_streamed_text_equals_final_text_multibyte(served, prompt_ids, tokenizer
             out = []
             for stop in stops:
                 for chat in (False, True):
-                    base = ({"messages": [{"role": "user", "content": "Say it."}]} if chat
-                            else {"prompt": prompt_ids[4]})
+                    base = (
+                        {"messages": [{"role": "user", "content": "Say it."}]}
+                        if chat
+                        else {"prompt": prompt_ids[4]}
+                    )
                     body = {**base, "model": "math", "max_tokens": len(forced), "stop": stop}
                     plain = await _complete(c, body, chat=chat)
                     streamed = await _complete(c, {**body, "stream": True}, chat=chat)
@@ -467,10 +548,13 @@ def test_streamed_text_equals_final_text_multibyte(served, prompt_ids, tokenizer
     for stop, plain, streamed in results:
         stop_list = [stop] if isinstance(stop, str) else (stop or [])
         cuts = [FORCED_TEXT.find(x) for x in stop_list if x in FORCED_TEXT]
-        expect = FORCED_TEXT[:min(cuts)] if cuts else FORCED_TEXT
+        expect = FORCED_TEXT[: min(cuts)] if cuts else FORCED_TEXT
         assert plain["status"] == streamed["status"] == 200
         assert plain["text"] == expect == streamed["text"], (stop, plain["text"], streamed["deltas"])
-        assert streamed["token_ids"] == plain["token_ids"] and plain["token_ids"] == forced[:len(plain["token_ids"])]
+        assert (
+            streamed["token_ids"] == plain["token_ids"]
+            and plain["token_ids"] == forced[: len(plain["token_ids"])]
+        )
         assert plain["finish_reason"] == streamed["finish_reason"] == ("stop" if cuts else "length")
         assert streamed["chunks"] > 2  # it really streamed
         sent = ""
@@ -482,15 +566,26 @@ def test_streamed_text_equals_final_text_multibyte(served, prompt_ids, tokenizer
 
 
 def test_seeded_sampling_repeats_and_equals_engine(served, prompt_ids, world, offline):
-    body = {"model": "math", "prompt": prompt_ids[2], "max_tokens": 6, "temperature": 40.0, "top_p": 0.95,
-            "seed": 7, "return_token_ids": True}
+    body = {
+        "model": "math",
+        "prompt": prompt_ids[2],
+        "max_tokens": 6,
+        "temperature": 40.0,
+        "top_p": 0.95,
+        "seed": 7,
+        "return_token_ids": True,
+    }
     a, b = (httpx.post(served.url + "/v1/completions", json=body, timeout=WAIT).json() for _ in range(2))
     ids = a["choices"][0]["token_ids"]
     assert ids == b["choices"][0]["token_ids"]
     eng = SharedPrefillEngine(world[0], decoders=world[1])
     with eng.prefill([prompt_ids[2]]) as h:
-        ref = eng.generate(h, decoder="math", max_new_tokens=6,
-                           sampling=SamplingParams(do_sample=True, temperature=40.0, top_p=0.95, seed=7))[0]
+        ref = eng.generate(
+            h,
+            decoder="math",
+            max_new_tokens=6,
+            sampling=SamplingParams(do_sample=True, temperature=40.0, top_p=0.95, seed=7),
+        )[0]
     assert ids == ref.token_ids
     assert ids != offline(prompt_ids[2], "math", 6).token_ids  # it did sample (a flat distribution)
     served.wait_idle()
@@ -508,8 +603,10 @@ def test_models_and_health(served):
 def test_metrics_parse_and_count_what_was_served(served, prompt_ids, offline):
     served.wait_idle()
     before = _metrics(served.url)
-    bodies = [{"model": DECODERS[i % 3], "prompt": prompt_ids[i], "max_tokens": 4, "stream": i % 2 == 1}
-              for i in range(9)]
+    bodies = [
+        {"model": DECODERS[i % 3], "prompt": prompt_ids[i], "max_tokens": 4, "stream": i % 2 == 1}
+        for i in range(9)
+    ]
 
     async def go():
         async with _client(served.url) as c:
@@ -549,9 +646,10 @@ def test_metrics_parse_and_count_what_was_served(served, prompt_ids, offline):
 def _still_serving(s: Served, prompt_ids, offline) -> None:
     async def go():
         async with _client(s.url) as c:
-            return await asyncio.gather(_complete(c, {"model": "math", "prompt": prompt_ids[5], "max_tokens": 5}),
-                                        _complete(c, {"model": "code", "prompt": prompt_ids[6], "max_tokens": 5,
-                                                      "stream": True}))
+            return await asyncio.gather(
+                _complete(c, {"model": "math", "prompt": prompt_ids[5], "max_tokens": 5}),
+                _complete(c, {"model": "code", "prompt": prompt_ids[6], "max_tokens": 5, "stream": True}),
+            )
 
     a, b = _run(go())
     _same(a, offline(prompt_ids[5], "math", 5))
@@ -559,28 +657,45 @@ def _still_serving(s: Served, prompt_ids, offline) -> None:
     s.wait_idle()
 
 
-@pytest.mark.parametrize("body, status, param, words", [
-    (b"{not json", 400, None, "not valid JSON"),
-    (b"[1, 2]", 400, None, "JSON object"),
-    ({"prompt": "hello there"}, 400, "model", "'model' is required"),
-    ({"model": "math"}, 400, "prompt", "'prompt' is required"),
-    ({"model": "math", "prompt": "hello there", "max_tokens": "5"}, 400, "max_tokens", "integer"),
-    ({"model": "math", "prompt": "hello there", "max_tokens": 0}, 400, "max_tokens", "≥ 1"),
-    ({"model": "math", "prompt": "hello there", "temperature": -1}, 400, "temperature", "≥ 0"),
-    ({"model": "math", "prompt": "hello there", "stream": "yes"}, 400, "stream", "boolean"),
-    ({"model": "math", "prompt": "hello there", "stop": [1]}, 400, "stop", "array of strings"),
-    ({"model": "math", "prompt": "hello there", "n": 65}, 400, "n", "1..64"),
-    ({"model": "math", "prompt": "hello there", "best_of": 3}, 400, "best_of", "not supported"),
-    ({"model": "math", "prompt": "hello there", "max_tokens": 0, "logprobs": 1}, 400, "max_tokens", "echo"),
-    ({"model": "math", "prompt": ["a b", "c d"]}, 400, "prompt", "one prompt per request"),
-    ({"model": "math", "prompt": [1, 2, 10 ** 9]}, 400, "prompt", "token ids outside"),
-    ({"model": "math", "prompt": [5, 6, 7], "shared_prefix_tokens": 9}, 400, "shared_prefix_tokens", "exceeds"),
-    ({"model": "math", "prompt": [5]}, 400, "prompt", "handoff_tokens+1"),
-    ({"model": "gpt-4", "prompt": "hello there"}, 404, "model", "base, math, code"),
-])
+@pytest.mark.parametrize(
+    "body, status, param, words",
+    [
+        (b"{not json", 400, None, "not valid JSON"),
+        (b"[1, 2]", 400, None, "JSON object"),
+        ({"prompt": "hello there"}, 400, "model", "'model' is required"),
+        ({"model": "math"}, 400, "prompt", "'prompt' is required"),
+        ({"model": "math", "prompt": "hello there", "max_tokens": "5"}, 400, "max_tokens", "integer"),
+        ({"model": "math", "prompt": "hello there", "max_tokens": 0}, 400, "max_tokens", "≥ 1"),
+        ({"model": "math", "prompt": "hello there", "temperature": -1}, 400, "temperature", "≥ 0"),
+        ({"model": "math", "prompt": "hello there", "stream": "yes"}, 400, "stream", "boolean"),
+        ({"model": "math", "prompt": "hello there", "stop": [1]}, 400, "stop", "array of strings"),
+        ({"model": "math", "prompt": "hello there", "n": 65}, 400, "n", "1..64"),
+        ({"model": "math", "prompt": "hello there", "best_of": 3}, 400, "best_of", "not supported"),
+        (
+            {"model": "math", "prompt": "hello there", "max_tokens": 0, "logprobs": 1},
+            400,
+            "max_tokens",
+            "echo",
+        ),
+        ({"model": "math", "prompt": ["a b", "c d"]}, 400, "prompt", "one prompt per request"),
+        ({"model": "math", "prompt": [1, 2, 10**9]}, 400, "prompt", "token ids outside"),
+        (
+            {"model": "math", "prompt": [5, 6, 7], "shared_prefix_tokens": 9},
+            400,
+            "shared_prefix_tokens",
+            "exceeds",
+        ),
+        ({"model": "math", "prompt": [5]}, 400, "prompt", "handoff_tokens+1"),
+        ({"model": "gpt-4", "prompt": "hello there"}, 404, "model", "base, math, code"),
+    ],
+)
 def test_bad_requests_get_openai_errors(faulty, body, status, param, words, prompt_ids, offline):
     before = _outcomes(faulty)
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kw = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     r = httpx.post(faulty.url + "/v1/completions", timeout=WAIT, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -593,10 +708,12 @@ def test_bad_requests_get_openai_errors(faulty, body, status, param, words, prom
 
 
 def test_chat_bad_messages(faulty):
-    for body, param in [({"model": "math", "messages": []}, "messages"),
-                        ({"model": "math", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-                        ({"model": "math", "messages": [{"content": "hi"}]}, "messages[0].role"),
-                        ({"model": "math", "messages": "hi"}, "messages")]:
+    for body, param in [
+        ({"model": "math", "messages": []}, "messages"),
+        ({"model": "math", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"model": "math", "messages": [{"content": "hi"}]}, "messages[0].role"),
+        ({"model": "math", "messages": "hi"}, "messages"),
+    ]:
         r = httpx.post(faulty.url + "/v1/chat/completions", json=body, timeout=WAIT)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
@@ -608,12 +725,18 @@ def test_prompt_over_the_limits(faulty, prompt_ids, offline):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "max_prompt_tokens=64" in r.json()["error"]["message"]
     # KV budget of 512 tokens: a 20-token prompt + 600 new tokens can never be admitted
-    r = httpx.post(faulty.url + "/v1/completions", json={"model": "math", "prompt": prompt_ids[3][:20],
-                                                          "max_tokens": 600, "stream": True}, timeout=WAIT)
+    r = httpx.post(
+        faulty.url + "/v1/completions",
+        json={"model": "math", "prompt": prompt_ids[3][:20], "max_tokens": 600, "stream": True},
+        timeout=WAIT,
+    )
     assert r.status_code == 400 and "kv_budget_bytes" in r.json()["error"]["message"]
     # beyond the model's positions (max_position_embeddings=4096)
-    r = httpx.post(faulty.url + "/v1/completions", json={"model": "math", "prompt": prompt_ids[3][:20],
-                                                          "max_tokens": 5000}, timeout=WAIT)
+    r = httpx.post(
+        faulty.url + "/v1/completions",
+        json={"model": "math", "prompt": prompt_ids[3][:20], "max_tokens": 5000},
+        timeout=WAIT,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert "4096" in r.json()["error"]["message"]
     assert _delta(before, _outcomes(faulty)) == {"prompt_too_long": 3}
@@ -629,12 +752,19 @@ def test_queue_full_503_then_serves(faulty, prompt_ids, offline):
 
     async def go():
         async with _client(s.url) as c:
-            first = asyncio.ensure_future(_complete(c, {"model": "math", "prompt": prompt_ids[0], "max_tokens": 4}))
+            first = asyncio.ensure_future(
+                _complete(c, {"model": "math", "prompt": prompt_ids[0], "max_tokens": 4})
+            )
             await asyncio.to_thread(s.gate.wait_blocked)  # admitted, the scheduler is inside engine.step
             queued = []
             for k, (dec, j) in enumerate([("code", 1), ("base", 2)]):
-                queued.append(asyncio.ensure_future(_complete(c, {"model": dec, "prompt": prompt_ids[j],
-                                                                  "max_tokens": 4, "stream": k == 1})))
+                queued.append(
+                    asyncio.ensure_future(
+                        _complete(
+                            c, {"model": dec, "prompt": prompt_ids[j], "max_tokens": 4, "stream": k == 1}
+                        )
+                    )
+                )
                 await asyncio.to_thread(s.wait_for, lambda k=k: s.scheduler.queue_depth == k + 1, "queued")
             refused = await c.post("/v1/completions", json={"model": "math", "prompt": prompt_ids[3]})
             refused_stream = await _complete(c, {"model": "math", "prompt": prompt_ids[3], "stream": True})
@@ -654,7 +784,9 @@ def test_queue_full_503_then_serves(faulty, prompt_ids, offline):
     _same(queued[1], offline(prompt_ids[2], "base", 4))
     assert [t.state for t in s.tickets[n0:]] == ["done"] * 3
     changed = _delta(before, _outcomes(s))
-    assert changed.pop("queue_full") == 2 and sum(changed.values()) == 3 and set(changed) <= {"stop", "length"}
+    assert (
+        changed.pop("queue_full") == 2 and sum(changed.values()) == 3 and set(changed) <= {"stop", "length"}
+    )
     _still_serving(s, prompt_ids, offline)
 
 
@@ -666,7 +798,13 @@ def test_client_disconnect_mid_stream_cancels(faulty, prompt_ids, offline):
 
     async def go():
         async with _client(s.url) as client:
-            body = {"model": "code", "prompt": prompt_ids[4], "max_tokens": 400, "ignore_eos": True, "stream": True}
+            body = {
+                "model": "code",
+                "prompt": prompt_ids[4],
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+            }
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
                 lines = r.aiter_lines()
@@ -698,8 +836,12 @@ def test_client_gone_before_non_streaming_response_cancels(faulty, prompt_ids, o
 
     async def go():
         client = _client(s.url)
-        task = asyncio.ensure_future(client.post("/v1/completions", json={
-            "model": "base", "prompt": prompt_ids[7], "max_tokens": 300, "ignore_eos": True}))
+        task = asyncio.ensure_future(
+            client.post(
+                "/v1/completions",
+                json={"model": "base", "prompt": prompt_ids[7], "max_tokens": 300, "ignore_eos": True},
+            )
+        )
         await asyncio.to_thread(s.gate.wait_blocked)
         task.cancel()  # the client gives up: httpx closes the connection
         with pytest.raises(asyncio.CancelledError):
@@ -722,18 +864,25 @@ def test_engine_failure_is_a_500_and_the_server_goes_on(faulty, prompt_ids, offl
     s = faulty
     before = _outcomes(s)
     s.gate.fail_next = True
-    r = httpx.post(s.url + "/v1/completions", json={"model": "math", "prompt": prompt_ids[8], "max_tokens": 4},
-                   timeout=WAIT)
+    r = httpx.post(
+        s.url + "/v1/completions",
+        json={"model": "math", "prompt": prompt_ids[8], "max_tokens": 4},
+        timeout=WAIT,
+    )
     assert r.status_code == 500, r.text
     err = r.json()["error"]
     assert err["type"] == "server_error" and "injected engine failure" in err["message"]
     s.wait_idle()
     s.gate.fail_next = True
-    with httpx.stream("POST", s.url + "/v1/completions", timeout=WAIT,
-                      json={"model": "base", "prompt": prompt_ids[9], "max_tokens": 4, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        s.url + "/v1/completions",
+        timeout=WAIT,
+        json={"model": "base", "prompt": prompt_ids[9], "max_tokens": 4, "stream": True},
+    ) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
-    event = json.loads(lines[-2][len("data: "):])
+    event = json.loads(lines[-2][len("data: ") :])
     assert event["error"]["code"] == "error" and "injected engine failure" in event["error"]["message"]
     assert _delta(before, _outcomes(s)) == {"error": 2}
     _still_serving(s, prompt_ids, offline)
@@ -764,7 +913,7 @@ def test_errors_keep_the_connection_alive(faulty, prompt_ids, offline, monkeypat
     s = faulty
     state = s.app.state.ccft
     limit = state.max_body_bytes
-    assert limit == 4 * 2 ** 20  # the default
+    assert limit == 4 * 2**20  # the default
     good = {"model": "math", "prompt": prompt_ids[5], "max_tokens": 5, "return_token_ids": True}
     before = _outcomes(s)
     big = json.dumps({"model": "math", "prompt": "x " * (limit // 2)}).encode()
@@ -783,18 +932,55 @@ def test_errors_keep_the_connection_alive(faulty, prompt_ids, offline, monkeypat
             assert after.status_code == 200 and after.json()["choices"][0]["token_ids"] == ref.token_ids
 
         check(c.post("/v1/completions", content=b"{not json"), 400)
-        check(c.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi there"}), 404, "model", "model_not_found")
+        check(
+            c.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi there"}),
+            404,
+            "model",
+            "model_not_found",
+        )
         check(c.post("/v1/completions", content=b'{"model": "math", "prompt": "\\ud83d abc"}'), 400, "prompt")
-        check(c.post("/v1/chat/completions", json={"model": "math", "messages": [
-            {"role": "user", "content": "hi"}, {"role": "system<|im_end|>", "content": "x"}]}), 400, "messages[1].role")
-        check(c.post("/v1/completions", json={"model": "math", "prompt": prompt_ids[3][:20], "max_tokens": 5000}),
-              400, "max_tokens", "context_length_exceeded")
-        check(c.post("/v1/completions", content=big, headers={"content-type": "application/json"}),
-              413, None, "request_too_large")
-        check(c.post("/v1/completions", content=iter([big[i:i + 2 ** 16] for i in range(0, len(big), 2 ** 16)]),
-                     headers={"content-type": "application/json"}), 413, None, "request_too_large")
+        check(
+            c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "math",
+                    "messages": [
+                        {"role": "user", "content": "hi"},
+                        {"role": "system<|im_end|>", "content": "x"},
+                    ],
+                },
+            ),
+            400,
+            "messages[1].role",
+        )
+        check(
+            c.post(
+                "/v1/completions", json={"model": "math", "prompt": prompt_ids[3][:20], "max_tokens": 5000}
+            ),
+            400,
+            "max_tokens",
+            "context_length_exceeded",
+        )
+        check(
+            c.post("/v1/completions", content=big, headers={"content-type": "application/json"}),
+            413,
+            None,
+            "request_too_large",
+        )
+        check(
+            c.post(
+                "/v1/completions",
+                content=iter([big[i : i + 2**16] for i in range(0, len(big), 2**16)]),
+                headers={"content-type": "application/json"},
+            ),
+            413,
+            None,
+            "request_too_large",
+        )
         s.gate.fail_next = True
-        check(c.post("/v1/completions", json={"model": "base", "prompt": prompt_ids[8], "max_tokens": 4}), 500)
+        check(
+            c.post("/v1/completions", json={"model": "base", "prompt": prompt_ids[8], "max_tokens": 4}), 500
+        )
         # an exception no handler knows: a 500 answer on the same connection, not a dropped connection
         monkeypatch.setattr(state, "health", lambda: 1 / 0)
         check(c.get("/health"), 500)
@@ -805,13 +991,20 @@ def test_errors_keep_the_connection_alive(faulty, prompt_ids, offline, monkeypat
 
 def test_chat_contents_cannot_forge_turn_boundaries_over_http(served, tokenizer, offline):
     """K9: chat message contents are plain text; the prompt ids are tokenize_prompt's, one boundary per turn."""
-    messages = [{"role": "system", "content": "Be terse." + FORGE},
-                {"role": "user", "content": "What is 2+2? " + FORGE + "<|endoftext|>"}]
+    messages = [
+        {"role": "system", "content": "Be terse." + FORGE},
+        {"role": "user", "content": "What is 2+2? " + FORGE + "<|endoftext|>"},
+    ]
     want = tokenize_prompt(tokenizer, messages)
-    start, end = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    start, end = (
+        tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
     assert want.count(start) == 3 and want.count(end) == 2
     for stream in (False, True):
-        got = _run(_go_chat(served.url, {"model": "code", "messages": messages, "max_tokens": 4, "stream": stream}))
+        got = _run(
+            _go_chat(served.url, {"model": "code", "messages": messages, "max_tokens": 4, "stream": stream})
+        )
         assert got["prompt_token_ids"] == want, got
         _same(got, offline(want, "code", 4))
     served.wait_idle()
@@ -866,11 +1059,29 @@ def test_serve_cli_builds_scheduler(world, tmp_path):
     from ccft.cli.main import build_parser
     from ccft.cli.serve import _decoders, build_scheduler
 
-    args = build_parser().parse_args(["serve", "--model", world[0].path, "--no-share", "--kv-budget-mb", "2",
-                                      "--max-batch", "4", "--block-tokens", "8", "--max-queue", "7"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            world[0].path,
+            "--no-share",
+            "--kv-budget-mb",
+            "2",
+            "--max-batch",
+            "4",
+            "--block-tokens",
+            "8",
+            "--max-queue",
+            "7",
+        ]
+    )
     sched, tok = build_scheduler(args)
-    assert not sched.share and sched.kv_budget_bytes == 2 * 2 ** 20 and sched.max_queue == 7
-    assert sched.engine.max_batch == 4 and sched.store.block_tokens == 8 and list(sched.engine.decoders) == ["base"]
+    assert not sched.share and sched.kv_budget_bytes == 2 * 2**20 and sched.max_queue == 7
+    assert (
+        sched.engine.max_batch == 4
+        and sched.store.block_tokens == 8
+        and list(sched.engine.decoders) == ["base"]
+    )
     with pytest.raises(ccft.ConfigError, match="NAME=PATH"):
         _decoders(["math"])
     with pytest.raises(ccft.ConfigError, match="already used"):
@@ -884,10 +1095,29 @@ def test_ccft_serve_cli_end_to_end(world, tmp_path, prompt_ids, offline):
     env = {**os.environ, "PYTHONPATH": str(Path(ccft.__file__).parents[1])}
     log = (tmp_path / "serve.log").open("w")
     # --port 0: the server binds a free port itself and logs it (no bind-release-reuse race)
-    proc = subprocess.Popen([sys.executable, "-m", "ccft.cli.main", "serve", "--model", base.path, "--decoder",
-                             f"math={tmp_path / 'math'}", "--port", "0", "--threads", "1",
-                             "--block-tokens", "4", "--log-level", "info"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ccft.cli.main",
+            "serve",
+            "--model",
+            base.path,
+            "--decoder",
+            f"math={tmp_path / 'math'}",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--block-tokens",
+            "4",
+            "--log-level",
+            "info",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + WAIT
         while True:
@@ -902,8 +1132,11 @@ def test_ccft_serve_cli_end_to_end(world, tmp_path, prompt_ids, offline):
         assert int(found[1]) != 0 and httpx.get(url + "/health", timeout=WAIT).status_code == 200
         models = [m["id"] for m in httpx.get(url + "/v1/models", timeout=WAIT).json()["data"]]
         assert models == ["base", "math"]
-        r = httpx.post(url + "/v1/completions", timeout=WAIT, json={"model": "math", "prompt": prompt_ids[1],
-                                                                     "max_tokens": 5, "return_token_ids": True})
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=WAIT,
+            json={"model": "math", "prompt": prompt_ids[1], "max_tokens": 5, "return_token_ids": True},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == offline(prompt_ids[1], "math", 5).token_ids
     finally:
@@ -921,7 +1154,9 @@ def test_replay_request_checks():
     from ccft.serving.client import check_requests
 
     with pytest.raises(ccft.ConfigError, match="not earlier"):
-        check_requests([ReplayRequest("a", "base", [1, 2], depends_on=("b",)), ReplayRequest("b", "base", [1, 2])])
+        check_requests(
+            [ReplayRequest("a", "base", [1, 2], depends_on=("b",)), ReplayRequest("b", "base", [1, 2])]
+        )
     with pytest.raises(ccft.ConfigError, match="twice"):
         check_requests([ReplayRequest("a", "base", [1, 2]), ReplayRequest("a", "base", [1, 2])])
 
@@ -932,8 +1167,31 @@ def test_trace_cli_writes_a_loadable_trace(smol_dir, tmp_path):
     from ccft.serving.workloads import Trace
 
     out = tmp_path / "trace.jsonl"
-    assert main(["serve", "trace", "--out", str(out), "--model", str(smol_dir), "--sessions", "2", "--turns", "2",
-                 "--shared-tokens", "48", "--unique-tokens", "8", "--growth-tokens", "16", "--rate", "0"]) == 0
+    assert (
+        main(
+            [
+                "serve",
+                "trace",
+                "--out",
+                str(out),
+                "--model",
+                str(smol_dir),
+                "--sessions",
+                "2",
+                "--turns",
+                "2",
+                "--shared-tokens",
+                "48",
+                "--unique-tokens",
+                "8",
+                "--growth-tokens",
+                "16",
+                "--rate",
+                "0",
+            ]
+        )
+        == 0
+    )
     trace = Trace.load(out)
     assert len(trace) == 2 * 2 * 4 and trace.agents == ["planner", "math", "code", "tools"]
     assert all(r.prompt_len == r.shared_len + 8 and r.arrival == 0.0 for r in trace)

@@ -47,7 +47,7 @@ def _spanning_stops(tokenizer, text: str, ids: list[int]) -> list[str]:
     out = []
     for k in range(2, len(ids) - 1, 3):
         b = len(tokenizer.decode(ids[:k], skip_special_tokens=True))
-        s = text[max(0, b - 2): b + 2]
+        s = text[max(0, b - 2) : b + 2]
         if len(s) == 4 and "\ufffd" not in s and s not in out:
             out.append(s)
     return out
@@ -102,7 +102,7 @@ def test_stream_text_deltas_equal_engine_final_text(tokenizer, text, chunk):
         d = StreamText(tokenizer, stop)
         sent = ""
         for k in range(0, len(gen_ids), chunk):
-            delta = d.push(gen_ids[k:k + chunk])
+            delta = d.push(gen_ids[k : k + chunk])
             assert "\ufffd" not in delta
             sent += delta
             assert final.startswith(sent), (stop, sent, final)
@@ -144,7 +144,7 @@ def test_sse_events_concatenate_to_final_text(tokenizer):
         reply = Reply(chat, "base", [1, 2, 3], return_token_ids=True, include_usage=True)
         events = [e async for e in sse_events(ticket, sink, reply, StreamText(tokenizer, [stop]))]
         assert events[-1] == "data: [DONE]\n\n"
-        return [json.loads(e[len("data: "):]) for e in events[:-1]]
+        return [json.loads(e[len("data: ") :]) for e in events[:-1]]
 
     for chat in (False, True):
         chunks = asyncio.run(run(chat))

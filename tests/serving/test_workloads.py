@@ -11,8 +11,16 @@ from ccft.core.errors import ConfigError, DataError
 from ccft.serving import workloads
 from ccft.serving.workloads import KVTokens, Trace, generate, kv_tokens
 
-SMALL = dict(sessions=3, turns=3, shared_tokens=96, unique_tokens=24, growth_tokens=16, max_new_tokens=8,
-             rate=2.0, seed=0)
+SMALL = dict(
+    sessions=3,
+    turns=3,
+    shared_tokens=96,
+    unique_tokens=24,
+    growth_tokens=16,
+    max_new_tokens=8,
+    rate=2.0,
+    seed=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +53,18 @@ LENGTHS = [  # (kind, shared, unique, growth): includes lengths shorter than the
 
 @pytest.mark.parametrize("kind,shared,unique,growth", LENGTHS)
 def test_lengths_are_exact_in_tokens(tokenizer, kind, shared, unique, growth):
-    trace = generate(kind, sessions=2, turns=3, shared_tokens=shared, unique_tokens=unique, growth_tokens=growth,
-                     max_new_tokens=4, rate=None, seed=1, tokenizer=tokenizer)
+    trace = generate(
+        kind,
+        sessions=2,
+        turns=3,
+        shared_tokens=shared,
+        unique_tokens=unique,
+        growth_tokens=growth,
+        max_new_tokens=4,
+        rate=None,
+        seed=1,
+        tokenizer=tokenizer,
+    )
     for session in trace.sessions().values():
         expect_shared = shared
         for turn in sorted({r.turn for r in session}):
@@ -64,7 +82,7 @@ def test_prompts_end_with_the_assistant_header(react, tokenizer):
     header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert react.meta["markup"] == "chatml"
     for r in react:
-        assert r.prompt_ids[-len(header):] == header
+        assert r.prompt_ids[-len(header) :] == header
         assert r.prompt_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
 
 
@@ -76,6 +94,7 @@ def test_text_is_real_and_decodes(react, tokenizer):
 
 
 # ---------------------------------------------------------------- shared prefix
+
 
 @pytest.mark.parametrize("name", ["react", "reflexion"])
 def test_shared_prefix_is_shared_and_grows(name, request):
@@ -90,7 +109,7 @@ def test_shared_prefix_is_shared_and_grows(name, request):
             if len(reqs) > 1:  # unique parts differ between agents
                 assert len({tuple(r.unique_ids) for r in reqs}) == len(reqs)
             if prev_shared is not None:
-                assert len(shared) > len(prev_shared) and shared[:len(prev_shared)] == prev_shared
+                assert len(shared) > len(prev_shared) and shared[: len(prev_shared)] == prev_shared
             prev_shared = shared
 
 
@@ -126,6 +145,7 @@ def test_reflexion_pattern(reflexion):
 
 # ---------------------------------------------------------------- dependencies and arrivals
 
+
 def test_dependencies_and_arrivals(reflexion):
     by_session = reflexion.sessions()
     arrivals = [by_session[s][0].arrival for s in sorted(by_session)]
@@ -141,19 +161,39 @@ def test_dependencies_and_arrivals(reflexion):
 
 
 def test_poisson_arrivals(tokenizer):
-    trace = generate("react", sessions=400, turns=1, shared_tokens=4, unique_tokens=2, growth_tokens=0,
-                     max_new_tokens=1, rate=4.0, seed=3, tokenizer=tokenizer)
+    trace = generate(
+        "react",
+        sessions=400,
+        turns=1,
+        shared_tokens=4,
+        unique_tokens=2,
+        growth_tokens=0,
+        max_new_tokens=1,
+        rate=4.0,
+        seed=3,
+        tokenizer=tokenizer,
+    )
     starts = sorted({r.arrival for r in trace})
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.2)
-    closed = generate("react", sessions=5, turns=1, shared_tokens=4, unique_tokens=2, growth_tokens=0,
-                      max_new_tokens=1, rate=None, seed=3, tokenizer=tokenizer)
+    closed = generate(
+        "react",
+        sessions=5,
+        turns=1,
+        shared_tokens=4,
+        unique_tokens=2,
+        growth_tokens=0,
+        max_new_tokens=1,
+        rate=None,
+        seed=3,
+        tokenizer=tokenizer,
+    )
     assert {r.arrival for r in closed} == {0.0}
 
 
 def test_replay_respects_dependencies_and_arrivals(reflexion):
     replay = reflexion.replay()
-    now, running = 0.0, []   # every request takes 0.3 s once released
+    now, running = 0.0, []  # every request takes 0.3 s once released
     released_at, finished_at = {}, {}
     while not replay.done:
         for r in replay.ready(now):
@@ -175,6 +215,7 @@ def test_replay_respects_dependencies_and_arrivals(reflexion):
 
 
 # ---------------------------------------------------------------- determinism and files
+
 
 def test_same_seed_same_bytes_different_seed_different(tokenizer, react, tmp_path):
     again = generate("react", tokenizer=tokenizer, **SMALL)
@@ -244,6 +285,7 @@ def test_load_checks_the_tokenizer(tmp_path, react, tokenizer):
 
 # ---------------------------------------------------------------- Eq. 9
 
+
 def test_eq9_single_turn_by_hand():
     # N=4 agents, L_shared=100, L_unique=10: shared 100 + 4*10 = 140; no-share 4*(100+10) = 440
     assert kv_tokens(4, 100, 10) == KVTokens(140, 440)
@@ -255,16 +297,37 @@ def test_eq9_single_turn_by_hand():
 
 
 def test_eq9_react_trace_by_hand(tokenizer):
-    trace = generate("react", sessions=1, turns=2, shared_tokens=100, unique_tokens=10, growth_tokens=20,
-                     max_new_tokens=4, rate=None, seed=0, tokenizer=tokenizer)
+    trace = generate(
+        "react",
+        sessions=1,
+        turns=2,
+        shared_tokens=100,
+        unique_tokens=10,
+        growth_tokens=20,
+        max_new_tokens=4,
+        rate=None,
+        seed=0,
+        tokenizer=tokenizer,
+    )
     # turn 0: L_s=100 -> 100+4*10=140 | 4*110=440; turn 1: L_s=120 -> 120+40=160 | 4*130=520
     assert trace.kv_tokens() == KVTokens(140 + 160, 440 + 520)
 
 
 def test_eq9_reflexion_trace_by_hand(tokenizer):
-    trace = generate("reflexion", sessions=2, turns=2, agents=["planner", "math"], shared_tokens=50,
-                     unique_tokens=5, growth_tokens=10, reflection_tokens=7, max_new_tokens=4, rate=None,
-                     seed=0, tokenizer=tokenizer)
+    trace = generate(
+        "reflexion",
+        sessions=2,
+        turns=2,
+        agents=["planner", "math"],
+        shared_tokens=50,
+        unique_tokens=5,
+        growth_tokens=10,
+        reflection_tokens=7,
+        max_new_tokens=4,
+        rate=None,
+        seed=0,
+        tokenizer=tokenizer,
+    )
     # per session: act (L=50, N=2): 60 | 110; reflect (L=60, N=1): 65 | 65; act (L=67, N=2): 77 | 144
     assert trace.kv_tokens() == KVTokens(2 * (60 + 65 + 77), 2 * (110 + 65 + 144))
     assert workloads.describe(trace)["kv_shared"] == 2 * 202
@@ -272,25 +335,50 @@ def test_eq9_reflexion_trace_by_hand(tokenizer):
 
 # ---------------------------------------------------------------- config
 
+
 def test_agents_and_budgets(tokenizer):
-    t = generate("react", sessions=1, turns=1, agents=6, shared_tokens=8, unique_tokens=4, growth_tokens=0,
-                 max_new_tokens={"planner": 5, "math": 6, "code": 7, "tools": 8, "agent4": 9, "agent5": 10},
-                 rate=None, seed=0, tokenizer=tokenizer)
+    t = generate(
+        "react",
+        sessions=1,
+        turns=1,
+        agents=6,
+        shared_tokens=8,
+        unique_tokens=4,
+        growth_tokens=0,
+        max_new_tokens={"planner": 5, "math": 6, "code": 7, "tools": 8, "agent4": 9, "agent5": 10},
+        rate=None,
+        seed=0,
+        tokenizer=tokenizer,
+    )
     assert t.agents == ["planner", "math", "code", "tools", "agent4", "agent5"]
     assert [r.max_new_tokens for r in t] == [5, 6, 7, 8, 9, 10]
-    t = generate("reflexion", sessions=1, turns=2, agents=["m", "c"], shared_tokens=8, unique_tokens=4,
-                 growth_tokens=2, max_new_tokens=3, rate=None, seed=0, tokenizer=tokenizer)
+    t = generate(
+        "reflexion",
+        sessions=1,
+        turns=2,
+        agents=["m", "c"],
+        shared_tokens=8,
+        unique_tokens=4,
+        growth_tokens=2,
+        max_new_tokens=3,
+        rate=None,
+        seed=0,
+        tokenizer=tokenizer,
+    )
     assert [r.agent for r in t if r.phase == "reflect"] == ["m"]  # no planner: the first agent reflects
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"kind": "tot"}, "kind"),
-    ({"max_new_tokens": {"planner": 4}}, "max_new_tokens"),
-    ({"shared_tokens": 0}, "shared_tokens"),
-    ({"agents": ["a", "a"]}, "agents"),
-    ({"rate": -1.0}, "rate"),
-    ({"steps_per_trial": 2}, "steps_per_trial"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"kind": "tot"}, "kind"),
+        ({"max_new_tokens": {"planner": 4}}, "max_new_tokens"),
+        ({"shared_tokens": 0}, "shared_tokens"),
+        ({"agents": ["a", "a"]}, "agents"),
+        ({"rate": -1.0}, "rate"),
+        ({"steps_per_trial": 2}, "steps_per_trial"),
+    ],
+)
 def test_config_errors_name_the_field(tokenizer, kwargs, field):
     args = {"kind": "react", **SMALL, **kwargs}
     with pytest.raises(ConfigError, match=field):

@@ -30,8 +30,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def rows(n: int = 7) -> list[dict]:
-    out = [{"prompt": f"Q{i}: what is {i} times {i + 2}?" + " Show the steps." * (i % 3),
-            "response": f"{i * (i + 2)}." + " Done." * (i % 2)} for i in range(n)]
+    out = [
+        {
+            "prompt": f"Q{i}: what is {i} times {i + 2}?" + " Show the steps." * (i % 3),
+            "response": f"{i * (i + 2)}." + " Done." * (i % 2),
+        }
+        for i in range(n)
+    ]
     out.append(dict(out[0], response="A different answer to the same prompt."))  # a shared prefix
     return out
 
@@ -57,8 +62,15 @@ def test_size_estimate_is_layers_x2_x_kv_heads_x_head_dim_x_tokens_x_dtype_bytes
 @pytest.mark.parametrize("k", [1, 2])
 def test_stored_c_base_equals_the_prefill_for_a_padded_batch(tmp_path, tiny_base, tokenizer, k):
     ds = dataset(tokenizer, k)
-    report = precompute(tiny_base, ds.examples, tmp_path / "store", handoff_tokens=k, batch_size=3,
-                        shard_bytes=4096, log=quiet)
+    report = precompute(
+        tiny_base,
+        ds.examples,
+        tmp_path / "store",
+        handoff_tokens=k,
+        batch_size=3,
+        shard_bytes=4096,
+        log=quiet,
+    )
     assert report.prefixes == len(ds) - 1  # the repeated prompt is stored once
     assert report.computed == report.prefixes and report.reused == 0 and report.shards > 1
     assert report.tokens == sum(len(e.prompt_ids) - k for e in ds.examples[:-1])
@@ -70,12 +82,22 @@ def test_stored_c_base_equals_the_prefill_for_a_padded_batch(tmp_path, tiny_base
 def assert_store_equals_prefill(store, tiny_base, tokenizer, ds, k):
     """Every row of ``ds`` is served from ``store`` with the values of an on-the-fly prefill (pads zero)."""
     batch = Collator(tokenizer.pad_token_id, k)(ds.examples)
-    stored = store.batch_cache(batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k], base=tiny_base)
+    stored = store.batch_cache(
+        batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k], base=tiny_base
+    )
     with tiny_base.base_weights() as m:
-        live = prefill_tensors(m, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k],
-                                handoff_tokens=k, fingerprint=tiny_base.fingerprint)
+        live = prefill_tensors(
+            m,
+            batch["prefix_ids"],
+            batch["prefix_mask"],
+            batch["tail_ids"][:, :k],
+            handoff_tokens=k,
+            fingerprint=tiny_base.fingerprint,
+        )
     assert stored is not None and stored.fingerprint == tiny_base.fingerprint and stored.producer == "base"
-    assert torch.equal(stored.attention_mask, live.attention_mask) and torch.equal(stored.tail_ids, live.tail_ids)
+    assert torch.equal(stored.attention_mask, live.attention_mask) and torch.equal(
+        stored.tail_ids, live.tail_ids
+    )
     real = live.attention_mask.bool()[:, None, :, None]
     for a, b in zip(stored.keys + stored.values, live.keys + live.values, strict=True):
         assert a.shape == b.shape
@@ -90,7 +112,9 @@ def test_reuse_corruption_and_missing_entries_are_recomputed(tmp_path, tiny_base
     again = precompute(tiny_base, ds.examples[:4], path, shard_bytes=2048, batch_size=2, log=quiet)
     assert again.computed == 0 and again.reused == first.prefixes and not again.corrupt_shards
 
-    grown = precompute(tiny_base, ds.examples, path, shard_bytes=2048, batch_size=2, log=quiet)  # new rows are appended
+    grown = precompute(
+        tiny_base, ds.examples, path, shard_bytes=2048, batch_size=2, log=quiet
+    )  # new rows are appended
     assert grown.reused == first.prefixes and grown.computed == grown.prefixes - first.prefixes
 
     manifest = json.loads((path / MANIFEST).read_text())
@@ -152,12 +176,27 @@ def test_refuses_with_a_clear_message_when_the_disk_is_too_small(tmp_path, tiny_
 def test_training_on_the_store_equals_training_on_the_fly(tmp_path, tiny_dir):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows()))
-    ov = {"base": str(tiny_dir), "train_data": str(data), "max_steps": 3, "per_device_train_batch_size": 4,
-          "logging_steps": 1, "use_cpu": "true", "chat_template": "false", "save_strategy": "no", "report_to": "none",
-          "disable_tqdm": "true", "learning_rate": 0.01, "lora_r": 4, "seed": 5, "handoff_tokens": 2}
+    ov = {
+        "base": str(tiny_dir),
+        "train_data": str(data),
+        "max_steps": 3,
+        "per_device_train_batch_size": 4,
+        "logging_steps": 1,
+        "use_cpu": "true",
+        "chat_template": "false",
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": "true",
+        "learning_rate": 0.01,
+        "lora_r": 4,
+        "seed": 5,
+        "handoff_tokens": 2,
+    }
     curves = {}
     for name, extra in (("live", {}), ("store", {"base_cache_store": str(tmp_path / "cbase")})):
-        cfg, _, _ = load_recipe(None, [f"{k}={v}" for k, v in dict(ov, output_dir=tmp_path / name, **extra).items()])
+        cfg, _, _ = load_recipe(
+            None, [f"{k}={v}" for k, v in dict(ov, output_dir=tmp_path / name, **extra).items()]
+        )
         _, _, _, _, trainer = setup(cfg)
         trainer.train()
         curves[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -172,13 +211,15 @@ def test_cli_prints_the_estimate_then_writes_the_store(tmp_path, tiny_dir, capsy
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows()))
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"base: {tiny_dir}\ntrain_data: {data}\nchat_template: false\noutput_dir: {tmp_path / 'run'}\n")
+    recipe.write_text(
+        f"base: {tiny_dir}\ntrain_data: {data}\nchat_template: false\noutput_dir: {tmp_path / 'run'}\n"
+    )
     assert main(["precompute", str(recipe), "--out", str(tmp_path / "s"), "--estimate-only"]) == 0
     out = capsys.readouterr().out
     assert "estimate:" in out and "prefix tokens × 512 B" in out and not (tmp_path / "s" / MANIFEST).exists()
     assert main(["precompute", str(recipe), "--out", str(tmp_path / "s"), "--json"]) == 0
     out = capsys.readouterr().out
-    report = json.loads(out[out.index("{"): out.rindex("}") + 1])
+    report = json.loads(out[out.index("{") : out.rindex("}") + 1])
     assert report["computed"] == report["prefixes"] == len(rows()) - 1
     assert (tmp_path / "s" / MANIFEST).is_file()
     # Too little disk: refused by the CLI with the ccft error format, exit status 2.

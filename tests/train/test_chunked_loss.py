@@ -28,8 +28,12 @@ def rows_file(tmp_path_factory) -> Path:
     rows = []
     for i in range(16):
         a, b = 5 * i + 2, 3 * i % 7 + 1
-        rows.append({"prompt": f"Q{i}: add {a} and {b}." + " Think step by step." * (i % 3),
-                     "response": f"{a} + {b} = {a + b}." + " Check: correct." * (i % 5) * (1 + i % 2)})
+        rows.append(
+            {
+                "prompt": f"Q{i}: add {a} and {b}." + " Think step by step." * (i % 3),
+                "response": f"{a} + {b} = {a + b}." + " Check: correct." * (i % 5) * (1 + i % 2),
+            }
+        )
     path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -41,10 +45,20 @@ def tied_dir(tmp_path_factory, tokenizer) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
     path = tmp_path_factory.mktemp("tied")
     model = LlamaForCausalLM(cfg).float()
     with torch.no_grad():
@@ -55,10 +69,24 @@ def tied_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 def make(model_dir, out, data, **kw):
-    ov = {"base": str(model_dir), "output_dir": str(out), "train_data": str(data), "train_rows": 12,
-          "max_steps": 3, "per_device_train_batch_size": 4, "logging_steps": 1, "learning_rate": 1e-2,
-          "method": "ccft", "use_cpu": "true", "disable_tqdm": "true", "lora_dropout": 0,
-          "chat_template": "false", "save_strategy": "no", "seed": 11, "loss_chunk_tokens": 7}
+    ov = {
+        "base": str(model_dir),
+        "output_dir": str(out),
+        "train_data": str(data),
+        "train_rows": 12,
+        "max_steps": 3,
+        "per_device_train_batch_size": 4,
+        "logging_steps": 1,
+        "learning_rate": 1e-2,
+        "method": "ccft",
+        "use_cpu": "true",
+        "disable_tqdm": "true",
+        "lora_dropout": 0,
+        "chat_template": "false",
+        "save_strategy": "no",
+        "seed": 11,
+        "loss_chunk_tokens": 7,
+    }
     ov.update(kw)
     cfg, _, _ = load_recipe(None, [f"{k}={v}" for k, v in ov.items()])
     return setup(cfg)
@@ -88,7 +116,10 @@ def assert_same(a: tuple, b: tuple, *, rtol=1e-5, atol=1e-7) -> None:
     assert abs(la - lb) <= 1e-6 * abs(lb), (la, lb)
     assert ga.keys() == gb.keys() and ga
     for name in gb:
-        assert torch.allclose(ga[name], gb[name], rtol=rtol, atol=atol), (name, (ga[name] - gb[name]).abs().max())
+        assert torch.allclose(ga[name], gb[name], rtol=rtol, atol=atol), (
+            name,
+            (ga[name] - gb[name]).abs().max(),
+        )
     assert any(g.abs().max() > 1e-4 for g in gb.values())  # gradients are not all (near) zero
 
 
@@ -135,8 +166,9 @@ def test_chunked_nll_skips_ignored_positions_and_counts_per_row():
     with torch.no_grad():
         total, rows, counts = chunked_nll(hidden, labels, head, 2)
         lg = head(hidden)[:, :-1]
-        ref = F.cross_entropy(lg.reshape(-1, 50), labels[:, 1:].reshape(-1), ignore_index=-100,
-                              reduction="none").view(3, 5)
+        ref = F.cross_entropy(
+            lg.reshape(-1, 50), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
+        ).view(3, 5)
     assert counts.tolist() == [5, 3, 3]
     assert torch.allclose(rows, ref.sum(-1), rtol=1e-6) and torch.allclose(total, ref.sum(), rtol=1e-6)
 
@@ -144,14 +176,22 @@ def test_chunked_nll_skips_ignored_positions_and_counts_per_row():
 # ------------------------------------------------------------------ the trainer: chunked == full logits
 
 
-CASES = [("lora", "ccft", "two-pass"), ("lora", "ccft", "one-pass"), ("lora", "full-ft", "auto"),
-         ("full", "ccft", "auto"), ("full", "full-ft", "auto")]
+CASES = [
+    ("lora", "ccft", "two-pass"),
+    ("lora", "ccft", "one-pass"),
+    ("lora", "full-ft", "auto"),
+    ("full", "ccft", "auto"),
+    ("full", "full-ft", "auto"),
+]
 
 
 @pytest.mark.parametrize("kind,method,path", CASES)
-def test_trainer_loss_and_gradients_equal_the_full_logits_path(tmp_path, tiny_dir, rows_file, kind, method, path):
-    base, decoder, train_set, _, trainer = make(tiny_dir, tmp_path / "run", rows_file, decoder_kind=kind,
-                                                method=method, train_path=path)
+def test_trainer_loss_and_gradients_equal_the_full_logits_path(
+    tmp_path, tiny_dir, rows_file, kind, method, path
+):
+    base, decoder, train_set, _, trainer = make(
+        tiny_dir, tmp_path / "run", rows_file, decoder_kind=kind, method=method, train_path=path
+    )
     assert trainer.loss_path == "chunked", trainer.loss_unchunked_reason
     perturb(trainer.model)
     batch = trainer.data_collator([train_set[i] for i in (0, 5, 9, 11)])
@@ -167,19 +207,29 @@ def test_trainer_loss_and_gradients_equal_the_full_logits_path(tmp_path, tiny_di
         handle.remove()
     # The decoder's forward projected no position (the base's no-grad prefill of C_base, on the same LM head
     # with LoRA, projects its last one): no (b, t, v) logits were made.
-    assert (len(batch["labels"]), 0, head.out_features) in projected and max(s[1] for s in projected) <= 1, projected
+    assert (len(batch["labels"]), 0, head.out_features) in projected and max(s[1] for s in projected) <= 1, (
+        projected
+    )
     trainer.loss_path = "full-logits"
     reference = loss_and_grads(trainer, batch)
     assert_same(chunked, reference)
     if kind == "full":
-        assert any("lm_head" in n for n in reference[1])  # the (untied) LM head trains, its gradient matches too
+        assert any(
+            "lm_head" in n for n in reference[1]
+        )  # the (untied) LM head trains, its gradient matches too
 
 
 def test_tied_embedding_trained_gets_the_same_gradient(tmp_path, tied_dir, rows_file):
     """freeze_embeddings=false on a tied model: the LM head's gradient from the chunked loss adds to the
     embedding's own, as autograd adds them over full logits."""
-    base, decoder, train_set, _, trainer = make(tied_dir, tmp_path / "run", rows_file, decoder_kind="full",
-                                                method="full-ft", freeze_embeddings="false")
+    base, decoder, train_set, _, trainer = make(
+        tied_dir,
+        tmp_path / "run",
+        rows_file,
+        decoder_kind="full",
+        method="full-ft",
+        freeze_embeddings="false",
+    )
     emb = trainer.model.get_input_embeddings().weight
     assert emb is trainer.model.get_output_embeddings().weight and emb.requires_grad
     perturb(trainer.model)
@@ -195,9 +245,15 @@ def test_loss_curves_and_eval_nll_equal_the_full_logits_path(tmp_path, tiny_dir,
     the full-logits path, step by step."""
     results = {}
     for chunk in (0, 5):
-        base, decoder, train_set, _, trainer = make(tiny_dir, tmp_path / f"run{chunk}", rows_file,
-                                                    loss_chunk_tokens=chunk, eval_data=str(rows_file),
-                                                    eval_rows=6, per_device_eval_batch_size=4)
+        base, decoder, train_set, _, trainer = make(
+            tiny_dir,
+            tmp_path / f"run{chunk}",
+            rows_file,
+            loss_chunk_tokens=chunk,
+            eval_data=str(rows_file),
+            eval_rows=6,
+            per_device_eval_batch_size=4,
+        )
         assert trainer.loss_path == ("chunked" if chunk else "full-logits")
         trainer.train()
         curve = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -206,15 +262,19 @@ def test_loss_curves_and_eval_nll_equal_the_full_logits_path(tmp_path, tiny_dir,
     assert len(c0) == len(c5) == 3
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(c5, c0)), (c5, c0)
     assert c0[-1] < c0[0] - 1e-3  # it trains: the comparison is not between two flat curves
-    assert e5["eval_tokens"] == e0["eval_tokens"] and abs(e5["eval_loss"] - e0["eval_loss"]) <= 1e-5 * e0["eval_loss"]
+    assert (
+        e5["eval_tokens"] == e0["eval_tokens"]
+        and abs(e5["eval_loss"] - e0["eval_loss"]) <= 1e-5 * e0["eval_loss"]
+    )
 
 
 # ------------------------------------------------------------------ fallbacks, frozen embeddings, config
 
 
 def test_lora_on_the_lm_head_falls_back_to_full_logits(tmp_path, tiny_dir, rows_file):
-    base, decoder, train_set, _, trainer = make(tiny_dir, tmp_path / "run", rows_file,
-                                                lora_target_modules="[q_proj, lm_head]")
+    base, decoder, train_set, _, trainer = make(
+        tiny_dir, tmp_path / "run", rows_file, lora_target_modules="[q_proj, lm_head]"
+    )
     why = chunked_loss_unsupported(trainer.model)
     assert trainer.loss_path == "full-logits" and why and "nn.Linear" in why
     batch = trainer.data_collator([train_set[i] for i in (0, 3)])
@@ -222,8 +282,9 @@ def test_lora_on_the_lm_head_falls_back_to_full_logits(tmp_path, tiny_dir, rows_
 
 
 def test_full_weight_decoder_freezes_the_tied_embedding_by_default(tmp_path, tied_dir, rows_file):
-    base, decoder, train_set, _, trainer = make(tied_dir, tmp_path / "run", rows_file, decoder_kind="full",
-                                                method="ccft", max_steps=2)
+    base, decoder, train_set, _, trainer = make(
+        tied_dir, tmp_path / "run", rows_file, decoder_kind="full", method="ccft", max_steps=2
+    )
     emb = trainer.model.get_input_embeddings().weight
     assert trainer.frozen_embeddings == ["model.embed_tokens.weight"]
     assert not emb.requires_grad and trainer.model.get_output_embeddings().weight is emb
@@ -235,16 +296,29 @@ def test_full_weight_decoder_freezes_the_tied_embedding_by_default(tmp_path, tie
 
 
 def test_full_weight_decoder_untied_keeps_training_its_lm_head(tmp_path, tiny_dir, rows_file):
-    base, decoder, train_set, _, trainer = make(tiny_dir, tmp_path / "run", rows_file, decoder_kind="full",
-                                                method="full-ft")
+    base, decoder, train_set, _, trainer = make(
+        tiny_dir, tmp_path / "run", rows_file, decoder_kind="full", method="full-ft"
+    )
     assert trainer.frozen_embeddings == ["model.embed_tokens.weight"]
     assert trainer.model.lm_head.weight.requires_grad
 
 
-@pytest.mark.parametrize("key,value,needle", [("loss_chunk_tokens", -1, "loss_chunk_tokens=-1"),
-                                              ("loss_chunk_tokens", "many", "loss_chunk_tokens"),
-                                              ("freeze_embeddings", "sometimes", "freeze_embeddings")])
+@pytest.mark.parametrize(
+    "key,value,needle",
+    [
+        ("loss_chunk_tokens", -1, "loss_chunk_tokens=-1"),
+        ("loss_chunk_tokens", "many", "loss_chunk_tokens"),
+        ("freeze_embeddings", "sometimes", "freeze_embeddings"),
+    ],
+)
 def test_bad_values_name_the_key(tmp_path, tiny_dir, rows_file, key, value, needle):
     with pytest.raises(ConfigError, match=needle):
-        load_recipe(None, [f"base={tiny_dir}", f"output_dir={tmp_path / 'run'}", f"train_data={rows_file}",
-                           f"{key}={value}"])
+        load_recipe(
+            None,
+            [
+                f"base={tiny_dir}",
+                f"output_dir={tmp_path / 'run'}",
+                f"train_data={rows_file}",
+                f"{key}={value}",
+            ],
+        )

@@ -20,29 +20,35 @@ RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.name != "stud
 # ------------------------------------------------------------------ errors
 
 
-@pytest.mark.parametrize("override, match", [
-    ("learning_rat=1e-4", r"unknown key 'learning_rat'.*did you mean 'learning_rate'"),
-    ("max_stepz=3", r"unknown key 'max_stepz'.*did you mean 'max_steps'"),
-    ("max_steps=abc", r"'max_steps' expects int, got 'abc'"),
-    ("per_device_train_batch_size=2.5", r"'per_device_train_batch_size' expects int"),
-    ("learning_rate=fast", r"'learning_rate' expects float"),
-    ("lora_r=[1, 2]", r"'lora_r' expects int"),
-    ("method=sft", r"method='sft'.*ccft, full-ft"),
-    ("decoder_kind=qlora", r"decoder_kind='qlora'.*lora, full"),
-    ("dtype=float8", r"dtype='float8'"),
-    ("handoff_tokens=0", r"handoff_tokens=0.*≥ 1"),
-    ("handoff_tokens=-2", r"handoff_tokens=-2"),
-    ("chat_template=maybe", r"chat_template='maybe'"),
-    ("max_steps", r"override 'max_steps' is not key=value"),
-    ("=3", r"override '=3' is not key=value"),
-    ("lora_target_modules=[q_proj", r"lora_target_modules.*not a valid YAML value"),
-    ("eval.nll_rowz=7", r"^command-line override eval.nll_rowz=7: unknown key 'nll_rowz'.*did you mean 'nll_rows'"),
-    ("eval.nll_rows=many", r"^command-line override eval.nll_rows=many.*'nll_rows' expects int"),
-    ("eval.modes=[base, oracle]", r"eval.modes.*'oracle'"),
-    ("train_data=/nonexistent/rows.jsonl", r"train_data.*/nonexistent/rows.jsonl"),
-    ("eval_data=/nonexistent/test.jsonl", r"eval_data.*/nonexistent/test.jsonl"),
-    ("train_data=gsm8k:validation", r"train_data.*unknown split 'validation'"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("learning_rat=1e-4", r"unknown key 'learning_rat'.*did you mean 'learning_rate'"),
+        ("max_stepz=3", r"unknown key 'max_stepz'.*did you mean 'max_steps'"),
+        ("max_steps=abc", r"'max_steps' expects int, got 'abc'"),
+        ("per_device_train_batch_size=2.5", r"'per_device_train_batch_size' expects int"),
+        ("learning_rate=fast", r"'learning_rate' expects float"),
+        ("lora_r=[1, 2]", r"'lora_r' expects int"),
+        ("method=sft", r"method='sft'.*ccft, full-ft"),
+        ("decoder_kind=qlora", r"decoder_kind='qlora'.*lora, full"),
+        ("dtype=float8", r"dtype='float8'"),
+        ("handoff_tokens=0", r"handoff_tokens=0.*≥ 1"),
+        ("handoff_tokens=-2", r"handoff_tokens=-2"),
+        ("chat_template=maybe", r"chat_template='maybe'"),
+        ("max_steps", r"override 'max_steps' is not key=value"),
+        ("=3", r"override '=3' is not key=value"),
+        ("lora_target_modules=[q_proj", r"lora_target_modules.*not a valid YAML value"),
+        (
+            "eval.nll_rowz=7",
+            r"^command-line override eval.nll_rowz=7: unknown key 'nll_rowz'.*did you mean 'nll_rows'",
+        ),
+        ("eval.nll_rows=many", r"^command-line override eval.nll_rows=many.*'nll_rows' expects int"),
+        ("eval.modes=[base, oracle]", r"eval.modes.*'oracle'"),
+        ("train_data=/nonexistent/rows.jsonl", r"train_data.*/nonexistent/rows.jsonl"),
+        ("eval_data=/nonexistent/test.jsonl", r"eval_data.*/nonexistent/test.jsonl"),
+        ("train_data=gsm8k:validation", r"train_data.*unknown split 'validation'"),
+    ],
+)
 def test_bad_override_is_a_config_error_naming_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
         load_recipe(None, [override])
@@ -53,8 +59,11 @@ def test_override_errors_name_the_override_not_the_recipe_file(capsys):
     help lists the eval: keys too."""
     from ccft.cli.main import main
 
-    with pytest.raises(ConfigError, match=r"^command-line override eval.nll_row=5: unknown key 'nll_row'; did you "
-                                          r"mean 'nll_rows'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^command-line override eval.nll_row=5: unknown key 'nll_row'; did you "
+        r"mean 'nll_rows'",
+    ):
         load_recipe(ROOT / "recipes" / "demo.yaml", ["eval.nll_row=5"])
     with pytest.raises(ConfigError, match=r"^command-line override max_step=3: unknown key 'max_step'"):
         load_recipe(ROOT / "recipes" / "demo.yaml", ["max_step=3"])
@@ -74,7 +83,9 @@ def test_bad_recipe_files(tmp_path):
 
     scalar = tmp_path / "scalar.yaml"
     scalar.write_text("just a string\n")
-    with pytest.raises(ConfigError, match=r"scalar\.yaml:1: a recipe is a mapping of keys to values, got str"):
+    with pytest.raises(
+        ConfigError, match=r"scalar\.yaml:1: a recipe is a mapping of keys to values, got str"
+    ):
         load_recipe(scalar)
 
     broken = tmp_path / "broken.yaml"
@@ -84,7 +95,9 @@ def test_bad_recipe_files(tmp_path):
 
     typo = tmp_path / "typo.yaml"
     typo.write_text("# ccft train typo.yaml\nlora_alpah: 8\n")
-    with pytest.raises(ConfigError, match=r"typo\.yaml:2: unknown key 'lora_alpah'.*did you mean 'lora_alpha'"):
+    with pytest.raises(
+        ConfigError, match=r"typo\.yaml:2: unknown key 'lora_alpah'.*did you mean 'lora_alpha'"
+    ):
         load_recipe(typo)
 
     bad_eval = tmp_path / "bad_eval.yaml"
@@ -122,13 +135,27 @@ def test_train_config_validates_directly():
 
 
 def test_overrides_parse_yaml_scalars():
-    assert parse_overrides(["learning_rate=1e-4", "lora_target_modules=[q_proj,v_proj]", "eval.nll_rows=7",
-                            "system_prompt=a=b"]) == {
+    assert parse_overrides(
+        ["learning_rate=1e-4", "lora_target_modules=[q_proj,v_proj]", "eval.nll_rows=7", "system_prompt=a=b"]
+    ) == {
         "learning_rate": "1e-4",  # YAML 1.1 reads 1e-4 as a string; the typed field converts it (below)
-        "lora_target_modules": ["q_proj", "v_proj"], "eval": {"nll_rows": 7}, "system_prompt": "a=b"}
-    cfg, ecfg, raw = load_recipe(None, ["learning_rate=1e-4", "lora_target_modules=[q_proj,v_proj]",
-                                        "eval.nll_rows=7", "max_steps=12", "lora_dropout=0",
-                                        "gradient_checkpointing=true", "save_strategy=no", "eval_data=gsm8k:test"])
+        "lora_target_modules": ["q_proj", "v_proj"],
+        "eval": {"nll_rows": 7},
+        "system_prompt": "a=b",
+    }
+    cfg, ecfg, raw = load_recipe(
+        None,
+        [
+            "learning_rate=1e-4",
+            "lora_target_modules=[q_proj,v_proj]",
+            "eval.nll_rows=7",
+            "max_steps=12",
+            "lora_dropout=0",
+            "gradient_checkpointing=true",
+            "save_strategy=no",
+            "eval_data=gsm8k:test",
+        ],
+    )
     assert isinstance(cfg.learning_rate, float) and cfg.learning_rate == 1e-4
     assert cfg.lora_target_modules == ["q_proj", "v_proj"]
     assert isinstance(ecfg, EvalConfig) and ecfg.nll_rows == 7 and ecfg.em_rows == EvalConfig().em_rows
@@ -144,26 +171,59 @@ def test_values_convert_as_hf_argument_parser_converts_the_command_line(tmp_path
     """A recipe value means what ``--key=value`` means to ``transformers.HfArgumentParser`` (the reference)."""
     from transformers import HfArgumentParser
 
-    cli = ["--learning_rate=3e-4", "--max_steps=7", "--save_strategy=steps", "--save_steps=5",
-           "--lr_scheduler_type=cosine", "--gradient_checkpointing=true", "--lora_target_modules", "q_proj", "v_proj",
-           "--chat_template=false", "--eval_rows=3", "--use_cpu=yes", "--warmup_steps=2", "--report_to=none"]
+    cli = [
+        "--learning_rate=3e-4",
+        "--max_steps=7",
+        "--save_strategy=steps",
+        "--save_steps=5",
+        "--lr_scheduler_type=cosine",
+        "--gradient_checkpointing=true",
+        "--lora_target_modules",
+        "q_proj",
+        "v_proj",
+        "--chat_template=false",
+        "--eval_rows=3",
+        "--use_cpu=yes",
+        "--warmup_steps=2",
+        "--report_to=none",
+    ]
     (want,) = HfArgumentParser(TrainConfig).parse_args_into_dataclasses(cli)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("learning_rate: 3e-4\nmax_steps: 7\nsave_strategy: steps\nsave_steps: 5\n"
-                      "lr_scheduler_type: cosine\ngradient_checkpointing: true\nlora_target_modules: [q_proj, v_proj]\n"
-                      "chat_template: false\neval_rows: 3\nuse_cpu: yes\nwarmup_steps: 2\n")
+    recipe.write_text(
+        "learning_rate: 3e-4\nmax_steps: 7\nsave_strategy: steps\nsave_steps: 5\n"
+        "lr_scheduler_type: cosine\ngradient_checkpointing: true\nlora_target_modules: [q_proj, v_proj]\n"
+        "chat_template: false\neval_rows: 3\nuse_cpu: yes\nwarmup_steps: 2\n"
+    )
     got, _, raw = load_recipe(recipe)
-    for key in ("learning_rate", "max_steps", "save_strategy", "save_steps", "lr_scheduler_type",
-                "gradient_checkpointing", "lora_target_modules", "chat_template", "eval_rows", "use_cpu",
-                "warmup_steps", "report_to"):
+    for key in (
+        "learning_rate",
+        "max_steps",
+        "save_strategy",
+        "save_steps",
+        "lr_scheduler_type",
+        "gradient_checkpointing",
+        "lora_target_modules",
+        "chat_template",
+        "eval_rows",
+        "use_cpu",
+        "warmup_steps",
+        "report_to",
+    ):
         assert getattr(got, key) == getattr(want, key), key
     assert got.learning_rate == 3e-4 and got.max_steps == 7 and got.chat_template_flag is False
     assert got.lora_target_modules == ["q_proj", "v_proj"] and got.use_cpu is True
     # The recorded recipe holds plain values (enum choices as their text) for ccft.json.
-    assert raw["save_strategy"] == "steps" and raw["lr_scheduler_type"] == "cosine" and raw["chat_template"] == "false"
+    assert (
+        raw["save_strategy"] == "steps"
+        and raw["lr_scheduler_type"] == "cosine"
+        and raw["chat_template"] == "false"
+    )
     # A value the parser refuses names the key, where it was set (here the command line) and the parser's reason.
-    with pytest.raises(ConfigError, match=r"^command-line override save_strategy=sometimes: key 'save_strategy' "
-                                          r"expects .*invalid choice: 'sometimes'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^command-line override save_strategy=sometimes: key 'save_strategy' "
+        r"expects .*invalid choice: 'sometimes'",
+    ):
         load_recipe(recipe, ["save_strategy=sometimes"])
     with pytest.raises(ConfigError, match=r"key 'eval_data' expects str \| None, got \['a'\]"):
         load_recipe(recipe, ["eval_data=[a]"])
@@ -182,12 +242,18 @@ def test_override_text_with_a_colon_stays_text():
 
 def test_overrides_replace_recipe_values(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("# ccft train r.yaml\nlearning_rate: 2.0e-4\nmax_steps: 5\nlora_r: 8\n"
-                      "eval:\n  nll_rows: 3\n  modes: [base, prefillshare]\n")
+    recipe.write_text(
+        "# ccft train r.yaml\nlearning_rate: 2.0e-4\nmax_steps: 5\nlora_r: 8\n"
+        "eval:\n  nll_rows: 3\n  modes: [base, prefillshare]\n"
+    )
     cfg, ecfg, raw = load_recipe(recipe, ["max_steps=9", "eval.em_rows=2"])
     assert cfg.learning_rate == 2e-4 and cfg.max_steps == 9 and cfg.lora_r == 8
     assert ecfg.nll_rows == 3 and ecfg.em_rows == 2 and ecfg.modes == ["base", "prefillshare"]
-    assert raw["max_steps"] == 9 and raw["eval"] == {"nll_rows": 3, "modes": ["base", "prefillshare"], "em_rows": 2}
+    assert raw["max_steps"] == 9 and raw["eval"] == {
+        "nll_rows": 3,
+        "modes": ["base", "prefillshare"],
+        "em_rows": 2,
+    }
 
 
 # ------------------------------------------------------------------ bundled recipes
@@ -215,8 +281,16 @@ def test_recipe_parses_names_its_command_and_dry_runs(recipe, tmp_path, tiny_dir
     torch.set_num_threads(1)
     try:
         # eval_rows: a recipe that evaluates at the end of training scores 4 held-out rows, not hundreds.
-        cfg, ecfg, raw = load_recipe(recipe, [f"base={tiny_dir}", "train_rows=6", "max_steps=1",
-                                              f"output_dir={tmp_path / 'run'}", "eval_rows=4"])
+        cfg, ecfg, raw = load_recipe(
+            recipe,
+            [
+                f"base={tiny_dir}",
+                "train_rows=6",
+                "max_steps=1",
+                f"output_dir={tmp_path / 'run'}",
+                "eval_rows=4",
+            ],
+        )
         base, decoder, train_set, eval_set, trainer = setup(cfg)
         assert len(train_set) == 6
         out = trainer.train()

@@ -31,7 +31,7 @@ ACCEL = ROOT / "recipes" / "accelerate"
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
 
-LOSS_RTOL = 1e-5     # fp32: all-reduce and a different padding width change rounding only
+LOSS_RTOL = 1e-5  # fp32: all-reduce and a different padding width change rounding only
 WEIGHT_ATOL = 1e-5
 
 
@@ -39,13 +39,31 @@ WEIGHT_ATOL = 1e-5
 def recipe(tmp_path_factory, tiny_dir) -> Path:
     """A recipe for the tiny model over 8 rows of different lengths: 2 steps of a global batch of 4."""
     d = tmp_path_factory.mktemp("dist")
-    rows = [{"prompt": f"Q{i}: add {i} and {2 * i + 1}." + " Think." * (i % 3),
-             "response": f"{3 * i + 1}." + " Done." * (i % 4)} for i in range(8)]
+    rows = [
+        {
+            "prompt": f"Q{i}: add {i} and {2 * i + 1}." + " Think." * (i % 3),
+            "response": f"{3 * i + 1}." + " Done." * (i % 4),
+        }
+        for i in range(8)
+    ]
     (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = {"base": str(tiny_dir), "train_data": str(d / "rows.jsonl"), "train_rows": 8, "max_steps": 2,
-           "logging_steps": 1, "use_cpu": True, "chat_template": False, "save_strategy": "no", "report_to": "none",
-           "disable_tqdm": True, "learning_rate": 0.01, "lora_r": 4, "lora_alpha": 8, "seed": 11,
-           "handoff_tokens": 2}
+    cfg = {
+        "base": str(tiny_dir),
+        "train_data": str(d / "rows.jsonl"),
+        "train_rows": 8,
+        "max_steps": 2,
+        "logging_steps": 1,
+        "use_cpu": True,
+        "chat_template": False,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "learning_rate": 0.01,
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "seed": 11,
+        "handoff_tokens": 2,
+    }
     path = d / "recipe.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -63,8 +81,18 @@ def single_process(recipe: Path, out: Path, **kw) -> list[float]:
 
 
 def two_processes(recipe: Path, out: Path, config: str | None = None, **kw) -> tuple[list[float], dict]:
-    cmd = [sys.executable, "-m", "ccft.cli.main", "train", str(recipe), f"output_dir={out}",
-           "per_device_train_batch_size=2", "--no-resume", "--num-processes", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ccft.cli.main",
+        "train",
+        str(recipe),
+        f"output_dir={out}",
+        "per_device_train_batch_size=2",
+        "--no-resume",
+        "--num-processes",
+        "2",
+    ]
     cmd += [f"{k}={v}" for k, v in kw.items()]
     if config:
         cmd += ["--accelerate-config", str(ACCEL / config)]
@@ -114,20 +142,35 @@ def test_ddp_eval_checkpoints_and_the_best_one_kept(recipe, tmp_path, tiny_dir):
 
     rows = recipe.parent / "rows.jsonl"
     evals = dict(eval_data=rows, eval_rows=7, eval_strategy="steps", eval_steps=1)
-    cfg, _, raw = load_recipe(recipe, [f"output_dir={tmp_path / 'single'}", "per_device_train_batch_size=4"]
-                              + [f"{k}={v}" for k, v in evals.items()])
+    cfg, _, raw = load_recipe(
+        recipe,
+        [f"output_dir={tmp_path / 'single'}", "per_device_train_batch_size=4"]
+        + [f"{k}={v}" for k, v in evals.items()],
+    )
     before = torch.get_num_threads()
     try:
         single = run_training(cfg, recipe=raw, resume=False).log_history
     finally:
         torch.set_num_threads(before)
     out = tmp_path / "ddp"
-    _, meta = two_processes(recipe, out, **evals, save_strategy="steps", save_steps=1, save_total_limit=1,
-                            load_best_model_at_end="true", metric_for_best_model="eval_loss",
-                            greater_is_better="true")
+    _, meta = two_processes(
+        recipe,
+        out,
+        **evals,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=1,
+        load_best_model_at_end="true",
+        metric_for_best_model="eval_loss",
+        greater_is_better="true",
+    )
     multi = json.loads((out / "log_history.json").read_text())
-    tokens = build_dataset(load_rows(str(rows))[:7], AutoTokenizer.from_pretrained(str(tiny_dir)),
-                           chat_template=False, handoff_tokens=2).supervised_tokens
+    tokens = build_dataset(
+        load_rows(str(rows))[:7],
+        AutoTokenizer.from_pretrained(str(tiny_dir)),
+        chat_template=False,
+        handoff_tokens=2,
+    ).supervised_tokens
     want = {h["step"]: h["eval_loss"] for h in single if "eval_loss" in h}
     got = {h["step"]: h["eval_loss"] for h in multi if "eval_loss" in h}
     assert sorted(got) == sorted(want) == [1, 2] and got[1] > got[2], (got, want)
@@ -159,7 +202,9 @@ def test_zero3_full_weight_decoder_two_cpu_processes_equal_one_process(recipe, t
     """ZeRO-3 partitions the decoder AND the frozen base copy (TRL's reference-model placement); the
     saved decoder is gathered from the partitions."""
     single = single_process(recipe, tmp_path / "single", decoder_kind="full", learning_rate=1e-3)
-    multi, meta = two_processes(recipe, tmp_path / "zero3", "zero3.yaml", decoder_kind="full", learning_rate=1e-3)
+    multi, meta = two_processes(
+        recipe, tmp_path / "zero3", "zero3.yaml", decoder_kind="full", learning_rate=1e-3
+    )
     assert_same_curve(multi, single)
     assert_same_weights(tmp_path / "zero3", tmp_path / "single", "model.safetensors")
 
@@ -188,8 +233,10 @@ def test_accelerate_command_and_refusals(monkeypatch):
     cmd = accelerate_command(["train", "r.yaml"], num_processes=2, use_cpu=True)
     assert cmd[1:3] == ["-m", "accelerate.commands.launch"] and "--multi_gpu" in cmd
     assert cmd[-1] == "use_cpu=true" and cmd[cmd.index("--num_processes") + 1] == "2"
-    assert "use_cpu=true" not in accelerate_command(["train", "r.yaml", "use_cpu=false"], num_processes=2,
-                                                    use_cpu=True)[-1:]
+    assert (
+        "use_cpu=true"
+        not in accelerate_command(["train", "r.yaml", "use_cpu=false"], num_processes=2, use_cpu=True)[-1:]
+    )
     cmd = accelerate_command(["train"], config_file=str(ACCEL / "zero2.yaml"), use_cpu=False)
     assert "--config_file" in cmd and "--multi_gpu" not in cmd
     with pytest.raises(ConfigError, match="recipes/accelerate"):

@@ -27,8 +27,8 @@ from ccft.train.fastpath import (
 from ccft.train.run import run_training, setup
 from ccft.train.trainer import response_nll_sum
 
-LOSS_TOL = 2e-6   # fp32 losses ≈ ln(vocab) ≈ 10.8; the paths differ in summation order only
-GRAD_TOL = 1e-5   # relative to the largest gradient entry of the tensor
+LOSS_TOL = 2e-6  # fp32 losses ≈ ln(vocab) ≈ 10.8; the paths differ in summation order only
+GRAD_TOL = 1e-5  # relative to the largest gradient entry of the tensor
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -36,16 +36,27 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 def rows(n: int = 5) -> list[dict]:
     """Rows whose prompts and responses differ in length, so the batch is left- and right-padded."""
-    return [{"prompt": f"Q{i}: add {i} and {2 * i + 1}." + " Think step by step." * (i % 3),
-             "response": f"{i} + {2 * i + 1} = {3 * i + 1}." + " So the answer is that." * ((i + 1) % 3)}
-            for i in range(n)]
+    return [
+        {
+            "prompt": f"Q{i}: add {i} and {2 * i + 1}." + " Think step by step." * (i % 3),
+            "response": f"{i} + {2 * i + 1} = {3 * i + 1}." + " So the answer is that." * ((i + 1) % 3),
+        }
+        for i in range(n)
+    ]
 
 
 def lora_decoder(base, seed: int = 0):
     torch.manual_seed(seed)
-    return make_decoder(base, "lora", lora={"r": 4, "lora_alpha": 8, "init_lora_weights": False,
-                                            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                               "gate_proj", "up_proj", "down_proj"]})
+    return make_decoder(
+        base,
+        "lora",
+        lora={
+            "r": 4,
+            "lora_alpha": 8,
+            "init_lora_weights": False,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        },
+    )
 
 
 def batch_for(tokenizer, k: int, n: int = 5) -> dict:
@@ -57,8 +68,14 @@ def batch_for(tokenizer, k: int, n: int = 5) -> dict:
 
 def two_pass_logits(base, model, batch, k):
     with base.base_weights() as m:
-        cache = prefill_tensors(m, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"][:, :k],
-                                 handoff_tokens=k, fingerprint=base.fingerprint)
+        cache = prefill_tensors(
+            m,
+            batch["prefix_ids"],
+            batch["prefix_mask"],
+            batch["tail_ids"][:, :k],
+            handoff_tokens=k,
+            fingerprint=base.fingerprint,
+        )
     return decoder_forward(model, cache, batch["tail_ids"], batch["tail_mask"])
 
 
@@ -83,9 +100,18 @@ def test_one_pass_equals_two_pass_loss_and_gradients(tiny_base, tokenizer, k, ch
     batch = batch_for(tokenizer, k)
 
     with LoraTokenGate(model) as gate:  # kept on through the backward (checkpoint recompute)
-        one, g1 = loss_and_grads(model, lambda: one_pass_forward(model, batch["prefix_ids"], batch["prefix_mask"],
-                                                                 batch["tail_ids"], batch["tail_mask"], gate=gate),
-                                 batch)
+        one, g1 = loss_and_grads(
+            model,
+            lambda: one_pass_forward(
+                model,
+                batch["prefix_ids"],
+                batch["prefix_mask"],
+                batch["tail_ids"],
+                batch["tail_mask"],
+                gate=gate,
+            ),
+            batch,
+        )
     two, g2 = loss_and_grads(model, lambda: two_pass_logits(tiny_base, model, batch, k), batch)
 
     assert abs(one - two) <= LOSS_TOL * abs(two), (one, two)
@@ -105,10 +131,13 @@ def test_one_pass_logits_equal_two_pass_for_every_row(tiny_base, tokenizer, k):
     model.eval()
     batch = batch_for(tokenizer, k)
     with torch.no_grad():
-        one = one_pass_forward(model, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"], batch["tail_mask"])
+        one = one_pass_forward(
+            model, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"], batch["tail_mask"]
+        )
         two = two_pass_logits(tiny_base, model, batch, k)
-        everywhere = full_forward(model, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"],
-                                  batch["tail_mask"])
+        everywhere = full_forward(
+            model, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"], batch["tail_mask"]
+        )
     real = batch["tail_mask"].bool()
     assert one.shape == two.shape
     assert (one[real] - two[real]).abs().max().item() <= 1e-5
@@ -150,12 +179,23 @@ def test_resolve_train_path_and_refusals(tiny_base):
         resolve_train_path("fast", method="ccft", decoder_kind="lora")
     decoder = lora_decoder(tiny_base)
     assert one_pass_unsupported(decoder.model) is None
-    assert resolve_train_path("auto", method="ccft", decoder_kind="lora", model=decoder.model) == DEFAULT_LORA_PATH
-    assert resolve_train_path("one-pass", method="ccft", decoder_kind="lora", model=decoder.model) == "one-pass"
+    assert (
+        resolve_train_path("auto", method="ccft", decoder_kind="lora", model=decoder.model)
+        == DEFAULT_LORA_PATH
+    )
+    assert (
+        resolve_train_path("one-pass", method="ccft", decoder_kind="lora", model=decoder.model) == "one-pass"
+    )
 
 
-@pytest.mark.parametrize("extra,why", [({"use_dora": True}, "variant"), ({"lora_bias": True}, "lora_bias"),
-                                       ({"modules_to_save": ["lm_head"]}, "modules_to_save")])
+@pytest.mark.parametrize(
+    "extra,why",
+    [
+        ({"use_dora": True}, "variant"),
+        ({"lora_bias": True}, "lora_bias"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ],
+)
 def test_one_pass_refused_where_it_would_not_be_exact(tiny_dir, extra, why):
     base = load_base(str(tiny_dir))
     decoder = make_decoder(base, "lora", lora={"r": 4, "target_modules": ["q_proj", "v_proj"], **extra})
@@ -177,10 +217,24 @@ def test_config_refuses_one_pass_outside_lora_ccft():
 
 
 def _overrides(tiny_dir, out, data_path, **kw) -> list[str]:
-    ov = {"base": str(tiny_dir), "output_dir": str(out), "train_data": str(data_path), "train_rows": 8,
-          "max_steps": 3, "per_device_train_batch_size": 4, "logging_steps": 1, "learning_rate": 5e-3,
-          "use_cpu": "true", "disable_tqdm": "true", "chat_template": "false", "save_strategy": "no", "seed": 3,
-          "lora_r": 4, "lora_alpha": 8, "handoff_tokens": 2}
+    ov = {
+        "base": str(tiny_dir),
+        "output_dir": str(out),
+        "train_data": str(data_path),
+        "train_rows": 8,
+        "max_steps": 3,
+        "per_device_train_batch_size": 4,
+        "logging_steps": 1,
+        "learning_rate": 5e-3,
+        "use_cpu": "true",
+        "disable_tqdm": "true",
+        "chat_template": "false",
+        "save_strategy": "no",
+        "seed": 3,
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "handoff_tokens": 2,
+    }
     ov.update(kw)
     return [f"{k}={v}" for k, v in ov.items()]
 
@@ -191,10 +245,18 @@ def test_trainer_loss_curves_equal_across_paths_and_record_the_path(tmp_path, ti
     data.write_text("".join(json.dumps(r) + "\n" for r in rows(8)))
     curves, metas = {}, {}
     for path in ("two-pass", "one-pass"):
-        cfg, _, raw = load_recipe(None, _overrides(tiny_dir, tmp_path / path, data, train_path=path,
-                                                   gradient_checkpointing=str(checkpointing).lower()))
+        cfg, _, raw = load_recipe(
+            None,
+            _overrides(
+                tiny_dir,
+                tmp_path / path,
+                data,
+                train_path=path,
+                gradient_checkpointing=str(checkpointing).lower(),
+            ),
+        )
         # B ≠ 0 from the first step: PEFT's default init would make step 0 identical for any path.
-        base, decoder, *_ , trainer = setup(cfg)
+        base, decoder, *_, trainer = setup(cfg)
         with torch.no_grad():
             g = torch.Generator().manual_seed(0)
             for n, p in decoder.model.named_parameters():
@@ -220,7 +282,9 @@ def test_run_training_records_the_resolved_path(tmp_path, tiny_dir):
     cfg, _, raw = load_recipe(None, _overrides(tiny_dir, tmp_path / "auto", data, max_steps=1))
     result = run_training(cfg, recipe=raw)
     assert json.loads((result.output_dir / "ccft.json").read_text())["train_path"] == DEFAULT_LORA_PATH
-    cfg, _, raw = load_recipe(None, _overrides(tiny_dir, tmp_path / "fullft", data, max_steps=1, method="full-ft"))
+    cfg, _, raw = load_recipe(
+        None, _overrides(tiny_dir, tmp_path / "fullft", data, max_steps=1, method="full-ft")
+    )
     result = run_training(cfg, recipe=raw)
     assert json.loads((result.output_dir / "ccft.json").read_text())["train_path"] == "self-prefill"
 
@@ -228,7 +292,9 @@ def test_run_training_records_the_resolved_path(tmp_path, tiny_dir):
 def test_full_weight_base_stays_frozen_in_eval_and_inference_mode(tmp_path, tiny_dir):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows(4)))
-    cfg, _, _ = load_recipe(None, _overrides(tiny_dir, tmp_path / "full", data, max_steps=1, decoder_kind="full"))
+    cfg, _, _ = load_recipe(
+        None, _overrides(tiny_dir, tmp_path / "full", data, max_steps=1, decoder_kind="full")
+    )
     base, decoder, train_set, _, trainer = setup(cfg)
     assert decoder.model is not base.model and trainer.train_path == "two-pass"
     seen = []
@@ -253,9 +319,35 @@ def test_bench_train_runs_every_path_and_writes_the_json(tmp_path, tiny_dir, cap
     out = tmp_path / "train.json"
     before = torch.get_num_threads()
     try:
-        assert main(["bench", "train", "--model", str(tiny_dir), "--kinds", "lora", "--ratios", "4:1",
-                     "--row-tokens", "20", "--batch-size", "2", "--steps", "1", "--warmup", "0", "--threads", "1",
-                     "--no-trl", "--in-process", "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "train",
+                    "--model",
+                    str(tiny_dir),
+                    "--kinds",
+                    "lora",
+                    "--ratios",
+                    "4:1",
+                    "--row-tokens",
+                    "20",
+                    "--batch-size",
+                    "2",
+                    "--steps",
+                    "1",
+                    "--warmup",
+                    "0",
+                    "--threads",
+                    "1",
+                    "--no-trl",
+                    "--in-process",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(before)
     result = json.loads(out.read_text())

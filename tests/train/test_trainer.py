@@ -51,8 +51,12 @@ def short_data(tmp_path_factory) -> Path:
     for i in range(24):
         a, b = 3 * i + 1, 7 * i % 11 + 2
         extra = " Please think carefully." * (i % 3)
-        rows.append({"prompt": f"Q{i}: what is {a} plus {b}?{extra}",
-                     "response": f"{a} plus {b} is {a + b}." + " Done." * (i % 4)})
+        rows.append(
+            {
+                "prompt": f"Q{i}: what is {a} plus {b}?{extra}",
+                "response": f"{a} plus {b} is {a + b}." + " Done." * (i % 4),
+            }
+        )
     path = tmp_path_factory.mktemp("short_data") / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -60,10 +64,23 @@ def short_data(tmp_path_factory) -> Path:
 
 def overrides(tiny_dir, out, data, **kw) -> list[str]:
     """Recipe overrides for a short CPU run on the tiny model; ``kw`` adds or replaces keys."""
-    ov = {"base": str(tiny_dir), "output_dir": str(out), "train_data": str(data), "train_rows": 12,
-          "max_steps": 4, "per_device_train_batch_size": 3, "logging_steps": 1, "learning_rate": 1e-2,
-          "method": "ccft", "use_cpu": "true", "disable_tqdm": "true", "lora_dropout": 0,
-          "chat_template": "false", "save_strategy": "no", "seed": 7}
+    ov = {
+        "base": str(tiny_dir),
+        "output_dir": str(out),
+        "train_data": str(data),
+        "train_rows": 12,
+        "max_steps": 4,
+        "per_device_train_batch_size": 3,
+        "logging_steps": 1,
+        "learning_rate": 1e-2,
+        "method": "ccft",
+        "use_cpu": "true",
+        "disable_tqdm": "true",
+        "lora_dropout": 0,
+        "chat_template": "false",
+        "save_strategy": "no",
+        "seed": 7,
+    }
     ov.update(kw)
     return [f"{k}={v}" for k, v in ov.items()]
 
@@ -112,8 +129,9 @@ def two_pass_reference(ref_base, decoder_model, examples) -> tuple[float, int]:
         tail = p[-1:] + r
         pos = torch.arange(len(p) - 1, len(p) - 1 + len(tail))[None]
         with torch.no_grad():
-            logits = decoder_model(input_ids=torch.tensor([tail]), position_ids=pos, use_cache=True,
-                                   **{kw: cache}).logits[0]
+            logits = decoder_model(
+                input_ids=torch.tensor([tail]), position_ids=pos, use_cache=True, **{kw: cache}
+            ).logits[0]
         total += F.cross_entropy(logits[:-1].double(), torch.tensor(tail[1:]), reduction="sum").item()
         count += len(r)
     return total, count
@@ -143,8 +161,13 @@ class GradCapture(TrainerCallback):
         self.model, self.grads = model, []
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.grads.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters()
-                           if p.requires_grad and p.grad is not None})
+        self.grads.append(
+            {
+                n: p.grad.detach().clone()
+                for n, p in self.model.named_parameters()
+                if p.requires_grad and p.grad is not None
+            }
+        )
 
 
 def snapshot_base_caches(trainer) -> list:
@@ -236,16 +259,20 @@ def test_padding_free_full_ft_equals_the_padded_layout(tmp_path, tiny_dir, short
         loss.backward()
         losses[free] = loss.item()
         grads[free] = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-        assert trainer.grad_tokens(batch) == (int(batch["prefix_mask"].sum() + batch["tail_mask"].sum()) if free
-                                              else batch["prefix_ids"].numel() + batch["tail_ids"].numel())
+        assert trainer.grad_tokens(batch) == (
+            int(batch["prefix_mask"].sum() + batch["tail_mask"].sum())
+            if free
+            else batch["prefix_ids"].numel() + batch["tail_ids"].numel()
+        )
     assert close(losses[True], losses[False], 1e-6), losses
     assert grads[True].keys() == grads[False].keys() and grads[True]
     for n, g in grads[False].items():
         assert torch.allclose(grads[True][n], g, atol=1e-5, rtol=1e-4), n
 
 
-def test_padding_free_falls_back_to_the_padded_layout_for_a_model_it_cannot_pack(tmp_path, tiny_dir, short_data,
-                                                                                   monkeypatch):
+def test_padding_free_falls_back_to_the_padded_layout_for_a_model_it_cannot_pack(
+    tmp_path, tiny_dir, short_data, monkeypatch
+):
     """A model type outside ``PADDING_FREE_MODEL_TYPES`` (its mask may ignore restarting positions, letting rows
     attend across the pack) trains the padded layout, says why, and counts padded positions."""
     from ccft.core import decoder as decoder_mod
@@ -253,7 +280,9 @@ def test_padding_free_falls_back_to_the_padded_layout_for_a_model_it_cannot_pack
     cfg, _ = config(tiny_dir, tmp_path / "run", short_data, decoder_kind="lora", method="full-ft")
     monkeypatch.setattr(decoder_mod, "PADDING_FREE_MODEL_TYPES", frozenset({"not-this-model"}))
     *_, train_set, _, trainer = setup(cfg)
-    assert trainer.packs_full_ft is False and "is not one of ['not-this-model']" in trainer.padding_free_reason
+    assert (
+        trainer.packs_full_ft is False and "is not one of ['not-this-model']" in trainer.padding_free_reason
+    )
     batch = trainer.data_collator([train_set[i] for i in (1, 6, 11)])
     assert trainer.grad_tokens(batch) == batch["prefix_ids"].numel() + batch["tail_ids"].numel()
 
@@ -266,7 +295,9 @@ def _one_step(tiny_dir, out, data, *, gc: bool, **kw):
 
     Returns the trainer, the base, the C_base snapshots (cache, clone at creation, inputs), the gradients
     just before the optimizer step, and how many times layer 0's attention ran."""
-    cfg, _ = config(tiny_dir, out, data, max_steps=1, gradient_checkpointing=str(gc).lower(), max_grad_norm=0, **kw)
+    cfg, _ = config(
+        tiny_dir, out, data, max_steps=1, gradient_checkpointing=str(gc).lower(), max_grad_norm=0, **kw
+    )
     base, decoder, train_set, _, trainer = setup(cfg)
     seen = []
     grad_tokens = trainer.grad_tokens
@@ -298,8 +329,12 @@ def test_base_cache_unchanged_and_checkpointing_equal(tmp_path, tiny_dir, short_
             assert t.shape[-2] == cache.attention_mask.shape[1]  # nothing appended
         cache.check_unmodified()
         # The base is unchanged by the step: recomputing C_base for the same rows gives the same bits.
-        prompts = [row[m.bool()].tolist() + [int(t)] for row, m, t in
-                   zip(inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"][:, 0], strict=True)]
+        prompts = [
+            row[m.bool()].tolist() + [int(t)]
+            for row, m, t in zip(
+                inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"][:, 0], strict=True
+            )
+        ]
         recomputed = compute_base_cache(base, prompts)
         assert recomputed.equal(snap)
         losses[gc] = trainer.state.log_history[0]["loss"]
@@ -317,24 +352,40 @@ def test_base_cache_unchanged_and_checkpointing_equal(tmp_path, tiny_dir, short_
 
 
 @pytest.mark.parametrize("method", ["ccft", "full-ft"])
-def test_checkpointing_min_tokens_skips_the_recompute_of_short_batches_only(tmp_path, tiny_dir, short_data, method):
+def test_checkpointing_min_tokens_skips_the_recompute_of_short_batches_only(
+    tmp_path, tiny_dir, short_data, method
+):
     """``activation_checkpointing_min_tokens``: a batch with fewer token positions under gradient than the threshold
     runs without the recompute, one with exactly as many is checkpointed, and either way the step's loss and
     gradients are those of checkpointing every batch (bit for bit: the recompute repeats the same kernels)."""
     ref = _one_step(tiny_dir, tmp_path / "all", short_data, gc=True, method=method)
     (g,) = ref[0].grad_tokens_seen or [None]
     assert g is None  # without a threshold the step does not look at the batch size
-    probe = _one_step(tiny_dir, tmp_path / "probe", short_data, gc=True, method=method,
-                      activation_checkpointing_min_tokens=10**9)
+    probe = _one_step(
+        tiny_dir,
+        tmp_path / "probe",
+        short_data,
+        gc=True,
+        method=method,
+        activation_checkpointing_min_tokens=10**9,
+    )
     (g,) = probe[0].grad_tokens_seen
     inputs = ref[2][0][2] if method == "ccft" else None
     if inputs is not None:  # two-pass CCFT: only the tail runs with gradient
         assert g == inputs["tail_ids"].numel()
     own_prefill = 0 if method == "full-ft" else 1  # the base's no-grad prefill runs layer 0 once more
     assert ref[4] == own_prefill + 2 and probe[4] == own_prefill + 1  # recompute / none
-    at = _one_step(tiny_dir, tmp_path / "at", short_data, gc=True, method=method, activation_checkpointing_min_tokens=g)
-    above = _one_step(tiny_dir, tmp_path / "above", short_data, gc=True, method=method,
-                      activation_checkpointing_min_tokens=g + 1)
+    at = _one_step(
+        tiny_dir, tmp_path / "at", short_data, gc=True, method=method, activation_checkpointing_min_tokens=g
+    )
+    above = _one_step(
+        tiny_dir,
+        tmp_path / "above",
+        short_data,
+        gc=True,
+        method=method,
+        activation_checkpointing_min_tokens=g + 1,
+    )
     assert at[4] == own_prefill + 2 and above[4] == own_prefill + 1
     for run in (probe, at, above):
         assert run[0].state.log_history[0]["loss"] == ref[0].state.log_history[0]["loss"]
@@ -347,11 +398,18 @@ def test_checkpointing_min_tokens_skips_the_recompute_of_short_batches_only(tmp_
 
 
 def test_checkpointing_min_tokens_needs_checkpointing(tmp_path, tiny_dir, short_data):
-    with pytest.raises(ccft.ConfigError, match="activation_checkpointing_min_tokens=512 needs activation_checkpointing"):
+    with pytest.raises(
+        ccft.ConfigError, match="activation_checkpointing_min_tokens=512 needs activation_checkpointing"
+    ):
         config(tiny_dir, tmp_path / "run", short_data, activation_checkpointing_min_tokens=512)
     with pytest.raises(ccft.ConfigError, match="activation_checkpointing_min_tokens=-1"):
-        config(tiny_dir, tmp_path / "run", short_data, activation_checkpointing="true",
-               activation_checkpointing_min_tokens=-1)
+        config(
+            tiny_dir,
+            tmp_path / "run",
+            short_data,
+            activation_checkpointing="true",
+            activation_checkpointing_min_tokens=-1,
+        )
 
 
 # ------------------------------------------------------------------ 4: invariant 3
@@ -382,14 +440,18 @@ def test_no_gradient_reaches_the_base(tmp_path, tiny_dir, short_data, kind):
     batch = trainer.data_collator([train_set[i] for i in range(3)])
     trainer.compute_loss(trainer.model, batch).backward()
     assert all(p.grad is None for p in base_params.values())
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in decoder.model.parameters() if p.requires_grad)
+    assert any(
+        p.grad is not None and p.grad.abs().sum() > 0 for p in decoder.model.parameters() if p.requires_grad
+    )
 
 
 # ------------------------------------------------------------------ 5: invariant 4
 
 
 def test_loss_curves_equal_across_checkpointing_accumulation_and_resume(tmp_path, tiny_dir, short_data):
-    plain = run_training(config(tiny_dir, tmp_path / "plain", short_data, save_strategy="steps", save_steps=2)[0])
+    plain = run_training(
+        config(tiny_dir, tmp_path / "plain", short_data, save_strategy="steps", save_steps=2)[0]
+    )
     ref = curve(plain)
     assert sorted(ref) == [1, 2, 3, 4]
     assert all(math.isfinite(v) for v in ref.values())
@@ -403,8 +465,15 @@ def test_loss_curves_equal_across_checkpointing_accumulation_and_resume(tmp_path
     gc = run_training(config(tiny_dir, tmp_path / "gc", short_data, gradient_checkpointing="true")[0])
     assert_same_curve(gc, [1, 2, 3, 4], "gradient checkpointing")
 
-    ga = run_training(config(tiny_dir, tmp_path / "ga", short_data, per_device_train_batch_size=1,
-                             gradient_accumulation_steps=3)[0])
+    ga = run_training(
+        config(
+            tiny_dir,
+            tmp_path / "ga",
+            short_data,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=3,
+        )[0]
+    )
     assert_same_curve(ga, [1, 2, 3, 4], "gradient accumulation")
 
     # Resume: a new run folder holding only checkpoint-2 of the plain run trains steps 3-4.
@@ -461,9 +530,19 @@ def test_killed_run_leaves_only_complete_checkpoints_and_resumes_exactly(tmp_pat
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     log = tmp_path / "child.log"  # a file, not a pipe: a full pipe would block the child
     with log.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(marker), str(torch.get_num_threads()),
-                                 *overrides(tiny_dir, out, short_data, **kw)],
-                                stdout=sink, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CRASH_SCRIPT,
+                str(marker),
+                str(torch.get_num_threads()),
+                *overrides(tiny_dir, out, short_data, **kw),
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
         # The uninterrupted reference runs meanwhile (the child spends its first seconds importing).
         straight = run_training(config(tiny_dir, tmp_path / "straight", short_data, max_steps=8)[0])
@@ -495,7 +574,8 @@ def test_killed_run_leaves_only_complete_checkpoints_and_resumes_exactly(tmp_pat
     resumed = run_training(config(tiny_dir, out, short_data, **kw)[0])
     assert resumed.trainer.state.global_step == 8
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
-        f"checkpoint-{i}" for i in range(1, 9)]
+        f"checkpoint-{i}" for i in range(1, 9)
+    ]
     assert all(_complete_checkpoint(out / f"checkpoint-{i}") for i in range(1, 9))
 
     a, b = lora_weights(straight.decoder), lora_weights(resumed.decoder)
@@ -521,9 +601,19 @@ def sharp_dir(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.mark.parametrize("method", ["ccft", "full-ft"])
 def test_loss_goes_down_on_gsm8k_and_eval_nll_is_token_weighted(tmp_path, sharp_dir, method):
-    cfg, _ = config(sharp_dir, tmp_path / "run", "gsm8k:train", method=method, train_rows=24, max_steps=20,
-                    per_device_train_batch_size=1, lr_scheduler_type="constant",
-                    eval_data="gsm8k:test", eval_rows=8, per_device_eval_batch_size=4)
+    cfg, _ = config(
+        sharp_dir,
+        tmp_path / "run",
+        "gsm8k:train",
+        method=method,
+        train_rows=24,
+        max_steps=20,
+        per_device_train_batch_size=1,
+        lr_scheduler_type="constant",
+        eval_data="gsm8k:test",
+        eval_rows=8,
+        per_device_eval_batch_size=4,
+    )
     base, decoder, train_set, eval_set, trainer = setup(cfg)
     assert len(train_set) == 24 and len(eval_set) == 8
     trainer.train()
@@ -571,13 +661,25 @@ def test_run_folder_records_metadata_and_reloads(tmp_path, tiny_dir, tiny_base, 
     trained = result.decoder
     trained.model.eval()
     with torch.no_grad():
-        want = decoder_forward(trained, compute_base_cache(trained.base, prompts, handoff_tokens=2),
-                               batch["tail_ids"], batch["tail_mask"])
-        got = decoder_forward(loaded, compute_base_cache(tiny_base, prompts, handoff_tokens=2),
-                              batch["tail_ids"], batch["tail_mask"])
+        want = decoder_forward(
+            trained,
+            compute_base_cache(trained.base, prompts, handoff_tokens=2),
+            batch["tail_ids"],
+            batch["tail_mask"],
+        )
+        got = decoder_forward(
+            loaded,
+            compute_base_cache(tiny_base, prompts, handoff_tokens=2),
+            batch["tail_ids"],
+            batch["tail_mask"],
+        )
         with tiny_base.base_weights() as m:  # the base alone gives other logits: the adapter was trained
-            plain = decoder_forward(m, compute_base_cache(tiny_base, prompts, handoff_tokens=2),
-                                    batch["tail_ids"], batch["tail_mask"])
+            plain = decoder_forward(
+                m,
+                compute_base_cache(tiny_base, prompts, handoff_tokens=2),
+                batch["tail_ids"],
+                batch["tail_mask"],
+            )
     real = batch["tail_mask"].bool()
     assert torch.allclose(got[real], want[real], atol=1e-5, rtol=0)
     assert (plain[real] - want[real]).abs().max() > 1e-3
@@ -598,8 +700,12 @@ def test_unused_column_removal_keeps_the_fields_the_collator_reads(tmp_path, tin
     assert cfg.remove_unused_columns  # the stock default
     base, decoder, train_set, _, trainer = setup(cfg)
     examples = train_set.examples[:10]
-    table = datasets.Dataset.from_list([{"prompt_ids": list(e.prompt_ids), "response_ids": list(e.response_ids),
-                                         "text": f"row {i}"} for i, e in enumerate(examples)])
+    table = datasets.Dataset.from_list(
+        [
+            {"prompt_ids": list(e.prompt_ids), "response_ids": list(e.response_ids), "text": f"row {i}"}
+            for i, e in enumerate(examples)
+        ]
+    )
 
     # The stock hook keeps the model's forward arguments, none of which the collator reads.
     probe = SimpleNamespace(_signature_columns=None, model=trainer.model, label_names=trainer.label_names)
@@ -616,20 +722,33 @@ def test_unused_column_removal_keeps_the_fields_the_collator_reads(tmp_path, tin
     batches = list(loader)
     assert [len(b["labels"]) for b in batches] == [5, 5]
     for i, batch in enumerate(batches):
-        want = trainer.data_collator(examples[5 * i: 5 * i + 5])
-        assert set(batch) == set(want) == {"prefix_ids", "prefix_mask", "tail_ids", "tail_mask", "labels",
-                                           "num_supervised"}
+        want = trainer.data_collator(examples[5 * i : 5 * i + 5])
+        assert (
+            set(batch)
+            == set(want)
+            == {"prefix_ids", "prefix_mask", "tail_ids", "tail_mask", "labels", "num_supervised"}
+        )
         for key in want:
             assert torch.equal(batch[key], want[key]), key
     # The same rows as a datasets.Dataset and as Examples give the same held-out NLL.
     from_table, from_examples = trainer.evaluate(table), trainer.evaluate(TokenizedDataset(list(examples)))
-    assert from_table["eval_tokens"] == from_examples["eval_tokens"] == sum(len(e.response_ids) for e in examples)
+    assert (
+        from_table["eval_tokens"]
+        == from_examples["eval_tokens"]
+        == sum(len(e.response_ids) for e in examples)
+    )
     assert from_table["eval_loss"] == from_examples["eval_loss"]
 
 
 def test_evaluate_calls_compute_metrics_with_the_tail_logits(tmp_path, tiny_dir, short_data):
-    cfg, _ = config(tiny_dir, tmp_path / "run", short_data, eval_data=str(short_data), eval_rows=7,
-                    per_device_eval_batch_size=3)
+    cfg, _ = config(
+        tiny_dir,
+        tmp_path / "run",
+        short_data,
+        eval_data=str(short_data),
+        eval_rows=7,
+        per_device_eval_batch_size=3,
+    )
     base, decoder, train_set, eval_set, trainer = setup(cfg)
     perturb(decoder.model, lora_only=True)
     without = trainer.evaluate()
@@ -668,18 +787,31 @@ def test_load_best_model_at_end_keeps_the_best_checkpoint(tmp_path, tiny_dir, sh
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    cfg, raw = config(tiny_dir, out, short_data, max_steps=4, eval_data=str(short_data), eval_rows=6,
-                      eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, save_total_limit=1,
-                      load_best_model_at_end="true", metric_for_best_model="eval_loss",
-                      greater_is_better=str(greater_is_better).lower())
+    cfg, raw = config(
+        tiny_dir,
+        out,
+        short_data,
+        max_steps=4,
+        eval_data=str(short_data),
+        eval_rows=6,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=1,
+        load_best_model_at_end="true",
+        metric_for_best_model="eval_loss",
+        greater_is_better=str(greater_is_better).lower(),
+    )
 
     class StepWeights(TrainerCallback):
         def __init__(self):
             self.weights = {}
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            self.weights[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()
-                                               if "lora_" in n}
+            self.weights[state.global_step] = {
+                n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n
+            }
 
     base, decoder, train_set, eval_set, trainer = setup(cfg)
     steps = StepWeights()
@@ -725,7 +857,9 @@ def test_checkpoints_of_another_recipe_are_not_resumed(tmp_path, tiny_dir, short
     assert json.loads((out / RECIPE_STAMP).read_text()) == raw
     assert (out / "checkpoint-2").is_dir()
     cfg2, raw2 = config(tiny_dir, out, short_data, learning_rate=5e-3, **kw)
-    with pytest.raises(ConfigError, match=r"another recipe \{'learning_rate': \(0.01, 0.005\)\}.*Delete the folder"):
+    with pytest.raises(
+        ConfigError, match=r"another recipe \{'learning_rate': \(0.01, 0.005\)\}.*Delete the folder"
+    ):
         train_or_reuse(cfg2, raw2)  # the finished run is not reused, and its checkpoints are not resumed
     assert json.loads((out / RECIPE_STAMP).read_text()) == raw  # nothing written
     assert train_or_reuse(cfg, raw)[2] is True  # the same recipe: the finished run is reused

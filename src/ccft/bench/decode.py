@@ -51,10 +51,22 @@ import torch
 import torch.nn.functional as F
 
 #: SmolLM2-135M-Instruct's architecture (what ``--random-weights`` builds)
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                     rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
-                     eos_token_id=2, pad_token_id=2)
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
 
 
 class StubTokenizer:
@@ -90,8 +102,13 @@ def load(model: str, *, random_weights: bool, device: str, dtype: torch.dtype):
     cfg = LlamaConfig(**SMOLLM2_SHAPE)
     m = LlamaForCausalLM(cfg).to(dtype=dtype, device=device).eval()
     m.requires_grad_(False)
-    base = ccft.Base(model=m, tokenizer=StubTokenizer(cfg.vocab_size), fingerprint="random-smollm2-shape",
-                     name="random", path="")
+    base = ccft.Base(
+        model=m,
+        tokenizer=StubTokenizer(cfg.vocab_size),
+        fingerprint="random-smollm2-shape",
+        name="random",
+        path="",
+    )
     return base, "random weights in SmolLM2-135M's shape"
 
 
@@ -143,13 +160,22 @@ def run_hf(base, prompts, new_tokens: int) -> dict:
     clock = _Clock()
     _sync(base.device)
     t0 = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, pad_token_id=pad, streamer=clock, top_p=None, top_k=None,
-                         temperature=None)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=pad,
+        streamer=clock,
+        top_p=None,
+        top_k=None,
+        temperature=None,
+    )
     _sync(base.device)
     t_end = time.perf_counter()
     first = clock.times[1]
-    return {"ttft_s": first - t0, "decode_s": t_end - first, "tokens": out[:, ids.shape[1]:].tolist()}
+    return {"ttft_s": first - t0, "decode_s": t_end - first, "tokens": out[:, ids.shape[1] :].tolist()}
 
 
 @torch.no_grad()
@@ -157,7 +183,9 @@ def run_engine(engine, prompts, new_tokens: int) -> dict:
     _sync(engine.device)
     t0 = time.perf_counter()
     handle = engine.prefill(prompts)
-    ids = [engine.add_request(handle, i, max_new_tokens=new_tokens, ignore_eos=True) for i in range(len(prompts))]
+    ids = [
+        engine.add_request(handle, i, max_new_tokens=new_tokens, ignore_eos=True) for i in range(len(prompts))
+    ]
     tokens = {r: [] for r in ids}
     first = None
     while engine.active:
@@ -174,17 +202,71 @@ def run_engine(engine, prompts, new_tokens: int) -> dict:
 PROFILE_GROUPS = (
     ("linear (oneDNN packed)", ("mkldnn::_linear_pointwise",)),
     ("linear (aten)", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul")),
-    ("attention matmul", ("aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product", "aten::scaled_dot_product")),
-    ("softmax / logsumexp / merge", ("aten::_softmax", "aten::softmax", "aten::logsumexp", "aten::exp",
-                                     "aten::amax", "aten::max", "aten::sigmoid")),
-    ("KV writes / copies / indexing", ("aten::copy_", "aten::index", "aten::_index_put", "aten::cat", "aten::gather",
-                                       "aten::embedding", "aten::clone", "aten::contiguous", "aten::fill_",
-                                       "aten::zero_", "aten::to", "aten::_to_copy", "aten::masked_fill",
-                                       "aten::where", "aten::full", "aten::empty", "aten::arange")),
-    ("views", ("aten::view", "aten::select", "aten::slice", "aten::as_strided", "aten::reshape", "aten::expand",
-               "aten::transpose", "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::t", "aten::unbind",
-               "aten::narrow", "aten::split", "aten::chunk", "aten::flatten", "aten::_unsafe_view",
-               "aten::alias", "aten::detach", "aten::lift_fresh", "aten::item", "aten::_local_scalar_dense")),
+    (
+        "attention matmul",
+        ("aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product", "aten::scaled_dot_product"),
+    ),
+    (
+        "softmax / logsumexp / merge",
+        (
+            "aten::_softmax",
+            "aten::softmax",
+            "aten::logsumexp",
+            "aten::exp",
+            "aten::amax",
+            "aten::max",
+            "aten::sigmoid",
+        ),
+    ),
+    (
+        "KV writes / copies / indexing",
+        (
+            "aten::copy_",
+            "aten::index",
+            "aten::_index_put",
+            "aten::cat",
+            "aten::gather",
+            "aten::embedding",
+            "aten::clone",
+            "aten::contiguous",
+            "aten::fill_",
+            "aten::zero_",
+            "aten::to",
+            "aten::_to_copy",
+            "aten::masked_fill",
+            "aten::where",
+            "aten::full",
+            "aten::empty",
+            "aten::arange",
+        ),
+    ),
+    (
+        "views",
+        (
+            "aten::view",
+            "aten::select",
+            "aten::slice",
+            "aten::as_strided",
+            "aten::reshape",
+            "aten::expand",
+            "aten::transpose",
+            "aten::unsqueeze",
+            "aten::squeeze",
+            "aten::permute",
+            "aten::t",
+            "aten::unbind",
+            "aten::narrow",
+            "aten::split",
+            "aten::chunk",
+            "aten::flatten",
+            "aten::_unsafe_view",
+            "aten::alias",
+            "aten::detach",
+            "aten::lift_fresh",
+            "aten::item",
+            "aten::_local_scalar_dense",
+        ),
+    ),
     ("sampling", ("aten::argmax", "aten::topk", "aten::sort", "aten::multinomial")),
 )
 
@@ -237,9 +319,15 @@ def profile_step(engine, prompts, steps: int = 16) -> dict:
     ms = {g: 1e3 * v for g, v in sorted(groups.items(), key=lambda kv: -kv[1])}
     ms["host (outside ops)"] = 1e3 * max(0.0, profiled - ops)
     top.sort(reverse=True)
-    return {"steps": steps, "batch": len(prompts), "step_ms": 1e3 * plain, "profiled_step_ms": 1e3 * profiled,
-            "ms_per_step": ms, "ops_per_step": calls, "top_ops": [{"op": k, "ms_per_step": 1e3 * t, "calls_per_step": c}
-                                                                    for t, k, c in top[:12]]}
+    return {
+        "steps": steps,
+        "batch": len(prompts),
+        "step_ms": 1e3 * plain,
+        "profiled_step_ms": 1e3 * profiled,
+        "ms_per_step": ms,
+        "ops_per_step": calls,
+        "top_ops": [{"op": k, "ms_per_step": 1e3 * t, "calls_per_step": c} for t, k, c in top[:12]],
+    }
 
 
 def _timeit(fn, min_time: float = 0.3, device="cpu") -> float:
@@ -257,14 +345,18 @@ def _timeit(fn, min_time: float = 0.3, device="cpu") -> float:
 
 def memory_bandwidth(device, dtype, size_mb: int = 512) -> dict:
     """Read bandwidth in bytes/s: a large reduction and a large matrix-vector product (the faster wins)."""
-    n = size_mb * 2 ** 20 // torch.finfo(dtype).bits * 8
+    n = size_mb * 2**20 // torch.finfo(dtype).bits * 8
     cols = 576
     a = torch.randn(n // cols, cols, device=device).to(dtype)
     x = torch.randn(1, cols, device=device).to(dtype)
     nbytes = a.numel() * a.element_size()
     t_sum = _timeit(a.sum, device=device)
     t_mv = _timeit(lambda: F.linear(x, a), device=device)
-    return {"reduction_Bps": nbytes / t_sum, "matvec_Bps": nbytes / t_mv, "bandwidth_Bps": nbytes / min(t_sum, t_mv)}
+    return {
+        "reduction_Bps": nbytes / t_sum,
+        "matvec_Bps": nbytes / t_mv,
+        "bandwidth_Bps": nbytes / min(t_sum, t_mv),
+    }
 
 
 def peak_matmul(device, dtype, n: int | None = None) -> dict:
@@ -274,7 +366,7 @@ def peak_matmul(device, dtype, n: int | None = None) -> dict:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     t = _min_time(lambda: torch.mm(a, b), device)  # the best of 5: a peak, so interference only lowers it
-    return {"n": n, "seconds": t, "flops_per_s": 2 * n ** 3 / t}
+    return {"n": n, "seconds": t, "flops_per_s": 2 * n**3 / t}
 
 
 def _min_time(fn, device, repeats: int = 5) -> float:
@@ -299,8 +391,12 @@ def matmul_seconds(base, engine, batch: int) -> dict:
     D, inter = cfg.hidden_size, cfg.intermediate_size
     x = torch.randn(batch, D, device=dev, dtype=base.dtype)
     xi = torch.randn(batch, inter, device=dev, dtype=base.dtype)
-    xo = torch.randn(batch, engine.lanes["base"].weights.heads * engine.lanes["base"].weights.head_dim, device=dev,
-                     dtype=base.dtype)
+    xo = torch.randn(
+        batch,
+        engine.lanes["base"].weights.heads * engine.lanes["base"].weights.head_dim,
+        device=dev,
+        dtype=base.dtype,
+    )
     lw = engine.lanes["base"].weights
     layers = base.model.model.layers
 
@@ -316,15 +412,17 @@ def matmul_seconds(base, engine, batch: int) -> dict:
     def engine_weights():
         for layer in lw.layers:
             p = layer.proj
-            for lin in ([layer.qkv] if layer.qkv is not None else [p["q_proj"], p["k_proj"], p["v_proj"]]):
+            for lin in [layer.qkv] if layer.qkv is not None else [p["q_proj"], p["k_proj"], p["v_proj"]]:
                 lin(x)
-            for lin in ([layer.gate_up] if layer.gate_up is not None else [p["gate_proj"], p["up_proj"]]):
+            for lin in [layer.gate_up] if layer.gate_up is not None else [p["gate_proj"], p["up_proj"]]:
                 lin(x)
             p["o_proj"](xo)
             p["down_proj"](xi)
         lw.lm_head(x)
 
-    if torch.device(dev).type == "cuda":  # time the step's matmuls as one CUDA graph, as the engine replays them
+    if (
+        torch.device(dev).type == "cuda"
+    ):  # time the step's matmuls as one CUDA graph, as the engine replays them
         plain, engine_weights = _as_graph(plain), _as_graph(engine_weights)
     t_plain, t_engine = _min_time(plain, dev), _min_time(engine_weights, dev)
     return {"torch_linear_s": t_plain, "engine_kernels_s": t_engine, "best_s": min(t_plain, t_engine)}
@@ -376,10 +474,17 @@ def roofline(base, engine, batch: int, prompts, new_tokens: int, bw: float, peak
     t_compute = flops_step / peak_flops
     t_step = max(t_mem, t_compute)
     mm = matmul_seconds(base, engine, batch)  # diagnostic: the step's matmuls at their own shapes
-    return {"bytes_per_step": bytes_step, "flops_per_step": flops_step, "memory_bound_s": t_mem,
-            "matmul_bound_s": t_compute, "peak_GFLOPs_per_s": peak_flops / 1e9, "step_matmul_s": mm,
-            "step_matmul_GFLOPs_per_s": 2 * batch * mm_params / mm["best_s"] / 1e9,
-            "bound": "memory" if t_mem >= t_compute else "matmul", "roofline_tok_s": batch / t_step}
+    return {
+        "bytes_per_step": bytes_step,
+        "flops_per_step": flops_step,
+        "memory_bound_s": t_mem,
+        "matmul_bound_s": t_compute,
+        "peak_GFLOPs_per_s": peak_flops / 1e9,
+        "step_matmul_s": mm,
+        "step_matmul_GFLOPs_per_s": 2 * batch * mm_params / mm["best_s"] / 1e9,
+        "bound": "memory" if t_mem >= t_compute else "matmul",
+        "roofline_tok_s": batch / t_step,
+    }
 
 
 def _loadavg() -> float | None:
@@ -398,13 +503,19 @@ def check_llamacpp_args(args) -> None:
     if args.random_weights:
         raise ConfigError("--llamacpp converts the model folder to GGUF; drop --random-weights")
     if torch.device(args.device).type != "cpu":
-        raise ConfigError(f"--llamacpp compares on the CPU (llama.cpp is built CPU-only); use --device cpu, "
-                          f"not {args.device!r}")
+        raise ConfigError(
+            f"--llamacpp compares on the CPU (llama.cpp is built CPU-only); use --device cpu, "
+            f"not {args.device!r}"
+        )
     if args.dtype != "float32":
-        raise ConfigError(f"--llamacpp runs the same weights as an F32 GGUF; use --dtype float32, not {args.dtype}")
+        raise ConfigError(
+            f"--llamacpp runs the same weights as an F32 GGUF; use --dtype float32, not {args.dtype}"
+        )
     if args.model not in EMBEDDED_MODELS and not (Path(args.model) / "config.json").is_file():
-        raise ConfigError(f"--llamacpp converts a local HF folder to GGUF; --model {args.model!r} is neither an "
-                          f"embedded model ({', '.join(EMBEDDED_MODELS)}) nor a folder with config.json")
+        raise ConfigError(
+            f"--llamacpp converts a local HF folder to GGUF; --model {args.model!r} is neither an "
+            f"embedded model ({', '.join(EMBEDDED_MODELS)}) nor a folder with config.json"
+        )
 
 
 def run(args) -> dict:
@@ -428,17 +539,31 @@ def run(args) -> dict:
         from ccft.core.models import resolve_model_path
 
         gguf = lc.convert_to_gguf(build, resolve_model_path(args.model), base.fingerprint, log=_log)
-    engine = SharedPrefillEngine(base, max_batch=max(args.batch_sizes), decode=args.decode,
-                                 max_tail_tokens=max(64, 2 * args.new_tokens))
+    engine = SharedPrefillEngine(
+        base,
+        max_batch=max(args.batch_sizes),
+        decode=args.decode,
+        max_tail_tokens=max(64, 2 * args.new_tokens),
+    )
     load_before = _loadavg()
     bw = memory_bandwidth(args.device, dtype)
     peak = peak_matmul(args.device, dtype)
-    result = {"model": description, "device": _device_name(args.device), "dtype": args.dtype,
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "decode_mode": engine.decode_mode,
-              "attention": engine.attention, "new_tokens": args.new_tokens, "repeats": args.repeats,
-              "bandwidth_GBps": bw["bandwidth_Bps"] / 1e9, "bandwidth_detail_GBps":
-                  {k: v / 1e9 for k, v in bw.items()}, "peak_matmul_GFLOPs_per_s": peak["flops_per_s"] / 1e9,
-              "peak_matmul_detail": peak, "batches": {}}
+    result = {
+        "model": description,
+        "device": _device_name(args.device),
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "decode_mode": engine.decode_mode,
+        "attention": engine.attention,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "bandwidth_GBps": bw["bandwidth_Bps"] / 1e9,
+        "bandwidth_detail_GBps": {k: v / 1e9 for k, v in bw.items()},
+        "peak_matmul_GFLOPs_per_s": peak["flops_per_s"] / 1e9,
+        "peak_matmul_detail": peak,
+        "batches": {},
+    }
     prompts_of, engine_tokens = {}, {}
     for batch in args.batch_sizes:
         prompts = make_prompts(base, batch, args.prompt_tokens, real=not args.random_weights)
@@ -458,14 +583,21 @@ def run(args) -> dict:
         hf, eng = summary(hf_runs), summary(eng_runs)
         prompts_of[batch], engine_tokens[batch] = prompts, eng_runs[0]["tokens"]
         agree = sum(a == b for a, b in zip(hf_runs[0]["tokens"], eng_runs[0]["tokens"], strict=True)) / batch
-        roof = roofline(base, engine, batch, prompts, args.new_tokens, bw["bandwidth_Bps"], peak["flops_per_s"])
+        roof = roofline(
+            base, engine, batch, prompts, args.new_tokens, bw["bandwidth_Bps"], peak["flops_per_s"]
+        )
         result["batches"][str(batch)] = {
-            "prompt_tokens_mean": sum(map(len, prompts)) / batch, "hf": hf, "engine": eng,
-            "speedup": eng["decode_tok_s"] / hf["decode_tok_s"], "ttft_ratio": hf["ttft_s"] / eng["ttft_s"],
-            "roofline": roof, "roofline_fraction": eng["decode_tok_s"] / roof["roofline_tok_s"],
+            "prompt_tokens_mean": sum(map(len, prompts)) / batch,
+            "hf": hf,
+            "engine": eng,
+            "speedup": eng["decode_tok_s"] / hf["decode_tok_s"],
+            "ttft_ratio": hf["ttft_s"] / eng["ttft_s"],
+            "roofline": roof,
+            "roofline_fraction": eng["decode_tok_s"] / roof["roofline_tok_s"],
             "hf_roofline_fraction": hf["decode_tok_s"] / roof["roofline_tok_s"],
             "bandwidth_fraction": roof["bytes_per_step"] * eng["decode_tok_s"] / batch / bw["bandwidth_Bps"],
-            "greedy_rows_identical": agree}
+            "greedy_rows_identical": agree,
+        }
         for key in ("speedup", "roofline_fraction", "bandwidth_fraction"):
             result[f"{key}_batch{batch}"] = result["batches"][str(batch)][key]
         if getattr(args, "profile", False):
@@ -494,20 +626,28 @@ def run_llamacpp(build, gguf, args, prompts_of: dict, engine_tokens: dict, resul
         r = lc.bench_batched(build, gguf, p_len, args.new_tokens, batch, args.threads, args.repeats, log=_log)
         r["prompt_tokens"] = p_len
         if batch == 1:  # as llama.cpp users measure it (f16 KV); beside the ratio, not in it
-            r["llama_bench"] = lc.bench_llama_bench(build, gguf, p_len, args.new_tokens, args.threads, args.repeats,
-                                                    log=_log)
+            r["llama_bench"] = lc.bench_llama_bench(
+                build, gguf, p_len, args.new_tokens, args.threads, args.repeats, log=_log
+            )
         block["batches"][str(batch)] = r
         row = result["batches"][str(batch)]
-        row["llamacpp"] = {"decode_tok_s": r["decode_tok_s"], "prefill_tok_s": r["prefill_tok_s"],
-                           "ratio": row["engine"]["decode_tok_s"] / r["decode_tok_s"]}
+        row["llamacpp"] = {
+            "decode_tok_s": r["decode_tok_s"],
+            "prefill_tok_s": r["prefill_tok_s"],
+            "ratio": row["engine"]["decode_tok_s"] / r["decode_tok_s"],
+        }
         if "llama_bench" in r:
             row["llamacpp"]["llama_bench_decode_tok_s"] = r["llama_bench"]["decode_tok_s"]
         result[f"llamacpp_ratio_batch{batch}"] = row["llamacpp"]["ratio"]
     largest = max(prompts_of)
     n = min(args.llamacpp_compare, args.new_tokens)
     tokens = lc.greedy_tokens(build, gguf, prompts_of[largest], n, args.threads, log=_log)
-    block["greedy"] = {"batch": largest, "tool": "llama-server /completion (temperature 0, top_k 1)",
-                       "vs_engine": lc.agreement(engine_tokens[largest], tokens, n), "tokens": tokens}
+    block["greedy"] = {
+        "batch": largest,
+        "tool": "llama-server /completion (temperature 0, top_k 1)",
+        "vs_engine": lc.agreement(engine_tokens[largest], tokens, n),
+        "tokens": tokens,
+    }
     return lc.portable(block)  # the cache folder as $CCFT_CACHE: no machine path in a committed result
 
 
@@ -518,51 +658,79 @@ def _device_name(device) -> str:
 
 
 def table(result: dict) -> str:
-    lines = [f"decode benchmark: {result['model']} ({result['dtype']}) on {result['device']}, "
-             f"{result['threads']} threads, engine decode={result['decode_mode']}, "
-             f"{result['new_tokens']} new tokens, bandwidth {result['bandwidth_GBps']:.1f} GB/s, "
-             f"peak matmul {result['peak_matmul_GFLOPs_per_s']:.0f} GFLOP/s, "
-             f"load average {result['load_average']['before']} -> {result['load_average']['after']}"]
+    lines = [
+        f"decode benchmark: {result['model']} ({result['dtype']}) on {result['device']}, "
+        f"{result['threads']} threads, engine decode={result['decode_mode']}, "
+        f"{result['new_tokens']} new tokens, bandwidth {result['bandwidth_GBps']:.1f} GB/s, "
+        f"peak matmul {result['peak_matmul_GFLOPs_per_s']:.0f} GFLOP/s, "
+        f"load average {result['load_average']['before']} -> {result['load_average']['after']}"
+    ]
     lc = "llamacpp" in result
     cols = ["batch", "HF tok/s", "engine tok/s"]
     if lc:
         cols += ["llama.cpp tok/s", "engine / llama.cpp", "llama.cpp prefill tok/s"]
-    cols += ["speedup", "HF TTFT ms", "engine TTFT ms", "roofline tok/s (bound)", "engine / roofline",
-             "HF / roofline", "engine / bandwidth"]
+    cols += [
+        "speedup",
+        "HF TTFT ms",
+        "engine TTFT ms",
+        "roofline tok/s (bound)",
+        "engine / roofline",
+        "HF / roofline",
+        "engine / bandwidth",
+    ]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for b, r in result["batches"].items():
         cells = [b, f"{r['hf']['decode_tok_s']:.1f}", f"{r['engine']['decode_tok_s']:.1f}"]
         if lc:
-            cells += [f"{r['llamacpp']['decode_tok_s']:.1f}", f"{r['llamacpp']['ratio']:.2f}x",
-                      f"{r['llamacpp']['prefill_tok_s']:.1f}"]
-        cells += [f"{r['speedup']:.2f}x", f"{1e3 * r['hf']['ttft_s']:.0f}", f"{1e3 * r['engine']['ttft_s']:.0f}",
-                  f"{r['roofline']['roofline_tok_s']:.1f} ({r['roofline']['bound']})",
-                  f"{100 * r['roofline_fraction']:.0f}%", f"{100 * r['hf_roofline_fraction']:.0f}%",
-                  f"{100 * r['bandwidth_fraction']:.0f}%"]
+            cells += [
+                f"{r['llamacpp']['decode_tok_s']:.1f}",
+                f"{r['llamacpp']['ratio']:.2f}x",
+                f"{r['llamacpp']['prefill_tok_s']:.1f}",
+            ]
+        cells += [
+            f"{r['speedup']:.2f}x",
+            f"{1e3 * r['hf']['ttft_s']:.0f}",
+            f"{1e3 * r['engine']['ttft_s']:.0f}",
+            f"{r['roofline']['roofline_tok_s']:.1f} ({r['roofline']['bound']})",
+            f"{100 * r['roofline_fraction']:.0f}%",
+            f"{100 * r['hf_roofline_fraction']:.0f}%",
+            f"{100 * r['bandwidth_fraction']:.0f}%",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     if lc:
         g = result["llamacpp"]["greedy"]
         a = g["vs_engine"]
-        lines.append(f"llama.cpp {result['llamacpp']['version']} (llama-cpp-python sdist, ggml "
-                     f"{result['llamacpp'].get('ggml_version')}), {result['llamacpp']['threads']} threads; greedy "
-                     f"vs engine on batch {g['batch']}'s prompts, first {a['first_tokens']} tokens: "
-                     f"{100 * a['leading_share']:.0f}% leading tokens equal, {100 * a['rows_equal']:.0f}% rows equal")
+        lines.append(
+            f"llama.cpp {result['llamacpp']['version']} (llama-cpp-python sdist, ggml "
+            f"{result['llamacpp'].get('ggml_version')}), {result['llamacpp']['threads']} threads; greedy "
+            f"vs engine on batch {g['batch']}'s prompts, first {a['first_tokens']} tokens: "
+            f"{100 * a['leading_share']:.0f}% leading tokens equal, {100 * a['rows_equal']:.0f}% rows equal"
+        )
         if "llama_bench_decode_tok_s" in result["batches"].get("1", {}).get("llamacpp", {}):
-            lines.append(f"llama.cpp tok/s: llama-batched-bench, fp32 KV; batch 1 with llama-bench (f16 KV, its default): "
-                         f"{result['batches']['1']['llamacpp']['llama_bench_decode_tok_s']:.1f} tok/s")
+            lines.append(
+                f"llama.cpp tok/s: llama-batched-bench, fp32 KV; batch 1 with llama-bench (f16 KV, its default): "
+                f"{result['batches']['1']['llamacpp']['llama_bench_decode_tok_s']:.1f} tok/s"
+            )
     for b, r in result["batches"].items():
         if "profile" in r:
             pr = r["profile"]
             parts = ", ".join(f"{k} {v:.1f}" for k, v in pr["ms_per_step"].items())
-            lines.append(f"profile, batch {b}: step {pr['step_ms']:.1f} ms ({pr['profiled_step_ms']:.1f} ms profiled): {parts}")
+            lines.append(
+                f"profile, batch {b}: step {pr['step_ms']:.1f} ms ({pr['profiled_step_ms']:.1f} ms profiled): {parts}"
+            )
     return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``ccft bench decode`` / ``python -m ccft.bench.decode``."""
-    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name, HF folder or hub id")
-    p.add_argument("--random-weights", action="store_true",
-                   help="random weights in SmolLM2-135M's shape (nothing to download; GPU check)")
+    p.add_argument(
+        "--model", default="smollm2-135m-instruct", help="embedded model name, HF folder or hub id"
+    )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="random weights in SmolLM2-135M's shape (nothing to download; GPU check)",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
@@ -570,13 +738,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=None, help="cut prompts to this many tokens")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side (medians reported)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    p.add_argument("--decode", default="auto", help="engine decode mode: auto, eager, static, cuda_graph, compile")
-    p.add_argument("--llamacpp", action="store_true",
-                   help="also run llama.cpp on the same weights (F32 GGUF; CPU, float32; built once if missing)")
-    p.add_argument("--llamacpp-compare", type=int, default=16,
-                   help="greedy tokens compared between llama.cpp and the engine (first N per row)")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile the engine's decode step per batch size (CPU op categories, ms per step)")
+    p.add_argument(
+        "--decode", default="auto", help="engine decode mode: auto, eager, static, cuda_graph, compile"
+    )
+    p.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="also run llama.cpp on the same weights (F32 GGUF; CPU, float32; built once if missing)",
+    )
+    p.add_argument(
+        "--llamacpp-compare",
+        type=int,
+        default=16,
+        help="greedy tokens compared between llama.cpp and the engine (first N per row)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile the engine's decode step per batch size (CPU op categories, ms per step)",
+    )
     p.add_argument("--out", default=None, help="write the JSON here")
 
 
@@ -589,8 +769,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(result: dict, out: str | None) -> int:
     print(table(result))
-    print(json.dumps({k: v for k, v in result.items() if k.startswith(("speedup_", "roofline_fraction_", "bandwidth_fraction_",
-                                                                      "llamacpp_ratio_"))}))
+    print(
+        json.dumps(
+            {
+                k: v
+                for k, v in result.items()
+                if k.startswith(("speedup_", "roofline_fraction_", "bandwidth_fraction_", "llamacpp_ratio_"))
+            }
+        )
+    )
     if out:
         from ccft.core.io import atomic_write_json
 

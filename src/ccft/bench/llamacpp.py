@@ -60,14 +60,26 @@ TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
 #: written last into the version folder: its presence means the build finished
 MARKER = "ccft-build.json"
 #: CMake options: CPU only, no tests/examples, no web UI (which would download assets), no OpenSSL
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
-               "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF",
-               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DGGML_CUDA=OFF",
+    "-DGGML_METAL=OFF",
+    "-DGGML_VULKAN=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+)
 #: KV cache in fp32 like the engine's (llama.cpp's default is f16), for every tool run
 KV_FLAGS = ("-ctk", "f32", "-ctv", "f32")
-INSTALL_HINT = ("install cmake and a C/C++ compiler, e.g. `apt-get install cmake ninja-build g++` "
-                "(or `pip install cmake ninja` plus the distribution's g++)")
+INSTALL_HINT = (
+    "install cmake and a C/C++ compiler, e.g. `apt-get install cmake ninja-build g++` "
+    "(or `pip install cmake ninja` plus the distribution's g++)"
+)
 
 
 class LlamaCppError(ConfigError):
@@ -143,6 +155,7 @@ def check_toolchain(path: str | None = None) -> dict:
 
     Raises LlamaCppError naming what is missing (cmake; a C or C++ compiler) and how to install it.
     Ninja is used when present, else CMake's Makefile generator (``make``)."""
+
     def which(*names):
         return next((w for n in names if (w := shutil.which(n, path=path))), None)
 
@@ -150,12 +163,21 @@ def check_toolchain(path: str | None = None) -> dict:
     cc = which(os.environ.get("CC", "") or "cc", "gcc", "clang")
     cxx = which(os.environ.get("CXX", "") or "c++", "g++", "clang++")
     ninja, make = which("ninja"), which("make")
-    missing = [name for name, found in (("cmake", cmake), ("a C compiler (cc/gcc/clang)", cc),
-                                        ("a C++ compiler (c++/g++/clang++)", cxx)) if not found]
+    missing = [
+        name
+        for name, found in (
+            ("cmake", cmake),
+            ("a C compiler (cc/gcc/clang)", cc),
+            ("a C++ compiler (c++/g++/clang++)", cxx),
+        )
+        if not found
+    ]
     if not ninja and not make:
         missing.append("ninja or make")
     if missing:
-        raise LlamaCppError(f"building llama.cpp needs {', '.join(missing)}, not found on PATH; {INSTALL_HINT}")
+        raise LlamaCppError(
+            f"building llama.cpp needs {', '.join(missing)}, not found on PATH; {INSTALL_HINT}"
+        )
     return {"cmake": cmake, "c": cc, "cxx": cxx, "generator": "Ninja" if ninja else "Unix Makefiles"}
 
 
@@ -167,8 +189,10 @@ def _run(cmd: Sequence[str], *, log: Callable[[str], None], runner: Runner = sub
     proc = runner([str(c) for c in cmd], **kw)
     if proc.returncode != 0:
         tail = (proc.stderr or "")[-2000:] if isinstance(proc.stderr, str) else ""
-        raise LlamaCppError(f"command failed (exit {proc.returncode}): {' '.join(map(str, cmd))}"
-                            + (f"\n{tail}" if tail else ""))
+        raise LlamaCppError(
+            f"command failed (exit {proc.returncode}): {' '.join(map(str, cmd))}"
+            + (f"\n{tail}" if tail else "")
+        )
     return proc
 
 
@@ -181,8 +205,22 @@ def fetch_source(root: Path, version: str, *, log=print, runner: Runner = subpro
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
         # only llama-cpp-python from source: ":all:" would also build every build-backend package from source
-        _run([sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps", "-d", tmp,
-              f"llama-cpp-python=={version}"], log=log, runner=runner)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-binary",
+                "llama-cpp-python",
+                "--no-deps",
+                "-d",
+                tmp,
+                f"llama-cpp-python=={version}",
+            ],
+            log=log,
+            runner=runner,
+        )
         sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"), None)
         if sdist is None:
             raise LlamaCppError(f"pip download of llama-cpp-python=={version} left no sdist in {tmp}")
@@ -199,8 +237,14 @@ def fetch_source(root: Path, version: str, *, log=print, runner: Runner = subpro
     return source
 
 
-def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int = 2, log: Callable[[str], None] = print,
-                 runner: Runner = subprocess.run, path: str | None = None) -> LlamaCpp:
+def ensure_built(
+    version: str = LLAMA_CPP_PYTHON_VERSION,
+    *,
+    jobs: int = 2,
+    log: Callable[[str], None] = print,
+    runner: Runner = subprocess.run,
+    path: str | None = None,
+) -> LlamaCpp:
     """The finished build of ``version``; builds it first when :func:`find_build` finds none.
 
     A folder without :data:`MARKER` is an interrupted build: its ``build/`` is removed and compiled
@@ -211,8 +255,10 @@ def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int = 2, log:
         return found
     tools = check_toolchain(path)
     root = llamacpp_dir(version)
-    log(f"[ccft] building llama.cpp (from llama-cpp-python=={version}'s sdist) CPU-only into {root}: "
-        f"{', '.join(TOOLS)}; once, roughly 10-30 minutes on 2 cores (`make llamacpp` does it ahead)")
+    log(
+        f"[ccft] building llama.cpp (from llama-cpp-python=={version}'s sdist) CPU-only into {root}: "
+        f"{', '.join(TOOLS)}; once, roughly 10-30 minutes on 2 cores (`make llamacpp` does it ahead)"
+    )
     (root / MARKER).unlink(missing_ok=True)
     if (root / "build").exists():
         log(f"[ccft] {root / 'build'} has no {MARKER} (an interrupted build): discarding it")
@@ -221,20 +267,35 @@ def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int = 2, log:
     return _compile(root, source, version, tools, jobs=jobs, log=log, runner=runner)
 
 
-def _compile(root: Path, source: Path, version: str, tools: dict, *, jobs: int, log, runner: Runner) -> LlamaCpp:
+def _compile(
+    root: Path, source: Path, version: str, tools: dict, *, jobs: int, log, runner: Runner
+) -> LlamaCpp:
     """Configure and build :data:`TOOLS` from ``source`` into ``root/build``, then write :data:`MARKER`."""
     env = {**os.environ, "CC": tools["c"], "CXX": tools["cxx"]}
-    _run([tools["cmake"], "-S", source, "-B", root / "build", "-G", tools["generator"], *CMAKE_FLAGS],
-         log=log, runner=runner, env=env)
-    _run([tools["cmake"], "--build", root / "build", "-j", str(jobs), "--target", *TOOLS], log=log, runner=runner,
-         env=env)
+    _run(
+        [tools["cmake"], "-S", source, "-B", root / "build", "-G", tools["generator"], *CMAKE_FLAGS],
+        log=log,
+        runner=runner,
+        env=env,
+    )
+    _run(
+        [tools["cmake"], "--build", root / "build", "-j", str(jobs), "--target", *TOOLS],
+        log=log,
+        runner=runner,
+        env=env,
+    )
     build = LlamaCpp(root, version)
     missing = [t for t in TOOLS if not os.access(build.tool(t), os.X_OK)]
     if missing:
         raise LlamaCppError(f"the llama.cpp build finished without {missing} in {root / 'build' / 'bin'}")
-    build.build_info = {"version": version, "ggml_version": ggml_version(source),
-                        "cmake_flags": list(CMAKE_FLAGS), "generator": tools["generator"],
-                        "compiler": tools["cxx"], "machine": platform.machine()}
+    build.build_info = {
+        "version": version,
+        "ggml_version": ggml_version(source),
+        "cmake_flags": list(CMAKE_FLAGS),
+        "generator": tools["generator"],
+        "compiler": tools["cxx"],
+        "machine": platform.machine(),
+    }
     atomic_write_text(root / MARKER, json.dumps(build.build_info, indent=2))  # last: the build is complete
     log(f"[ccft] llama.cpp built: {root / 'build' / 'bin'}")
     return build
@@ -250,8 +311,10 @@ def ggml_version(source: Path) -> str | None:
 
 # ------------------------------------------------------------------ weights
 
-def convert_to_gguf(build: LlamaCpp, model_dir: str | Path, fingerprint: str, *, log=print,
-                    runner: Runner = subprocess.run) -> Path:
+
+def convert_to_gguf(
+    build: LlamaCpp, model_dir: str | Path, fingerprint: str, *, log=print, runner: Runner = subprocess.run
+) -> Path:
     """The HF folder ``model_dir`` written as an F32 GGUF by llama.cpp's ``convert_hf_to_gguf.py`` (same
     source tree as the build), cached as ``<build.root>/gguf/<fingerprint>.f32.gguf`` (written to a
     temporary file, then renamed). Raises LlamaCppError when the folder has no ``config.json`` or
@@ -260,24 +323,42 @@ def convert_to_gguf(build: LlamaCpp, model_dir: str | Path, fingerprint: str, *,
     if out.is_file():
         return out
     if not (Path(model_dir) / "config.json").is_file():
-        raise LlamaCppError(f"model folder {model_dir} has no config.json; llama.cpp converts an HF folder "
-                            "(ccft.core.models.resolve_model_path gives the embedded model's)")
+        raise LlamaCppError(
+            f"model folder {model_dir} has no config.json; llama.cpp converts an HF folder "
+            "(ccft.core.models.resolve_model_path gives the embedded model's)"
+        )
     try:
         import sentencepiece  # noqa: F401  (convert_hf_to_gguf imports it for Llama models)
     except ImportError:
-        raise LlamaCppError("llama.cpp's convert_hf_to_gguf.py needs sentencepiece; run "
-                            "`pip install -c constraints.txt sentencepiece` (`make llamacpp` does)") from None
+        raise LlamaCppError(
+            "llama.cpp's convert_hf_to_gguf.py needs sentencepiece; run "
+            "`pip install -c constraints.txt sentencepiece` (`make llamacpp` does)"
+        ) from None
     log(f"[ccft] converting {model_dir} to an F32 GGUF at {out} (once)")
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def write(tmp: str) -> None:
-        _run([sys.executable, build.source / "convert_hf_to_gguf.py", model_dir, "--outtype", "f32",
-              "--outfile", tmp], log=log, runner=runner, capture_output=True, text=True)
+        _run(
+            [
+                sys.executable,
+                build.source / "convert_hf_to_gguf.py",
+                model_dir,
+                "--outtype",
+                "f32",
+                "--outfile",
+                tmp,
+            ],
+            log=log,
+            runner=runner,
+            capture_output=True,
+            text=True,
+        )
 
     return atomic_write_file(out, write)
 
 
 # ------------------------------------------------------------------ output parsers
+
 
 def parse_llama_bench(text: str) -> list[dict]:
     """``llama-bench -o json`` output -> one dict per test with ``n_prompt``, ``n_gen``, ``n_depth``,
@@ -287,7 +368,7 @@ def parse_llama_bench(text: str) -> list[dict]:
     start, end = text.find("["), text.rfind("]")
     if start < 0 or end < start:
         raise ValueError("llama-bench output has no JSON list (was it run with -o json?)")
-    tests = json.loads(text[start:end + 1])
+    tests = json.loads(text[start : end + 1])
     keys = ("n_prompt", "n_gen", "n_depth", "n_threads", "avg_ts", "stddev_ts", "samples_ts", "avg_ns")
     return [{k: t[k] for k in keys if k in t} for t in tests]
 
@@ -304,7 +385,9 @@ def parse_batched_bench(text: str) -> list[dict]:
         if line.startswith("{") and '"speed_tg"' in line:
             rows.append(json.loads(line))
     if not rows:
-        raise ValueError("llama-batched-bench output has no JSON rows (was it run with --output-format jsonl?)")
+        raise ValueError(
+            "llama-batched-bench output has no JSON rows (was it run with --output-format jsonl?)"
+        )
     return rows
 
 
@@ -325,47 +408,104 @@ def agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]
         equal += k == n and min(len(a), first) == min(len(b), first)
         div.append(None if k == n else k)
     rows = len(reference)
-    return {"first_tokens": first, "rows": rows, "tokens_compared": compared,
-            "leading_share": lead / compared if compared else None,
-            "rows_equal": equal / rows if rows else None, "first_divergence": div}
+    return {
+        "first_tokens": first,
+        "rows": rows,
+        "tokens_compared": compared,
+        "leading_share": lead / compared if compared else None,
+        "rows_equal": equal / rows if rows else None,
+        "first_divergence": div,
+    }
 
 
 # ------------------------------------------------------------------ running the tools
+
 
 def _capture(cmd: Sequence, *, log, runner: Runner = subprocess.run) -> str:
     return _run(cmd, log=log, runner=runner, capture_output=True, text=True).stdout
 
 
-def bench_batched(build: LlamaCpp, gguf: Path, prompt_tokens: int, new_tokens: int, batch: int, threads: int,
-                  repeats: int = 1, *, log=print, runner: Runner = subprocess.run) -> dict:
+def bench_batched(
+    build: LlamaCpp,
+    gguf: Path,
+    prompt_tokens: int,
+    new_tokens: int,
+    batch: int,
+    threads: int,
+    repeats: int = 1,
+    *,
+    log=print,
+    runner: Runner = subprocess.run,
+) -> dict:
     """``llama-batched-bench`` at ``batch`` (1 included): ``batch`` sequences of ``prompt_tokens`` prefilled,
     then ``new_tokens`` decode steps of ``batch`` tokens each, fp32 KV; ``repeats`` runs (``-npl B,B,...``)
     whose median decode and prefill tokens/s are reported."""
     ctx = batch * (prompt_tokens + new_tokens) + 16
-    cmd = [build.tool("llama-batched-bench"), "-m", gguf, "-t", threads, "-tb", threads, "-c", ctx, *KV_FLAGS,
-           "-npp", prompt_tokens, "-ntg", new_tokens, "-npl", ",".join([str(batch)] * max(1, repeats)),
-           "--output-format", "jsonl"]
+    cmd = [
+        build.tool("llama-batched-bench"),
+        "-m",
+        gguf,
+        "-t",
+        threads,
+        "-tb",
+        threads,
+        "-c",
+        ctx,
+        *KV_FLAGS,
+        "-npp",
+        prompt_tokens,
+        "-ntg",
+        new_tokens,
+        "-npl",
+        ",".join([str(batch)] * max(1, repeats)),
+        "--output-format",
+        "jsonl",
+    ]
     rows = [r for r in parse_batched_bench(_capture(cmd, log=log, runner=runner)) if r["pl"] == batch]
     if not rows:
-        raise LlamaCppError(f"llama-batched-bench reported no row for {batch} sequences: {' '.join(map(str, cmd))}")
-    return {"tool": "llama-batched-bench", "kv_type": "f32",
-            "prefill_tok_s": statistics.median(r["speed_pp"] for r in rows),
-            "decode_tok_s": statistics.median(r["speed_tg"] for r in rows),
-            "commands": [" ".join(map(str, cmd))], "raw": rows}
+        raise LlamaCppError(
+            f"llama-batched-bench reported no row for {batch} sequences: {' '.join(map(str, cmd))}"
+        )
+    return {
+        "tool": "llama-batched-bench",
+        "kv_type": "f32",
+        "prefill_tok_s": statistics.median(r["speed_pp"] for r in rows),
+        "decode_tok_s": statistics.median(r["speed_tg"] for r in rows),
+        "commands": [" ".join(map(str, cmd))],
+        "raw": rows,
+    }
 
 
-def bench_llama_bench(build: LlamaCpp, gguf: Path, prompt_tokens: int, new_tokens: int, threads: int,
-                      repeats: int, *, log=print, runner: Runner = subprocess.run) -> dict:
+def bench_llama_bench(
+    build: LlamaCpp,
+    gguf: Path,
+    prompt_tokens: int,
+    new_tokens: int,
+    threads: int,
+    repeats: int,
+    *,
+    log=print,
+    runner: Runner = subprocess.run,
+) -> dict:
     """Batch 1 with ``llama-bench`` as llama.cpp users run it (its KV cache types are f16, bf16 or
     quantised, so f16, llama.cpp's default): prefill of ``prompt_tokens`` (``-p P -n 0``) and
     ``new_tokens`` decoded after a context of ``prompt_tokens`` (``-p 0 -n N -d P``), ``repeats``
     repetitions each; tokens/s are llama-bench's means."""
     common = [build.tool("llama-bench"), "-m", gguf, "-t", threads, "-r", repeats, "-o", "json"]
-    cmds = [[*common, "-p", prompt_tokens, "-n", 0], [*common, "-p", 0, "-n", new_tokens, "-d", prompt_tokens]]
+    cmds = [
+        [*common, "-p", prompt_tokens, "-n", 0],
+        [*common, "-p", 0, "-n", new_tokens, "-d", prompt_tokens],
+    ]
     pp = parse_llama_bench(_capture(cmds[0], log=log, runner=runner))
     tg = parse_llama_bench(_capture(cmds[1], log=log, runner=runner))
-    return {"tool": "llama-bench", "kv_type": "f16", "prefill_tok_s": pp[0]["avg_ts"], "decode_tok_s": tg[0]["avg_ts"],
-            "commands": [" ".join(map(str, c)) for c in cmds], "raw": {"prefill": pp, "decode": tg}}
+    return {
+        "tool": "llama-bench",
+        "kv_type": "f16",
+        "prefill_tok_s": pp[0]["avg_ts"],
+        "decode_tok_s": tg[0]["avg_ts"],
+        "commands": [" ".join(map(str, c)) for c in cmds],
+        "raw": {"prefill": pp, "decode": tg},
+    }
 
 
 def _free_port() -> int:
@@ -376,22 +516,52 @@ def _free_port() -> int:
 
 def post_json(url: str, body: dict, timeout: float) -> dict:
     """POST ``body`` as JSON to ``url`` and return the decoded JSON reply (urllib; raises its errors)."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
 
 @contextlib.contextmanager
-def server(build: LlamaCpp, gguf: Path, ctx: int, threads: int, *, parallel: int = 1, extra_args: Sequence = (),
-           log=print, ready_timeout: float = 300.0):
+def server(
+    build: LlamaCpp,
+    gguf: Path,
+    ctx: int,
+    threads: int,
+    *,
+    parallel: int = 1,
+    extra_args: Sequence = (),
+    log=print,
+    ready_timeout: float = 300.0,
+):
     """``llama-server`` on 127.0.0.1 (no web UI, fp32 KV) for the ``with`` block; yields its base URL.
 
     ``ctx``: context tokens in all (``-c``; llama-server splits it over the ``parallel`` slots, ``-np``);
     ``extra_args``: more flags (``--lora FILE``, ``--lora-init-without-apply``, ...).
     Raises LlamaCppError when it exits or is not healthy within ``ready_timeout`` seconds."""
     port = _free_port()
-    cmd = [build.tool("llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", port, "-t", threads,
-           "-tb", threads, "-c", ctx, *KV_FLAGS, "-np", parallel, "--no-webui", "--no-warmup", *extra_args]
+    cmd = [
+        build.tool("llama-server"),
+        "-m",
+        gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        port,
+        "-t",
+        threads,
+        "-tb",
+        threads,
+        "-c",
+        ctx,
+        *KV_FLAGS,
+        "-np",
+        parallel,
+        "--no-webui",
+        "--no-warmup",
+        *extra_args,
+    ]
     log("[ccft] $ " + " ".join(map(str, cmd)))
     with tempfile.TemporaryFile() as errlog:
         proc = subprocess.Popen([str(c) for c in cmd], stdout=errlog, stderr=subprocess.STDOUT)
@@ -422,22 +592,35 @@ def server(build: LlamaCpp, gguf: Path, ctx: int, threads: int, *, parallel: int
                 proc.wait()
 
 
-def greedy_tokens(build: LlamaCpp, gguf: Path, prompts: Sequence[Sequence[int]], new_tokens: int, threads: int,
-                  *, log=print) -> list[list[int]]:
+def greedy_tokens(
+    build: LlamaCpp, gguf: Path, prompts: Sequence[Sequence[int]], new_tokens: int, threads: int, *, log=print
+) -> list[list[int]]:
     """llama.cpp's greedy continuation (``new_tokens`` ids, EOS ignored) of each prompt, given as token
     ids (no BOS added: the ids are used as they are), from ``llama-server``'s ``/completion``."""
     ctx = max(map(len, prompts)) + new_tokens + 8
     out = []
     with server(build, gguf, ctx, threads, log=log) as url:
         for ids in prompts:
-            r = post_json(url + "/completion", {"prompt": list(map(int, ids)), "n_predict": new_tokens,
-                                            "temperature": 0.0, "top_k": 1, "ignore_eos": True,
-                                            "cache_prompt": False, "return_tokens": True, "seed": 0}, timeout=600)
+            r = post_json(
+                url + "/completion",
+                {
+                    "prompt": list(map(int, ids)),
+                    "n_predict": new_tokens,
+                    "temperature": 0.0,
+                    "top_k": 1,
+                    "ignore_eos": True,
+                    "cache_prompt": False,
+                    "return_tokens": True,
+                    "seed": 0,
+                },
+                timeout=600,
+            )
             out.append([int(t) for t in r["tokens"]])
     return out
 
 
 # ------------------------------------------------------------------ command line
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ccft.bench.llamacpp", description=__doc__.splitlines()[0])

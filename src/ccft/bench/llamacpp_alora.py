@@ -50,8 +50,17 @@ from pathlib import Path
 from ccft.bench.llamacpp import LlamaCpp, LlamaCppError, convert_to_gguf, ensure_built, post_json
 from ccft.core.errors import ConfigError
 
-__all__ = ["EXACT_FLAGS", "GGUF_ALORA_TARGET", "GgufAloraExport", "alora_server_args", "complete", "export_gguf_alora",
-           "gguf_invocation_tokens", "llamacpp_adapter_start", "lora_field"]
+__all__ = [
+    "EXACT_FLAGS",
+    "GGUF_ALORA_TARGET",
+    "GgufAloraExport",
+    "alora_server_args",
+    "complete",
+    "export_gguf_alora",
+    "gguf_invocation_tokens",
+    "llamacpp_adapter_start",
+    "lora_field",
+]
 
 GGUF_ALORA_TARGET = "gguf-alora"
 #: llama-server flags for fp32-exact attention: its CPU flash attention (on by default, ``-fa auto``) rounds
@@ -78,7 +87,8 @@ def gguf_invocation_tokens(handoff_ids: Sequence[int]) -> list[int]:
             f"handoff_tokens={len(ids)}: llama-server turns an aLoRA adapter on one token before its invocation "
             "tokens, so a decoder with a 1-token handoff would need an empty invocation sequence, which llama.cpp "
             "cannot express. Fix: retrain with handoff_tokens >= 2 (for SmolLM2, handoff_tokens: 4 covers the "
-            "generation prompt <|im_start|>assistant\\n), or serve it with ccft / export --to peft-alora")
+            "generation prompt <|im_start|>assistant\\n), or serve it with ccft / export --to peft-alora"
+        )
     return ids[LLAMACPP_EARLY_TOKENS:]
 
 
@@ -93,7 +103,7 @@ def llamacpp_adapter_start(prompt_ids: Sequence[int], invocation_ids: Sequence[i
     if not inv:
         return None
     for s in range(len(prompt) - len(inv), -1, -1):
-        if prompt[s:s + len(inv)] == inv:
+        if prompt[s : s + len(inv)] == inv:
             return max(0, s - LLAMACPP_EARLY_TOKENS)
     return None
 
@@ -127,9 +137,15 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def export_gguf_alora(decoder_path: str | os.PathLike, out: str | os.PathLike, *, build: LlamaCpp | None = None,
-                      jobs: int = 2, log: Callable[[str], None] = print,
-                      runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> GgufAloraExport:
+def export_gguf_alora(
+    decoder_path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    build: LlamaCpp | None = None,
+    jobs: int = 2,
+    log: Callable[[str], None] = print,
+    runner: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+) -> GgufAloraExport:
     """Export the CCFT LoRA decoder folder ``decoder_path`` for llama.cpp (see the module docstring).
 
     Args:
@@ -155,8 +171,12 @@ def export_gguf_alora(decoder_path: str | os.PathLike, out: str | os.PathLike, *
         raise ConfigError(f"output folder {out} exists and is not empty; choose a new folder or remove it")
     meta = read_meta(decoder_path)
     k = int(meta.get("handoff_tokens", 1))
-    kind = meta.get("decoder_kind") or ("lora" if (Path(decoder_path) / "adapter_config.json").is_file() else "full")
-    check_alora_kind(kind, meta.get("method"), str(decoder_path))  # --to peft-alora's refusals, before any load
+    kind = meta.get("decoder_kind") or (
+        "lora" if (Path(decoder_path) / "adapter_config.json").is_file() else "full"
+    )
+    check_alora_kind(
+        kind, meta.get("method"), str(decoder_path)
+    )  # --to peft-alora's refusals, before any load
     if k <= LLAMACPP_EARLY_TOKENS:
         gguf_invocation_tokens([0] * k)  # raises the ConfigError naming the fix
     build = build or ensure_built(jobs=jobs, log=log, runner=runner)
@@ -177,25 +197,49 @@ def export_gguf_alora(decoder_path: str | os.PathLike, out: str | os.PathLike, *
         cfg["alora_invocation_tokens"] = invocation
         (staged / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         adapter = tmp / "adapter.f32.gguf"
-        cmd = [sys.executable, build.source / "convert_lora_to_gguf.py", "--base", base_dir, "--outtype", "f32",
-               "--outfile", adapter, staged]
+        cmd = [
+            sys.executable,
+            build.source / "convert_lora_to_gguf.py",
+            "--base",
+            base_dir,
+            "--outtype",
+            "f32",
+            "--outfile",
+            adapter,
+            staged,
+        ]
         log("[ccft] $ " + " ".join(map(str, cmd)))
         proc = runner([str(c) for c in cmd], capture_output=True, text=True)
         if proc.returncode != 0 or not adapter.is_file():
-            raise LlamaCppError(f"llama.cpp's convert_lora_to_gguf.py failed (exit {proc.returncode}):\n"
-                                f"{(proc.stderr or '')[-2000:]}")
+            raise LlamaCppError(
+                f"llama.cpp's convert_lora_to_gguf.py failed (exit {proc.returncode}):\n"
+                f"{(proc.stderr or '')[-2000:]}"
+            )
         shutil.rmtree(staged)
-        cached_base = convert_to_gguf(build, base_dir, export_meta["base_fingerprint"], log=log, runner=runner)
+        cached_base = convert_to_gguf(
+            build, base_dir, export_meta["base_fingerprint"], log=log, runner=runner
+        )
         _link_or_copy(cached_base, tmp / "base.f32.gguf")
-        serve = ("llama-server -m base.f32.gguf --lora adapter.f32.gguf --lora-init-without-apply -ctk f32 -ctv f32 "
-                 "-fa off; "
-                 'per request: "lora": [{"id": 0, "scale": 1.0}]')
-        record = {"exported_from": str(decoder_path), "target": GGUF_ALORA_TARGET, "method": meta.get("method"),
-                  "base": base, "base_fingerprint": export_meta["base_fingerprint"], "handoff_tokens": k,
-                  "peft_alora_invocation_tokens": handoff, "gguf_alora_invocation_tokens": invocation,
-                  "invocation_text": result.invocation.text, "llamacpp": build.describe() | {"root": None},
-                  "serve": serve, "warnings": result.warnings,
-                  "files": {"adapter": "adapter.f32.gguf", "base": "base.f32.gguf", "peft": "peft/"}}
+        serve = (
+            "llama-server -m base.f32.gguf --lora adapter.f32.gguf --lora-init-without-apply -ctk f32 -ctv f32 "
+            "-fa off; "
+            'per request: "lora": [{"id": 0, "scale": 1.0}]'
+        )
+        record = {
+            "exported_from": str(decoder_path),
+            "target": GGUF_ALORA_TARGET,
+            "method": meta.get("method"),
+            "base": base,
+            "base_fingerprint": export_meta["base_fingerprint"],
+            "handoff_tokens": k,
+            "peft_alora_invocation_tokens": handoff,
+            "gguf_alora_invocation_tokens": invocation,
+            "invocation_text": result.invocation.text,
+            "llamacpp": build.describe() | {"root": None},
+            "serve": serve,
+            "warnings": result.warnings,
+            "files": {"adapter": "adapter.f32.gguf", "base": "base.f32.gguf", "peft": "peft/"},
+        }
         (tmp / EXPORT_META_FILE).write_text(json.dumps(record, indent=2, default=str))
         (tmp / "README.md").write_text(_readme(record))
         if out.exists():
@@ -203,28 +247,37 @@ def export_gguf_alora(decoder_path: str | os.PathLike, out: str | os.PathLike, *
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return GgufAloraExport(out=out, adapter_gguf=out / "adapter.f32.gguf", base_gguf=out / "base.f32.gguf",
-                           peft_dir=out / "peft", handoff_ids=handoff, invocation_ids=invocation,
-                           warnings=list(result.warnings))
+    return GgufAloraExport(
+        out=out,
+        adapter_gguf=out / "adapter.f32.gguf",
+        base_gguf=out / "base.f32.gguf",
+        peft_dir=out / "peft",
+        handoff_ids=handoff,
+        invocation_ids=invocation,
+        warnings=list(result.warnings),
+    )
 
 
 def _readme(record: dict) -> str:
-    return (f"# CCFT decoder for llama.cpp (activated LoRA, GGUF)\n\n"
-            f"Exported by ccft from `{record['exported_from']}` (method `{record['method']}`, handoff_tokens "
-            f"{record['handoff_tokens']}, base fingerprint `{record['base_fingerprint']}`).\n\n"
-            f"- `adapter.f32.gguf`: the adapter; invocation tokens {record['gguf_alora_invocation_tokens']} "
-            f"(llama-server turns the adapter on one token before them, at the decoder's handoff "
-            f"{record['invocation_text']!r})\n"
-            "- `base.f32.gguf`: the base it reads the prompt cache of\n"
-            f"- `peft/`: the same decoder as a stock PEFT aLoRA adapter (invocation tokens "
-            f"{record['peft_alora_invocation_tokens']}: PEFT turns the adapter on at their start)\n\n"
-            "Serve:\n\n```\nllama-server -m base.f32.gguf --lora adapter.f32.gguf --lora-init-without-apply "
-            "-ctk f32 -ctv f32 -fa off\n```\n\n(`-fa off`: llama.cpp's CPU flash attention rounds through fp16)\n\nand send `\"lora\": [{\"id\": 0, \"scale\": 1.0}]` with each request that "
-            "should decode with this decoder; requests without it run the base, and both reuse one cached prompt "
-            "up to the handoff.\n")
+    return (
+        f"# CCFT decoder for llama.cpp (activated LoRA, GGUF)\n\n"
+        f"Exported by ccft from `{record['exported_from']}` (method `{record['method']}`, handoff_tokens "
+        f"{record['handoff_tokens']}, base fingerprint `{record['base_fingerprint']}`).\n\n"
+        f"- `adapter.f32.gguf`: the adapter; invocation tokens {record['gguf_alora_invocation_tokens']} "
+        f"(llama-server turns the adapter on one token before them, at the decoder's handoff "
+        f"{record['invocation_text']!r})\n"
+        "- `base.f32.gguf`: the base it reads the prompt cache of\n"
+        f"- `peft/`: the same decoder as a stock PEFT aLoRA adapter (invocation tokens "
+        f"{record['peft_alora_invocation_tokens']}: PEFT turns the adapter on at their start)\n\n"
+        "Serve:\n\n```\nllama-server -m base.f32.gguf --lora adapter.f32.gguf --lora-init-without-apply "
+        '-ctk f32 -ctv f32 -fa off\n```\n\n(`-fa off`: llama.cpp\'s CPU flash attention rounds through fp16)\n\nand send `"lora": [{"id": 0, "scale": 1.0}]` with each request that '
+        "should decode with this decoder; requests without it run the base, and both reuse one cached prompt "
+        "up to the handoff.\n"
+    )
 
 
 # ------------------------------------------------------------------ serving with aLoRA adapters
+
 
 def alora_server_args(adapters: Sequence[str | os.PathLike], *, exact: bool = True) -> list[str]:
     """llama-server flags loading ``adapters`` (GGUF files; ids 0, 1, ... in this order) switched off until a
@@ -240,16 +293,33 @@ def lora_field(adapter_id: int | None, n_adapters: int) -> list[dict]:
     return [{"id": i, "scale": 1.0 if i == adapter_id else 0.0} for i in range(n_adapters)]
 
 
-def complete(url: str, prompt_ids: Sequence[int], n_predict: int, *, adapter_id: int | None = None,
-             n_adapters: int = 0, n_probs: int = 0, cache_prompt: bool = True, timeout: float = 600.0) -> dict:
+def complete(
+    url: str,
+    prompt_ids: Sequence[int],
+    n_predict: int,
+    *,
+    adapter_id: int | None = None,
+    n_adapters: int = 0,
+    n_probs: int = 0,
+    cache_prompt: bool = True,
+    timeout: float = 600.0,
+) -> dict:
     """One greedy ``/completion`` request (EOS ignored) on ``prompt_ids`` (token ids, used as they are).
 
     Returns ``{"tokens": [...], "prompt_n": prompt tokens computed (llama.cpp's timings), "cached": prompt
     tokens reused, "top_logprobs": per generated token {token id: log-probability} of the ``n_probs`` most
     likely (from the distribution before sampling), "raw": the reply}``."""
-    body = {"prompt": [int(t) for t in prompt_ids], "n_predict": int(n_predict), "temperature": 0.0, "top_k": 1,
-            "ignore_eos": True, "cache_prompt": cache_prompt, "return_tokens": True, "seed": 0,
-            "lora": lora_field(adapter_id, n_adapters)}
+    body = {
+        "prompt": [int(t) for t in prompt_ids],
+        "n_predict": int(n_predict),
+        "temperature": 0.0,
+        "top_k": 1,
+        "ignore_eos": True,
+        "cache_prompt": cache_prompt,
+        "return_tokens": True,
+        "seed": 0,
+        "lora": lora_field(adapter_id, n_adapters),
+    }
     if n_probs:
         body["n_probs"] = int(n_probs)
         body["post_sampling_probs"] = False
@@ -258,12 +328,25 @@ def complete(url: str, prompt_ids: Sequence[int], n_predict: int, *, adapter_id:
     for step in r.get("completion_probabilities") or ():
         top.append({int(p["id"]): float(p["logprob"]) for p in step.get("top_logprobs") or ()})
     timings = r.get("timings") or {}
-    return {"tokens": [int(t) for t in r.get("tokens") or ()], "prompt_n": timings.get("prompt_n"),
-            "cached": r.get("tokens_cached"), "top_logprobs": top, "raw": r}
+    return {
+        "tokens": [int(t) for t in r.get("tokens") or ()],
+        "prompt_n": timings.get("prompt_n"),
+        "cached": r.get("tokens_cached"),
+        "top_logprobs": top,
+        "raw": r,
+    }
 
 
-def compare_with_prefillshare(decoder, url: str, adapter_id: int, n_adapters: int, prompts: Sequence[Sequence[int]],
-                              new_tokens: int, *, n_probs: int = 10) -> dict:
+def compare_with_prefillshare(
+    decoder,
+    url: str,
+    adapter_id: int,
+    n_adapters: int,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    *,
+    n_probs: int = 10,
+) -> dict:
     """llama-server's aLoRA outputs against ccft's prefillshare for ``decoder`` (a loaded ``ccft.Decoder``).
 
     Per prompt (token ids), llama-server generates ``new_tokens`` greedily with adapter ``adapter_id`` (its
@@ -288,10 +371,17 @@ def compare_with_prefillshare(decoder, url: str, adapter_id: int, n_adapters: in
         cache = ccft.compute_base_cache(decoder.base, [prompt], handoff_tokens=k)
         with torch.no_grad():
             logits = ccft.decoder_forward(decoder, cache, torch.tensor([prompt[-k:] + toks[:-1]]))[0]
-        want = torch.log_softmax(logits[k - 1:].double(), dim=-1)
-        gaps.append(max(abs(float(want[i, t]) - lp) for i, step in enumerate(got["top_logprobs"])
-                        for t, lp in step.items()))
-        own = list(generate([prompt], mode="prefillshare", decoder=decoder, max_new_tokens=new_tokens)[0].token_ids)
+        want = torch.log_softmax(logits[k - 1 :].double(), dim=-1)
+        gaps.append(
+            max(
+                abs(float(want[i, t]) - lp)
+                for i, step in enumerate(got["top_logprobs"])
+                for t, lp in step.items()
+            )
+        )
+        own = list(
+            generate([prompt], mode="prefillshare", decoder=decoder, max_new_tokens=new_tokens)[0].token_ids
+        )
         n = len(own)  # ccft stops at EOS; llama.cpp's request ignores it
         first = next((i for i in range(n) if own[i] != toks[i]), None)
         equal += first is None
@@ -301,20 +391,36 @@ def compare_with_prefillshare(decoder, url: str, adapter_id: int, n_adapters: in
             margins.append(float(top2[0] - top2[1]))
         else:
             margins.append(None)
-    return {"rows": len(prompts), "rows_equal": equal, "rows_equal_share": equal / len(prompts) if prompts else None,
-            "new_tokens": new_tokens, "n_probs": n_probs, "max_logprob_gap": max(gaps, default=None),
-            "logprob_gap_per_row": gaps, "first_divergence": firsts, "margin_at_divergence": margins}
+    return {
+        "rows": len(prompts),
+        "rows_equal": equal,
+        "rows_equal_share": equal / len(prompts) if prompts else None,
+        "new_tokens": new_tokens,
+        "n_probs": n_probs,
+        "max_logprob_gap": max(gaps, default=None),
+        "logprob_gap_per_row": gaps,
+        "first_divergence": firsts,
+        "margin_at_divergence": margins,
+    }
 
 
 def cache_reuse(url: str, prompt: Sequence[int], n_adapters: int, *, new_tokens: int = 4) -> dict:
     """Prompt tokens llama-server computes for one prompt sent as base, then adapter 0, then adapter 1 (if
     loaded), each on the cache the previous left (``timings.prompt_n``); the first request gets a fresh slot
     prompt (``cache_prompt`` false)."""
-    out = {"prompt_tokens": len(prompt),
-           "base_first": complete(url, prompt, new_tokens, n_adapters=n_adapters, cache_prompt=False)["prompt_n"]}
-    out["alora_after_base"] = complete(url, prompt, new_tokens, adapter_id=0, n_adapters=n_adapters)["prompt_n"]
+    out = {
+        "prompt_tokens": len(prompt),
+        "base_first": complete(url, prompt, new_tokens, n_adapters=n_adapters, cache_prompt=False)[
+            "prompt_n"
+        ],
+    }
+    out["alora_after_base"] = complete(url, prompt, new_tokens, adapter_id=0, n_adapters=n_adapters)[
+        "prompt_n"
+    ]
     if n_adapters > 1:
-        out["alora_after_alora"] = complete(url, prompt, new_tokens, adapter_id=1, n_adapters=n_adapters)["prompt_n"]
+        out["alora_after_alora"] = complete(url, prompt, new_tokens, adapter_id=1, n_adapters=n_adapters)[
+            "prompt_n"
+        ]
     return out
 
 

@@ -60,16 +60,30 @@ from ccft.core.errors import ConfigError
 
 SYSTEMS = ("ccft", "ccft-no-share", "vllm", "llamacpp")
 #: the reference mode each system's outputs are compared with
-REFERENCE_MODE = {"ccft": "prefillshare", "ccft-no-share": "full-ft", "vllm": "full-ft", "llamacpp": "prefillshare"}
+REFERENCE_MODE = {
+    "ccft": "prefillshare",
+    "ccft-no-share": "full-ft",
+    "vllm": "full-ft",
+    "llamacpp": "prefillshare",
+}
 HANDOFF = 4  #: ``<|im_start|>assistant\n`` on SmolLM2: what the llama.cpp export needs (>= 2)
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or HF folder")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    p.add_argument("--agents", type=int, nargs="+", default=[4], help="agents per session (4, 8): one run each")
-    p.add_argument("--decoder", action="append", default=[], metavar="NAME=PATH",
-                   help="a trained CCFT LoRA decoder (handoff_tokens >= 2) per agent; default: random LoRA adapters")
+    p.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}"
+    )
+    p.add_argument(
+        "--agents", type=int, nargs="+", default=[4], help="agents per session (4, 8): one run each"
+    )
+    p.add_argument(
+        "--decoder",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a trained CCFT LoRA decoder (handoff_tokens >= 2) per agent; default: random LoRA adapters",
+    )
     p.add_argument("--workload", default="react", choices=["react", "reflexion"])
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4], help="concurrency sweep")
     p.add_argument("--turns", type=int, default=2)
@@ -77,19 +91,31 @@ def add_arguments(p) -> None:
     p.add_argument("--unique-tokens", type=int, default=32)
     p.add_argument("--growth-tokens", type=int, default=128)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--kv-budget-mb", type=float, default=2048.0, help="KV bytes for every system that takes a cap")
+    p.add_argument(
+        "--kv-budget-mb", type=float, default=2048.0, help="KV bytes for every system that takes a cap"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=None, help="folder for adapters and exports (default: <cache>/peers)")
     p.add_argument("--out", default=None, help="the JSON (rewritten after each point; a rerun resumes)")
     p.add_argument("--plots", default=None, help="folder for PNG plots (default: next to --out)")
-    p.add_argument("--from-json", default=None, metavar="F", help="measure nothing: table and plots of a saved F")
+    p.add_argument(
+        "--from-json", default=None, metavar="F", help="measure nothing: table and plots of a saved F"
+    )
 
 
 # ------------------------------------------------------------------ adapters
 
-def make_adapters(model: str, agents: Sequence[str], folder: Path, *, seed: int = 0, given: dict | None = None,
-                  log: Callable[[str], None] = print) -> dict[str, dict[str, Path]]:
+
+def make_adapters(
+    model: str,
+    agents: Sequence[str],
+    folder: Path,
+    *,
+    seed: int = 0,
+    given: dict | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict[str, Path]]:
     """Per agent ``{"ccft": folder, "full-ft": folder}``: one adapter saved twice (methods ``ccft`` and
     ``full-ft``). ``given``: trained CCFT decoder folders by agent (their Full-FT twin is written beside)."""
     import torch
@@ -104,8 +130,10 @@ def make_adapters(model: str, agents: Sequence[str], folder: Path, *, seed: int 
         if given and name in given:
             paths["ccft"] = Path(given[name])
             if int(read_meta(paths["ccft"]).get("handoff_tokens", 1)) < 2:
-                raise ConfigError(f"--decoder {name}={given[name]}: handoff_tokens < 2; llama.cpp's aLoRA needs >= 2 "
-                                  "(retrain with handoff_tokens: 4)")
+                raise ConfigError(
+                    f"--decoder {name}={given[name]}: handoff_tokens < 2; llama.cpp's aLoRA needs >= 2 "
+                    "(retrain with handoff_tokens: 4)"
+                )
         if all((p / "ccft.json").is_file() for p in paths.values()):
             out[name] = paths
             continue
@@ -114,10 +142,20 @@ def make_adapters(model: str, agents: Sequence[str], folder: Path, *, seed: int 
             dec = load_decoder(paths["ccft"], base=base, adapter_name=f"peer-{name}")
         else:
             torch.manual_seed(1000 * (seed + 1) + i)
-            dec = ccft.make_decoder(base, "lora", lora={"r": 8, "lora_alpha": 2, "init_lora_weights": False},
-                                    method="ccft", handoff_tokens=HANDOFF, adapter_name=f"peer-{name}")
-            ccft.save_decoder(dec, paths["ccft"], recipe={"chat_template": "auto"},
-                              peers={"random_lora": {"r": 8, "lora_alpha": 2, "seed": seed, "index": i}})
+            dec = ccft.make_decoder(
+                base,
+                "lora",
+                lora={"r": 8, "lora_alpha": 2, "init_lora_weights": False},
+                method="ccft",
+                handoff_tokens=HANDOFF,
+                adapter_name=f"peer-{name}",
+            )
+            ccft.save_decoder(
+                dec,
+                paths["ccft"],
+                recipe={"chat_template": "auto"},
+                peers={"random_lora": {"r": 8, "lora_alpha": 2, "seed": seed, "index": i}},
+            )
         dec.method = "full-ft"
         ccft.save_decoder(dec, paths["full-ft"], recipe={"chat_template": "auto"}, twin_of=str(paths["ccft"]))
         log(f"[ccft] adapters for {name}: {paths['ccft']} (ccft), {paths['full-ft']} (full-ft)")
@@ -126,6 +164,7 @@ def make_adapters(model: str, agents: Sequence[str], folder: Path, *, seed: int 
 
 
 # ------------------------------------------------------------------ servers
+
 
 def _free_port() -> int:
     import socket
@@ -141,13 +180,38 @@ def _get(url: str, timeout: float = 10.0) -> str:
 
 
 @contextlib.contextmanager
-def ccft_server(model: str, decoders: dict[str, Path], *, share: bool, threads: int, kv_budget_mb: float,
-                log=print, ready_timeout: float = 600.0):
+def ccft_server(
+    model: str,
+    decoders: dict[str, Path],
+    *,
+    share: bool,
+    threads: int,
+    kv_budget_mb: float,
+    log=print,
+    ready_timeout: float = 600.0,
+):
     """``ccft serve`` in a child process on 127.0.0.1 (``--no-share`` unless ``share``); yields its URL."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "ccft.cli.main", "serve", "--model", model, "--port", str(port), "--threads",
-           str(threads), "--kv-budget-mb", str(kv_budget_mb), "--max-batch", "64", "--log-level", "warning",
-           *[a for n, p in decoders.items() for a in ("--decoder", f"{n}={p}")], *([] if share else ["--no-share"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ccft.cli.main",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        "--kv-budget-mb",
+        str(kv_budget_mb),
+        "--max-batch",
+        "64",
+        "--log-level",
+        "warning",
+        *[a for n, p in decoders.items() for a in ("--decoder", f"{n}={p}")],
+        *([] if share else ["--no-share"]),
+    ]
     with _process(cmd, f"http://127.0.0.1:{port}", "/health", log=log, ready_timeout=ready_timeout) as url:
         yield url
 
@@ -164,8 +228,10 @@ def _process(cmd: list[str], url: str, health: str, *, log, ready_timeout: float
             while True:
                 if proc.poll() is not None:
                     errlog.seek(0)
-                    raise ConfigError(f"{cmd[0]} exited with {proc.returncode}:\n"
-                                      f"{errlog.read().decode(errors='replace')[-3000:]}")
+                    raise ConfigError(
+                        f"{cmd[0]} exited with {proc.returncode}:\n"
+                        f"{errlog.read().decode(errors='replace')[-3000:]}"
+                    )
                 with contextlib.suppress(OSError):
                     _get(url + health, timeout=5)
                     break
@@ -235,11 +301,21 @@ class MetricsPoller:
 
 # ------------------------------------------------------------------ one system
 
+
 class System:
     """How one system is started, addressed and read (see the module docstring's table)."""
 
-    def __init__(self, name: str, args, agents: list[str], adapters: dict, *, kv_bytes_per_token: int,
-                 max_prompt: int, log=print):
+    def __init__(
+        self,
+        name: str,
+        args,
+        agents: list[str],
+        adapters: dict,
+        *,
+        kv_bytes_per_token: int,
+        max_prompt: int,
+        log=print,
+    ):
         self.name, self.args, self.agents, self.adapters, self.log = name, args, agents, adapters, log
         self.bpt, self.max_prompt = kv_bytes_per_token, max_prompt
         self.info: dict = {}
@@ -251,10 +327,18 @@ class System:
         if self.name in ("ccft", "ccft-no-share"):
             kind = "ccft" if self.name == "ccft" else "full-ft"
             decs = {n: self.adapters[n][kind] for n in self.agents}
-            self.info = {"command": "ccft serve" + ("" if self.name == "ccft" else " --no-share"),
-                         "kv_budget_bytes": int(a.kv_budget_mb * 2 ** 20)}
-            with ccft_server(a.model, decs, share=self.name == "ccft", threads=a.threads,
-                             kv_budget_mb=a.kv_budget_mb, log=self.log) as url:
+            self.info = {
+                "command": "ccft serve" + ("" if self.name == "ccft" else " --no-share"),
+                "kv_budget_bytes": int(a.kv_budget_mb * 2**20),
+            }
+            with ccft_server(
+                a.model,
+                decs,
+                share=self.name == "ccft",
+                threads=a.threads,
+                kv_budget_mb=a.kv_budget_mb,
+                log=self.log,
+            ) as url:
                 yield url
         elif self.name == "vllm":
             from ccft.bench import vllm
@@ -264,9 +348,17 @@ class System:
             loras = {n: str(self.adapters[n]["full-ft"]) for n in self.agents}
             gib = a.kv_budget_mb / 1024
             self.info = {"version": env.version, "kv_cache_gib": gib, "env": vllm.serve_env(a.threads, gib)}
-            with vllm.server(env, resolve_model_path(a.model), loras, threads=a.threads, kv_cache_gib=gib,
-                             log=self.log, max_loras=len(loras), max_lora_rank=8,
-                             max_model_len=self.max_prompt + a.max_new_tokens + 16) as url:
+            with vllm.server(
+                env,
+                resolve_model_path(a.model),
+                loras,
+                threads=a.threads,
+                kv_cache_gib=gib,
+                log=self.log,
+                max_loras=len(loras),
+                max_lora_rank=8,
+                max_model_len=self.max_prompt + a.max_new_tokens + 16,
+            ) as url:
                 yield url
         elif self.name == "llamacpp":
             from ccft.bench import llamacpp as lc
@@ -275,12 +367,25 @@ class System:
             build = lc.ensure_built(log=self.log)
             exports = self.adapters["__gguf__"]
             slot = self.max_prompt + a.max_new_tokens + 16
-            parallel = max(1, min(len(self.agents) * max(a.sessions), int(a.kv_budget_mb * 2 ** 20 // (slot * self.bpt))))
+            parallel = max(
+                1, min(len(self.agents) * max(a.sessions), int(a.kv_budget_mb * 2**20 // (slot * self.bpt)))
+            )
             ctx = parallel * slot
-            self.info = {"llamacpp": lc.portable(build.describe()), "parallel_slots": parallel, "ctx_tokens": ctx,
-                         "kv_allocated_bytes": ctx * self.bpt}
-            with lc.server(build, exports["base"], ctx, a.threads, parallel=parallel, log=self.log,
-                           extra_args=[*alora_server_args([exports[n] for n in self.agents]), "--metrics"]) as url:
+            self.info = {
+                "llamacpp": lc.portable(build.describe()),
+                "parallel_slots": parallel,
+                "ctx_tokens": ctx,
+                "kv_allocated_bytes": ctx * self.bpt,
+            }
+            with lc.server(
+                build,
+                exports["base"],
+                ctx,
+                a.threads,
+                parallel=parallel,
+                log=self.log,
+                extra_args=[*alora_server_args([exports[n] for n in self.agents]), "--metrics"],
+            ) as url:
                 yield url
         else:
             raise ConfigError(f"--systems: unknown system {self.name!r}; choose from {', '.join(SYSTEMS)}")
@@ -296,8 +401,13 @@ class System:
             if self.name in ("vllm", "llamacpp"):
                 r.shared_prefix_tokens = None  # a ccft extension
             if self.name == "llamacpp":
-                r.extra.update({"lora": lora_field(self.agents.index(r.model), len(self.agents)),
-                                "cache_prompt": True, "top_k": 1})
+                r.extra.update(
+                    {
+                        "lora": lora_field(self.agents.index(r.model), len(self.agents)),
+                        "cache_prompt": True,
+                        "top_k": 1,
+                    }
+                )
         return reqs
 
     def generated_ids(self, url: str, req) -> list[int]:
@@ -307,10 +417,21 @@ class System:
         if self.name == "llamacpp":
             from ccft.bench.llamacpp_alora import complete
 
-            return complete(url, req.prompt, req.max_tokens, adapter_id=self.agents.index(req.model),
-                            n_adapters=len(self.agents))["tokens"]
-        body = {"model": req.model, "prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True}
+            return complete(
+                url,
+                req.prompt,
+                req.max_tokens,
+                adapter_id=self.agents.index(req.model),
+                n_adapters=len(self.agents),
+            )["tokens"]
+        body = {
+            "model": req.model,
+            "prompt": list(req.prompt),
+            "max_tokens": req.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         if self.name != "vllm" and req.shared_prefix_tokens is not None:
             body["shared_prefix_tokens"] = req.shared_prefix_tokens
         choice = post_json(url + "/v1/completions", body, timeout=600)["choices"][0]
@@ -321,14 +442,18 @@ class System:
         if self.name.startswith("ccft"):
             return v.get("ccft_live_kv_bytes", 0.0) + v.get("ccft_prefix_store_bytes", 0.0)
         if self.name == "vllm":
-            use = next((v[k] for k in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc") if k in v), None)
-            return None if use is None else use * self.info["kv_cache_gib"] * 2 ** 30
+            use = next(
+                (v[k] for k in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc") if k in v), None
+            )
+            return None if use is None else use * self.info["kv_cache_gib"] * 2**30
         return None
 
     def hit_ratio(self, poll: MetricsPoller, prompt_tokens: int) -> float | None:
         if self.name.startswith("ccft"):
-            hit = sum(poll.delta(f"ccft_scheduler_{c}_total") or poll.delta(f"ccft_scheduler_{c}") or 0.0
-                      for c in ("prefix_hit_tokens", "context_reuse_tokens"))
+            hit = sum(
+                poll.delta(f"ccft_scheduler_{c}_total") or poll.delta(f"ccft_scheduler_{c}") or 0.0
+                for c in ("prefix_hit_tokens", "context_reuse_tokens")
+            )
             return hit / prompt_tokens
         if self.name == "vllm":
             q = poll.delta("vllm:prefix_cache_queries_total")
@@ -340,6 +465,7 @@ class System:
 
 # ------------------------------------------------------------------ measuring
 
+
 def point_stats(records, makespan: float) -> dict:
     """Latency / TTFT / TPOT quantiles (s) and throughput (generated tokens / s) of one replayed point."""
     from ccft.serving.client import quantile
@@ -347,16 +473,23 @@ def point_stats(records, makespan: float) -> dict:
     ok = [r for r in records if r.ok]
     if len(ok) != len(records):
         bad = next(r for r in records if not r.ok)
-        raise RuntimeError(f"{len(records) - len(ok)} request(s) failed, e.g. {bad.request_id}: {bad.status} "
-                           f"{bad.error}")
+        raise RuntimeError(
+            f"{len(records) - len(ok)} request(s) failed, e.g. {bad.request_id}: {bad.status} {bad.error}"
+        )
     lat = [r.latency for r in ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tokens = [r.completion_tokens or len(r.token_ids or ()) for r in ok]
     tpot = [(r.latency - r.ttft) / (n - 1) for r, n in zip(ok, tokens) if r.ttft is not None and n > 1]
-    return {"requests": len(ok), "generated_tokens": sum(tokens), "makespan_s": makespan,
-            "throughput_tok_s": sum(tokens) / makespan if makespan else 0.0,
-            "latency_p50_s": quantile(lat, 0.5), "latency_p95_s": quantile(lat, 0.95),
-            "ttft_p95_s": quantile(ttft, 0.95), "tpot_p95_s": quantile(tpot, 0.95)}
+    return {
+        "requests": len(ok),
+        "generated_tokens": sum(tokens),
+        "makespan_s": makespan,
+        "throughput_tok_s": sum(tokens) / makespan if makespan else 0.0,
+        "latency_p50_s": quantile(lat, 0.5),
+        "latency_p95_s": quantile(lat, 0.95),
+        "ttft_p95_s": quantile(ttft, 0.95),
+        "tpot_p95_s": quantile(tpot, 0.95),
+    }
 
 
 def run_point(system: System, url: str, trace, max_new_tokens: int) -> dict:
@@ -371,10 +504,17 @@ def run_point(system: System, url: str, trace, max_new_tokens: int) -> dict:
     out = point_stats(records, makespan)
     short = [r.request_id for r in records if r.completion_tokens not in (None, max_new_tokens)]
     if short:
-        raise RuntimeError(f"{system.name}: {len(short)} request(s) generated other than {max_new_tokens} tokens "
-                           f"with ignore_eos, e.g. {short[:3]}")
-    out.update({"prompt_tokens": prompt_tokens, "prefix_hit_ratio": system.hit_ratio(poll, prompt_tokens),
-                "peak_kv_bytes": poll.peak})
+        raise RuntimeError(
+            f"{system.name}: {len(short)} request(s) generated other than {max_new_tokens} tokens "
+            f"with ignore_eos, e.g. {short[:3]}"
+        )
+    out.update(
+        {
+            "prompt_tokens": prompt_tokens,
+            "prefix_hit_ratio": system.hit_ratio(poll, prompt_tokens),
+            "peak_kv_bytes": poll.peak,
+        }
+    )
     return out
 
 
@@ -385,29 +525,43 @@ def outputs_check(system: System, url: str, trace, references: dict[str, list[in
         got = system.generated_ids(url, r)
         want = references[r.request_id]
         rows += 1
-        if got[:len(want)] == want:
+        if got[: len(want)] == want:
             equal += 1
         elif len(mismatches) < 4:
             k = next(i for i in range(min(len(got), len(want))) if got[i] != want[i]) if got else 0
             mismatches.append({"request": r.request_id, "agent": r.model, "first_difference": k})
-    return {"rows": rows, "rows_equal": equal, "rows_equal_share": equal / rows if rows else None,
-            "reference_mode": REFERENCE_MODE[system.name], "mismatches": mismatches}
+    return {
+        "rows": rows,
+        "rows_equal": equal,
+        "rows_equal_share": equal / rows if rows else None,
+        "reference_mode": REFERENCE_MODE[system.name],
+        "mismatches": mismatches,
+    }
 
 
-def offline_references(model: str, adapters: dict, agents: list[str], trace) -> dict[str, dict[str, list[int]]]:
+def offline_references(
+    model: str, adapters: dict, agents: list[str], trace
+) -> dict[str, dict[str, list[int]]]:
     """``{mode: {request id: ids}}`` for ``prefillshare`` (CCFT adapters) and ``full-ft`` (their twins)."""
     import ccft
     from ccft.core.checkpoint import load_decoder
     from ccft.core.generation import generate
 
     base = ccft.load_base(model)
-    decs = {(kind, n): load_decoder(adapters[n][kind], base=base, adapter_name=f"ref-{kind}-{n}")
-            for n in agents for kind in ("ccft", "full-ft")}
+    decs = {
+        (kind, n): load_decoder(adapters[n][kind], base=base, adapter_name=f"ref-{kind}-{n}")
+        for n in agents
+        for kind in ("ccft", "full-ft")
+    }
     refs: dict[str, dict[str, list[int]]] = {"prefillshare": {}, "full-ft": {}}
     for mode, kind in (("prefillshare", "ccft"), ("full-ft", "full-ft")):
         for r in trace.requests:
-            g = generate([list(r.prompt_ids)], mode=mode, decoder=decs[(kind, r.agent)],
-                         max_new_tokens=r.max_new_tokens)[0]
+            g = generate(
+                [list(r.prompt_ids)],
+                mode=mode,
+                decoder=decs[(kind, r.agent)],
+                max_new_tokens=r.max_new_tokens,
+            )[0]
             refs[mode][r.request_id] = list(g.token_ids)
     return refs
 
@@ -430,18 +584,29 @@ def derive(run: dict) -> dict:
             continue
         sat = saturation(pts, peer)
         c, q = sat["systems"]["ccft"], sat["systems"][peer]
-        run["ratios"][peer] = {"saturation_sessions": sat["sessions"],
-                               "throughput_ratio": c["throughput_tok_s"] / q["throughput_tok_s"],
-                               "p95_ratio": c["latency_p95_s"] / q["latency_p95_s"]}
+        run["ratios"][peer] = {
+            "saturation_sessions": sat["sessions"],
+            "throughput_ratio": c["throughput_tok_s"] / q["throughput_tok_s"],
+            "p95_ratio": c["latency_p95_s"] / q["latency_p95_s"],
+        }
     return run
 
 
 def settings_of(args, agents: int) -> dict:
-    return {"model": args.model, "workload": args.workload, "agents": agents, "turns": args.turns,
-            "shared_tokens": args.shared_tokens, "unique_tokens": args.unique_tokens,
-            "growth_tokens": args.growth_tokens, "max_new_tokens": args.max_new_tokens,
-            "kv_budget_mb": args.kv_budget_mb, "threads": args.threads, "seed": args.seed,
-            "decoders": sorted(args.decoder)}
+    return {
+        "model": args.model,
+        "workload": args.workload,
+        "agents": agents,
+        "turns": args.turns,
+        "shared_tokens": args.shared_tokens,
+        "unique_tokens": args.unique_tokens,
+        "growth_tokens": args.growth_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "kv_budget_mb": args.kv_budget_mb,
+        "threads": args.threads,
+        "seed": args.seed,
+        "decoders": sorted(args.decoder),
+    }
 
 
 def run(args, *, log: Callable[[str], None] | None = None) -> dict:
@@ -463,14 +628,23 @@ def run(args, *, log: Callable[[str], None] | None = None) -> dict:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or "ccft" not in systems:
-        raise ConfigError(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS)}, ccft included "
-                          "(every ratio is ccft ÷ peer)")
+        raise ConfigError(
+            f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS)}, ccft included "
+            "(every ratio is ccft ÷ peer)"
+        )
     given = dict(d.split("=", 1) for d in args.decoder)
     result = {"benchmark": "serve-peers", "runs": {}}
     if args.out and Path(args.out).is_file():
         result = json.loads(Path(args.out).read_text())
-    result.update({"machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                               "hardware": hardware()}})
+    result.update(
+        {
+            "machine": {
+                "cpu": platform.processor() or platform.machine(),
+                "cpus": os.cpu_count(),
+                "hardware": hardware(),
+            }
+        }
+    )
     work = Path(args.work) if args.work else cache_root() / "peers"
 
     def save():
@@ -481,11 +655,15 @@ def run(args, *, log: Callable[[str], None] | None = None) -> dict:
         agents = agent_names(n_agents)
         key = f"agents{n_agents}"
         settings = settings_of(args, n_agents)
-        run_ = result["runs"].setdefault(key, {"settings": settings, "points": [], "outputs": {}, "systems": {}})
+        run_ = result["runs"].setdefault(
+            key, {"settings": settings, "points": [], "outputs": {}, "systems": {}}
+        )
         if run_["settings"] != settings:
-            raise ConfigError(f"{args.out} holds {key} measured with other settings "
-                              f"({ {k: v for k, v in run_['settings'].items() if settings.get(k) != v} }); "
-                              "name a new --out or restore the settings")
+            raise ConfigError(
+                f"{args.out} holds {key} measured with other settings "
+                f"({ {k: v for k, v in run_['settings'].items() if settings.get(k) != v} }); "
+                "name a new --out or restore the settings"
+            )
         from transformers import AutoTokenizer
 
         from ccft.core.models import resolve_model_path
@@ -496,13 +674,23 @@ def run(args, *, log: Callable[[str], None] | None = None) -> dict:
             # every use its own seed, so no trace finds another's prompts in a server's cache: the servers
             # keep their caches across points (each point's hits are its own sessions' reuse only)
             seed = args.seed + {"check": 1, "warmup": 2, "point": 1000 + n}[role]
-            return workloads.generate(args.workload, sessions=n, turns=args.turns, agents=agents,
-                                      shared_tokens=args.shared_tokens, unique_tokens=args.unique_tokens,
-                                      growth_tokens=args.growth_tokens, max_new_tokens=args.max_new_tokens,
-                                      rate=None, seed=seed, tokenizer=tok)
+            return workloads.generate(
+                args.workload,
+                sessions=n,
+                turns=args.turns,
+                agents=agents,
+                shared_tokens=args.shared_tokens,
+                unique_tokens=args.unique_tokens,
+                growth_tokens=args.growth_tokens,
+                max_new_tokens=args.max_new_tokens,
+                rate=None,
+                seed=seed,
+                tokenizer=tok,
+            )
 
-        adapters = make_adapters(args.model, agents, work / "adapters" / f"seed{args.seed}", seed=args.seed,
-                                 given=given, log=log)
+        adapters = make_adapters(
+            args.model, agents, work / "adapters" / f"seed{args.seed}", seed=args.seed, given=given, log=log
+        )
         if "llamacpp" in systems:
             from ccft.bench.llamacpp_alora import export_gguf_alora
 
@@ -523,17 +711,28 @@ def run(args, *, log: Callable[[str], None] | None = None) -> dict:
             if set(args.sessions) <= done and name in run_["outputs"]:
                 continue
             if name not in run_["outputs"] and refs is None:
-                log(f"[ccft] {key}: offline references (ccft.generate, prefillshare and full-ft) for the outputs "
-                    f"check: {len(check.requests)} requests of {len(agents)} agents, a few minutes on 2 cores")
+                log(
+                    f"[ccft] {key}: offline references (ccft.generate, prefillshare and full-ft) for the outputs "
+                    f"check: {len(check.requests)} requests of {len(agents)} agents, a few minutes on 2 cores"
+                )
                 refs = offline_references(args.model, adapters, agents, check)
-            system = System(name, args, agents, adapters, kv_bytes_per_token=_kv_bytes_per_token(args.model),
-                            max_prompt=max_prompt, log=log)
+            system = System(
+                name,
+                args,
+                agents,
+                adapters,
+                kv_bytes_per_token=_kv_bytes_per_token(args.model),
+                max_prompt=max_prompt,
+                log=log,
+            )
             with system.serve() as url:
                 run_["systems"][name] = system.info
                 if name not in run_["outputs"]:
                     run_["outputs"][name] = outputs_check(system, url, check, refs[REFERENCE_MODE[name]])
-                    log(f"[ccft] {key} {name}: outputs {run_['outputs'][name]['rows_equal']}/"
-                        f"{run_['outputs'][name]['rows']} equal to offline {REFERENCE_MODE[name]}")
+                    log(
+                        f"[ccft] {key} {name}: outputs {run_['outputs'][name]['rows_equal']}/"
+                        f"{run_['outputs'][name]['rows']} equal to offline {REFERENCE_MODE[name]}"
+                    )
                     save()
                 run_point(system, url, trace_for(1, "warmup"), args.max_new_tokens)  # warm-up, not reported
                 for n in sorted(args.sessions):
@@ -546,8 +745,10 @@ def run(args, *, log: Callable[[str], None] | None = None) -> dict:
                         run_["points"].append(pt)
                         run_["points"].sort(key=lambda p: p["sessions"])
                     pt["systems"][name] = m
-                    log(f"[ccft] {key} {name} sessions={n}: {m['throughput_tok_s']:.1f} tok/s, p95 "
-                        f"{m['latency_p95_s']:.2f} s, TTFT p95 {m['ttft_p95_s']:.2f} s, hit {m['prefix_hit_ratio']}")
+                    log(
+                        f"[ccft] {key} {name} sessions={n}: {m['throughput_tok_s']:.1f} tok/s, p95 "
+                        f"{m['latency_p95_s']:.2f} s, TTFT p95 {m['ttft_p95_s']:.2f} s, hit {m['prefix_hit_ratio']}"
+                    )
                     derive(run_)
                     save()
         derive(run_)
@@ -571,20 +772,31 @@ def table(result: dict) -> str:
     """A Markdown table per run: every system at every point, then the ratios."""
     lines = []
     for key, r in result.get("runs", {}).items():
-        lines += [f"### {key}", "", "| sessions | system | tok/s | p50 s | p95 s | TTFT p95 s | TPOT p95 ms | hit |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"### {key}",
+            "",
+            "| sessions | system | tok/s | p50 s | p95 s | TTFT p95 s | TPOT p95 ms | hit |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for p in r["points"]:
             for s, m in p["systems"].items():
                 hit = "–" if m.get("prefix_hit_ratio") is None else f"{m['prefix_hit_ratio']:.2f}"
-                lines.append(f"| {p['sessions']} | {s} | {m['throughput_tok_s']:.1f} | {m['latency_p50_s']:.2f} | "
-                             f"{m['latency_p95_s']:.2f} | {m['ttft_p95_s']:.2f} | {1000 * m['tpot_p95_s']:.0f} | "
-                             f"{hit} |")
-        lines += ["", "| peer | saturation sessions | throughput ccft ÷ peer | p95 ccft ÷ peer | outputs equal |",
-                  "|---|---:|---:|---:|---:|"]
+                lines.append(
+                    f"| {p['sessions']} | {s} | {m['throughput_tok_s']:.1f} | {m['latency_p50_s']:.2f} | "
+                    f"{m['latency_p95_s']:.2f} | {m['ttft_p95_s']:.2f} | {1000 * m['tpot_p95_s']:.0f} | "
+                    f"{hit} |"
+                )
+        lines += [
+            "",
+            "| peer | saturation sessions | throughput ccft ÷ peer | p95 ccft ÷ peer | outputs equal |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for peer, q in r.get("ratios", {}).items():
             o = r["outputs"].get(peer, {})
-            lines.append(f"| {peer} | {q['saturation_sessions']} | {q['throughput_ratio']:.2f} | {q['p95_ratio']:.2f} "
-                         f"| {o.get('rows_equal')}/{o.get('rows')} |")
+            lines.append(
+                f"| {peer} | {q['saturation_sessions']} | {q['throughput_ratio']:.2f} | {q['p95_ratio']:.2f} "
+                f"| {o.get('rows_equal')}/{o.get('rows')} |"
+            )
         o = r["outputs"].get("ccft", {})
         lines += [f"| (ccft itself) | | | | {o.get('rows_equal')}/{o.get('rows')} |", ""]
     return "\n".join(lines)
@@ -612,7 +824,9 @@ def plots(result: dict, folder: str | None) -> list[str]:
             axes[0].plot(xs, [p["systems"][s]["throughput_tok_s"] for p in pts], marker="o", label=s)
             axes[1].plot(xs, [p["systems"][s]["latency_p95_s"] for p in pts], marker="o", label=s)
         axes[0].set(xlabel="sessions in flight", ylabel="generated tokens / s", title=f"throughput ({key})")
-        axes[1].set(xlabel="sessions in flight", ylabel="p95 request latency (s)", title=f"p95 latency ({key})")
+        axes[1].set(
+            xlabel="sessions in flight", ylabel="p95 request latency (s)", title=f"p95 latency ({key})"
+        )
         axes[0].legend()
         fig.tight_layout()
         path = Path(folder) / f"serve_peers_{key}.png"

@@ -78,9 +78,14 @@ def agent_names(n: int) -> list[str]:
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or HF folder")
-    p.add_argument("--decoder", action="append", default=[], metavar="NAME=PATH",
-                   help="a trained decoder folder per agent (default: random LoRA adapters r=8 per agent, "
-                        "init_lora_weights=False; serving cost does not depend on what they learned)")
+    p.add_argument(
+        "--decoder",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a trained decoder folder per agent (default: random LoRA adapters r=8 per agent, "
+        "init_lora_weights=False; serving cost does not depend on what they learned)",
+    )
     p.add_argument("--workload", default="react", choices=["react", "reflexion"])
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrency sweep")
     p.add_argument("--turns", type=int, default=3)
@@ -90,26 +95,57 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--block-tokens", type=int, default=16, help="prefix store block size (tokens)")
     p.add_argument("--max-batch", type=int, default=64, help="engine rows per lane")
-    p.add_argument("--kv-budget-mb", type=float, default=None,
-                   help="KV byte budget for both systems (default: the shared system's peak at the top point)")
-    p.add_argument("--agents", type=int, default=4,
-                   help="agents per session: 4 = planner, math, code, tools; 8 adds critic, search, writer, verifier")
-    p.add_argument("--new-tokens-spread", type=float, default=0.0,
-                   help="vary each call's max_new_tokens log-normally by this sigma (0: all equal)")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
-                   help="chunked prefill: per-step token budget of decode rows + prefill pieces (default: off)")
-    p.add_argument("--policy", default="fcfs", choices=["fcfs", "mlfq", "both"],
-                   help="scheduling policy of both systems (both: run every point under each)")
-    p.add_argument("--max-running", type=int, default=None,
-                   help="rows decoded per step (mlfq: the best, others paused; fcfs: admitted cap); default all")
+    p.add_argument(
+        "--kv-budget-mb",
+        type=float,
+        default=None,
+        help="KV byte budget for both systems (default: the shared system's peak at the top point)",
+    )
+    p.add_argument(
+        "--agents",
+        type=int,
+        default=4,
+        help="agents per session: 4 = planner, math, code, tools; 8 adds critic, search, writer, verifier",
+    )
+    p.add_argument(
+        "--new-tokens-spread",
+        type=float,
+        default=0.0,
+        help="vary each call's max_new_tokens log-normally by this sigma (0: all equal)",
+    )
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=None,
+        help="chunked prefill: per-step token budget of decode rows + prefill pieces (default: off)",
+    )
+    p.add_argument(
+        "--policy",
+        default="fcfs",
+        choices=["fcfs", "mlfq", "both"],
+        help="scheduling policy of both systems (both: run every point under each)",
+    )
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=None,
+        help="rows decoded per step (mlfq: the best, others paused; fcfs: admitted cap); default all",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--check-outputs", action="store_true",
-                   help="also replay one session under the shared scheduler and check every request's greedy "
-                        "tokens against offline ccft.generate (prefillshare) with the agent's decoder")
+    p.add_argument(
+        "--check-outputs",
+        action="store_true",
+        help="also replay one session under the shared scheduler and check every request's greedy "
+        "tokens against offline ccft.generate (prefillshare) with the agent's decoder",
+    )
     p.add_argument("--plots", default=None, help="folder for PNG plots (default: next to --out)")
-    p.add_argument("--from-json", default=None, metavar="F",
-                   help="measure nothing: re-derive the ratios of a saved result F (and print its table)")
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="F",
+        help="measure nothing: re-derive the ratios of a saved result F (and print its table)",
+    )
     p.add_argument("--out", default=None, help="write the JSON here")
 
 
@@ -127,8 +163,13 @@ def build(args):
             decoders[name] = given[name]
             continue
         torch.manual_seed(100 + i)
-        d = ccft.make_decoder(base, "lora", lora={"r": 8, "lora_alpha": 16, "init_lora_weights": False},
-                              method="ccft", adapter_name=name)
+        d = ccft.make_decoder(
+            base,
+            "lora",
+            lora={"r": 8, "lora_alpha": 16, "init_lora_weights": False},
+            method="ccft",
+            adapter_name=name,
+        )
         d.model.eval()
         decoders[name] = d
     engine = SharedPrefillEngine(base, decoders=decoders, max_batch=args.max_batch)
@@ -149,9 +190,17 @@ def replay(scheduler, trace) -> dict:
     while not rep.done:
         now = time.perf_counter() - t0
         for r in rep.ready(now):
-            req = ServeRequest(r.agent, r.prompt_ids, shared_len=r.shared_len, max_new_tokens=r.max_new_tokens,
-                               ignore_eos=True, session_id=str(r.session))
-            tickets[r.request_id] = scheduler.submit(req, on_done=lambda t, rid=r.request_id: finished.append(rid))
+            req = ServeRequest(
+                r.agent,
+                r.prompt_ids,
+                shared_len=r.shared_len,
+                max_new_tokens=r.max_new_tokens,
+                ignore_eos=True,
+                session_id=str(r.session),
+            )
+            tickets[r.request_id] = scheduler.submit(
+                req, on_done=lambda t, rid=r.request_id: finished.append(rid)
+            )
         if scheduler.idle():
             nxt = rep.next_arrival()
             if nxt is None:
@@ -174,8 +223,11 @@ def replay(scheduler, trace) -> dict:
 def scheduler_options(args, policy: str | None = None) -> dict:
     """``Scheduler`` keywords from the benchmark's arguments (``policy`` overrides ``--policy``)."""
     pol = policy or getattr(args, "policy", "fcfs")
-    return {"prefill_chunk_tokens": getattr(args, "prefill_chunk_tokens", None),
-            "policy": "fcfs" if pol == "both" else pol, "max_running": getattr(args, "max_running", None)}
+    return {
+        "prefill_chunk_tokens": getattr(args, "prefill_chunk_tokens", None),
+        "policy": "fcfs" if pol == "both" else pol,
+        "max_running": getattr(args, "max_running", None),
+    }
 
 
 def work(trace) -> dict:
@@ -198,9 +250,15 @@ def work(trace) -> dict:
             prev = callers[0].shared_len
             sh_reuse += new
             ns_reuse += new * len(callers)
-    return {"generated_tokens": gen, "no_share_tokens": no_share, "shared_tokens": shared,
-            "work_ratio": no_share / shared, "no_share_tokens_with_reuse": ns_reuse,
-            "shared_tokens_with_reuse": sh_reuse, "work_ratio_with_reuse": ns_reuse / sh_reuse}
+    return {
+        "generated_tokens": gen,
+        "no_share_tokens": no_share,
+        "shared_tokens": shared,
+        "work_ratio": no_share / shared,
+        "no_share_tokens_with_reuse": ns_reuse,
+        "shared_tokens_with_reuse": sh_reuse,
+        "work_ratio_with_reuse": ns_reuse / sh_reuse,
+    }
 
 
 def cost_work(into: dict) -> dict:
@@ -227,8 +285,12 @@ def cost_work(into: dict) -> dict:
     cost_sh = prompt_sh * c_p + sh["generated_tokens"] * c_d
     cost_ns = prompt_ns * c_p + ns["generated_tokens"] * c_d
     ratio = cost_ns / cost_sh
-    return {"prefill_s_per_token": c_p, "decode_s_per_token": c_d, "cost_work_ratio": ratio,
-            "throughput_vs_cost": into["throughput_ratio"] / ratio}
+    return {
+        "prefill_s_per_token": c_p,
+        "decode_s_per_token": c_d,
+        "cost_work_ratio": ratio,
+        "throughput_vs_cost": into["throughput_ratio"] / ratio,
+    }
 
 
 def derive(result: dict) -> dict:
@@ -246,15 +308,31 @@ def derive(result: dict) -> dict:
     return result
 
 
-def run_point(engine, trace, *, share: bool, budget: int | None, block_tokens: int, prefill_chunk_tokens=None,
-              policy: str = "fcfs", max_running: int | None = None) -> dict:
+def run_point(
+    engine,
+    trace,
+    *,
+    share: bool,
+    budget: int | None,
+    block_tokens: int,
+    prefill_chunk_tokens=None,
+    policy: str = "fcfs",
+    max_running: int | None = None,
+) -> dict:
     from ccft.serving.client import quantile
     from ccft.serving.prefix_store import PrefixKVStore
     from ccft.serving.scheduler import Scheduler
 
     store = PrefixKVStore(block_tokens=block_tokens)
-    sched = Scheduler(engine, share=share, store=store, kv_budget_bytes=budget,
-                      prefill_chunk_tokens=prefill_chunk_tokens, policy=policy, max_running=max_running)
+    sched = Scheduler(
+        engine,
+        share=share,
+        store=store,
+        kv_budget_bytes=budget,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+        policy=policy,
+        max_running=max_running,
+    )
     out = replay(sched, trace)
     ts = out["tickets"]
     lat = [t.latency for t in ts]
@@ -265,20 +343,37 @@ def run_point(engine, trace, *, share: bool, budget: int | None, block_tokens: i
     if sched.live_bytes != 0 or engine.active != 0:
         raise RuntimeError("KV or requests left over after the replay")
     sessions = len(trace.sessions())
-    return {"share": share, "requests": len(ts), "sessions": sessions, "makespan_s": out["makespan_s"],
-            "latency_p50_s": quantile(lat, 0.50), "latency_p95_s": quantile(lat, 0.95), "ttft_p50_s": quantile(ttft, 0.50),
-            "ttft_p95_s": quantile(ttft, 0.95), "tpot_median_s": statistics.median(tpot) if tpot else None,
-            "tpot_p95_s": quantile(tpot, 0.95) if tpot else None, "policy": policy,
-            "prefill_chunk_tokens": prefill_chunk_tokens, "max_running": max_running,
-            "throughput_tok_s": gen / out["makespan_s"], "sessions_per_min": 60 * sessions / out["makespan_s"],
-            "generated_tokens": gen, "prefix_hit_ratio": stats["prefix_hit_ratio"],
-            "store_hit_ratio": store.stats()["hit_ratio"], "peak_live_kv_bytes": stats["peak_live_kv_bytes"],
-            "peak_total_kv_bytes": stats["peak_total_kv_bytes"], "kv_budget_bytes": budget,
-            "prefills": stats.get("prefills", 0), "prefill_tokens": stats.get("prefill_tokens", 0),
-            "tail_tokens": stats.get("tail_tokens", 0),
-            "admission_waits": stats.get("admission_waits", 0), "prefill_s": stats["prefill_seconds"],
-            "decode_s": stats["decode_seconds"], "decode_steps": stats.get("decode_steps", 0),
-            "prefill_chunks": stats.get("prefill_chunks", 0)}
+    return {
+        "share": share,
+        "requests": len(ts),
+        "sessions": sessions,
+        "makespan_s": out["makespan_s"],
+        "latency_p50_s": quantile(lat, 0.50),
+        "latency_p95_s": quantile(lat, 0.95),
+        "ttft_p50_s": quantile(ttft, 0.50),
+        "ttft_p95_s": quantile(ttft, 0.95),
+        "tpot_median_s": statistics.median(tpot) if tpot else None,
+        "tpot_p95_s": quantile(tpot, 0.95) if tpot else None,
+        "policy": policy,
+        "prefill_chunk_tokens": prefill_chunk_tokens,
+        "max_running": max_running,
+        "throughput_tok_s": gen / out["makespan_s"],
+        "sessions_per_min": 60 * sessions / out["makespan_s"],
+        "generated_tokens": gen,
+        "prefix_hit_ratio": stats["prefix_hit_ratio"],
+        "store_hit_ratio": store.stats()["hit_ratio"],
+        "peak_live_kv_bytes": stats["peak_live_kv_bytes"],
+        "peak_total_kv_bytes": stats["peak_total_kv_bytes"],
+        "kv_budget_bytes": budget,
+        "prefills": stats.get("prefills", 0),
+        "prefill_tokens": stats.get("prefill_tokens", 0),
+        "tail_tokens": stats.get("tail_tokens", 0),
+        "admission_waits": stats.get("admission_waits", 0),
+        "prefill_s": stats["prefill_seconds"],
+        "decode_s": stats["decode_seconds"],
+        "decode_steps": stats.get("decode_steps", 0),
+        "prefill_chunks": stats.get("prefill_chunks", 0),
+    }
 
 
 def offline_equality(engine, trace, *, block_tokens: int, **options) -> dict:
@@ -301,14 +396,19 @@ def offline_equality(engine, trace, *, block_tokens: int, **options) -> dict:
     equal, mismatches = 0, []
     for t in tickets:
         dec = engine.decoders[t.request.decoder].decoder
-        ref = generate([list(t.request.prompt_ids)], mode="prefillshare", decoder=dec,
-                       max_new_tokens=t.request.max_new_tokens)[0]
+        ref = generate(
+            [list(t.request.prompt_ids)],
+            mode="prefillshare",
+            decoder=dec,
+            max_new_tokens=t.request.max_new_tokens,
+        )[0]
         want = list(ref.token_ids)
-        if list(t.tokens[:len(want)]) == want:
+        if list(t.tokens[: len(want)]) == want:
             equal += 1
         elif len(mismatches) < 5:
-            mismatches.append({"request": t.id, "agent": t.request.decoder, "scheduler": list(t.tokens),
-                               "offline": want})
+            mismatches.append(
+                {"request": t.id, "agent": t.request.decoder, "scheduler": list(t.tokens), "offline": want}
+            )
     return {"requests": len(tickets), "equal": equal, "mismatches": mismatches}
 
 
@@ -319,15 +419,23 @@ def eq9(trace, n_agents: int, gen_tokens: int) -> dict:
     r = max(trace, key=lambda r: r.shared_len)
     kv = kv_tokens(n_agents, r.shared_len, r.unique_len)
     with_gen = kv_tokens(n_agents, r.shared_len, r.unique_len + gen_tokens)
-    return {"shared_len": r.shared_len, "unique_len": r.unique_len, "agents": n_agents,
-            "shared_tokens": kv.shared, "no_share_tokens": kv.no_share, "ratio": kv.ratio,
-            "ratio_with_generation": with_gen.ratio}
+    return {
+        "shared_len": r.shared_len,
+        "unique_len": r.unique_len,
+        "agents": n_agents,
+        "shared_tokens": kv.shared,
+        "no_share_tokens": kv.no_share,
+        "ratio": kv.ratio,
+        "ratio_with_generation": with_gen.ratio,
+    }
 
 
 def run(args) -> dict:
     from ccft.evals.results import hardware  # the CPU's vector instructions (docs/study.md, "Time")
 
-    if getattr(args, "from_json", None):  # nothing measured: the saved result with its derived keys recomputed
+    if getattr(
+        args, "from_json", None
+    ):  # nothing measured: the saved result with its derived keys recomputed
         return derive(json.loads(Path(args.from_json).read_text()))
     from ccft.serving import workloads
 
@@ -339,19 +447,40 @@ def run(args) -> dict:
     policies = ["fcfs", "mlfq"] if getattr(args, "policy", "fcfs") == "both" else [opts["policy"]]
 
     def trace_for(n):
-        return workloads.generate(args.workload, sessions=n, turns=args.turns, agents=agents,
-                                  shared_tokens=args.shared_tokens, unique_tokens=args.unique_tokens,
-                                  growth_tokens=args.growth_tokens, max_new_tokens=args.max_new_tokens, rate=None,
-                                  seed=args.seed, tokenizer=base.tokenizer,
-                                  new_tokens_spread=getattr(args, "new_tokens_spread", 0.0))
+        return workloads.generate(
+            args.workload,
+            sessions=n,
+            turns=args.turns,
+            agents=agents,
+            shared_tokens=args.shared_tokens,
+            unique_tokens=args.unique_tokens,
+            growth_tokens=args.growth_tokens,
+            max_new_tokens=args.max_new_tokens,
+            rate=None,
+            seed=args.seed,
+            tokenizer=base.tokenizer,
+            new_tokens_spread=getattr(args, "new_tokens_spread", 0.0),
+        )
 
     top = max(args.sessions)
     # warm-up (first-call allocations), not reported
     run_point(engine, trace_for(1), share=True, budget=None, block_tokens=args.block_tokens, **opts)
-    calib = {mode: run_point(engine, trace_for(top), share=mode == "shared", budget=None,
-                             block_tokens=args.block_tokens, **opts) for mode in ("shared", "no_share")}
-    budget = (int(args.kv_budget_mb * 2 ** 20) if args.kv_budget_mb is not None
-              else calib["shared"]["peak_total_kv_bytes"])
+    calib = {
+        mode: run_point(
+            engine,
+            trace_for(top),
+            share=mode == "shared",
+            budget=None,
+            block_tokens=args.block_tokens,
+            **opts,
+        )
+        for mode in ("shared", "no_share")
+    }
+    budget = (
+        int(args.kv_budget_mb * 2**20)
+        if args.kv_budget_mb is not None
+        else calib["shared"]["peak_total_kv_bytes"]
+    )
     points = []
     for n in sorted(args.sessions):
         tr = trace_for(n)
@@ -359,12 +488,22 @@ def run(args) -> dict:
         for policy in policies:
             into = row if policy == policies[0] else row.setdefault("policies", {}).setdefault(policy, {})
             for mode in ("shared", "no_share"):  # same trace, same budget
-                into[mode] = run_point(engine, tr, share=mode == "shared", budget=budget,
-                                       block_tokens=args.block_tokens, **{**opts, "policy": policy})
-                print(f"sessions={n} {policy} {mode}: p95 {into[mode]['latency_p95_s']:.2f}s, "
-                      f"{into[mode]['throughput_tok_s']:.1f} tok/s, hit {into[mode]['prefix_hit_ratio']:.2f}",
-                      file=sys.stderr)
-            into["throughput_ratio"] = into["shared"]["throughput_tok_s"] / into["no_share"]["throughput_tok_s"]
+                into[mode] = run_point(
+                    engine,
+                    tr,
+                    share=mode == "shared",
+                    budget=budget,
+                    block_tokens=args.block_tokens,
+                    **{**opts, "policy": policy},
+                )
+                print(
+                    f"sessions={n} {policy} {mode}: p95 {into[mode]['latency_p95_s']:.2f}s, "
+                    f"{into[mode]['throughput_tok_s']:.1f} tok/s, hit {into[mode]['prefix_hit_ratio']:.2f}",
+                    file=sys.stderr,
+                )
+            into["throughput_ratio"] = (
+                into["shared"]["throughput_tok_s"] / into["no_share"]["throughput_tok_s"]
+            )
             into["p95_latency_ratio"] = into["no_share"]["latency_p95_s"] / into["shared"]["latency_p95_s"]
             into["throughput_vs_work"] = into["throughput_ratio"] / row["work_ratio"]
         points.append(row)
@@ -373,17 +512,38 @@ def run(args) -> dict:
     e9 = eq9(trace_for(top), len(agents), args.max_new_tokens)
     measured_kv_ratio = calib["no_share"]["peak_live_kv_bytes"] / calib["shared"]["peak_live_kv_bytes"]
     result = {
-        "benchmark": "serve", "model": desc["model"], "decoders": desc["decoders"], "dtype": str(base.dtype),
-        "device": f"{platform.processor() or platform.machine()} CPU" if base.device.type == "cpu"
-        else torch.cuda.get_device_name(base.device), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-        "torch": torch.__version__, "hardware": hardware(), "agents": len(agents), "workload": {
-            "kind": args.workload, "agents": agents, "turns": args.turns, "shared_tokens": args.shared_tokens,
-            "unique_tokens": args.unique_tokens, "growth_tokens": args.growth_tokens,
-            "max_new_tokens": args.max_new_tokens, "new_tokens_spread": getattr(args, "new_tokens_spread", 0.0),
-            "seed": args.seed, "arrivals": "all sessions at t=0"},
+        "benchmark": "serve",
+        "model": desc["model"],
+        "decoders": desc["decoders"],
+        "dtype": str(base.dtype),
+        "device": f"{platform.processor() or platform.machine()} CPU"
+        if base.device.type == "cpu"
+        else torch.cuda.get_device_name(base.device),
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "hardware": hardware(),
+        "agents": len(agents),
+        "workload": {
+            "kind": args.workload,
+            "agents": agents,
+            "turns": args.turns,
+            "shared_tokens": args.shared_tokens,
+            "unique_tokens": args.unique_tokens,
+            "growth_tokens": args.growth_tokens,
+            "max_new_tokens": args.max_new_tokens,
+            "new_tokens_spread": getattr(args, "new_tokens_spread", 0.0),
+            "seed": args.seed,
+            "arrivals": "all sessions at t=0",
+        },
         "scheduler": {**opts, "policies": policies},
-        "kv_bytes_per_token": bpt, "kv_budget_bytes": budget, "block_tokens": args.block_tokens,
-        "calibration": calib, "points": points, "saturation_sessions": sat["sessions"], "eq9": e9,
+        "kv_bytes_per_token": bpt,
+        "kv_budget_bytes": budget,
+        "block_tokens": args.block_tokens,
+        "calibration": calib,
+        "points": points,
+        "saturation_sessions": sat["sessions"],
+        "eq9": e9,
         "p95_latency_ratio": sat["no_share"]["latency_p95_s"] / sat["shared"]["latency_p95_s"],
         "throughput_ratio": sat["throughput_ratio"],
         "work_ratio_at_saturation": sat["work_ratio"],
@@ -394,16 +554,22 @@ def run(args) -> dict:
         "kv_bytes_vs_eq9": measured_kv_ratio / e9["ratio_with_generation"],
     }
     if getattr(args, "check_outputs", False):
-        checks = {policy: offline_equality(engine, trace_for(1), block_tokens=args.block_tokens,
-                                           **{**opts, "policy": policy}) for policy in policies}
+        checks = {
+            policy: offline_equality(
+                engine, trace_for(1), block_tokens=args.block_tokens, **{**opts, "policy": policy}
+            )
+            for policy in policies
+        }
         result["outputs_vs_offline"] = dict(checks[policies[0]])
         if len(policies) > 1:
             result["outputs_vs_offline"]["by_policy"] = checks
     from ccft.core.io import display_path
 
     # named relative to the working directory: no machine path in a committed result
-    result["plots"] = [display_path(f) for f in plots(result, args.plots or (str(Path(args.out).parent)
-                                                                              if args.out else None))]
+    result["plots"] = [
+        display_path(f)
+        for f in plots(result, args.plots or (str(Path(args.out).parent) if args.out else None))
+    ]
     return derive(result)
 
 
@@ -419,8 +585,12 @@ def plots(result: dict, folder: str | None) -> list[str]:
         return []
     Path(folder).mkdir(parents=True, exist_ok=True)
     xs = [p["sessions"] for p in result["points"]]
-    panels = [("latency_p95_s", "p95 latency (s)"), ("throughput_tok_s", "throughput (generated tok/s)"),
-              ("prefix_hit_ratio", "prefix hit ratio"), ("peak_total_kv_bytes", "peak KV bytes (live + store)")]
+    panels = [
+        ("latency_p95_s", "p95 latency (s)"),
+        ("throughput_tok_s", "throughput (generated tok/s)"),
+        ("prefix_hit_ratio", "prefix hit ratio"),
+        ("peak_total_kv_bytes", "peak KV bytes (live + store)"),
+    ]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     for ax, (key, label) in zip(axes, panels, strict=True):
         for mode, style in (("shared", "o-"), ("no_share", "s--")):
@@ -429,9 +599,12 @@ def plots(result: dict, folder: str | None) -> list[str]:
         ax.set_ylabel(label)
         ax.set_xscale("log", base=2)
     axes[0].legend()
-    fig.suptitle(f"{result['model']}, {result['workload']['kind']} x{len(result['workload']['agents'])} agents, "
-                 f"{result['device']} ({result['threads']} threads), KV budget "
-                 f"{result['kv_budget_bytes'] / 2 ** 20:.0f} MiB", fontsize=9)
+    fig.suptitle(
+        f"{result['model']}, {result['workload']['kind']} x{len(result['workload']['agents'])} agents, "
+        f"{result['device']} ({result['threads']} threads), KV budget "
+        f"{result['kv_budget_bytes'] / 2**20:.0f} MiB",
+        fontsize=9,
+    )
     fig.tight_layout()
     from ccft.core.io import save_figure
 
@@ -442,14 +615,16 @@ def plots(result: dict, folder: str | None) -> list[str]:
 
 
 def table(result: dict) -> str:
-    lines = [f"serve benchmark: {result['model']} ({result['dtype']}) on {result['device']}, {result['threads']} threads; "
-             f"{result['workload']['kind']}, {len(result['workload']['agents'])} agents, shared {result['workload']['shared_tokens']}"
-             f"+{result['workload']['growth_tokens']}/turn, unique {result['workload']['unique_tokens']}, "
-             f"{result['workload']['max_new_tokens']} new tokens; KV budget "
-             f"{result['kv_budget_bytes'] / 2 ** 20:.1f} MiB (both)",
-             "| sessions | policy | mode | p50 s | p95 s | TTFT p95 s | TPOT p95 ms | tok/s | sessions/min | hit ratio "
-             "| peak KV MiB | waits | work ratio | tput ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"serve benchmark: {result['model']} ({result['dtype']}) on {result['device']}, {result['threads']} threads; "
+        f"{result['workload']['kind']}, {len(result['workload']['agents'])} agents, shared {result['workload']['shared_tokens']}"
+        f"+{result['workload']['growth_tokens']}/turn, unique {result['workload']['unique_tokens']}, "
+        f"{result['workload']['max_new_tokens']} new tokens; KV budget "
+        f"{result['kv_budget_bytes'] / 2**20:.1f} MiB (both)",
+        "| sessions | policy | mode | p50 s | p95 s | TTFT p95 s | TPOT p95 ms | tok/s | sessions/min | hit ratio "
+        "| peak KV MiB | waits | work ratio | tput ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     pols = result.get("scheduler", {}).get("policies", ["fcfs"])
     for p in result["points"]:
         for policy in pols:
@@ -460,30 +635,54 @@ def table(result: dict) -> str:
                 ratios = " | "
                 if mode == "shared" and "work_ratio" in p:  # older result files lack them
                     ratios = f"{p['work_ratio']:.2f} | {into['throughput_ratio']:.2f}"
-                lines.append(f"| {p['sessions']} | {policy} | {mode.replace('_', '-')} | {r['latency_p50_s']:.2f} | "
-                             f"{r['latency_p95_s']:.2f} | {r['ttft_p95_s']:.2f} | {tpot} | "
-                             f"{r['throughput_tok_s']:.1f} | {r['sessions_per_min']:.1f} | "
-                             f"{r['prefix_hit_ratio']:.2f} | {r['peak_total_kv_bytes'] / 2 ** 20:.1f} | "
-                             f"{r['admission_waits']} | {ratios} |")
-    lines.append(f"at the baseline's saturation point ({result['saturation_sessions']} sessions): p95 latency "
-                 f"ratio {result['p95_latency_ratio']:.2f}x, throughput ratio {result['throughput_ratio']:.2f}x"
-                 + (f" of a token-work ratio {result['work_ratio_at_saturation']:.2f}x "
-                    f"({result['throughput_vs_work_at_saturation']:.0%})" if "work_ratio_at_saturation" in result
-                    else "")
-                 + (f", a cost-weighted work ratio {result['cost_work_ratio_at_saturation']:.2f}x "
-                    f"({result['throughput_vs_cost_at_saturation']:.0%})" if "cost_work_ratio_at_saturation" in result
-                    else "") + "; "
-                 f"shared hit ratio min {result['hit_ratio_min']:.2f}; peak KV no-share/shared "
-                 f"{result['kv_peak_ratio_measured']:.2f} vs Eq. 9 {result['eq9']['ratio_with_generation']:.2f} "
-                 f"({result['kv_bytes_vs_eq9']:.2f})")
+                lines.append(
+                    f"| {p['sessions']} | {policy} | {mode.replace('_', '-')} | {r['latency_p50_s']:.2f} | "
+                    f"{r['latency_p95_s']:.2f} | {r['ttft_p95_s']:.2f} | {tpot} | "
+                    f"{r['throughput_tok_s']:.1f} | {r['sessions_per_min']:.1f} | "
+                    f"{r['prefix_hit_ratio']:.2f} | {r['peak_total_kv_bytes'] / 2**20:.1f} | "
+                    f"{r['admission_waits']} | {ratios} |"
+                )
+    lines.append(
+        f"at the baseline's saturation point ({result['saturation_sessions']} sessions): p95 latency "
+        f"ratio {result['p95_latency_ratio']:.2f}x, throughput ratio {result['throughput_ratio']:.2f}x"
+        + (
+            f" of a token-work ratio {result['work_ratio_at_saturation']:.2f}x "
+            f"({result['throughput_vs_work_at_saturation']:.0%})"
+            if "work_ratio_at_saturation" in result
+            else ""
+        )
+        + (
+            f", a cost-weighted work ratio {result['cost_work_ratio_at_saturation']:.2f}x "
+            f"({result['throughput_vs_cost_at_saturation']:.0%})"
+            if "cost_work_ratio_at_saturation" in result
+            else ""
+        )
+        + "; "
+        f"shared hit ratio min {result['hit_ratio_min']:.2f}; peak KV no-share/shared "
+        f"{result['kv_peak_ratio_measured']:.2f} vs Eq. 9 {result['eq9']['ratio_with_generation']:.2f} "
+        f"({result['kv_bytes_vs_eq9']:.2f})"
+    )
     return "\n".join(lines)
 
 
 def report(result: dict, out: str | None) -> int:
     print(table(result))
-    print(json.dumps({k: result.get(k) for k in ("p95_latency_ratio", "throughput_ratio", "work_ratio_at_saturation",
-                                                 "cost_work_ratio_at_saturation", "agents", "hit_ratio_min",
-                                                 "kv_bytes_vs_eq9")}))
+    print(
+        json.dumps(
+            {
+                k: result.get(k)
+                for k in (
+                    "p95_latency_ratio",
+                    "throughput_ratio",
+                    "work_ratio_at_saturation",
+                    "cost_work_ratio_at_saturation",
+                    "agents",
+                    "hit_ratio_min",
+                    "kv_bytes_vs_eq9",
+                )
+            }
+        )
+    )
     if out:
         from ccft.core.io import atomic_write_text
 

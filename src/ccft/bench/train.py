@@ -53,6 +53,7 @@ METHODS = ("ccft-full-ft", "ccft-two-pass", "ccft-one-pass", "trl-sft")
 
 # ------------------------------------------------------------------ theory
 
+
 def theory_speedup(kind: str, p: int, r: int) -> float:
     """FLOP-count speedup of CCFT over Full-FT: prompt tokens cost a no-grad forward (2) instead of a
     forward + backward (6 with weight gradients, 4 with LoRA's activation-only backward)."""
@@ -85,6 +86,7 @@ def reachable_speedup(full_s: float, full_opt_s: float, ccft_opt_s: float, flop_
 
 # ------------------------------------------------------------------ rows
 
+
 def build_rows(tokenizer, n: int, p: int, r: int) -> list[tuple[list[int], list[int]]]:
     """n rows of exactly p prompt ids and r response ids (the last is EOS) from the bundled GSM8K train set."""
     from ccft.train.config import BUILTIN_DATASETS
@@ -105,6 +107,7 @@ def build_rows(tokenizer, n: int, p: int, r: int) -> list[tuple[list[int], list[
 
 
 # ------------------------------------------------------------------ measurement helpers
+
 
 class RSSPeak:
     """Samples this process's resident set size every few ms; ``peak`` in bytes, and ``peak_anon``: the peak of its
@@ -189,23 +192,41 @@ def parameter_split(model) -> dict:
 
 
 def _lora_kwargs(spec: dict) -> dict:
-    return {"r": spec["lora_r"], "lora_alpha": 2 * spec["lora_r"], "lora_dropout": 0.0,
-            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+    return {
+        "r": spec["lora_r"],
+        "lora_alpha": 2 * spec["lora_r"],
+        "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    }
 
 
 def _train_args(spec: dict, out: str) -> dict:
-    return dict(output_dir=out, per_device_train_batch_size=spec["batch"], max_steps=spec["warmup"] + spec["steps"],
-                learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=10 ** 6, save_strategy="no",
-                report_to="none", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
-                weight_decay=0.0,
-                # stated for both trainers, because their defaults differ: TRL's SFTConfig turns activation
-                # checkpointing and bf16 autocast on, ccft's TrainConfig (like transformers' TrainingArguments)
-                # leaves both off. Left to each, a bf16 trainer that recomputes its activations would be compared
-                # with an fp32 one that keeps them (the bench is fp32: "dtype" in its JSON)
-                gradient_checkpointing=bool(spec.get("activation_checkpointing", False)), bf16=False, fp16=False)
+    return dict(
+        output_dir=out,
+        per_device_train_batch_size=spec["batch"],
+        max_steps=spec["warmup"] + spec["steps"],
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        logging_steps=10**6,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+        weight_decay=0.0,
+        # stated for both trainers, because their defaults differ: TRL's SFTConfig turns activation
+        # checkpointing and bf16 autocast on, ccft's TrainConfig (like transformers' TrainingArguments)
+        # leaves both off. Left to each, a bf16 trainer that recomputes its activations would be compared
+        # with an fp32 one that keeps them (the bench is fp32: "dtype" in its JSON)
+        gradient_checkpointing=bool(spec.get("activation_checkpointing", False)),
+        bf16=False,
+        fp16=False,
+    )
 
 
 # ------------------------------------------------------------------ one method on one case
+
 
 def run_case(spec: dict) -> dict:
     """Train ``spec["method"]`` for warmup + steps steps; returns its timings and memory."""
@@ -237,18 +258,31 @@ def run_case(spec: dict) -> dict:
         with meter:
             trainer.train()
         wall = time.perf_counter() - t0
-    step = statistics.median(timer.times[spec["warmup"]:])
-    cpu = statistics.median(timer.cpu[spec["warmup"]:])
+    step = statistics.median(timer.times[spec["warmup"] :])
+    cpu = statistics.median(timer.cpu[spec["warmup"] :])
     tokens = spec["batch"] * (spec["P"] + spec["R"])
     import resource
 
     rusage_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux; whole process
-    return dict(extra, method=spec["method"], step_s=step, step_s_all=timer.times, cpu_s=cpu, cpu_s_all=timer.cpu,
-                opt_s=statistics.median(timer.opt[spec["warmup"]:]),
-                opt_cpu_s=statistics.median(timer.opt_cpu[spec["warmup"]:]), peak_rss_mb_rusage=rusage_mb,
-                tokens_per_s=tokens / step, tokens_per_cpu_s=tokens / cpu, peak_rss_mb=meter.peak / 2 ** 20, train_peak_over_setup_mb=(meter.peak - setup_rss) / 2 ** 20,
-                setup_rss_mb=setup_rss / 2 ** 20, train_wall_s=wall, peak_anon_mb=meter.peak_anon / 2 ** 20,
-                setup_anon_mb=setup_anon / 2 ** 20)
+    return dict(
+        extra,
+        method=spec["method"],
+        step_s=step,
+        step_s_all=timer.times,
+        cpu_s=cpu,
+        cpu_s_all=timer.cpu,
+        opt_s=statistics.median(timer.opt[spec["warmup"] :]),
+        opt_cpu_s=statistics.median(timer.opt_cpu[spec["warmup"] :]),
+        peak_rss_mb_rusage=rusage_mb,
+        tokens_per_s=tokens / step,
+        tokens_per_cpu_s=tokens / cpu,
+        peak_rss_mb=meter.peak / 2**20,
+        train_peak_over_setup_mb=(meter.peak - setup_rss) / 2**20,
+        setup_rss_mb=setup_rss / 2**20,
+        train_wall_s=wall,
+        peak_anon_mb=meter.peak_anon / 2**20,
+        setup_anon_mb=setup_anon / 2**20,
+    )
 
 
 def _ccft_trainer(spec, rows, out):
@@ -262,15 +296,26 @@ def _ccft_trainer(spec, rows, out):
     train_path = {"ccft-two-pass": "two-pass", "ccft-one-pass": "one-pass"}.get(spec["method"], "auto")
     base = load_base(spec["model"])
     decoder = make_decoder(base, spec["kind"], lora=_lora_kwargs(spec), method=method, handoff_tokens=1)
-    cfg = TrainConfig(method=method, decoder_kind=spec["kind"], train_path=train_path, base=spec["model"],
-                      handoff_tokens=1, loss_chunk_tokens=spec.get("loss_chunk_tokens", 1024),
-                      freeze_embeddings=spec.get("freeze_embeddings", True), **_train_args(spec, out))
+    cfg = TrainConfig(
+        method=method,
+        decoder_kind=spec["kind"],
+        train_path=train_path,
+        base=spec["model"],
+        handoff_tokens=1,
+        loss_chunk_tokens=spec.get("loss_chunk_tokens", 1024),
+        freeze_embeddings=spec.get("freeze_embeddings", True),
+        **_train_args(spec, out),
+    )
     ds = TokenizedDataset([Example(tuple(p), tuple(r), i) for i, (p, r) in enumerate(rows)])
     pad = pad_token_id(base.tokenizer)
-    trainer = CacheConditionedTrainer(model=decoder.model, args=cfg, base=base, train_dataset=ds,
-                                      data_collator=Collator(pad, 1))
-    return trainer, {"train_path": trainer.train_path, "loss_path": trainer.loss_path,
-                     **parameter_split(trainer.model)}
+    trainer = CacheConditionedTrainer(
+        model=decoder.model, args=cfg, base=base, train_dataset=ds, data_collator=Collator(pad, 1)
+    )
+    return trainer, {
+        "train_path": trainer.train_path,
+        "loss_path": trainer.loss_path,
+        **parameter_split(trainer.model),
+    }
 
 
 def _trl_trainer(spec, path, tok, rows, out):
@@ -289,10 +334,17 @@ def _trl_trainer(spec, path, tok, rows, out):
         from peft import LoraConfig
 
         peft_config = LoraConfig(task_type="CAUSAL_LM", **_lora_kwargs(spec))
-    ds = datasets.Dataset.from_list([{"input_ids": p + r, "completion_mask": [0] * len(p) + [1] * len(r)}
-                                     for p, r in rows])
-    args = SFTConfig(completion_only_loss=True, max_length=None, packing=False, padding_free=False,
-                     dataset_num_proc=None, **_train_args(spec, out))
+    ds = datasets.Dataset.from_list(
+        [{"input_ids": p + r, "completion_mask": [0] * len(p) + [1] * len(r)} for p, r in rows]
+    )
+    args = SFTConfig(
+        completion_only_loss=True,
+        max_length=None,
+        packing=False,
+        padding_free=False,
+        dataset_num_proc=None,
+        **_train_args(spec, out),
+    )
     return SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=peft_config)
 
 
@@ -310,14 +362,20 @@ def run_store_case(spec: dict) -> dict:
     rows = build_rows(base.tokenizer, spec["batch"] * spec["steps"], spec["P"], spec["R"])
     examples = [Example(tuple(p), tuple(r), i) for i, (p, r) in enumerate(rows)]
     collate = Collator(pad_token_id(base.tokenizer), 1)
-    batches = [collate(examples[i:i + spec["batch"]]) for i in range(0, len(examples), spec["batch"])]
+    batches = [collate(examples[i : i + spec["batch"]]) for i in range(0, len(examples), spec["batch"])]
     from ccft.core.cache import prefill_tensors
 
     def prefill_all():
         for b in batches:
             with torch.no_grad(), base.base_weights() as m:
-                prefill_tensors(m, b["prefix_ids"], b["prefix_mask"], b["tail_ids"][:, :1], handoff_tokens=1,
-                                 fingerprint=base.fingerprint)
+                prefill_tensors(
+                    m,
+                    b["prefix_ids"],
+                    b["prefix_mask"],
+                    b["tail_ids"][:, :1],
+                    handoff_tokens=1,
+                    fingerprint=base.fingerprint,
+                )
 
     prefill_all()  # warm-up
     t0 = time.process_time()
@@ -330,18 +388,29 @@ def run_store_case(spec: dict) -> dict:
         store = CacheStore(d)
         t0 = time.process_time()
         for b in batches:
-            assert store.batch_cache(b["prefix_ids"], b["prefix_mask"], b["tail_ids"][:, :1], base=base) is not None
+            assert (
+                store.batch_cache(b["prefix_ids"], b["prefix_mask"], b["tail_ids"][:, :1], base=base)
+                is not None
+            )
         t_read = time.process_time() - t0
     tokens = sum(len(e.prompt_ids) - 1 for e in examples)
-    per = {k: v / tokens * 1e6 for k, v in (("prefill", t_prefill), ("precompute", t_write), ("read", t_read))}
+    per = {
+        k: v / tokens * 1e6 for k, v in (("prefill", t_prefill), ("precompute", t_write), ("read", t_read))
+    }
     # Without a store, E epochs cost E·prefill; with one, precompute (prefill + write) + E·read.
     gain = per["prefill"] - per["read"]
     breakeven = per["precompute"] / gain if gain > 0 else float("inf")
-    return {"prefix_tokens": tokens, "bytes_per_token": bytes_per_token(base.config, base.dtype),
-            "store_bytes": report.bytes_on_disk, "us_per_token": per, "breakeven_epochs": breakeven}
+    return {
+        "prefix_tokens": tokens,
+        "bytes_per_token": bytes_per_token(base.config, base.dtype),
+        "store_bytes": report.bytes_on_disk,
+        "us_per_token": per,
+        "breakeven_epochs": breakeven,
+    }
 
 
 # ------------------------------------------------------------------ orchestration
+
 
 def _worker(spec: dict, in_process: bool) -> dict:
     if in_process:
@@ -349,8 +418,12 @@ def _worker(spec: dict, in_process: bool) -> dict:
         return fn(spec)
     cmd = [sys.executable, "-m", "ccft.bench.train", "--worker", json.dumps(spec)]
     # PASSIVE: idle OpenMP threads sleep instead of spinning, so CPU seconds count work, not waiting.
-    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), OMP_WAIT_POLICY="PASSIVE",
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(spec["threads"]),
+        OMP_WAIT_POLICY="PASSIVE",
+        TOKENIZERS_PARALLELISM="false",
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -370,7 +443,9 @@ def token_ratio(text: str) -> tuple[int, int]:
     except ValueError:
         a = b = 0
     if len(parts) != 2 or a <= 0 or b <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not PROMPT:RESPONSE with two positive integers (e.g. 4:1)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not PROMPT:RESPONSE with two positive integers (e.g. 4:1)"
+        )
     return a, b
 
 
@@ -409,32 +484,67 @@ def run(args) -> dict:
             methods = [m for m in METHODS if not (m == "ccft-one-pass" and kind != "lora")]
             if args.no_trl:
                 methods = [m for m in methods if m != "trl-sft"]
-            case = {"decoder": kind, "ratio": f"{a}:{b}", "prompt_tokens": p, "response_tokens": r, "runs": {}}
+            case = {
+                "decoder": kind,
+                "ratio": f"{a}:{b}",
+                "prompt_tokens": p,
+                "response_tokens": r,
+                "runs": {},
+            }
             every: dict[str, list[dict]] = {m: [] for m in methods}
             for rep in range(repeats):  # the methods interleaved, so a drift of the machine hits them alike
                 for m in methods:
-                    spec = {"method": m, "kind": kind, "P": p, "R": r, "batch": args.batch_size, "steps": args.steps,
-                            "warmup": args.warmup, "threads": args.threads, "model": args.model,
-                            "lora_r": args.lora_r, "loss_chunk_tokens": args.loss_chunk_tokens,
-                            "freeze_embeddings": not args.train_embeddings,
-                            "activation_checkpointing": args.activation_checkpointing}
+                    spec = {
+                        "method": m,
+                        "kind": kind,
+                        "P": p,
+                        "R": r,
+                        "batch": args.batch_size,
+                        "steps": args.steps,
+                        "warmup": args.warmup,
+                        "threads": args.threads,
+                        "model": args.model,
+                        "lora_r": args.lora_r,
+                        "loss_chunk_tokens": args.loss_chunk_tokens,
+                        "freeze_embeddings": not args.train_embeddings,
+                        "activation_checkpointing": args.activation_checkpointing,
+                    }
                     tag = f" #{rep + 1}" if repeats > 1 else ""
                     print(f"[bench] {kind:4s} {a}:{b} {m:14s}{tag} ...", end="", file=sys.stderr, flush=True)
                     res = _worker(spec, args.in_process)
-                    print(f" {res['step_s']:.3f} s/step, {res['cpu_s']:.3f} CPU s/step, "
-                          f"peak {res['peak_rss_mb_rusage']:.0f} MiB", file=sys.stderr, flush=True)
+                    print(
+                        f" {res['step_s']:.3f} s/step, {res['cpu_s']:.3f} CPU s/step, "
+                        f"peak {res['peak_rss_mb_rusage']:.0f} MiB",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     every[m].append(res)
             case["runs"] = {m: median_runs(rs) for m, rs in every.items()}
             _ratios(case, args.clock)
             cases.append(case)
-    out = {"benchmark": "train", "model": args.model, "dtype": "float32", "threads": args.threads, "clock": args.clock,
-           "repeats": repeats,
-           "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "lora_r": args.lora_r,
-           "row_tokens": args.row_tokens, "loss_chunk_tokens": args.loss_chunk_tokens,
-           "freeze_embeddings": not args.train_embeddings, "activation_checkpointing": args.activation_checkpointing,
-           "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
-                       "platform": platform.platform(), "hardware": hardware()},
-           "cases": cases}
+    out = {
+        "benchmark": "train",
+        "model": args.model,
+        "dtype": "float32",
+        "threads": args.threads,
+        "clock": args.clock,
+        "repeats": repeats,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "lora_r": args.lora_r,
+        "row_tokens": args.row_tokens,
+        "loss_chunk_tokens": args.loss_chunk_tokens,
+        "freeze_embeddings": not args.train_embeddings,
+        "activation_checkpointing": args.activation_checkpointing,
+        "machine": {
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "hardware": hardware(),
+        },
+        "cases": cases,
+    }
     fr = [c["fraction_of_theory"] for c in cases if c.get("fraction_of_theory") is not None]
     fre = [c["fraction_of_reachable"] for c in cases if c.get("fraction_of_reachable") is not None]
     fv = [c["fullft_vs_trl"] for c in cases if c.get("fullft_vs_trl") is not None]
@@ -442,24 +552,39 @@ def run(args) -> dict:
     out["fraction_of_theory"] = min(fr) if fr else None
     out["fraction_of_reachable"] = min(fre) if fre else None
     out["fullft_vs_trl"] = min(fv) if fv else None
-    out["peak_rss_mb"] = {f"{c['decoder']} {c['ratio']}": {m: r["peak_rss_mb_rusage"] for m, r in c["runs"].items()}
-                          for c in cases}
+    out["peak_rss_mb"] = {
+        f"{c['decoder']} {c['ratio']}": {m: r["peak_rss_mb_rusage"] for m, r in c["runs"].items()}
+        for c in cases
+    }
     out["fullft_peak_vs_trl"] = max(fm) if fm else None
     fa = [c["fullft_anon_peak_vs_trl"] for c in cases if c.get("fullft_anon_peak_vs_trl") is not None]
-    out["peak_anon_mb"] = {f"{c['decoder']} {c['ratio']}": {m: r.get("peak_anon_mb") for m, r in c["runs"].items()}
-                           for c in cases}
+    out["peak_anon_mb"] = {
+        f"{c['decoder']} {c['ratio']}": {m: r.get("peak_anon_mb") for m, r in c["runs"].items()}
+        for c in cases
+    }
     out["fullft_anon_peak_vs_trl"] = max(fa) if fa else None
-    lora_mem = [c["default_path_peak_le_other"] for c in cases if c.get("default_path_peak_le_other") is not None]
-    out["goals"] = {"fraction_of_theory>=0.9": bool(fr) and min(fr) >= 0.9,
-                    "fraction_of_reachable>=0.9": bool(fre) and min(fre) >= 0.9,
-                    "fullft_vs_trl>=1": bool(fv) and min(fv) >= 1.0,
-                    "fullft_peak_not_above_trl": (max(fm) <= 1.0) if fm else None,
-                    "lora_default_path_peak_memory_not_higher": all(lora_mem) if lora_mem else None}
+    lora_mem = [
+        c["default_path_peak_le_other"] for c in cases if c.get("default_path_peak_le_other") is not None
+    ]
+    out["goals"] = {
+        "fraction_of_theory>=0.9": bool(fr) and min(fr) >= 0.9,
+        "fraction_of_reachable>=0.9": bool(fre) and min(fre) >= 0.9,
+        "fullft_vs_trl>=1": bool(fv) and min(fv) >= 1.0,
+        "fullft_peak_not_above_trl": (max(fm) <= 1.0) if fm else None,
+        "lora_default_path_peak_memory_not_higher": all(lora_mem) if lora_mem else None,
+    }
     if args.store:
         a, b = ratios[0]
         r = max(2, round(args.row_tokens * b / (a + b)))
-        spec = {"store": True, "P": args.row_tokens - r, "R": r, "batch": args.batch_size, "steps": args.steps,
-                "threads": args.threads, "model": args.model}
+        spec = {
+            "store": True,
+            "P": args.row_tokens - r,
+            "R": r,
+            "batch": args.batch_size,
+            "steps": args.steps,
+            "threads": args.threads,
+            "model": args.model,
+        }
         print("[bench] C_base store break-even ...", file=sys.stderr, flush=True)
         out["c_base_store"] = _worker(spec, args.in_process)
     return out
@@ -485,8 +610,9 @@ def _ratios(case: dict, clock: str) -> None:
             case["ccft_speedup"][path] = s
             case["fraction_by_path"][path] = s / theory
             split = (full["params_body"], full["params_head"], full["head_trains"])
-            flop_ratio = (step_flops(case["decoder"], path, p, r, *split)
-                          / step_flops(case["decoder"], "self-prefill", p, r, *split))
+            flop_ratio = step_flops(case["decoder"], path, p, r, *split) / step_flops(
+                case["decoder"], "self-prefill", p, r, *split
+            )
             case["flop_speedup"][path] = 1 / flop_ratio
             reach = reachable_speedup(full[key], full[opt_key], run_[opt_key], flop_ratio)
             case["reachable_speedup"][path] = reach
@@ -503,46 +629,59 @@ def _ratios(case: dict, clock: str) -> None:
     if "ccft-one-pass" in runs and "ccft-two-pass" in runs:
         other = "one-pass" if default == "two-pass" else "two-pass"
         case["peak_rss_mb_by_path"] = {p: runs[f"ccft-{p}"]["peak_rss_mb"] for p in ("two-pass", "one-pass")}
-        case["default_path_peak_le_other"] = (runs[f"ccft-{default}"]["peak_rss_mb"]
-                                              <= runs[f"ccft-{other}"]["peak_rss_mb"])
+        case["default_path_peak_le_other"] = (
+            runs[f"ccft-{default}"]["peak_rss_mb"] <= runs[f"ccft-{other}"]["peak_rss_mb"]
+        )
 
 
 def table(result: dict) -> str:
     key = "cpu_s" if result.get("clock") == "cpu" else "step_s"
-    lines = ["| decoder | P:R (tokens) | method | wall s/step | CPU s/step | optimizer CPU s | tokens/CPU-s | "
-             "peak RSS MiB | peak anon MiB | train growth MiB | speed vs Full-FT |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| decoder | P:R (tokens) | method | wall s/step | CPU s/step | optimizer CPU s | tokens/CPU-s | "
+        "peak RSS MiB | peak anon MiB | train growth MiB | speed vs Full-FT |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in result["cases"]:
         full = c["runs"].get("ccft-full-ft")
         for m, r in c["runs"].items():
             rel = f"{full[key] / r[key]:.2f}×" if full else ""
-            lines.append(f"| {c['decoder']} | {c['ratio']} ({c['prompt_tokens']}+{c['response_tokens']}) | {m} | "
-                         f"{r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['opt_cpu_s']:.3f} | {r['tokens_per_cpu_s']:.1f} | "
-                         f"{r['peak_rss_mb_rusage']:.0f} | {r.get('peak_anon_mb') or 0:.0f} | "
-                         f"{r['train_peak_over_setup_mb']:.0f} | {rel} |")
+            lines.append(
+                f"| {c['decoder']} | {c['ratio']} ({c['prompt_tokens']}+{c['response_tokens']}) | {m} | "
+                f"{r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['opt_cpu_s']:.3f} | {r['tokens_per_cpu_s']:.1f} | "
+                f"{r['peak_rss_mb_rusage']:.0f} | {r.get('peak_anon_mb') or 0:.0f} | "
+                f"{r['train_peak_over_setup_mb']:.0f} | {rel} |"
+            )
     lines.append("")
-    lines.append("| decoder | P:R | theory | reachable (default) | CCFT two-pass | CCFT one-pass | fraction of theory | "
-                 "fraction of reachable | Full-FT ÷ TRL (speed) | Full-FT ÷ TRL (peak) | Full-FT ÷ TRL (anon peak) |")
+    lines.append(
+        "| decoder | P:R | theory | reachable (default) | CCFT two-pass | CCFT one-pass | fraction of theory | "
+        "fraction of reachable | Full-FT ÷ TRL (speed) | Full-FT ÷ TRL (peak) | Full-FT ÷ TRL (anon peak) |"
+    )
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     fmt = lambda v, unit="": f"{v:.2f}{unit}" if v is not None else "—"  # noqa: E731
     for c in result["cases"]:
         sp = c["ccft_speedup"]
-        lines.append(f"| {c['decoder']} | {c['ratio']} | {c['theory_speedup']:.2f}× | "
-                     f"{fmt(c['reachable_speedup'].get(c['default_path']), '×')} | {fmt(sp.get('two-pass'), '×')} | "
-                     f"{fmt(sp.get('one-pass'), '×')} | {fmt(c.get('fraction_of_theory'))} | "
-                     f"{fmt(c.get('fraction_of_reachable'))} | {fmt(c.get('fullft_vs_trl'))} | "
-                     f"{fmt(c.get('fullft_peak_vs_trl'))} | {fmt(c.get('fullft_anon_peak_vs_trl'))} |")
+        lines.append(
+            f"| {c['decoder']} | {c['ratio']} | {c['theory_speedup']:.2f}× | "
+            f"{fmt(c['reachable_speedup'].get(c['default_path']), '×')} | {fmt(sp.get('two-pass'), '×')} | "
+            f"{fmt(sp.get('one-pass'), '×')} | {fmt(c.get('fraction_of_theory'))} | "
+            f"{fmt(c.get('fraction_of_reachable'))} | {fmt(c.get('fullft_vs_trl'))} | "
+            f"{fmt(c.get('fullft_peak_vs_trl'))} | {fmt(c.get('fullft_anon_peak_vs_trl'))} |"
+        )
     lines.append("")
-    lines.append(f"fraction_of_theory = {result['fraction_of_theory']}, fraction_of_reachable = "
-                 f"{result['fraction_of_reachable']}, fullft_vs_trl = {result['fullft_vs_trl']}, fullft_peak_vs_trl = "
-                 f"{result['fullft_peak_vs_trl']}, fullft_anon_peak_vs_trl = {result.get('fullft_anon_peak_vs_trl')}, "
-                 f"goals = {result['goals']}")
+    lines.append(
+        f"fraction_of_theory = {result['fraction_of_theory']}, fraction_of_reachable = "
+        f"{result['fraction_of_reachable']}, fullft_vs_trl = {result['fullft_vs_trl']}, fullft_peak_vs_trl = "
+        f"{result['fullft_peak_vs_trl']}, fullft_anon_peak_vs_trl = {result.get('fullft_anon_peak_vs_trl')}, "
+        f"goals = {result['goals']}"
+    )
     if "c_base_store" in result:
         s = result["c_base_store"]
         us = s["us_per_token"]
-        lines.append(f"C_base store: {s['bytes_per_token']} B/prefix token; prefill {us['prefill']:.0f} µs/token, "
-                     f"precompute {us['precompute']:.0f} µs/token, read {us['read']:.1f} µs/token -> "
-                     f"break-even after {s['breakeven_epochs']:.2f} epochs")
+        lines.append(
+            f"C_base store: {s['bytes_per_token']} B/prefix token; prefill {us['prefill']:.0f} µs/token, "
+            f"precompute {us['precompute']:.0f} µs/token, read {us['read']:.1f} µs/token -> "
+            f"break-even after {s['breakeven_epochs']:.2f} epochs"
+        )
     return "\n".join(lines)
 
 
@@ -560,28 +699,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``ccft bench train`` / ``python -m ccft.bench.train`` (no heavy imports)."""
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or HF folder")
     p.add_argument("--kinds", nargs="+", default=["full", "lora"], choices=["full", "lora"])
-    p.add_argument("--ratios", nargs="+", type=token_ratio, default=[(1, 1), (4, 1)],
-                   help="prompt:response token ratios, e.g. 1:1 4:1")
+    p.add_argument(
+        "--ratios",
+        nargs="+",
+        type=token_ratio,
+        default=[(1, 1), (4, 1)],
+        help="prompt:response token ratios, e.g. 1:1 4:1",
+    )
     p.add_argument("--row-tokens", type=int, default=160, help="prompt + response tokens per row")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="fresh worker processes per method (interleaved); times and peaks are their medians")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="fresh worker processes per method (interleaved); times and peaks are their medians",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--loss-chunk-tokens", type=int, default=1024,
-                   help="ccft's loss_chunk_tokens (supervised tokens per LM-head + CE chunk); 0: full logits")
-    p.add_argument("--train-embeddings", action="store_true",
-                   help="full weights: train the (tied) embedding too, in ccft and TRL (default: frozen in both)")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute activations in the backward, in ccft and TRL alike (default: off in both; TRL's "
-                        "own default is on)")
+    p.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=1024,
+        help="ccft's loss_chunk_tokens (supervised tokens per LM-head + CE chunk); 0: full logits",
+    )
+    p.add_argument(
+        "--train-embeddings",
+        action="store_true",
+        help="full weights: train the (tied) embedding too, in ccft and TRL (default: frozen in both)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward, in ccft and TRL alike (default: off in both; TRL's "
+        "own default is on)",
+    )
     p.add_argument("--no-trl", action="store_true", help="skip the TRL SFTTrainer peer")
     p.add_argument("--store", action="store_true", help="also measure the C_base store break-even")
-    p.add_argument("--in-process", action="store_true", help="run every method in this process (quick checks)")
-    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
-                   help="time the ratios use: process CPU seconds (robust on a shared machine; default) or wall")
+    p.add_argument(
+        "--in-process", action="store_true", help="run every method in this process (quick checks)"
+    )
+    p.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="time the ratios use: process CPU seconds (robust on a shared machine; default) or wall",
+    )
     p.add_argument("--out", default=None, help="write the JSON here")
 
 

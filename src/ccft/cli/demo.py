@@ -42,6 +42,7 @@ def _phase(times: dict, name: str):
         def __exit__(self, *exc):
             times[name] = round(time.time() - self.t, 1)
             print(f"[ccft demo] {name}: {times[name]:.0f}s", flush=True)
+
     return _T()
 
 
@@ -66,35 +67,49 @@ def run(args) -> int:
     for method in METHODS:
         m_cfg, m_raw = method_config(cfg, raw, method, runs / method)
         with _phase(times, f"train_{method.replace('-', '_')}"):
-            histories[method], train_rows[method], reused[method] = train_or_reuse(m_cfg, m_raw, prefix="[ccft demo]")
+            histories[method], train_rows[method], reused[method] = train_or_reuse(
+                m_cfg, m_raw, prefix="[ccft demo]"
+            )
     base = load_base(cfg.base, dtype=cfg.dtype)
     decoders = {m: load_decoder(runs / m, base=base) for m in METHODS}
     paths = {m: str(runs / m) for m in METHODS}
     with _phase(times, "eval"):
         try:  # new decoders: earlier items are stale
-            res = evaluate_decoders(base, decoders, ecfg, out, decoder_paths=paths, overwrite=not all(reused.values()))
-        except FolderConflictError as e:  # the folder is the demo's own output: an earlier demo with other settings
+            res = evaluate_decoders(
+                base, decoders, ecfg, out, decoder_paths=paths, overwrite=not all(reused.values())
+            )
+        except (
+            FolderConflictError
+        ) as e:  # the folder is the demo's own output: an earlier demo with other settings
             print(f"[ccft demo] starting the evaluation over: {e}", flush=True)
             res = evaluate_decoders(base, decoders, ecfg, out, decoder_paths=paths, overwrite=True)
     summary = res.summary
     for mode, m in summary["modes"].items():
         metrics = " ".join(f"{k} {v['mean']:.3f} (n={v['n']})" for k, v in m.get("metrics", {}).items())
-        print(f"[ccft demo] {mode:12s} NLL/token {m.get('nll', float('nan')):.4f} (n={m['n']}) {metrics} "
-              f"truncated {m.get('truncated', 0)}", flush=True)
+        print(
+            f"[ccft demo] {mode:12s} NLL/token {m.get('nll', float('nan')):.4f} (n={m['n']}) {metrics} "
+            f"truncated {m.get('truncated', 0)}",
+            flush=True,
+        )
     with _phase(times, "report"):
         result = {
             "kind": "ccft-demo",
             "model": describe_model(cfg.base),
-            "data": {"train": f"{cfg.train_data}, rows {cfg.data_offset}..{cfg.data_offset + train_rows['ccft'] - 1} "
-                              f"(response = reference solution + EOS)",
-                     "eval": summary["meta"]["data"]},
+            "data": {
+                "train": f"{cfg.train_data}, rows {cfg.data_offset}..{cfg.data_offset + train_rows['ccft'] - 1} "
+                f"(response = reference solution + EOS)",
+                "eval": summary["meta"]["data"],
+            },
             "hardware": hardware(),
             "train_rows": train_rows["ccft"],
             "steps": cfg.max_steps,
             "settings": {k: v for k, v in raw.items() if k != "eval"} | {"eval": dataclasses.asdict(ecfg)},
-            "loss_curve": {m: [[h["step"], h["loss"]] for h in histories[m] if "loss" in h] for m in histories},
-            "eval_curve": {m: [[h["step"], h["eval_loss"]] for h in histories[m] if "eval_loss" in h]
-                           for m in histories},
+            "loss_curve": {
+                m: [[h["step"], h["loss"]] for h in histories[m] if "loss" in h] for m in histories
+            },
+            "eval_curve": {
+                m: [[h["step"], h["eval_loss"]] for h in histories[m] if "eval_loss" in h] for m in histories
+            },
             "phase_seconds": times,
             "eval_folder": summary["task"],
             "eval": summary,
@@ -105,8 +120,10 @@ def run(args) -> int:
     print(modes_table(summary))
     print()
     print(reading(summary))
-    print(f"\n[ccft demo] wrote {out / summary['task']}/, {out / 'results.json'} and {out / 'README.md'} in "
-          f"{times['total']:.0f}s")
+    print(
+        f"\n[ccft demo] wrote {out / summary['task']}/, {out / 'results.json'} and {out / 'README.md'} in "
+        f"{times['total']:.0f}s"
+    )
     return 0
 
 
@@ -119,26 +136,32 @@ def demo_readme(result: dict, recipe: str) -> str:
     es = meta["settings"]
     t = result["phase_seconds"]
     curve = result["loss_curve"]
-    curves = "\n".join(f"- {m}: loss {c[0][1]:.3f} (step {c[0][0]}) → {c[-1][1]:.3f} (step {c[-1][0]})"
-                       for m, c in curve.items() if c)
+    curves = "\n".join(
+        f"- {m}: loss {c[0][1]:.3f} (step {c[0][0]}) → {c[-1][1]:.3f} (step {c[-1][0]})"
+        for m, c in curve.items()
+        if c
+    )
     s = result["settings"]
     n_gen = es.get("generate_limit") if es.get("generate_limit") is not None else meta["n_items"]
-    decoders = (f"LoRA adapters (r={s.get('lora_r', 16)})" if s.get("decoder_kind", "lora") == "lora"
-                else "full-weight copies")
-    return f"""# ccft demo: PrefillShare vs Full-FT vs naive sharing on {summary['task']}
+    decoders = (
+        f"LoRA adapters (r={s.get('lora_r', 16)})"
+        if s.get("decoder_kind", "lora") == "lora"
+        else "full-weight copies"
+    )
+    return f"""# ccft demo: PrefillShare vs Full-FT vs naive sharing on {summary["task"]}
 
 Produced by `make demo` (`ccft demo {recipe}`). Every number below was measured in that run; the
-per-item records are in `{result['eval_folder']}/` (`ccft report` reads them).
+per-item records are in `{result["eval_folder"]}/` (`ccft report` reads them).
 
-- **Model**: {result['model']} (base, frozen); decoders are {decoders} on it.
-- **Training data**: {result['data']['train']}; {result['train_rows']} rows, {result['steps']} optimizer steps,
-  batch {s.get('per_device_train_batch_size')} × accumulation {s.get('gradient_accumulation_steps', 1)},
-  learning rate {s.get('learning_rate')}, seed {s.get('seed', 42)}; both decoders get the same rows, steps and seed.
-- **Evaluation data**: {meta['data']}. NLL on the first {meta['n_items']} items; generations scored on the first
-  {min(n_gen, meta['n_items'])} of them (greedy, max {es['max_new_tokens']} new tokens).
-- **Prompts** (training and evaluation): {es.get('prompting')}.
-- **Hardware**: {result['hardware']}.
-- **Wall time per phase (s)**: {', '.join(f'{k} {v:.0f}' for k, v in t.items())}.
+- **Model**: {result["model"]} (base, frozen); decoders are {decoders} on it.
+- **Training data**: {result["data"]["train"]}; {result["train_rows"]} rows, {result["steps"]} optimizer steps,
+  batch {s.get("per_device_train_batch_size")} × accumulation {s.get("gradient_accumulation_steps", 1)},
+  learning rate {s.get("learning_rate")}, seed {s.get("seed", 42)}; both decoders get the same rows, steps and seed.
+- **Evaluation data**: {meta["data"]}. NLL on the first {meta["n_items"]} items; generations scored on the first
+  {min(n_gen, meta["n_items"])} of them (greedy, max {es["max_new_tokens"]} new tokens).
+- **Prompts** (training and evaluation): {es.get("prompting")}.
+- **Hardware**: {result["hardware"]}.
+- **Wall time per phase (s)**: {", ".join(f"{k} {v:.0f}" for k, v in t.items())}.
 
 ## Results
 
@@ -146,7 +169,7 @@ per-item records are in `{result['eval_folder']}/` (`ccft report` reads them).
 
 NLL is the mean over items of each item's mean negative log-likelihood per response token
 (response + EOS), teacher-forced. Intervals are 95% percentile bootstrap over items
-({s['eval']['bootstrap']} resamples); deltas are paired (same items resampled for both modes).
+({s["eval"]["bootstrap"]} resamples); deltas are paired (same items resampled for both modes).
 
 ## Training curves
 

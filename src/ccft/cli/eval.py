@@ -25,30 +25,57 @@ from ccft.evals.prompting import PROMPT_FORMAT_CHOICES
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="evaluate decoders in base / full-ft / naive / prefillshare mode on tasks",
-                       description=__doc__.split("\n\n")[1] if __doc__ else None)
-    p.add_argument("--task", action="append", default=None,
-                   help="task name from the registry (repeat for several; default: gsm8k; `--task list` lists them)")
-    p.add_argument("--mode", action="append", default=None, choices=list(MODES),
-                   help="repeat for several modes (default: every mode the given decoders allow)")
-    p.add_argument("--decoder", action="append", default=[],
-                   help="decoder folder (repeat: a ccft one for prefillshare, a full-ft one for full-ft/naive)")
+    p = sub.add_parser(
+        "eval",
+        help="evaluate decoders in base / full-ft / naive / prefillshare mode on tasks",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    p.add_argument(
+        "--task",
+        action="append",
+        default=None,
+        help="task name from the registry (repeat for several; default: gsm8k; `--task list` lists them)",
+    )
+    p.add_argument(
+        "--mode",
+        action="append",
+        default=None,
+        choices=list(MODES),
+        help="repeat for several modes (default: every mode the given decoders allow)",
+    )
+    p.add_argument(
+        "--decoder",
+        action="append",
+        default=[],
+        help="decoder folder (repeat: a ccft one for prefillshare, a full-ft one for full-ft/naive)",
+    )
     p.add_argument("--base", default=None, help="base model (default: the one recorded by the decoders)")
     p.add_argument("--limit", type=int, default=None, help="items per task (default: the task's default)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's setting")
     p.add_argument("--batch-size", type=int, default=8, help="items per batch (does not change results)")
     p.add_argument("--nll-only", action="store_true", help="reference NLL only, no generation")
-    p.add_argument("--engine", action="store_true",
-                   help="generations of every mode through ccft.SharedPrefillEngine (batched, continuous batching; "
-                        "default: the reference ccft.generate path it is tested against)")
-    p.add_argument("--prompt-format", choices=list(PROMPT_FORMAT_CHOICES), default="decoder",
-                   help="decoder (default): render chat-task prompts with the chat template and system prompt the "
-                        "decoders were trained with (their recorded recipe), as `ccft demo` does; task: each "
-                        "task's own prompt format")
-    p.add_argument("--samples", type=int, default=None, help="samples per item (default: the task's; >1 samples)")
+    p.add_argument(
+        "--engine",
+        action="store_true",
+        help="generations of every mode through ccft.SharedPrefillEngine (batched, continuous batching; "
+        "default: the reference ccft.generate path it is tested against)",
+    )
+    p.add_argument(
+        "--prompt-format",
+        choices=list(PROMPT_FORMAT_CHOICES),
+        default="decoder",
+        help="decoder (default): render chat-task prompts with the chat template and system prompt the "
+        "decoders were trained with (their recorded recipe), as `ccft demo` does; task: each "
+        "task's own prompt format",
+    )
+    p.add_argument(
+        "--samples", type=int, default=None, help="samples per item (default: the task's; >1 samples)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs")
-    p.add_argument("--overwrite", action="store_true", help="discard earlier results in OUT instead of resuming")
+    p.add_argument(
+        "--overwrite", action="store_true", help="discard earlier results in OUT instead of resuming"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--out", default="reports/eval", help="output folder (one sub-folder per task)")
@@ -67,16 +94,22 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
     for mode in modes or []:
         key = get_mode(mode).decoder_method
         if key is not None and key not in methods:
-            raise ConfigError(f"mode {mode!r} needs a decoder trained with method={key!r}; pass it with --decoder")
-    base_name = base_name or next((m["base"].get("path") or m["base"]["name"] for m in metas.values()), DEFAULT_BASE)
+            raise ConfigError(
+                f"mode {mode!r} needs a decoder trained with method={key!r}; pass it with --decoder"
+            )
+    base_name = base_name or next(
+        (m["base"].get("path") or m["base"]["name"] for m in metas.values()), DEFAULT_BASE
+    )
     dtypes = {m.get("dtype", "float32") for m in metas.values()}
     base = load_base(base_name, dtype=next(iter(dtypes)) if len(dtypes) == 1 else "float32", device=device)
     decoders = {}
     for d in decoder_dirs:
         dec = load_decoder(d, base=base)
         if dec.method in decoders:
-            raise ConfigError(f"two decoders trained with method={dec.method!r} ({decoders[dec.method][1]} and {d}); "
-                              "pass one per method")
+            raise ConfigError(
+                f"two decoders trained with method={dec.method!r} ({decoders[dec.method][1]} and {d}); "
+                "pass one per method"
+            )
         decoders[dec.method] = (dec, str(d))
     return base, decoders
 
@@ -104,25 +137,46 @@ def run(args) -> int:
     out = Path(args.out)
     memo = EvalMemo()  # tasks with the same prompts (humaneval, humaneval-plus) share generations and NLLs
     for task in task_objs:
-        settings = EvalSettings(limit=args.limit if args.limit is not None else getattr(task, "default_limit", None),
-                                max_new_tokens=args.max_new_tokens, generate=not args.nll_only, seed=args.seed,
-                                handoff_tokens=handoff, samples=args.samples, engine=args.engine,
-                                prompt_format=prompt_format)
+        settings = EvalSettings(
+            limit=args.limit if args.limit is not None else getattr(task, "default_limit", None),
+            max_new_tokens=args.max_new_tokens,
+            generate=not args.nll_only,
+            seed=args.seed,
+            handoff_tokens=handoff,
+            samples=args.samples,
+            engine=args.engine,
+            prompt_format=prompt_format,
+        )
         print(f"[ccft] {settings.as_dict(task)['task']}: prompts: {settings.prompting(task)}", flush=True)
         try:
-            res = run_task(task, base, specs, out, settings=settings, batch_size=args.batch_size,
-                           progress=not args.no_progress, overwrite=args.overwrite, n_resamples=args.bootstrap,
-                           memo=memo)
+            res = run_task(
+                task,
+                base,
+                specs,
+                out,
+                settings=settings,
+                batch_size=args.batch_size,
+                progress=not args.no_progress,
+                overwrite=args.overwrite,
+                n_resamples=args.bootstrap,
+                memo=memo,
+            )
         except KeyboardInterrupt:
-            print(f"\n[ccft] interrupted: finished items are saved in {out}/; rerun the same command to resume",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\n[ccft] interrupted: finished items are saved in {out}/; rerun the same command to resume",
+                file=sys.stderr,
+                flush=True,
+            )
             return 130
         s = res.summary
         for mode, m in s["modes"].items():
             metrics = " ".join(f"{k}={v['mean']:.3f}" for k, v in m.get("metrics", {}).items())
             nll = f"nll={m['nll']:.4f}" if "nll" in m else ""
-            print(f"[ccft] {s['task']:12s} {mode:12s} {nll} {metrics} n={m['n']} "
-                  f"(computed now: {res.computed.get(mode, 0)})", flush=True)
+            print(
+                f"[ccft] {s['task']:12s} {mode:12s} {nll} {metrics} n={m['n']} "
+                f"(computed now: {res.computed.get(mode, 0)})",
+                flush=True,
+            )
         name = s["task"]
         from ccft.core.io import atomic_write_text
 

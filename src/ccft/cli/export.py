@@ -23,17 +23,32 @@ TARGETS = (*EXPORT_TARGETS, "gguf-alora")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="decoder -> PEFT aLoRA adapter, llama.cpp aLoRA GGUF, or merged transformers "
-                                      "folder (+ model card)")
+    p = sub.add_parser(
+        "export",
+        help="decoder -> PEFT aLoRA adapter, llama.cpp aLoRA GGUF, or merged transformers "
+        "folder (+ model card)",
+    )
     p.add_argument("decoder", help="decoder folder (ccft train output: HF or PEFT files + ccft.json)")
-    p.add_argument("--to", required=True, choices=TARGETS,
-                   help="peft-alora / gguf-alora (LoRA CCFT decoders; gguf-alora needs handoff_tokens >= 2) or merged")
+    p.add_argument(
+        "--to",
+        required=True,
+        choices=TARGETS,
+        help="peft-alora / gguf-alora (LoRA CCFT decoders; gguf-alora needs handoff_tokens >= 2) or merged",
+    )
     p.add_argument("out", help="new (or empty) output folder")
-    p.add_argument("--invocation-text", default=None,
-                   help="peft-alora for plain-text prompts only: the fixed text every served prompt ends with "
-                        "(exactly handoff_tokens tokens)")
-    p.add_argument("--eval-summary", action="append", default=[], metavar="FILE",
-                   help="summary.json of a `ccft eval` task folder: its numbers go into the model card (repeatable)")
+    p.add_argument(
+        "--invocation-text",
+        default=None,
+        help="peft-alora for plain-text prompts only: the fixed text every served prompt ends with "
+        "(exactly handoff_tokens tokens)",
+    )
+    p.add_argument(
+        "--eval-summary",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="summary.json of a `ccft eval` task folder: its numbers go into the model card (repeatable)",
+    )
     p.set_defaults(func=run)
 
 
@@ -50,11 +65,15 @@ def run(args) -> int:
         try:
             evals.append(json.loads(Path(f).read_text(encoding="utf-8")))
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{f}:{e.lineno}:{e.colno}: --eval-summary is not valid JSON ({e.msg}); pass the "
-                              "summary.json of a ccft eval task folder") from None
+            raise ConfigError(
+                f"{f}:{e.lineno}:{e.colno}: --eval-summary is not valid JSON ({e.msg}); pass the "
+                "summary.json of a ccft eval task folder"
+            ) from None
     if args.to == "gguf-alora":
         if args.invocation_text is not None:
-            raise ConfigError("--invocation-text is for --to peft-alora; --to gguf-alora exports chat-prompt decoders")
+            raise ConfigError(
+                "--invocation-text is for --to peft-alora; --to gguf-alora exports chat-prompt decoders"
+            )
         from ccft.bench.llamacpp_alora import export_gguf_alora
 
         with warnings.catch_warnings():
@@ -65,13 +84,19 @@ def run(args) -> int:
             from ccft.train.card import write_model_card
             from ccft.train.export import EXPORT_META_FILE
 
-            write_model_card(g.peft_dir, read_meta(args.decoder),
-                             export=json.loads((g.peft_dir / EXPORT_META_FILE).read_text()), evals=evals)
+            write_model_card(
+                g.peft_dir,
+                read_meta(args.decoder),
+                export=json.loads((g.peft_dir / EXPORT_META_FILE).read_text()),
+                evals=evals,
+            )
         for w in g.warnings:
             print(f"ccft export: warning: {w}", file=sys.stderr)
-        print(f"[ccft] exported {args.decoder} as gguf-alora -> {g.out} (adapter {g.adapter_gguf.name}, base "
-              f"{g.base_gguf.name}; GGUF invocation tokens {g.invocation_ids}: llama-server turns the adapter on one "
-              f"token before them, at the handoff {g.handoff_ids})")
+        print(
+            f"[ccft] exported {args.decoder} as gguf-alora -> {g.out} (adapter {g.adapter_gguf.name}, base "
+            f"{g.base_gguf.name}; GGUF invocation tokens {g.invocation_ids}: llama-server turns the adapter on one "
+            f"token before them, at the handoff {g.handoff_ids})"
+        )
         return 0
     from ccft.train.export import export_decoder
 
@@ -83,11 +108,18 @@ def run(args) -> int:
         from ccft.train.card import write_model_card
         from ccft.train.export import EXPORT_META_FILE
 
-        export = (json.loads((result.out / EXPORT_META_FILE).read_text()) if args.to == "peft-alora"
-                  else {"target": "merged", "exported_from": args.decoder})
+        export = (
+            json.loads((result.out / EXPORT_META_FILE).read_text())
+            if args.to == "peft-alora"
+            else {"target": "merged", "exported_from": args.decoder}
+        )
         write_model_card(result.out, read_meta(args.decoder), export=export, evals=evals)
     for w in result.warnings:
         print(f"ccft export: warning: {w}", file=sys.stderr)
-    inv = f" (invocation tokens {result.invocation.ids} = {result.invocation.text!r})" if result.invocation else ""
+    inv = (
+        f" (invocation tokens {result.invocation.ids} = {result.invocation.text!r})"
+        if result.invocation
+        else ""
+    )
     print(f"[ccft] exported {args.decoder} as {args.to} -> {result.out}{inv}")
     return 0

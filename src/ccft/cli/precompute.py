@@ -14,17 +14,27 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("precompute", help="precompute C_base for a recipe's data into a store (sharded safetensors)",
-                       description="Compute the base model's prefix KV (C_base) for every training (and eval) row "
-                                   "of a recipe once, into memory-mappable safetensors shards keyed by base "
-                                   "fingerprint + token ids.")
+    p = sub.add_parser(
+        "precompute",
+        help="precompute C_base for a recipe's data into a store (sharded safetensors)",
+        description="Compute the base model's prefix KV (C_base) for every training (and eval) row "
+        "of a recipe once, into memory-mappable safetensors shards keyed by base "
+        "fingerprint + token ids.",
+    )
     p.add_argument("recipe", nargs="?", help="recipe YAML (recipes/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
-    p.add_argument("--out", default=None, help="store folder (default: the recipe's base_cache_store, "
-                                                "else OUTPUT_DIR/c_base)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="store folder (default: the recipe's base_cache_store, else OUTPUT_DIR/c_base)",
+    )
     p.add_argument("--estimate-only", action="store_true", help="print the size estimate and stop")
-    p.add_argument("--verify", choices=["sha256", "size"], default="sha256",
-                   help="how existing shards are checked (default: full sha256)")
+    p.add_argument(
+        "--verify",
+        choices=["sha256", "size"],
+        default="sha256",
+        help="how existing shards are checked (default: full sha256)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="rows per prefill batch")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
@@ -60,15 +70,27 @@ def run(args) -> int:
     need = estimate_bytes(config, dtype, tokens)
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
-    print(f"[ccft] estimate: {len(prefixes)} prefixes, {tokens} prefix tokens × {bytes_per_token(config, dtype)} B "
-          f"= {human(need)} for C_base ({cfg.dtype}); {human(free)} free at {out}", flush=True)
+    print(
+        f"[ccft] estimate: {len(prefixes)} prefixes, {tokens} prefix tokens × {bytes_per_token(config, dtype)} B "
+        f"= {human(need)} for C_base ({cfg.dtype}); {human(free)} free at {out}",
+        flush=True,
+    )
     if args.estimate_only:
         return 0
     check_free_space(out, need)
     base = load_base(cfg.base, dtype=cfg.dtype)
-    report = precompute(base, examples, out, handoff_tokens=cfg.handoff_tokens, batch_size=args.batch_size,
-                        verify=args.verify, log=lambda m: print(m, file=sys.stderr, flush=True))
+    report = precompute(
+        base,
+        examples,
+        out,
+        handoff_tokens=cfg.handoff_tokens,
+        batch_size=args.batch_size,
+        verify=args.verify,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
-    print(f"[ccft] C_base store at {out}; train with `ccft train {args.recipe or 'RECIPE'} base_cache_store={out}`")
+    print(
+        f"[ccft] C_base store at {out}; train with `ccft train {args.recipe or 'RECIPE'} base_cache_store={out}`"
+    )
     return 0

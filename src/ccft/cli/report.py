@@ -17,7 +17,9 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("report", help="tables + plots (vs Full-FT and naive sharing) from eval / sweep folders")
+    p = sub.add_parser(
+        "report", help="tables + plots (vs Full-FT and naive sharing) from eval / sweep folders"
+    )
     p.add_argument("runs", nargs="+", help="result folders (ccft eval / ccft sweep / ccft demo outputs)")
     p.add_argument("-o", "--out", default="reports/report", help="report folder")
     p.add_argument("--title", default="ccft report")
@@ -28,7 +30,9 @@ def run(args) -> int:
     from ccft.evals.report import build_report
 
     report = build_report(args.runs, args.out, title=args.title)
-    print(f"[ccft] report: {len(report['tasks'])} task(s), {len(report['sweeps'])} sweep(s) -> "
-          f"{args.out}/README.md, {args.out}/report.json" + (f" ({report['plot_error']})" if report["plot_error"] else
-                                                             f", {len(report['plots'])} plot(s)"))
+    print(
+        f"[ccft] report: {len(report['tasks'])} task(s), {len(report['sweeps'])} sweep(s) -> "
+        f"{args.out}/README.md, {args.out}/report.json"
+        + (f" ({report['plot_error']})" if report["plot_error"] else f", {len(report['plots'])} plot(s)")
+    )
     return 0

@@ -24,37 +24,80 @@ import sys
 def add_parser(sub) -> None:
     import argparse
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the shared-prefill engine "
-                                     "(`ccft serve trace` writes a multi-agent workload, `ccft serve replay` "
-                                     "replays it against a server)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="base model: embedded name or HF folder (default: ccft.DEFAULT_BASE)")
-    p.add_argument("--decoder", action="append", default=[], metavar="NAME=PATH",
-                   help="serve the decoder folder PATH as model NAME (repeatable); 'base' is always served")
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server over the shared-prefill engine "
+        "(`ccft serve trace` writes a multi-agent workload, `ccft serve replay` "
+        "replays it against a server)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model", default=None, help="base model: embedded name or HF folder (default: ccft.DEFAULT_BASE)"
+    )
+    p.add_argument(
+        "--decoder",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the decoder folder PATH as model NAME (repeatable); 'base' is always served",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--no-share", action="store_true",
-                   help="per-model baseline: every decoder prefills its own prompt (no shared prefill)")
-    p.add_argument("--kv-budget-mb", type=float, default=None, help="cap on live KV + prefix store (MiB); default: no cap")
+    p.add_argument(
+        "--no-share",
+        action="store_true",
+        help="per-model baseline: every decoder prefills its own prompt (no shared prefill)",
+    )
+    p.add_argument(
+        "--kv-budget-mb",
+        type=float,
+        default=None,
+        help="cap on live KV + prefix store (MiB); default: no cap",
+    )
     p.add_argument("--max-batch", type=int, default=16, help="active rows per engine lane")
-    p.add_argument("--max-tail-tokens", type=int, default=4096,
-                   help="per request: its own prompt tokens after the shared context + max_tokens")
-    p.add_argument("--block-tokens", type=int, default=16,
-                   help="prefix store block size in tokens (0: no prefix store)")
-    p.add_argument("--max-queue", type=int, default=4096, help="queued requests beyond which the server answers 503")
+    p.add_argument(
+        "--max-tail-tokens",
+        type=int,
+        default=4096,
+        help="per request: its own prompt tokens after the shared context + max_tokens",
+    )
+    p.add_argument(
+        "--block-tokens", type=int, default=16, help="prefix store block size in tokens (0: no prefix store)"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=4096, help="queued requests beyond which the server answers 503"
+    )
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
-                   help="chunked prefill: per-step token budget shared by decode rows and prefill pieces "
-                        "(default: whole prefills between steps; docs/serving.md)")
-    p.add_argument("--policy", default="fcfs", choices=["fcfs", "mlfq"],
-                   help="scheduling policy: first come first served, or a multi-level feedback queue (docs/serving.md)")
-    p.add_argument("--max-running", type=int, default=None,
-                   help="rows decoded per step: with --policy mlfq the best ones run and the others pause (their "
-                        "KV kept), which is what lets short requests pass long ones; with fcfs, a cap on admitted "
-                        "requests (default: no cap)")
-    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a chat request without one")
-    p.add_argument("--max-body-mb", type=float, default=4.0,
-                   help="longest request body (MiB); longer ones get 413 before they are read (0: no limit)")
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=None,
+        help="chunked prefill: per-step token budget shared by decode rows and prefill pieces "
+        "(default: whole prefills between steps; docs/serving.md)",
+    )
+    p.add_argument(
+        "--policy",
+        default="fcfs",
+        choices=["fcfs", "mlfq"],
+        help="scheduling policy: first come first served, or a multi-level feedback queue (docs/serving.md)",
+    )
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=None,
+        help="rows decoded per step: with --policy mlfq the best ones run and the others pause (their "
+        "KV kept), which is what lets short requests pass long ones; with fcfs, a cap on admitted "
+        "requests (default: no cap)",
+    )
+    p.add_argument(
+        "--default-max-tokens", type=int, default=256, help="max_tokens of a chat request without one"
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=4.0,
+        help="longest request body (MiB); longer ones get 413 before they are read (0: no limit)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -62,53 +105,92 @@ def add_parser(sub) -> None:
     add_ray_options(p)
     p.set_defaults(func=run)
     sp = p.add_subparsers(dest="serve_command", required=False, metavar="[trace | replay]")
-    t = sp.add_parser("trace", help="write a ReAct / Reflexion multi-agent workload trace (JSONL)",
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t = sp.add_parser(
+        "trace",
+        help="write a ReAct / Reflexion multi-agent workload trace (JSONL)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     t.add_argument("--kind", default="react", choices=["react", "reflexion"])
     t.add_argument("--out", required=True, help="the JSONL file to write")
-    t.add_argument("--model", default=None, help="base model whose tokenizer makes the token ids (default: the embedded one)")
-    t.add_argument("--agents", nargs="+", default=["planner", "math", "code", "tools"],
-                   help="agent names (= the model names requests use; remap at replay with --model-map)")
+    t.add_argument(
+        "--model",
+        default=None,
+        help="base model whose tokenizer makes the token ids (default: the embedded one)",
+    )
+    t.add_argument(
+        "--agents",
+        nargs="+",
+        default=["planner", "math", "code", "tools"],
+        help="agent names (= the model names requests use; remap at replay with --model-map)",
+    )
     t.add_argument("--sessions", type=int, default=4)
     t.add_argument("--turns", type=int, default=3)
     t.add_argument("--shared-tokens", type=int, default=512)
     t.add_argument("--unique-tokens", type=int, default=32)
     t.add_argument("--growth-tokens", type=int, default=64)
     t.add_argument("--max-new-tokens", type=int, default=32)
-    t.add_argument("--rate", type=float, default=1.0, help="Poisson session arrivals per second (0: all at t=0)")
+    t.add_argument(
+        "--rate", type=float, default=1.0, help="Poisson session arrivals per second (0: all at t=0)"
+    )
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=run_trace)
-    r = sp.add_parser("replay", help="replay a workload trace (JSONL) against a running server",
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r = sp.add_parser(
+        "replay",
+        help="replay a workload trace (JSONL) against a running server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     r.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    r.add_argument("--trace", required=True, help="a ccft trace (workloads.Trace.save) or JSONL of request dicts")
+    r.add_argument(
+        "--trace", required=True, help="a ccft trace (workloads.Trace.save) or JSONL of request dicts"
+    )
     r.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival offsets (0: no waiting)")
     r.add_argument("--no-stream", action="store_true", help="plain JSON responses (no TTFT)")
     r.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout (s)")
     r.add_argument("--ignore-eos", action="store_true", help="every request decodes max_tokens tokens")
     r.add_argument("--out", default=None, help="write the summary and per-request records (JSON) here")
-    r.add_argument("--model-map", action="append", default=[], metavar="AGENT=MODEL",
-                   help="send AGENT's requests to the served model MODEL (repeat; `*=base` maps every other agent)")
+    r.add_argument(
+        "--model-map",
+        action="append",
+        default=[],
+        metavar="AGENT=MODEL",
+        help="send AGENT's requests to the served model MODEL (repeat; `*=base` maps every other agent)",
+    )
     r.set_defaults(func=run_replay)
 
 
 def add_ray_options(p) -> None:
     """``ccft serve --replicas N``: scale-out on Ray Serve (``ccft.serving.ray_serve``; docs/deploy.md)."""
     g = p.add_argument_group("scale-out on Ray Serve (the `ray` extra)")
-    g.add_argument("--replicas", type=int, default=0,
-                   help="N >= 1: serve N engine replicas behind Ray Serve with session-affinity routing "
-                        "(0: one engine in this process, no Ray)")
-    g.add_argument("--router", default="session", choices=["session", "least-loaded", "round-robin"],
-                   help="how requests are placed on replicas (ccft.serving.router)")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="N >= 1: serve N engine replicas behind Ray Serve with session-affinity routing "
+        "(0: one engine in this process, no Ray)",
+    )
+    g.add_argument(
+        "--router",
+        default="session",
+        choices=["session", "least-loaded", "round-robin"],
+        help="how requests are placed on replicas (ccft.serving.router)",
+    )
     g.add_argument("--max-load-ratio", type=float, default=2.0, help="session router: overload ratio")
     g.add_argument("--min-load-gap", type=int, default=4, help="session router: overload gap (requests)")
-    g.add_argument("--ray-address", default=None,
-                   help="a running Ray cluster (e.g. 'auto'); default: start a local Ray instance")
-    g.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="a running Ray cluster (e.g. 'auto'); default: start a local Ray instance",
+    )
+    g.add_argument(
+        "--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)"
+    )
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
-    g.add_argument("--max-ongoing-requests", type=int, default=256, help="requests one replica takes at a time")
-    g.add_argument("--retries", type=int, default=2,
-                   help="re-sends of a request whose replica died before answering")
+    g.add_argument(
+        "--max-ongoing-requests", type=int, default=256, help="requests one replica takes at a time"
+    )
+    g.add_argument(
+        "--retries", type=int, default=2, help="re-sends of a request whose replica died before answering"
+    )
 
 
 def _decoders(specs: list[str]) -> dict[str, str]:
@@ -139,18 +221,28 @@ def build_scheduler(args):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     decoders = _decoders(args.decoder)
     base = ccft.load_base(args.model or ccft.DEFAULT_BASE, dtype=args.dtype, device=device)
-    engine = ccft.SharedPrefillEngine(base, decoders=decoders, max_batch=args.max_batch,
-                                      max_tail_tokens=args.max_tail_tokens)
+    engine = ccft.SharedPrefillEngine(
+        base, decoders=decoders, max_batch=args.max_batch, max_tail_tokens=args.max_tail_tokens
+    )
     store = None
     if args.block_tokens:
         from ccft.serving.prefix_store import PrefixKVStore
 
-        store = PrefixKVStore(block_tokens=args.block_tokens, budget_bytes=None)  # the scheduler's budget covers it
-    budget = None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2 ** 20)
-    scheduler = Scheduler(engine, share=not args.no_share, store=store, kv_budget_bytes=budget,
-                          max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
-                          prefill_chunk_tokens=args.prefill_chunk_tokens, policy=args.policy,
-                          max_running=getattr(args, "max_running", None))
+        store = PrefixKVStore(
+            block_tokens=args.block_tokens, budget_bytes=None
+        )  # the scheduler's budget covers it
+    budget = None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20)
+    scheduler = Scheduler(
+        engine,
+        share=not args.no_share,
+        store=store,
+        kv_budget_bytes=budget,
+        max_queue=args.max_queue,
+        max_prompt_tokens=args.max_prompt_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
+        policy=args.policy,
+        max_running=getattr(args, "max_running", None),
+    )
     return scheduler, base.tokenizer
 
 
@@ -162,12 +254,17 @@ def run(args) -> int:
     from ccft.serving.app import create_app
 
     scheduler, tokenizer = build_scheduler(args)
-    max_body = int(args.max_body_mb * 2 ** 20) if args.max_body_mb else None
-    app = create_app(scheduler, tokenizer, default_max_tokens=args.default_max_tokens, max_body_bytes=max_body)
+    max_body = int(args.max_body_mb * 2**20) if args.max_body_mb else None
+    app = create_app(
+        scheduler, tokenizer, default_max_tokens=args.default_max_tokens, max_body_bytes=max_body
+    )
     names = ", ".join(scheduler.engine.decoders)
-    print(f"ccft serve: models {names} on http://{args.host}:{args.port} "
-          f"({'shared prefill' if scheduler.share else 'no sharing'}, "
-          f"{'prefix store' if scheduler.store is not None else 'no prefix store'})", file=sys.stderr)
+    print(
+        f"ccft serve: models {names} on http://{args.host}:{args.port} "
+        f"({'shared prefill' if scheduler.share else 'no sharing'}, "
+        f"{'prefix store' if scheduler.store is not None else 'no prefix store'})",
+        file=sys.stderr,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -182,13 +279,22 @@ def ray_app(args):
     if args.replicas < 0:
         raise ConfigError(f"--replicas {args.replicas}: use 0 (no Ray) or N >= 1 engine replicas")
     _decoders(args.decoder)  # bad --decoder specs fail before Ray starts
-    options = ({"max_load_ratio": args.max_load_ratio, "min_load_gap": args.min_load_gap}
-               if args.router == "session" else {})
-    max_body = int(args.max_body_mb * 2 ** 20) if args.max_body_mb else None
-    return build_app(functools.partial(build_scheduler, args), replicas=args.replicas, policy=args.router,
-                     policy_options=options, max_ongoing_requests=args.max_ongoing_requests,
-                     replica_cpus=args.replica_cpus, retries=args.retries,
-                     app_kwargs={"default_max_tokens": args.default_max_tokens, "max_body_bytes": max_body})
+    options = (
+        {"max_load_ratio": args.max_load_ratio, "min_load_gap": args.min_load_gap}
+        if args.router == "session"
+        else {}
+    )
+    max_body = int(args.max_body_mb * 2**20) if args.max_body_mb else None
+    return build_app(
+        functools.partial(build_scheduler, args),
+        replicas=args.replicas,
+        policy=args.router,
+        policy_options=options,
+        max_ongoing_requests=args.max_ongoing_requests,
+        replica_cpus=args.replica_cpus,
+        retries=args.retries,
+        app_kwargs={"default_max_tokens": args.default_max_tokens, "max_body_bytes": max_body},
+    )
 
 
 def run_ray(args) -> int:
@@ -207,8 +313,11 @@ def run_ray(args) -> int:
         ray.init(num_cpus=args.ray_num_cpus, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="ccft", route_prefix="/")
-    print(f"ccft serve: {args.replicas} engine replicas on Ray Serve at http://{args.host}:{args.port} "
-          f"(router {args.router}; replica ids in the x-ccft-replica response header)", file=sys.stderr)
+    print(
+        f"ccft serve: {args.replicas} engine replicas on Ray Serve at http://{args.host}:{args.port} "
+        f"(router {args.router}; replica ids in the x-ccft-replica response header)",
+        file=sys.stderr,
+    )
 
     def stop(signum, frame):
         raise KeyboardInterrupt
@@ -231,19 +340,28 @@ def run_replay(args) -> int:
     from ccft.serving.client import run_replay as replay
 
     requests = apply_model_map(load_requests(args.trace), args.model_map)
-    for r in requests:  # the trace's sessions as session_id: ccft serve --replicas routes a session to one replica
+    for r in (
+        requests
+    ):  # the trace's sessions as session_id: ccft serve --replicas routes a session to one replica
         if r.session is not None:
             r.extra.setdefault("session_id", str(r.session))
     extra = {"ignore_eos": True} if args.ignore_eos else {}
-    records = replay(args.url, requests, stream=not args.no_stream, time_scale=args.time_scale,
-                     timeout=args.timeout, extra=extra)
+    records = replay(
+        args.url,
+        requests,
+        stream=not args.no_stream,
+        time_scale=args.time_scale,
+        timeout=args.timeout,
+        extra=extra,
+    )
     summary = summarize(records)
     print(json.dumps(summary, indent=2))
     if args.out:
         from ccft.core.io import atomic_write_text
 
-        atomic_write_text(args.out, json.dumps({"summary": summary, "records": [r.to_dict() for r in records]},
-                                               indent=1))
+        atomic_write_text(
+            args.out, json.dumps({"summary": summary, "records": [r.to_dict() for r in records]}, indent=1)
+        )
     return 0 if summary["ok"] == summary["requests"] else 1
 
 
@@ -272,10 +390,19 @@ def run_trace(args) -> int:
     from ccft.serving import workloads
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model or DEFAULT_BASE))
-    trace = workloads.generate(args.kind, sessions=args.sessions, turns=args.turns, agents=list(args.agents),
-                               shared_tokens=args.shared_tokens, unique_tokens=args.unique_tokens,
-                               growth_tokens=args.growth_tokens, max_new_tokens=args.max_new_tokens,
-                               rate=args.rate or None, seed=args.seed, tokenizer=tok)
+    trace = workloads.generate(
+        args.kind,
+        sessions=args.sessions,
+        turns=args.turns,
+        agents=list(args.agents),
+        shared_tokens=args.shared_tokens,
+        unique_tokens=args.unique_tokens,
+        growth_tokens=args.growth_tokens,
+        max_new_tokens=args.max_new_tokens,
+        rate=args.rate or None,
+        seed=args.seed,
+        tokenizer=tok,
+    )
     path = trace.save(args.out)
     print(f"wrote {path}: {len(trace)} requests, {args.sessions} sessions, agents {', '.join(trace.agents)}")
     return 0

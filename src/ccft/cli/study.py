@@ -18,11 +18,17 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("study", help="train the math, code and tools specialists (CCFT + Full-FT) and compare the "
-                                     "four modes on their benchmarks")
+    p = sub.add_parser(
+        "study",
+        help="train the math, code and tools specialists (CCFT + Full-FT) and compare the "
+        "four modes on their benchmarks",
+    )
     p.add_argument("config", nargs="?", default="recipes/study.yaml")
-    p.add_argument("overrides", nargs="*", help="KEY=value overrides, dotted for sections "
-                                               "(specialists.tools.train.max_steps=20, batch_size=8)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="KEY=value overrides, dotted for sections (specialists.tools.train.max_steps=20, batch_size=8)",
+    )
     p.add_argument("--skip-serving", action="store_true", help="leave out the serving benchmark")
     p.set_defaults(func=run)
 
@@ -32,8 +38,11 @@ def run(args) -> int:
     from ccft.evals.study.recipe import StudyRecipe
 
     cfg = load_study_config(args.config, args.overrides)
-    command = ("make study" if (args.config == "recipes/study.yaml" and not args.overrides)
-               else "ccft study " + " ".join([args.config, *args.overrides]))
+    command = (
+        "make study"
+        if (args.config == "recipes/study.yaml" and not args.overrides)
+        else "ccft study " + " ".join([args.config, *args.overrides])
+    )
     serve = _serving if not args.skip_serving and cfg.serving.get("enabled", True) else None
     out = Path(cfg.out)
     StudyRecipe(cfg, command=command, serve=serve, where=str(args.config)).run()
@@ -69,7 +78,10 @@ def _serving(cfg, decoders: dict[str, str], base_name: str, out: Path) -> dict:
         for key, value in cfg.serving.items():
             if key == "enabled":
                 continue
-            argv += [f"--{key.replace('_', '-')}", *(str(v) for v in (value if isinstance(value, list) else [value]))]
+            argv += [
+                f"--{key.replace('_', '-')}",
+                *(str(v) for v in (value if isinstance(value, list) else [value])),
+            ]
         p = argparse.ArgumentParser(prog="ccft study (serving)")
         bench_serve.add_arguments(p)
         args = p.parse_args(argv)
@@ -78,10 +90,24 @@ def _serving(cfg, decoders: dict[str, str], base_name: str, out: Path) -> dict:
         atomic_write_text(path, json.dumps(result, indent=2, default=str))
         write_stamp(path.parent, digests)  # after the result: a kill in between recomputes it
     eq = result.get("outputs_vs_offline") or {}
-    md = (bench_serve.table(result) + "\n\nAgents: " +
-          ", ".join(f"{k}: {v}" for k, v in result["decoders"].items()) +
-          f".\n\nGreedy outputs under the shared scheduler equal offline `ccft.generate` (prefillshare) for "
-          f"{eq.get('equal')}/{eq.get('requests')} requests of one session.")
-    keys = ("p95_latency_ratio", "throughput_ratio", "hit_ratio_min", "kv_bytes_vs_eq9", "saturation_sessions")
-    return {"file": "serving/serve.json", **{k: result.get(k) for k in keys}, "decoders": result["decoders"],
-            "outputs_vs_offline": eq, "markdown": md}
+    md = (
+        bench_serve.table(result)
+        + "\n\nAgents: "
+        + ", ".join(f"{k}: {v}" for k, v in result["decoders"].items())
+        + f".\n\nGreedy outputs under the shared scheduler equal offline `ccft.generate` (prefillshare) for "
+        f"{eq.get('equal')}/{eq.get('requests')} requests of one session."
+    )
+    keys = (
+        "p95_latency_ratio",
+        "throughput_ratio",
+        "hit_ratio_min",
+        "kv_bytes_vs_eq9",
+        "saturation_sessions",
+    )
+    return {
+        "file": "serving/serve.json",
+        **{k: result.get(k) for k in keys},
+        "decoders": result["decoders"],
+        "outputs_vs_offline": eq,
+        "markdown": md,
+    }

@@ -12,20 +12,33 @@ import re
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a decoder from a YAML recipe",
-                       description="Train a CCFT or Full-FT decoder. Any TrainConfig field can be overridden "
-                                   "as key=value (YAML scalars), e.g. max_steps=10 method=full-ft.")
+    p = sub.add_parser(
+        "train",
+        help="train a decoder from a YAML recipe",
+        description="Train a CCFT or Full-FT decoder. Any TrainConfig field can be overridden "
+        "as key=value (YAML scalars), e.g. max_steps=10 method=full-ft.",
+    )
     p.add_argument("recipe", nargs="?", help="recipe YAML (recipes/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in output_dir")
-    p.add_argument("--dry-run", action="store_true",
-                   help="validate the recipe, data files, base tokenizer, output_dir and store, then stop "
-                        "(nothing is written)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the recipe, data files, base tokenizer, output_dir and store, then stop "
+        "(nothing is written)",
+    )
     p.add_argument("--help-config", action="store_true", help="list the ccft fields of TrainConfig")
-    p.add_argument("--num-processes", type=int, default=None,
-                   help="launch N processes through accelerate (data parallel; CPU processes use gloo)")
-    p.add_argument("--accelerate-config", default=None,
-                   help="accelerate config to launch with: recipes/accelerate/{ddp,zero2,zero3}.yaml")
+    p.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        help="launch N processes through accelerate (data parallel; CPU processes use gloo)",
+    )
+    p.add_argument(
+        "--accelerate-config",
+        default=None,
+        help="accelerate config to launch with: recipes/accelerate/{ddp,zero2,zero3}.yaml",
+    )
     p.set_defaults(func=run)
 
 
@@ -60,8 +73,10 @@ def run(args) -> int:
 
         ds, ev = check_run(cfg)
         evals = f", eval rows={len(ev)}" if ev is not None else ""
-        print(f"[ccft] recipe OK: method={cfg.method} decoder={cfg.decoder_kind} base={cfg.base} "
-              f"train rows={len(ds)} (dropped {ds.dropped_too_long} > max_length={cfg.max_length}){evals}")
+        print(
+            f"[ccft] recipe OK: method={cfg.method} decoder={cfg.decoder_kind} base={cfg.base} "
+            f"train rows={len(ds)} (dropped {ds.dropped_too_long} > max_length={cfg.max_length}){evals}"
+        )
         return 0
     from ccft.train.run import run_training
 
@@ -70,6 +85,8 @@ def run(args) -> int:
         return 0
     curve = result.loss_curve
     first, last = (curve[0][1], curve[-1][1]) if curve else (float("nan"), float("nan"))
-    print(f"[ccft] trained {cfg.method} decoder -> {result.output_dir} ({result.train_rows} rows, "
-          f"loss {first:.4f} -> {last:.4f}, {result.seconds:.0f}s)")
+    print(
+        f"[ccft] trained {cfg.method} decoder -> {result.output_dir} ({result.train_rows} rows, "
+        f"loss {first:.4f} -> {last:.4f}, {result.seconds:.0f}s)"
+    )
     return 0

@@ -88,13 +88,22 @@ class BaseCache:
         """Raise CacheMutatedError if any K/V tensor was written in place since creation."""
         now = _versions(self.keys + self.values)
         if self._versions and now != self._versions:
-            raise CacheMutatedError("a C_base tensor was modified in place; C_base is a constant. "
-                                    "Give every consumer its own cache (BaseCache.as_dynamic_cache()).")
+            raise CacheMutatedError(
+                "a C_base tensor was modified in place; C_base is a constant. "
+                "Give every consumer its own cache (BaseCache.as_dynamic_cache())."
+            )
 
     @classmethod
-    def from_tensors(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], attention_mask: torch.Tensor,
-                     tail_ids: torch.Tensor, handoff_tokens: int, fingerprint: str, producer: str = "base"
-                     ) -> "BaseCache":
+    def from_tensors(
+        cls,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        attention_mask: torch.Tensor,
+        tail_ids: torch.Tensor,
+        handoff_tokens: int,
+        fingerprint: str,
+        producer: str = "base",
+    ) -> "BaseCache":
         """Wrap existing tensors as a BaseCache and record their version counters (the immutability check).
 
         Args:
@@ -104,8 +113,16 @@ class BaseCache:
                 (a decoder may read it), ``self`` (a model's own prefill) or another label.
         """
         keys, values = tuple(keys), tuple(values)
-        return cls(keys, values, attention_mask, tail_ids, handoff_tokens, fingerprint, producer,
-                   _versions(keys + values))
+        return cls(
+            keys,
+            values,
+            attention_mask,
+            tail_ids,
+            handoff_tokens,
+            fingerprint,
+            producer,
+            _versions(keys + values),
+        )
 
     def as_dynamic_cache(self):
         """A fresh ``DynamicCache`` over these tensors, for generation (its updates concatenate into new tensors)."""
@@ -127,29 +144,49 @@ class BaseCache:
         start = mask.shape[1] - width
         keys = tuple(k.index_select(0, idx.to(k.device))[:, :, start:] for k in self.keys)
         values = tuple(v.index_select(0, idx.to(v.device))[:, :, start:] for v in self.values)
-        return BaseCache.from_tensors(keys, values, mask[:, start:], self.tail_ids.index_select(0, idx), self.handoff_tokens,
-                     self.fingerprint, self.producer)
+        return BaseCache.from_tensors(
+            keys,
+            values,
+            mask[:, start:],
+            self.tail_ids.index_select(0, idx),
+            self.handoff_tokens,
+            self.fingerprint,
+            self.producer,
+        )
 
     def to(self, dtype: torch.dtype | None = None, device=None) -> "BaseCache":
         """An explicit conversion (e.g. bf16 cache for an fp32 reader); the fingerprint is kept."""
         conv = lambda t: t.to(device=device or t.device, dtype=dtype or t.dtype)  # noqa: E731
-        return BaseCache.from_tensors(tuple(map(conv, self.keys)), tuple(map(conv, self.values)),
-                     self.attention_mask.to(device or self.attention_mask.device),
-                     self.tail_ids.to(device or self.tail_ids.device), self.handoff_tokens, self.fingerprint,
-                     self.producer)
+        return BaseCache.from_tensors(
+            tuple(map(conv, self.keys)),
+            tuple(map(conv, self.values)),
+            self.attention_mask.to(device or self.attention_mask.device),
+            self.tail_ids.to(device or self.tail_ids.device),
+            self.handoff_tokens,
+            self.fingerprint,
+            self.producer,
+        )
 
     def clone(self) -> "BaseCache":
         """A deep copy (used by tests to snapshot C_base)."""
-        return BaseCache.from_tensors(tuple(k.clone() for k in self.keys), tuple(v.clone() for v in self.values),
-                     self.attention_mask.clone(), self.tail_ids.clone(), self.handoff_tokens, self.fingerprint,
-                     self.producer)
+        return BaseCache.from_tensors(
+            tuple(k.clone() for k in self.keys),
+            tuple(v.clone() for v in self.values),
+            self.attention_mask.clone(),
+            self.tail_ids.clone(),
+            self.handoff_tokens,
+            self.fingerprint,
+            self.producer,
+        )
 
     def equal(self, other: "BaseCache") -> bool:
         """Bit-for-bit equality of every K/V tensor, mask and tail (K1 snapshot check)."""
-        return (len(self.keys) == len(other.keys)
-                and all(torch.equal(a, b) for a, b in zip(self.keys + self.values, other.keys + other.values))
-                and torch.equal(self.attention_mask, other.attention_mask)
-                and torch.equal(self.tail_ids, other.tail_ids))
+        return (
+            len(self.keys) == len(other.keys)
+            and all(torch.equal(a, b) for a, b in zip(self.keys + self.values, other.keys + other.values))
+            and torch.equal(self.attention_mask, other.attention_mask)
+            and torch.equal(self.tail_ids, other.tail_ids)
+        )
 
     def check_reader(self, fingerprint: str, dtype: torch.dtype, *, allow_self: bool = False) -> None:
         """Refuse a reader conditioned on another base, of another dtype, or a cache a decoder wrote (K5).
@@ -163,15 +200,18 @@ class BaseCache:
         if self.producer not in PREFIX_PRODUCERS and not allow_self:
             raise FingerprintMismatchError(
                 f"this cache was written by {self.producer!r}, not by the base model; decoders read only C_base "
-                "(compute it with ccft.compute_base_cache)")
+                "(compute it with ccft.compute_base_cache)"
+            )
         if fingerprint != self.fingerprint:
             raise FingerprintMismatchError(
                 f"C_base was computed by base {self.fingerprint} but the decoder was conditioned on base "
-                f"{fingerprint}; recompute C_base with the decoder's base model")
+                f"{fingerprint}; recompute C_base with the decoder's base model"
+            )
         if dtype != self.dtype:
             raise FingerprintMismatchError(
                 f"C_base dtype {self.dtype} differs from the reader's dtype {dtype}; convert explicitly with "
-                f"cache.to(dtype={dtype}) or load the decoder in {self.dtype}")
+                f"cache.to(dtype={dtype}) or load the decoder in {self.dtype}"
+            )
 
 
 class PrefixLayer(DynamicLayer):
@@ -212,7 +252,6 @@ def allow_readonly_cache_under_checkpointing(model) -> None:
     model._ccft_ckpt_cache_ok = True
 
 
-
 def _versions(tensors) -> tuple[int, ...]:
     # In-place writes bump a tensor's version counter; inference-mode tensors have none (-1: unchecked).
     return tuple(-1 if t.is_inference() else t._version for t in tensors)
@@ -229,8 +268,16 @@ def _accepts(model, name: str) -> bool:
 
 
 @torch.no_grad()
-def prefill_tensors(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor, *,
-                     handoff_tokens: int, fingerprint: str = "", producer: str = "base") -> BaseCache:
+def prefill_tensors(
+    model,
+    prefix_ids: torch.Tensor,
+    prefix_mask: torch.Tensor,
+    tail_ids: torch.Tensor,
+    *,
+    handoff_tokens: int,
+    fingerprint: str = "",
+    producer: str = "base",
+) -> BaseCache:
     """Prefill a left-padded batch with per-row positions and return its KV cache (no checks).
 
     Args:
@@ -243,7 +290,9 @@ def prefill_tensors(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, 
     # Only the K/V are kept: compute the LM head for one position, not the whole prefix (≈20% of a
     # small model's prefill FLOPs are in the vocabulary projection).
     extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-    out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=positions, use_cache=True, **extra)
+    out = model(
+        input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=positions, use_cache=True, **extra
+    )
     cache = getattr(out, "cache", None) or out.past_key_values
     keys, values = [], []
     pad = (prefix_mask == 0)[:, None, :, None]
@@ -255,8 +304,15 @@ def prefill_tensors(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, 
     return BaseCache.from_tensors(keys, values, prefix_mask, tail_ids, handoff_tokens, fingerprint, producer)
 
 
-def prefill(model, prompts: Sequence[Sequence[int]], *, handoff_tokens: int = 1, pad_token_id: int = 0,
-            fingerprint: str = "", producer: str = "base") -> BaseCache:
+def prefill(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    handoff_tokens: int = 1,
+    pad_token_id: int = 0,
+    fingerprint: str = "",
+    producer: str = "base",
+) -> BaseCache:
     """Run ``model`` over ``prompt[:n-k]`` for every row and return its KV cache (no checks; see compute_base_cache).
 
     Args:
@@ -273,8 +329,15 @@ def prefill(model, prompts: Sequence[Sequence[int]], *, handoff_tokens: int = 1,
     device = next(model.parameters()).device
     prefix_ids, prefix_mask = left_pad([list(p[:-k]) for p in prompts], pad_token_id)
     tail = torch.tensor([list(p[-k:]) for p in prompts], dtype=torch.long, device=device)
-    return prefill_tensors(model, prefix_ids.to(device), prefix_mask.to(device), tail, handoff_tokens=k,
-                            fingerprint=fingerprint, producer=producer)
+    return prefill_tensors(
+        model,
+        prefix_ids.to(device),
+        prefix_mask.to(device),
+        tail,
+        handoff_tokens=k,
+        fingerprint=fingerprint,
+        producer=producer,
+    )
 
 
 def compute_base_cache(base, prompts: Sequence[Sequence[int]], *, handoff_tokens: int = 1) -> BaseCache:
@@ -291,8 +354,22 @@ def compute_base_cache(base, prompts: Sequence[Sequence[int]], *, handoff_tokens
     """
     pad = pad_token_id(base.tokenizer)
     with base.base_weights() as model:
-        return prefill(model, prompts, handoff_tokens=handoff_tokens, pad_token_id=pad,
-                       fingerprint=base.fingerprint, producer="base")
+        return prefill(
+            model,
+            prompts,
+            handoff_tokens=handoff_tokens,
+            pad_token_id=pad,
+            fingerprint=base.fingerprint,
+            producer="base",
+        )
 
 
-__all__ = ["PREFIX_PRODUCERS", "BaseCache", "PrefixCache", "compute_base_cache", "prefill", "prefill_tensors", "cache_kwarg"]
+__all__ = [
+    "PREFIX_PRODUCERS",
+    "BaseCache",
+    "PrefixCache",
+    "compute_base_cache",
+    "prefill",
+    "prefill_tensors",
+    "cache_kwarg",
+]

@@ -35,7 +35,11 @@ def decoder_meta(decoder: Decoder, **extra: Any) -> dict:
         "ccft_version": __version__,
         "method": decoder.method,
         "decoder_kind": decoder.kind,
-        "base": {"name": decoder.base.name, "path": decoder.base.path, "fingerprint": decoder.base.fingerprint},
+        "base": {
+            "name": decoder.base.name,
+            "path": decoder.base.path,
+            "fingerprint": decoder.base.fingerprint,
+        },
         "base_fingerprint": decoder.base.fingerprint,
         "handoff_tokens": decoder.handoff_tokens,
         "dtype": str(decoder.dtype).replace("torch.", ""),
@@ -45,7 +49,9 @@ def decoder_meta(decoder: Decoder, **extra: Any) -> dict:
     return meta
 
 
-def save_decoder(decoder: Decoder, path: str | Path, *, state_dict: dict | None = None, **extra_meta: Any) -> Path:
+def save_decoder(
+    decoder: Decoder, path: str | Path, *, state_dict: dict | None = None, **extra_meta: Any
+) -> Path:
     """Write ``decoder`` into folder ``path``: weights (HF) or adapter (PEFT), tokenizer, then ``ccft.json``.
 
     Files are staged in a temporary sub-folder and moved in one by one; ``ccft.json`` is removed
@@ -59,15 +65,20 @@ def save_decoder(decoder: Decoder, path: str | Path, *, state_dict: dict | None 
     try:
         if decoder.kind == "lora":
             name = decoder.meta.get("adapter_name", "default")
-            decoder.model.save_pretrained(str(tmp), selected_adapters=[name],
-                                          **({"state_dict": state_dict} if state_dict is not None else {}))
+            decoder.model.save_pretrained(
+                str(tmp),
+                selected_adapters=[name],
+                **({"state_dict": state_dict} if state_dict is not None else {}),
+            )
             if name != "default" and (tmp / name).is_dir():  # PEFT nests non-default adapters
                 for p in (tmp / name).iterdir():
                     os.replace(p, tmp / p.name)
                 (tmp / name).rmdir()
         else:
             # state_dict: the gathered weights of a partitioned (DeepSpeed ZeRO-3) decoder.
-            decoder.model.save_pretrained(str(tmp), **({"state_dict": state_dict} if state_dict is not None else {}))
+            decoder.model.save_pretrained(
+                str(tmp), **({"state_dict": state_dict} if state_dict is not None else {})
+            )
         decoder.base.tokenizer.save_pretrained(str(tmp))
         (path / META_FILE).unlink(missing_ok=True)
         for p in sorted(tmp.iterdir()):
@@ -90,22 +101,31 @@ def read_meta(path: str | Path) -> dict:
         raise ConfigError(f"{path} is a file; a decoder is a folder (HF or PEFT files plus {META_FILE})")
     f = Path(path) / META_FILE
     if not f.is_file():
-        raise ConfigError(f"{path} is not a ccft decoder folder ({META_FILE} missing); "
-                          "train one with `ccft train` or save one with ccft.save_decoder")
+        raise ConfigError(
+            f"{path} is not a ccft decoder folder ({META_FILE} missing); "
+            "train one with `ccft train` or save one with ccft.save_decoder"
+        )
     try:
         meta = json.loads(f.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{f}: not UTF-8 text (byte {e.start}); the decoder folder is damaged") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{f}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); the decoder folder is damaged, "
-                          "save it again") from None
+        raise ConfigError(
+            f"{f}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); the decoder folder is damaged, "
+            "save it again"
+        ) from None
     if not isinstance(meta, dict):
         raise ConfigError(f"{f}:1: {META_FILE} holds a JSON object, got {type(meta).__name__}")
     return meta
 
 
-def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | torch.dtype | None = None,
-                 adapter_name: str | None = None) -> Decoder:
+def load_decoder(
+    path: str | Path,
+    base: Base | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    adapter_name: str | None = None,
+) -> Decoder:
     """Load a decoder folder (HF or PEFT + ``ccft.json``) onto its base.
 
     Args:
@@ -129,7 +149,8 @@ def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | tor
     if want and want != base.fingerprint:
         raise FingerprintMismatchError(
             f"decoder {path} was trained on base {want} ({meta.get('base', {}).get('name')}) but the base given "
-            f"is {base.fingerprint} ({base.name}); load the decoder with the base it was trained on")
+            f"is {base.fingerprint} ({base.name}); load the decoder with the base it was trained on"
+        )
     kind = meta.get("decoder_kind") or ("lora" if (path / "adapter_config.json").is_file() else "full")
     if kind == "lora":
         from peft import PeftModel
@@ -144,8 +165,10 @@ def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | tor
             host = base.adapter_hosts[0]
             if name in host.peft_config:  # loading would silently overwrite another decoder's adapter (K1)
                 if adapter_name:
-                    raise ConfigError(f"adapter_name={adapter_name!r} is already used by another decoder on this "
-                                      "base; pass a different adapter_name")
+                    raise ConfigError(
+                        f"adapter_name={adapter_name!r} is already used by another decoder on this "
+                        "base; pass a different adapter_name"
+                    )
                 name = next(f"{name}_{i}" for i in range(2, 10**6) if f"{name}_{i}" not in host.peft_config)
             host.load_adapter(str(path), adapter_name=name, is_trainable=False)
             model = host
@@ -164,5 +187,11 @@ def load_decoder(path: str | Path, base: Base | None = None, *, dtype: str | tor
         model.eval()
         model.requires_grad_(False)
     check_compatible(base.config, model.config)
-    return Decoder(model=model, base=base, kind=kind, method=meta.get("method"),
-                   handoff_tokens=int(meta.get("handoff_tokens", 1)), meta=meta)
+    return Decoder(
+        model=model,
+        base=base,
+        kind=kind,
+        method=meta.get("method"),
+        handoff_tokens=int(meta.get("handoff_tokens", 1)),
+        meta=meta,
+    )

@@ -42,11 +42,15 @@ def resolve_handoff(handoffs, requested: int | None = None, *, what: str = "the 
     """
     ks = sorted({int(k) for k in handoffs if k is not None})
     if len(ks) > 1:
-        raise ConfigError(f"{what} were trained with different handoff_tokens {ks}: one prefill cannot serve them; "
-                          "use decoders trained with one handoff_tokens, or separate runs / prefills per value")
+        raise ConfigError(
+            f"{what} were trained with different handoff_tokens {ks}: one prefill cannot serve them; "
+            "use decoders trained with one handoff_tokens, or separate runs / prefills per value"
+        )
     if requested is not None and ks and int(requested) != ks[0]:
-        raise ConfigError(f"handoff_tokens={requested} was asked for, but {what} were trained with {ks[0]}; "
-                          f"prefill with handoff_tokens={ks[0]}")
+        raise ConfigError(
+            f"handoff_tokens={requested} was asked for, but {what} were trained with {ks[0]}; "
+            f"prefill with handoff_tokens={ks[0]}"
+        )
     k = int(requested) if requested is not None else (ks[0] if ks else 1)
     if k < 1:
         raise ConfigError(f"handoff_tokens={k}; it must be ≥ 1")
@@ -64,7 +68,9 @@ def reader_dtype(model) -> torch.dtype:
     return param.dtype
 
 
-def check_cache_reader(model, cache: BaseCache, *, fingerprint: str | None = None, allow_self: bool = False) -> None:
+def check_cache_reader(
+    model, cache: BaseCache, *, fingerprint: str | None = None, allow_self: bool = False
+) -> None:
     """Refuse, before any compute, a prefix cache ``model`` must not read (docs/design.md, "C_base" and K5).
 
     Args:
@@ -81,8 +87,9 @@ def check_cache_reader(model, cache: BaseCache, *, fingerprint: str | None = Non
     cache.check_unmodified()
     if fingerprint is None and isinstance(model, Decoder):
         fingerprint = model.fingerprint
-    cache.check_reader(cache.fingerprint if fingerprint is None else fingerprint, reader_dtype(model),
-                       allow_self=allow_self)
+    cache.check_reader(
+        cache.fingerprint if fingerprint is None else fingerprint, reader_dtype(model), allow_self=allow_self
+    )
 
 
 def check_base_reader(base, decoder: Decoder) -> None:
@@ -94,16 +101,26 @@ def check_base_reader(base, decoder: Decoder) -> None:
     if decoder.fingerprint != base.fingerprint:
         raise FingerprintMismatchError(
             f"the decoder was conditioned on base {decoder.fingerprint} but C_base would be computed by base "
-            f"{base.fingerprint}; pass the decoder's base model")
+            f"{base.fingerprint}; pass the decoder's base model"
+        )
     if reader_dtype(decoder) != base.dtype:
         raise FingerprintMismatchError(
             f"C_base would be computed in {base.dtype} but the decoder computes in {reader_dtype(decoder)}; load "
-            "the base and the decoder in one dtype")
+            "the base and the decoder in one dtype"
+        )
 
 
-def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: torch.Tensor | None = None,
-                    *, check: bool = True, fingerprint: str | None = None, allow_self: bool = False,
-                    logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+def decoder_forward(
+    model,
+    cache: BaseCache,
+    tail_ids: torch.Tensor,
+    tail_mask: torch.Tensor | None = None,
+    *,
+    check: bool = True,
+    fingerprint: str | None = None,
+    allow_self: bool = False,
+    logits_to_keep: int | torch.Tensor = 0,
+) -> torch.Tensor:
     """Logits of a decoder over the handoff tokens + response, conditioned on a prefix cache.
 
     The CCFT forward (PrefillShare, arXiv 2602.12029, §3): the decoder reads ``C_base(prompt[:n-k])`` and
@@ -145,9 +162,16 @@ def decoder_forward(model, cache: BaseCache, tail_ids: torch.Tensor, tail_mask: 
     return out.logits
 
 
-def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor,
-                 tail_mask: torch.Tensor | None = None, *, logits_to_keep: int | torch.Tensor | None = None,
-                 packed: bool = False) -> torch.Tensor:
+def full_forward(
+    model,
+    prefix_ids: torch.Tensor,
+    prefix_mask: torch.Tensor,
+    tail_ids: torch.Tensor,
+    tail_mask: torch.Tensor | None = None,
+    *,
+    logits_to_keep: int | torch.Tensor | None = None,
+    packed: bool = False,
+) -> torch.Tensor:
     """Logits of a model prefilling its own prompt (Full-FT, base): one forward over prefix + tail.
 
     Same layout and positions as ``decoder_forward``; returns only the tail's logits ``(b, t, v)``.
@@ -169,13 +193,16 @@ def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tai
     mask = torch.cat([prefix_mask, tail_mask], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     # Tail pads (right padding) get positions past the row; they are masked and never supervised.
-    positions[:, prefix_ids.shape[1]:] = prefix_mask.sum(-1, keepdim=True) + torch.arange(
-        tail_ids.shape[1], device=ids.device)
+    positions[:, prefix_ids.shape[1] :] = prefix_mask.sum(-1, keepdim=True) + torch.arange(
+        tail_ids.shape[1], device=ids.device
+    )
     t = tail_ids.shape[1]
     # Only the tail's logits are needed: skip the vocabulary projection over the prompt.
     keep = t if logits_to_keep is None else logits_to_keep
     if not packed:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep)
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep
+        )
         return out.logits[:, -t:]
     real = mask.bool()
     body = unwrap_pretrained(model).get_decoder()
@@ -190,8 +217,12 @@ def full_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tai
 
     handle = body.register_forward_hook(unpack, prepend=True)
     try:
-        out = model(input_ids=ids[real][None], position_ids=positions[real][None], use_cache=False,
-                    logits_to_keep=keep)
+        out = model(
+            input_ids=ids[real][None],
+            position_ids=positions[real][None],
+            use_cache=False,
+            logits_to_keep=keep,
+        )
     finally:
         handle.remove()
     return out.logits[:, -t:]
@@ -283,7 +314,9 @@ def tied_modules_to_save(base, modules_to_save) -> list[str]:
     if not modules_to_save or not getattr(base.model.config, "tie_word_embeddings", False):
         return []
     model = base.model
-    embeddings = {id(m) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    embeddings = {
+        id(m) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+    }
     names = [n for n, m in model.named_modules() if id(m) in embeddings]
     return [t for t in modules_to_save if any(n == t or n.endswith("." + t) for n in names)]
 
@@ -304,14 +337,22 @@ def check_second_adapter(base, modules_to_save, what: str) -> None:
             f"{what} saves the tied embedding ({', '.join(tied)} in modules_to_save) and base {base.name} already "
             "carries LoRA adapters: PEFT would load it with an untied lm_head (wrong logits). Load it onto a "
             "base of its own (ccft.load_decoder(path, base=ccft.load_base(...)), a fresh base per such decoder), "
-            "or train without modules_to_save on the embedding")
+            "or train without modules_to_save on the embedding"
+        )
 
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: str | None = None,
-                 handoff_tokens: int = 1, adapter_name: str = "default") -> Decoder:
+def make_decoder(
+    base,
+    kind: str = "lora",
+    *,
+    lora: dict | None = None,
+    method: str | None = None,
+    handoff_tokens: int = 1,
+    adapter_name: str = "default",
+) -> Decoder:
     """A new decoder initialised from ``base``.
 
     Args:
@@ -346,8 +387,13 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
     elif kind == "lora":
         from peft import LoraConfig, get_peft_model
 
-        cfg = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": DEFAULT_LORA_TARGETS,
-               "task_type": "CAUSAL_LM"}
+        cfg = {
+            "r": 16,
+            "lora_alpha": 32,
+            "lora_dropout": 0.0,
+            "target_modules": DEFAULT_LORA_TARGETS,
+            "task_type": "CAUSAL_LM",
+        }
         cfg.update(lora or {})
         check_second_adapter(base, cfg.get("modules_to_save"), f"LoRA decoder {adapter_name!r}")
         if base.adapter_hosts:
@@ -363,7 +409,9 @@ def make_decoder(base, kind: str = "lora", *, lora: dict | None = None, method: 
     check_compatible(base.config, model.config)
     meta = {"base_fingerprint": base.fingerprint}
     if kind == "lora":
-        meta["adapter_name"] = adapter_name  # generate/save/decoder_forward select this adapter on the shared host
+        meta["adapter_name"] = (
+            adapter_name  # generate/save/decoder_forward select this adapter on the shared host
+        )
     return Decoder(model=model, base=base, kind=kind, method=method, handoff_tokens=handoff_tokens, meta=meta)
 
 

@@ -20,26 +20,40 @@ REMOVED_IN = "0.3"
 #: module (its current path) -> {0.1 name: module that defines it now}
 MOVED_NAMES: dict[str, dict[str, str]] = {
     "ccft.train": {  # the 0.1 module ccft/train.py, now the package ccft.train
-        "Base": "ccft.core.models", "load_base": "ccft.core.models",
-        "Decoder": "ccft.core.decoder", "make_decoder": "ccft.core.decoder",
+        "Base": "ccft.core.models",
+        "load_base": "ccft.core.models",
+        "Decoder": "ccft.core.decoder",
+        "make_decoder": "ccft.core.decoder",
         "save_decoder": "ccft.core.checkpoint",
-        "TrainConfig": "ccft.train.config", "resolve_data": "ccft.train.config",
-        "Collator": "ccft.train.data", "TokenizedDataset": "ccft.train.data", "build_dataset": "ccft.train.data",
+        "TrainConfig": "ccft.train.config",
+        "resolve_data": "ccft.train.config",
+        "Collator": "ccft.train.data",
+        "TokenizedDataset": "ccft.train.data",
+        "build_dataset": "ccft.train.data",
         "load_rows": "ccft.train.data",
         "CacheConditionedTrainer": "ccft.train.trainer",
         "check_process_group": "ccft.train.run",
     },
-    "ccft.core.decoder": {"PrefixCache": "ccft.core.cache", "PrefixLayer": "ccft.core.cache"},  # 0.1 ccft.decoder
+    "ccft.core.decoder": {
+        "PrefixCache": "ccft.core.cache",
+        "PrefixLayer": "ccft.core.cache",
+    },  # 0.1 ccft.decoder
     "ccft.core.generation": {"ConfigError": "ccft.core.errors"},  # 0.1 ccft.generation
     "ccft.evals.evaluate": {  # 0.1 ccft.evaluate
-        "Collator": "ccft.train.data", "TokenizedDataset": "ccft.train.data",
-        "check_mode": "ccft.core.modes", "decoder_for_mode": "ccft.core.modes",
+        "Collator": "ccft.train.data",
+        "TokenizedDataset": "ccft.train.data",
+        "check_mode": "ccft.core.modes",
+        "decoder_for_mode": "ccft.core.modes",
         "compute_base_cache": "ccft.core.cache",
-        "decoder_forward": "ccft.core.decoder", "full_forward": "ccft.core.decoder",
-        "exact_match": "ccft.evals.extract", "extract_flexible": "ccft.evals.extract",
-        "extract_reference": "ccft.evals.extract", "extract_strict": "ccft.evals.extract",
+        "decoder_forward": "ccft.core.decoder",
+        "full_forward": "ccft.core.decoder",
+        "exact_match": "ccft.evals.extract",
+        "extract_flexible": "ccft.evals.extract",
+        "extract_reference": "ccft.evals.extract",
+        "extract_strict": "ccft.evals.extract",
         "generate": "ccft.core.generation",
-        "mean_ci": "ccft.evals.stats", "paired_bootstrap_delta": "ccft.evals.stats",
+        "mean_ci": "ccft.evals.stats",
+        "paired_bootstrap_delta": "ccft.evals.stats",
         "response_nll_sum": "ccft.train.trainer",
     },
     "ccft.evals.report": {"MODE_ORDER": "ccft.core.modes:MODES"},  # 0.1 ccft.report
@@ -68,8 +82,12 @@ def moved_name_getattr(module: str) -> Callable[[str], Any]:
         if name in moved:
             where, _, attr = moved[name].partition(":")
             attr = attr or name
-            warnings.warn(f"{module}.{name} moved: import it from {where} ({where}.{attr}); the old name goes away "
-                          f"in ccft {REMOVED_IN}", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"{module}.{name} moved: import it from {where} ({where}.{attr}); the old name goes away "
+                f"in ccft {REMOVED_IN}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             return getattr(importlib.import_module(where), attr)
         if name in removed:
             raise AttributeError(f"{module}.{name} was removed in ccft 0.2; use {removed[name]}")

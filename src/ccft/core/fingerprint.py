@@ -20,9 +20,21 @@ import torch
 from ccft.core.errors import IncompatibleModelError
 
 _VOLATILE_CONFIG_KEYS = {
-    "dtype", "torch_dtype", "transformers_version", "_name_or_path", "name_or_path", "quantization_config",
-    "use_cache", "architectures", "_attn_implementation", "_attn_implementation_autoset", "output_attentions",
-    "output_hidden_states", "return_dict", "_commit_hash", "pad_token_id",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "_name_or_path",
+    "name_or_path",
+    "quantization_config",
+    "use_cache",
+    "architectures",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "_commit_hash",
+    "pad_token_id",
 }
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -42,8 +54,11 @@ def tokenizer_digest(tokenizer) -> str:
     """SHA-256 of a tokenizer's vocabulary, special tokens and chat template."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
-    blob = json.dumps({"vocab": vocab, "special": special, "chat_template": getattr(tokenizer, "chat_template", None)},
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        {"vocab": vocab, "special": special, "chat_template": getattr(tokenizer, "chat_template", None)},
+        sort_keys=True,
+        default=str,
+    )
     return _sha(blob.encode())
 
 
@@ -82,7 +97,11 @@ def fingerprint_folder(path: str | Path, tokenizer, model: torch.nn.Module | Non
     from transformers import AutoConfig
 
     folder = Path(path)
-    config = AutoConfig.from_pretrained(str(path)) if (folder / "config.json").is_file() or model is None else model.config
+    config = (
+        AutoConfig.from_pretrained(str(path))
+        if (folder / "config.json").is_file() or model is None
+        else model.config
+    )
     weights = weights_digest_files(folder)
     if weights is None:
         if model is None:
@@ -108,7 +127,9 @@ def _head_dim(cfg) -> int:
 
 def _rope(cfg) -> str:
     rope = getattr(cfg, "rope_parameters", None) or {
-        "rope_theta": getattr(cfg, "rope_theta", None), "rope_scaling": getattr(cfg, "rope_scaling", None)}
+        "rope_theta": getattr(cfg, "rope_theta", None),
+        "rope_scaling": getattr(cfg, "rope_scaling", None),
+    }
     return json.dumps(rope, sort_keys=True, default=str)
 
 

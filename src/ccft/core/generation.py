@@ -41,10 +41,20 @@ class Generation:
 
 
 @torch.no_grad()
-def decode_on_cache(model, tokenizer, cache: BaseCache, *, max_new_tokens: int = 256,
-                    stop: Sequence[str] | str | None = None, do_sample: bool = False, temperature: float = 1.0,
-                    top_p: float = 1.0, seed: int = 0, fingerprint: str | None = None,
-                    allow_self: bool = True) -> list[Generation]:
+def decode_on_cache(
+    model,
+    tokenizer,
+    cache: BaseCache,
+    *,
+    max_new_tokens: int = 256,
+    stop: Sequence[str] | str | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    fingerprint: str | None = None,
+    allow_self: bool = True,
+) -> list[Generation]:
     """Decode up to ``max_new_tokens`` per row with ``model`` on a prefix cache (one token per step).
 
     Stop strings and EOS are handled per row; the text is cut before the first stop string.
@@ -77,8 +87,9 @@ def decode_on_cache(model, tokenizer, cache: BaseCache, *, max_new_tokens: int =
     reason: list[str | None] = [None] * b
     texts: list[str | None] = [None] * b
     for step in range(max_new_tokens):
-        logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                       **{name: kv}).logits[:, -1]
+        logits = model(
+            input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: kv}
+        ).logits[:, -1]
         nxt = select_tokens(logits, params, gen).cpu()
         for i in range(b):
             if reason[i] is not None:
@@ -107,10 +118,23 @@ def decode_on_cache(model, tokenizer, cache: BaseCache, *, max_new_tokens: int =
     return result
 
 
-def generate(prompts: Sequence[Sequence[int]], *, mode: str, base=None, decoder: Decoder | None = None,
-             cache: BaseCache | None = None, handoff_tokens: int | None = None, max_new_tokens: int = 256,
-             stop: Sequence[str] | str | None = None, do_sample: bool = False, temperature: float = 1.0,
-             top_p: float = 1.0, seed: int = 0, batch_size: int = 16, progress: bool = False) -> list[Generation]:
+def generate(
+    prompts: Sequence[Sequence[int]],
+    *,
+    mode: str,
+    base=None,
+    decoder: Decoder | None = None,
+    cache: BaseCache | None = None,
+    handoff_tokens: int | None = None,
+    max_new_tokens: int = 256,
+    stop: Sequence[str] | str | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> list[Generation]:
     """Batched greedy or sampled generation in one of the four modes.
 
     Args:
@@ -141,9 +165,15 @@ def generate(prompts: Sequence[Sequence[int]], *, mode: str, base=None, decoder:
     results: list[Generation | None] = [None] * len(prompts)
     # Similar lengths together: less padding, and results do not depend on it (tests check batch 1 == batch 8).
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    kw = dict(max_new_tokens=max_new_tokens, stop=stop, do_sample=do_sample, temperature=temperature,
-              top_p=top_p, seed=seed)
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    kw = dict(
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+    )
     for chunk in tqdm(chunks, desc=f"generate [{mode}]", disable=not progress, leave=False):
         batch = [prompts[i] for i in chunk]
         if spec.shared_prefill:

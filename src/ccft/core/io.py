@@ -42,9 +42,11 @@ def atomic_write_file(path: str | Path, write: Callable[[str], None]) -> Path:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
+
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
+
     return atomic_write_file(path, write)
 
 
@@ -61,7 +63,9 @@ def save_figure(fig, path: str | Path, **savefig_kwargs) -> Path:
     return atomic_write_file(path, lambda tmp: fig.savefig(tmp, format=fmt, **savefig_kwargs))
 
 
-def atomic_write_dir(target: str | Path, write: Callable[[Path], None], *, keep_existing: bool = False) -> Path:
+def atomic_write_dir(
+    target: str | Path, write: Callable[[Path], None], *, keep_existing: bool = False
+) -> Path:
     """Call ``write(tmp_dir)`` then move ``tmp_dir`` to ``target`` as atomically as the OS allows.
 
     An existing ``target`` is replaced, or with ``keep_existing=True`` kept when it appeared meanwhile

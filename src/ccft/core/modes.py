@@ -73,9 +73,11 @@ def check_mode(mode: str, decoder) -> Mode:
         raise ConfigError(f"mode={mode!r} needs a decoder (--decoder PATH)")
     method = getattr(decoder, "method", None)
     if method is not None and method != m.decoder_method:
-        raise ConfigError(f"mode={mode!r} needs a decoder trained with method={m.decoder_method!r}, but this "
-                          f"decoder was trained with method={method!r}; use mode="
-                          f"{'prefillshare' if method == 'ccft' else 'full-ft or naive'}")
+        raise ConfigError(
+            f"mode={mode!r} needs a decoder trained with method={m.decoder_method!r}, but this "
+            f"decoder was trained with method={method!r}; use mode="
+            f"{'prefillshare' if method == 'ccft' else 'full-ft or naive'}"
+        )
     return m
 
 

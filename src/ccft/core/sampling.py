@@ -28,7 +28,6 @@ class SamplingParams:
     seed: int = 0
 
 
-
 @dataclass(frozen=True)
 class DecodeParams:
     """One request's decoding settings, passed whole from the HTTP schema through the scheduler to the engine
@@ -76,7 +75,7 @@ class DecodeParams:
     def for_choice(self, j: int) -> "DecodeParams":
         """Choice j of ``n``: sampling seeded with ``seed + j`` (mod 2**63), ``n`` = 1."""
         s = self.sampling
-        seed = (s.seed + j) % 2 ** 63 if s.do_sample else s.seed
+        seed = (s.seed + j) % 2**63 if s.do_sample else s.seed
         return dataclasses.replace(self, sampling=dataclasses.replace(s, seed=seed), n=1)
 
 
@@ -93,11 +92,19 @@ def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> tor
     return probs
 
 
-def select_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-                  ) -> torch.Tensor:
+def select_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Next token per row. ``logits`` ``(b, v)`` -> ids ``(b,)`` (long)."""
     if not params.do_sample:
         return logits.argmax(-1)
     probs = nucleus_probs(logits, params.temperature, params.top_p)
-    return torch.multinomial(probs.cpu() if generator is not None and generator.device.type == "cpu" else probs,
-                             1, generator=generator).squeeze(-1).to(logits.device)
+    return (
+        torch.multinomial(
+            probs.cpu() if generator is not None and generator.device.type == "cpu" else probs,
+            1,
+            generator=generator,
+        )
+        .squeeze(-1)
+        .to(logits.device)
+    )

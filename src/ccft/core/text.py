@@ -118,8 +118,8 @@ class TextStream:
         before = self._decode(self._prefix, self._read)
         now = self._decode(self._prefix, len(self.ids))
         if now.startswith(before):
-            return now[len(before):]
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)[len(self.text):]  # pragma: no cover
+            return now[len(before) :]
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)[len(self.text) :]  # pragma: no cover
 
     def _decode(self, a: int, b: int) -> str:
         return self.tokenizer.decode(self.ids[a:b], skip_special_tokens=True)
@@ -133,7 +133,7 @@ class TextStream:
         before = self._decode(self._prefix, self._read)
         now = self._decode(self._prefix, len(self.ids))
         if len(now) > len(before) and not now.endswith(_REPLACEMENT):
-            piece = now[len(before):]
+            piece = now[len(before) :]
             self._prefix, self._read = max(0, len(self.ids) - self._WINDOW), len(self.ids)
             # keep the invariant that ids[prefix:read] decodes to a suffix of the emitted text
             return piece

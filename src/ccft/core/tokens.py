@@ -24,6 +24,7 @@ IGNORE_INDEX = -100
 
 # ---------------------------------------------------------------- tokenising
 
+
 def use_chat_template(tokenizer, chat_template: bool | str) -> bool:
     has = bool(getattr(tokenizer, "chat_template", None))
     if chat_template == "auto":
@@ -43,22 +44,31 @@ def as_ids(out) -> list[int]:
 _TOOL_PROBE = "ccft_probe_function_4f2a"
 
 #: System text for templates without tool support (Hermes convention; see ccft.evals.tool_calls).
-TOOLS_SYSTEM_TEXT = ("You may call one or more functions to assist with the user query. The functions "
-                     "are described as JSON schemas within <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
-                     "To call a function, reply with a JSON object of its name and arguments within "
-                     "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, "
-                     "\"arguments\": <args-json-object>}}\n</tool_call>")
+TOOLS_SYSTEM_TEXT = (
+    "You may call one or more functions to assist with the user query. The functions "
+    "are described as JSON schemas within <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
+    "To call a function, reply with a JSON object of its name and arguments within "
+    '<tool_call></tool_call> tags:\n<tool_call>\n{{"name": <function-name>, '
+    '"arguments": <args-json-object>}}\n</tool_call>'
+)
 
 
 def _template_renders_tools(tokenizer) -> bool:
     """Does the chat template show a ``tools=`` list in the prompt? (Many, e.g. SmolLM2's, ignore it.)"""
     cached = getattr(tokenizer, "_ccft_renders_tools", None)
     if cached is None:
-        tool = {"type": "function", "function": {"name": _TOOL_PROBE, "description": "probe",
-                                                 "parameters": {"type": "object", "properties": {}}}}
+        tool = {
+            "type": "function",
+            "function": {
+                "name": _TOOL_PROBE,
+                "description": "probe",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
         try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[tool],
-                                                 tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tools=[tool], tokenize=False, add_generation_prompt=True
+            )
             cached = _TOOL_PROBE in text
         except Exception:  # noqa: BLE001 - a template that fails on tools does not support them
             cached = False
@@ -102,8 +112,11 @@ def _control_pattern(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
     cached = getattr(tokenizer, "_ccft_control_pattern", None)
     if cached is not None and cached[0] == key:
         return cached[1], controls
-    pattern = (re.compile("|".join(re.escape(t) for t in sorted(controls, key=len, reverse=True)))
-               if controls else None)
+    pattern = (
+        re.compile("|".join(re.escape(t) for t in sorted(controls, key=len, reverse=True)))
+        if controls
+        else None
+    )
     try:
         tokenizer._ccft_control_pattern = (key, pattern)
     except AttributeError:  # pragma: no cover - slotted tokenizer
@@ -132,25 +145,35 @@ def _control_text_error(field: str, found: str, why: str) -> DataError:
     return err
 
 
-def _refuse_control_text_outside_contents(messages: list[dict], tools: list | None, pattern: re.Pattern) -> None:
+def _refuse_control_text_outside_contents(
+    messages: list[dict], tools: list | None, pattern: re.Pattern
+) -> None:
     """Control-token text is allowed in string message contents only (tokenized there as plain text); in a
     role, another message field or a tool schema the template would render it into real control tokens."""
-    leaves = [(f"messages[{i}].{k}", v) for i, m in enumerate(messages) for k, v in m.items()
-              if not (k == "content" and isinstance(v, str))]
+    leaves = [
+        (f"messages[{i}].{k}", v)
+        for i, m in enumerate(messages)
+        for k, v in m.items()
+        if not (k == "content" and isinstance(v, str))
+    ]
     for path, value in leaves:
         for where, text in _string_leaves(value, path):
             found = pattern.search(text)
             if found:
-                raise _control_text_error(where, found.group(), "only message contents may hold it (as plain "
-                                                                 "text); remove it")
+                raise _control_text_error(
+                    where, found.group(), "only message contents may hold it (as plain text); remove it"
+                )
     for where, text in _string_leaves(tools or [], "tools"):
         found = pattern.search(text)
         if found:
-            raise _control_text_error(where, found.group(), "tool schemas are rendered as they are; remove it")
+            raise _control_text_error(
+                where, found.group(), "tool schemas are rendered as they are; remove it"
+            )
 
 
-def _chat_ids_markup_controls_only(tokenizer, messages: list[dict], kwargs: dict, text: str,
-                                   pattern: re.Pattern, controls: dict[str, int]) -> list[int]:
+def _chat_ids_markup_controls_only(
+    tokenizer, messages: list[dict], kwargs: dict, text: str, pattern: re.Pattern, controls: dict[str, int]
+) -> list[int]:
     """Ids of the rendered chat ``text`` where only the template's markup yields control tokens.
 
     The template is rendered again with a unique marker in place of each message content; the markers
@@ -179,15 +202,17 @@ def _chat_ids_markup_controls_only(tokenizer, messages: list[dict], kwargs: dict
         pos = 0
         for mt in find.finditer(skeleton):
             content = contents[mt.group()]
-            pieces += [(skeleton[pos:mt.start()], False), (content.strip() if trim else content, True)]
+            pieces += [(skeleton[pos : mt.start()], False), (content.strip() if trim else content, True)]
             pos = mt.end()
         pieces.append((skeleton[pos:], False))
         if "".join(p for p, _ in pieces) == text:
             break
     else:
         found = next(pattern.search(c).group() for c in contents.values() if pattern.search(c))
-        raise DataError(f"a message content holds control-token text {found!r} and this chat template changes "
-                        "message contents, so ccft cannot keep it plain text; remove it from the message")
+        raise DataError(
+            f"a message content holds control-token text {found!r} and this chat template changes "
+            "message contents, so ccft cannot keep it plain text; remove it from the message"
+        )
     ids: list[int] = []
     plain: list[str] = []
 
@@ -203,7 +228,7 @@ def _chat_ids_markup_controls_only(tokenizer, messages: list[dict], kwargs: dict
             continue
         pos = 0
         for mt in pattern.finditer(piece):
-            plain.append(piece[pos:mt.start()])
+            plain.append(piece[pos : mt.start()])
             flush()
             ids.append(controls[mt.group()])
             pos = mt.end()
@@ -212,8 +237,14 @@ def _chat_ids_markup_controls_only(tokenizer, messages: list[dict], kwargs: dict
     return ids
 
 
-def tokenize_prompt(tokenizer, prompt: str | list[dict], *, chat_template: bool | str = "auto",
-                    system_prompt: str | None = None, tools: list | None = None) -> list[int]:
+def tokenize_prompt(
+    tokenizer,
+    prompt: str | list[dict],
+    *,
+    chat_template: bool | str = "auto",
+    system_prompt: str | None = None,
+    tools: list | None = None,
+) -> list[int]:
     """Token ids of a prompt exactly as training and inference see it (docs/design.md, "Token boundary").
 
     ``prompt`` is a string (one user turn when a chat template is used) or a list of chat messages
@@ -245,8 +276,9 @@ def tokenize_prompt(tokenizer, prompt: str | list[dict], *, chat_template: bool 
         if pattern is not None:
             _refuse_control_text_outside_contents(messages, tools, pattern)
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-        if pattern is not None and any(isinstance(m.get("content"), str) and pattern.search(m["content"])
-                                       for m in messages):
+        if pattern is not None and any(
+            isinstance(m.get("content"), str) and pattern.search(m["content"]) for m in messages
+        ):
             ids = _chat_ids_markup_controls_only(tokenizer, messages, kwargs, text, pattern, controls)
         else:  # every control token of the text is the template's: the tokenizer's own split is the rule
             ids = as_ids(tokenizer(text, add_special_tokens=False))
@@ -270,11 +302,13 @@ def tokenize_response(tokenizer, response: str) -> list[int]:
     """
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no eos_token; set tokenizer.eos_token before building data")
-    return as_ids(tokenizer(response, add_special_tokens=False, split_special_tokens=True)) + [tokenizer.eos_token_id]
-
+    return as_ids(tokenizer(response, add_special_tokens=False, split_special_tokens=True)) + [
+        tokenizer.eos_token_id
+    ]
 
 
 # ---------------------------------------------------------------- padding
+
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad id lists -> ``ids (b, s)``, ``mask (b, s)`` (1 = real token)."""
@@ -283,12 +317,14 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids, mask
 
 
-def right_pad(seqs: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def right_pad(
+    seqs: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad id lists -> ``ids (b, s)``, ``mask (b, s)``."""
     width = width or max((len(s) for s in seqs), default=0)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -300,6 +336,7 @@ def right_pad(seqs: Sequence[Sequence[int]], pad_id: int, width: int | None = No
 
 
 # ---------------------------------------------------------------- special ids
+
 
 def pad_token_id(tokenizer) -> int:
     """The id used for padding: the tokenizer's pad id, else its EOS id, else 0.
@@ -326,7 +363,11 @@ def eos_token_ids(tokenizer, model=None) -> set[int]:
 def strip_duplicate_bos(ids: list[int], bos_token_id: int | None) -> list[int]:
     """Drop leading BOS repeats (a template that writes BOS plus a tokenizer that adds one): keep one."""
     start = 0
-    while bos_token_id is not None and len(ids) - start >= 2 and ids[start] == bos_token_id \
-            and ids[start + 1] == bos_token_id:
+    while (
+        bos_token_id is not None
+        and len(ids) - start >= 2
+        and ids[start] == bos_token_id
+        and ids[start + 1] == bos_token_id
+    ):
         start += 1
     return ids[start:]

@@ -36,7 +36,15 @@ from ccft.core.io import display_path
 from ccft.evals.task_base import EnvironmentCheckError, Item, Task, data_rows
 from ccft.evals.tool_calls import format_tool_call, openai_tool, parse_tool_calls
 
-__all__ = ["CHECKER_PINS", "BFCLMultipleTask", "calls_offered_function", "checker_python", "run_checker", "setup_checker_env", "tasks"]
+__all__ = [
+    "CHECKER_PINS",
+    "BFCLMultipleTask",
+    "calls_offered_function",
+    "checker_python",
+    "run_checker",
+    "setup_checker_env",
+    "tasks",
+]
 
 #: What ``setup`` installs into the checker environment (torch pinned to the CPU build ccft uses;
 #: soundfile: qwen-agent, imported by bfcl-eval's model table, needs it but does not declare it).
@@ -46,7 +54,7 @@ MODEL_NAME = "gorilla-openfunctions-v2"  # a BFCL model entry whose function nam
 
 _REPO = Path(__file__).resolve().parents[3]
 
-_CHECKER = r'''
+_CHECKER = r"""
 import json, sys
 from bfcl_eval.eval_checker.ast_eval.ast_checker import ast_checker
 from bfcl_eval.constants.enums import Language
@@ -62,7 +70,7 @@ for line in sys.stdin:
         except Exception as e:
             out.append({"valid": False, "error": [repr(e)], "error_type": "checker_exception"})
     print("CCFT-BFCL-RESULT " + json.dumps(out), flush=True)
-'''
+"""
 
 
 class _CheckerProcess:
@@ -70,10 +78,20 @@ class _CheckerProcess:
     # per batch. Closed at exit.
 
     def __init__(self, python: str):
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tempfile.gettempdir(),
-               "PYTHONDONTWRITEBYTECODE": "1", "BFCL_PROJECT_ROOT": tempfile.gettempdir()}
-        self.proc = subprocess.Popen([python, "-u", "-c", _CHECKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": tempfile.gettempdir(),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "BFCL_PROJECT_ROOT": tempfile.gettempdir(),
+        }
+        self.proc = subprocess.Popen(
+            [python, "-u", "-c", _CHECKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         first = self.proc.stdout.readline()
         if not first.startswith("CCFT-BFCL-READY"):
             err = self.proc.stderr.read()[-800:] if self.proc.poll() is not None else ""
@@ -86,7 +104,7 @@ class _CheckerProcess:
         line = self.proc.stdout.readline()
         if not line.startswith("CCFT-BFCL-RESULT "):
             raise EnvironmentCheckError(f"BFCL checker failed: {line!r}")
-        return json.loads(line[len("CCFT-BFCL-RESULT "):])
+        return json.loads(line[len("CCFT-BFCL-RESULT ") :])
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -108,8 +126,11 @@ def checker_python() -> str | None:
     """The interpreter with bfcl-eval: ``$CCFT_BFCL_PYTHON``, ``<repo>/.venv-bfcl``, or ``$CCFT_HOME/bfcl-venv``."""
     from ccft.core.models import ccft_home
 
-    candidates = [os.environ.get("CCFT_BFCL_PYTHON", ""), str(_REPO / ".venv-bfcl" / "bin" / "python"),
-                  str(ccft_home() / "bfcl-venv" / "bin" / "python")]
+    candidates = [
+        os.environ.get("CCFT_BFCL_PYTHON", ""),
+        str(_REPO / ".venv-bfcl" / "bin" / "python"),
+        str(ccft_home() / "bfcl-venv" / "bin" / "python"),
+    ]
     for c in candidates:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
@@ -125,8 +146,10 @@ def run_checker(jobs: list[dict], python: str | None = None) -> list[dict]:
     """
     python = python or checker_python()
     if python is None:
-        raise EnvironmentCheckError("BFCL checker environment not found; create it with "
-                                    "`python -m ccft.evals.bfcl setup` or set CCFT_BFCL_PYTHON")
+        raise EnvironmentCheckError(
+            "BFCL checker environment not found; create it with "
+            "`python -m ccft.evals.bfcl setup` or set CCFT_BFCL_PYTHON"
+        )
     with _PROCS_LOCK:
         proc = _PROCS.get(python)
         if proc is None or proc.proc.poll() is not None:
@@ -141,7 +164,9 @@ def setup_checker_env(venv: str | os.PathLike | None = None) -> str:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write("\n".join(CHECKER_CONSTRAINTS) + "\n")
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-c", f.name, *CHECKER_PINS], check=True)
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-c", f.name, *CHECKER_PINS], check=True
+    )
     os.unlink(f.name)
     return str(venv / "bin" / "python")
 
@@ -152,6 +177,7 @@ def _first_choice(answer: dict) -> dict:
     Takes the first acceptable value of each parameter ('' = optional, left out); nested
     dictionaries are possible-answer mappings themselves and resolve the same way.
     """
+
     def resolve(value):
         if isinstance(value, dict):
             return _first_choice(value)
@@ -184,18 +210,25 @@ class BFCLMultipleTask(Task):
     last_results: list = field(default_factory=list, repr=False, compare=False)
 
     def _load_all(self) -> list[Item]:
-        answers = {a["id"]: a["ground_truth"] for a in data_rows("bfcl/BFCL_v4_multiple.possible_answer.json")}
+        answers = {
+            a["id"]: a["ground_truth"] for a in data_rows("bfcl/BFCL_v4_multiple.possible_answer.json")
+        }
         items = []
         for r in data_rows("bfcl/BFCL_v4_multiple.json"):
             if len(r["question"]) != 1:
                 raise EnvironmentCheckError(f"BFCL {r['id']}: expected one turn, got {len(r['question'])}")
-            items.append(Item(id=r["id"], prompt=r["question"][0], reference=answers[r["id"]],
-                              metadata={"functions": r["function"],
-                                        "tools": [openai_tool(f) for f in r["function"]]}))
+            items.append(
+                Item(
+                    id=r["id"],
+                    prompt=r["question"][0],
+                    reference=answers[r["id"]],
+                    metadata={"functions": r["function"], "tools": [openai_tool(f) for f in r["function"]]},
+                )
+            )
         return items
 
     def reference_text(self, item: Item) -> str | None:
-        (name, args), = item.reference[0].items()
+        ((name, args),) = item.reference[0].items()
         return format_tool_call(name, _first_choice(args))
 
     def available(self) -> bool:
@@ -205,13 +238,20 @@ class BFCLMultipleTask(Task):
         if not self.available():
             return [{"available": 0.0} for _ in pairs]
         decoded = [parse_tool_calls(self.postprocess(item, gen)) for item, gen in pairs]
-        jobs = [{"functions": item.metadata["functions"], "decoded": d, "possible_answer": item.reference}
-                for (item, _), d in zip(pairs, decoded, strict=True)]
+        jobs = [
+            {"functions": item.metadata["functions"], "decoded": d, "possible_answer": item.reference}
+            for (item, _), d in zip(pairs, decoded, strict=True)
+        ]
         results = run_checker(jobs)
         self.last_results = results
-        return [{"accuracy": float(r["valid"]), "parsed": float(bool(d)),
-                 "offered_call": float(calls_offered_function(d, item.metadata["functions"]))}
-                for r, d, (item, _) in zip(results, decoded, pairs, strict=True)]
+        return [
+            {
+                "accuracy": float(r["valid"]),
+                "parsed": float(bool(d)),
+                "offered_call": float(calls_offered_function(d, item.metadata["functions"])),
+            }
+            for r, d, (item, _) in zip(results, decoded, pairs, strict=True)
+        ]
 
     def score(self, item: Item, generation: str) -> dict[str, float]:
         return self.score_many([(item, generation)])[0]
@@ -219,9 +259,12 @@ class BFCLMultipleTask(Task):
     def check_environment(self, limit: int | None = None) -> dict:
         """The checker accepts every reference call (first acceptable values) and rejects a wrong function."""
         python = checker_python()
-        report = {"task": self.name, "available": python is not None,
-                  "checker_python": display_path(python) if python else None,  # reports carry no machine path
-                  "checker_pins": list(CHECKER_PINS)}
+        report = {
+            "task": self.name,
+            "available": python is not None,
+            "checker_python": display_path(python) if python else None,  # reports carry no machine path
+            "checker_pins": list(CHECKER_PINS),
+        }
         if python is None:
             report.update(ok=True, reason="no checker environment: run `python -m ccft.evals.bfcl setup`")
             return report
@@ -231,8 +274,13 @@ class BFCLMultipleTask(Task):
         bad = self.score_many(wrong)
         failed = [it.id for it, s in zip(items, good, strict=True) if s["accuracy"] != 1.0]
         accepted_bad = [it.id for (it, _), s in zip(wrong, bad, strict=True) if s["accuracy"] != 0.0]
-        report.update(reference_passed=len(items) - len(failed), reference_total=len(items),
-                      reference_failed=failed, wrong_accepted=accepted_bad, ok=not failed and not accepted_bad)
+        report.update(
+            reference_passed=len(items) - len(failed),
+            reference_total=len(items),
+            reference_failed=failed,
+            wrong_accepted=accepted_bad,
+            ok=not failed and not accepted_bad,
+        )
         if not report["ok"]:
             raise EnvironmentCheckError(f"{self.name}: checker environment check failed: {report}")
         return report
@@ -250,14 +298,22 @@ def main(argv: list[str] | None = None) -> int:
     """
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m ccft.evals.bfcl",
-                                     description="BFCL v3 'multiple' tool-calling checker environment.")
+    parser = argparse.ArgumentParser(
+        prog="python -m ccft.evals.bfcl", description="BFCL v3 'multiple' tool-calling checker environment."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    setup = sub.add_parser("setup", help="create the checker virtual environment (bfcl-eval, pinned)",
-                           description="Create a virtual environment with the pinned BFCL checker "
-                                       f"({', '.join(CHECKER_PINS)}) and print its python.")
-    setup.add_argument("venv", nargs="?", default=None,
-                       help=f"folder of the virtual environment (default: {_REPO / '.venv-bfcl'})")
+    setup = sub.add_parser(
+        "setup",
+        help="create the checker virtual environment (bfcl-eval, pinned)",
+        description="Create a virtual environment with the pinned BFCL checker "
+        f"({', '.join(CHECKER_PINS)}) and print its python.",
+    )
+    setup.add_argument(
+        "venv",
+        nargs="?",
+        default=None,
+        help=f"folder of the virtual environment (default: {_REPO / '.venv-bfcl'})",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.venv is not None and Path(args.venv).exists() and not Path(args.venv).is_dir():
         parser.exit(2, f"{parser.prog} setup: error: {args.venv} is an existing file, not a folder\n")

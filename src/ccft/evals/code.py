@@ -49,7 +49,9 @@ class CodeTask(Task):
     def verdict(self, item: Item, result: ExecResult) -> bool:
         return result.passed
 
-    def score_many(self, pairs: Sequence[tuple[Item, str]], workers: int | None = None) -> list[dict[str, float]]:
+    def score_many(
+        self, pairs: Sequence[tuple[Item, str]], workers: int | None = None
+    ) -> list[dict[str, float]]:
         """Scores of many (item, generation) pairs, programs run in parallel sandboxes."""
         av = check_language(self.language)
         if not av.available:
@@ -68,17 +70,22 @@ class CodeTask(Task):
         scored = {k: v for k, v in per_item.items() if v and "passed" in v[0]}
         out.update(pass_at_k_summary(scored, key="passed"))
         if scored:
-            out["passed"] = sum(s["passed"] for v in scored.values() for s in v) / sum(len(v) for v in scored.values())
+            out["passed"] = sum(s["passed"] for v in scored.values() for s in v) / sum(
+                len(v) for v in scored.values()
+            )
         unavailable = len(per_item) - len(scored)
         if unavailable:
             out["unavailable_items"] = float(unavailable)
         out.update(sample_counts(per_item))
         return out
 
-    def per_item_scores(self, per_item: Mapping[str, Sequence[Mapping[str, float]]],
-                        metric: str | None = None) -> dict[str, float]:
+    def per_item_scores(
+        self, per_item: Mapping[str, Sequence[Mapping[str, float]]], metric: str | None = None
+    ) -> dict[str, float]:
         """pass@1 per item (= fraction of its samples that passed), for paired bootstraps."""
-        return {k: sum(s["passed"] for s in v) / len(v) for k, v in per_item.items() if v and "passed" in v[0]}
+        return {
+            k: sum(s["passed"] for s in v) / len(v) for k, v in per_item.items() if v and "passed" in v[0]
+        }
 
     def reference_text(self, item: Item) -> str | None:
         return item.reference if isinstance(item.reference, str) and item.reference else None

@@ -41,14 +41,26 @@ def demo_settings(ecfg, decoders: Mapping[str, Decoder], *, prompt_format: str =
     Raises:
         ConfigError: decoders with different ``handoff_tokens`` or prompt formats.
     """
-    return EvalSettings(limit=ecfg.nll_rows, generate_limit=ecfg.em_rows, max_new_tokens=ecfg.max_new_tokens,
-                        seed=ecfg.seed, handoff_tokens=shared_handoff(decoders.values()),
-                        prompt_format=resolve_prompt_format(prompt_format, decoders.values()))
+    return EvalSettings(
+        limit=ecfg.nll_rows,
+        generate_limit=ecfg.em_rows,
+        max_new_tokens=ecfg.max_new_tokens,
+        seed=ecfg.seed,
+        handoff_tokens=shared_handoff(decoders.values()),
+        prompt_format=resolve_prompt_format(prompt_format, decoders.values()),
+    )
 
 
-def evaluate_decoders(base, decoders: Mapping[str, Decoder], ecfg, out_dir: str | Path, *,
-                      decoder_paths: Mapping[str, str] | None = None, progress: bool = True,
-                      overwrite: bool = False) -> TaskResult:
+def evaluate_decoders(
+    base,
+    decoders: Mapping[str, Decoder],
+    ecfg,
+    out_dir: str | Path,
+    *,
+    decoder_paths: Mapping[str, str] | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> TaskResult:
     """Run ``ecfg.modes`` of ``ecfg.task`` into ``out_dir/TASK/`` (see the module docstring); resumes a folder.
 
     Args:
@@ -62,8 +74,17 @@ def evaluate_decoders(base, decoders: Mapping[str, Decoder], ecfg, out_dir: str 
     """
     task = get_task(ecfg.task)
     specs = mode_specs(ecfg.modes, decoders, decoder_paths)
-    return run_task(task, base, specs, out_dir, settings=demo_settings(ecfg, decoders), batch_size=ecfg.batch_size,
-                    progress=progress, overwrite=overwrite, n_resamples=ecfg.bootstrap)
+    return run_task(
+        task,
+        base,
+        specs,
+        out_dir,
+        settings=demo_settings(ecfg, decoders),
+        batch_size=ecfg.batch_size,
+        progress=progress,
+        overwrite=overwrite,
+        n_resamples=ecfg.bootstrap,
+    )
 
 
 __getattr__ = moved_name_getattr(__name__)  # 0.1 names: ccft.core.deprecation.MOVED_NAMES

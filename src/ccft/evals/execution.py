@@ -31,8 +31,16 @@ from dataclasses import dataclass, field
 
 from ccft.evals.sandbox import Limits, RunResult, Sandbox, isolation
 
-__all__ = ["LANGUAGES", "Availability", "ExecResult", "Language", "availability_table", "check_language",
-           "run_program", "run_programs"]
+__all__ = [
+    "LANGUAGES",
+    "Availability",
+    "ExecResult",
+    "Language",
+    "availability_table",
+    "check_language",
+    "run_program",
+    "run_programs",
+]
 
 
 @dataclass(frozen=True)
@@ -56,14 +64,19 @@ class Language:
     memory_mb: int = 1024
     compile_memory_mb: int = 2048
     compile_timeout_s: float = 60.0
-    max_procs: int = 64  # processes/threads of the run step (RLIMIT_NPROC); runtimes with thread pools need more
+    max_procs: int = (
+        64  # processes/threads of the run step (RLIMIT_NPROC); runtimes with thread pools need more
+    )
     fail_markers: tuple[str, ...] = ()  # a run whose stdout/stderr contains one of these fails
     version_cmd: tuple[str, ...] = ()
 
 
 def _javatuples() -> str:
-    for p in (os.environ.get("CCFT_JAVATUPLES_JAR", ""), "/usr/share/java/javatuples.jar",
-              "/usr/multiple/javatuples-1.2.jar"):
+    for p in (
+        os.environ.get("CCFT_JAVATUPLES_JAR", ""),
+        "/usr/share/java/javatuples.jar",
+        "/usr/multiple/javatuples-1.2.jar",
+    ):
         if p and os.path.isfile(p):
             return p
     return ""
@@ -75,7 +88,9 @@ def _rustc() -> str:
     if exe is None:
         return ""
     try:
-        root = subprocess.run([exe, "--print", "sysroot"], capture_output=True, text=True, timeout=30).stdout.strip()
+        root = subprocess.run(
+            [exe, "--print", "sysroot"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return exe
     real = os.path.join(root, "bin", "rustc")
@@ -85,72 +100,177 @@ def _rustc() -> str:
 #: Node.js runtimes (js, ts): where Debian and npm put global modules (lodash for MBXP); V8 reserves
 #: far more address space than it uses, so its memory limit is on the data segment; its thread pool
 #: needs more than the default process limit.
-_NODE = {"env": {"NODE_PATH": "/usr/share/nodejs:/usr/lib/node_modules:/usr/local/lib/node_modules"},
-         "memory_kind": "data", "memory_mb": 2048, "max_procs": 256}
+_NODE = {
+    "env": {"NODE_PATH": "/usr/share/nodejs:/usr/lib/node_modules:/usr/local/lib/node_modules"},
+    "memory_kind": "data",
+    "memory_mb": 2048,
+    "max_procs": 256,
+}
 
 LANGUAGES: dict[str, Language] = {
     "python": Language(
-        "python", "Python", "main.py", (), ("{python}", "{src}"), "assert sum([1, 2]) == 3\n",
-        version_cmd=("{python}", "--version")),
+        "python",
+        "Python",
+        "main.py",
+        (),
+        ("{python}", "{src}"),
+        "assert sum([1, 2]) == 3\n",
+        version_cmd=("{python}", "--version"),
+    ),
     "cpp": Language(
-        "cpp", "C++", "main.cpp", ("g++",), ("./main",),
+        "cpp",
+        "C++",
+        "main.cpp",
+        ("g++",),
+        ("./main",),
         "#include<assert.h>\n#include<bits/stdc++.h>\nint main() { std::vector<long> v{1, 2}; assert(v.size() == 2); }\n",
-        compile=("g++", "-std=c++17", "-O0", "-o", "main", "{src}"), version_cmd=("g++", "--version")),
+        compile=("g++", "-std=c++17", "-O0", "-o", "main", "{src}"),
+        version_cmd=("g++", "--version"),
+    ),
     "java": Language(
-        "java", "Java", "Problem.java", ("javac", "java"), ("java", "-ea", "-cp", ".:{javatuples}", "{main}"),
+        "java",
+        "Java",
+        "Problem.java",
+        ("javac", "java"),
+        ("java", "-ea", "-cp", ".:{javatuples}", "{main}"),
         "import org.javatuples.*;\nclass Problem {\n    public static void main(String[] args) {\n"
         "        Pair<Long, Long> p = Pair.with(1l, 2l);\n        assert(p.getValue0() == 1l);\n    }\n}\n",
         deps="org.javatuples (Debian libjavatuples-java)",
         compile=("javac", "-J-Xmx512m", "-encoding", "UTF8", "-cp", "{javatuples}", "-d", ".", "{src}"),
-        env={"JAVA_TOOL_OPTIONS": "-Xmx512m -XX:-UsePerfData -Xss8m"}, memory_kind="data", memory_mb=2048,
-        compile_memory_mb=3072, max_procs=256, version_cmd=("java", "-version")),
+        env={"JAVA_TOOL_OPTIONS": "-Xmx512m -XX:-UsePerfData -Xss8m"},
+        memory_kind="data",
+        memory_mb=2048,
+        compile_memory_mb=3072,
+        max_procs=256,
+        version_cmd=("java", "-version"),
+    ),
     "js": Language(
-        "js", "JavaScript", "main.js", ("node",), ("node", "{src}"),
+        "js",
+        "JavaScript",
+        "main.js",
+        ("node",),
+        ("node", "{src}"),
         "const assert = require('node:assert');\nconst _ = require('lodash');\nassert.deepEqual(_.isEqual([1], [1]), true);\n",
-        deps="lodash for MBXP tests (Debian node-lodash)", version_cmd=("node", "--version"), **_NODE),
+        deps="lodash for MBXP tests (Debian node-lodash)",
+        version_cmd=("node", "--version"),
+        **_NODE,
+    ),
     "ts": Language(
-        "ts", "TypeScript", "main.ts", ("tsc", "node"), ("node", "main.js"),
+        "ts",
+        "TypeScript",
+        "main.ts",
+        ("tsc", "node"),
+        ("node", "main.js"),
         "declare var require: any;\nconst assert = require('node:assert');\nassert.deepEqual([1, 2].length, 2);\n",
-        deps="tsc (Debian node-typescript)", compile=("tsc", "--target", "esnext", "--lib", "esnext", "{src}"),
-        compile_memory_mb=3072, version_cmd=("tsc", "--version"), **_NODE),
+        deps="tsc (Debian node-typescript)",
+        compile=("tsc", "--target", "esnext", "--lib", "esnext", "{src}"),
+        compile_memory_mb=3072,
+        version_cmd=("tsc", "--version"),
+        **_NODE,
+    ),
     "go": Language(
-        "go", "Go", "main_test.go", ("go",), ("go", "test", "{src}"),
-        "package probe_test\n\nimport \"testing\"\n\nfunc TestProbe(t *testing.T) {\n\tif 1+1 != 2 {\n\t\tt.Errorf(\"x\")\n\t}\n}\n",
-        env={"GOCACHE": "{workdir}/.gocache", "GOPATH": "{workdir}/go", "GOPROXY": "off", "GOFLAGS": "-mod=mod",
-             "GOTELEMETRY": "off", "CGO_ENABLED": "0"},
-        memory_kind="data", memory_mb=2048, max_procs=256, fail_markers=("FAIL",), version_cmd=("go", "version")),
+        "go",
+        "Go",
+        "main_test.go",
+        ("go",),
+        ("go", "test", "{src}"),
+        'package probe_test\n\nimport "testing"\n\nfunc TestProbe(t *testing.T) {\n\tif 1+1 != 2 {\n\t\tt.Errorf("x")\n\t}\n}\n',
+        env={
+            "GOCACHE": "{workdir}/.gocache",
+            "GOPATH": "{workdir}/go",
+            "GOPROXY": "off",
+            "GOFLAGS": "-mod=mod",
+            "GOTELEMETRY": "off",
+            "CGO_ENABLED": "0",
+        },
+        memory_kind="data",
+        memory_mb=2048,
+        max_procs=256,
+        fail_markers=("FAIL",),
+        version_cmd=("go", "version"),
+    ),
     "rs": Language(
-        "rs", "Rust", "main.rs", ("rustc",), ("./main",),
+        "rs",
+        "Rust",
+        "main.rs",
+        ("rustc",),
+        ("./main",),
         "fn main() {\n    let v: Vec<isize> = vec![1, 2];\n    assert_eq!(v.len(), 2);\n}\n",
-        compile=("{rustc}", "--edition", "2021", "-o", "main", "{src}"), version_cmd=("{rustc}", "--version")),
+        compile=("{rustc}", "--edition", "2021", "-o", "main", "{src}"),
+        version_cmd=("{rustc}", "--version"),
+    ),
     "php": Language(
-        "php", "PHP", "main.php", ("php",), ("php", "{src}"),
-        "<?php\nfunction f($x) { return $x + 1; }\nif (f(1) !== 2) { throw new Exception(\"x\"); }\n",
-        version_cmd=("php", "--version")),
+        "php",
+        "PHP",
+        "main.php",
+        ("php",),
+        ("php", "{src}"),
+        '<?php\nfunction f($x) { return $x + 1; }\nif (f(1) !== 2) { throw new Exception("x"); }\n',
+        version_cmd=("php", "--version"),
+    ),
     "rb": Language(
-        "rb", "Ruby", "main.rb", ("ruby",), ("ruby", "{src}"),
+        "rb",
+        "Ruby",
+        "main.rb",
+        ("ruby",),
+        ("ruby", "{src}"),
         "require 'test/unit'\nclass TestProbe < Test::Unit::TestCase\n  def test_probe\n    assert_equal(2, 1 + 1)\n  end\nend\n",
-        deps="test/unit (Debian ruby-test-unit)", version_cmd=("ruby", "--version")),
+        deps="test/unit (Debian ruby-test-unit)",
+        version_cmd=("ruby", "--version"),
+    ),
     "pl": Language(
-        "pl", "Perl", "main.pl", ("perl",), ("perl", "{src}"),
+        "pl",
+        "Perl",
+        "main.pl",
+        ("perl",),
+        ("perl", "{src}"),
         "use Test::Deep;\nuse Data::Compare;\nexit(eq_deeply([1, 2], [1, 2]) && Compare(1, 1) ? 0 : 1);\n",
         deps="Test::Deep (libtest-deep-perl); Data::Compare for MBXP (libdata-compare-perl)",
-        fail_markers=("ERROR",), version_cmd=("perl", "-e", "print $^V")),
+        fail_markers=("ERROR",),
+        version_cmd=("perl", "-e", "print $^V"),
+    ),
     "lua": Language(
-        "lua", "Lua", "main.lua", ("lua",), ("lua", "{src}"),
+        "lua",
+        "Lua",
+        "main.lua",
+        ("lua",),
+        ("lua", "{src}"),
         "lu = require('luaunit')\nfunction test_probe()\n    lu.assertEquals(1 + 1, 2)\nend\nos.exit(lu.LuaUnit.run())\n",
-        deps="luaunit (Debian lua-unit)", version_cmd=("lua", "-v")),
+        deps="luaunit (Debian lua-unit)",
+        version_cmd=("lua", "-v"),
+    ),
     "r": Language(
-        "r", "R", "main.r", ("Rscript",), ("Rscript", "{src}"),
-        "stopifnot(isTRUE(all.equal(1 + 1, 2)))\n", version_cmd=("Rscript", "--version")),
+        "r",
+        "R",
+        "main.r",
+        ("Rscript",),
+        ("Rscript", "{src}"),
+        "stopifnot(isTRUE(all.equal(1 + 1, 2)))\n",
+        version_cmd=("Rscript", "--version"),
+    ),
     "sh": Language(
-        "sh", "Bash", "main.sh", ("bash",), ("bash", "{src}"), "set -e\n[[ $((1 + 1)) = \"2\" ]]\n",
-        version_cmd=("bash", "--version")),
+        "sh",
+        "Bash",
+        "main.sh",
+        ("bash",),
+        ("bash", "{src}"),
+        'set -e\n[[ $((1 + 1)) = "2" ]]\n',
+        version_cmd=("bash", "--version"),
+    ),
 }
 
 #: MultiPL-E / MBXP language names -> ours.
-ALIASES = {"py": "python", "c++": "cpp", "javascript": "js", "typescript": "ts", "go_test.go": "go",
-           "rust": "rs", "ruby": "rb", "perl": "pl", "bash": "sh"}
+ALIASES = {
+    "py": "python",
+    "c++": "cpp",
+    "javascript": "js",
+    "typescript": "ts",
+    "go_test.go": "go",
+    "rust": "rs",
+    "ruby": "rb",
+    "perl": "pl",
+    "bash": "sh",
+}
 
 
 def language(name: str) -> Language:
@@ -174,7 +294,12 @@ class ExecResult:
     stdout: str = ""  # last 4,000 characters of the run step's stdout
 
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "status": self.status, "detail": self.detail, "language": self.language}
+        return {
+            "passed": self.passed,
+            "status": self.status,
+            "detail": self.detail,
+            "language": self.language,
+        }
 
 
 @dataclass(frozen=True)
@@ -186,8 +311,13 @@ class Availability:
     isolation: str = ""
 
     def to_dict(self) -> dict:
-        return {"language": self.language, "available": self.available, "version": self.version,
-                "reason": self.reason, "isolation": self.isolation}
+        return {
+            "language": self.language,
+            "available": self.available,
+            "version": self.version,
+            "reason": self.reason,
+            "isolation": self.isolation,
+        }
 
 
 def _fill(template: tuple[str, ...], subs: dict[str, str]) -> list[str]:
@@ -195,8 +325,14 @@ def _fill(template: tuple[str, ...], subs: dict[str, str]) -> list[str]:
 
 
 def _subs(lang: Language, workdir: str = "", main: str = "Problem") -> dict[str, str]:
-    return {"src": lang.filename, "python": sys.executable, "javatuples": _javatuples(), "rustc": _rustc(),
-            "main": main, "workdir": workdir}
+    return {
+        "src": lang.filename,
+        "python": sys.executable,
+        "javatuples": _javatuples(),
+        "rustc": _rustc(),
+        "main": main,
+        "workdir": workdir,
+    }
 
 
 def _verdict(lang: Language, res: RunResult) -> str:
@@ -218,8 +354,15 @@ def _expose(lang: Language) -> list[str]:
     return []
 
 
-def run_program(lang_name: str, source: str, *, timeout_s: float = 10.0, main_class: str = "Problem",
-                extra_files: dict[str, str | bytes] | None = None, check: bool = True) -> ExecResult:
+def run_program(
+    lang_name: str,
+    source: str,
+    *,
+    timeout_s: float = 10.0,
+    main_class: str = "Problem",
+    extra_files: dict[str, str | bytes] | None = None,
+    check: bool = True,
+) -> ExecResult:
     """Compile (if the language has a compile step) and run ``source`` in a fresh sandbox.
 
     ``timeout_s`` bounds the run step; compile steps get ``Language.compile_timeout_s``. With
@@ -241,23 +384,32 @@ def run_program(lang_name: str, source: str, *, timeout_s: float = 10.0, main_cl
         subs = _subs(lang, str(sb.path), main_class)
         env = {k: v.format(**subs) for k, v in lang.env.items()}
         if lang.compile is not None:
-            lim = Limits(timeout_s=lang.compile_timeout_s, memory_mb=lang.compile_memory_mb,
-                         memory_kind=lang.memory_kind, max_procs=256)
+            lim = Limits(
+                timeout_s=lang.compile_timeout_s,
+                memory_mb=lang.compile_memory_mb,
+                memory_kind=lang.memory_kind,
+                max_procs=256,
+            )
             res = sb.run(_fill(lang.compile, subs), limits=lim, env=env)
             steps.append({"step": "compile", "status": res.status, "returncode": res.returncode})
             if not res.ok:
                 status = "timeout" if res.timed_out else "compile_error"
                 return ExecResult(False, status, res.tail(), lang.name, steps)
-        lim = Limits(timeout_s=timeout_s, memory_mb=lang.memory_mb, memory_kind=lang.memory_kind,
-                     max_procs=lang.max_procs)
+        lim = Limits(
+            timeout_s=timeout_s,
+            memory_mb=lang.memory_mb,
+            memory_kind=lang.memory_kind,
+            max_procs=lang.max_procs,
+        )
         res = sb.run(_fill(lang.run, subs), limits=lim, env=env)
         steps.append({"step": "run", "status": res.status, "returncode": res.returncode})
         verdict = _verdict(lang, res)
         return ExecResult(verdict == "passed", verdict, res.tail(), lang.name, steps, res.stdout[-4000:])
 
 
-def run_programs(jobs: list[tuple[str, str]] | list[dict], *, workers: int | None = None,
-                 timeout_s: float = 10.0) -> list[ExecResult]:
+def run_programs(
+    jobs: list[tuple[str, str]] | list[dict], *, workers: int | None = None, timeout_s: float = 10.0
+) -> list[ExecResult]:
     """Run many programs in parallel (threads; each program is its own sandboxed process tree).
 
     ``jobs``: ``(language, source)`` pairs or dicts of :func:`run_program` keyword arguments
@@ -308,8 +460,13 @@ def check_language(name: str, refresh: bool = False) -> Availability:
         av = Availability(lang.name, False, "", f"missing: {', '.join(missing)}", level)
     else:
         res = run_program(lang.name, lang.probe, timeout_s=60, check=False)
-        reason = "" if res.passed else f"probe program {res.status}" + (f" (needs {lang.deps})" if lang.deps else "") \
+        reason = (
+            ""
+            if res.passed
+            else f"probe program {res.status}"
+            + (f" (needs {lang.deps})" if lang.deps else "")
             + f": {res.detail[-300:]}"
+        )
         av = Availability(lang.name, res.passed, _version(lang), reason, level)
     with _AVAIL_LOCK:
         _AVAIL[lang.name] = av
@@ -322,5 +479,3 @@ def availability_table(names: list[str] | None = None, workers: int | None = Non
     workers = workers or max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as ex:
         return list(ex.map(check_language, names))
-
-

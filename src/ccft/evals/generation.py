@@ -25,8 +25,19 @@ from ccft.evals.protocol import normalize_scores, score_extras, score_texts, tas
 from ccft.evals.scoring import Prepared, handle_nll
 from ccft.evals.settings import EvalSettings, ModeSpec
 
-__all__ = ["EvalMemo", "GroupPrefill", "JointGroup", "decode_group_jointly", "decode_groups_jointly", "decode_jointly",
-           "engine_generate", "generate_samples", "make_engine", "merge_samples", "producer_of"]
+__all__ = [
+    "EvalMemo",
+    "GroupPrefill",
+    "JointGroup",
+    "decode_group_jointly",
+    "decode_groups_jointly",
+    "decode_jointly",
+    "engine_generate",
+    "generate_samples",
+    "make_engine",
+    "merge_samples",
+    "producer_of",
+]
 
 
 def make_engine(base, modes: Sequence[ModeSpec], max_batch: int = 16):
@@ -62,8 +73,10 @@ def _decoder_name(engine, spec: ModeSpec) -> str:
         return BASE
     name = _registered_name(engine, spec.decoder)
     if name is None:
-        raise ConfigError(f"mode {spec.mode!r}: its decoder is not registered in this engine; build the engine "
-                          "with make_engine(base, modes) over the same ModeSpecs")
+        raise ConfigError(
+            f"mode {spec.mode!r}: its decoder is not registered in this engine; build the engine "
+            "with make_engine(base, modes) over the same ModeSpecs"
+        )
     return name
 
 
@@ -78,9 +91,21 @@ def producer_of(engine, spec: ModeSpec) -> str | None:
     return None if mode.shared_prefill or not mode.needs_decoder else _decoder_name(engine, spec)
 
 
-def engine_generate(engine, spec: ModeSpec, prompts: Sequence[Sequence[int]] | None, *, handoff_tokens: int,
-                    max_new_tokens: int, stop: Sequence[str], do_sample: bool, temperature: float, top_p: float,
-                    seed: int, handle=None, rows: Sequence[int] | None = None) -> list[Generation]:
+def engine_generate(
+    engine,
+    spec: ModeSpec,
+    prompts: Sequence[Sequence[int]] | None,
+    *,
+    handoff_tokens: int,
+    max_new_tokens: int,
+    stop: Sequence[str],
+    do_sample: bool,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    handle=None,
+    rows: Sequence[int] | None = None,
+) -> list[Generation]:
     """Generate ``prompts`` under ``spec.mode`` with a ``make_engine`` engine (the table in ``ccft.core.modes``):
     the base prefills (C_base) for ``base`` / ``naive`` / ``prefillshare``, the decoder itself for ``full-ft``;
     the base decodes for ``base``, ``spec.decoder`` otherwise.
@@ -94,12 +119,17 @@ def engine_generate(engine, spec: ModeSpec, prompts: Sequence[Sequence[int]] | N
     """
     name = _decoder_name(engine, spec)
     producer = producer_of(engine, spec)
-    params = DecodeParams(max_new_tokens=max_new_tokens, stop=stop, sampling=SamplingParams(
-        do_sample=do_sample, temperature=temperature, top_p=top_p, seed=seed))
+    params = DecodeParams(
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+        sampling=SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, seed=seed),
+    )
     if handle is not None:
         if handle.producer != (producer or "base"):
-            raise ConfigError(f"mode {spec.mode!r} decodes on the prefill of {producer or 'base'!r}, but this handle "
-                              f"was written by {handle.producer!r}")
+            raise ConfigError(
+                f"mode {spec.mode!r} decodes on the prefill of {producer or 'base'!r}, but this handle "
+                f"was written by {handle.producer!r}"
+            )
         return engine.generate(handle, decoder=name, params=params, rows=rows)
     with engine.prefill(prompts, handoff_tokens=handoff_tokens, producer=producer) as handle:
         return engine.generate(handle, decoder=name, params=params)
@@ -143,15 +173,26 @@ class GroupPrefill:
         """The engine ``PrefixHandle`` the mode's producer wrote over every prompt of the group."""
         producer = producer_of(self.engine, spec)
         if producer not in self._handles:
-            self._handles[producer] = self.engine.prefill(self._prompts, handoff_tokens=self.k, producer=producer)
+            self._handles[producer] = self.engine.prefill(
+                self._prompts, handoff_tokens=self.k, producer=producer
+            )
             self.prefills += 1
         return self._handles[producer]
 
-    def nll(self, spec: ModeSpec, items: Sequence[int], references: Sequence[Sequence[int]]) -> list[tuple[float, int]]:
+    def nll(
+        self, spec: ModeSpec, items: Sequence[int], references: Sequence[Sequence[int]]
+    ) -> list[tuple[float, int]]:
         """(summed NLL, tokens) of each reference after its item's prompt under ``spec.mode``, read from the
         mode's prefill of the group (``ccft.evals.scoring.handle_nll``)."""
-        return handle_nll(self.engine, self.handle(spec), self.rows(items), _decoder_name(self.engine, spec),
-                          [self._prompts[self._row[i]] for i in items], references, handoff_tokens=self.k)
+        return handle_nll(
+            self.engine,
+            self.handle(spec),
+            self.rows(items),
+            _decoder_name(self.engine, spec),
+            [self._prompts[self._row[i]] for i in items],
+            references,
+            handoff_tokens=self.k,
+        )
 
     def release(self, spec: ModeSpec) -> None:
         """Free the prefill ``spec.mode`` reads (when no later mode of the group needs it)."""
@@ -171,9 +212,13 @@ class GroupPrefill:
         self.close()
 
 
-def decode_jointly(engine, jobs: Sequence[tuple[object, str, Sequence[int], Sequence[str]]], *,
-                   max_new_tokens: int | Sequence[int], on_row: Callable[[], None] | None = None
-                   ) -> list[list[Generation]]:
+def decode_jointly(
+    engine,
+    jobs: Sequence[tuple[object, str, Sequence[int], Sequence[str]]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    on_row: Callable[[], None] | None = None,
+) -> list[list[Generation]]:
     """Greedy-decode several ``(handle, decoder name, rows, stop strings)`` jobs of a ``make_engine`` engine in the
     same engine steps (rows of different decoders and prefills side by side; each row is admitted as soon as
     its lane has a free slot). Per job, one ``Generation`` per row, equal to ``engine.generate`` of that job
@@ -185,7 +230,11 @@ def decode_jointly(engine, jobs: Sequence[tuple[object, str, Sequence[int], Sequ
     Raises:
         whatever a row's step raises (the call's other rows are aborted first).
     """
-    limits = [int(max_new_tokens)] * len(jobs) if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
+    limits = (
+        [int(max_new_tokens)] * len(jobs)
+        if isinstance(max_new_tokens, int)
+        else [int(m) for m in max_new_tokens]
+    )
     if len(limits) != len(jobs):
         raise ValueError(f"decode_jointly: {len(limits)} max_new_tokens for {len(jobs)} jobs")
     pending = [(j, r) for j, (_, _, rows, _) in enumerate(jobs) for r in rows]
@@ -197,14 +246,17 @@ def decode_jointly(engine, jobs: Sequence[tuple[object, str, Sequence[int], Sequ
             for j, r in pending:
                 handle, name, _, stop = jobs[j]
                 if engine.free_slots(name) > 0:
-                    mine[engine.add_request(handle, r, decoder=name, max_new_tokens=limits[j],
-                                            stop=list(stop))] = (j, r)
+                    mine[
+                        engine.add_request(handle, r, decoder=name, max_new_tokens=limits[j], stop=list(stop))
+                    ] = (j, r)
                 else:
                     waiting.append((j, r))
             pending = waiting
             if not mine:
-                raise ConfigError(f"decode_jointly: no free slot for any of {len(pending)} rows (max_batch="
-                                  f"{engine.max_batch} rows are active from other requests)")
+                raise ConfigError(
+                    f"decode_jointly: no free slot for any of {len(pending)} rows (max_batch="
+                    f"{engine.max_batch} rows are active from other requests)"
+                )
             for out in engine.step():
                 if out.finished and out.request_id in mine:
                     results[mine.pop(out.request_id)] = out.generation
@@ -230,8 +282,9 @@ class JointGroup:
     group: "GroupPrefill"
 
 
-def decode_groups_jointly(groups: Sequence[JointGroup], engine, memo: "EvalMemo", *,
-                          on_row: Callable[[], None] | None = None) -> int:
+def decode_groups_jointly(
+    groups: Sequence[JointGroup], engine, memo: "EvalMemo", *, on_row: Callable[[], None] | None = None
+) -> int:
     """Greedy generations of every group's modes' rows decoded in the same engine steps (``decode_jointly``) and
     put in ``memo`` (``ahead=True``), where ``generate_samples`` then finds them. One group's modes share the
     steps (a group of 10 items does not run four short, mostly empty batches), and several groups' too (the
@@ -268,8 +321,16 @@ def decode_groups_jointly(groups: Sequence[JointGroup], engine, memo: "EvalMemo"
     return sum(map(len, gens))
 
 
-def decode_group_jointly(task, specs: Sequence[ModeSpec], prep: Prepared, rows_by_mode: dict[str, Sequence[int]],
-                         settings: EvalSettings, engine, group: "GroupPrefill", memo: "EvalMemo") -> int:
+def decode_group_jointly(
+    task,
+    specs: Sequence[ModeSpec],
+    prep: Prepared,
+    rows_by_mode: dict[str, Sequence[int]],
+    settings: EvalSettings,
+    engine,
+    group: "GroupPrefill",
+    memo: "EvalMemo",
+) -> int:
     """``decode_groups_jointly`` of one group: every mode's ``rows_by_mode[mode]`` (indices into ``prep``, all in
     ``group``) decoded in the same engine steps and put in ``memo``. Returns the number of generations decoded.
 
@@ -351,9 +412,19 @@ class EvalMemo:
             self._ahead.add(key)
 
 
-def generate_samples(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[int], settings: EvalSettings, *,
-                     cache: BaseCache | None = None, engine=None, memo: EvalMemo | None = None,
-                     group: GroupPrefill | None = None) -> list[list[dict]]:
+def generate_samples(
+    task,
+    spec: ModeSpec,
+    base,
+    prep: Prepared,
+    rows: Sequence[int],
+    settings: EvalSettings,
+    *,
+    cache: BaseCache | None = None,
+    engine=None,
+    memo: EvalMemo | None = None,
+    group: GroupPrefill | None = None,
+) -> list[list[dict]]:
     """Generate and score items ``rows`` (indices into ``prep``) under ``spec.mode``.
 
     Args:
@@ -382,16 +453,37 @@ def generate_samples(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[
             todo = [j for j in js if known.get(j) is None]
             outs = {j: known[j] for j in js if known.get(j) is not None}
             if todo and engine is not None:
-                on = {} if group is None else {"handle": group.handle(spec),
-                                               "rows": group.rows([rows[j] for j in todo])}
-                gens = engine_generate(engine, spec, [prompts[j] for j in todo], handoff_tokens=k,
-                                       max_new_tokens=max_new, stop=list(stop), seed=settings.seed + s, **sampling,
-                                       **on)
+                on = (
+                    {}
+                    if group is None
+                    else {"handle": group.handle(spec), "rows": group.rows([rows[j] for j in todo])}
+                )
+                gens = engine_generate(
+                    engine,
+                    spec,
+                    [prompts[j] for j in todo],
+                    handoff_tokens=k,
+                    max_new_tokens=max_new,
+                    stop=list(stop),
+                    seed=settings.seed + s,
+                    **sampling,
+                    **on,
+                )
             elif todo:
                 c = cache.select(todo) if cache is not None and len(todo) < len(rows) else cache
-                gens = generate([prompts[j] for j in todo], mode=spec.mode, base=base, decoder=spec.decoder, cache=c,
-                                handoff_tokens=k, max_new_tokens=max_new, stop=list(stop), seed=settings.seed + s,
-                                batch_size=len(todo), **sampling)
+                gens = generate(
+                    [prompts[j] for j in todo],
+                    mode=spec.mode,
+                    base=base,
+                    decoder=spec.decoder,
+                    cache=c,
+                    handoff_tokens=k,
+                    max_new_tokens=max_new,
+                    stop=list(stop),
+                    seed=settings.seed + s,
+                    batch_size=len(todo),
+                    **sampling,
+                )
             for j, g in zip(todo, gens if todo else [], strict=True):
                 outs[j] = (g.text, g.finish_reason, len(g.token_ids))
                 if memo is not None:
@@ -399,8 +491,12 @@ def generate_samples(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[
             raws = score_texts(task, [(prep.items[rows[j]], outs[j][0]) for j in js])
             for j, raw in zip(js, raws, strict=True):
                 text, finish, n_new = outs[j]
-                sample = {"text": text, "finish_reason": finish, "new_tokens": n_new,
-                          "scores": normalize_scores(raw)}
+                sample = {
+                    "text": text,
+                    "finish_reason": finish,
+                    "new_tokens": n_new,
+                    "scores": normalize_scores(raw),
+                }
                 extra = score_extras(raw)
                 if extra:
                     sample["score_details"] = extra
@@ -414,7 +510,10 @@ def merge_samples(record: dict, samples: Sequence[dict]) -> dict:
     record.update(samples[0])
     if len(samples) > 1:
         keys = sorted({k for x in samples for k in x["scores"]})
-        record["scores"] = {k: sum(x["scores"][k] for x in samples if k in x["scores"])
-                            / max(1, sum(k in x["scores"] for x in samples)) for k in keys}
+        record["scores"] = {
+            k: sum(x["scores"][k] for x in samples if k in x["scores"])
+            / max(1, sum(k in x["scores"] for x in samples))
+            for k in keys
+        }
         record["samples"] = list(samples)
     return record

@@ -38,16 +38,25 @@ class GSM8KTask(Task):
 
     def _load_all(self) -> list[Item]:
         rows = read_jsonl(RESOURCES / "gsm8k" / "test.jsonl")
-        return [Item(id=f"gsm8k/test/{i}", prompt=r["question"], reference=r["answer"],
-                     metadata={"answer": extract_reference(r["answer"])}) for i, r in enumerate(rows)]
+        return [
+            Item(
+                id=f"gsm8k/test/{i}",
+                prompt=r["question"],
+                reference=r["answer"],
+                metadata={"answer": extract_reference(r["answer"])},
+            )
+            for i, r in enumerate(rows)
+        ]
 
     def score(self, item: Item, generation: str) -> dict[str, float]:
         text = self.postprocess(item, generation)
         ref = item.metadata["answer"]
         strict = extract_strict(text)
-        return {"exact_match_strict": float(exact_match(strict, ref)),
-                "exact_match_flexible": float(exact_match(extract_flexible(text), ref)),
-                "answer_format": float(strict is not None)}
+        return {
+            "exact_match_strict": float(exact_match(strict, ref)),
+            "exact_match_flexible": float(exact_match(extract_flexible(text), ref)),
+            "answer_format": float(strict is not None),
+        }
 
 
 def tasks() -> list[Task]:

@@ -35,12 +35,27 @@ from ccft.core.errors import DataError
 from ccft.evals.extract import FLEX_NUMBER, normalize_number
 from ccft.evals.task_base import Item, Task, data_rows
 
-__all__ = ["ABSTAIN", "PERTURBATION_TYPES", "GSMPlusTask", "abstains", "extract_plus_flexible",
-           "extract_plus_strict", "parse_answer", "tasks"]
+__all__ = [
+    "ABSTAIN",
+    "PERTURBATION_TYPES",
+    "GSMPlusTask",
+    "abstains",
+    "extract_plus_flexible",
+    "extract_plus_strict",
+    "parse_answer",
+    "tasks",
+]
 
-PERTURBATION_TYPES = ("numerical substitution", "digit expansion", "integer-decimal-fraction conversion",
-                      "adding operation", "reversing operation", "problem understanding",
-                      "distraction insertion", "critical thinking")
+PERTURBATION_TYPES = (
+    "numerical substitution",
+    "digit expansion",
+    "integer-decimal-fraction conversion",
+    "adding operation",
+    "reversing operation",
+    "problem understanding",
+    "distraction insertion",
+    "critical thinking",
+)
 
 
 class _Abstain:
@@ -53,14 +68,33 @@ class _Abstain:
 ABSTAIN = _Abstain()
 
 # GSM-Plus's abstention phrases (scripts/utils/extract_ans.py, extract_pred_ans_none), lower case.
-_ABSTAIN_PHRASES = ("does not provide enough information", "does not specify", "does not provide",
-                    "can't provide", "can not provide", "don't know", "do not know", "doesn't specify",
-                    "not specify", "not mention", "doesn't mention", "don't have enough information",
-                    "do not have enough", "not provide", "doesn't provide", "cannot calculate",
-                    "can't calculate", "can't determine", "cannot determine", "missing necessary information")
+_ABSTAIN_PHRASES = (
+    "does not provide enough information",
+    "does not specify",
+    "does not provide",
+    "can't provide",
+    "can not provide",
+    "don't know",
+    "do not know",
+    "doesn't specify",
+    "not specify",
+    "not mention",
+    "doesn't mention",
+    "don't have enough information",
+    "do not have enough",
+    "not provide",
+    "doesn't provide",
+    "cannot calculate",
+    "can't calculate",
+    "can't determine",
+    "cannot determine",
+    "missing necessary information",
+)
 _NONE_WORD = re.compile(r"\bnone\b")
 _FRACTION = "[-\u2212]?\\$?[0-9]+/[0-9]+(?![0-9/])"
-_STRICT_PLUS = re.compile("#### \\$?(none\\b|[-\u2212]?[0-9]+/[0-9]+(?![0-9/])|[-\u2212]?[0-9.,]+)", re.IGNORECASE)
+_STRICT_PLUS = re.compile(
+    "#### \\$?(none\\b|[-\u2212]?[0-9]+/[0-9]+(?![0-9/])|[-\u2212]?[0-9.,]+)", re.IGNORECASE
+)
 _FLEX_PLUS = re.compile(f"(?P<frac>{_FRACTION})|(?P<num>{FLEX_NUMBER.pattern})")
 
 
@@ -121,11 +155,15 @@ def score_generation(text: str, reference: Fraction | _Abstain) -> dict[str, flo
     if reference is ABSTAIN:
         says_none = abstains(text) or strict is ABSTAIN
         committed = isinstance(strict, Fraction)
-        return {"exact_match_strict": float(says_none and not committed),
-                "exact_match_flexible": float(says_none)} | form
+        return {
+            "exact_match_strict": float(says_none and not committed),
+            "exact_match_flexible": float(says_none),
+        } | form
     flexible = extract_plus_flexible(text)
-    return {"exact_match_strict": float(isinstance(strict, Fraction) and strict == reference),
-            "exact_match_flexible": float(flexible is not None and flexible == reference)} | form
+    return {
+        "exact_match_strict": float(isinstance(strict, Fraction) and strict == reference),
+        "exact_match_flexible": float(flexible is not None and flexible == reference),
+    } | form
 
 
 @dataclass
@@ -146,11 +184,22 @@ class GSMPlusTask(Task):
             ptype = r["perturbation_type"]
             if ptype not in PERTURBATION_TYPES:
                 raise DataError(f"GSM-Plus row {i}: unknown perturbation type {ptype!r}")
-            items.append(Item(id=f"gsm-plus/{i}", prompt=r["question"], reference=r["solution"],
-                              metadata={"answer": r["answer"], "perturbation_type": ptype,
-                                        "seed_answer": r["seed_answer"]}))
+            items.append(
+                Item(
+                    id=f"gsm-plus/{i}",
+                    prompt=r["question"],
+                    reference=r["solution"],
+                    metadata={
+                        "answer": r["answer"],
+                        "perturbation_type": ptype,
+                        "seed_answer": r["seed_answer"],
+                    },
+                )
+            )
         # Interleave types so that a limit covers every type evenly (row i of each type in turn).
-        by_type = {t: [it for it in items if it.metadata["perturbation_type"] == t] for t in PERTURBATION_TYPES}
+        by_type = {
+            t: [it for it in items if it.metadata["perturbation_type"] == t] for t in PERTURBATION_TYPES
+        }
         width = max(len(v) for v in by_type.values())
         return [by_type[t][j] for j in range(width) for t in PERTURBATION_TYPES if j < len(by_type[t])]
 

@@ -46,12 +46,21 @@ from ccft.evals.execution import check_language, run_programs
 from ccft.evals.sandbox import Limits, Sandbox
 from ccft.evals.task_base import EnvironmentCheckError, Item, data_dir, data_rows
 
-__all__ = ["HUMANEVAL_STOP", "HumanEvalPlusTask", "HumanEvalTask", "defines_entry_point", "extract_code_block", "tasks"]
+__all__ = [
+    "HUMANEVAL_STOP",
+    "HumanEvalPlusTask",
+    "HumanEvalTask",
+    "defines_entry_point",
+    "extract_code_block",
+    "tasks",
+]
 
 HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\n@", "\nprint", "\nif", "\n```")
 _PASS_MARK = "CCFT-PASS-"
-_CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete function (signature "
-                     "included) in one ```python code block.\n\n```python\n{prompt}```")
+_CHAT_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function (signature "
+    "included) in one ```python code block.\n\n```python\n{prompt}```"
+)
 _FENCE = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
 
 
@@ -70,8 +79,10 @@ def defines_entry_point(code: str, entry_point: str) -> bool:
         tree = ast.parse(code)
     except (SyntaxError, ValueError, MemoryError, RecursionError):  # ValueError: NUL bytes in the source
         return False
-    return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry_point
-               for node in tree.body)
+    return any(
+        isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry_point
+        for node in tree.body
+    )
 
 
 @dataclass
@@ -96,8 +107,15 @@ class HumanEvalTask(CodeTask):
         return data_rows(self.file)
 
     def _load_all(self) -> list[Item]:
-        return [Item(id=r["task_id"], prompt=r["prompt"], reference=r["canonical_solution"],
-                     metadata={"entry_point": r["entry_point"], "test": r["test"]}) for r in self._rows()]
+        return [
+            Item(
+                id=r["task_id"],
+                prompt=r["prompt"],
+                reference=r["canonical_solution"],
+                metadata={"entry_point": r["entry_point"], "test": r["test"]},
+            )
+            for r in self._rows()
+        ]
 
     def prompt_text(self, item: Item):
         if self.prompt_style == "chat":
@@ -110,15 +128,18 @@ class HumanEvalTask(CodeTask):
             return item.prompt + completion
         code = extract_code_block(completion)
         if re.search(rf"^def {re.escape(item.metadata['entry_point'])}\s*\(", code, re.MULTILINE):
-            imports = "".join(line + "\n" for line in item.prompt.splitlines()
-                              if line.startswith(("import ", "from ")))
+            imports = "".join(
+                line + "\n" for line in item.prompt.splitlines() if line.startswith(("import ", "from "))
+            )
             return imports + code
         return item.prompt + code
 
     def build_program(self, item: Item, completion: str) -> tuple[str, dict]:
         nonce = secrets.token_hex(8)
-        src = (self.completion_code(item, completion) + "\n\n" + item.metadata["test"] + "\n\n"
-               f"check({item.metadata['entry_point']})\nprint({_PASS_MARK + nonce!r})\n")
+        src = (
+            self.completion_code(item, completion) + "\n\n" + item.metadata["test"] + "\n\n"
+            f"check({item.metadata['entry_point']})\nprint({_PASS_MARK + nonce!r})\n"
+        )
         return src, {"nonce": nonce}
 
     def score_many(self, pairs, workers=None):
@@ -134,10 +155,16 @@ class HumanEvalTask(CodeTask):
             jobs.append(kw)
         results = run_programs(jobs, workers=workers or self.workers or None)
         self.last_results = results
-        compiles = [defines_entry_point(self.completion_code(item, self.postprocess(item, gen)),
-                                        item.metadata["entry_point"]) for item, gen in pairs]
-        return [{"passed": float(r.passed and r.stdout.rstrip().endswith(_PASS_MARK + n)), "compiles": float(c)}
-                for r, n, c in zip(results, nonces, compiles, strict=True)]
+        compiles = [
+            defines_entry_point(
+                self.completion_code(item, self.postprocess(item, gen)), item.metadata["entry_point"]
+            )
+            for item, gen in pairs
+        ]
+        return [
+            {"passed": float(r.passed and r.stdout.rstrip().endswith(_PASS_MARK + n)), "compiles": float(c)}
+            for r, n, c in zip(results, nonces, compiles, strict=True)
+        ]
 
     def item_timeout(self, item: Item) -> float:
         return self.timeout_s
@@ -153,14 +180,27 @@ class HumanEvalTask(CodeTask):
         failed = [it.id for it, s in zip(items, scores, strict=True) if s["passed"] != 1.0]
         bad = self.score_many([(it, "    raise NotImplementedError\n") for it in items[:5]])
         passing_bad = [it.id for it, s in zip(items[:5], bad, strict=True) if s["passed"] != 0.0]
-        report = {"task": self.name, "language": "python", "version": av.version, "isolation": av.isolation,
-                  "canonical_passed": len(items) - len(failed), "canonical_total": len(items),
-                  "canonical_failed": failed, "known_bad_passed": passing_bad,
-                  "ok": not failed and not passing_bad}
+        report = {
+            "task": self.name,
+            "language": "python",
+            "version": av.version,
+            "isolation": av.isolation,
+            "canonical_passed": len(items) - len(failed),
+            "canonical_total": len(items),
+            "canonical_failed": failed,
+            "known_bad_passed": passing_bad,
+            "ok": not failed and not passing_bad,
+        }
         if not report["ok"]:
-            details = [r.detail[-300:] for r, s in zip(self.last_results, scores, strict=True) if s.get("passed") != 1.0][:3]
-            raise EnvironmentCheckError(f"{self.name}: canonical solutions failed in this environment: {failed[:10]} "
-                                        f"known-bad passing: {passing_bad}; e.g. {details}")
+            details = [
+                r.detail[-300:]
+                for r, s in zip(self.last_results, scores, strict=True)
+                if s.get("passed") != 1.0
+            ][:3]
+            raise EnvironmentCheckError(
+                f"{self.name}: canonical solutions failed in this environment: {failed[:10]} "
+                f"known-bad passing: {passing_bad}; e.g. {details}"
+            )
         return report
 
     def _canonical_pairs(self, items: list[Item]) -> list[tuple[Item, str]]:
@@ -171,7 +211,7 @@ class HumanEvalTask(CodeTask):
 
 # ------------------------------------------------------------------ HumanEval+
 
-_PLUS_DRIVER = r'''
+_PLUS_DRIVER = r"""
 
 import pickle as _ccft_pickle, copy as _ccft_copy, math as _ccft_math
 
@@ -225,9 +265,9 @@ def _ccft_check(fn, entry_point, atol):
         if isinstance(exp, (list, tuple)):
             assert len(out) == len(exp), ("length", i)
         assert _ccft_allclose(out, exp, tol), ("allclose", i)
-'''
+"""
 
-_GT_DRIVER = r'''
+_GT_DRIVER = r"""
 
 import pickle as _ccft_pickle, copy as _ccft_copy, time as _ccft_time
 with open("inputs.pkl", "rb") as _f:
@@ -237,7 +277,7 @@ _ccft_out = [{entry_point}(*_ccft_copy.deepcopy(inp)) for inp in _ccft_inputs]
 _ccft_dt = _ccft_time.perf_counter() - _ccft_t0
 with open("expected.pkl", "wb") as _f:
     _ccft_pickle.dump((_ccft_out, _ccft_dt), _f)
-'''
+"""
 
 
 @dataclass
@@ -250,10 +290,21 @@ class HumanEvalPlusTask(HumanEvalTask):
     _expected: dict = field(default_factory=dict, repr=False, compare=False)
 
     def _load_all(self) -> list[Item]:
-        return [Item(id=r["task_id"], prompt=r["prompt"], reference=r["canonical_solution"],
-                     metadata={"entry_point": r["entry_point"], "test": r["test"], "atol": r["atol"] or 0,
-                               "inputs": r["base_input"] + r["plus_input"], "n_base": len(r["base_input"])})
-                for r in self._rows()]
+        return [
+            Item(
+                id=r["task_id"],
+                prompt=r["prompt"],
+                reference=r["canonical_solution"],
+                metadata={
+                    "entry_point": r["entry_point"],
+                    "test": r["test"],
+                    "atol": r["atol"] or 0,
+                    "inputs": r["base_input"] + r["plus_input"],
+                    "n_base": len(r["base_input"]),
+                },
+            )
+            for r in self._rows()
+        ]
 
     # -- expected outputs (ground truth), computed once in the sandbox and cached on disk
     def _cache_path(self) -> Path:
@@ -291,8 +342,10 @@ class HumanEvalPlusTask(HumanEvalTask):
             sb.write("inputs.pkl", pickle.dumps(item.metadata["inputs"]))
             res = sb.run([sys.executable, "main.py"], limits=Limits(timeout_s=120, memory_mb=4096))
             if not res.ok:
-                raise EnvironmentCheckError(f"{item.id}: the canonical solution failed on the EvalPlus inputs "
-                                            f"({res.status}): {res.tail(400)}")
+                raise EnvironmentCheckError(
+                    f"{item.id}: the canonical solution failed on the EvalPlus inputs "
+                    f"({res.status}): {res.tail(400)}"
+                )
             out, dt = pickle.loads((sb.path / "expected.pkl").read_bytes())
         return out, dt
 
@@ -303,9 +356,13 @@ class HumanEvalPlusTask(HumanEvalTask):
     def build_program(self, item: Item, completion: str) -> tuple[str, dict]:
         nonce = secrets.token_hex(8)
         out, _ = self.expected([item])[item.id]
-        src = (self.completion_code(item, completion) + "\n" + _PLUS_DRIVER +
-               f"\n_ccft_check({item.metadata['entry_point']}, {item.metadata['entry_point']!r}, "
-               f"{float(item.metadata['atol'])!r})\nprint({_PASS_MARK + nonce!r})\n")
+        src = (
+            self.completion_code(item, completion)
+            + "\n"
+            + _PLUS_DRIVER
+            + f"\n_ccft_check({item.metadata['entry_point']}, {item.metadata['entry_point']!r}, "
+            f"{float(item.metadata['atol'])!r})\nprint({_PASS_MARK + nonce!r})\n"
+        )
         blob = pickle.dumps((item.metadata["inputs"], out))
         return src, {"nonce": nonce, "extra_files": {"inputs.pkl": blob}}
 

@@ -56,7 +56,9 @@ def _pick_device(device) -> torch.device:
     if want.startswith("cuda") and not torch.cuda.is_available():
         import warnings
 
-        warnings.warn(f"lm-eval model ccft: device={want!r} but CUDA is not available; using the CPU", stacklevel=3)
+        warnings.warn(
+            f"lm-eval model ccft: device={want!r} but CUDA is not available; using the CPU", stacklevel=3
+        )
         want = "cpu"
     return torch.device(want)
 
@@ -67,27 +69,43 @@ class CCFTLM(TemplateLM):
 
     backend = "causal"
 
-    def __init__(self, base: str | None = None, decoder: str | None = None, mode: str = "prefillshare",
-                 dtype: str = "float32", device: str | None = "cpu", batch_size: Any = 8,
-                 max_batch_size: Any = None, max_length: int | None = None, max_gen_toks: int = 256,
-                 add_bos_token: bool = False, **kwargs):
+    def __init__(
+        self,
+        base: str | None = None,
+        decoder: str | None = None,
+        mode: str = "prefillshare",
+        dtype: str = "float32",
+        device: str | None = "cpu",
+        batch_size: Any = 8,
+        max_batch_size: Any = None,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        add_bos_token: bool = False,
+        **kwargs,
+    ):
         super().__init__()
         from ccft.core.checkpoint import load_decoder, read_meta
         from ccft.core.models import DEFAULT_BASE, load_base
 
         unknown = {k: v for k, v in kwargs.items() if v is not None}
         if unknown:
-            raise ConfigError(f"lm-eval model ccft: unknown model_args {sorted(unknown)}; known: base, decoder, mode, "
-                              "dtype, device, batch_size, max_length, max_gen_toks, add_bos_token")
+            raise ConfigError(
+                f"lm-eval model ccft: unknown model_args {sorted(unknown)}; known: base, decoder, mode, "
+                "dtype, device, batch_size, max_length, max_gen_toks, add_bos_token"
+            )
         spec = get_mode(mode)
         if spec.needs_decoder and not decoder:
             raise ConfigError(f"mode={mode!r} needs decoder=PATH in --model_args")
         meta = read_meta(decoder) if decoder else {}
-        base_name = base or (meta.get("base", {}).get("path") or meta.get("base", {}).get("name")) or DEFAULT_BASE
+        base_name = (
+            base or (meta.get("base", {}).get("path") or meta.get("base", {}).get("name")) or DEFAULT_BASE
+        )
         self._device = _pick_device(device)
         self.base = load_base(base_name, dtype=dtype, device=self._device)
         # mode=base with a decoder: the decoder only names the base (and handoff_tokens); the base decodes
-        self.decoder = load_decoder(decoder, base=self.base, dtype=dtype) if decoder and spec.needs_decoder else None
+        self.decoder = (
+            load_decoder(decoder, base=self.base, dtype=dtype) if decoder and spec.needs_decoder else None
+        )
         self.spec = check_mode(mode, self.decoder)
         self.mode = mode
         self.handoff_tokens = int(meta.get("handoff_tokens", 1))
@@ -95,8 +113,11 @@ class CCFTLM(TemplateLM):
         self.batch_size = 8 if str(batch_size).startswith("auto") else int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = _as_bool(add_bos_token)
-        self._max_length = int(max_length) if max_length else int(
-            getattr(self.base.config, "max_position_embeddings", 2048) or 2048)
+        self._max_length = (
+            int(max_length)
+            if max_length
+            else int(getattr(self.base.config, "max_position_embeddings", 2048) or 2048)
+        )
 
     # -------------------------------------------------------------------- tokenizer plumbing
 
@@ -117,7 +138,9 @@ class CCFTLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return str(getattr(self.tokenizer, "name_or_path", "ccft")).replace("/", "__")
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None, **kwargs):
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None, **kwargs
+    ):
         special = self.add_bos_token if add_special_tokens is None else add_special_tokens
         ids = self.tokenizer(string, add_special_tokens=special)["input_ids"]
         return ids[-left_truncate_len:] if left_truncate_len else ids
@@ -126,8 +149,9 @@ class CCFTLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
     # -------------------------------------------------------------------- scoring
 
@@ -137,14 +161,15 @@ class CCFTLM(TemplateLM):
         k0 = self.handoff_tokens
         ks = [min(k0, len(c)) for c in contexts]
         prefixes = [c[: len(c) - k] for c, k in zip(contexts, ks, strict=True)]
-        tails = [c[len(c) - k:] + x for c, k, x in zip(contexts, ks, conts, strict=True)]
+        tails = [c[len(c) - k :] + x for c, k, x in zip(contexts, ks, conts, strict=True)]
         pad = pad_token_id(self.tokenizer)
         tail_ids, tail_mask = right_pad(tails, pad)
         tail_ids, tail_mask = tail_ids.to(self._device), tail_mask.to(self._device)
         if self.spec.shared_prefill:
             with self.base.base_weights() as model:
-                cache = ragged_prefill(model, prefixes, pad_token_id=pad, fingerprint=self.base.fingerprint,
-                                       producer="base")
+                cache = ragged_prefill(
+                    model, prefixes, pad_token_id=pad, fingerprint=self.base.fingerprint, producer="base"
+                )
             cache.check_reader(self.decoder.fingerprint, self.decoder.dtype)
             logits = decoder_forward(self.decoder, cache, tail_ids, tail_mask)
         else:
@@ -159,12 +184,14 @@ class CCFTLM(TemplateLM):
         out = []
         for i, (k, x) in enumerate(zip(ks, conts, strict=True)):
             # tail token j is predicted by logit j-1; the continuation occupies tail positions k .. k+len(x)-1
-            lp = logp[i, k - 1: k - 1 + len(x)]
+            lp = logp[i, k - 1 : k - 1 + len(x)]
             target = torch.tensor(x, device=lp.device)
             out.append((float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))
         return out
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
         rows = []
         for i, (_key, ctx, cont) in enumerate(requests):
             ctx, cont = list(ctx), list(cont)
@@ -172,15 +199,16 @@ class CCFTLM(TemplateLM):
                 raise ConfigError("loglikelihood request with an empty continuation")
             over = len(ctx) + len(cont) - self.max_length
             if over > 0:  # left-truncate the context, keep at least one token of it
-                ctx = ctx[min(over, len(ctx) - 1):]
+                ctx = ctx[min(over, len(ctx) - 1) :]
             rows.append((i, ctx, cont))
         rows.sort(key=lambda r: -(len(r[1]) + len(r[2])))
         results: list[tuple[float, bool] | None] = [None] * len(rows)
         bar = tqdm(total=len(rows), desc=f"loglikelihood [ccft {self.mode}]", disable=disable_tqdm)
         for s in range(0, len(rows), self.batch_size):
-            chunk = rows[s:s + self.batch_size]
-            for (i, _, _), r in zip(chunk, self._batch_logprobs([c for _, c, _ in chunk], [x for _, _, x in chunk]),
-                                    strict=True):
+            chunk = rows[s : s + self.batch_size]
+            for (i, _, _), r in zip(
+                chunk, self._batch_logprobs([c for _, c, _ in chunk], [x for _, _, x in chunk]), strict=True
+            ):
                 results[i] = r
                 key = requests[i][0]
                 if key is not None:
@@ -195,9 +223,15 @@ class CCFTLM(TemplateLM):
         out = []
         for req in tqdm(requests, desc=f"loglikelihood_rolling [ccft {self.mode}]", disable=disable_tqdm):
             (string,) = req.args
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                max_seq_len=self.max_length, context_len=1)]
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
             scores = self._loglikelihood_tokens([(None, c, x) for c, x in windows], disable_tqdm=True)
             total = sum(s for s, _ in scores)
             out.append(total)
@@ -227,16 +261,29 @@ class CCFTLM(TemplateLM):
                 ids = self.tok_encode(requests[i].args[0])
                 room = self.max_length - max_new
                 prompts.append(ids[-room:] if room > 0 and len(ids) > room else ids)
-            short = [requests[i].args[0][:40] for i, p in zip(idx, prompts, strict=True)
-                     if len(p) < self.handoff_tokens + 1]
+            short = [
+                requests[i].args[0][:40]
+                for i, p in zip(idx, prompts, strict=True)
+                if len(p) < self.handoff_tokens + 1
+            ]
             if short:
-                raise ConfigError(f"contexts shorter than handoff_tokens+1={self.handoff_tokens + 1} tokens: {short}")
+                raise ConfigError(
+                    f"contexts shorter than handoff_tokens+1={self.handoff_tokens + 1} tokens: {short}"
+                )
             for s in range(0, len(idx), self.batch_size):
-                sub = idx[s:s + self.batch_size]
-                gens = generate(prompts[s:s + self.batch_size], mode=self.mode, base=self.base,
-                                decoder=self.decoder, max_new_tokens=max_new,
-                                stop=until, do_sample=do_sample, temperature=temperature or 1.0, top_p=top_p,
-                                batch_size=len(sub))
+                sub = idx[s : s + self.batch_size]
+                gens = generate(
+                    prompts[s : s + self.batch_size],
+                    mode=self.mode,
+                    base=self.base,
+                    decoder=self.decoder,
+                    max_new_tokens=max_new,
+                    stop=until,
+                    do_sample=do_sample,
+                    temperature=temperature or 1.0,
+                    top_p=top_p,
+                    batch_size=len(sub),
+                )
                 for i, g in zip(sub, gens, strict=True):
                     results[i] = g.text
                     self.cache_hook.add_partial("generate_until", requests[i].args, g.text)

@@ -35,39 +35,87 @@ from ccft.evals.code import CodeTask
 from ccft.evals.execution import check_language, language, run_programs
 from ccft.evals.task_base import EnvironmentCheckError, Item, data_rows
 
-__all__ = ["FIXTURES", "MBXP_FILES", "MULTIPL_E_LANGUAGES", "MultiPLETask", "language_stop", "mbxp_canonical_jobs",
-           "tasks"]
+__all__ = [
+    "FIXTURES",
+    "MBXP_FILES",
+    "MULTIPL_E_LANGUAGES",
+    "MultiPLETask",
+    "language_stop",
+    "mbxp_canonical_jobs",
+    "tasks",
+]
 
 MULTIPL_E_LANGUAGES = ("cpp", "java", "js", "ts", "go", "rs", "php", "rb", "pl", "lua", "r", "sh")
 
 #: Hand-written completions of HumanEval_53_add (``add(x, y)``): (passing, failing, raw generation
 #: that includes the stop string and more text, which must pass after truncation).
 FIXTURES: dict[str, tuple[str, str, str]] = {
-    "cpp": ("\n    return x + y;", "\n    return x - y;", "\n    return x + y;\n}\n\nlong unused() {\n    return 0;\n}\n"),
-    "java": ("\n        return x + y;", "\n        return x - y;",
-             "\n        return x + y;\n    }\n    public static long unused() { return 0l; }\n}\n"),
-    "js": ("\n  return x + y;\n}\n", "\n  return x - y;\n}\n", "\n  return x + y;\n}\n\nfunction unused() {}\n"),
-    "ts": ("\n  return x + y;\n}\n", "\n  return x - y;\n}\n", "\n  return x + y;\n}\n\nfunction unused() {}\n"),
-    "go": ("\n    return x + y\n}\n", "\n    return x - y\n}\n", "\n    return x + y\n}\n\nfunc unused() {}\n"),
+    "cpp": (
+        "\n    return x + y;",
+        "\n    return x - y;",
+        "\n    return x + y;\n}\n\nlong unused() {\n    return 0;\n}\n",
+    ),
+    "java": (
+        "\n        return x + y;",
+        "\n        return x - y;",
+        "\n        return x + y;\n    }\n    public static long unused() { return 0l; }\n}\n",
+    ),
+    "js": (
+        "\n  return x + y;\n}\n",
+        "\n  return x - y;\n}\n",
+        "\n  return x + y;\n}\n\nfunction unused() {}\n",
+    ),
+    "ts": (
+        "\n  return x + y;\n}\n",
+        "\n  return x - y;\n}\n",
+        "\n  return x + y;\n}\n\nfunction unused() {}\n",
+    ),
+    "go": (
+        "\n    return x + y\n}\n",
+        "\n    return x - y\n}\n",
+        "\n    return x + y\n}\n\nfunc unused() {}\n",
+    ),
     "rs": ("\n    x + y", "\n    x - y", "\n    x + y\n}\n\nfn unused() {}\n"),
-    "php": ("\n    return $x + $y;\n}\n", "\n    return $x - $y;\n}\n", "\n    return $x + $y;\n}\n\nfunction unused() {}\n"),
+    "php": (
+        "\n    return $x + $y;\n}\n",
+        "\n    return $x - $y;\n}\n",
+        "\n    return $x + $y;\n}\n\nfunction unused() {}\n",
+    ),
     "rb": ("\n  x + y\nend\n", "\n  x - y\nend\n", "\n  x + y\nend\n\ndef unused\nend\n"),
-    "pl": ("\n    return $x + $y;\n}\n", "\n    return $x - $y;\n}\n", "\n    return $x + $y;\n}\n\nsub unused { }\n"),
-    "lua": ("\n    return x + y\nend\n", "\n    return x - y\nend\n", "\n    return x + y\nend\n\nlocal function unused() end\n"),
+    "pl": (
+        "\n    return $x + $y;\n}\n",
+        "\n    return $x - $y;\n}\n",
+        "\n    return $x + $y;\n}\n\nsub unused { }\n",
+    ),
+    "lua": (
+        "\n    return x + y\nend\n",
+        "\n    return x - y\nend\n",
+        "\n    return x + y\nend\n\nlocal function unused() end\n",
+    ),
     "r": ("\n    x + y\n}\n", "\n    x - y\n}\n", "\n    x + y\n}\n# trailing comment\nunused <- 1\n"),
-    "sh": ("\n    echo $(( $1 + $2 ))", "\n    echo $(( $1 - $2 ))", "\n    echo $(( $1 + $2 ))\n}\n\nunused() {\n    :\n}\n"),
+    "sh": (
+        "\n    echo $(( $1 + $2 ))",
+        "\n    echo $(( $1 - $2 ))",
+        "\n    echo $(( $1 + $2 ))\n}\n\nunused() {\n    :\n}\n",
+    ),
 }
 FIXTURE_PROBLEM = "HumanEval_53_add"
 
 #: MBXP files with canonical solutions, per language (CC-BY-4.0, ccft/evals/data/mbxp).
-MBXP_FILES = {"java": "mbjp_release_v1.2.jsonl", "js": "mbjsp_release_v1.2.jsonl",
-              "php": "mbphp_release_v1.2.jsonl", "rb": "mbrbp_release_v1.2.jsonl"}
+MBXP_FILES = {
+    "java": "mbjp_release_v1.2.jsonl",
+    "js": "mbjsp_release_v1.2.jsonl",
+    "php": "mbphp_release_v1.2.jsonl",
+    "rb": "mbrbp_release_v1.2.jsonl",
+}
 
 
 #: MBXP canonical solutions that fail in any environment (checked here on the first 40 problems of
 #: js/php/rb and 25 of java): they use a parameter name that differs from the signature's
 #: (``testTup1`` vs ``testtup1``) — upstream data bugs, skipped and listed, not environment faults.
-MBXP_KNOWN_BROKEN = frozenset({"MBJSP/2", "MBJSP/18", "MBJSP/26", "MBJSP/29", "MBJSP/37", "MBPHP/26", "MBPHP/37"})
+MBXP_KNOWN_BROKEN = frozenset(
+    {"MBJSP/2", "MBJSP/18", "MBJSP/26", "MBJSP/29", "MBJSP/37", "MBPHP/26", "MBPHP/37"}
+)
 
 
 @lru_cache(maxsize=None)
@@ -84,8 +132,10 @@ def language_stop(lang: str) -> tuple[str, ...]:
     """
     found = {tuple(r["stop_tokens"]) for r in _rows(lang)}
     if len(found) != 1:
-        raise DataError(f"multipl-e-{lang}: the rows' stop_tokens differ ({sorted(found)}); expected one set "
-                        f"per language as in MultiPL-E's data")
+        raise DataError(
+            f"multipl-e-{lang}: the rows' stop_tokens differ ({sorted(found)}); expected one set "
+            f"per language as in MultiPL-E's data"
+        )
     return found.pop()
 
 
@@ -124,9 +174,15 @@ class MultiPLETask(CodeTask):
             self.stop = language_stop(self.language)
 
     def _load_all(self) -> list[Item]:
-        return [Item(id=r["name"], prompt=r["prompt"], reference=None,
-                     metadata={"tests": r["tests"], "stop": tuple(r["stop_tokens"]), "language": self.language})
-                for r in _rows(self.language)]
+        return [
+            Item(
+                id=r["name"],
+                prompt=r["prompt"],
+                reference=None,
+                metadata={"tests": r["tests"], "stop": tuple(r["stop_tokens"]), "language": self.language},
+            )
+            for r in _rows(self.language)
+        ]
 
     def build_program(self, item: Item, completion: str) -> tuple[str, dict]:
         return item.prompt + completion + "\n" + item.metadata["tests"], {}
@@ -150,8 +206,14 @@ class MultiPLETask(CodeTask):
         Raises EnvironmentCheckError if the language is available but a check fails.
         """
         av = check_language(self.language)
-        report = {"task": self.name, "language": self.language, "available": av.available,
-                  "version": av.version, "reason": av.reason, "isolation": av.isolation}
+        report = {
+            "task": self.name,
+            "language": self.language,
+            "available": av.available,
+            "version": av.version,
+            "reason": av.reason,
+            "isolation": av.isolation,
+        }
         if not av.available:
             report["ok"] = True
             return report
@@ -163,13 +225,22 @@ class MultiPLETask(CodeTask):
         mbxp = mbxp_canonical_jobs(self.language, limit)
         mbxp_results = run_programs([kw for _, kw in mbxp]) if mbxp else []
         mbxp_failed = [tid for (tid, _), r in zip(mbxp, mbxp_results, strict=True) if not r.passed]
-        report.update(fixtures={"pass": fixture_scores[0]["passed"], "fail": fixture_scores[1]["passed"],
-                                "raw_generation": fixture_scores[2]["passed"]},
-                      mbxp_canonical_passed=len(mbxp) - len(mbxp_failed), mbxp_canonical_total=len(mbxp),
-                      mbxp_canonical_failed=mbxp_failed, ok=fixtures_ok and not mbxp_failed)
+        report.update(
+            fixtures={
+                "pass": fixture_scores[0]["passed"],
+                "fail": fixture_scores[1]["passed"],
+                "raw_generation": fixture_scores[2]["passed"],
+            },
+            mbxp_canonical_passed=len(mbxp) - len(mbxp_failed),
+            mbxp_canonical_total=len(mbxp),
+            mbxp_canonical_failed=mbxp_failed,
+            ok=fixtures_ok and not mbxp_failed,
+        )
         if not report["ok"]:
             details = [r.detail[-300:] for r in (self.last_results + mbxp_results) if not r.passed][:2]
-            raise EnvironmentCheckError(f"{self.name}: execution environment check failed: {report}; e.g. {details}")
+            raise EnvironmentCheckError(
+                f"{self.name}: execution environment check failed: {report}; e.g. {details}"
+            )
         return report
 
 
@@ -177,6 +248,11 @@ def tasks() -> list[MultiPLETask]:
     out = []
     for lang in MULTIPL_E_LANGUAGES:
         language(lang)  # every task language has a toolchain spec
-        out.append(MultiPLETask(name=f"multipl-e-{lang}", language=lang,
-                                data=f"ccft/evals/data/multipl_e_humaneval/humaneval-{lang}.jsonl"))
+        out.append(
+            MultiPLETask(
+                name=f"multipl-e-{lang}",
+                language=lang,
+                data=f"ccft/evals/data/multipl_e_humaneval/humaneval-{lang}.jsonl",
+            )
+        )
     return out

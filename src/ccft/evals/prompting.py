@@ -55,8 +55,11 @@ class PromptFormat:
 
     def describe(self) -> str:
         """One line for result files and reports."""
-        template = {"auto": "the tokenizer's chat template when it has one", True: "the tokenizer's chat template",
-                    False: "no chat template (plain text)"}[self.chat_template]
+        template = {
+            "auto": "the tokenizer's chat template when it has one",
+            True: "the tokenizer's chat template",
+            False: "no chat template (plain text)",
+        }[self.chat_template]
         system = f"system prompt {self.system_prompt!r}" if self.system_prompt else "no system prompt"
         return f"the decoders' training format: {template}, {system}"
 
@@ -72,8 +75,13 @@ def prompt_ids(task, tokenizer, item, prompt_format: PromptFormat | None = None)
     from ccft.core.tokens import tokenize_prompt
 
     tools = (getattr(item, "metadata", None) or {}).get("tools")
-    return tokenize_prompt(tokenizer, task.prompt_text(item), chat_template=prompt_format.chat_template,
-                           system_prompt=prompt_format.system_prompt, tools=tools)
+    return tokenize_prompt(
+        tokenizer,
+        task.prompt_text(item),
+        chat_template=prompt_format.chat_template,
+        system_prompt=prompt_format.system_prompt,
+        tools=tools,
+    )
 
 
 def resolve_prompt_format(choice: str, decoders: Iterable) -> PromptFormat | None:
@@ -90,9 +98,14 @@ def resolve_prompt_format(choice: str, decoders: Iterable) -> PromptFormat | Non
         raise ConfigError(f"prompt format {choice!r}; use one of {', '.join(PROMPT_FORMAT_CHOICES)}")
     if choice == "task":
         return None
-    formats = {PromptFormat.from_recipe(d.meta["recipe"]) for d in decoders
-               if d is not None and isinstance(d.meta.get("recipe"), Mapping) and d.meta["recipe"]}
+    formats = {
+        PromptFormat.from_recipe(d.meta["recipe"])
+        for d in decoders
+        if d is not None and isinstance(d.meta.get("recipe"), Mapping) and d.meta["recipe"]
+    }
     if len(formats) > 1:
-        raise ConfigError(f"the decoders were trained on prompts rendered differently ({sorted(map(str, formats))}); "
-                          "evaluate them in separate runs, or pass --prompt-format task")
+        raise ConfigError(
+            f"the decoders were trained on prompts rendered differently ({sorted(map(str, formats))}); "
+            "evaluate them in separate runs, or pass --prompt-format task"
+        )
     return formats.pop() if formats else None

@@ -21,8 +21,21 @@ from typing import Any, Sequence
 
 from ccft.core.errors import ConfigError
 
-__all__ = ["accepts_arg", "get_task", "item_id", "normalize_scores", "primary_metric_of", "score_extras", "secondary_metric_of",
-           "score_texts", "stop_setting", "task_description", "task_name", "task_names", "task_stop"]
+__all__ = [
+    "accepts_arg",
+    "get_task",
+    "item_id",
+    "normalize_scores",
+    "primary_metric_of",
+    "score_extras",
+    "secondary_metric_of",
+    "score_texts",
+    "stop_setting",
+    "task_description",
+    "task_name",
+    "task_names",
+    "task_stop",
+]
 
 
 def get_task(name: str, **overrides):
@@ -95,7 +108,9 @@ def normalize_scores(scores) -> dict[str, float]:
         return {"score": float(scores)}
     if hasattr(scores, "items"):
         return {str(k): float(v) for k, v in scores.items() if isinstance(v, (bool, int, float))}
-    raise TypeError(f"task.score returned {type(scores).__name__}; return a dict of numbers, a number or a bool")
+    raise TypeError(
+        f"task.score returned {type(scores).__name__}; return a dict of numbers, a number or a bool"
+    )
 
 
 def score_extras(scores) -> dict:
@@ -118,7 +133,9 @@ def score_texts(task, pairs: Sequence[tuple[Any, str]]) -> list:
     if hasattr(task, "score_many"):
         out = list(task.score_many(list(pairs)))
         if len(out) != len(pairs):
-            raise RuntimeError(f"task {task_name(task)}: score_many returned {len(out)} scores for {len(pairs)} texts")
+            raise RuntimeError(
+                f"task {task_name(task)}: score_many returned {len(out)} scores for {len(pairs)} texts"
+            )
         return out
     return [task.score(item, text) for item, text in pairs]
 

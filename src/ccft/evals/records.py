@@ -34,7 +34,9 @@ def summarize_records(records: Sequence[dict], task=None, *, n_resamples: int = 
         out.update(nll=m["mean"], nll_ci=list(m["ci"]), nll_n=len(nll))
         weighted = [r for r in records if r.get("nll") is not None and "nll_sum" in r]
         if len(weighted) == len(nll):  # NLL over all response tokens pooled (rows weighted by length)
-            out["nll_token_weighted"] = sum(r["nll_sum"] for r in weighted) / max(1, sum(r["nll_tokens"] for r in weighted))
+            out["nll_token_weighted"] = sum(r["nll_sum"] for r in weighted) / max(
+                1, sum(r["nll_tokens"] for r in weighted)
+            )
     scored = [r for r in records if "scores" in r]
     if scored:
         metrics: dict[str, dict] = {}
@@ -48,8 +50,10 @@ def summarize_records(records: Sequence[dict], task=None, *, n_resamples: int = 
         out["truncated"] = sum(r.get("finish_reason") == "length" for r in scored)
         if task is not None and hasattr(task, "aggregate"):
             try:
-                per_item = {r["id"]: [x["scores"] for x in r["samples"]] if "samples" in r else [r["scores"]]
-                            for r in scored}
+                per_item = {
+                    r["id"]: [x["scores"] for x in r["samples"]] if "samples" in r else [r["scores"]]
+                    for r in scored
+                }
                 agg = task.aggregate(per_item)
                 out["task_aggregate"] = agg if isinstance(agg, dict) else {"value": agg}
             except Exception as e:  # a task's own aggregate must not lose the run's numbers
@@ -57,8 +61,13 @@ def summarize_records(records: Sequence[dict], task=None, *, n_resamples: int = 
     return out
 
 
-def paired_deltas_by_id(per_mode: dict[str, Sequence[dict]], reference: str = REFERENCE_MODE, *,
-                        n_resamples: int = 2000, seed: int = 0) -> dict:
+def paired_deltas_by_id(
+    per_mode: dict[str, Sequence[dict]],
+    reference: str = REFERENCE_MODE,
+    *,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> dict:
     """Paired-bootstrap deltas (mode − reference) of NLL and every metric, on the items both modes finished."""
     if reference not in per_mode:
         return {}
@@ -69,22 +78,32 @@ def paired_deltas_by_id(per_mode: dict[str, Sequence[dict]], reference: str = RE
             continue
         d: dict[str, Any] = {}
         pairs = [(r, ref[r["id"]]) for r in recs if r["id"] in ref]
-        nll = [(a["nll"], b["nll"]) for a, b in pairs if a.get("nll") is not None and b.get("nll") is not None]
+        nll = [
+            (a["nll"], b["nll"]) for a, b in pairs if a.get("nll") is not None and b.get("nll") is not None
+        ]
         if nll:
-            p = paired_bootstrap_delta([x for x, _ in nll], [y for _, y in nll], n_resamples=n_resamples, seed=seed)
+            p = paired_bootstrap_delta(
+                [x for x, _ in nll], [y for _, y in nll], n_resamples=n_resamples, seed=seed
+            )
             d["nll"] = {"delta": p["delta"], "ci": list(p["ci"]), "n": p["n"]}
         keys = sorted({k for a, b in pairs for k in a.get("scores", {}) if k in b.get("scores", {})})
         for k in keys:
-            xy = [(a["scores"][k], b["scores"][k]) for a, b in pairs
-                  if k in a.get("scores", {}) and k in b.get("scores", {})]
-            p = paired_bootstrap_delta([x for x, _ in xy], [y for _, y in xy], n_resamples=n_resamples, seed=seed)
+            xy = [
+                (a["scores"][k], b["scores"][k])
+                for a, b in pairs
+                if k in a.get("scores", {}) and k in b.get("scores", {})
+            ]
+            p = paired_bootstrap_delta(
+                [x for x, _ in xy], [y for _, y in xy], n_resamples=n_resamples, seed=seed
+            )
             d[k] = {"delta": p["delta"], "ci": list(p["ci"]), "n": p["n"]}
         out[mode] = d
     return out
 
 
-def summarize_task(meta: dict, records: dict[str, list[dict]], task=None, *, n_resamples: int = 2000,
-                   seed: int = 0) -> dict:
+def summarize_task(
+    meta: dict, records: dict[str, list[dict]], task=None, *, n_resamples: int = 2000, seed: int = 0
+) -> dict:
     """``summary.json`` of a task folder: ``meta`` + per-mode summaries + paired deltas vs Full-FT.
 
     Each mode's block also names the model, data and hardware (from ``meta``) and whether it is
@@ -92,7 +111,16 @@ def summarize_task(meta: dict, records: dict[str, list[dict]], task=None, *, n_r
     """
     modes = {m: summarize_records(r, task, n_resamples=n_resamples, seed=seed) for m, r in records.items()}
     for s in modes.values():
-        s.update(model=meta.get("model"), data=meta.get("data"), hardware=meta.get("hardware"),
-                 complete=s["n"] == meta.get("n_items"))
-    return {"kind": "ccft-eval", "task": meta.get("task"), "meta": meta, "modes": modes,
-            "deltas_vs_full_ft": paired_deltas_by_id(records, n_resamples=n_resamples, seed=seed)}
+        s.update(
+            model=meta.get("model"),
+            data=meta.get("data"),
+            hardware=meta.get("hardware"),
+            complete=s["n"] == meta.get("n_items"),
+        )
+    return {
+        "kind": "ccft-eval",
+        "task": meta.get("task"),
+        "meta": meta,
+        "modes": modes,
+        "deltas_vs_full_ft": paired_deltas_by_id(records, n_resamples=n_resamples, seed=seed),
+    }

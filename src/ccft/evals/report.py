@@ -91,7 +91,7 @@ def _declared_primary(task: str | None) -> str | None:
 def provenance(meta: dict, n=None) -> str:
     """One line naming model (with quantisation), data, n and hardware."""
     n = n if n is not None else meta.get("n_items")
-    return (f"model: {meta.get('model')}; data: {meta.get('data')}; n = {n}; hardware: {meta.get('hardware')}")
+    return f"model: {meta.get('model')}; data: {meta.get('data')}; n = {n}; hardware: {meta.get('hardware')}"
 
 
 def _metric_order(summary: dict) -> list[str]:
@@ -127,15 +127,21 @@ def modes_table(summary: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     deltas = summary.get("deltas_vs_full_ft") or {}
     if deltas:
-        lines += ["", f"Paired deltas against {REFERENCE_MODE} on the same items (mode − {REFERENCE_MODE}, 95% paired "
-                      "bootstrap CI):", ""]
+        lines += [
+            "",
+            f"Paired deltas against {REFERENCE_MODE} on the same items (mode − {REFERENCE_MODE}, 95% paired "
+            "bootstrap CI):",
+            "",
+        ]
         head = ["mode", "ΔNLL/token"] + [f"Δ{k}" for k in metrics] + ["n pairs"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for mode in sorted(deltas, key=_order):
             d = deltas[mode]
             row = [mode, _cell(d["nll"]["delta"], d["nll"]["ci"], sign=True) if "nll" in d else ""]
             for k in metrics:
-                row.append(_cell(d[k]["delta"], d[k]["ci"], pct=_is_rate(k, modes), sign=True) if k in d else "")
+                row.append(
+                    _cell(d[k]["delta"], d[k]["ci"], pct=_is_rate(k, modes), sign=True) if k in d else ""
+                )
             row.append(_pairs_cell(d, metrics))
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -156,31 +162,44 @@ def reading(summary: dict) -> str:
     m = summary["modes"]
     d = summary.get("deltas_vs_full_ft") or {}
     out = []
-    if {"base", "full-ft", "prefillshare"} <= m.keys() and all("nll" in m[k] for k in ("base", "full-ft",
-                                                                                      "prefillshare")):
-        out.append(f"Both decoders moved away from the base: response NLL/token {m['base']['nll']:.3f} (base) → "
-                   f"{m['full-ft']['nll']:.3f} (Full-FT, own prefill) and {m['prefillshare']['nll']:.3f} "
-                   f"(CCFT on C_base).")
+    if {"base", "full-ft", "prefillshare"} <= m.keys() and all(
+        "nll" in m[k] for k in ("base", "full-ft", "prefillshare")
+    ):
+        out.append(
+            f"Both decoders moved away from the base: response NLL/token {m['base']['nll']:.3f} (base) → "
+            f"{m['full-ft']['nll']:.3f} (Full-FT, own prefill) and {m['prefillshare']['nll']:.3f} "
+            f"(CCFT on C_base)."
+        )
     if "nll" in d.get("naive", {}) and "nll" in d.get("prefillshare", {}):
         n, p = d["naive"]["nll"], d["prefillshare"]["nll"]
         sig = lambda x: "excludes 0" if x["ci"][0] > 0 or x["ci"][1] < 0 else "includes 0"  # noqa: E731
-        out.append(f"Naive sharing (Full-FT decoder reading C_base) costs {n['delta']:+.4f} NLL/token against "
-                   f"Full-FT (CI {_ci(n['ci'])}, {sig(n)}); PrefillShare costs {p['delta']:+.4f} "
-                   f"(CI {_ci(p['ci'])}, {sig(p)}).")
+        out.append(
+            f"Naive sharing (Full-FT decoder reading C_base) costs {n['delta']:+.4f} NLL/token against "
+            f"Full-FT (CI {_ci(n['ci'])}, {sig(n)}); PrefillShare costs {p['delta']:+.4f} "
+            f"(CI {_ci(p['ci'])}, {sig(p)})."
+        )
         if n["delta"] > 0:
-            out.append(f"CCFT recovers {100 * (1 - p['delta'] / n['delta']):.0f}% of the naive-sharing NLL gap on "
-                       "these items.")
+            out.append(
+                f"CCFT recovers {100 * (1 - p['delta'] / n['delta']):.0f}% of the naive-sharing NLL gap on "
+                "these items."
+            )
     prim = primary_metric(summary)
-    vals = {k: v["metrics"][prim] for k, v in sorted(m.items(), key=lambda kv: _order(kv[0]))
-            if prim in v.get("metrics", {})}
+    vals = {
+        k: v["metrics"][prim]
+        for k, v in sorted(m.items(), key=lambda kv: _order(kv[0]))
+        if prim in v.get("metrics", {})
+    }
     if prim and REFERENCE_MODE in vals:
         rate = _is_rate(prim, m)
         width = max(x["ci"][1] - x["ci"][0] for x in vals.values())
         line = f"{prim}: " + ", ".join(f"{k} {_fmt(x['mean'], pct=rate)}" for k, x in vals.items())
         if width > 0:
-            line += (f". With n={vals[REFERENCE_MODE]['n']} items the 95% intervals are up to "
-                     + (f"{100 * width:.0f} points" if rate else f"{width:.3g}") + " wide, so differences between "
-                     "modes smaller than that are not resolved here; the NLL deltas are the sensitive measurement")
+            line += (
+                f". With n={vals[REFERENCE_MODE]['n']} items the 95% intervals are up to "
+                + (f"{100 * width:.0f} points" if rate else f"{width:.3g}")
+                + " wide, so differences between "
+                "modes smaller than that are not resolved here; the NLL deltas are the sensitive measurement"
+            )
         out.append(line + ".")
     return "\n\n".join(out)
 
@@ -194,38 +213,62 @@ def task_markdown(summary: dict, plot: str | None = None) -> str:
     gen = f"greedy, max {s.get('max_new_tokens')} new tokens"
     if s.get("generate_limit") is not None:
         gen += f" on the first {s['generate_limit']} items"
-    lines = [f"### {summary.get('task')}", "",
-             f"- {provenance(meta)}"] + ([f"- {env_line}"] if env_line else []) + [
-             f"- decoding: {gen}, same items and settings in every mode; "
-             f"prompting: {s.get('prompting') or 'as defined by the task'}; handoff_tokens = {s.get('handoff_tokens', 1)}"
-             + (f"; {s.get('samples')} samples per item (temperature {s.get('temperature')}, top-p {s.get('top_p')})"
-                if (s.get("samples") or 1) > 1 else ""),
-             "", modes_table(summary)]
+    lines = (
+        [f"### {summary.get('task')}", "", f"- {provenance(meta)}"]
+        + ([f"- {env_line}"] if env_line else [])
+        + [
+            f"- decoding: {gen}, same items and settings in every mode; "
+            f"prompting: {s.get('prompting') or 'as defined by the task'}; handoff_tokens = {s.get('handoff_tokens', 1)}"
+            + (
+                f"; {s.get('samples')} samples per item (temperature {s.get('temperature')}, top-p {s.get('top_p')})"
+                if (s.get("samples") or 1) > 1
+                else ""
+            ),
+            "",
+            modes_table(summary),
+        ]
+    )
     aggs = {m: v["task_aggregate"] for m, v in modes.items() if v.get("task_aggregate")}
     if aggs:
         lines += ["", "Task aggregates (as computed by the task):", ""]
         for mode, agg in aggs.items():
-            flat = ", ".join(f"{k} = {v:.4g}" if isinstance(v, (int, float)) else f"{k} = {v}" for k, v in agg.items())
+            flat = ", ".join(
+                f"{k} = {v:.4g}" if isinstance(v, (int, float)) else f"{k} = {v}" for k, v in agg.items()
+            )
             lines.append(f"- {mode}: {flat}")
     if plot:
         lines += ["", f"![{summary.get('task')}]({plot})"]
     return "\n".join(lines) + "\n"
 
 
-_ENV_KEYS = ("language", "version", "isolation", "canonical_passed", "canonical_total", "mbxp_canonical_passed",
-             "mbxp_canonical_total", "reference_passed", "reference_total", "checker_python")
+_ENV_KEYS = (
+    "language",
+    "version",
+    "isolation",
+    "canonical_passed",
+    "canonical_total",
+    "mbxp_canonical_passed",
+    "mbxp_canonical_total",
+    "reference_passed",
+    "reference_total",
+    "checker_python",
+)
 
 
 def environment_line(meta: dict) -> str:
     """The K8 execution-environment check of a task in words ('' for tasks that execute nothing)."""
     if meta.get("unavailable"):
-        return (f"**unavailable**: {meta['unavailable']} — accuracy not scored (never counted as 0); "
-                "NLL on the reference answers only")
+        return (
+            f"**unavailable**: {meta['unavailable']} — accuracy not scored (never counted as 0); "
+            "NLL on the reference answers only"
+        )
     env = meta.get("environment")
     if not isinstance(env, dict) or not any(k in env for k in _ENV_KEYS):
         return ""
     facts = ", ".join(f"{k.replace('_', ' ')} {env[k]}" for k in _ENV_KEYS if env.get(k) not in (None, ""))
-    return f"execution environment checked before scoring ({'ok' if env.get('ok', True) else 'FAILED'}): {facts}"
+    return (
+        f"execution environment checked before scoring ({'ok' if env.get('ok', True) else 'FAILED'}): {facts}"
+    )
 
 
 def environments_table(summaries: list[dict]) -> str:
@@ -245,8 +288,11 @@ def environments_table(summaries: list[dict]) -> str:
 
 def headline_table(summaries: list[dict]) -> str:
     """One row per (task, mode): primary metric and NLL with CIs, their paired deltas vs Full-FT, n."""
-    lines = ["| task | mode | metric | score (95% CI) | Δ vs full-ft (95% paired CI) | NLL/token (95% CI) | "
-             "ΔNLL vs full-ft (95% paired CI) | n | setup |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| task | mode | metric | score (95% CI) | Δ vs full-ft (95% paired CI) | NLL/token (95% CI) | "
+        "ΔNLL vs full-ft (95% paired CI) | n | setup |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for j, s in enumerate(summaries, 1):
         prim = primary_metric(s)
         deltas = s.get("deltas_vs_full_ft") or {}
@@ -255,13 +301,17 @@ def headline_table(summaries: list[dict]) -> str:
             x = m.get("metrics", {}).get(prim) if prim else None
             rate = bool(prim) and _is_rate(prim, s["modes"])
             d = deltas.get(mode, {})
-            score = _cell(x["mean"], x["ci"], pct=rate) if x else ("unavailable" if (s.get("meta") or {}).get(
-                "unavailable") else "")
+            score = (
+                _cell(x["mean"], x["ci"], pct=rate)
+                if x
+                else ("unavailable" if (s.get("meta") or {}).get("unavailable") else "")
+            )
             lines.append(
                 f"| {s.get('task')} | {mode} | {prim or ''} | {score} | "
                 f"{_cell(d[prim]['delta'], d[prim]['ci'], pct=rate, sign=True) if prim in d else ''} | "
                 f"{_cell(m.get('nll'), m.get('nll_ci'))} | "
-                f"{_cell(d['nll']['delta'], d['nll']['ci'], sign=True) if 'nll' in d else ''} | {m.get('n')} | [{j}] |")
+                f"{_cell(d['nll']['delta'], d['nll']['ci'], sign=True) if 'nll' in d else ''} | {m.get('n')} | [{j}] |"
+            )
     lines.append("")
     for j, s in enumerate(summaries, 1):
         lines.append(f"[{j}] {provenance(s.get('meta') or {})}  ")
@@ -274,12 +324,15 @@ def sweep_markdown(sweep: dict, plot: str | None = None) -> str:
     pts = sweep["points"]
     has_acc = any(p.get("metrics") for p in pts)
     accs = sorted({k for p in pts for k in p.get("metrics", {})})
-    lines = [f"### Sharing sweep: {meta.get('task')}", "",
-             f"- {provenance(meta)}",
-             "- ρ over positions: per row the decoder recomputes k = max(handoff, ⌈(1−ρ)·n⌉) prompt tokens on C_base "
-             "of the first n−k; over layers: the first ⌈ρ·L⌉ layers read C_base, the others the decoder's own "
-             f"prefill (L = {meta.get('num_layers')}). ρ = 1 is PrefillShare / naive sharing; full-ft = own prefill.",
-             ""]
+    lines = [
+        f"### Sharing sweep: {meta.get('task')}",
+        "",
+        f"- {provenance(meta)}",
+        "- ρ over positions: per row the decoder recomputes k = max(handoff, ⌈(1−ρ)·n⌉) prompt tokens on C_base "
+        "of the first n−k; over layers: the first ⌈ρ·L⌉ layers read C_base, the others the decoder's own "
+        f"prefill (L = {meta.get('num_layers')}). ρ = 1 is PrefillShare / naive sharing; full-ft = own prefill.",
+        "",
+    ]
     if plot:
         lines += [f"![sharing sweep]({plot})", ""]
     head = ["curve", "decoder", "axis", "ρ", "NLL/token ↓ (95% CI)", "ΔNLL vs full-ft (95% paired CI)"]
@@ -287,9 +340,14 @@ def sweep_markdown(sweep: dict, plot: str | None = None) -> str:
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in pts:
         d = p.get("delta_nll_vs_full_ft")
-        row = [p["label"], _sweep_note(p["label"]), p["over"] or "own prefill",
-               "" if p["rho"] is None else f"{p['rho']:g}", _cell(p.get("nll"), p.get("nll_ci")),
-               _cell(d["delta"], d["ci"], sign=True) if d else ""]
+        row = [
+            p["label"],
+            _sweep_note(p["label"]),
+            p["over"] or "own prefill",
+            "" if p["rho"] is None else f"{p['rho']:g}",
+            _cell(p.get("nll"), p.get("nll_ci")),
+            _cell(d["delta"], d["ci"], sign=True) if d else "",
+        ]
         for k in accs:
             x = p.get("metrics", {}).get(k)
             row.append(_cell(x["mean"], x["ci"], pct=True) + f" (n={x['n']})" if x else "")
@@ -319,8 +377,16 @@ def plot_task(summary: dict, path) -> None:
     prim = primary_metric(summary)
     panels = [("NLL/token ↓", lambda m: (m.get("nll"), m.get("nll_ci")))]
     if prim:
-        panels.insert(0, (prim, lambda m: ((m.get("metrics", {}).get(prim) or {}).get("mean"),
-                                           (m.get("metrics", {}).get(prim) or {}).get("ci"))))
+        panels.insert(
+            0,
+            (
+                prim,
+                lambda m: (
+                    (m.get("metrics", {}).get(prim) or {}).get("mean"),
+                    (m.get("metrics", {}).get(prim) or {}).get("ci"),
+                ),
+            ),
+        )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     colors = {"base": "#999999", "full-ft": "#1f77b4", "naive": "#d62728", "prefillshare": "#2ca02c"}
     for ax, (title, get) in zip(axes[0], panels, strict=True):
@@ -350,8 +416,9 @@ def plot_sweep(sweep: dict, path) -> None:
     axes_names = [a for a in ("positions", "layers") if any(p["over"] == a for p in pts)]
     accs = sorted({k for p in pts if p["over"] for k in p.get("metrics", {})})
     rows = 1 + (1 if accs else 0)
-    fig, axes = plt.subplots(rows, max(1, len(axes_names)), figsize=(4.6 * max(1, len(axes_names)), 3.4 * rows),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        rows, max(1, len(axes_names)), figsize=(4.6 * max(1, len(axes_names)), 3.4 * rows), squeeze=False
+    )
     colors = {"naive": "#d62728", "prefillshare": "#2ca02c"}
     refs = {p["label"]: p for p in pts if p["over"] is None}
     metric = accs[0] if accs else None
@@ -363,21 +430,38 @@ def plot_sweep(sweep: dict, path) -> None:
         for r, (key, ylabel) in enumerate([("nll", nll_label)] + ([(metric, metric)] if metric else [])):
             ax = axes[r][col]
             for label in (m for m in MODES if get_mode(m).shared_prefill):  # the sweep's curves
-                series = sorted((p for p in pts if p["label"] == label and p["over"] == over), key=lambda p: p["rho"])
+                series = sorted(
+                    (p for p in pts if p["label"] == label and p["over"] == over), key=lambda p: p["rho"]
+                )
                 if key == "nll" and paired:
-                    vals = [(p["rho"], p["delta_nll_vs_full_ft"]["delta"], p["delta_nll_vs_full_ft"]["ci"])
-                            for p in series if p.get("delta_nll_vs_full_ft")]
+                    vals = [
+                        (p["rho"], p["delta_nll_vs_full_ft"]["delta"], p["delta_nll_vs_full_ft"]["ci"])
+                        for p in series
+                        if p.get("delta_nll_vs_full_ft")
+                    ]
                 elif key == "nll":
-                    vals = [(p["rho"], p.get("nll"), p.get("nll_ci")) for p in series if p.get("nll") is not None]
+                    vals = [
+                        (p["rho"], p.get("nll"), p.get("nll_ci")) for p in series if p.get("nll") is not None
+                    ]
                 else:
-                    vals = [(p["rho"], p["metrics"][key]["mean"], p["metrics"][key]["ci"]) for p in series
-                            if key in p.get("metrics", {})]
+                    vals = [
+                        (p["rho"], p["metrics"][key]["mean"], p["metrics"][key]["ci"])
+                        for p in series
+                        if key in p.get("metrics", {})
+                    ]
                 if not vals:
                     continue
                 xs = [v[0] for v in vals]
-                ax.plot(xs, [v[1] for v in vals], "o-", color=colors[label],
-                        label=f"{label} ({_sweep_note(label)})")
-                ax.fill_between(xs, [v[2][0] for v in vals], [v[2][1] for v in vals], color=colors[label], alpha=0.15)
+                ax.plot(
+                    xs,
+                    [v[1] for v in vals],
+                    "o-",
+                    color=colors[label],
+                    label=f"{label} ({_sweep_note(label)})",
+                )
+                ax.fill_between(
+                    xs, [v[2][0] for v in vals], [v[2][1] for v in vals], color=colors[label], alpha=0.15
+                )
             for label, style in (("full-ft", "--"), ("base", ":")):
                 p = refs.get(label)
                 if p is None:
@@ -389,15 +473,21 @@ def plot_sweep(sweep: dict, path) -> None:
                 else:
                     y = (p.get("metrics", {}).get(key) or {}).get("mean")
                 if y is not None:
-                    ax.axhline(y, linestyle=style, color="#1f77b4" if label == "full-ft" else "#777777",
-                               label=_sweep_note(label))
+                    ax.axhline(
+                        y,
+                        linestyle=style,
+                        color="#1f77b4" if label == "full-ft" else "#777777",
+                        label=_sweep_note(label),
+                    )
             ax.set_xlabel(f"sharing ratio ρ over {over}")
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             if r == 0 and col == 0:
                 ax.legend(fontsize=7)
     meta = sweep["meta"]
-    fig.suptitle(f"Sharing sweep, {meta.get('task')} — {meta.get('model')}, n={meta.get('n_items')}", fontsize=9)
+    fig.suptitle(
+        f"Sharing sweep, {meta.get('task')} — {meta.get('model')}, n={meta.get('n_items')}", fontsize=9
+    )
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
     plt.close(fig)
@@ -416,21 +506,37 @@ def legacy_demo_summary(data: dict, path) -> dict:
     records = {}
     for mode, rows in per_row.items():
         recs = [{"id": str(i), "index": i, "nll": v} for i, v in enumerate(rows.get("nll_rows", []))]
-        for key, metric in (("em_strict_rows", "exact_match_strict"), ("em_flexible_rows", "exact_match_flexible")):
+        for key, metric in (
+            ("em_strict_rows", "exact_match_strict"),
+            ("em_flexible_rows", "exact_match_flexible"),
+        ):
             for i, v in enumerate(rows.get(key, [])):
                 if i >= len(recs):
                     recs.append({"id": str(i), "index": i})
                 recs[i].setdefault("scores", {})[metric] = float(v)
         records[mode] = recs
     d = data.get("data") or {}
-    meta = {"task": data.get("task", "gsm8k"), "model": data.get("model"), "hardware": data.get("hardware"),
-            "data": d.get("eval_nll") if isinstance(d, dict) else d, "primary_metric": "exact_match_flexible",
-            "n_items": max((len(r) for r in records.values()), default=0), "source": str(path)}
+    meta = {
+        "task": data.get("task", "gsm8k"),
+        "model": data.get("model"),
+        "hardware": data.get("hardware"),
+        "data": d.get("eval_nll") if isinstance(d, dict) else d,
+        "primary_metric": "exact_match_flexible",
+        "n_items": max((len(r) for r in records.values()), default=0),
+        "source": str(path),
+    }
     modes = {m: summarize_records(r) for m, r in records.items()}
     for m in modes.values():
         m.update(model=meta["model"], data=meta["data"], hardware=meta["hardware"])
-    return {"kind": "ccft-eval", "task": meta["task"], "meta": meta, "modes": modes,
-            "deltas_vs_full_ft": paired_deltas_by_id(records), "records": records, "folder": str(path)}
+    return {
+        "kind": "ccft-eval",
+        "task": meta["task"],
+        "meta": meta,
+        "modes": modes,
+        "deltas_vs_full_ft": paired_deltas_by_id(records),
+        "records": records,
+        "folder": str(path),
+    }
 
 
 def collect_runs(paths) -> tuple[list[dict], list[dict]]:
@@ -445,7 +551,9 @@ def collect_runs(paths) -> tuple[list[dict], list[dict]]:
     evals, sweeps, seen = [], [], set()
     for root in map(Path, paths):
         if not root.exists():
-            raise ConfigError(f"{root} does not exist; pass result folders written by `ccft eval` / `ccft sweep`")
+            raise ConfigError(
+                f"{root} does not exist; pass result folders written by `ccft eval` / `ccft sweep`"
+            )
         files = [root] if root.is_file() else sorted(root.rglob("*.json"))
         for f in files:
             if f.resolve() in seen:
@@ -475,8 +583,10 @@ def build_report(paths, out_dir, *, title: str = "ccft report") -> dict:
     """
     evals, sweeps = collect_runs(paths)
     if not evals and not sweeps:
-        raise ConfigError(f"no results under {', '.join(map(str, paths))}: expected folders written by "
-                          "`ccft eval --out` (meta.json + items.MODE.jsonl) or `ccft sweep --out` (sweep.json)")
+        raise ConfigError(
+            f"no results under {', '.join(map(str, paths))}: expected folders written by "
+            "`ccft eval --out` (meta.json + items.MODE.jsonl) or `ccft sweep --out` (sweep.json)"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Same task in several folders: keep them apart by folder.
@@ -498,38 +608,73 @@ def build_report(paths, out_dir, *, title: str = "ccft report") -> dict:
             fn = "sweep.png" if len(sweeps) == 1 else f"sweep-{_slug(sw['meta'].get('task'))}-{i}.png"
             plot_sweep(sw, out / fn)
             plots[f"sweep:{i}"] = fn
-    md = [f"# {title}", "",
-          f"Generated by `ccft report` on {time.strftime('%Y-%m-%d %H:%M')} from: "
-          + ", ".join(f"`{display_path(p)}`" for p in paths) + ".", ""]
+    md = [
+        f"# {title}",
+        "",
+        f"Generated by `ccft report` on {time.strftime('%Y-%m-%d %H:%M')} from: "
+        + ", ".join(f"`{display_path(p)}`" for p in paths)
+        + ".",
+        "",
+    ]
     if plot_error:
         md += [f"_{plot_error}_", ""]
     if evals:
-        md += ["## Headline", "",
-               "Primary metric and response NLL per token of each mode on the same items, with 95% percentile "
-               "bootstrap intervals over items; deltas are paired (mode − full-ft, items resampled jointly).", "",
-               headline_table(evals), "", "## Tasks", ""]
+        md += [
+            "## Headline",
+            "",
+            "Primary metric and response NLL per token of each mode on the same items, with 95% percentile "
+            "bootstrap intervals over items; deltas are paired (mode − full-ft, items resampled jointly).",
+            "",
+            headline_table(evals),
+            "",
+            "## Tasks",
+            "",
+        ]
         for s in evals:
             md.append(task_markdown(s, plots.get(s["task"])))
         envs = environments_table(evals)
         if envs:
-            md += ["## Execution environments (K8)", "",
-                   "Checked before any model was scored: canonical solutions must pass in the exact sandbox; a "
-                   "language whose toolchain is missing is reported unavailable, never scored as 0.", "", envs, ""]
+            md += [
+                "## Execution environments (K8)",
+                "",
+                "Checked before any model was scored: canonical solutions must pass in the exact sandbox; a "
+                "language whose toolchain is missing is reported unavailable, never scored as 0.",
+                "",
+                envs,
+                "",
+            ]
     if sweeps:
         md += ["## Sharing sweep", ""]
         for i, sw in enumerate(sweeps):
             md.append(sweep_markdown(sw, plots.get(f"sweep:{i}")))
-    report = {"title": title, "generated": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [display_path(p) for p in paths],
-              "report_hardware": hardware(), "plots": plots, "plot_error": plot_error,
-              "headline": [{"task": s.get("task"), "mode": mode, "primary_metric": primary_metric(s),
-                            "score": (m.get("metrics", {}).get(primary_metric(s)) or {}).get("mean"),
-                            "score_ci": (m.get("metrics", {}).get(primary_metric(s)) or {}).get("ci"),
-                            "nll": m.get("nll"), "nll_ci": m.get("nll_ci"), "n": m.get("n"),
-                            "delta_vs_full_ft": (s.get("deltas_vs_full_ft") or {}).get(mode),
-                            "model": (s.get("meta") or {}).get("model"), "data": (s.get("meta") or {}).get("data"),
-                            "hardware": (s.get("meta") or {}).get("hardware")}
-                           for s in evals for mode, m in s["modes"].items()],
-              "tasks": evals, "sweeps": sweeps}
+    report = {
+        "title": title,
+        "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "runs": [display_path(p) for p in paths],
+        "report_hardware": hardware(),
+        "plots": plots,
+        "plot_error": plot_error,
+        "headline": [
+            {
+                "task": s.get("task"),
+                "mode": mode,
+                "primary_metric": primary_metric(s),
+                "score": (m.get("metrics", {}).get(primary_metric(s)) or {}).get("mean"),
+                "score_ci": (m.get("metrics", {}).get(primary_metric(s)) or {}).get("ci"),
+                "nll": m.get("nll"),
+                "nll_ci": m.get("nll_ci"),
+                "n": m.get("n"),
+                "delta_vs_full_ft": (s.get("deltas_vs_full_ft") or {}).get(mode),
+                "model": (s.get("meta") or {}).get("model"),
+                "data": (s.get("meta") or {}).get("data"),
+                "hardware": (s.get("meta") or {}).get("hardware"),
+            }
+            for s in evals
+            for mode, m in s["modes"].items()
+        ],
+        "tasks": evals,
+        "sweeps": sweeps,
+    }
     atomic_write_text(out / "README.md", "\n".join(md))
     atomic_write_text(out / "report.json", json.dumps(report, indent=2, default=str))
     return report

@@ -26,9 +26,21 @@ from ccft.core.errors import ConfigError
 from ccft.core.io import atomic_write_json
 from ccft.evals.records import summarize_task
 
-__all__ = ["FolderConflictError", "append_jsonl", "check_resumable", "clear_task_folder", "describe_base", "folder_records", "hardware",
-           "settings_diff", "stale_settings",
-           "item_files", "load_task_folder", "read_jsonl", "write_json"]
+__all__ = [
+    "FolderConflictError",
+    "append_jsonl",
+    "check_resumable",
+    "clear_task_folder",
+    "describe_base",
+    "folder_records",
+    "hardware",
+    "settings_diff",
+    "stale_settings",
+    "item_files",
+    "load_task_folder",
+    "read_jsonl",
+    "write_json",
+]
 
 
 # ------------------------------------------------------------------------------------------------ files
@@ -72,7 +84,7 @@ def write_json(path: Path, obj) -> None:
 
 def item_files(folder: Path) -> dict[str, Path]:
     """``{mode: items.MODE.jsonl}`` of a task folder, sorted by mode name."""
-    return {f.name[len("items."):-len(".jsonl")]: f for f in sorted(Path(folder).glob("items.*.jsonl"))}
+    return {f.name[len("items.") : -len(".jsonl")]: f for f in sorted(Path(folder).glob("items.*.jsonl"))}
 
 
 def clear_task_folder(folder: Path) -> None:
@@ -120,7 +132,9 @@ def stale_settings(folder: Path, settings: dict) -> dict:
     return settings_diff(json.loads(meta_path.read_text()).get("settings") or {}, settings)
 
 
-def check_resumable(folder: Path, meta: dict, settings: dict, base_fingerprint: str, modes: dict[str, dict]) -> None:
+def check_resumable(
+    folder: Path, meta: dict, settings: dict, base_fingerprint: str, modes: dict[str, dict]
+) -> None:
     """Refuse to add to a folder holding a run with other settings, another base or another decoder per mode.
 
     Args:
@@ -131,16 +145,22 @@ def check_resumable(folder: Path, meta: dict, settings: dict, base_fingerprint: 
     """
     diff = settings_diff(meta.get("settings") or {}, settings)
     if diff:
-        raise FolderConflictError(f"{folder} holds a run with other settings {diff} (was, now); pass --overwrite or "
-                          "use another --out folder")
+        raise FolderConflictError(
+            f"{folder} holds a run with other settings {diff} (was, now); pass --overwrite or "
+            "use another --out folder"
+        )
     if meta.get("base_fingerprint") != base_fingerprint:
-        raise FolderConflictError(f"{folder} was evaluated with base {meta.get('base_fingerprint')}, not "
-                          f"{base_fingerprint}; pass --overwrite or use another --out folder")
+        raise FolderConflictError(
+            f"{folder} was evaluated with base {meta.get('base_fingerprint')}, not "
+            f"{base_fingerprint}; pass --overwrite or use another --out folder"
+        )
     for mode, desc in modes.items():
         was = (meta.get("modes") or {}).get(mode)
         if was and was.get("decoder_fingerprint") != desc.get("decoder_fingerprint"):
-            raise FolderConflictError(f"{folder}: mode {mode} was evaluated with another decoder ({was.get('decoder')}); "
-                              "pass --overwrite or use another --out folder")
+            raise FolderConflictError(
+                f"{folder}: mode {mode} was evaluated with another decoder ({was.get('decoder')}); "
+                "pass --overwrite or use another --out folder"
+            )
 
 
 # ------------------------------------------------------------------------------------------------ provenance
@@ -161,8 +181,10 @@ def hardware() -> str:
         pass
     dev = f"CUDA {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
     isa = torch.backends.cpu.get_cpu_capability()  # e.g. AVX2, AVX512: the kernels torch dispatches to
-    return (f"{cpu} ({isa}), {os.cpu_count()} logical cores, torch {torch.__version__} using "
-            f"{torch.get_num_threads()} threads, {dev}")
+    return (
+        f"{cpu} ({isa}), {os.cpu_count()} logical cores, torch {torch.__version__} using "
+        f"{torch.get_num_threads()} threads, {dev}"
+    )
 
 
 def describe_base(base) -> str:

@@ -68,9 +68,26 @@ from ccft.evals.results import (
 from ccft.evals.scoring import NLL_TOKENS, Prepared, batch_nll, length_chunks, prepare, prompt_hash
 from ccft.evals.settings import EvalSettings, ModeSpec
 
-__all__ = ["EvalMemo", "MODES", "decode_ahead", "REFERENCE_MODE", "EvalSettings", "ModeSpec", "TaskResult", "batch_nll", "get_task",
-           "load_task_folder", "paired_deltas_by_id", "prepare", "read_jsonl", "run_mode_batch", "run_task",
-           "summarize_records", "summarize_task", "task_names"]
+__all__ = [
+    "EvalMemo",
+    "MODES",
+    "decode_ahead",
+    "REFERENCE_MODE",
+    "EvalSettings",
+    "ModeSpec",
+    "TaskResult",
+    "batch_nll",
+    "get_task",
+    "load_task_folder",
+    "paired_deltas_by_id",
+    "prepare",
+    "read_jsonl",
+    "run_mode_batch",
+    "run_task",
+    "summarize_records",
+    "summarize_task",
+    "task_names",
+]
 
 
 @dataclass
@@ -86,9 +103,20 @@ class TaskResult:
 ENGINE_BATCHES_PER_CALL = 4
 
 
-def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[int], settings: EvalSettings, *,
-                   score: bool = True, engine=None, nll_batch_size: int | None = None,
-                   memo: EvalMemo | None = None, group: GroupPrefill | None = None) -> list[dict]:
+def run_mode_batch(
+    task,
+    spec: ModeSpec,
+    base,
+    prep: Prepared,
+    rows: Sequence[int],
+    settings: EvalSettings,
+    *,
+    score: bool = True,
+    engine=None,
+    nll_batch_size: int | None = None,
+    memo: EvalMemo | None = None,
+    group: GroupPrefill | None = None,
+) -> list[dict]:
     """Score items ``rows`` (indices into ``prep``) under one mode; returns one record per item.
 
     The reference NLL runs in forwards of ``nll_batch_size`` rows (default: all of ``rows``); the
@@ -109,8 +137,15 @@ def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[in
     prompts = [prep.prompts[i] for i in rows]
     shared = get_mode(spec.mode).shared_prefill
     step = max(1, int(nll_batch_size or len(rows)))
-    records = [{"id": prep.ids[i], "index": i, "prompt_sha": prompt_hash(prep.prompts[i]),
-                "prompt_tokens": len(prep.prompts[i])} for i in rows]
+    records = [
+        {
+            "id": prep.ids[i],
+            "index": i,
+            "prompt_sha": prompt_hash(prep.prompts[i]),
+            "prompt_tokens": len(prep.prompts[i]),
+        }
+        for i in rows
+    ]
     refs = [prep.references[i] for i in rows]
     todo = set()  # rows whose reference NLL is computed here (the others come from the memo)
     for j, ref in enumerate(refs):
@@ -124,34 +159,59 @@ def run_mode_batch(task, spec: ModeSpec, base, prep: Prepared, rows: Sequence[in
         if isinstance(source, GroupPrefill):
             nlls = source.nll(spec, [rows[j] for j in js], [refs[j] for j in js])
         else:
-            nlls = batch_nll(spec.mode, base, spec.decoder, [prompts[j] for j in js], [refs[j] for j in js],
-                             handoff_tokens=k, cache=source)
+            nlls = batch_nll(
+                spec.mode,
+                base,
+                spec.decoder,
+                [prompts[j] for j in js],
+                [refs[j] for j in js],
+                handoff_tokens=k,
+                cache=source,
+            )
         for j, (s, n) in zip(js, nlls, strict=True):
             records[j].update(nll=s / max(n, 1), nll_sum=s, nll_tokens=n)
             if memo is not None:
                 memo.put_nll(spec, prompts[j], refs[j], k, (s, n))
 
     cache = None
-    if group is not None:  # the group's prefill is every row's prefix: forwards of rows of similar reference length
+    if (
+        group is not None
+    ):  # the group's prefill is every row's prefix: forwards of rows of similar reference length
         for part in length_chunks({j: len(refs[j]) + k for j in todo}, step, NLL_TOKENS):
             nll_of(part, group)
     else:
         for c0 in range(0, len(rows), step):
             part = list(range(c0, min(c0 + step, len(rows))))
             with_ref = [j for j in part if j in todo]
-            cache = compute_base_cache(base, [prompts[j] for j in part], handoff_tokens=k) if shared and with_ref \
+            cache = (
+                compute_base_cache(base, [prompts[j] for j in part], handoff_tokens=k)
+                if shared and with_ref
                 else None
+            )
             if with_ref:
-                sub = cache.select([j - c0 for j in with_ref]) if cache is not None and len(with_ref) < len(part) \
+                sub = (
+                    cache.select([j - c0 for j in with_ref])
+                    if cache is not None and len(with_ref) < len(part)
                     else cache
+                )
                 nll_of(with_ref, sub)
     gen = [j for j, i in enumerate(rows) if score and settings.generates(i)]
     if gen:
         sub = None  # one C_base for NLL and the reference generation when the rows were one forward
         if cache is not None and engine is None and step >= len(rows):
             sub = cache.select(gen) if len(gen) < len(rows) else cache
-        samples = generate_samples(task, spec, base, prep, [rows[j] for j in gen], settings, cache=sub, engine=engine,
-                                   memo=memo, group=group)
+        samples = generate_samples(
+            task,
+            spec,
+            base,
+            prep,
+            [rows[j] for j in gen],
+            settings,
+            cache=sub,
+            engine=engine,
+            memo=memo,
+            group=group,
+        )
         for j, smp in zip(gen, samples, strict=True):
             merge_samples(records[j], smp)
     return records
@@ -181,14 +241,25 @@ def _done_records(folder: Path, prep: Prepared, specs: Sequence[ModeSpec]) -> di
             if i is None:
                 continue  # an item outside the current limit: kept in the file, not in this summary
             if r.get("prompt_sha") != prompt_hash(prep.prompts[i]):
-                raise FolderConflictError(f"{path}: item {r['id']} was evaluated on another prompt (the task's data or "
-                                          "prompting changed); pass --overwrite or use another --out folder")
+                raise FolderConflictError(
+                    f"{path}: item {r['id']} was evaluated on another prompt (the task's data or "
+                    "prompting changed); pass --overwrite or use another --out folder"
+                )
             done[spec.mode][r["id"]] = r
     return done
 
 
-def decode_ahead(tasks: Sequence[tuple[object, EvalSettings]], base, modes: Sequence[ModeSpec], out_dir: str | Path,
-                 *, memo: EvalMemo, batch_size: int = 8, overwrite: bool = False, progress: bool = True) -> int:
+def decode_ahead(
+    tasks: Sequence[tuple[object, EvalSettings]],
+    base,
+    modes: Sequence[ModeSpec],
+    out_dir: str | Path,
+    *,
+    memo: EvalMemo,
+    batch_size: int = 8,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> int:
     """Greedy generations and reference NLLs of several small tasks' pending items, every mode, computed in one
     engine decode and put in ``memo``, so that ``run_task(task, ..., memo=memo)`` for each of them then only
     scores and writes (same records as without it: greedy results do not depend on batching, K7 in
@@ -212,8 +283,11 @@ def decode_ahead(tasks: Sequence[tuple[object, EvalSettings]], base, modes: Sequ
     """
     for spec in modes:
         check_mode(spec.mode, spec.decoder)
-    wanted = [(task, st) for task, st in tasks if st.engine and st.generate and not st.sampling(task)["do_sample"]
-              and st.resolved_samples(task) == 1]
+    wanted = [
+        (task, st)
+        for task, st in tasks
+        if st.engine and st.generate and not st.sampling(task)["do_sample"] and st.resolved_samples(task) == 1
+    ]
     if not wanted:
         return 0
     engine = make_engine(base, modes, max_batch=batch_size)
@@ -229,8 +303,10 @@ def decode_ahead(tasks: Sequence[tuple[object, EvalSettings]], base, modes: Sequ
             prep = prepare(task, base.tokenizer, st.limit, st.handoff_tokens, st.prompt_format)
             folder = Path(out_dir) / task_name(task)
             done = {s.mode: {} for s in specs} if overwrite else _done_records(folder, prep, specs)
-            rows = {s.mode: [i for i in range(prep.n) if prep.ids[i] not in done[s.mode] and st.generates(i)]
-                    for s in specs}
+            rows = {
+                s.mode: [i for i in range(prep.n) if prep.ids[i] not in done[s.mode] and st.generates(i)]
+                for s in specs
+            }
             items = sorted(set().union(*rows.values()))
             if items:
                 prompts.setdefault(st.handoff_tokens, {}).update({(t, i): prep.prompts[i] for i in items})
@@ -238,18 +314,31 @@ def decode_ahead(tasks: Sequence[tuple[object, EvalSettings]], base, modes: Sequ
         prefills = {k: GroupPrefill(engine, ps, k) for k, ps in prompts.items()}
         for group in prefills.values():  # one arena growth for every producer's prefill of the group
             group.reserve(specs)
-        joint = [JointGroup(task, specs, prep, rows, st, _TaskRows(prefills[st.handoff_tokens], t))
-                 for t, task, st, prep, rows in entries]
+        joint = [
+            JointGroup(task, specs, prep, rows, st, _TaskRows(prefills[st.handoff_tokens], t))
+            for t, task, st, prep, rows in entries
+        ]
         total = sum(len(v) for g in joint for v in g.rows_by_mode.values())
-        with tqdm(total=total, desc=f"decode ahead ({len(joint)} tasks)", unit="item", disable=not progress,
-                  dynamic_ncols=True, file=sys.stderr) as bar:
+        with tqdm(
+            total=total,
+            desc=f"decode ahead ({len(joint)} tasks)",
+            unit="item",
+            disable=not progress,
+            dynamic_ncols=True,
+            file=sys.stderr,
+        ) as bar:
             n = decode_groups_jointly(joint, engine, memo, on_row=lambda: bar.update(1))
-        for g in joint:  # the reference NLLs on the same prefills, rows of similar reference length per forward
+        for (
+            g
+        ) in joint:  # the reference NLLs on the same prefills, rows of similar reference length per forward
             k = g.settings.handoff_tokens
             for spec in g.specs:
-                refs = {i: g.prep.references[i] for i in g.rows_by_mode[spec.mode]
-                        if g.prep.references[i] is not None
-                        and not memo.has_nll(spec, g.prep.prompts[i], g.prep.references[i], k)}
+                refs = {
+                    i: g.prep.references[i]
+                    for i in g.rows_by_mode[spec.mode]
+                    if g.prep.references[i] is not None
+                    and not memo.has_nll(spec, g.prep.prompts[i], g.prep.references[i], k)
+                }
                 for part in length_chunks({i: len(r) + k for i, r in refs.items()}, batch_size, NLL_TOKENS):
                     for i, nll in zip(part, g.group.nll(spec, part, [refs[i] for i in part]), strict=True):
                         memo.put_nll(spec, g.prep.prompts[i], refs[i], k, nll, ahead=True)
@@ -272,7 +361,9 @@ class _TaskRows:
     def rows(self, items: Sequence[int]) -> list[int]:
         return self.group.rows([(self.task, i) for i in items])
 
-    def nll(self, spec: ModeSpec, items: Sequence[int], references: Sequence[Sequence[int]]) -> list[tuple[float, int]]:
+    def nll(
+        self, spec: ModeSpec, items: Sequence[int], references: Sequence[Sequence[int]]
+    ) -> list[tuple[float, int]]:
         return self.group.nll(spec, [(self.task, i) for i in items], references)
 
 
@@ -280,9 +371,20 @@ def _mode_order(spec: ModeSpec) -> int:
     return MODES.index(spec.mode) if spec.mode in MODES else len(MODES)
 
 
-def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, settings: EvalSettings | None = None,
-             batch_size: int = 8, progress: bool = True, overwrite: bool = False, n_resamples: int = 2000,
-             on_item: Callable[[str, dict], None] | None = None, memo: EvalMemo | None = None) -> TaskResult:
+def run_task(
+    task,
+    base,
+    modes: Sequence[ModeSpec],
+    out_dir: str | Path,
+    *,
+    settings: EvalSettings | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+    overwrite: bool = False,
+    n_resamples: int = 2000,
+    on_item: Callable[[str, dict], None] | None = None,
+    memo: EvalMemo | None = None,
+) -> TaskResult:
     """Evaluate ``task`` under every mode in ``modes`` into ``out_dir/TASK/``, resuming what is there.
 
     Args:
@@ -314,8 +416,20 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
     specs = sorted(modes, key=_mode_order)
     index_of = {x: i for i, x in enumerate(prep.ids)}
     done = _done_records(folder, prep, specs)
-    computed, specs = _run_groups(task, base, specs, prep, folder, done, settings, batch_size=batch_size,
-                                  progress=progress, unavailable=unavailable, on_item=on_item, memo=memo)
+    computed, specs = _run_groups(
+        task,
+        base,
+        specs,
+        prep,
+        folder,
+        done,
+        settings,
+        batch_size=batch_size,
+        progress=progress,
+        unavailable=unavailable,
+        on_item=on_item,
+        memo=memo,
+    )
     records: dict[str, list[dict]] = {}
     for spec in specs:
         records[spec.mode] = sorted(done[spec.mode].values(), key=lambda r: index_of[r["id"]])
@@ -327,8 +441,9 @@ def run_task(task, base, modes: Sequence[ModeSpec], out_dir: str | Path, *, sett
     return TaskResult(summary, records, computed)
 
 
-def _open_task_folder(task, base, modes: Sequence[ModeSpec], folder: Path, settings: EvalSettings,
-                      overwrite: bool) -> tuple:
+def _open_task_folder(
+    task, base, modes: Sequence[ModeSpec], folder: Path, settings: EvalSettings, overwrite: bool
+) -> tuple:
     """The folder and resume part of ``run_task``: clear it (``overwrite``) or check that its earlier run may be
     resumed, run the task's environment check, and write ``meta.json``. Returns (prepared items, meta, whether
     the task's toolchain is unavailable)."""
@@ -346,10 +461,17 @@ def _open_task_folder(task, base, modes: Sequence[ModeSpec], folder: Path, setti
         check_resumable(folder, meta, want, base.fingerprint, {s.mode: s.describe() for s in modes})
     else:
         meta = {"task": name, "settings": want, "modes": {}, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
-    meta.update(model=describe_base(base), base=base.name, base_fingerprint=base.fingerprint,
-                data=task_description(task), n_items=prep.n, hardware=hardware(),
-                primary_metric=primary_metric_of(task), licence=getattr(task, "license", None),
-                torch=torch.__version__)
+    meta.update(
+        model=describe_base(base),
+        base=base.name,
+        base_fingerprint=base.fingerprint,
+        data=task_description(task),
+        n_items=prep.n,
+        hardware=hardware(),
+        primary_metric=primary_metric_of(task),
+        licence=getattr(task, "license", None),
+        torch=torch.__version__,
+    )
     meta["environment"] = environment
     unavailable = isinstance(environment, dict) and environment.get("available") is False
     if unavailable:  # reported as unavailable, never scored as 0 (K8); NLL on the references still runs
@@ -362,9 +484,21 @@ def _open_task_folder(task, base, modes: Sequence[ModeSpec], folder: Path, setti
     return prep, meta, unavailable
 
 
-def _run_groups(task, base, specs: list[ModeSpec], prep, folder: Path, done: dict, settings: EvalSettings, *,
-                batch_size: int, progress: bool, unavailable: bool, on_item,
-                memo: EvalMemo | None) -> tuple[dict[str, int], list[ModeSpec]]:
+def _run_groups(
+    task,
+    base,
+    specs: list[ModeSpec],
+    prep,
+    folder: Path,
+    done: dict,
+    settings: EvalSettings,
+    *,
+    batch_size: int,
+    progress: bool,
+    unavailable: bool,
+    on_item,
+    memo: EvalMemo | None,
+) -> tuple[dict[str, int], list[ModeSpec]]:
     """The group loop of ``run_task``: the items not in ``done`` in groups, every mode per group (each producer
     prefills a group once with the engine), records appended to ``items.MODE.jsonl`` and added to ``done``.
     Returns the items computed per mode and the modes in the order they ran."""
@@ -382,36 +516,73 @@ def _run_groups(task, base, specs: list[ModeSpec], prep, folder: Path, done: dic
     # items in groups, every mode per group (with the engine each producer prefills a group once: GroupPrefill);
     # shortest prompts first: less padding, and results do not depend on batching
     todo = sorted(set().union(*pending.values()), key=lambda i: (len(prep.prompts[i]), i))
-    if engine is not None:  # the modes reading C_base first, so it is freed before the Full-FT decoder's prefill
+    if (
+        engine is not None
+    ):  # the modes reading C_base first, so it is freed before the Full-FT decoder's prefill
         specs.sort(key=lambda spec: (producer_of(engine, spec) is not None, _mode_order(spec)))
     last_use = {producer_of(engine, spec): n for n, spec in enumerate(specs)} if engine is not None else {}
     # greedy: every mode's rows of a group decode in the same engine steps, mode after mode (a mode's rows take
     # the slots the previous mode's last rows free; a group smaller than the engine's rows fills them with every
     # mode at once), through a memo that run_mode_batch reads
-    joint = engine is not None and not unavailable and not settings.sampling(task)["do_sample"] \
+    joint = (
+        engine is not None
+        and not unavailable
+        and not settings.sampling(task)["do_sample"]
         and settings.resolved_samples(task) == 1
+    )
     if joint and memo is None:
         memo = EvalMemo()
-    bar = tqdm(total=prep.n * len(specs), initial=sum(map(len, done.values())), desc=name, unit="item",
-               disable=not progress, dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(
+        total=prep.n * len(specs),
+        initial=sum(map(len, done.values())),
+        desc=name,
+        unit="item",
+        disable=not progress,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
     try:
         for start in range(0, len(todo), group):
-            rows = todo[start:start + group]
-            prefills = GroupPrefill(engine, {i: prep.prompts[i] for i in rows}, settings.handoff_tokens) \
-                if engine is not None else None
+            rows = todo[start : start + group]
+            prefills = (
+                GroupPrefill(engine, {i: prep.prompts[i] for i in rows}, settings.handoff_tokens)
+                if engine is not None
+                else None
+            )
             if prefills is not None:  # one arena growth for the prefills of the modes with work in this group
                 prefills.reserve([s for s in specs if any(i in pending[s.mode] for i in rows)])
             try:
                 if joint:
-                    decode_group_jointly(task, specs, prep, {s.mode: [i for i in rows if i in pending[s.mode]
-                                                                      and settings.generates(i)] for s in specs},
-                                         settings, engine, prefills, memo)
+                    decode_group_jointly(
+                        task,
+                        specs,
+                        prep,
+                        {
+                            s.mode: [i for i in rows if i in pending[s.mode] and settings.generates(i)]
+                            for s in specs
+                        },
+                        settings,
+                        engine,
+                        prefills,
+                        memo,
+                    )
                 for n, spec in enumerate(specs):
                     mine = [i for i in rows if i in pending[spec.mode]]
                     if mine:
                         bar.set_postfix_str(spec.mode)
-                        recs = run_mode_batch(task, spec, base, prep, mine, settings, score=not unavailable,
-                                              engine=engine, nll_batch_size=batch_size, memo=memo, group=prefills)
+                        recs = run_mode_batch(
+                            task,
+                            spec,
+                            base,
+                            prep,
+                            mine,
+                            settings,
+                            score=not unavailable,
+                            engine=engine,
+                            nll_batch_size=batch_size,
+                            memo=memo,
+                            group=prefills,
+                        )
                         path = folder / f"items.{spec.mode}.jsonl"
                         for r in recs:
                             append_jsonl(path, [r])

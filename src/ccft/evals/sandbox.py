@@ -92,8 +92,22 @@ from ccft.evals.sandbox_launcher import (
     uid_processes,
 )
 
-__all__ = ["ALLOW_ENV", "GUARD", "LAUNCHER", "LEVELS", "LEVEL_ENV", "UID_BASE", "Limits", "RunResult", "Sandbox",
-           "SandboxUnavailableError", "exposed_paths", "isolation", "run_once", "unisolated_allowed"]
+__all__ = [
+    "ALLOW_ENV",
+    "GUARD",
+    "LAUNCHER",
+    "LEVELS",
+    "LEVEL_ENV",
+    "UID_BASE",
+    "Limits",
+    "RunResult",
+    "Sandbox",
+    "SandboxUnavailableError",
+    "exposed_paths",
+    "isolation",
+    "run_once",
+    "unisolated_allowed",
+]
 
 #: The launcher script, run as ``python -I -S LAUNCHER CONFIG_JSON``.
 LAUNCHER = os.path.abspath(sandbox_launcher.__file__)
@@ -201,22 +215,22 @@ _LEVEL_INFO: dict[str, dict[str, str]] = {
     "userns": {
         **_COMMON,
         "filesystem": "new root: system folders and the toolchain read-only, the fresh working directory the only "
-                      "writable place, private /proc; the user's home and other files are not visible",
+        "writable place, private /proc; the user's home and other files are not visible",
         "identity": "the evaluating user's uid in a new user namespace, no capabilities, no_new_privs",
     },
     "bwrap": {
         **_COMMON,
         "filesystem": "bubblewrap: new root with system folders and the toolchain read-only, the fresh working "
-                      "directory the only writable place, private /proc; the user's home and other files are not "
-                      "visible",
+        "directory the only writable place, private /proc; the user's home and other files are not "
+        "visible",
         "identity": "the evaluating user's uid in a new user namespace (bubblewrap), no capabilities",
     },
     "basic": {
         "network": "Python only: audit hook refuses sockets; other languages: NOT isolated",
         "filesystem": "Python only: audit hook refuses writes outside the working directory; "
-                      "other languages: NOT isolated",
+        "other languages: NOT isolated",
         "processes": "session killed at the limit + RLIMIT_NPROC (ignored for root); "
-                     "Python: audit hook refuses fork/exec (not calls through ctypes)",
+        "Python: audit hook refuses fork/exec (not calls through ctypes)",
         "identity": "the evaluating user (NOT isolated)",
         "per_language": "python: network/fs/process guards; others: limits only",
     },
@@ -225,8 +239,10 @@ _LEVEL_INFO: dict[str, dict[str, str]] = {
 
 def unisolated_allowed() -> bool:
     """Did the user opt in to running generated code without isolation (``ALLOW_ENV`` or ``LEVEL_ENV=basic``)?"""
-    return (os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes")
-            or os.environ.get(LEVEL_ENV, "").strip().lower() == "basic")
+    return (
+        os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes")
+        or os.environ.get(LEVEL_ENV, "").strip().lower() == "basic"
+    )
 
 
 def _bwrap() -> str | None:
@@ -242,15 +258,27 @@ def _probe(level: str) -> bool:
             return False
         try:
             with Sandbox(level="bwrap") as sb:
-                res = sb.run([os.path.realpath(sys.executable), "-I", "-S", "-c", "import os; assert os.getpid() == 2"],
-                             limits=Limits(timeout_s=30))
+                res = sb.run(
+                    [
+                        os.path.realpath(sys.executable),
+                        "-I",
+                        "-S",
+                        "-c",
+                        "import os; assert os.getpid() == 2",
+                    ],
+                    limits=Limits(timeout_s=30),
+                )
         except (OSError, ValueError):
             return False
         return res.ok
     d = os.path.realpath(tempfile.mkdtemp(prefix="ccft-probe-"))
     try:  # a throwaway process runs a program under the exact namespaces and mounts the launcher uses
-        r = subprocess.run([sys.executable, "-I", "-S", LAUNCHER, "--probe", level, d],
-                           capture_output=True, timeout=60, env={"PATH": DEFAULT_PATH})
+        r = subprocess.run(
+            [sys.executable, "-I", "-S", LAUNCHER, "--probe", level, d],
+            capture_output=True,
+            timeout=60,
+            env={"PATH": DEFAULT_PATH},
+        )
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
@@ -282,9 +310,11 @@ def isolation(refresh: bool = False) -> dict[str, object]:
     if forced == "basic":
         info["note"] = f"{LEVEL_ENV}=basic forces the basic level"
     elif level == "basic":
-        info["note"] = (f"no isolation is available here (tried: {', '.join(tried)}; unprivileged user namespaces "
-                        f"disabled or restricted, unshare(2) refused, no working bwrap); generated code runs only "
-                        f"with {ALLOW_ENV}=1")
+        info["note"] = (
+            f"no isolation is available here (tried: {', '.join(tried)}; unprivileged user namespaces "
+            f"disabled or restricted, unshare(2) refused, no working bwrap); generated code runs only "
+            f"with {ALLOW_ENV}=1"
+        )
     else:
         info["note"] = ""
     _ISOLATION_CACHE = info
@@ -298,10 +328,12 @@ def _refusal(info: dict[str, object]) -> SandboxUnavailableError:
         f"(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0; on Ubuntu "
         f"kernel.apparmor_restrict_unprivileged_userns=0), install a working bubblewrap (bwrap), or run as root "
         f"in a container; or opt in with "
-        f"{ALLOW_ENV}=1 (docs/sandbox.md).")
+        f"{ALLOW_ENV}=1 (docs/sandbox.md)."
+    )
 
 
 # ------------------------------------------------------------------ the sandbox
+
 
 class Sandbox:
     """A fresh temporary working directory in which several commands run (compile, then run).
@@ -321,8 +353,9 @@ class Sandbox:
     is used as given (``namespaces`` needs root, ``userns`` a non-root user: ``ValueError`` otherwise).
     """
 
-    def __init__(self, level: str | None = None, root: str | os.PathLike | None = None,
-                 expose: list[str] | None = None):
+    def __init__(
+        self, level: str | None = None, root: str | os.PathLike | None = None, expose: list[str] | None = None
+    ):
         if level is None:
             info = isolation()
             if not info["runs_code"]:
@@ -333,8 +366,10 @@ class Sandbox:
         if self.level not in LEVELS:
             raise ValueError(f"sandbox level {self.level!r}; use one of {', '.join(LEVELS)}")
         if self.level != "basic" and (os.geteuid() == 0) != (self.level == "namespaces"):
-            raise ValueError(f"sandbox level {self.level!r} is for "
-                             f"{'non-root users' if self.level in _USER_LEVELS else 'root'}")
+            raise ValueError(
+                f"sandbox level {self.level!r} is for "
+                f"{'non-root users' if self.level in _USER_LEVELS else 'root'}"
+            )
         if self.level == "bwrap" and _bwrap() is None:
             raise ValueError("sandbox level 'bwrap': bubblewrap (bwrap) is not installed")
         self._root = root
@@ -377,16 +412,29 @@ class Sandbox:
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """The scrubbed environment of a run: nothing is inherited from the evaluator."""
         assert self.path is not None
-        env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": str(self.path / "home"),
-               "TMPDIR": str(self.path / "tmp"), "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
-               "PYTHONIOENCODING": "utf-8"}
+        env = {
+            "PATH": DEFAULT_PATH,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "HOME": str(self.path / "home"),
+            "TMPDIR": str(self.path / "tmp"),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "PYTHONIOENCODING": "utf-8",
+        }
         if self._guard_dir is not None:
             env["PYTHONPATH"] = str(self._guard_dir)
         env.update(extra or {})
         return env
 
-    def run(self, argv: list[str], *, limits: Limits = Limits(), env: dict[str, str] | None = None,
-            stdin: bytes | None = None) -> RunResult:
+    def run(
+        self,
+        argv: list[str],
+        *,
+        limits: Limits = Limits(),
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+    ) -> RunResult:
         """Run ``argv`` in the working directory under ``limits``; see the module docstring."""
         assert self.path is not None, "use Sandbox as a context manager"
         if "/" not in argv[0] and shutil.which(argv[0], path=(env or {}).get("PATH", DEFAULT_PATH)) is None:
@@ -394,27 +442,48 @@ class Sandbox:
         run_env = self.env(env)
         exe = shutil.which(argv[0], path=run_env["PATH"]) or argv[0]
         needs = [exe, sys.executable, sys.prefix, sys.base_prefix, *self.expose]
-        cfg = {"workdir": str(self.path), "level": self.level, "limits": asdict(limits),
-               "env": run_env, "argv": list(argv), "expose": exposed_paths(needs), "needs": root_paths(needs),
-               "rootdir": str(self._new_root or "")}
+        cfg = {
+            "workdir": str(self.path),
+            "level": self.level,
+            "limits": asdict(limits),
+            "env": run_env,
+            "argv": list(argv),
+            "expose": exposed_paths(needs),
+            "needs": root_paths(needs),
+            "rootdir": str(self._new_root or ""),
+        }
         launcher = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)]
         info_r = info_w = -1
         if self.level == "bwrap":  # bubblewrap builds the namespaces; the launcher inside applies the limits
             cfg.update(level="basic", nproc_base=len(uid_processes(os.getuid())))
             info_r, info_w = os.pipe()
-            launcher = [*_bwrap_argv(str(self.path), cfg["needs"] + [LAUNCHER], info_w),
-                        os.path.realpath(sys.executable), "-I", "-S", LAUNCHER, json.dumps(cfg)]
+            launcher = [
+                *_bwrap_argv(str(self.path), cfg["needs"] + [LAUNCHER], info_w),
+                os.path.realpath(sys.executable),
+                "-I",
+                "-S",
+                LAUNCHER,
+                json.dumps(cfg),
+            ]
         t0 = time.monotonic()
         try:
-            proc = subprocess.Popen(launcher, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                    env={"PATH": DEFAULT_PATH}, cwd=str(self.path),
-                                    pass_fds=(info_w,) if info_w >= 0 else ())
+            proc = subprocess.Popen(
+                launcher,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                env={"PATH": DEFAULT_PATH},
+                cwd=str(self.path),
+                pass_fds=(info_w,) if info_w >= 0 else (),
+            )
         finally:
             if info_w >= 0:
                 os.close(info_w)
         init = _bwrap_init(info_r) if info_r >= 0 else None
-        out, err, timed_out, truncated = _collect(proc, limits, stdin, namespace=self.level in ("namespaces", "userns"))
+        out, err, timed_out, truncated = _collect(
+            proc, limits, stdin, namespace=self.level in ("namespaces", "userns")
+        )
         if self.level == "namespaces":
             _reap_uid(sandbox_uid(proc.pid))
         if init is not None:
@@ -422,9 +491,16 @@ class Sandbox:
         rc = proc.returncode
         if rc is not None and self.level != "basic":
             rc = decode_exit(rc)  # the launcher reports a signal death of the program as 128 + signal
-        return RunResult(argv=list(argv), returncode=rc, stdout=out.decode("utf-8", "replace"),
-                         stderr=err.decode("utf-8", "replace"), timed_out=timed_out, output_truncated=truncated,
-                         duration_s=time.monotonic() - t0, isolation=self.level)
+        return RunResult(
+            argv=list(argv),
+            returncode=rc,
+            stdout=out.decode("utf-8", "replace"),
+            stderr=err.decode("utf-8", "replace"),
+            timed_out=timed_out,
+            output_truncated=truncated,
+            duration_s=time.monotonic() - t0,
+            isolation=self.level,
+        )
 
 
 def _bwrap_argv(workdir: str, needs: list[str], info_fd: int) -> list[str]:
@@ -432,8 +508,20 @@ def _bwrap_argv(workdir: str, needs: list[str], info_fd: int) -> list[str]:
     argv = [str(_bwrap()), "--unshare-all", "--die-with-parent", "--new-session", "--info-fd", str(info_fd)]
     for src, link in root_layout(needs):  # the same layout as the userns level's new root
         argv += ["--symlink", link, src] if link is not None else ["--ro-bind", src, src]
-    return argv + ["--dev", "/dev", "--proc", "/proc", "--bind", workdir, workdir, "--remount-ro", "/",
-                   "--chdir", workdir, "--"]
+    return argv + [
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--bind",
+        workdir,
+        workdir,
+        "--remount-ro",
+        "/",
+        "--chdir",
+        workdir,
+        "--",
+    ]
 
 
 def _bwrap_init(info_r: int, wait_s: float = 60.0):
@@ -499,8 +587,9 @@ def _kill_tree(proc: subprocess.Popen, namespace: bool = False) -> None:
         pass
 
 
-def _collect(proc: subprocess.Popen, limits: Limits, stdin: bytes | None,
-             namespace: bool = False) -> tuple[bytes, bytes, bool, bool]:
+def _collect(
+    proc: subprocess.Popen, limits: Limits, stdin: bytes | None, namespace: bool = False
+) -> tuple[bytes, bytes, bool, bool]:
     """Read stdout/stderr with the output cap and the wall-time limit; kill the tree on either (:func:`_kill_tree`)."""
     if stdin:
         try:
@@ -549,8 +638,14 @@ def _collect(proc: subprocess.Popen, limits: Limits, stdin: bytes | None,
     return bytes(bufs[proc.stdout][:cap]), bytes(bufs[proc.stderr][:cap]), timed_out, truncated
 
 
-def run_once(files: dict[str, str | bytes], argv: list[str], *, limits: Limits = Limits(),
-             env: dict[str, str] | None = None, level: str | None = None) -> RunResult:
+def run_once(
+    files: dict[str, str | bytes],
+    argv: list[str],
+    *,
+    limits: Limits = Limits(),
+    env: dict[str, str] | None = None,
+    level: str | None = None,
+) -> RunResult:
     """Write ``files`` into a fresh sandbox, run ``argv`` once, clean up, return the result."""
     with Sandbox(level=level) as sb:
         for name, content in files.items():

@@ -19,11 +19,32 @@ import sys
 
 _CWD = os.path.realpath(os.getcwd())
 _OK_DEV = ("/dev/null", "/dev/stdout", "/dev/stderr")
-_FILE_EVENTS = ("os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.chmod", "os.chown", "os.link", "os.symlink",
-                "os.truncate", "os.utime", "shutil.rmtree")
+_FILE_EVENTS = (
+    "os.remove",
+    "os.rmdir",
+    "os.mkdir",
+    "os.rename",
+    "os.chmod",
+    "os.chown",
+    "os.link",
+    "os.symlink",
+    "os.truncate",
+    "os.utime",
+    "shutil.rmtree",
+)
 _NET_EVENTS = ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo")
-_PROCESS_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-                   "pty.spawn", "os.kill", "os.killpg")
+_PROCESS_EVENTS = (
+    "subprocess.Popen",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "os.forkpty",
+    "pty.spawn",
+    "os.kill",
+    "os.killpg",
+)
 
 
 def _inside(p) -> bool:
@@ -39,10 +60,13 @@ def _hook(event: str, args: tuple) -> None:
         path, mode, flags = args
         if isinstance(path, int):
             return
-        writing = (mode is not None and any(c in str(mode) for c in "wax+")) or \
-            (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        writing = (mode is not None and any(c in str(mode) for c in "wax+")) or (flags or 0) & (
+            os.O_WRONLY | os.O_RDWR | os.O_CREAT
+        )
         if writing and not _inside(path):
-            raise PermissionError("sandbox: writing outside the working directory is not allowed: %r" % (path,))
+            raise PermissionError(
+                "sandbox: writing outside the working directory is not allowed: %r" % (path,)
+            )
     elif event in _FILE_EVENTS:
         for p in args[:2]:
             if isinstance(p, (str, bytes, os.PathLike)) and not _inside(p):

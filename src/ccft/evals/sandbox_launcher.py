@@ -37,8 +37,21 @@ import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["DEFAULT_PATH", "SYSTEM_DIRS", "UID_BASE", "UID_SPAN", "decode_exit", "encode_exit", "exposed_paths",
-           "launch", "probe", "root_layout", "root_paths", "sandbox_uid", "uid_processes"]
+__all__ = [
+    "DEFAULT_PATH",
+    "SYSTEM_DIRS",
+    "UID_BASE",
+    "UID_SPAN",
+    "decode_exit",
+    "encode_exit",
+    "exposed_paths",
+    "launch",
+    "probe",
+    "root_layout",
+    "root_paths",
+    "sandbox_uid",
+    "uid_processes",
+]
 
 # Linux constants (include/uapi/linux/sched.h, mount.h, prctl.h).
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -49,11 +62,28 @@ _MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC = 32, 1024, 2048, 40
 _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
 _MNT_DETACH = 2
 #: pivot_root(2) has no glibc wrapper: its system call number per architecture (arch/*/unistd).
-_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 41, "ppc64le": 203, "ppc64": 203,
-                   "s390x": 217, "i686": 217, "i386": 217, "armv7l": 218}
+_SYS_PIVOT_ROOT = {
+    "x86_64": 155,
+    "aarch64": 41,
+    "riscv64": 41,
+    "loongarch64": 41,
+    "ppc64le": 203,
+    "ppc64": 203,
+    "s390x": 217,
+    "i686": 217,
+    "i386": 217,
+    "armv7l": 218,
+}
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
-_MNT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": _MS_NOATIME,
-              "nodiratime": _MS_NODIRATIME, "relatime": _MS_RELATIME, "strictatime": _MS_STRICTATIME}
+_MNT_FLAGS = {
+    "nosuid": _MS_NOSUID,
+    "nodev": _MS_NODEV,
+    "noexec": _MS_NOEXEC,
+    "noatime": _MS_NOATIME,
+    "nodiratime": _MS_NODIRATIME,
+    "relatime": _MS_RELATIME,
+    "strictatime": _MS_STRICTATIME,
+}
 
 #: First uid/gid of the sandbox range (one uid per concurrent run, so RLIMIT_NPROC is per run).
 UID_BASE = 1_500_000
@@ -101,6 +131,7 @@ def uid_processes(uid: int) -> list[int]:
 
 # ------------------------------------------------------------------ which hidden folders to re-expose
 
+
 def _hidden_ancestor(path: str) -> tuple[str, str] | None:
     """(first ancestor of ``path`` that others cannot traverse, its child on the way), or None."""
     parts = Path(path).parts
@@ -134,6 +165,7 @@ def exposed_paths(paths: list[str]) -> dict[str, list[str]]:
 
 # ------------------------------------------------------------------ system calls (ctypes, Linux)
 
+
 def _libc():
     import ctypes
 
@@ -163,8 +195,10 @@ def _hide_homes(libc, workdir: str, expose: dict[str, list[str]]) -> None:
         stage = os.path.join(workdir, f".ccft-stage-{i}")
         os.mkdir(stage)
         _check(libc.mount(anc.encode(), stage.encode(), None, _MS_BIND | _MS_REC, None), f"stage {anc}")
-        _check(libc.mount(b"tmpfs", anc.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755,size=64k"),
-               f"cover {anc}")
+        _check(
+            libc.mount(b"tmpfs", anc.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755,size=64k"),
+            f"cover {anc}",
+        )
         for child in children:
             src, dst = os.path.join(stage, child), os.path.join(anc, child)
             if os.path.isdir(src):
@@ -190,7 +224,9 @@ def _remount_readonly(libc, keep: str, required: tuple[str, ...] | None) -> None
         flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
         for opt in parts[5].split(","):
             flags |= _MNT_FLAGS.get(opt, 0)
-        if libc.mount(None, point.encode(), None, flags, None) != 0 and (required is None or point in required):
+        if libc.mount(None, point.encode(), None, flags, None) != 0 and (
+            required is None or point in required
+        ):
             _check(-1, f"remount {point} read-only")
 
 
@@ -203,7 +239,10 @@ def _readonly_everything_but(libc, workdir: str, expose: dict[str, list[str]] | 
 
 
 def _mount_proc(libc, target: str = "/proc") -> None:
-    _check(libc.mount(b"proc", target.encode(), b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mount /proc")
+    _check(
+        libc.mount(b"proc", target.encode(), b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
+        "mount /proc",
+    )
 
 
 def root_paths(paths: list[str]) -> list[str]:
@@ -248,8 +287,10 @@ def _bind(libc, src: str, dst: str) -> None:
 def _build_root(libc, newroot: str, workdir: str, needs: list[str]) -> None:
     """An empty tmpfs at ``newroot`` showing only the system folders, ``needs``, ``workdir``, a minimal /dev."""
     _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
-    _check(libc.mount(b"tmpfs", newroot.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755,size=16m"),
-           "mount the new root")
+    _check(
+        libc.mount(b"tmpfs", newroot.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755,size=16m"),
+        "mount the new root",
+    )
     for src, link in root_layout(needs):
         if link is not None:
             os.symlink(link, newroot + src)
@@ -264,8 +305,12 @@ def _build_root(libc, newroot: str, workdir: str, needs: list[str]) -> None:
             except OSError:
                 if name != "tty":  # no terminal is fine; the others are not
                     raise
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"{dev}/{name}")
     os.makedirs(newroot + "/proc", exist_ok=True)
     os.makedirs(newroot + "/tmp", exist_ok=True)
@@ -391,6 +436,7 @@ def _run_namespace(libc, cfg: dict, setup, become) -> int:
 
 # ------------------------------------------------------------------ entry points
 
+
 def launch(cfg: dict) -> int:
     """Run the program of ``cfg`` (see the module docstring) under its level; returns the exit status.
 
@@ -449,8 +495,15 @@ def launch(cfg: dict) -> int:
     return _run_namespace(libc, cfg, setup, become)
 
 
-_PROBE_LIMITS = {"timeout_s": 30, "memory_mb": 1024, "memory_kind": "as", "max_procs": 64,
-                 "max_output_bytes": 1 << 16, "max_file_mb": 16, "max_open_files": 256}
+_PROBE_LIMITS = {
+    "timeout_s": 30,
+    "memory_mb": 1024,
+    "memory_kind": "as",
+    "max_procs": 64,
+    "max_output_bytes": 1 << 16,
+    "max_file_mb": 16,
+    "max_open_files": 256,
+}
 
 
 def probe(level: str, tmp: str) -> int:
@@ -465,10 +518,16 @@ def probe(level: str, tmp: str) -> int:
         os.mkdir(d)
         os.chmod(d, 0o755)
     exe = os.path.realpath(sys.executable)
-    cfg = {"workdir": work, "rootdir": root, "level": level, "limits": _PROBE_LIMITS,
-           "env": {"PATH": DEFAULT_PATH}, "argv": [exe, "-I", "-S", "-c", "import os; assert os.getpid() == 2"],
-           "expose": exposed_paths([exe, sys.prefix, sys.base_prefix]),
-           "needs": root_paths([exe, sys.prefix, sys.base_prefix])}
+    cfg = {
+        "workdir": work,
+        "rootdir": root,
+        "level": level,
+        "limits": _PROBE_LIMITS,
+        "env": {"PATH": DEFAULT_PATH},
+        "argv": [exe, "-I", "-S", "-c", "import os; assert os.getpid() == 2"],
+        "expose": exposed_paths([exe, sys.prefix, sys.base_prefix]),
+        "needs": root_paths([exe, sys.prefix, sys.base_prefix]),
+    }
     try:
         rc = launch(cfg)
     except OSError:

@@ -53,8 +53,9 @@ def prompt_hash(ids: Sequence[int]) -> str:
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
-def prepare(task, tokenizer, limit: int | None, handoff_tokens: int = 1,
-            prompt_format: PromptFormat | None = None) -> Prepared:
+def prepare(
+    task, tokenizer, limit: int | None, handoff_tokens: int = 1, prompt_format: PromptFormat | None = None
+) -> Prepared:
     """Load and tokenise the task's first ``limit`` items (prompt ids, reference response ids + EOS).
 
     Prompt ids follow ``ccft.evals.prompting.prompt_ids`` (``prompt_format`` None: the task's own).
@@ -70,14 +71,18 @@ def prepare(task, tokenizer, limit: int | None, handoff_tokens: int = 1,
         ids.append(item_id(task, item, i))
         p = prompt_ids(task, tokenizer, item, prompt_format)
         if len(p) < handoff_tokens + 1:
-            raise ConfigError(f"task {task_name(task)} item {ids[-1]}: the prompt has {len(p)} tokens; "
-                              f"handoff_tokens={handoff_tokens} needs at least {handoff_tokens + 1}")
+            raise ConfigError(
+                f"task {task_name(task)} item {ids[-1]}: the prompt has {len(p)} tokens; "
+                f"handoff_tokens={handoff_tokens} needs at least {handoff_tokens + 1}"
+            )
         prompts.append(p)
         ref = task.reference_text(item) if hasattr(task, "reference_text") else None
         refs.append(tokenize_response(tokenizer, ref) if ref else None)
     if len(set(ids)) != len(ids):
         dup = sorted({x for x in ids if ids.count(x) > 1})[:5]
-        raise ConfigError(f"task {task_name(task)}: item ids are not unique ({dup}); resuming needs unique ids")
+        raise ConfigError(
+            f"task {task_name(task)}: item ids are not unique ({dup}); resuming needs unique ids"
+        )
     return Prepared(items, ids, prompts, refs)
 
 
@@ -104,9 +109,16 @@ def length_chunks(lengths: dict[int, int] | Sequence[int], max_rows: int, max_to
 
 
 @torch.no_grad()
-def batch_nll(mode: str, base, decoder: Decoder | None, prompts: Sequence[Sequence[int]],
-              responses: Sequence[Sequence[int]], *, handoff_tokens: int = 1,
-              cache: BaseCache | None = None) -> list[tuple[float, int]]:
+def batch_nll(
+    mode: str,
+    base,
+    decoder: Decoder | None,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    *,
+    handoff_tokens: int = 1,
+    cache: BaseCache | None = None,
+) -> list[tuple[float, int]]:
     """(summed NLL in nats, token count) of each response (+ EOS) under ``mode``, one forward for the batch.
 
     Args:
@@ -126,35 +138,50 @@ def batch_nll(mode: str, base, decoder: Decoder | None, prompts: Sequence[Sequen
     spec = check_mode(mode, decoder)
     k = handoff_tokens
     batch = Collator(pad_token_id(base.tokenizer), k)(
-        [Example(tuple(p), tuple(r)) for p, r in zip(prompts, responses, strict=True)])
+        [Example(tuple(p), tuple(r)) for p, r in zip(prompts, responses, strict=True)]
+    )
     batch = {key: v.to(base.device) for key, v in batch.items()}
     if cache is not None and not spec.shared_prefill:  # the mode's own prefill, computed elsewhere
         if (cache.producer == "base") == spec.needs_decoder:
-            raise ConfigError(f"mode {mode!r} reads its own prefill, but this cache was written by "
-                              f"{cache.producer!r}; pass the prefix its own model computed (or no cache)")
+            raise ConfigError(
+                f"mode {mode!r} reads its own prefill, but this cache was written by "
+                f"{cache.producer!r}; pass the prefix its own model computed (or no cache)"
+            )
         if spec.needs_decoder:
             logits = decoder_forward(decoder, cache, batch["tail_ids"], batch["tail_mask"], allow_self=True)
         else:
             with base.base_weights() as model:
-                logits = decoder_forward(model, cache, batch["tail_ids"], batch["tail_mask"],
-                                         fingerprint=base.fingerprint)
+                logits = decoder_forward(
+                    model, cache, batch["tail_ids"], batch["tail_mask"], fingerprint=base.fingerprint
+                )
     elif spec.shared_prefill:
         if cache is None:
             cache = compute_base_cache(base, prompts, handoff_tokens=k)
         cache.check_reader(decoder.fingerprint, decoder.dtype)
         logits = decoder_forward(decoder, cache, batch["tail_ids"], batch["tail_mask"])
     elif spec.needs_decoder:  # the decoder prefills its own prompt
-        logits = full_forward(decoder, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"], batch["tail_mask"])
+        logits = full_forward(
+            decoder, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"], batch["tail_mask"]
+        )
     else:
         with base.base_weights() as model:
-            logits = full_forward(model, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"],
-                                  batch["tail_mask"])
+            logits = full_forward(
+                model, batch["prefix_ids"], batch["prefix_mask"], batch["tail_ids"], batch["tail_mask"]
+            )
     return row_nlls(logits, batch["labels"])
 
 
 @torch.no_grad()
-def handle_nll(engine, handle, rows: Sequence[int], decoder: str, prompts: Sequence[Sequence[int]],
-               responses: Sequence[Sequence[int]], *, handoff_tokens: int = 1) -> list[tuple[float, int]]:
+def handle_nll(
+    engine,
+    handle,
+    rows: Sequence[int],
+    decoder: str,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    *,
+    handoff_tokens: int = 1,
+) -> list[tuple[float, int]]:
     """``batch_nll`` on a prefix an engine already holds: (summed NLL in nats, token count) of each response
     (+ EOS) after ``prompts[i]`` (= the prompt of ``handle`` row ``rows[i]``) under engine decoder ``decoder``,
     in one teacher-forced forward of the engine (``SharedPrefillEngine.tail_logits``). Same layout and labels
@@ -167,9 +194,12 @@ def handle_nll(engine, handle, rows: Sequence[int], decoder: str, prompts: Seque
     k = handoff_tokens
     for r, p in zip(rows, prompts, strict=True):
         if list(p[-k:]) != list(handle.tail_ids[r]) or len(p) - k != handle.lengths[r]:
-            raise ConfigError(f"handle row {r} holds the prefix of another prompt than the one scored; pass the "
-                              "prompts the handle was prefilled with")
+            raise ConfigError(
+                f"handle row {r} holds the prefix of another prompt than the one scored; pass the "
+                "prompts the handle was prefilled with"
+            )
     batch = Collator(pad_token_id(engine.tokenizer), k)(
-        [Example(tuple(p), tuple(r)) for p, r in zip(prompts, responses, strict=True)])
+        [Example(tuple(p), tuple(r)) for p, r in zip(prompts, responses, strict=True)]
+    )
     logits = engine.tail_logits(handle, rows, batch["tail_ids"], batch["tail_mask"], decoder=decoder)
     return row_nlls(logits, batch["labels"].to(logits.device))

@@ -61,9 +61,11 @@ class EvalSettings:
         """``do_sample``/``temperature``/``top_p`` for ``ccft.core.generation.generate``."""
         if self.resolved_samples(task) == 1 and not self.temperature:
             return {"do_sample": False, "temperature": 1.0, "top_p": 1.0}
-        return {"do_sample": True,
-                "temperature": float(self.temperature or getattr(task, "temperature", None) or 0.8),
-                "top_p": float(self.top_p or getattr(task, "top_p", None) or 0.95)}
+        return {
+            "do_sample": True,
+            "temperature": float(self.temperature or getattr(task, "temperature", None) or 0.8),
+            "top_p": float(self.top_p or getattr(task, "top_p", None) or 0.95),
+        }
 
     def generates(self, index: int) -> bool:
         """Is item ``index`` (its position in the task's order) generated and scored?"""
@@ -79,11 +81,20 @@ class EvalSettings:
     def as_dict(self, task) -> dict:
         """The settings as stored in ``meta.json`` (the resume key)."""
         described = task.describe() if hasattr(task, "describe") else {}
-        out = {"task": task_name(task), "limit": self.limit, "max_new_tokens": self.resolved_max_new_tokens(task),
-               "generate": self.generate, "samples": self.resolved_samples(task), **self.sampling(task),
-               "seed": self.seed, "handoff_tokens": self.handoff_tokens, "stop": stop_setting(task),
-               "decode_path": "SharedPrefillEngine (every mode)" if self.engine else "reference (ccft.generate)",
-               "prompting": self.prompting(task), "task_settings": described or None}
+        out = {
+            "task": task_name(task),
+            "limit": self.limit,
+            "max_new_tokens": self.resolved_max_new_tokens(task),
+            "generate": self.generate,
+            "samples": self.resolved_samples(task),
+            **self.sampling(task),
+            "seed": self.seed,
+            "handoff_tokens": self.handoff_tokens,
+            "stop": stop_setting(task),
+            "decode_path": "SharedPrefillEngine (every mode)" if self.engine else "reference (ccft.generate)",
+            "prompting": self.prompting(task),
+            "task_settings": described or None,
+        }
         if self.generate_limit is not None:  # only when set: folders written before the field still resume
             out["generate_limit"] = self.generate_limit
         return out
@@ -99,13 +110,18 @@ class ModeSpec:
 
     def describe(self) -> dict:
         d = self.decoder
-        return {"mode": self.mode, "decoder": self.decoder_path,
-                "method": None if d is None else d.method, "kind": None if d is None else d.kind,
-                "decoder_fingerprint": None if d is None else d.meta.get("base_fingerprint")}
+        return {
+            "mode": self.mode,
+            "decoder": self.decoder_path,
+            "method": None if d is None else d.method,
+            "kind": None if d is None else d.kind,
+            "decoder_fingerprint": None if d is None else d.meta.get("base_fingerprint"),
+        }
 
 
-def mode_specs(modes: Sequence[str], decoders: Mapping[str, Decoder],
-               paths: Mapping[str, str] | None = None) -> list[ModeSpec]:
+def mode_specs(
+    modes: Sequence[str], decoders: Mapping[str, Decoder], paths: Mapping[str, str] | None = None
+) -> list[ModeSpec]:
     """``ModeSpec`` per mode, each with the decoder ``ccft.core.modes.decoder_for_mode`` picks.
 
     Args:

@@ -52,8 +52,15 @@ def shared_layer_list(rho: float, num_layers: int) -> list[int]:
 
 
 @torch.no_grad()
-def ragged_prefill(model, prefixes: Sequence[Sequence[int]], *, pad_token_id: int, fingerprint: str = "",
-                   producer: str = "base", tails: Sequence[Sequence[int]] | None = None) -> BaseCache:
+def ragged_prefill(
+    model,
+    prefixes: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int,
+    fingerprint: str = "",
+    producer: str = "base",
+    tails: Sequence[Sequence[int]] | None = None,
+) -> BaseCache:
     """KV cache of ``model`` over per-row prefixes of any length, including empty ones.
 
     Unlike ``ccft.core.cache.prefill`` (one handoff k for the batch) each row keeps its own split.
@@ -72,16 +79,21 @@ def ragged_prefill(model, prefixes: Sequence[Sequence[int]], *, pad_token_id: in
     width = max((len(p) for p in prefixes), default=0)
     if width == 0:
         # No row has a prefix: run one dummy token to learn the K/V shapes, keep zero positions of it.
-        probe = prefill(model, [[pad_token_id, pad_token_id]] * b, handoff_tokens=1, pad_token_id=pad_token_id)
+        probe = prefill(
+            model, [[pad_token_id, pad_token_id]] * b, handoff_tokens=1, pad_token_id=pad_token_id
+        )
         keys = tuple(k[:, :, :0].contiguous() for k in probe.keys)
         values = tuple(v[:, :, :0].contiguous() for v in probe.values)
         mask = torch.zeros((b, 0), dtype=torch.long, device=device)
         return BaseCache.from_tensors(keys, values, mask, tail_ids.to(device), 1, fingerprint, producer)
     # prefill() splits prompt[:-1] | prompt[-1:]; a dummy last token makes the prefix exactly ``p``.
     rows = [list(p) + [pad_token_id] for p in prefixes]
-    cache = prefill(model, rows, handoff_tokens=1, pad_token_id=pad_token_id, fingerprint=fingerprint,
-                    producer=producer)
-    return BaseCache.from_tensors(cache.keys, cache.values, cache.attention_mask, tail_ids.to(device), 1, fingerprint, producer)
+    cache = prefill(
+        model, rows, handoff_tokens=1, pad_token_id=pad_token_id, fingerprint=fingerprint, producer=producer
+    )
+    return BaseCache.from_tensors(
+        cache.keys, cache.values, cache.attention_mask, tail_ids.to(device), 1, fingerprint, producer
+    )
 
 
 def _tail_batch(tails: Sequence[Sequence[int]], recomputed: Sequence[int], pad: int, device):
@@ -93,21 +105,34 @@ def _tail_batch(tails: Sequence[Sequence[int]], recomputed: Sequence[int], pad: 
     return tail_ids.to(device), tail_mask.to(device), labels.to(device)
 
 
-def position_cache(base, prompts: Sequence[Sequence[int]], rho: float, *, handoff_tokens: int = 1,
-                   ks: Sequence[int] | None = None) -> tuple[BaseCache, list[int]]:
+def position_cache(
+    base,
+    prompts: Sequence[Sequence[int]],
+    rho: float,
+    *,
+    handoff_tokens: int = 1,
+    ks: Sequence[int] | None = None,
+) -> tuple[BaseCache, list[int]]:
     """C_base over ``prompt[:n−k]`` per row at sharing ratio ρ over positions; returns (cache, ks)."""
     ks = list(ks) if ks is not None else [recompute_tokens(len(p), rho, handoff_tokens) for p in prompts]
     pad = pad_token_id(base.tokenizer)
     prefixes = [list(p[: len(p) - k]) for p, k in zip(prompts, ks, strict=True)]
-    tails = [list(p[len(p) - k:]) for p, k in zip(prompts, ks, strict=True)]
+    tails = [list(p[len(p) - k :]) for p, k in zip(prompts, ks, strict=True)]
     with base.base_weights() as model:
-        cache = ragged_prefill(model, prefixes, pad_token_id=pad, fingerprint=base.fingerprint, producer="base",
-                               tails=tails)
+        cache = ragged_prefill(
+            model, prefixes, pad_token_id=pad, fingerprint=base.fingerprint, producer="base", tails=tails
+        )
     return cache, ks
 
 
-def layer_cache(base, decoder: Decoder, prompts: Sequence[Sequence[int]], *, rho: float | None = None,
-                shared_layers: Sequence[int] | None = None) -> BaseCache:
+def layer_cache(
+    base,
+    decoder: Decoder,
+    prompts: Sequence[Sequence[int]],
+    *,
+    rho: float | None = None,
+    shared_layers: Sequence[int] | None = None,
+) -> BaseCache:
     """A prefix cache whose ``shared_layers`` come from C_base and whose other layers are the decoder's own.
 
     Both caches cover ``prompt[:n−h]`` (h = ``decoder.handoff_tokens``) with the same left padding, so
@@ -126,17 +151,32 @@ def layer_cache(base, decoder: Decoder, prompts: Sequence[Sequence[int]], *, rho
         raise ConfigError(f"shared_layers {bad} out of range for a {L}-layer model (0..{L - 1})")
     if len(shared) == L:
         return c_base
-    own = prefill(decoder.activate(), prompts, handoff_tokens=k, pad_token_id=pad_token_id(base.tokenizer),
-                  fingerprint=c_base.fingerprint, producer="self")
+    own = prefill(
+        decoder.activate(),
+        prompts,
+        handoff_tokens=k,
+        pad_token_id=pad_token_id(base.tokenizer),
+        fingerprint=c_base.fingerprint,
+        producer="self",
+    )
     keys = tuple(c_base.keys[i] if i in shared else own.keys[i] for i in range(L))
     values = tuple(c_base.values[i] if i in shared else own.values[i] for i in range(L))
-    return BaseCache.from_tensors(keys, values, c_base.attention_mask, c_base.tail_ids, k, c_base.fingerprint, "mixed")
+    return BaseCache.from_tensors(
+        keys, values, c_base.attention_mask, c_base.tail_ids, k, c_base.fingerprint, "mixed"
+    )
 
 
 @torch.no_grad()
-def shared_forward(base, decoder: Decoder, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
-                   over: str, rho: float = 1.0, shared_layers: Sequence[int] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_forward(
+    base,
+    decoder: Decoder,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    *,
+    over: str,
+    rho: float = 1.0,
+    shared_layers: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced logits of ``decoder`` over its recomputed prompt tokens + response at sharing ratio ρ.
 
     Args:
@@ -161,7 +201,7 @@ def shared_forward(base, decoder: Decoder, prompts: Sequence[Sequence[int]], res
         cache = layer_cache(base, decoder, prompts, rho=rho, shared_layers=shared_layers)
         cache.check_reader(decoder.fingerprint, decoder.dtype, allow_self=True)
         ks = [decoder.handoff_tokens] * len(prompts)
-    tails = [list(p[len(p) - k:]) + list(r) for p, k, r in zip(prompts, ks, responses, strict=True)]
+    tails = [list(p[len(p) - k :]) + list(r) for p, k, r in zip(prompts, ks, responses, strict=True)]
     tail_ids, tail_mask, labels = _tail_batch(tails, ks, pad, device)
     logits = decoder_forward(decoder, cache, tail_ids, tail_mask)
     return logits, labels
@@ -171,15 +211,24 @@ def row_nlls(logits: torch.Tensor, labels: torch.Tensor) -> list[tuple[float, in
     """Per row (summed NLL, token count) of ``labels[:, 1:]`` under ``logits[:, :-1]``."""
     lg = logits[:, :-1].float()
     tgt = labels[:, 1:]
-    nll = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), tgt.reshape(-1), ignore_index=IGNORE_INDEX,
-                                            reduction="none").view(tgt.shape)
+    nll = torch.nn.functional.cross_entropy(
+        lg.reshape(-1, lg.shape[-1]), tgt.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(tgt.shape)
     count = (tgt != IGNORE_INDEX).sum(-1)
     return [(float(nll[i].sum()), int(count[i])) for i in range(tgt.shape[0])]
 
 
 @torch.no_grad()
-def shared_generate(base, decoder: Decoder, prompts: Sequence[Sequence[int]], *, over: str, rho: float = 1.0,
-                    shared_layers: Sequence[int] | None = None, **gen_kwargs):
+def shared_generate(
+    base,
+    decoder: Decoder,
+    prompts: Sequence[Sequence[int]],
+    *,
+    over: str,
+    rho: float = 1.0,
+    shared_layers: Sequence[int] | None = None,
+    **gen_kwargs,
+):
     """Greedy/sampled generation by ``decoder`` at sharing ratio ρ (``gen_kwargs`` of ``decode_on_cache``).
 
     Over positions, rows with the same k are decoded together (the recomputed tokens form the first step).
@@ -201,13 +250,30 @@ def shared_generate(base, decoder: Decoder, prompts: Sequence[Sequence[int]], *,
         rows = [i for i, x in enumerate(ks) if x == k]
         cache, _ = position_cache(base, [prompts[i] for i in rows], rho, ks=[k] * len(rows))
         cache.check_reader(decoder.fingerprint, decoder.dtype)
-        fixed = BaseCache.from_tensors(cache.keys, cache.values, cache.attention_mask,
-                      torch.tensor([list(prompts[i][len(prompts[i]) - k:]) for i in rows], dtype=torch.long,
-                                   device=cache.device), k, cache.fingerprint, cache.producer)
+        fixed = BaseCache.from_tensors(
+            cache.keys,
+            cache.values,
+            cache.attention_mask,
+            torch.tensor(
+                [list(prompts[i][len(prompts[i]) - k :]) for i in rows], dtype=torch.long, device=cache.device
+            ),
+            k,
+            cache.fingerprint,
+            cache.producer,
+        )
         for i, g in zip(rows, decode_on_cache(decoder.activate(), tok, fixed, **gen_kwargs), strict=True):
             out[i] = g
     return out
 
 
-__all__ = ["AXES", "layer_cache", "position_cache", "ragged_prefill", "recompute_tokens", "row_nlls",
-           "shared_forward", "shared_generate", "shared_layer_list"]
+__all__ = [
+    "AXES",
+    "layer_cache",
+    "position_cache",
+    "ragged_prefill",
+    "recompute_tokens",
+    "row_nlls",
+    "shared_forward",
+    "shared_generate",
+    "shared_layer_list",
+]

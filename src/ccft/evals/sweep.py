@@ -49,7 +49,9 @@ RHOS = (0.0, 0.25, 0.5, 0.75, 1.0)
 #: curve -> the method of the decoder it runs: every shared-prefill mode of ``ccft.core.modes``
 CURVES = {m: get_mode(m).decoder_method for m in MODES if get_mode(m).shared_prefill}
 #: the own-prefill modes measured as references, the reference mode (``full-ft``) first
-REFERENCES = tuple(sorted((m for m in MODES if not get_mode(m).shared_prefill), key=lambda m: m != REFERENCE_MODE))
+REFERENCES = tuple(
+    sorted((m for m in MODES if not get_mode(m).shared_prefill), key=lambda m: m != REFERENCE_MODE)
+)
 
 
 def _key(label: str, over: str | None, rho: float | None) -> str:
@@ -57,13 +59,26 @@ def _key(label: str, over: str | None, rho: float | None) -> str:
 
 
 @torch.no_grad()
-def _point(task, base, decoder: Decoder | None, prep, *, label: str, over: str | None, rho: float | None,
-           batch_size: int, gen_rows: int, max_new_tokens: int, bar) -> dict:
+def _point(
+    task,
+    base,
+    decoder: Decoder | None,
+    prep,
+    *,
+    label: str,
+    over: str | None,
+    rho: float | None,
+    batch_size: int,
+    gen_rows: int,
+    max_new_tokens: int,
+    bar,
+) -> dict:
     rows = [i for i in range(prep.n) if prep.references[i] is not None]
     nll: dict[int, tuple[float, int]] = {}
     # forwards of rows of similar prompt + reference length (every point recomputes some of the prompt)
-    for chunk in length_chunks({i: len(prep.prompts[i]) + len(prep.references[i]) for i in rows}, batch_size,
-                               NLL_TOKENS):
+    for chunk in length_chunks(
+        {i: len(prep.prompts[i]) + len(prep.references[i]) for i in rows}, batch_size, NLL_TOKENS
+    ):
         prompts = [prep.prompts[i] for i in chunk]
         refs = [prep.references[i] for i in chunk]
         if over is None:  # a reference: an own-prefill mode (full-ft, base)
@@ -73,15 +88,20 @@ def _point(task, base, decoder: Decoder | None, prep, *, label: str, over: str |
             vals = row_nlls(*shared_forward(base, decoder, prompts, refs, over=over, rho=rho))
         nll.update(zip(chunk, vals, strict=True))
         bar.update(len(chunk))
-    point = {"label": label, "over": over, "rho": rho, "ids": [prep.ids[i] for i in sorted(nll)],
-             "nll": [nll[i][0] / max(1, nll[i][1]) for i in sorted(nll)],
-             "nll_tokens": [nll[i][1] for i in sorted(nll)]}
+    point = {
+        "label": label,
+        "over": over,
+        "rho": rho,
+        "ids": [prep.ids[i] for i in sorted(nll)],
+        "nll": [nll[i][0] / max(1, nll[i][1]) for i in sorted(nll)],
+        "nll_tokens": [nll[i][1] for i in sorted(nll)],
+    }
     point.update(_axis_fields(prep, base, decoder, over, rho, sorted(nll)))
     if gen_rows > 0:
         gi = list(range(min(gen_rows, prep.n)))
         scores, texts = [], []
         for s in range(0, len(gi), batch_size):
-            chunk = gi[s:s + batch_size]
+            chunk = gi[s : s + batch_size]
             by_stop: dict[tuple, list[int]] = {}
             for i in chunk:
                 by_stop.setdefault(tuple(task_stop(task, prep.items[i])), []).append(i)
@@ -89,7 +109,9 @@ def _point(task, base, decoder: Decoder | None, prep, *, label: str, over: str |
                 prompts = [prep.prompts[i] for i in idx]
                 kw = dict(max_new_tokens=max_new_tokens, stop=list(stop))
                 if over is None:
-                    gens = generate(prompts, mode=label, base=base, decoder=decoder, batch_size=len(idx), **kw)
+                    gens = generate(
+                        prompts, mode=label, base=base, decoder=decoder, batch_size=len(idx), **kw
+                    )
                 else:
                     gens = shared_generate(base, decoder, prompts, over=over, rho=rho, **kw)
                 raws = score_texts(task, [(prep.items[i], g.text) for i, g in zip(idx, gens, strict=True)])
@@ -105,12 +127,25 @@ def _point(task, base, decoder: Decoder | None, prep, *, label: str, over: str |
     return point
 
 
-def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, rhos: Sequence[float] = RHOS,
-              axes: Sequence[str] = AXES, limit: int | None = None, batch_size: int = 8, gen_rows: int = 0,
-              max_new_tokens: int | None = None, progress: bool = True, overwrite: bool = False,
-              decoder_paths: dict[str, str] | None = None, n_resamples: int = 2000,
-              prompt_format: PromptFormat | None = None,
-              eval_records: Mapping[str, Mapping[str, dict]] | None = None) -> dict:
+def run_sweep(
+    task,
+    base,
+    decoders: dict[str, Decoder],
+    out_dir: str | Path,
+    *,
+    rhos: Sequence[float] = RHOS,
+    axes: Sequence[str] = AXES,
+    limit: int | None = None,
+    batch_size: int = 8,
+    gen_rows: int = 0,
+    max_new_tokens: int | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+    decoder_paths: dict[str, str] | None = None,
+    n_resamples: int = 2000,
+    prompt_format: PromptFormat | None = None,
+    eval_records: Mapping[str, Mapping[str, dict]] | None = None,
+) -> dict:
     """Run (or resume) the sharing sweep; returns the ``sweep.json`` summary.
 
     Args:
@@ -129,7 +164,9 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
         ConfigError: bad ρ / axis / curve, no decoder, or a folder holding a sweep with other settings.
     """
     if not decoders:
-        raise ConfigError("the sweep needs a Full-FT decoder (naive curve) and/or a CCFT decoder (prefillshare curve)")
+        raise ConfigError(
+            "the sweep needs a Full-FT decoder (naive curve) and/or a CCFT decoder (prefillshare curve)"
+        )
     bad = [c for c in decoders if c not in CURVES]
     if bad:
         raise ConfigError(f"unknown sweep curve(s) {bad}; use {', '.join(CURVES)}")
@@ -144,11 +181,21 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
         check_base_reader(base, d)  # K5: before any compute or write
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prep = prepare(task, base.tokenizer, limit if limit is not None else getattr(task, "default_limit", None),
-                   handoff, prompt_format)
+    prep = prepare(
+        task,
+        base.tokenizer,
+        limit if limit is not None else getattr(task, "default_limit", None),
+        handoff,
+        prompt_format,
+    )
     max_new = int(max_new_tokens or getattr(task, "max_new_tokens", None) or 256)
-    settings = {"task": task_name(task), "limit": limit, "gen_rows": gen_rows, "max_new_tokens": max_new,
-                "item_ids_sha": _ids_sha(prep)}
+    settings = {
+        "task": task_name(task),
+        "limit": limit,
+        "gen_rows": gen_rows,
+        "max_new_tokens": max_new,
+        "item_ids_sha": _ids_sha(prep),
+    }
     if prompt_format is not None and prompt_format.applies_to(task):
         settings["prompting"] = prompt_format.describe()
     meta_path, points_path = out / "meta.json", out / "points.jsonl"
@@ -160,36 +207,80 @@ def run_sweep(task, base, decoders: dict[str, Decoder], out_dir: str | Path, *, 
         old = json.loads(meta_path.read_text())
         created = old.get("created", created)  # a resumed sweep keeps the date it was started
         if old.get("settings") != settings or old.get("base_fingerprint") != base.fingerprint:
-            raise ConfigError(f"{out} holds a sweep with other settings or another base; pass --overwrite or use "
-                              "another --out folder")
-    desc = {label: {"path": (decoder_paths or {}).get(label), "method": d.method, "kind": d.kind,
-                    "fingerprint": d.meta.get("base_fingerprint")} for label, d in decoders.items()}
-    meta = {"kind": "ccft-sweep", "task": task_name(task), "settings": settings, "model": describe_base(base),
-            "base_fingerprint": base.fingerprint, "data": task_description(task), "n_items": prep.n,
-            "hardware": hardware(), "num_layers": base.config.num_hidden_layers, "decoders": desc,
-            "rhos": list(rhos), "axes": list(axes), "created": created}
+            raise ConfigError(
+                f"{out} holds a sweep with other settings or another base; pass --overwrite or use "
+                "another --out folder"
+            )
+    desc = {
+        label: {
+            "path": (decoder_paths or {}).get(label),
+            "method": d.method,
+            "kind": d.kind,
+            "fingerprint": d.meta.get("base_fingerprint"),
+        }
+        for label, d in decoders.items()
+    }
+    meta = {
+        "kind": "ccft-sweep",
+        "task": task_name(task),
+        "settings": settings,
+        "model": describe_base(base),
+        "base_fingerprint": base.fingerprint,
+        "data": task_description(task),
+        "n_items": prep.n,
+        "hardware": hardware(),
+        "num_layers": base.config.num_hidden_layers,
+        "decoders": desc,
+        "rhos": list(rhos),
+        "axes": list(axes),
+        "created": created,
+    }
     atomic_write_text(meta_path, json.dumps(meta, indent=2))
     done = {_key(p["label"], p["over"], p["rho"]): p for p in read_jsonl(points_path)}
     plan: list[tuple[str, str | None, float | None]] = [
-        (m, None, None) for m in REFERENCES if not get_mode(m).needs_decoder or get_mode(m).decoder_method in by_method]
+        (m, None, None)
+        for m in REFERENCES
+        if not get_mode(m).needs_decoder or get_mode(m).decoder_method in by_method
+    ]
     for label in CURVES:
         if label in decoders:
             plan += [(label, over, float(r)) for over in axes for r in rhos]
     todo = [p for p in plan if _key(*p) not in done]
     per_point = prep.n + min(gen_rows, prep.n)
-    bar = tqdm(total=len(plan) * per_point, initial=(len(plan) - len(todo)) * per_point, unit="item",
-               desc=f"sweep {task_name(task)}", disable=not progress, dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(
+        total=len(plan) * per_point,
+        initial=(len(plan) - len(todo)) * per_point,
+        unit="item",
+        desc=f"sweep {task_name(task)}",
+        disable=not progress,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
     try:
         for label, over, rho in todo:
             dec = decoder_for_mode(label, by_method)
             bar.set_postfix_str(f"{label} {over or 'own prefill'} {'' if rho is None else f'ρ={rho:g}'}")
-            point = _point_from_eval(eval_records, prep, base, dec, label=label, over=over, rho=rho) \
-                if eval_records and not gen_rows else None
+            point = (
+                _point_from_eval(eval_records, prep, base, dec, label=label, over=over, rho=rho)
+                if eval_records and not gen_rows
+                else None
+            )
             if point is not None:
                 bar.update(per_point)
             else:
-                point = _point(task, base, dec, prep, label=label, over=over, rho=rho, batch_size=batch_size,
-                               gen_rows=gen_rows, max_new_tokens=max_new, bar=bar)
+                point = _point(
+                    task,
+                    base,
+                    dec,
+                    prep,
+                    label=label,
+                    over=over,
+                    rho=rho,
+                    batch_size=batch_size,
+                    gen_rows=gen_rows,
+                    max_new_tokens=max_new,
+                    bar=bar,
+                )
             append_jsonl(points_path, [point])
             done[_key(label, over, rho)] = point
     finally:
@@ -212,8 +303,9 @@ def eval_mode_of_point(label: str, over: str | None, rho: float | None) -> str |
     return None
 
 
-def _point_from_eval(eval_records, prep, base, decoder, *, label: str, over: str | None,
-                     rho: float | None) -> dict | None:
+def _point_from_eval(
+    eval_records, prep, base, decoder, *, label: str, over: str | None, rho: float | None
+) -> dict | None:
     mode = eval_mode_of_point(label, over, rho)
     recs = eval_records.get(mode) if mode is not None else None
     if not recs:
@@ -222,13 +314,23 @@ def _point_from_eval(eval_records, prep, base, decoder, *, label: str, over: str
     got = {}
     for i in rows:
         r = recs.get(prep.ids[i])
-        if (r is None or r.get("prompt_sha") != prompt_hash(prep.prompts[i])
-                or r.get("nll_tokens") != len(prep.references[i]) or r.get("nll_sum") is None):
+        if (
+            r is None
+            or r.get("prompt_sha") != prompt_hash(prep.prompts[i])
+            or r.get("nll_tokens") != len(prep.references[i])
+            or r.get("nll_sum") is None
+        ):
             return None  # not the same item, prompt or reference: computed instead
         got[i] = r
-    point = {"label": label, "over": over, "rho": rho, "ids": [prep.ids[i] for i in sorted(got)],
-             "nll": [got[i]["nll_sum"] / max(1, got[i]["nll_tokens"]) for i in sorted(got)],
-             "nll_tokens": [got[i]["nll_tokens"] for i in sorted(got)], "source": f"eval:{mode}"}
+    point = {
+        "label": label,
+        "over": over,
+        "rho": rho,
+        "ids": [prep.ids[i] for i in sorted(got)],
+        "nll": [got[i]["nll_sum"] / max(1, got[i]["nll_tokens"]) for i in sorted(got)],
+        "nll_tokens": [got[i]["nll_tokens"] for i in sorted(got)],
+        "source": f"eval:{mode}",
+    }
     point.update(_axis_fields(prep, base, decoder, over, rho, sorted(got)))
     return point
 
@@ -239,7 +341,10 @@ def _axis_fields(prep, base, decoder, over: str | None, rho: float | None, rows:
         return {"shared_layers": shared_layer_list(rho, base.config.num_hidden_layers)}
     if over == "positions":
         k0 = decoder.handoff_tokens
-        return {"recomputed_mean": sum(recompute_tokens(len(prep.prompts[i]), rho, k0) for i in rows) / max(1, len(rows))}
+        return {
+            "recomputed_mean": sum(recompute_tokens(len(prep.prompts[i]), rho, k0) for i in rows)
+            / max(1, len(rows))
+        }
     return {}
 
 
@@ -268,8 +373,9 @@ def summarize_sweep(meta: dict, points: list[dict], *, n_resamples: int = 2000, 
             r.update(nll=m["mean"], nll_ci=list(m["ci"]))
             pairs = [(x, ref_nll[i]) for i, x in zip(p["ids"], p["nll"], strict=True) if i in ref_nll]
             if pairs and ref is not p:
-                d = paired_bootstrap_delta([a for a, _ in pairs], [b for _, b in pairs], n_resamples=n_resamples,
-                                           seed=seed)
+                d = paired_bootstrap_delta(
+                    [a for a, _ in pairs], [b for _, b in pairs], n_resamples=n_resamples, seed=seed
+                )
                 r["delta_nll_vs_full_ft"] = {"delta": d["delta"], "ci": list(d["ci"]), "n": d["n"]}
         if p.get("scores"):
             keys = sorted({k for s in p["scores"] for k in s})
@@ -278,12 +384,20 @@ def summarize_sweep(meta: dict, points: list[dict], *, n_resamples: int = 2000, 
                 vals = [s[k] for s in p["scores"] if k in s]
                 m = mean_ci(vals, n_resamples=n_resamples, seed=seed)
                 r["metrics"][k] = {"mean": m["mean"], "ci": list(m["ci"]), "n": len(vals)}
-                pairs = [(s[k], ref_scores[i][k]) for i, s in zip(p["gen_ids"], p["scores"], strict=True)
-                         if i in ref_scores and k in s and k in ref_scores[i]]
+                pairs = [
+                    (s[k], ref_scores[i][k])
+                    for i, s in zip(p["gen_ids"], p["scores"], strict=True)
+                    if i in ref_scores and k in s and k in ref_scores[i]
+                ]
                 if pairs and ref is not p:
-                    d = paired_bootstrap_delta([a for a, _ in pairs], [b for _, b in pairs], n_resamples=n_resamples,
-                                               seed=seed)
-                    r["metrics"][k]["delta_vs_full_ft"] = {"delta": d["delta"], "ci": list(d["ci"]), "n": d["n"]}
+                    d = paired_bootstrap_delta(
+                        [a for a, _ in pairs], [b for _, b in pairs], n_resamples=n_resamples, seed=seed
+                    )
+                    r["metrics"][k]["delta_vs_full_ft"] = {
+                        "delta": d["delta"],
+                        "ci": list(d["ci"]),
+                        "n": d["n"],
+                    }
         rows.append(r)
     order = {m: i for i, m in enumerate(REFERENCES + tuple(CURVES))}
     rows.sort(key=lambda r: (order.get(r["label"], 9), r["over"] or "", -1 if r["rho"] is None else r["rho"]))

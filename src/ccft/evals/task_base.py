@@ -72,8 +72,17 @@ from ccft.core.errors import DataError
 from ccft.core.text import StopMatcher
 from ccft.evals.stats import pass_at_k
 
-__all__ = ["EnvironmentCheckError", "Item", "Task", "data_dir", "data_rows", "pass_at_k_summary", "read_jsonl",
-           "sample_counts", "truncate_at_stop"]
+__all__ = [
+    "EnvironmentCheckError",
+    "Item",
+    "Task",
+    "data_dir",
+    "data_rows",
+    "pass_at_k_summary",
+    "read_jsonl",
+    "sample_counts",
+    "truncate_at_stop",
+]
 
 
 class EnvironmentCheckError(RuntimeError):
@@ -109,16 +118,22 @@ def data_dir() -> Path:
         if env:
             path = Path(env)
             if not path.is_dir():
-                raise DataError(f"evaluation data folder {path} (from ${var}) does not exist; point {var} at a "
-                                "copy of ccft's evals/data folder, or unset it to use the data shipped in the package")
+                raise DataError(
+                    f"evaluation data folder {path} (from ${var}) does not exist; point {var} at a "
+                    "copy of ccft's evals/data folder, or unset it to use the data shipped in the package"
+                )
             return path
     files = importlib.resources.files("ccft.evals") / "data"
     if not isinstance(files, Path):
-        raise DataError(f"ccft's evaluation data ({files}) is not a folder on disk (zipped install?); install "
-                        "ccft as a plain wheel or set CCFT_EVAL_DATA to a folder holding a copy of it")
+        raise DataError(
+            f"ccft's evaluation data ({files}) is not a folder on disk (zipped install?); install "
+            "ccft as a plain wheel or set CCFT_EVAL_DATA to a folder holding a copy of it"
+        )
     if not files.is_dir():
-        raise DataError(f"evaluation data folder {files} does not exist: this ccft install lacks its package data; "
-                        "reinstall the wheel, or set CCFT_EVAL_DATA to a copy of ccft/evals/data")
+        raise DataError(
+            f"evaluation data folder {files} does not exist: this ccft install lacks its package data; "
+            "reinstall the wheel, or set CCFT_EVAL_DATA to a copy of ccft/evals/data"
+        )
     return files
 
 
@@ -217,14 +232,21 @@ class Task:
         if self.prompt_style == "completion":
             if not isinstance(prompt, str):
                 raise DataError(f"task {self.name}: completion prompts must be strings")
-            return strip_duplicate_bos(as_ids(tokenizer(prompt, add_special_tokens=True)), tokenizer.bos_token_id)
-        return tokenize_prompt(tokenizer, prompt, chat_template=True, system_prompt=self.system_prompt,
-                               tools=item.metadata.get("tools"))
+            return strip_duplicate_bos(
+                as_ids(tokenizer(prompt, add_special_tokens=True)), tokenizer.bos_token_id
+            )
+        return tokenize_prompt(
+            tokenizer,
+            prompt,
+            chat_template=True,
+            system_prompt=self.system_prompt,
+            tools=item.metadata.get("tools"),
+        )
 
     def strip_prompt_echo(self, item: Item, generation: str) -> str:
         """Drop a copy of the prompt at the start of ``generation`` (K7: no doubled prompt)."""
         if isinstance(item.prompt, str) and len(item.prompt) > 16 and generation.startswith(item.prompt):
-            return generation[len(item.prompt):]
+            return generation[len(item.prompt) :]
         return generation
 
     def postprocess(self, item: Item, generation: str) -> str:
@@ -245,15 +267,19 @@ class Task:
         ``n_items`` and ``n_samples``."""
         out: dict[str, float] = {}
         for k in _metric_keys(per_item):
-            vals = [sum(s[k] for s in samples if k in s) / max(1, sum(1 for s in samples if k in s))
-                    for samples in per_item.values() if any(k in s for s in samples)]
+            vals = [
+                sum(s[k] for s in samples if k in s) / max(1, sum(1 for s in samples if k in s))
+                for samples in per_item.values()
+                if any(k in s for s in samples)
+            ]
             if vals:
                 out[k] = sum(vals) / len(vals)
         out.update(sample_counts(per_item))
         return out
 
-    def per_item_scores(self, per_item: Mapping[str, Sequence[Mapping[str, float]]],
-                        metric: str | None = None) -> dict[str, float]:
+    def per_item_scores(
+        self, per_item: Mapping[str, Sequence[Mapping[str, float]]], metric: str | None = None
+    ) -> dict[str, float]:
         """One value per item for ``metric`` (default: the primary metric), for paired bootstraps."""
         metric = metric or self.primary_metric or self.metrics[0]
         out = {}
@@ -270,11 +296,19 @@ class Task:
 
     def describe(self) -> dict:
         """Settings that name what was measured (for result files and reports)."""
-        return {"task": self.name, "prompt_style": self.prompt_style, "stop": list(self.stop),
-                "max_new_tokens": self.max_new_tokens, "default_limit": self.default_limit,
-                "samples": self.samples, "metrics": list(self.metrics), "primary_metric": self.primary_metric or None,
-                "secondary_metric": self.secondary_metric, "license": self.license,
-                "data": self.data}
+        return {
+            "task": self.name,
+            "prompt_style": self.prompt_style,
+            "stop": list(self.stop),
+            "max_new_tokens": self.max_new_tokens,
+            "default_limit": self.default_limit,
+            "samples": self.samples,
+            "metrics": list(self.metrics),
+            "primary_metric": self.primary_metric or None,
+            "secondary_metric": self.secondary_metric,
+            "license": self.license,
+            "data": self.data,
+        }
 
 
 def _metric_keys(per_item: Mapping[str, Sequence[Mapping[str, float]]]) -> list[str]:
@@ -292,8 +326,11 @@ def sample_counts(per_item: Mapping[str, Sequence[Mapping[str, float]]]) -> dict
     return {"n_items": float(len(per_item)), "n_samples": float(sum(len(v) for v in per_item.values()))}
 
 
-def pass_at_k_summary(per_item: Mapping[str, Sequence[Mapping[str, float]]], key: str = "passed",
-                      ks: Sequence[int] = (1, 10, 100)) -> dict[str, float]:
+def pass_at_k_summary(
+    per_item: Mapping[str, Sequence[Mapping[str, float]]],
+    key: str = "passed",
+    ks: Sequence[int] = (1, 10, 100),
+) -> dict[str, float]:
     """Mean unbiased pass@k over items (Chen et al. 2021, eq. 1) for each k ≤ the smallest n.
 
     ``per_item[item_id]`` holds one score dict per sample with ``key`` in {0.0, 1.0}. Items with

@@ -34,8 +34,21 @@ from ccft.evals.task_base import (
     truncate_at_stop,
 )
 
-__all__ = ["TASKS", "EnvironmentCheckError", "Item", "Task", "data_dir", "data_rows", "get_task", "pass_at_k_summary",
-           "read_jsonl", "register_task", "sample_counts", "task_names", "truncate_at_stop"]
+__all__ = [
+    "TASKS",
+    "EnvironmentCheckError",
+    "Item",
+    "Task",
+    "data_dir",
+    "data_rows",
+    "get_task",
+    "pass_at_k_summary",
+    "read_jsonl",
+    "register_task",
+    "sample_counts",
+    "task_names",
+    "truncate_at_stop",
+]
 
 
 class _Registry(Mapping[str, Task]):

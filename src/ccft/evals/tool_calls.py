@@ -33,7 +33,9 @@ from typing import Any
 __all__ = ["format_tool_call", "glaive_to_rows", "openai_tool", "parse_tool_calls"]
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
+_BLOCK = re.compile(
+    re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL
+)
 
 
 def format_tool_call(name: str, arguments: dict | str) -> str:
@@ -112,8 +114,15 @@ def _tools_of(row: dict) -> list[dict]:
     return [openai_tool(t) for t in tools]
 
 
-_ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-         "observation": "tool", "tool": "tool", "system": "system"}
+_ROLE = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+    "system": "system",
+}
 
 
 def glaive_to_rows(rows: list[dict]) -> list[dict]:
@@ -130,7 +139,12 @@ def glaive_to_rows(rows: list[dict]) -> list[dict]:
             kind = turn["from"]
             if kind == "function_call":
                 call = json.loads(turn["value"])
-                messages.append({"role": "assistant", "content": format_tool_call(call["name"], call.get("arguments", {}))})
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": format_tool_call(call["name"], call.get("arguments", {})),
+                    }
+                )
             elif kind in _ROLE:
                 messages.append({"role": _ROLE[kind], "content": turn["value"]})
             else:
@@ -146,14 +160,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from ccft.core.io import atomic_write_text
 
-    parser = argparse.ArgumentParser(prog="python -m ccft.evals.tool_calls",
-                                     description="Convert glaive function-calling conversations to ccft training rows.")
+    parser = argparse.ArgumentParser(
+        prog="python -m ccft.evals.tool_calls",
+        description="Convert glaive function-calling conversations to ccft training rows.",
+    )
     parser.add_argument("src", metavar="IN", help="glaive conversations: a .json list or a .jsonl file")
-    parser.add_argument("dst", metavar="OUT", help="training rows to write (.jsonl, {messages, tools} per line)")
+    parser.add_argument(
+        "dst", metavar="OUT", help="training rows to write (.jsonl, {messages, tools} per line)"
+    )
     args = parser.parse_args(argv)
     src, dst = args.src, args.dst
     text = open(src, encoding="utf-8").read()
-    rows = json.loads(text) if src.endswith(".json") else [json.loads(x) for x in text.splitlines() if x.strip()]
+    rows = (
+        json.loads(text) if src.endswith(".json") else [json.loads(x) for x in text.splitlines() if x.strip()]
+    )
     converted = glaive_to_rows(rows)
     atomic_write_text(dst, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in converted))
     print(f"{len(rows)} conversations -> {len(converted)} training rows in {dst}")

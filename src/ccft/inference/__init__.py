@@ -16,4 +16,13 @@ from ccft.inference.handles import BASE, PrefixHandle
 from ccft.inference.kv import CapacityError
 from ccft.inference.requests import StepError, StepOutput
 
-__all__ = ["SharedPrefillEngine", "PrefixHandle", "SamplingParams", "DecodeParams", "StepOutput", "StepError", "CapacityError", "BASE"]
+__all__ = [
+    "SharedPrefillEngine",
+    "PrefixHandle",
+    "SamplingParams",
+    "DecodeParams",
+    "StepOutput",
+    "StepError",
+    "CapacityError",
+    "BASE",
+]

@@ -33,8 +33,9 @@ import torch
 NEG_INF = float("-inf")
 
 
-def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+def plain_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
     """The reference: softmax attention of ``q (B, H, t, d)`` over ``k, v (B, h, S, d)`` where ``valid (B, t, S)``.
 
     Returns ``(B, H, t, d)`` in fp32. GQA by repeating KV heads.
@@ -50,8 +51,9 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: to
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q kᵀ · scale + bias) v`` and its log-sum-exp, one attention part.
 
     Args:
@@ -82,8 +84,9 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     return torch.lerp(out_b, out_a, w)
 
 
-def tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def tail_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Part (b): each row's query over its own tail.
 
     Args:
@@ -103,11 +106,20 @@ def key_bias(start: torch.Tensor, end: torch.Tensor, width: int) -> torch.Tensor
     """``(B, 1, 1, width)`` fp32 additive mask: 0 on keys ``start[r] <= j < end[r]``, -inf elsewhere."""
     j = torch.arange(width, device=start.device)[None, :]
     ok = (j >= start[:, None]) & (j < end[:, None])
-    return torch.zeros(ok.shape, dtype=torch.float32, device=start.device).masked_fill_(~ok, NEG_INF)[:, None, None]
+    return torch.zeros(ok.shape, dtype=torch.float32, device=start.device).masked_fill_(~ok, NEG_INF)[
+        :, None, None
+    ]
 
 
-def cascade_attention_rowwise(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kt: torch.Tensor,
-                              vt: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+def cascade_attention_rowwise(
+    q: torch.Tensor,
+    kp: torch.Tensor,
+    vp: torch.Tensor,
+    kt: torch.Tensor,
+    vt: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Decode attention when batch row r reads prefix row r (each prefix row used by one row, in order).
 
     The prefix and the tail are still read by separate matmuls over their own buffers (no K/V
@@ -152,15 +164,17 @@ class PrefixGroup:
     used: torch.Tensor | slice | None = None
 
 
-def _grouped_part(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, key_start: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _grouped_part(
+    q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, key_start: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``q (P, h, m, d)`` against ``kp, vp (P, h, p, d)`` with keys ≥ key_start valid -> out, lse (fp32)."""
     width = kp.shape[2]
     return attend(q, kp, vp, key_bias(key_start, torch.full_like(key_start, width), width), scale)
 
 
-def prefix_attention_grouped(q: torch.Tensor, groups: list[PrefixGroup], layer: int,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def prefix_attention_grouped(
+    q: torch.Tensor, groups: list[PrefixGroup], layer: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Part (a), eager: every prefix row read once for all the rows (and heads) that share it.
 
     Args:
@@ -180,17 +194,21 @@ def prefix_attention_grouped(q: torch.Tensor, groups: list[PrefixGroup], layer: 
         if isinstance(g.used, slice):  # a span of prefix rows: views, no copy
             kp, vp, key_start = kp[g.used], vp[g.used], key_start[g.used]
         elif g.used is not None:
-            kp, vp, key_start = kp.index_select(0, g.used), vp.index_select(0, g.used), key_start.index_select(0, g.used)
+            kp, vp, key_start = (
+                kp.index_select(0, g.used),
+                vp.index_select(0, g.used),
+                key_start.index_select(0, g.used),
+            )
         n_pref, h = kp.shape[0], kp.shape[1]
         rep = heads // h
         if g.rows is None:  # batch rows offset..offset+P-1 <-> prefix rows 0..P-1
-            qg = q[g.offset: g.offset + n_pref].view(n_pref, h, rep, d)
+            qg = q[g.offset : g.offset + n_pref].view(n_pref, h, rep, d)
             o, s = _grouped_part(qg, kp, vp, key_start, scale)
             o, s = o.reshape(n_pref, heads, d), s.reshape(n_pref, heads)
             if out is None:
                 return o, s
-            out[g.offset: g.offset + n_pref] = o
-            lse[g.offset: g.offset + n_pref] = s
+            out[g.offset : g.offset + n_pref] = o
+            lse[g.offset : g.offset + n_pref] = s
             continue
         m = g.rows.shape[1]
         flat = g.rows.reshape(-1)
@@ -235,8 +253,18 @@ class PrefixMeta:
     max_len: int  # longest real prefix among the rows (host int, used to pick the gather bucket)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.vec0, self.head_stride, self.start, self.end, self.g_vec0, self.g_head_stride, self.g_start,
-                self.g_end, self.row_ptr, self.row_idx]
+        return [
+            self.vec0,
+            self.head_stride,
+            self.start,
+            self.end,
+            self.g_vec0,
+            self.g_head_stride,
+            self.g_start,
+            self.g_end,
+            self.row_ptr,
+            self.row_idx,
+        ]
 
 
 def build_prefix_meta(rows: list[tuple[int, int, int, int]], batch: int, kv_heads: int, device) -> PrefixMeta:
@@ -276,12 +304,30 @@ def build_prefix_meta(rows: list[tuple[int, int, int, int]], batch: int, kv_head
     ptr += [ptr[-1]] * gpad
     idx += [0] * (batch - len(idx))
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    return PrefixMeta(t(vec0), t(hs), t(st), t(en), t(g_vec0), t(g_hs), t(g_st), t(g_en), t(ptr), t(idx),
-                      max(length for *_, length in rows))
+    return PrefixMeta(
+        t(vec0),
+        t(hs),
+        t(st),
+        t(en),
+        t(g_vec0),
+        t(g_hs),
+        t(g_st),
+        t(g_en),
+        t(ptr),
+        t(idx),
+        max(length for *_, length in rows),
+    )
 
 
-def prefix_attention_gathered(q: torch.Tensor, arena_k: torch.Tensor, arena_v: torch.Tensor, meta: PrefixMeta,
-                              kv_heads: int, width: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def prefix_attention_gathered(
+    q: torch.Tensor,
+    arena_k: torch.Tensor,
+    arena_v: torch.Tensor,
+    meta: PrefixMeta,
+    kv_heads: int,
+    width: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Part (a) with static shapes: each row gathers its prefix (≤ ``width`` keys) from the arena.
 
     Args:
@@ -298,8 +344,11 @@ def prefix_attention_gathered(q: torch.Tensor, arena_k: torch.Tensor, arena_v: t
     pos = meta.start[:, None] + j[None, :]  # (B, W)
     valid = pos < meta.end[:, None]
     pos = torch.where(valid, pos, meta.start[:, None])  # in-bounds index for ignored slots
-    idx = meta.vec0[:, None, None] + torch.arange(h, device=q.device)[None, :, None] * meta.head_stride[:, None, None] \
-        + pos[:, None, :]  # (B, h, W)
+    idx = (
+        meta.vec0[:, None, None]
+        + torch.arange(h, device=q.device)[None, :, None] * meta.head_stride[:, None, None]
+        + pos[:, None, :]
+    )  # (B, h, W)
     kp = arena_k.index_select(0, idx.reshape(-1)).view(b, h, width, d)
     vp = arena_v.index_select(0, idx.reshape(-1)).view(b, h, width, d)
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=q.device).masked_fill_(~valid, NEG_INF)
@@ -307,5 +356,15 @@ def prefix_attention_gathered(q: torch.Tensor, arena_k: torch.Tensor, arena_v: t
     return out.reshape(b, heads, d), lse.reshape(b, heads)
 
 
-__all__ = ["plain_attention", "merge", "tail_attention", "key_bias", "cascade_attention_rowwise", "PrefixGroup", "prefix_attention_grouped", "PrefixMeta",
-           "build_prefix_meta", "prefix_attention_gathered"]
+__all__ = [
+    "plain_attention",
+    "merge",
+    "tail_attention",
+    "key_bias",
+    "cascade_attention_rowwise",
+    "PrefixGroup",
+    "prefix_attention_grouped",
+    "PrefixMeta",
+    "build_prefix_meta",
+    "prefix_attention_gathered",
+]

@@ -153,6 +153,8 @@ class PrefillJob:
             self._closed = True
             self._job.abandon()
             self.handle.release()
+
+
 class SharedPrefillEngine:
     """One base model's shared prefill and N decoders decoding on it (see the module docstring).
 
@@ -178,9 +180,19 @@ class SharedPrefillEngine:
         ConfigError: an unknown ``decode`` / ``attention``, or one this device cannot run.
     """
 
-    def __init__(self, base, decoders: dict | None = None, *, max_batch: int = 16, max_tail_tokens: int = 4096,
-                 max_prefix_tokens: int | None = None, decode: str = "auto", attention: str = "auto",
-                 pack_weights: bool | None = None, fill: float = 0.0):
+    def __init__(
+        self,
+        base,
+        decoders: dict | None = None,
+        *,
+        max_batch: int = 16,
+        max_tail_tokens: int = 4096,
+        max_prefix_tokens: int | None = None,
+        decode: str = "auto",
+        attention: str = "auto",
+        pack_weights: bool | None = None,
+        fill: float = 0.0,
+    ):
         self.base = base
         self.tokenizer = base.tokenizer
         check_supported(base.config)
@@ -191,36 +203,60 @@ class SharedPrefillEngine:
         if decode not in DECODE_MODES:
             raise ConfigError(f"decode={decode!r}; use one of auto, {', '.join(DECODE_MODES)}")
         if decode == "cuda_graph" and device.type != "cuda":
-            raise ConfigError("decode='cuda_graph' needs the model on a CUDA device; use 'eager' or 'static' on CPU")
+            raise ConfigError(
+                "decode='cuda_graph' needs the model on a CUDA device; use 'eager' or 'static' on CPU"
+            )
         from ccft.inference.triton_kernels import kernel_supports, triton_available
 
         bw = lane_weights(base.model)
         if attention == "auto":
-            attention = "triton" if (device.type == "cuda" and triton_available(device)
-                                     and kernel_supports(bw.head_dim)) else "gather"
+            attention = (
+                "triton"
+                if (device.type == "cuda" and triton_available(device) and kernel_supports(bw.head_dim))
+                else "gather"
+            )
         if attention not in ("gather", "triton"):
             raise ConfigError(f"attention={attention!r}; use auto, gather or triton")
         if attention == "triton" and not (triton_available(device) and kernel_supports(bw.head_dim)):
-            raise ConfigError(f"attention='triton' needs triton on a CUDA device (or TRITON_INTERPRET=1 on CPU) and a "
-                              f"power-of-two head_dim ≥ 16 (this model: {bw.head_dim}); use attention='gather'")
+            raise ConfigError(
+                f"attention='triton' needs triton on a CUDA device (or TRITON_INTERPRET=1 on CPU) and a "
+                f"power-of-two head_dim ≥ 16 (this model: {bw.head_dim}); use attention='gather'"
+            )
         self.decode_mode, self.attention = decode, attention
         if pack_weights is None:
             pack_weights = device.type == "cpu" and decode != "compile"
         if pack_weights and decode == "compile":
-            raise ConfigError("pack_weights=True cannot be combined with decode='compile' (torch.compile does its own "
-                              "weight handling); leave pack_weights unset")
+            raise ConfigError(
+                "pack_weights=True cannot be combined with decode='compile' (torch.compile does its own "
+                "weight handling); leave pack_weights unset"
+            )
         self.pack_weights = bool(pack_weights)
         self.max_batch, self.max_tail_tokens = int(max_batch), int(max_tail_tokens)
         self.fill = float(fill)
         self.num_layers = bw.num_layers
         #: bytes of K and V per token over all layers: layers × 2 × kv_heads × head_dim × dtype bytes
         self.kv_bytes_per_token = bw.num_layers * 2 * bw.kv_heads * bw.head_dim * bw.dtype.itemsize
-        self.arena = PrefixArena(bw.num_layers, bw.kv_heads, bw.head_dim, bw.dtype, device,
-                                 capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
-                                 max_tokens=max_prefix_tokens, fill=self.fill)
-        self._registry = LaneRegistry(base, bw, self.arena, max_batch=self.max_batch,
-                                      max_tail_tokens=self.max_tail_tokens, fill=self.fill,
-                                      pack_weights=self.pack_weights, decode_mode=decode, attention=attention)
+        self.arena = PrefixArena(
+            bw.num_layers,
+            bw.kv_heads,
+            bw.head_dim,
+            bw.dtype,
+            device,
+            capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
+            max_tokens=max_prefix_tokens,
+            fill=self.fill,
+        )
+        self._registry = LaneRegistry(
+            base,
+            bw,
+            self.arena,
+            max_batch=self.max_batch,
+            max_tail_tokens=self.max_tail_tokens,
+            fill=self.fill,
+            pack_weights=self.pack_weights,
+            decode_mode=decode,
+            attention=attention,
+        )
         #: lane key -> ``lanes.Lane`` (``"base"``: the base and its LoRA decoders; one per full-weight decoder)
         self.lanes: dict[str, Lane] = self._registry.lanes
         #: decoder name -> ``lanes.DecoderEntry`` (``"base"`` included; ``.decoder`` is the ``ccft.Decoder``)
@@ -254,8 +290,9 @@ class SharedPrefillEngine:
 
     # ------------------------------------------------------------------ prefill
     @_inference
-    def reserve_prefix(self, prompts: Sequence[Sequence[int]], *, handoff_tokens: int | None = None,
-                       prefills: int = 1) -> None:
+    def reserve_prefix(
+        self, prompts: Sequence[Sequence[int]], *, handoff_tokens: int | None = None, prefills: int = 1
+    ) -> None:
         """Grow the prefix arena once, so that ``prefills`` calls of :meth:`prefill` over ``prompts`` (each a
         region of len(prompts) rows × the longest prefix) then fit without growing it again.
 
@@ -275,8 +312,13 @@ class SharedPrefillEngine:
         self.arena.reserve(int(prefills) * len(prompts) * max(len(p) - k for p in prompts))
 
     @_inference
-    def prefill(self, prompts: Sequence[Sequence[int]], *, handoff_tokens: int | None = None,
-                producer: str | None = None) -> PrefixHandle:
+    def prefill(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        handoff_tokens: int | None = None,
+        producer: str | None = None,
+    ) -> PrefixHandle:
         """Run the base once over ``prompt[:n-k]`` of every prompt into a new arena region.
 
         The prefixes are left-padded with ``pad_token_id`` (masked; pad slots zeroed) to the longest,
@@ -306,15 +348,23 @@ class SharedPrefillEngine:
             raise ConfigError(f"prompts {short} have fewer than handoff_tokens+1={k + 1} tokens")
         prod = self._registry.producer(producer)
         ids, mask = left_pad([list(p[:-k]) for p in prompts], pad_token_id(self.tokenizer))
-        handle = self._new_handle(mask.sum(-1).tolist(), ids.shape[1], [list(p[-k:]) for p in prompts], k, prod.name,
-                                  prod.key)
+        handle = self._new_handle(
+            mask.sum(-1).tolist(), ids.shape[1], [list(p[-k:]) for p in prompts], k, prod.name, prod.key
+        )
         prefill_rows(prod, ids.to(self.device), mask.to(self.device), handle)
         return handle
 
     @_inference
-    def prefill_cached(self, prompt: Sequence[int], store, *, producer: str | None = None,
-                       handoff_tokens: int | None = None, hold: bool = True,
-                       chunk_tokens: int | None = None) -> tuple[PrefixHandle, int]:
+    def prefill_cached(
+        self,
+        prompt: Sequence[int],
+        store,
+        *,
+        producer: str | None = None,
+        handoff_tokens: int | None = None,
+        hold: bool = True,
+        chunk_tokens: int | None = None,
+    ) -> tuple[PrefixHandle, int]:
         """Prefill ONE prompt's ``prompt[:n-k]`` into a new batch-1 handle, reusing K/V from a prefix store.
 
         The longest chain of full blocks of ``prompt[:n-k]`` cached in ``store`` under this producer and
@@ -357,8 +407,14 @@ class SharedPrefillEngine:
         return handle, hit
 
     @_inference
-    def begin_prefill(self, prompt: Sequence[int], store=None, *, producer: str | None = None,
-                      handoff_tokens: int | None = None) -> "PrefillJob":
+    def begin_prefill(
+        self,
+        prompt: Sequence[int],
+        store=None,
+        *,
+        producer: str | None = None,
+        handoff_tokens: int | None = None,
+    ) -> "PrefillJob":
         """Start prefilling ONE prompt's ``prompt[:n-k]`` in pieces (chunked prefill across scheduler steps).
 
         The handle's region is allocated now and the longest chain of full blocks cached in ``store``
@@ -395,7 +451,11 @@ class SharedPrefillEngine:
         while stale and forget is not None:  # K/V of this decoder's weights from before an in-place edit
             forget(stale.pop())
         prefix = prompt[:-k]
-        return prod, prefix, self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key)
+        return (
+            prod,
+            prefix,
+            self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key),
+        )
 
     def producer_key(self, producer: str | None = None) -> str:
         """The key K/V written by ``producer`` is stored under (prefix store, ``PrefixHandle.producer_key``).
@@ -418,17 +478,37 @@ class SharedPrefillEngine:
             FingerprintMismatchError: the cache was written by another base, another dtype, or not by a base.
         """
         cache.check_reader(self.base.fingerprint, self.base.dtype)
-        handle = self._new_handle(cache.lengths.tolist(), cache.attention_mask.shape[1], cache.tail_ids.tolist(),
-                                  cache.handoff_tokens)
+        handle = self._new_handle(
+            cache.lengths.tolist(),
+            cache.attention_mask.shape[1],
+            cache.tail_ids.tolist(),
+            cache.handoff_tokens,
+        )
         import_cache(cache, handle)
         cache.check_unmodified()
         return handle
 
-    def _new_handle(self, lengths: list[int], width: int, tail_ids: list[list[int]], k: int, producer: str = BASE,
-                    producer_key: str | None = None) -> PrefixHandle:
+    def _new_handle(
+        self,
+        lengths: list[int],
+        width: int,
+        tail_ids: list[list[int]],
+        k: int,
+        producer: str = BASE,
+        producer_key: str | None = None,
+    ) -> PrefixHandle:
         start = self.arena.allocate(len(lengths) * width)
-        return PrefixHandle(self, start, width, [int(n) for n in lengths], tail_ids, k, self.base.fingerprint,
-                            producer, producer_key)
+        return PrefixHandle(
+            self,
+            start,
+            width,
+            [int(n) for n in lengths],
+            tail_ids,
+            k,
+            self.base.fingerprint,
+            producer,
+            producer_key,
+        )
 
     # ------------------------------------------------------------------ step API
     def _check_reader(self, handle: PrefixHandle, decoder: str):
@@ -436,7 +516,9 @@ class SharedPrefillEngine:
         if handle.engine is not self:
             raise ConfigError("this PrefixHandle belongs to another engine")
         if handle.released or handle.freed:
-            raise ConfigError(f"PrefixHandle {handle.id} was released; prefill again (or add requests before release)")
+            raise ConfigError(
+                f"PrefixHandle {handle.id} was released; prefill again (or add requests before release)"
+            )
         if decoder not in self.decoders:
             raise ConfigError(f"unknown decoder {decoder!r}; registered: {', '.join(self.decoders)}")
         if handle.producer != BASE and handle.producer != decoder:
@@ -444,22 +526,33 @@ class SharedPrefillEngine:
                 f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} with its own weights "
                 f"(no-share prefill), but decoder {decoder!r} was asked to read it; a decoder reads only C_base "
                 f"written by the base (prefill with producer=None) or K/V it wrote itself (prefill with "
-                f"producer={decoder!r})")
+                f"producer={decoder!r})"
+            )
         if handle.producer != BASE and handle.producer_key != self._registry.producer(handle.producer).key:
             raise FingerprintMismatchError(
                 f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} before its weights were "
-                "changed in place; prefill again with the current weights")
+                "changed in place; prefill again with the current weights"
+            )
         entry = self.decoders[decoder]
         self._registry.check_unchanged(entry)
         if entry.decoder is not None and entry.decoder.handoff_tokens != handle.handoff_tokens:
-            raise ConfigError(f"decoder {decoder!r} was trained with handoff_tokens={entry.decoder.handoff_tokens} "
-                              f"but the handle was prefilled with {handle.handoff_tokens}; prefill with "
-                              f"handoff_tokens={entry.decoder.handoff_tokens}")
+            raise ConfigError(
+                f"decoder {decoder!r} was trained with handoff_tokens={entry.decoder.handoff_tokens} "
+                f"but the handle was prefilled with {handle.handoff_tokens}; prefill with "
+                f"handoff_tokens={entry.decoder.handoff_tokens}"
+            )
         return entry
 
     @_inference
-    def tail_logits(self, handle: PrefixHandle, rows: Sequence[int], tail_ids: torch.Tensor, tail_mask: torch.Tensor,
-                    *, decoder: str = BASE) -> torch.Tensor:
+    def tail_logits(
+        self,
+        handle: PrefixHandle,
+        rows: Sequence[int],
+        tail_ids: torch.Tensor,
+        tail_mask: torch.Tensor,
+        *,
+        decoder: str = BASE,
+    ) -> torch.Tensor:
         """Teacher-forced logits of ``decoder`` over given tails on ``rows`` of ``handle`` (one batched forward).
 
         Row i's tail starts at the handle's k handoff tokens of prompt ``rows[i]`` (the tokens the decoder
@@ -482,23 +575,42 @@ class SharedPrefillEngine:
         if any(not 0 <= r < handle.batch_size for r in rows):
             raise ConfigError(f"rows {rows} out of range: the handle has {handle.batch_size} prompts")
         if tail_ids.shape != tail_mask.shape or tail_ids.dim() != 2 or tail_ids.shape[0] != len(rows):
-            raise ConfigError(f"tail_ids {tuple(tail_ids.shape)} and tail_mask {tuple(tail_mask.shape)} must both be "
-                              f"(len(rows)={len(rows)}, t)")
+            raise ConfigError(
+                f"tail_ids {tuple(tail_ids.shape)} and tail_mask {tuple(tail_mask.shape)} must both be "
+                f"(len(rows)={len(rows)}, t)"
+            )
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         starts = torch.tensor([handle.lengths[r] for r in rows], dtype=torch.long, device=self.device)
         key_start = handle.key_start.index_select(0, index)
         prefix_real = torch.arange(handle.width, device=self.device)[None, :] >= key_start[:, None]
         prod = self._registry.producer(decoder)  # the decoder's weights and adapter, as it reads
-        return M.tail_forward(prod.weights, tail_ids.to(self.device), tail_mask.to(self.device), starts,
-                              lambda i: handle.keys(i).index_select(0, index),
-                              lambda i: handle.values(i).index_select(0, index), prefix_real, prod.lora)
+        return M.tail_forward(
+            prod.weights,
+            tail_ids.to(self.device),
+            tail_mask.to(self.device),
+            starts,
+            lambda i: handle.keys(i).index_select(0, index),
+            lambda i: handle.values(i).index_select(0, index),
+            prefix_real,
+            prod.lora,
+        )
 
     @_inference
-    def add_request(self, handle: PrefixHandle, row: int = 0, *, decoder: str = BASE, max_new_tokens: int | None = None,
-                    stop: Sequence[str] | str | None = None, sampling: SamplingParams | None = None,
-                    forced_tokens: Sequence[int] | None = None, ignore_eos: bool = False,
-                    suffix_ids: Sequence[int] | None = None, logprobs: int | None = None,
-                    params: DecodeParams | None = None) -> int:
+    def add_request(
+        self,
+        handle: PrefixHandle,
+        row: int = 0,
+        *,
+        decoder: str = BASE,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] | str | None = None,
+        sampling: SamplingParams | None = None,
+        forced_tokens: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        suffix_ids: Sequence[int] | None = None,
+        logprobs: int | None = None,
+        params: DecodeParams | None = None,
+    ) -> int:
         """Admit one prompt row of ``handle`` for ``decoder``; it decodes from the next ``step()``.
 
         Args:
@@ -537,8 +649,10 @@ class SharedPrefillEngine:
         """
         if params is not None:
             if (max_new_tokens, stop, sampling, ignore_eos, logprobs) != (None, None, None, False, None):
-                raise ConfigError("pass the decoding settings as params=DecodeParams(...) or as keywords "
-                                  "(max_new_tokens, stop, sampling, ignore_eos, logprobs), not both")
+                raise ConfigError(
+                    "pass the decoding settings as params=DecodeParams(...) or as keywords "
+                    "(max_new_tokens, stop, sampling, ignore_eos, logprobs), not both"
+                )
             max_new_tokens, stop, sampling = params.max_new_tokens, params.stop, params.sampling
             ignore_eos, logprobs = params.ignore_eos, params.logprobs
         entry = self._check_reader(handle, decoder)
@@ -550,17 +664,23 @@ class SharedPrefillEngine:
             if any(not 0 <= t < vocab for t in forced_tokens):
                 raise ConfigError(f"forced_tokens hold ids outside 0..{vocab - 1} (the vocabulary)")
             if max_new_tokens is not None and max_new_tokens > len(forced_tokens):
-                raise ConfigError(f"max_new_tokens={max_new_tokens} but only {len(forced_tokens)} forced tokens")
+                raise ConfigError(
+                    f"max_new_tokens={max_new_tokens} but only {len(forced_tokens)} forced tokens"
+                )
         if max_new_tokens is None:
             max_new_tokens = len(forced_tokens) if forced_tokens is not None else 256
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens}; it must be ≥ 1")
         if logprobs is not None and not 0 <= int(logprobs) <= entry.lane.weights.embed.shape[0]:
-            raise ConfigError(f"logprobs={logprobs}; it must be in 0..{entry.lane.weights.embed.shape[0]} (or None)")
+            raise ConfigError(
+                f"logprobs={logprobs}; it must be in 0..{entry.lane.weights.embed.shape[0]} (or None)"
+            )
         lane = entry.lane
         if len(lane.rows) >= self.max_batch:
-            raise CapacityError(f"{len(lane.rows)} rows are active on lane {lane.key!r} (max_batch={self.max_batch}); "
-                                "step until some finish, abort some, or raise max_batch")
+            raise CapacityError(
+                f"{len(lane.rows)} rows are active on lane {lane.key!r} (max_batch={self.max_batch}); "
+                "step until some finish, abort some, or raise max_batch"
+            )
         tail = list(handle.tail_ids[row]) + [int(t) for t in (suffix_ids or [])]
         lane.pool.ensure(len(lane.rows) + 1, len(tail) + max_new_tokens)
         slot = len(lane.rows)
@@ -569,13 +689,35 @@ class SharedPrefillEngine:
         gen = None
         if sampling.do_sample:
             gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
-        req = Request(next(self._rid), handle, row, decoder, entry.adapter_index, entry.eos, self.tokenizer,
-                      int(max_new_tokens), StopMatcher(stop), sampling, gen, forced_tokens, bool(ignore_eos),
-                      next_token=int(tail[-1]), tail_written=len(tail) - 1,
-                      logprobs=None if logprobs is None else int(logprobs))
+        req = Request(
+            next(self._rid),
+            handle,
+            row,
+            decoder,
+            entry.adapter_index,
+            entry.eos,
+            self.tokenizer,
+            int(max_new_tokens),
+            StopMatcher(stop),
+            sampling,
+            gen,
+            forced_tokens,
+            bool(ignore_eos),
+            next_token=int(tail[-1]),
+            tail_written=len(tail) - 1,
+            logprobs=None if logprobs is None else int(logprobs),
+        )
         # the handle's producer is the base or this decoder (checked above)
-        prefill_tail(handle, row, tail, self._registry.producer(handle.producer), lane.weights, entry.lora_plan(),
-                     lane.pool.k[:, slot], lane.pool.v[:, slot])
+        prefill_tail(
+            handle,
+            row,
+            tail,
+            self._registry.producer(handle.producer),
+            lane.weights,
+            entry.lora_plan(),
+            lane.pool.k[:, slot],
+            lane.pool.v[:, slot],
+        )
         handle.acquire()
         lane.rows.append(req)
         self._requests[req.id] = req
@@ -644,9 +786,18 @@ class SharedPrefillEngine:
         # which hold other live rows while a part of the lane is stepped)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         write_t = t(write)
-        return M.decode_step_eager(lane.weights, t(tokens), t(positions), lane.pool.k, lane.pool.v, write_t,
-                                   write_t + 1, max(write) + 1, planner.prefix_groups(rows, self.device),
-                                   planner.lora_plan(lane.weights, rows, self.device))
+        return M.decode_step_eager(
+            lane.weights,
+            t(tokens),
+            t(positions),
+            lane.pool.k,
+            lane.pool.v,
+            write_t,
+            write_t + 1,
+            max(write) + 1,
+            planner.prefix_groups(rows, self.device),
+            planner.lora_plan(lane.weights, rows, self.device),
+        )
 
     def _to_front(self, lane: Lane, rows: list[Request]) -> None:
         """Move ``rows`` (in order) into the lane's first slots, the others after them."""
@@ -658,8 +809,14 @@ class SharedPrefillEngine:
             lane.pool.permute(order)
             lane.rows[:] = [lane.rows[i] for i in order]
 
-    def _isolate(self, lane: Lane, rows: list[Request], error: BaseException,
-                 parts: list, failed: dict[int, BaseException]) -> None:
+    def _isolate(
+        self,
+        lane: Lane,
+        rows: list[Request],
+        error: BaseException,
+        parts: list,
+        failed: dict[int, BaseException],
+    ) -> None:
         """``rows`` raised ``error`` together: step them in parts (by decoder, else halves); the rows
         of a part that still raises alone get its error in ``failed``; the others go to ``parts``."""
         if len(rows) == 1:
@@ -668,7 +825,11 @@ class SharedPrefillEngine:
         by_decoder: dict[str, list[Request]] = {}
         for r in rows:
             by_decoder.setdefault(r.decoder, []).append(r)
-        groups = list(by_decoder.values()) if len(by_decoder) > 1 else [rows[: len(rows) // 2], rows[len(rows) // 2:]]
+        groups = (
+            list(by_decoder.values())
+            if len(by_decoder) > 1
+            else [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+        )
         for group in groups:
             self._to_front(lane, group)
             try:
@@ -677,8 +838,13 @@ class SharedPrefillEngine:
             except Exception as e:  # noqa: BLE001 - confined to this group's rows below
                 self._isolate(lane, group, e, parts, failed)
 
-    def _step_lane(self, lane: Lane, return_logits: bool, failed: dict[int, BaseException],
-                   rows: list[Request] | None = None) -> list[StepOutput]:
+    def _step_lane(
+        self,
+        lane: Lane,
+        return_logits: bool,
+        failed: dict[int, BaseException],
+        rows: list[Request] | None = None,
+    ) -> list[StepOutput]:
         """Step ``rows`` (default: all the lane's rows; a part must be in the first slots, run eagerly)."""
         part_only = rows is not None and len(rows) < len(lane.rows)
         rows = list(lane.rows) if rows is None else list(rows)
@@ -755,10 +921,18 @@ class SharedPrefillEngine:
 
     # ------------------------------------------------------------------ generate
     @_inference
-    def generate(self, handle: PrefixHandle, *, decoder: str = BASE, max_new_tokens: int = 256,
-                 stop: Sequence[str] | str | None = None, sampling: SamplingParams | None = None,
-                 rows: Sequence[int] | None = None, ignore_eos: bool = False,
-                 params: DecodeParams | None = None) -> list[Generation]:
+    def generate(
+        self,
+        handle: PrefixHandle,
+        *,
+        decoder: str = BASE,
+        max_new_tokens: int = 256,
+        stop: Sequence[str] | str | None = None,
+        sampling: SamplingParams | None = None,
+        rows: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        params: DecodeParams | None = None,
+    ) -> list[Generation]:
         """Decode every prompt row of ``handle`` (or ``rows``) with ``decoder``; one ``Generation`` per row.
 
         ``params``: the decoding settings whole (``DecodeParams``), or the separate keywords (not both);
@@ -767,9 +941,13 @@ class SharedPrefillEngine:
         """
         rows = list(range(handle.batch_size)) if rows is None else list(rows)
         if params is None:
-            params = DecodeParams(max_new_tokens=max_new_tokens, stop=stop, sampling=sampling, ignore_eos=ignore_eos)
+            params = DecodeParams(
+                max_new_tokens=max_new_tokens, stop=stop, sampling=sampling, ignore_eos=ignore_eos
+            )
         elif (max_new_tokens, stop, sampling, ignore_eos) != (256, None, None, False):
-            raise ConfigError("pass the decoding settings as params=DecodeParams(...) or as keywords, not both")
+            raise ConfigError(
+                "pass the decoding settings as params=DecodeParams(...) or as keywords, not both"
+            )
         sampling = params.sampling
         pending = list(rows)
         mine: dict[int, int] = {}
@@ -781,8 +959,10 @@ class SharedPrefillEngine:
                 rid = self.add_request(handle, row, decoder=decoder, params=params.replace(sampling=s))
                 mine[rid] = row
             if not mine:
-                raise CapacityError(f"decoder {decoder!r} has no free slot (max_batch={self.max_batch} rows are "
-                                    "active from other requests)")
+                raise CapacityError(
+                    f"decoder {decoder!r} has no free slot (max_batch={self.max_batch} rows are "
+                    "active from other requests)"
+                )
             try:
                 outs = self.step()
             except StepError as e:
@@ -804,4 +984,12 @@ class SharedPrefillEngine:
             self.abort(rid)
 
 
-__all__ = ["SharedPrefillEngine", "PrefillJob", "PrefixHandle", "SamplingParams", "StepOutput", "BASE", "CapacityError"]
+__all__ = [
+    "SharedPrefillEngine",
+    "PrefillJob",
+    "PrefixHandle",
+    "SamplingParams",
+    "StepOutput",
+    "BASE",
+    "CapacityError",
+]

@@ -44,8 +44,9 @@ class StaticRunner:
         attention: prefix attention, ``"gather"`` or ``"triton"``.  device: where inputs are built.
     """
 
-    def __init__(self, weights: LaneWeights, pool: TailPool, arena: PrefixArena, mode: str, attention: str,
-                 device):
+    def __init__(
+        self, weights: LaneWeights, pool: TailPool, arena: PrefixArena, mode: str, attention: str, device
+    ):
         self.weights, self.pool, self.arena = weights, pool, arena
         self.mode, self.attention, self.device = mode, attention, device
         self.captures = 0  # graphs captured / compilations triggered (distinct keys)
@@ -61,10 +62,18 @@ class StaticRunner:
         b = min(bucket(n_rows), pool.slots)
         tail_width = min(bucket(max_tail, MIN_WIDTH), pool.capacity)
         prefix_width = bucket(max_prefix, MIN_WIDTH) if self.attention == "gather" else 0
-        return (b, tail_width, prefix_width, len(self.weights.adapters), pool.generation, self.arena.generation)
+        return (
+            b,
+            tail_width,
+            prefix_width,
+            len(self.weights.adapters),
+            pool.generation,
+            self.arena.generation,
+        )
 
-    def run(self, rows: Sequence[Request], tokens: Sequence[int], positions: Sequence[int],
-            write: Sequence[int]) -> torch.Tensor:
+    def run(
+        self, rows: Sequence[Request], tokens: Sequence[int], positions: Sequence[int], write: Sequence[int]
+    ) -> torch.Tensor:
         """Logits ``(len(rows), V)`` of one decode step for the lane's active rows (slots 0..n-1).
 
         Args: per row its input token, RoPE position and tail write index.

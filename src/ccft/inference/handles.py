@@ -42,8 +42,18 @@ class PrefixHandle:
 
     _ids = itertools.count()
 
-    def __init__(self, engine, start: int, width: int, lengths: list[int], tail_ids: list[list[int]],
-                 handoff_tokens: int, fingerprint: str, producer: str = BASE, producer_key: str | None = None):
+    def __init__(
+        self,
+        engine,
+        start: int,
+        width: int,
+        lengths: list[int],
+        tail_ids: list[list[int]],
+        handoff_tokens: int,
+        fingerprint: str,
+        producer: str = BASE,
+        producer_key: str | None = None,
+    ):
         self.engine, self.start, self.width = engine, start, width
         self.lengths, self.tail_ids, self.handoff_tokens = lengths, tail_ids, handoff_tokens
         self.fingerprint = fingerprint
@@ -82,15 +92,25 @@ class PrefixHandle:
     def to_base_cache(self) -> BaseCache:
         """A ``BaseCache`` copy of this prefix (for the reference path ``ccft.generate(cache=...)``)."""
         n = self.engine.num_layers
-        mask = (torch.arange(self.width, device=self.key_start.device)[None, :] >= self.key_start[:, None]).long()
+        mask = (
+            torch.arange(self.width, device=self.key_start.device)[None, :] >= self.key_start[:, None]
+        ).long()
         tail = torch.tensor(self.tail_ids, dtype=torch.long, device=self.key_start.device)
-        return BaseCache.from_tensors([self.keys(i).clone() for i in range(n)],
-                                      [self.values(i).clone() for i in range(n)], mask, tail, self.handoff_tokens,
-                                      self.fingerprint, self.producer)
+        return BaseCache.from_tensors(
+            [self.keys(i).clone() for i in range(n)],
+            [self.values(i).clone() for i in range(n)],
+            mask,
+            tail,
+            self.handoff_tokens,
+            self.fingerprint,
+            self.producer,
+        )
 
     def _check_alive(self) -> None:
         if self.freed:
-            raise ConfigError(f"PrefixHandle {self.id} was released and its prefix freed; prefill the prompts again")
+            raise ConfigError(
+                f"PrefixHandle {self.id} was released and its prefix freed; prefill the prompts again"
+            )
 
     # ------------------------------------------------------------------ references
     def hold(self, store, blocks: list) -> None:
@@ -127,8 +147,10 @@ class PrefixHandle:
     def __repr__(self) -> str:
         state = "freed" if self.freed else ("released" if self.released else "live")
         who = "" if self.producer == BASE else f", producer={self.producer!r}"
-        return (f"PrefixHandle(id={self.id}, rows={self.batch_size}, width={self.width}, refs={self.refs}{who}, "
-                f"{state})")
+        return (
+            f"PrefixHandle(id={self.id}, rows={self.batch_size}, width={self.width}, refs={self.refs}{who}, "
+            f"{state})"
+        )
 
 
 __all__ = ["BASE", "PrefixHandle"]

@@ -50,8 +50,18 @@ class PrefixArena:
         fill: value of never-written memory (0; NaN in tests so a read of unwritten memory shows).
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, *,
-                 capacity_tokens: int = 1024, max_tokens: int | None = None, fill: float = 0.0):
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+        *,
+        capacity_tokens: int = 1024,
+        max_tokens: int | None = None,
+        fill: float = 0.0,
+    ):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.unit = kv_heads * head_dim  # elements per token per layer
         self.dtype, self.device, self.fill = dtype, torch.device(device), float(fill)
@@ -120,7 +130,8 @@ class PrefixArena:
             raise CapacityError(
                 f"the prefix arena holds at most max_prefix_tokens={self.max_tokens} token slots "
                 f"({self.used_tokens} in use, {tokens} requested); release finished PrefixHandles or "
-                "raise max_prefix_tokens")
+                "raise max_prefix_tokens"
+            )
         self._resize(new_cap)
 
     def _resize(self, new_cap: int) -> None:
@@ -152,14 +163,15 @@ class PrefixArena:
         """The ``(rows, h, length, d)`` view of a region in layer ``layer`` of ``k`` or ``v``."""
         buf = self.k if which == "k" else self.v
         a = start * self.unit
-        return buf[layer, a: a + rows * length * self.unit].view(rows, self.kv_heads, length, self.head_dim)
+        return buf[layer, a : a + rows * length * self.unit].view(rows, self.kv_heads, length, self.head_dim)
 
     def view_layers(self, which: str, start: int, rows: int, length: int) -> torch.Tensor:
         """The ``(L, rows, h, length, d)`` view of a region in every layer of ``k`` or ``v``."""
         buf = self.k if which == "k" else self.v
         a = start * self.unit
-        return buf[:, a: a + rows * length * self.unit].view(self.num_layers, rows, self.kv_heads, length,
-                                                             self.head_dim)
+        return buf[:, a : a + rows * length * self.unit].view(
+            self.num_layers, rows, self.kv_heads, length, self.head_dim
+        )
 
 
 class TailPool:
@@ -170,9 +182,20 @@ class TailPool:
         fill: value of never-written memory (0; NaN in tests).
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, *,
-                 slots: int = 1, capacity: int = 64, max_slots: int = 64, max_capacity: int = 4096,
-                 fill: float = 0.0):
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+        *,
+        slots: int = 1,
+        capacity: int = 64,
+        max_slots: int = 64,
+        max_capacity: int = 4096,
+        fill: float = 0.0,
+    ):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device, self.fill = dtype, torch.device(device), float(fill)
         self.max_slots, self.max_capacity = int(max_slots), int(max_capacity)
@@ -183,17 +206,25 @@ class TailPool:
         self.generation = 0
 
     def _alloc(self, slots: int, capacity: int) -> torch.Tensor:
-        return _full((self.num_layers, slots, self.kv_heads, capacity, self.head_dim), self.fill, self.dtype,
-                     self.device)
+        return _full(
+            (self.num_layers, slots, self.kv_heads, capacity, self.head_dim),
+            self.fill,
+            self.dtype,
+            self.device,
+        )
 
     def ensure(self, slots: int, capacity: int) -> None:
         """Grow (by doubling) so that ``slots`` rows of ``capacity`` tokens fit; contents are kept."""
         if slots > self.max_slots:
-            raise CapacityError(f"{slots} active rows exceed max_batch={self.max_slots}; finish or abort requests, "
-                                "or raise max_batch")
+            raise CapacityError(
+                f"{slots} active rows exceed max_batch={self.max_slots}; finish or abort requests, "
+                "or raise max_batch"
+            )
         if capacity > self.max_capacity:
-            raise CapacityError(f"a request needs {capacity} tail tokens (handoff + max_new_tokens) but "
-                                f"max_tail_tokens={self.max_capacity}; lower max_new_tokens or raise max_tail_tokens")
+            raise CapacityError(
+                f"a request needs {capacity} tail tokens (handoff + max_new_tokens) but "
+                f"max_tail_tokens={self.max_capacity}; lower max_new_tokens or raise max_tail_tokens"
+            )
         if slots <= self.slots and capacity <= self.capacity:
             return
         new_slots = min(max(self.slots, bucket(slots)), self.max_slots)
@@ -203,8 +234,8 @@ class TailPool:
         v[:, : self.slots, :, : self.capacity].copy_(self.v)
         # grown positions of the old slots: live rows attend to them (masked) up to the batch's widest
         # tail, and a masked NaN (never-written memory) still yields NaN: zero them as clear_slot does
-        k[:, : self.slots, :, self.capacity:].zero_()
-        v[:, : self.slots, :, self.capacity:].zero_()
+        k[:, : self.slots, :, self.capacity :].zero_()
+        v[:, : self.slots, :, self.capacity :].zero_()
         self.k, self.v, self.slots, self.capacity = k, v, new_slots, new_cap
         self.generation += 1
 

@@ -147,26 +147,49 @@ class LaneRegistry:
         lanes: lane key -> ``Lane``.  decoders: decoder name -> ``DecoderEntry`` (``"base"`` included).
     """
 
-    def __init__(self, base, base_weights: LaneWeights, arena: PrefixArena, *, max_batch: int, max_tail_tokens: int,
-                 fill: float, pack_weights: bool, decode_mode: str, attention: str):
+    def __init__(
+        self,
+        base,
+        base_weights: LaneWeights,
+        arena: PrefixArena,
+        *,
+        max_batch: int,
+        max_tail_tokens: int,
+        fill: float,
+        pack_weights: bool,
+        decode_mode: str,
+        attention: str,
+    ):
         self.base, self.tokenizer, self.device, self.arena = base, base.tokenizer, base.device, arena
         self.max_batch, self.max_tail_tokens, self.fill = max_batch, max_tail_tokens, fill
         self.pack_weights, self.decode_mode, self.attention = pack_weights, decode_mode, attention
         self.base_lane = self.new_lane(BASE, base_weights)
         self.lanes: dict[str, Lane] = {BASE: self.base_lane}
         self.decoders: dict[str, DecoderEntry] = {
-            BASE: DecoderEntry(BASE, self.base_lane, None, eos_token_ids(self.tokenizer, base.model), None)}
+            BASE: DecoderEntry(BASE, self.base_lane, None, eos_token_ids(self.tokenizer, base.model), None)
+        }
 
     def new_lane(self, key: str, weights: LaneWeights) -> Lane:
         """A lane over ``weights`` (packed first when ``pack_weights``) with a one-slot tail pool that grows."""
         if self.pack_weights:
             pack(weights)
-        pool = TailPool(weights.num_layers, weights.kv_heads, weights.head_dim, weights.dtype, self.device,
-                        slots=1, capacity=64, max_slots=self.max_batch, max_capacity=self.max_tail_tokens,
-                        fill=self.fill)
+        pool = TailPool(
+            weights.num_layers,
+            weights.kv_heads,
+            weights.head_dim,
+            weights.dtype,
+            self.device,
+            slots=1,
+            capacity=64,
+            max_slots=self.max_batch,
+            max_capacity=self.max_tail_tokens,
+            fill=self.fill,
+        )
         lane = Lane(key, weights, pool)
         if self.decode_mode != "eager":
-            lane.runner = StaticRunner(weights, pool, self.arena, self.decode_mode, self.attention, self.device)
+            lane.runner = StaticRunner(
+                weights, pool, self.arena, self.decode_mode, self.attention, self.device
+            )
         return lane
 
     def add(self, name: str, decoder: Decoder | str | Path, *, tokenizer=None) -> DecoderEntry:
@@ -185,19 +208,24 @@ class LaneRegistry:
         if isinstance(decoder, (str, Path)):
             decoder, tokenizer = self._load(name, decoder, tokenizer)
         if not isinstance(decoder, Decoder):
-            raise ConfigError(f"decoder {name!r}: expected a ccft.Decoder or a decoder folder, got {type(decoder)}")
+            raise ConfigError(
+                f"decoder {name!r}: expected a ccft.Decoder or a decoder folder, got {type(decoder)}"
+            )
         base = self.base
         if decoder.fingerprint != base.fingerprint:
             raise FingerprintMismatchError(
                 f"decoder {name!r} was conditioned on base {decoder.fingerprint} but this engine's base is "
-                f"{base.fingerprint} ({base.name}); use the base it was trained on")
+                f"{base.fingerprint} ({base.name}); use the base it was trained on"
+            )
         self._check_tokenizer(name, tokenizer)
         check_compatible(base.config, decoder.model.config)
         eos = eos_token_ids(self.tokenizer, decoder.model)
         if decoder.kind == "lora":
             if decoder.model.get_base_model() is not base.model:
-                raise IncompatibleModelError(f"LoRA decoder {name!r} is attached to another copy of the base model; "
-                                             "load it with ccft.load_decoder(path, base=engine.base)")
+                raise IncompatibleModelError(
+                    f"LoRA decoder {name!r} is attached to another copy of the base model; "
+                    "load it with ccft.load_decoder(path, base=engine.base)"
+                )
             adapter = lora_adapter(decoder.model, decoder.meta.get("adapter_name", "default"))
             watched = adapter_tensors(cast_adapter(adapter, base.dtype))  # PEFT keeps adapters in fp32 (K11)
             lane = self.base_lane
@@ -208,7 +236,8 @@ class LaneRegistry:
             if dtypes != {base.dtype}:
                 raise IncompatibleModelError(
                     f"decoder {name!r} has {', '.join(sorted(map(str, dtypes)))} weights but the base is {base.dtype}; "
-                    f"load both in one dtype (C_base is read as is): e.g. decoder.model.to({base.dtype})")
+                    f"load both in one dtype (C_base is read as is): e.g. decoder.model.to({base.dtype})"
+                )
             check_supported(decoder.model.config)
             lane = self.new_lane(name, lane_weights(decoder.model, allow_adapters=False))
             self.lanes[name] = lane
@@ -228,7 +257,8 @@ class LaneRegistry:
             raise ConfigError(
                 f"the weights of decoder {entry.name!r} were changed in place after it was registered, but its lane "
                 "decodes the packed copy taken at registration (pack_weights=True); register the edited decoder "
-                "under a new name (add_decoder), or build the engine with pack_weights=False to read weights live")
+                "under a new name (add_decoder), or build the engine with pack_weights=False to read weights live"
+            )
 
     def _load(self, name: str, folder: str | Path, tokenizer):
         from transformers import AutoTokenizer
@@ -240,7 +270,8 @@ class LaneRegistry:
         if want and want != self.base.fingerprint:
             raise FingerprintMismatchError(
                 f"decoder {folder} was trained on base {want} but this engine's base is {self.base.fingerprint} "
-                f"({self.base.name}); serve it with the base it was trained on")
+                f"({self.base.name}); serve it with the base it was trained on"
+            )
         if tokenizer is None and (Path(folder) / "tokenizer_config.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self._check_tokenizer(name, tokenizer)
@@ -250,7 +281,8 @@ class LaneRegistry:
         if tokenizer is not None and tokenizer_digest(tokenizer) != tokenizer_digest(self.tokenizer):
             raise IncompatibleModelError(
                 f"decoder {name!r} uses a different tokenizer (vocabulary, special tokens or chat template) than "
-                "the base; a decoder must read the base's token ids")
+                "the base; a decoder must read the base's token ids"
+            )
 
     def producer(self, producer: str | None) -> Producer:
         """The model that prefills for ``producer``: None / ``"base"``: the base, keyed by its fingerprint;
@@ -266,8 +298,10 @@ class LaneRegistry:
             return Producer(self.base_lane.weights, M.NO_LORA, BASE, self.base.fingerprint)
         entry = self.decoders.get(producer)
         if entry is None:
-            raise ConfigError(f"unknown producer {producer!r}; use None (the base) or a registered decoder: "
-                              f"{', '.join(n for n in self.decoders if n != BASE) or '(none)'}")
+            raise ConfigError(
+                f"unknown producer {producer!r}; use None (the base) or a registered decoder: "
+                f"{', '.join(n for n in self.decoders if n != BASE) or '(none)'}"
+            )
         self.check_unchanged(entry)
         versions = entry.versions()
         if entry.key is None or versions != entry.key_versions:
@@ -290,11 +324,14 @@ class LaneRegistry:
             if entry is not None and entry.decoder is not None:
                 return resolve_handoff([entry.decoder.handoff_tokens], what=f"decoder {producer!r}")
             try:
-                return resolve_handoff((e.decoder.handoff_tokens for e in self.decoders.values()
-                                        if e.decoder is not None), what="the registered decoders")
+                return resolve_handoff(
+                    (e.decoder.handoff_tokens for e in self.decoders.values() if e.decoder is not None),
+                    what="the registered decoders",
+                )
             except ConfigError as e:
-                raise ConfigError(f"{e}; or pass handoff_tokens= (the k of the decoders that will read "
-                                  "this prefill)") from None
+                raise ConfigError(
+                    f"{e}; or pass handoff_tokens= (the k of the decoders that will read this prefill)"
+                ) from None
         return resolve_handoff([], handoff_tokens)
 
 

@@ -76,7 +76,9 @@ def project(x: torch.Tensor, lin: Linear, name: str, layer: int, lora: LoraPlan)
             y = y + F.linear(F.linear(x, lw.a), lw.b) * lw.scaling
         elif sel.dtype == torch.long:
             # index_put_ (rows are distinct): ~50x faster on CPU than index_add on a strided output
-            y.index_put_((sel,), F.linear(F.linear(x.index_select(0, sel), lw.a), lw.b) * lw.scaling, accumulate=True)
+            y.index_put_(
+                (sel,), F.linear(F.linear(x.index_select(0, sel), lw.a), lw.b) * lw.scaling, accumulate=True
+            )
         else:
             y = y + (F.linear(F.linear(x, lw.a), lw.b) * lw.scaling) * sel
     return y
@@ -88,12 +90,13 @@ def _lora_into(y: torch.Tensor, x: torch.Tensor, name: str, layer: int, lora: Lo
         lw = adapter.layers[layer].get(name)
         if lw is None:
             continue
-        out = y[..., col: col + lw.b.shape[0]]
+        out = y[..., col : col + lw.b.shape[0]]
         if sel is None:
             out.add_(F.linear(F.linear(x, lw.a), lw.b) * lw.scaling)
         elif sel.dtype == torch.long:
-            out.index_put_((sel,), F.linear(F.linear(x.index_select(0, sel), lw.a), lw.b) * lw.scaling,
-                           accumulate=True)
+            out.index_put_(
+                (sel,), F.linear(F.linear(x.index_select(0, sel), lw.a), lw.b) * lw.scaling, accumulate=True
+            )
         else:
             out.add_((F.linear(F.linear(x, lw.a), lw.b) * lw.scaling) * sel)
 
@@ -116,11 +119,15 @@ def _mlp(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan) -> torch.Tens
     elif not _adapts(lora, i, ("gate_proj", "up_proj")):
         act = p["up_proj"].mul(h, p["gate_proj"].silu(h))
     else:
-        act = F.silu(project(h, p["gate_proj"], "gate_proj", i, lora)) * project(h, p["up_proj"], "up_proj", i, lora)
+        act = F.silu(project(h, p["gate_proj"], "gate_proj", i, lora)) * project(
+            h, p["up_proj"], "up_proj", i, lora
+        )
     return _residual(x, act, p["down_proj"], "down_proj", i, lora)
 
 
-def _residual(x: torch.Tensor, inp: torch.Tensor, lin: Linear, name: str, layer: int, lora: LoraPlan) -> torch.Tensor:
+def _residual(
+    x: torch.Tensor, inp: torch.Tensor, lin: Linear, name: str, layer: int, lora: LoraPlan
+) -> torch.Tensor:
     """``x + lin(inp)`` plus the adapters' deltas of ``name`` on their rows."""
     y = lin.add(inp, x)
     if _adapts(lora, layer, (name,)):
@@ -140,8 +147,8 @@ def _qkv(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan, cos, sin):
         _lora_into(y, h, "k_proj", i, lora, nq)
         _lora_into(y, h, "v_proj", i, lora, nq + nk)
         qk = rope(y[..., : nq + nk].view(*lead, lw.heads + lw.kv_heads, lw.head_dim), cos, sin)
-        v = y[..., nq + nk:].view(*lead, lw.kv_heads, lw.head_dim)
-        return qk[..., : lw.heads, :], qk[..., lw.heads:, :], v
+        v = y[..., nq + nk :].view(*lead, lw.kv_heads, lw.head_dim)
+        return qk[..., : lw.heads, :], qk[..., lw.heads :, :], v
     p = layer.proj
     q = project(h, p["q_proj"], "q_proj", i, lora).view(*lead, lw.heads, lw.head_dim)
     k = project(h, p["k_proj"], "k_proj", i, lora).view(*lead, lw.kv_heads, lw.head_dim)
@@ -164,8 +171,9 @@ def logits_of(x: torch.Tensor, lw: LaneWeights) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill(lw: LaneWeights, ids: torch.Tensor, mask: torch.Tensor, write_k, write_v,
-            lora: LoraPlan = NO_LORA) -> None:
+def prefill(
+    lw: LaneWeights, ids: torch.Tensor, mask: torch.Tensor, write_k, write_v, lora: LoraPlan = NO_LORA
+) -> None:
     """Run the lane (the base; with ``lora``, a LoRA decoder on it) over left-padded prefixes and write their K/V.
 
     Args:
@@ -191,15 +199,24 @@ def prefill(lw: LaneWeights, ids: torch.Tensor, mask: torch.Tensor, write_k, wri
         write_v(i).copy_(v.masked_fill(pad, 0.0))
         if i == lw.num_layers - 1:
             break  # only the K/V are kept: the last layer's attention and MLP outputs are never read
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=lw.scale,
-                                           enable_gqa=lw.heads != lw.kv_heads)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed[:, None], scale=lw.scale, enable_gqa=lw.heads != lw.kv_heads
+        )
         x = _residual(x, o.transpose(1, 2).reshape(b, p, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
         x = _mlp(x, lw, i, lora)
 
 
 @torch.no_grad()
-def tail_forward(lw: LaneWeights, tail_ids: torch.Tensor, tail_mask: torch.Tensor, starts: torch.Tensor, prefix_k,
-                 prefix_v, prefix_real: torch.Tensor, lora: LoraPlan = NO_LORA) -> torch.Tensor:
+def tail_forward(
+    lw: LaneWeights,
+    tail_ids: torch.Tensor,
+    tail_mask: torch.Tensor,
+    starts: torch.Tensor,
+    prefix_k,
+    prefix_v,
+    prefix_real: torch.Tensor,
+    lora: LoraPlan = NO_LORA,
+) -> torch.Tensor:
     """Logits ``(b, t, V)`` of the lane over right-padded tails that follow prefixes already in K/V form
     (teacher forcing; the decoder-side forward of ``ccft.core.decoder.decoder_forward``, batched).
 
@@ -215,25 +232,43 @@ def tail_forward(lw: LaneWeights, tail_ids: torch.Tensor, tail_mask: torch.Tenso
     b, t = tail_ids.shape
     positions = starts[:, None] + torch.arange(t, device=tail_ids.device)[None, :]
     causal = torch.ones(t, t, dtype=torch.bool, device=tail_ids.device).tril()
-    allowed = torch.cat([prefix_real[:, None, :].expand(b, t, prefix_real.shape[1]), causal[None].expand(b, t, t)],
-                        dim=-1)[:, None]
+    allowed = torch.cat(
+        [prefix_real[:, None, :].expand(b, t, prefix_real.shape[1]), causal[None].expand(b, t, t)], dim=-1
+    )[:, None]
     x = F.embedding(tail_ids, lw.embed)
     cos, sin = _cos_sin(lw, x, positions)
     for i in range(lw.num_layers):
         q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, t, H|h, d)
         keys = torch.cat([prefix_k(i), k.transpose(1, 2)], dim=2)
         vals = torch.cat([prefix_v(i), v.transpose(1, 2)], dim=2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=allowed, scale=lw.scale,
-                                           enable_gqa=lw.heads != lw.kv_heads)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys,
+            vals,
+            attn_mask=allowed,
+            scale=lw.scale,
+            enable_gqa=lw.heads != lw.kv_heads,
+        )
         x = _residual(x, o.transpose(1, 2).reshape(b, t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
         x = _mlp(x, lw, i, lora)
     return logits_of(x, lw)
 
 
 @torch.no_grad()
-def extend(lw: LaneWeights, tokens: torch.Tensor, start_position: int, prefix_k, prefix_v, key_start: int,
-           tail_k: torch.Tensor, tail_v: torch.Tensor, tail_start: int, lora: LoraPlan, *,
-           logits: bool = True) -> torch.Tensor | None:
+def extend(
+    lw: LaneWeights,
+    tokens: torch.Tensor,
+    start_position: int,
+    prefix_k,
+    prefix_v,
+    key_start: int,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_start: int,
+    lora: LoraPlan,
+    *,
+    logits: bool = True,
+) -> torch.Tensor | None:
     """Process ``t`` tokens of one row (attending to its prefix and its tail so far); returns logits ``(t, V)``.
 
     Args:
@@ -258,18 +293,32 @@ def extend(lw: LaneWeights, tokens: torch.Tensor, start_position: int, prefix_k,
         vals = torch.cat([prefix_v(i)[:, key_start:], tail_v[i, :, :end]], dim=1)[None]
         n_pre = keys.shape[2] - end
         allowed = torch.ones(t, keys.shape[2], dtype=torch.bool, device=tokens.device)
-        allowed[:, n_pre:] = torch.arange(end, device=tokens.device)[None, :] <= (tail_start + torch.arange(
-            t, device=tokens.device))[:, None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=allowed[None, None],
-                                           scale=lw.scale, enable_gqa=lw.heads != lw.kv_heads)
+        allowed[:, n_pre:] = (
+            torch.arange(end, device=tokens.device)[None, :]
+            <= (tail_start + torch.arange(t, device=tokens.device))[:, None]
+        )
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys,
+            vals,
+            attn_mask=allowed[None, None],
+            scale=lw.scale,
+            enable_gqa=lw.heads != lw.kv_heads,
+        )
         x = _residual(x, o[0].transpose(0, 1).reshape(t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
         x = _mlp(x, lw, i, lora)
     return logits_of(x, lw)
 
 
 @torch.no_grad()
-def prefill_chunk(lw: LaneWeights, tokens: torch.Tensor, start: int, region_k: torch.Tensor, region_v: torch.Tensor,
-                  lora: LoraPlan = NO_LORA) -> None:
+def prefill_chunk(
+    lw: LaneWeights,
+    tokens: torch.Tensor,
+    start: int,
+    region_k: torch.Tensor,
+    region_v: torch.Tensor,
+    lora: LoraPlan = NO_LORA,
+) -> None:
     """Chunked prefill of one unpadded prompt: tokens at positions ``start .. start+t-1`` attend to the
     K/V already in the row's region at ``0 .. start-1`` (e.g. copied from a prefix store, or an
     earlier chunk) and causally to each other; their K/V are written at ``start .. start+t-1``.
@@ -282,14 +331,34 @@ def prefill_chunk(lw: LaneWeights, tokens: torch.Tensor, start: int, region_k: t
         region_k, region_v: ``(L, h, P, d)`` the row's region, ``P ≥ start + t``.
         lora: adapters applied (default none: the base).
     """
-    extend(lw, tokens, start, lambda i: region_k[i, :, :0], lambda i: region_v[i, :, :0], 0, region_k, region_v,
-           start, lora, logits=False)
+    extend(
+        lw,
+        tokens,
+        start,
+        lambda i: region_k[i, :, :0],
+        lambda i: region_v[i, :, :0],
+        0,
+        region_k,
+        region_v,
+        start,
+        lora,
+        logits=False,
+    )
 
 
 @torch.no_grad()
-def decode_step_eager(lw: LaneWeights, tokens: torch.Tensor, positions: torch.Tensor, pool_k: torch.Tensor,
-                      pool_v: torch.Tensor, write_pos: torch.Tensor, tail_len: torch.Tensor, tail_width: int,
-                      groups: list[PrefixGroup], lora: LoraPlan) -> torch.Tensor:
+def decode_step_eager(
+    lw: LaneWeights,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    write_pos: torch.Tensor,
+    tail_len: torch.Tensor,
+    tail_width: int,
+    groups: list[PrefixGroup],
+    lora: LoraPlan,
+) -> torch.Tensor:
     """``decode_one_token`` for rows ``0..B-1`` of a lane's tail pool; returns logits ``(B, V)``.
 
     Args:
@@ -307,8 +376,13 @@ def decode_step_eager(lw: LaneWeights, tokens: torch.Tensor, positions: torch.Te
     rowwise = len(groups) == 1 and g.rows is None and g.offset == 0 and g.key_start.shape[0] == b
     if rowwise:  # every row reads its own prefix row, in order: the masks are built once per step
         width = g.k(0).shape[2]
-        bias = torch.cat([key_bias(g.key_start, torch.full_like(g.key_start, width), width),
-                          key_bias(torch.zeros_like(tail_len), tail_len, tail_width)], dim=-1)
+        bias = torch.cat(
+            [
+                key_bias(g.key_start, torch.full_like(g.key_start, width), width),
+                key_bias(torch.zeros_like(tail_len), tail_len, tail_width),
+            ],
+            dim=-1,
+        )
     for i in range(lw.num_layers):
         q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (B, H|h, d)
         pool_k[i, rows, :, write_pos] = k
@@ -342,12 +416,27 @@ class StaticInputs:
     meta: PrefixMeta
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.tokens, self.positions, self.write_pos, self.tail_len, self.lora_masks, *self.meta.tensors()]
+        return [
+            self.tokens,
+            self.positions,
+            self.write_pos,
+            self.tail_len,
+            self.lora_masks,
+            *self.meta.tensors(),
+        ]
 
 
-def decode_step_static(lw: LaneWeights, inp: StaticInputs, arena_k: torch.Tensor, arena_v: torch.Tensor,
-                       pool_k: torch.Tensor, pool_v: torch.Tensor, tail_width: int, prefix_width: int,
-                       prefix_impl: str = "gather") -> torch.Tensor:
+def decode_step_static(
+    lw: LaneWeights,
+    inp: StaticInputs,
+    arena_k: torch.Tensor,
+    arena_v: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    tail_width: int,
+    prefix_width: int,
+    prefix_impl: str = "gather",
+) -> torch.Tensor:
     """``decode_one_token`` with static shapes and no host synchronisation; returns logits ``(B, V)``.
 
     Every shape depends only on (B, tail_width, prefix_width, number of adapters), so one capture
@@ -370,8 +459,9 @@ def decode_step_static(lw: LaneWeights, inp: StaticInputs, arena_k: torch.Tensor
         q, k, v = _qkv(x, lw, i, lora, cos, sin)
         pool_k[i, rows, :, inp.write_pos] = k
         pool_v[i, rows, :, inp.write_pos] = v
-        o_t, lse_t = tail_attention(q, pool_k[i, :b, :, :tail_width], pool_v[i, :b, :, :tail_width], inp.tail_len,
-                                    lw.scale)
+        o_t, lse_t = tail_attention(
+            q, pool_k[i, :b, :, :tail_width], pool_v[i, :b, :, :tail_width], inp.tail_len, lw.scale
+        )
         ak, av = arena_k[i].view(-1, d), arena_v[i].view(-1, d)
         if prefix_impl == "triton":
             from ccft.inference.triton_kernels import prefix_attention_triton
@@ -385,5 +475,15 @@ def decode_step_static(lw: LaneWeights, inp: StaticInputs, arena_k: torch.Tensor
     return logits_of(x, lw)
 
 
-__all__ = ["rms_norm", "rope", "LoraPlan", "project", "prefill", "extend", "prefill_chunk", "decode_step_eager", "StaticInputs",
-           "decode_step_static"]
+__all__ = [
+    "rms_norm",
+    "rope",
+    "LoraPlan",
+    "project",
+    "prefill",
+    "extend",
+    "prefill_chunk",
+    "decode_step_eager",
+    "StaticInputs",
+    "decode_step_static",
+]

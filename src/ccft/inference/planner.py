@@ -59,7 +59,9 @@ def prefix_groups(rows: Sequence[Request], device) -> list[PrefixGroup]:
         lo, hi = used[0], used[-1] + 1
         if len(used) == h.batch_size:
             used_t, span = None, used
-        elif hi - lo <= SPAN_FACTOR * len(used):  # read the span lo..hi-1 in place (rows without a reader idle)
+        elif hi - lo <= SPAN_FACTOR * len(
+            used
+        ):  # read the span lo..hi-1 in place (rows without a reader idle)
             used_t, span = slice(lo, hi), list(range(lo, hi))
         else:  # few rows of a wide span: gather them
             used_t, span = torch.tensor(used, device=device), used
@@ -94,8 +96,15 @@ def single_lora_plan(weights: LaneWeights, adapter_index: int | None) -> M.LoraP
     return M.LoraPlan([(weights.adapters[adapter_index], None)])
 
 
-def static_inputs(weights: LaneWeights, rows: Sequence[Request], tokens: Sequence[int], positions: Sequence[int],
-                  write: Sequence[int], batch: int, device) -> M.StaticInputs:
+def static_inputs(
+    weights: LaneWeights,
+    rows: Sequence[Request],
+    tokens: Sequence[int],
+    positions: Sequence[int],
+    write: Sequence[int],
+    batch: int,
+    device,
+) -> M.StaticInputs:
     """Host-built ``StaticInputs`` for ``rows`` padded to ``batch`` rows.
 
     Args:
@@ -118,8 +127,9 @@ def static_inputs(weights: LaneWeights, rows: Sequence[Request], tokens: Sequenc
     for i, r in enumerate(rows):
         if r.adapter_index is not None:
             masks[r.adapter_index, i] = 1
-    meta = build_prefix_meta([(r.handle.start, r.row, r.handle.width, r.prefix_len) for r in rows], batch,
-                             weights.kv_heads, device)
+    meta = build_prefix_meta(
+        [(r.handle.start, r.row, r.handle.width, r.prefix_len) for r in rows], batch, weights.kv_heads, device
+    )
     return M.StaticInputs(tokens_t, positions_t, write_pos, tail_len, masks, meta)
 
 

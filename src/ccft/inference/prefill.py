@@ -23,7 +23,7 @@ from ccft.inference.lanes import Producer
 from ccft.inference.weights import LaneWeights
 
 #: attention scores of one prefill pass are kept below this many elements (~256 MB in fp32)
-SCORE_ELEMENTS = 2 ** 26
+SCORE_ELEMENTS = 2**26
 
 
 #: prefill rows go in chunks of about this many (padded) tokens, each chunk padded only to its own longest row
@@ -70,12 +70,24 @@ def prefill_rows(producer: Producer, ids: torch.Tensor, mask: torch.Tensor, hand
             for i in range(w.num_layers):
                 handle.keys(i)[rs, :, :off].zero_()
                 handle.values(i)[rs, :, :off].zero_()
-        M.prefill(w, ids[rs, off:], mask[rs, off:], lambda i, rs=rs, off=off: handle.keys(i)[rs, :, off:],
-                  lambda i, rs=rs, off=off: handle.values(i)[rs, :, off:], producer.lora)
+        M.prefill(
+            w,
+            ids[rs, off:],
+            mask[rs, off:],
+            lambda i, rs=rs, off=off: handle.keys(i)[rs, :, off:],
+            lambda i, rs=rs, off=off: handle.values(i)[rs, :, off:],
+            producer.lora,
+        )
 
 
-def prefill_from_store(producer: Producer, prefix: Sequence[int], handle: PrefixHandle, arena: PrefixArena, store,
-                       chunk_tokens: int | None = None) -> tuple[list, int]:
+def prefill_from_store(
+    producer: Producer,
+    prefix: Sequence[int],
+    handle: PrefixHandle,
+    arena: PrefixArena,
+    store,
+    chunk_tokens: int | None = None,
+) -> tuple[list, int]:
     """Fill a batch-1 ``handle`` (width n = len(prefix)) from a prefix store, computing only the rest.
 
     The longest chain of full blocks of ``prefix`` cached in ``store`` under ``producer.key`` and its
@@ -96,8 +108,11 @@ def prefill_from_store(producer: Producer, prefix: Sequence[int], handle: Prefix
     """
     job = ChunkedPrefill(producer, prefix, handle, arena, store)
     try:
-        chunk = int(chunk_tokens) if chunk_tokens else max(64, SCORE_ELEMENTS // max(1, producer.weights.heads
-                                                                                      * len(prefix)))
+        chunk = (
+            int(chunk_tokens)
+            if chunk_tokens
+            else max(64, SCORE_ELEMENTS // max(1, producer.weights.heads * len(prefix)))
+        )
         while job.remaining:
             job.advance(chunk)
         return job.finish(), job.hit
@@ -125,9 +140,16 @@ class ChunkedPrefill:
         blocks: the matched store blocks (one reference each, held for the caller).
     """
 
-    def __init__(self, producer: Producer, prefix: Sequence[int], handle: PrefixHandle, arena: PrefixArena,
-                 store=None):
-        self.producer, self.prefix, self.handle, self.arena, self.store = producer, list(prefix), handle, arena, store
+    def __init__(
+        self, producer: Producer, prefix: Sequence[int], handle: PrefixHandle, arena: PrefixArena, store=None
+    ):
+        self.producer, self.prefix, self.handle, self.arena, self.store = (
+            producer,
+            list(prefix),
+            handle,
+            arena,
+            store,
+        )
         self.blocks: list = []
         self.hit = 0
         if store is not None:
@@ -136,8 +158,8 @@ class ChunkedPrefill:
             try:
                 rk, rv = self._region()
                 for j, blk in enumerate(self.blocks):
-                    rk[:, :, j * bt:(j + 1) * bt].copy_(blk.k)
-                    rv[:, :, j * bt:(j + 1) * bt].copy_(blk.v)
+                    rk[:, :, j * bt : (j + 1) * bt].copy_(blk.k)
+                    rv[:, :, j * bt : (j + 1) * bt].copy_(blk.v)
             except BaseException:
                 store.release(self.blocks)
                 raise
@@ -147,8 +169,10 @@ class ChunkedPrefill:
 
     def _region(self) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(self.prefix)
-        return (self.arena.view_layers("k", self.handle.start, 1, n)[:, 0],
-                self.arena.view_layers("v", self.handle.start, 1, n)[:, 0])  # (L, h, n, d) each
+        return (
+            self.arena.view_layers("k", self.handle.start, 1, n)[:, 0],
+            self.arena.view_layers("v", self.handle.start, 1, n)[:, 0],
+        )  # (L, h, n, d) each
 
     @property
     def total(self) -> int:
@@ -172,7 +196,7 @@ class ChunkedPrefill:
             raise ValueError(f"tokens={tokens}; a prefill chunk needs at least 1 token")
         t = min(int(tokens), self.remaining)
         rk, rv = self._region()
-        ids = torch.tensor(self.prefix[self.done:self.done + t], dtype=torch.long, device=self.arena.device)
+        ids = torch.tensor(self.prefix[self.done : self.done + t], dtype=torch.long, device=self.arena.device)
         M.prefill_chunk(self.producer.weights, ids, self.done, rk, rv, self.producer.lora)
         self.done += t
         return t
@@ -191,8 +215,14 @@ class ChunkedPrefill:
             return []
         rk, rv = self._region()
         try:
-            new = self.store.insert(self.producer.key, self.producer.weights.dtype, self.prefix, rk, rv,
-                                    start_block=len(self.blocks))
+            new = self.store.insert(
+                self.producer.key,
+                self.producer.weights.dtype,
+                self.prefix,
+                rk,
+                rv,
+                start_block=len(self.blocks),
+            )
         except BaseException:
             self.store.release(self.blocks)
             raise
@@ -212,8 +242,16 @@ def import_cache(cache: BaseCache, handle: PrefixHandle) -> None:
         handle.values(i).copy_(cache.values[i])
 
 
-def prefill_tail(handle: PrefixHandle, row: int, tail: Sequence[int], producer: Producer, weights: LaneWeights,
-                 lora: M.LoraPlan, slot_k: torch.Tensor, slot_v: torch.Tensor) -> None:
+def prefill_tail(
+    handle: PrefixHandle,
+    row: int,
+    tail: Sequence[int],
+    producer: Producer,
+    weights: LaneWeights,
+    lora: M.LoraPlan,
+    slot_k: torch.Tensor,
+    slot_v: torch.Tensor,
+) -> None:
     """Write a request's tail before its first decode step.
 
     ``tail`` = the row's k handoff tokens + the request's suffix tokens; the last one is fed by the
@@ -228,11 +266,38 @@ def prefill_tail(handle: PrefixHandle, row: int, tail: Sequence[int], producer: 
     kf, vf = (lambda i: handle.keys(i)[row]), (lambda i: handle.values(i)[row])
     device = slot_k.device
     if n_pre > 0:
-        M.extend(producer.weights, torch.tensor(tail[:n_pre], device=device), prefix_len, kf, vf, key_start,
-                 slot_k, slot_v, 0, producer.lora)
+        M.extend(
+            producer.weights,
+            torch.tensor(tail[:n_pre], device=device),
+            prefix_len,
+            kf,
+            vf,
+            key_start,
+            slot_k,
+            slot_v,
+            0,
+            producer.lora,
+        )
     if k > 1:  # the first k-1 handoff tokens: one small forward for this row now
-        M.extend(weights, torch.tensor(tail[n_pre:-1], device=device), prefix_len + n_pre, kf, vf, key_start,
-                 slot_k, slot_v, n_pre, lora)
+        M.extend(
+            weights,
+            torch.tensor(tail[n_pre:-1], device=device),
+            prefix_len + n_pre,
+            kf,
+            vf,
+            key_start,
+            slot_k,
+            slot_v,
+            n_pre,
+            lora,
+        )
 
 
-__all__ = ["SCORE_ELEMENTS", "ChunkedPrefill", "prefill_rows", "prefill_from_store", "import_cache", "prefill_tail"]
+__all__ = [
+    "SCORE_ELEMENTS",
+    "ChunkedPrefill",
+    "prefill_rows",
+    "prefill_from_store",
+    "import_cache",
+    "prefill_tail",
+]

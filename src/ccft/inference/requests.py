@@ -67,8 +67,10 @@ class StepError(CCFTError, RuntimeError):
         self.outputs, self.failed = outputs, failed
         detail = "; ".join(f"request {rid}: {type(e).__name__}: {e}" for rid, e in list(failed.items())[:3])
         more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""
-        super().__init__(f"{len(failed)} request(s) failed in this step and were removed, the other "
-                         f"{len(outputs)} row(s) were stepped: {detail}{more}")
+        super().__init__(
+            f"{len(failed)} request(s) failed in this step and were removed, the other "
+            f"{len(outputs)} row(s) were stepped: {detail}{more}"
+        )
 
 
 @dataclass(eq=False)
@@ -140,7 +142,11 @@ class Request:
 
     def generation(self) -> Generation:
         """What it generated: the text cut at the stop string, else the full decode of ``out_ids``."""
-        text = self.text if self.text is not None else self.tokenizer.decode(self.out_ids, skip_special_tokens=True)
+        text = (
+            self.text
+            if self.text is not None
+            else self.tokenizer.decode(self.out_ids, skip_special_tokens=True)
+        )
         return Generation(text=text, token_ids=list(self.out_ids), finish_reason=self.reason or "length")
 
 
@@ -153,11 +159,13 @@ def choose_tokens(logits: torch.Tensor, rows: list[Request]) -> list[int]:
     if sampled:
         chosen = chosen.clone()
         for i in sampled:
-            chosen[i] = select_tokens(logits[i:i + 1], rows[i].sampling, rows[i].generator)[0]
+            chosen[i] = select_tokens(logits[i : i + 1], rows[i].sampling, rows[i].generator)[0]
     return chosen.tolist()
 
 
-def logprob_entries(lp: torch.Tensor, targets: Sequence[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+def logprob_entries(
+    lp: torch.Tensor, targets: Sequence[int], top: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
     """Per row of ``lp (r, V)`` (log-softmax rows): (logprob of ``targets[row]``, its ``top`` most likely
     ``(id, logprob)`` pairs, most likely first; ``[]`` for top=0)."""
     idx = torch.tensor([int(t) for t in targets], device=lp.device)[:, None]
@@ -165,11 +173,14 @@ def logprob_entries(lp: torch.Tensor, targets: Sequence[int], top: int) -> list[
     if top <= 0:
         return [(c, []) for c in chosen]
     vals, ids = lp.topk(top, dim=-1)
-    return [(c, list(zip(i, v, strict=True))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist(), strict=True)]
+    return [
+        (c, list(zip(i, v, strict=True))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist(), strict=True)
+    ]
 
 
-def token_logprobs(logits: torch.Tensor, rows: list[Request], tokens: list[int]
-                   ) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+def token_logprobs(
+    logits: torch.Tensor, rows: list[Request], tokens: list[int]
+) -> dict[int, tuple[float, list[tuple[int, float]]]]:
     """Log-probabilities of the rows that asked for them (``Request.logprobs`` set), computed only for those.
 
     Args:
@@ -183,7 +194,7 @@ def token_logprobs(logits: torch.Tensor, rows: list[Request], tokens: list[int]
         return {}
     lp = torch.log_softmax(logits[want].float(), dim=-1)
     entries = logprob_entries(lp, [tokens[i] for i in want], max(rows[i].logprobs for i in want))
-    return {i: (e[0], e[1][:rows[i].logprobs]) for i, e in zip(want, entries, strict=True)}
+    return {i: (e[0], e[1][: rows[i].logprobs]) for i, e in zip(want, entries, strict=True)}
 
 
 __all__ = ["StepOutput", "StepError", "Request", "choose_tokens", "token_logprobs", "logprob_entries"]

@@ -42,7 +42,10 @@ def _slice_rows(full: BaseCache, lens: Sequence[int], k: int) -> BaseCache:
     """A batch ``C_base`` whose row r is the first ``lens[r]`` positions of ``full``'s one row (left-padded;
     the base's K/V is causal, so that is ``C_base`` of the first ``lens[r]`` prompt tokens)."""
     device = full.device
-    b, width = len(lens), max(max(lens), 1)  # ≥ 1 slot (masked when empty): the cache always has a prefix axis
+    b, width = (
+        len(lens),
+        max(max(lens), 1),
+    )  # ≥ 1 slot (masked when empty): the cache always has a prefix axis
     mask = torch.zeros((b, width), dtype=torch.long, device=device)
     keys, values = [], []
     for fk, fv in zip(full.keys, full.values, strict=True):
@@ -50,20 +53,29 @@ def _slice_rows(full: BaseCache, lens: Sequence[int], k: int) -> BaseCache:
         vb = fv.new_zeros((b, fv.shape[1], width, fv.shape[3]))
         for r, L in enumerate(lens):
             if L:
-                kb[r, :, width - L:] = fk[0, :, :L]
-                vb[r, :, width - L:] = fv[0, :, :L]
+                kb[r, :, width - L :] = fk[0, :, :L]
+                vb[r, :, width - L :] = fv[0, :, :L]
         keys.append(kb)
         values.append(vb)
     for r, L in enumerate(lens):
         if L:
-            mask[r, width - L:] = 1
-    tail = torch.zeros((b, k), dtype=torch.long, device=device)  # informational (the callers pass their tails)
+            mask[r, width - L :] = 1
+    tail = torch.zeros(
+        (b, k), dtype=torch.long, device=device
+    )  # informational (the callers pass their tails)
     return BaseCache.from_tensors(keys, values, mask, tail, k, full.fingerprint, "base")
 
 
 @torch.inference_mode()
-def prompt_logprobs(engine, decoder: str, prompt_ids: Sequence[int], *, top: int = 0,
-                    context_tokens: int | None = None, rows_per_batch: int = 32) -> list[PromptLogprob | None]:
+def prompt_logprobs(
+    engine,
+    decoder: str,
+    prompt_ids: Sequence[int],
+    *,
+    top: int = 0,
+    context_tokens: int | None = None,
+    rows_per_batch: int = 32,
+) -> list[PromptLogprob | None]:
     """Log-probabilities of the prompt's own tokens under ``decoder`` of ``engine`` (see the module docstring).
 
     Args:
@@ -92,8 +104,10 @@ def prompt_logprobs(engine, decoder: str, prompt_ids: Sequence[int], *, top: int
     if n < 1:
         raise ConfigError("prompt_ids is empty")
     if context_tokens is not None and not 1 <= int(context_tokens) <= n - 1:
-        raise ConfigError(f"context_tokens={context_tokens}; it must be in 1..{n - 1} (the prompt has {n} tokens: "
-                          "at least one continuation token must follow the context)")
+        raise ConfigError(
+            f"context_tokens={context_tokens}; it must be in 1..{n - 1} (the prompt has {n} tokens: "
+            "at least one continuation token must follow the context)"
+        )
     out: list[PromptLogprob | None] = [None]
     if n == 1:
         return out
@@ -116,7 +130,7 @@ def prompt_logprobs(engine, decoder: str, prompt_ids: Sequence[int], *, top: int
         tail = torch.full((b, k), full.tail_ids[0, 0].item(), dtype=torch.long, device=device)
         tail_mask = torch.zeros((b, k), dtype=torch.long, device=device)
         for r, (i, j) in enumerate(zip(targets, kk, strict=True)):
-            tail[r, :j] = torch.tensor(ids[i - j:i], device=device)
+            tail[r, :j] = torch.tensor(ids[i - j : i], device=device)
             tail_mask[r, :j] = 1
         logits = decoder_forward(dec, cache, tail, tail_mask)
         last = logits[torch.arange(b, device=device), torch.tensor(kk, device=device) - 1]
@@ -125,7 +139,7 @@ def prompt_logprobs(engine, decoder: str, prompt_ids: Sequence[int], *, top: int
         c = int(context_tokens)
         kk = min(k, c)
         cache = _slice_rows(full, [c - kk], k)
-        tail = torch.tensor([ids[c - kk:]], device=device)
-        logits = decoder_forward(dec, cache, tail)[0, kk - 1:-1]  # predicts prompt[c], ..., prompt[n-1]
+        tail = torch.tensor([ids[c - kk :]], device=device)
+        logits = decoder_forward(dec, cache, tail)[0, kk - 1 : -1]  # predicts prompt[c], ..., prompt[n-1]
         out[c:] = logprob_entries(torch.log_softmax(logits.float(), -1), ids[c:], top)
     return out

@@ -42,10 +42,30 @@ def triton_available(device: torch.device | str | None = None) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _prefix_attention_kernel(Q, K, V, Out, LSE, g_vec0, g_hs, g_start, g_end, row_ptr, row_idx,
-                                 stride_qb, stride_qh, stride_ob, stride_oh, stride_lb, scale,
-                                 REP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    def _prefix_attention_kernel(
+        Q,
+        K,
+        V,
+        Out,
+        LSE,
+        g_vec0,
+        g_hs,
+        g_start,
+        g_end,
+        row_ptr,
+        row_idx,
+        stride_qb,
+        stride_qh,
+        stride_ob,
+        stride_oh,
+        stride_lb,
+        scale,
+        REP: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         g = tl.program_id(0)
         kvh = tl.program_id(1)
         r0 = tl.load(row_ptr + g)
@@ -62,8 +82,11 @@ if triton is not None:
             m_ok = offs_m < n_q
             row = tl.load(row_idx + r0 + offs_m // REP, mask=m_ok, other=0)
             head = kvh * REP + offs_m % REP
-            q = tl.load(Q + row[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                        mask=m_ok[:, None], other=0.0)
+            q = tl.load(
+                Q + row[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=m_ok[:, None],
+                other=0.0,
+            )
             m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
             acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -90,8 +113,11 @@ if triton is not None:
             has = l_i > 0
             out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
             lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-            tl.store(Out + row[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :], out,
-                     mask=m_ok[:, None])
+            tl.store(
+                Out + row[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                out,
+                mask=m_ok[:, None],
+            )
             tl.store(LSE + row * stride_lb + head, lse, mask=m_ok)
 
 
@@ -100,8 +126,17 @@ def kernel_supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def prefix_attention_triton(q: torch.Tensor, arena_k: torch.Tensor, arena_v: torch.Tensor, meta, kv_heads: int,
-                            scale: float, *, block_m: int = 16, block_n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def prefix_attention_triton(
+    q: torch.Tensor,
+    arena_k: torch.Tensor,
+    arena_v: torch.Tensor,
+    meta,
+    kv_heads: int,
+    scale: float,
+    *,
+    block_m: int = 16,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Part (a) by the Triton kernel; same contract as ``attention.prefix_attention_gathered``.
 
     Args:
@@ -111,8 +146,10 @@ def prefix_attention_triton(q: torch.Tensor, arena_k: torch.Tensor, arena_v: tor
         out ``(B, H, d)`` fp32, lse ``(B, H)`` fp32 (rows in no group: 0 and -inf).
     """
     if triton is None:
-        raise RuntimeError("the shared-prefix Triton kernel needs `triton` (pip install triton); "
-                           "use attention='gather' instead")
+        raise RuntimeError(
+            "the shared-prefix Triton kernel needs `triton` (pip install triton); "
+            "use attention='gather' instead"
+        )
     b, heads, d = q.shape
     if not kernel_supports(d):
         raise ValueError(f"head_dim={d}: the Triton kernel needs a power of two ≥ 16; use attention='gather'")
@@ -120,12 +157,34 @@ def prefix_attention_triton(q: torch.Tensor, arena_k: torch.Tensor, arena_v: tor
     out = torch.zeros((b, heads, d), dtype=torch.float32, device=q.device)
     lse = torch.full((b, heads), -math.inf, dtype=torch.float32, device=q.device)
     if q.device.type != "cuda" and not interpreting():
-        raise RuntimeError("the Triton kernel runs on CPU only in Triton's interpreter: set TRITON_INTERPRET=1 "
-                           "before Python starts (triton reads it when it is imported)")
+        raise RuntimeError(
+            "the Triton kernel runs on CPU only in Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before Python starts (triton reads it when it is imported)"
+        )
     _prefix_attention_kernel[(b, kv_heads)](
-        q, arena_k, arena_v, out, lse, meta.g_vec0, meta.g_head_stride, meta.g_start, meta.g_end, meta.row_ptr,
-        meta.row_idx, q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), float(scale),
-        REP=heads // kv_heads, D=d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32)
+        q,
+        arena_k,
+        arena_v,
+        out,
+        lse,
+        meta.g_vec0,
+        meta.g_head_stride,
+        meta.g_start,
+        meta.g_end,
+        meta.row_ptr,
+        meta.row_idx,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        float(scale),
+        REP=heads // kv_heads,
+        D=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32,
+    )
     return out, lse
 
 

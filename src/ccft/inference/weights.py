@@ -68,20 +68,28 @@ class Linear:
 
 def onednn_available() -> bool:
     """True when PyTorch's oneDNN prepacked linear (CPU) can be used."""
-    return (torch.backends.mkldnn.is_available() and _ONEDNN_LINEAR is not None
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and _ONEDNN_LINEAR is not None
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def prepack(lin: Linear) -> Linear:
     """A copy of ``lin`` with its weight prepacked for oneDNN (no batch-size hint: good for 1..64 rows); ``lin``
     itself where oneDNN cannot pack it (not on the CPU, another dtype, or bf16 on a CPU without the
     instructions oneDNN's bf16 kernels need, e.g. AVX2 only)."""
-    if lin.weight.device.type != "cpu" or lin.weight.dtype not in (torch.float32, torch.bfloat16) \
-            or not onednn_available():
+    if (
+        lin.weight.device.type != "cpu"
+        or lin.weight.dtype not in (torch.float32, torch.bfloat16)
+        or not onednn_available()
+    ):
         return lin
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach().contiguous())
-    except RuntimeError:  # oneDNN's bf16 path needs AVX-512 (or AVX-NE-CONVERT): on an AVX2 CPU the plain linear
+    except (
+        RuntimeError
+    ):  # oneDNN's bf16 path needs AVX-512 (or AVX-NE-CONVERT): on an AVX2 CPU the plain linear
         return lin
     return Linear(lin.weight, lin.bias, packed)
 
@@ -152,7 +160,7 @@ class LaneWeights:
 
     @property
     def scale(self) -> float:
-        return self.head_dim ** -0.5
+        return self.head_dim**-0.5
 
     def adapter_index(self, name: str) -> int:
         for i, a in enumerate(self.adapters):
@@ -165,7 +173,9 @@ def _packed(parts: list[Linear]) -> Linear:
     weight = torch.cat([p.weight.detach() for p in parts], dim=0).contiguous()
     if all(p.bias is None for p in parts):
         return Linear(weight)
-    bias = torch.cat([p.bias.detach() if p.bias is not None else weight.new_zeros(p.weight.shape[0]) for p in parts])
+    bias = torch.cat(
+        [p.bias.detach() if p.bias is not None else weight.new_zeros(p.weight.shape[0]) for p in parts]
+    )
     return Linear(weight, bias)
 
 
@@ -201,8 +211,10 @@ def _causal_lm_parts(model: torch.nn.Module):
         lm = lm.get_base_model()
     inner = getattr(lm, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(lm, "lm_head"):
-        raise IncompatibleModelError(f"{type(lm).__name__} is not a Llama-style causal LM (model.layers, lm_head); "
-                                     "the engine supports Llama-architecture models; use ccft.generate for others")
+        raise IncompatibleModelError(
+            f"{type(lm).__name__} is not a Llama-style causal LM (model.layers, lm_head); "
+            "the engine supports Llama-architecture models; use ccft.generate for others"
+        )
     return lm, inner
 
 
@@ -221,8 +233,11 @@ def check_supported(config) -> None:
     if "dynamic" in str(rtype) or "longrope" in str(rtype):
         problems.append(f"rope_type={rtype!r} (its frequencies depend on the sequence length)")
     if problems:
-        raise IncompatibleModelError("the inference engine cannot run this model: " + "; ".join(problems)
-                                     + ". Use ccft.generate (the reference path) instead.")
+        raise IncompatibleModelError(
+            "the inference engine cannot run this model: "
+            + "; ".join(problems)
+            + ". Use ccft.generate (the reference path) instead."
+        )
 
 
 def _base_linear(module: torch.nn.Module) -> Linear:
@@ -247,7 +262,8 @@ def lane_weights(model: torch.nn.Module, *, allow_adapters: bool = True) -> Lane
     if not allow_adapters and any(len(getattr(m, "lora_A", {})) for m in lm.modules()):
         raise IncompatibleModelError(
             "this full-weight decoder contains LoRA layers (e.g. it was copied from a base that already had "
-            "adapters attached); merge them (merge_and_unload) or create the full decoder before attaching LoRA")
+            "adapters attached); merge them (merge_and_unload) or create the full decoder before attaching LoRA"
+        )
     layers = []
     for i, block in enumerate(inner.layers):
         attn, mlp = block.self_attn, block.mlp
@@ -255,8 +271,10 @@ def lane_weights(model: torch.nn.Module, *, allow_adapters: bool = True) -> Lane
         for name in PROJECTIONS:
             mod = getattr(attn if name in _ATTN else mlp, name)
             if getattr(mod, "merged", False):
-                raise IncompatibleModelError(f"layer {i} {name}: a LoRA adapter is merged into the base weights; "
-                                             "unmerge it (model.unmerge_adapter()) so the base weights are θ_base")
+                raise IncompatibleModelError(
+                    f"layer {i} {name}: a LoRA adapter is merged into the base weights; "
+                    "unmerge it (model.unmerge_adapter()) so the base weights are θ_base"
+                )
             proj[name] = _base_linear(mod)
         layers.append(LayerWeights(block.input_layernorm.weight, block.post_attention_layernorm.weight, proj))
     heads = config.num_attention_heads
@@ -266,10 +284,18 @@ def lane_weights(model: torch.nn.Module, *, allow_adapters: bool = True) -> Lane
     if hasattr(lm_head, "get_base_layer"):
         lm_head = lm_head.get_base_layer()
     return LaneWeights(
-        embed=_embedding_weight(inner.embed_tokens), layers=layers, norm=inner.norm.weight,
-        lm_head=Linear(lm_head.weight, lm_head.bias), rotary=inner.rotary_emb,
+        embed=_embedding_weight(inner.embed_tokens),
+        layers=layers,
+        norm=inner.norm.weight,
+        lm_head=Linear(lm_head.weight, lm_head.bias),
+        rotary=inner.rotary_emb,
         eps=float(getattr(inner.norm, "variance_epsilon", getattr(config, "rms_norm_eps", 1e-6))),
-        heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden=config.hidden_size, owner=lm)
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden=config.hidden_size,
+        owner=lm,
+    )
 
 
 def _embedding_weight(module) -> torch.Tensor:
@@ -287,11 +313,15 @@ def lora_adapter(model: torch.nn.Module, adapter_name: str) -> Adapter:
     lm, inner = _causal_lm_parts(model)
     for label, mod in (("embed_tokens", inner.embed_tokens), ("lm_head", lm.lm_head)):
         if adapter_name in getattr(mod, "lora_A", {}) or adapter_name in getattr(mod, "lora_embedding_A", {}):
-            raise IncompatibleModelError(f"adapter {adapter_name!r} adapts {label}; the engine supports LoRA on "
-                                         f"{', '.join(PROJECTIONS)} only")
+            raise IncompatibleModelError(
+                f"adapter {adapter_name!r} adapts {label}; the engine supports LoRA on "
+                f"{', '.join(PROJECTIONS)} only"
+            )
         if adapter_name in getattr(mod, "modules_to_save", {}):
-            raise IncompatibleModelError(f"adapter {adapter_name!r} trains {label} fully (modules_to_save); "
-                                         "the engine supports plain LoRA on the projections only")
+            raise IncompatibleModelError(
+                f"adapter {adapter_name!r} trains {label} fully (modules_to_save); "
+                "the engine supports plain LoRA on the projections only"
+            )
     layers, found = [], 0
     for i, block in enumerate(inner.layers):
         per = {}
@@ -300,12 +330,18 @@ def lora_adapter(model: torch.nn.Module, adapter_name: str) -> Adapter:
             lora_a = getattr(mod, "lora_A", None)
             if lora_a is None or adapter_name not in lora_a:
                 continue
-            if adapter_name in getattr(mod, "lora_variant", {}) or getattr(mod, "use_dora", {}).get(adapter_name):
-                raise IncompatibleModelError(f"adapter {adapter_name!r} layer {i} {name} is a LoRA variant (e.g. DoRA); "
-                                             "the engine reproduces plain LoRA only")
+            if adapter_name in getattr(mod, "lora_variant", {}) or getattr(mod, "use_dora", {}).get(
+                adapter_name
+            ):
+                raise IncompatibleModelError(
+                    f"adapter {adapter_name!r} layer {i} {name} is a LoRA variant (e.g. DoRA); "
+                    "the engine reproduces plain LoRA only"
+                )
             b = mod.lora_B[adapter_name]
             if getattr(b, "bias", None) is not None:
-                raise IncompatibleModelError(f"adapter {adapter_name!r} has lora_bias; not supported by the engine")
+                raise IncompatibleModelError(
+                    f"adapter {adapter_name!r} has lora_bias; not supported by the engine"
+                )
             per[name] = LoraWeights(lora_a[adapter_name].weight, b.weight, float(mod.scaling[adapter_name]))
             found += 1
         layers.append(per)
@@ -338,5 +374,19 @@ def adapter_tensors(adapter: Adapter) -> list[torch.Tensor]:
     return [t for layer in adapter.layers for _, lw in sorted(layer.items()) for t in (lw.a, lw.b)]
 
 
-__all__ = ["Linear", "LayerWeights", "LoraWeights", "Adapter", "LaneWeights", "lane_weights", "lora_adapter",
-           "cast_adapter", "adapter_tensors", "check_supported", "pack", "prepack", "onednn_available", "PROJECTIONS"]
+__all__ = [
+    "Linear",
+    "LayerWeights",
+    "LoraWeights",
+    "Adapter",
+    "LaneWeights",
+    "lane_weights",
+    "lora_adapter",
+    "cast_adapter",
+    "adapter_tensors",
+    "check_supported",
+    "pack",
+    "prepack",
+    "onednn_available",
+    "PROJECTIONS",
+]

@@ -90,7 +90,7 @@ log = logging.getLogger(__name__)
 __all__ = ["create_app", "ServerState", "BodyLimitAndErrors", "DEFAULT_MAX_BODY_BYTES"]
 
 #: Default limit on a request body (bytes): far above any prompt a model can take, far below what hurts.
-DEFAULT_MAX_BODY_BYTES = 4 * 2 ** 20
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 
 class _BodyTooLarge(Exception):
@@ -99,9 +99,17 @@ class _BodyTooLarge(Exception):
 
 async def _send_json(send, status: int, body: dict, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                *headers,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -124,9 +132,15 @@ class BodyLimitAndErrors:
     def _too_large(self) -> dict:
         if self.on_reject is not None:
             self.on_reject("too_large")
-        return {"error": {"message": f"the request body is larger than this server's limit of {self.max_body_bytes} "
-                                     "bytes (ccft serve --max-body-mb); send a smaller request",
-                          "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+        return {
+            "error": {
+                "message": f"the request body is larger than this server's limit of {self.max_body_bytes} "
+                "bytes (ccft serve --max-body-mb); send a smaller request",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_too_large",
+            }
+        }
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -167,8 +181,18 @@ class BodyLimitAndErrors:
         except Exception as exc:  # noqa: BLE001 - a bug: answer it, keep the connection and the server
             log.exception("unhandled error in %s", scope.get("path"))
             if not state["started"]:
-                await _send_json(send_, 500, {"error": {"message": f"internal error: {type(exc).__name__}: {exc}",
-                                                        "type": "server_error", "param": None, "code": None}})
+                await _send_json(
+                    send_,
+                    500,
+                    {
+                        "error": {
+                            "message": f"internal error: {type(exc).__name__}: {exc}",
+                            "type": "server_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    },
+                )
             elif not state["ended"]:
                 await send_({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -176,9 +200,18 @@ class BodyLimitAndErrors:
 class ServerState:
     """The state behind one FastAPI app (``app.state.ccft``; see ``create_app``)."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, models: dict[str, str], *, default_max_tokens: int,
-                 completions_default_max_tokens: int, max_model_len: int | None, retry_after_s: int,
-                 max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer,
+        models: dict[str, str],
+        *,
+        default_max_tokens: int,
+        completions_default_max_tokens: int,
+        max_model_len: int | None,
+        retry_after_s: int,
+        max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+    ):
         self.scheduler, self.tokenizer, self.models = scheduler, tokenizer, models
         #: the tokenizer of the prepare thread (each copy is used by one thread only)
         self.prompt_tokenizer = copy.deepcopy(tokenizer)
@@ -202,8 +235,12 @@ class ServerState:
         """The decoder name behind the public model name. Raises ``APIError`` 404 (``model_not_found``)."""
         if model not in self.models:
             self.metrics.rejected("", "unknown_model")
-            raise APIError(404, f"The model '{model}' does not exist; served models: {', '.join(self.models)}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; served models: {', '.join(self.models)}",
+                param="model",
+                code="model_not_found",
+            )
         return self.models[model]
 
     def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
@@ -225,11 +262,17 @@ class ServerState:
             try:
                 return tokenize_prompt(tok, req.prompt, chat_template=False)
             except Exception as e:  # noqa: BLE001 - text the tokenizer cannot encode
-                raise APIError(400, f"'prompt' cannot be tokenized ({type(e).__name__}: {e}); send valid text",
-                               param="prompt") from None
+                raise APIError(
+                    400,
+                    f"'prompt' cannot be tokenized ({type(e).__name__}: {e}); send valid text",
+                    param="prompt",
+                ) from None
         if not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt",
-                           param="messages")
+            raise APIError(
+                400,
+                "this model's tokenizer has no chat template; use /v1/completions with a prompt",
+                param="messages",
+            )
         messages = [m.template_dict() for m in req.messages]
         try:
             return tokenize_prompt(tok, messages, chat_template=True, tools=req.tools or None)
@@ -240,9 +283,15 @@ class ServerState:
                 try:
                     tok(m.content, add_special_tokens=False)
                 except Exception as inner:  # noqa: BLE001
-                    raise APIError(400, f"'messages[{i}].content' cannot be tokenized ({type(inner).__name__}: "
-                                        f"{inner}); send valid text", param=f"messages[{i}].content") from None
-            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+                    raise APIError(
+                        400,
+                        f"'messages[{i}].content' cannot be tokenized ({type(inner).__name__}: "
+                        f"{inner}); send valid text",
+                        param=f"messages[{i}].content",
+                    ) from None
+            raise APIError(
+                400, f"the chat template cannot render these messages: {e}", param="messages"
+            ) from None
 
     def prepare(self, raw: bytes, *, chat: bool) -> tuple[Any, int, str, list[int]]:
         """(request, max_tokens, decoder, prompt ids) of a raw body: validation, model, tokenization, lengths.
@@ -254,17 +303,26 @@ class ServerState:
         """
         try:
             req = parse_request(raw, chat=chat, vocab_size=self.vocab_size)
-            max_tokens = req.new_tokens(self.default_max_tokens if chat else self.completions_default_max_tokens)
+            max_tokens = req.new_tokens(
+                self.default_max_tokens if chat else self.completions_default_max_tokens
+            )
             decoder = self.resolve(req.model)
             prompt_ids = self.prompt_ids(req)
             if max_tokens == 0 and not req.echo_prompt:
-                raise APIError(400, "'max_tokens'=0 generates nothing; it is accepted only with \"echo\": true "
-                                    "(score the prompt); set max_tokens ≥ 1 or echo", param="max_tokens")
+                raise APIError(
+                    400,
+                    "'max_tokens'=0 generates nothing; it is accepted only with \"echo\": true "
+                    "(score the prompt); set max_tokens ≥ 1 or echo",
+                    param="max_tokens",
+                )
             c = getattr(req, "echo_context_tokens", None)
             if c is not None and c >= len(prompt_ids):
-                raise APIError(400, f"'echo_context_tokens'={c} leaves no continuation: the prompt has "
-                                    f"{len(prompt_ids)} tokens; it must be in 1..{len(prompt_ids) - 1}",
-                               param="echo_context_tokens")
+                raise APIError(
+                    400,
+                    f"'echo_context_tokens'={c} leaves no continuation: the prompt has "
+                    f"{len(prompt_ids)} tokens; it must be in 1..{len(prompt_ids) - 1}",
+                    param="echo_context_tokens",
+                )
             self.check_length(prompt_ids, req, max_tokens)
         except APIError as e:
             if e.status == 400 and e.code != "context_length_exceeded":
@@ -289,71 +347,125 @@ class ServerState:
         """400 when ``shared_prefix_tokens`` exceeds the prompt or prompt + ``max_tokens`` exceed ``max_model_len``."""
         n = len(prompt_ids)
         if req.shared_prefix_tokens is not None and req.shared_prefix_tokens > n:
-            raise APIError(400, f"'shared_prefix_tokens'={req.shared_prefix_tokens} exceeds the prompt's {n} tokens",
-                           param="shared_prefix_tokens")
+            raise APIError(
+                400,
+                f"'shared_prefix_tokens'={req.shared_prefix_tokens} exceeds the prompt's {n} tokens",
+                param="shared_prefix_tokens",
+            )
         field = req.max_tokens_field
         if self.max_model_len is not None and n + max_tokens > self.max_model_len:
             self.metrics.rejected(req.model, "prompt_too_long")
-            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                                f"prompt has {n} tokens and {field}={max_tokens}; shorten the prompt or lower "
-                                f"{field}", param=field, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {n} tokens and {field}={max_tokens}; shorten the prompt or lower "
+                f"{field}",
+                param=field,
+                code="context_length_exceeded",
+            )
 
-    def submit(self, decoder: str, prompt_ids: list[int], req, max_tokens: int,
-               sinks: Sequence[TokenSink]) -> list[Ticket]:
+    def submit(
+        self, decoder: str, prompt_ids: list[int], req, max_tokens: int, sinks: Sequence[TokenSink]
+    ) -> list[Ticket]:
         """Hand the request's ``n`` choices to the scheduler, one ``ServeRequest`` each (together:
         ``Scheduler.submit_many``, so the prompt is prefilled once): choice j samples with seed + j,
         the first one also scores the prompt when ``echo`` asks for its logprobs.
         Raises ``APIError`` 503 (queue full) or 400 (never servable)."""
         echo_lps = req.token_logprobs if req.echo_prompt else None
-        requests = [ServeRequest(decoder, prompt_ids, shared_len=req.shared_prefix_tokens,
-                                 params=req.decode_params(max_tokens, j), session_id=req.session_id,
-                                 prompt_logprobs=echo_lps if j == 0 else None,
-                                 prompt_context_tokens=getattr(req, "echo_context_tokens", None))
-                    for j in range(len(sinks))]
+        requests = [
+            ServeRequest(
+                decoder,
+                prompt_ids,
+                shared_len=req.shared_prefix_tokens,
+                params=req.decode_params(max_tokens, j),
+                session_id=req.session_id,
+                prompt_logprobs=echo_lps if j == 0 else None,
+                prompt_context_tokens=getattr(req, "echo_context_tokens", None),
+            )
+            for j in range(len(sinks))
+        ]
         try:
             if len(requests) == 1:
-                return [self.scheduler.submit(requests[0], on_token=sinks[0].on_token if req.stream else None,
-                                              on_done=sinks[0].on_done)]
-            return self.scheduler.submit_many(requests, on_token=[s.on_token if req.stream else None for s in sinks],
-                                              on_done=[s.on_done for s in sinks])
+                return [
+                    self.scheduler.submit(
+                        requests[0],
+                        on_token=sinks[0].on_token if req.stream else None,
+                        on_done=sinks[0].on_done,
+                    )
+                ]
+            return self.scheduler.submit_many(
+                requests,
+                on_token=[s.on_token if req.stream else None for s in sinks],
+                on_done=[s.on_done for s in sinks],
+            )
         except QueueFullError as e:
             self.metrics.rejected(req.model, "queue_full")
-            raise APIError(503, f"the server is busy: {e}", type="server_error", code="queue_full",
-                           headers={"Retry-After": str(self.retry_after_s)}) from None
+            raise APIError(
+                503,
+                f"the server is busy: {e}",
+                type="server_error",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after_s)},
+            ) from None
         except PromptTooLongError as e:
             self.metrics.rejected(req.model, "prompt_too_long")
-            raise APIError(400, f"{e} (HTTP fields: max_new_tokens = {req.max_tokens_field}, shared_len = "
-                                "shared_prefix_tokens)", param="prompt", code="context_length_exceeded") from None
+            raise APIError(
+                400,
+                f"{e} (HTTP fields: max_new_tokens = {req.max_tokens_field}, shared_len = "
+                "shared_prefix_tokens)",
+                param="prompt",
+                code="context_length_exceeded",
+            ) from None
         except CCFTError as e:
             self.metrics.rejected("", "invalid")
             msg = str(e)
-            param = ("shared_prefix_tokens" if "shared_len" in msg else
-                     req.max_tokens_field if "max_new_tokens" in msg else "prompt")
+            param = (
+                "shared_prefix_tokens"
+                if "shared_len" in msg
+                else req.max_tokens_field
+                if "max_new_tokens" in msg
+                else "prompt"
+            )
             raise APIError(400, msg, param=param) from None
 
     # ------------------------------------------------------------------ endpoint
     async def generate(self, request: Request, *, chat: bool):
         """``POST /v1/completions`` (``chat=False``) or ``/v1/chat/completions``: JSON or an SSE stream."""
-        req, max_tokens, decoder, prompt_ids = await self.off_loop(self.prepare, await request.body(), chat=chat)
+        req, max_tokens, decoder, prompt_ids = await self.off_loop(
+            self.prepare, await request.body(), chat=chat
+        )
         model = req.model
         loop = asyncio.get_running_loop()
         # each choice is counted in ccft_requests_total (by its finish reason); the prompt's tokens once
-        sinks = [TokenSink(loop, lambda t, first=(j == 0): self.metrics.finished(model, t, count_prompt=first))
-                 for j in range(req.choices)]
+        sinks = [
+            TokenSink(loop, lambda t, first=(j == 0): self.metrics.finished(model, t, count_prompt=first))
+            for j in range(req.choices)
+        ]
         tickets = self.submit(decoder, prompt_ids, req, max_tokens, sinks)
         echo = req.echo_prompt
         prompt_text = ""
         if echo:
             prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
-        reply = Reply(chat, model, list(prompt_ids), return_token_ids=bool(req.return_token_ids),
-                      include_usage=req.include_usage, logprobs=req.token_logprobs, echo=echo,
-                      prompt_text=prompt_text, tokens=self.logprob_text)
+        reply = Reply(
+            chat,
+            model,
+            list(prompt_ids),
+            return_token_ids=bool(req.return_token_ids),
+            include_usage=req.include_usage,
+            logprobs=req.token_logprobs,
+            echo=echo,
+            prompt_text=prompt_text,
+            tokens=self.logprob_text,
+        )
         watcher = asyncio.ensure_future(watch_disconnect(request, tickets))
         if req.stream:
             texts = [StreamText(self.tokenizer, req.stop) for _ in tickets]
             events = sse_events(tickets, sinks, reply, texts, watcher)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                events,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         try:
             for sink in sinks:
                 while await sink.queue.get() is not DONE:
@@ -366,10 +478,15 @@ class ServerState:
         for ticket in tickets:
             if ticket.state != "done" or ticket.result is None:
                 if ticket.state == "cancelled":
-                    return error_response(499, "the request was cancelled (client disconnected)", code="cancelled")
+                    return error_response(
+                        499, "the request was cancelled (client disconnected)", code="cancelled"
+                    )
                 return error_response(500, f"the request failed: {ticket.error}", type="server_error")
-        return JSONResponse(reply.completion([t.result for t in tickets], [t.token_logprobs for t in tickets],
-                                             tickets[0].prompt_logprobs))
+        return JSONResponse(
+            reply.completion(
+                [t.result for t in tickets], [t.token_logprobs for t in tickets], tickets[0].prompt_logprobs
+            )
+        )
 
     # ------------------------------------------------------------------ other endpoints
     def model_card(self, name: str) -> dict:
@@ -377,25 +494,43 @@ class ServerState:
         decoder = self.models[name]
         entry = self.scheduler.engine.decoders[decoder]
         d = getattr(entry, "decoder", None)
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "ccft",
-                "root": self.base_name if decoder == BASE else (getattr(d, "path", None) or decoder),
-                "parent": None if decoder == BASE else self.base_name,
-                "max_model_len": self.max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "ccft",
+            "root": self.base_name if decoder == BASE else (getattr(d, "path", None) or decoder),
+            "parent": None if decoder == BASE else self.base_name,
+            "max_model_len": self.max_model_len,
+        }
 
     def health(self) -> tuple[int, dict]:
         """(status, body) of ``/health``: 200 while the scheduler loop runs, else 503."""
         s = self.scheduler
         alive = s.running
-        body = {"status": "ok" if alive else "scheduler not running", "queue_depth": s.queue_depth,
-                "active_requests": s.active, "live_kv_bytes": s.live_bytes, "prefix_store_bytes": s.store_bytes,
-                "models": list(self.models)}
+        body = {
+            "status": "ok" if alive else "scheduler not running",
+            "queue_depth": s.queue_depth,
+            "active_requests": s.active,
+            "live_kv_bytes": s.live_bytes,
+            "prefix_store_bytes": s.store_bytes,
+            "models": list(self.models),
+        }
         return (200 if alive else 503), body
 
 
-def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequence[str] | Mapping[str, str] | None = None,
-               default_max_tokens: int = 256, completions_default_max_tokens: int = 16,
-               max_model_len: int | None = None, retry_after_s: int = 1, title: str = "ccft serve",
-               max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(
+    scheduler: Scheduler,
+    tokenizer=None,
+    *,
+    served_model_names: Sequence[str] | Mapping[str, str] | None = None,
+    default_max_tokens: int = 256,
+    completions_default_max_tokens: int = 16,
+    max_model_len: int | None = None,
+    retry_after_s: int = 1,
+    title: str = "ccft serve",
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """An OpenAI-compatible FastAPI app over ``scheduler`` (see the module docstring).
 
     Args:
@@ -417,7 +552,9 @@ def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequ
     engine = scheduler.engine
     if tokenizer is None or tokenizer is getattr(engine, "tokenizer", None):
         tokenizer = engine.tokenizer
-    tokenizer = copy.deepcopy(tokenizer)  # the engine decodes stop strings on the scheduler thread with its own
+    tokenizer = copy.deepcopy(
+        tokenizer
+    )  # the engine decodes stop strings on the scheduler thread with its own
     if served_model_names is None:
         models = {n: n for n in engine.decoders}
     elif isinstance(served_model_names, Mapping):
@@ -426,15 +563,23 @@ def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequ
         models = {n: n for n in served_model_names}
     unknown = sorted(d for d in models.values() if d not in engine.decoders)
     if unknown or not models:
-        raise ConfigError(f"served_model_names: {unknown or 'none'} are not decoders of the engine; registered: "
-                          f"{', '.join(engine.decoders)}")
+        raise ConfigError(
+            f"served_model_names: {unknown or 'none'} are not decoders of the engine; registered: "
+            f"{', '.join(engine.decoders)}"
+        )
     if max_model_len is None:
         cfg = getattr(getattr(engine, "base", None), "config", None)
         max_model_len = getattr(cfg, "max_position_embeddings", None)
-    state = ServerState(scheduler, tokenizer, models, default_max_tokens=int(default_max_tokens),
-                        completions_default_max_tokens=int(completions_default_max_tokens),
-                        max_model_len=max_model_len, retry_after_s=int(retry_after_s),
-                        max_body_bytes=None if max_body_bytes is None else int(max_body_bytes))
+    state = ServerState(
+        scheduler,
+        tokenizer,
+        models,
+        default_max_tokens=int(default_max_tokens),
+        completions_default_max_tokens=int(completions_default_max_tokens),
+        max_model_len=max_model_len,
+        retry_after_s=int(retry_after_s),
+        max_body_bytes=None if max_body_bytes is None else int(max_body_bytes),
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -452,8 +597,11 @@ def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequ
 
     app = FastAPI(title=title, lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.ccft = state
-    app.add_middleware(BodyLimitAndErrors, max_body_bytes=state.max_body_bytes,
-                       on_reject=lambda outcome: state.metrics.rejected("", outcome))
+    app.add_middleware(
+        BodyLimitAndErrors,
+        max_body_bytes=state.max_body_bytes,
+        on_reject=lambda outcome: state.metrics.rejected("", outcome),
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -461,8 +609,12 @@ def create_app(scheduler: Scheduler, tokenizer=None, *, served_model_names: Sequ
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), code=None,
-                              type="invalid_request_error" if exc.status_code < 500 else "server_error")
+        return error_response(
+            exc.status_code,
+            str(exc.detail),
+            code=None,
+            type="invalid_request_error" if exc.status_code < 500 else "server_error",
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -18,7 +18,9 @@ class BackgroundServer:
         ImportError: uvicorn is not installed (the ``serve`` extra).
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning", **uvicorn_kwargs):
+    def __init__(
+        self, app, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning", **uvicorn_kwargs
+    ):
         from ccft.serving.extra import serve_extra_missing
 
         try:
@@ -26,8 +28,9 @@ class BackgroundServer:
         except ImportError as e:  # pragma: no cover - depends on the installation
             raise serve_extra_missing(e) from e
 
-        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                     **uvicorn_kwargs)
+        self.config = uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, lifespan="on", **uvicorn_kwargs
+        )
         self.server = uvicorn.Server(self.config)
         self.thread: threading.Thread | None = None
         self.host, self.port = host, port

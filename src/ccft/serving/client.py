@@ -32,8 +32,18 @@ from typing import Any, Iterable, Sequence
 
 from ccft.core.errors import ConfigError
 
-__all__ = ["ReplayRequest", "ReplayRecord", "requests_from_dicts", "requests_from_trace", "load_requests",
-           "check_requests", "replay", "run_replay", "summarize", "quantile"]
+__all__ = [
+    "ReplayRequest",
+    "ReplayRecord",
+    "requests_from_dicts",
+    "requests_from_trace",
+    "load_requests",
+    "check_requests",
+    "replay",
+    "run_replay",
+    "summarize",
+    "quantile",
+]
 
 
 @dataclass
@@ -87,15 +97,30 @@ def requests_from_dicts(rows: Iterable[dict]) -> list[ReplayRequest]:
     """``ReplayRequest`` s from plain dicts (see the module docstring for the keys)."""
     out: list[ReplayRequest] = []
     last_of_session: dict[Any, str] = {}
-    known = {"request_id", "prompt", "prompt_ids", "model", "agent", "decoder", "max_tokens", "max_new_tokens",
-             "shared_prefix_tokens", "shared_len", "arrival", "depends_on", "session"}
+    known = {
+        "request_id",
+        "prompt",
+        "prompt_ids",
+        "model",
+        "agent",
+        "decoder",
+        "max_tokens",
+        "max_new_tokens",
+        "shared_prefix_tokens",
+        "shared_len",
+        "arrival",
+        "depends_on",
+        "session",
+    }
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ConfigError(f"request {i}: expected a dict, got {type(row).__name__}")
         prompt = row.get("prompt", row.get("prompt_ids"))
         model = row.get("model", row.get("agent", row.get("decoder")))
         if prompt is None or model is None:
-            raise ConfigError(f"request {i}: needs 'prompt' (or 'prompt_ids') and 'model' (or 'agent'/'decoder')")
+            raise ConfigError(
+                f"request {i}: needs 'prompt' (or 'prompt_ids') and 'model' (or 'agent'/'decoder')"
+            )
         rid = str(row.get("request_id", i))
         session = row.get("session")
         if "depends_on" in row:
@@ -106,21 +131,37 @@ def requests_from_dicts(rows: Iterable[dict]) -> list[ReplayRequest]:
             deps = ()
         if session is not None:
             last_of_session[session] = rid
-        out.append(ReplayRequest(
-            request_id=rid, model=str(model), prompt=prompt if isinstance(prompt, str) else [int(t) for t in prompt],
-            max_tokens=int(row.get("max_tokens", row.get("max_new_tokens", 16))),
-            shared_prefix_tokens=row.get("shared_prefix_tokens", row.get("shared_len")),
-            arrival=float(row.get("arrival", 0.0)), depends_on=deps, session=session,
-            extra={k: v for k, v in row.items() if k not in known}))
+        out.append(
+            ReplayRequest(
+                request_id=rid,
+                model=str(model),
+                prompt=prompt if isinstance(prompt, str) else [int(t) for t in prompt],
+                max_tokens=int(row.get("max_tokens", row.get("max_new_tokens", 16))),
+                shared_prefix_tokens=row.get("shared_prefix_tokens", row.get("shared_len")),
+                arrival=float(row.get("arrival", 0.0)),
+                depends_on=deps,
+                session=session,
+                extra={k: v for k, v in row.items() if k not in known},
+            )
+        )
     return out
 
 
 def requests_from_trace(trace) -> list[ReplayRequest]:
     """``ReplayRequest`` s of a ``ccft.serving.workloads.Trace`` (agent → model, shared_len → shared_prefix_tokens)."""
-    return [ReplayRequest(request_id=r.request_id, model=r.agent, prompt=list(r.prompt_ids),
-                          max_tokens=int(r.max_new_tokens), shared_prefix_tokens=int(r.shared_len),
-                          arrival=float(r.arrival), depends_on=tuple(r.depends_on), session=r.session)
-            for r in trace.requests]
+    return [
+        ReplayRequest(
+            request_id=r.request_id,
+            model=r.agent,
+            prompt=list(r.prompt_ids),
+            max_tokens=int(r.max_new_tokens),
+            shared_prefix_tokens=int(r.shared_len),
+            arrival=float(r.arrival),
+            depends_on=tuple(r.depends_on),
+            session=r.session,
+        )
+        for r in trace.requests
+    ]
 
 
 def load_requests(path: str | Path, *, tokenizer=None) -> list[ReplayRequest]:
@@ -150,16 +191,25 @@ def check_requests(requests: Sequence[ReplayRequest]) -> None:
             raise ConfigError(f"request_id {r.request_id!r} appears twice; request ids must be unique")
         missing = [d for d in r.depends_on if d not in seen]
         if missing:
-            raise ConfigError(f"request {r.request_id!r} depends on {missing}, which are not earlier requests")
+            raise ConfigError(
+                f"request {r.request_id!r} depends on {missing}, which are not earlier requests"
+            )
         seen.add(r.request_id)
 
 
-async def _send(client, r: ReplayRequest, rec: ReplayRecord, *, stream: bool, return_token_ids: bool,
-                extra: dict) -> None:
+async def _send(
+    client, r: ReplayRequest, rec: ReplayRecord, *, stream: bool, return_token_ids: bool, extra: dict
+) -> None:
     import httpx
 
-    body: dict[str, Any] = {"model": r.model, "prompt": r.prompt, "max_tokens": r.max_tokens, "stream": stream,
-                            **extra, **r.extra}
+    body: dict[str, Any] = {
+        "model": r.model,
+        "prompt": r.prompt,
+        "max_tokens": r.max_tokens,
+        "stream": stream,
+        **extra,
+        **r.extra,
+    }
     if r.shared_prefix_tokens is not None:
         body["shared_prefix_tokens"] = int(r.shared_prefix_tokens)
     if return_token_ids:
@@ -223,9 +273,17 @@ async def _send(client, r: ReplayRequest, rec: ReplayRecord, *, stream: bool, re
         rec.error = f"{type(e).__name__}: {e}"
 
 
-async def replay(url: str, requests: Sequence[ReplayRequest], *, stream: bool = True, time_scale: float = 1.0,
-                 timeout: float = 600.0, return_token_ids: bool = False, extra: dict | None = None,
-                 client=None) -> list[ReplayRecord]:
+async def replay(
+    url: str,
+    requests: Sequence[ReplayRequest],
+    *,
+    stream: bool = True,
+    time_scale: float = 1.0,
+    timeout: float = 600.0,
+    return_token_ids: bool = False,
+    extra: dict | None = None,
+    client=None,
+) -> list[ReplayRecord]:
     """Replay ``requests`` against the server at ``url``; one ``ReplayRecord`` per request, in input order.
 
     Args:
@@ -247,8 +305,11 @@ async def replay(url: str, requests: Sequence[ReplayRequest], *, stream: bool = 
     finished = {r.request_id: asyncio.Event() for r in requests}
     own = client is None
     if own:
-        client = httpx.AsyncClient(base_url=url, timeout=timeout,
-                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        client = httpx.AsyncClient(
+            base_url=url,
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
     start = time.perf_counter()
 
     async def one(r: ReplayRequest) -> ReplayRecord:
@@ -260,7 +321,9 @@ async def replay(url: str, requests: Sequence[ReplayRequest], *, stream: bool = 
             if delay > 0:
                 await asyncio.sleep(delay)
             rec.sent = time.perf_counter() - start
-            await _send(client, r, rec, stream=stream, return_token_ids=return_token_ids, extra=dict(extra or {}))
+            await _send(
+                client, r, rec, stream=stream, return_token_ids=return_token_ids, extra=dict(extra or {})
+            )
         finally:
             finished[r.request_id].set()  # a failed turn still releases the next one
         return rec
@@ -288,8 +351,14 @@ def quantile(xs: Sequence[float], p: float) -> float | None:
 def _quantiles(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0}
-    return {"n": len(xs), "mean": statistics.fmean(xs), "p50": quantile(xs, 0.5), "p90": quantile(xs, 0.9),
-            "p99": quantile(xs, 0.99), "max": max(xs)}
+    return {
+        "n": len(xs),
+        "mean": statistics.fmean(xs),
+        "p50": quantile(xs, 0.5),
+        "p90": quantile(xs, 0.9),
+        "p99": quantile(xs, 0.99),
+        "max": max(xs),
+    }
 
 
 def summarize(records: Sequence[ReplayRecord]) -> dict:
@@ -301,9 +370,14 @@ def summarize(records: Sequence[ReplayRecord]) -> dict:
     ends = [r.sent + r.latency for r in records if r.sent is not None and r.latency is not None]
     duration = max(ends, default=0.0)
     tokens = sum(r.completion_tokens or 0 for r in ok)
-    return {"requests": len(records), "ok": len(ok), "by_status": by_status,
-            "ttft_s": _quantiles([r.ttft for r in ok if r.ttft is not None]),
-            "latency_s": _quantiles([r.latency for r in ok if r.latency is not None]),
-            "completion_tokens": tokens, "duration_s": duration,
-            "tokens_per_s": tokens / duration if duration else 0.0,
-            "requests_per_s": len(ok) / duration if duration else 0.0}
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "by_status": by_status,
+        "ttft_s": _quantiles([r.ttft for r in ok if r.ttft is not None]),
+        "latency_s": _quantiles([r.latency for r in ok if r.latency is not None]),
+        "completion_tokens": tokens,
+        "duration_s": duration,
+        "tokens_per_s": tokens / duration if duration else 0.0,
+        "requests_per_s": len(ok) / duration if duration else 0.0,
+    }

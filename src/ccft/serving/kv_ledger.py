@@ -51,8 +51,9 @@ class KVLedger:
         """The tail slots one request reserves: its own prompt tokens + its generated tokens."""
         return self.bytes(tail_tokens + max_new_tokens)
 
-    def admission_bytes(self, context_tokens: int, tail_tokens: int, max_new_tokens: int, *,
-                        new_context: bool) -> int:
+    def admission_bytes(
+        self, context_tokens: int, tail_tokens: int, max_new_tokens: int, *, new_context: bool
+    ) -> int:
         """Bytes admitting a request needs: its tail slots, and for a context not live yet its prefix and the
         store blocks its prefill may insert."""
         need = self.request_bytes(tail_tokens, max_new_tokens)

@@ -48,28 +48,57 @@ class ServerMetrics:
     scheduler's counters (prefills, prefill_tokens, prefix_hit_tokens, decode_steps, ...).
     """
 
-    SCHEDULER_COUNTERS = ("submitted", "admitted", "prefills", "prefill_tokens", "prefix_hit_tokens",
-                          "context_reuse_tokens", "decode_steps",
-                          "decode_rows", "admission_waits", "done", "cancelled", "error", "rejected_queue_full",
-                          "prefill_chunks", "mlfq_demotions", "mlfq_promotions")
+    SCHEDULER_COUNTERS = (
+        "submitted",
+        "admitted",
+        "prefills",
+        "prefill_tokens",
+        "prefix_hit_tokens",
+        "context_reuse_tokens",
+        "decode_steps",
+        "decode_rows",
+        "admission_waits",
+        "done",
+        "cancelled",
+        "error",
+        "rejected_queue_full",
+        "prefill_chunks",
+        "mlfq_demotions",
+        "mlfq_promotions",
+    )
 
     def __init__(self, scheduler: Scheduler):
         self.registry = prom.CollectorRegistry()
         self.scheduler = scheduler
         r = self.registry
-        self.ttft = prom.Histogram("ccft_time_to_first_token_seconds", "Seconds from submit to the first token",
-                                   ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = prom.Histogram("ccft_time_per_output_token_seconds",
-                                   "Mean seconds per output token after the first (one observation per request)",
-                                   ["model"], buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = prom.Histogram("ccft_e2e_request_latency_seconds",
-                                  "Seconds from submit to the end of a completed request", ["model"],
-                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = prom.Histogram(
+            "ccft_time_to_first_token_seconds",
+            "Seconds from submit to the first token",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = prom.Histogram(
+            "ccft_time_per_output_token_seconds",
+            "Mean seconds per output token after the first (one observation per request)",
+            ["model"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = prom.Histogram(
+            "ccft_e2e_request_latency_seconds",
+            "Seconds from submit to the end of a completed request",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.requests = prom.Counter("ccft_requests", "Requests by outcome", ["model", "outcome"], registry=r)
-        self.prompt_tokens = prom.Counter("ccft_prompt_tokens", "Prompt tokens of completed requests", ["model"],
-                                          registry=r)
-        self.generation_tokens = prom.Counter("ccft_generation_tokens", "Tokens generated (every request)",
-                                              ["model"], registry=r)
+        self.prompt_tokens = prom.Counter(
+            "ccft_prompt_tokens", "Prompt tokens of completed requests", ["model"], registry=r
+        )
+        self.generation_tokens = prom.Counter(
+            "ccft_generation_tokens", "Tokens generated (every request)", ["model"], registry=r
+        )
         r.register(_SchedulerCollector(scheduler, self.SCHEDULER_COUNTERS))
 
     def finished(self, model: str, ticket: Ticket, *, count_prompt: bool = True) -> None:
@@ -117,12 +146,18 @@ class _SchedulerCollector:
 
         yield gauge("ccft_queue_depth", "Requests waiting for admission", s.queue_depth)
         yield gauge("ccft_active_requests", "Requests decoding in the engine", s.active)
-        yield gauge("ccft_live_kv_bytes", "Live KV bytes: context handles + tail slots reserved by active requests",
-                    s.live_bytes)
+        yield gauge(
+            "ccft_live_kv_bytes",
+            "Live KV bytes: context handles + tail slots reserved by active requests",
+            s.live_bytes,
+        )
         yield gauge("ccft_prefix_store_bytes", "Bytes of K/V blocks in the prefix store", s.store_bytes)
         hit, miss = counters.get("prefix_hit_tokens", 0), counters.get("prefill_tokens", 0)
-        yield gauge("ccft_prefix_hit_ratio", "Context tokens copied from the prefix store / context tokens prefilled",
-                    hit / (hit + miss) if hit + miss else 0.0)
+        yield gauge(
+            "ccft_prefix_hit_ratio",
+            "Context tokens copied from the prefix store / context tokens prefilled",
+            hit / (hit + miss) if hit + miss else 0.0,
+        )
         if s.kv_budget_bytes is not None:
             yield gauge("ccft_kv_budget_bytes", "KV byte budget (live KV + prefix store)", s.kv_budget_bytes)
         for name in self.names:

@@ -30,6 +30,7 @@ class Queued(Protocol):
     id: int  # arrival order
     request: Any  # a ``ServeRequest`` (``prompt_ids``)
 
+
 #: the order of a context nobody waits for: after every request's (level, arrival)
 LAST = (float("inf"), 0)
 
@@ -102,11 +103,22 @@ class MLFQ(RequestQueuePolicy):
 
     name = "mlfq"
 
-    def __init__(self, max_running: int | None = None, *, levels: int = 4, quantum: int = 8,
-                 entry_tokens: int = 512, aging_steps: int = 64):
+    def __init__(
+        self,
+        max_running: int | None = None,
+        *,
+        levels: int = 4,
+        quantum: int = 8,
+        entry_tokens: int = 512,
+        aging_steps: int = 64,
+    ):
         super().__init__(max_running)
-        for key, value in (("mlfq_levels", levels), ("mlfq_quantum", quantum), ("mlfq_entry_tokens", entry_tokens),
-                           ("mlfq_aging_steps", aging_steps)):
+        for key, value in (
+            ("mlfq_levels", levels),
+            ("mlfq_quantum", quantum),
+            ("mlfq_entry_tokens", entry_tokens),
+            ("mlfq_aging_steps", aging_steps),
+        ):
             if int(value) < 1:
                 raise ConfigError(f"{key}={value}; it must be ≥ 1")
         self.levels, self.quantum = int(levels), int(quantum)
@@ -149,7 +161,7 @@ class MLFQ(RequestQueuePolicy):
             if t.id in stepped:
                 s.waited = 0
                 s.used += 1
-                if s.used >= self.quantum * 2 ** s.level and s.level < self.levels - 1:
+                if s.used >= self.quantum * 2**s.level and s.level < self.levels - 1:
                     s.level, s.used = s.level + 1, 0
                     self.counters["mlfq_demotions"] += 1
             else:
@@ -163,8 +175,15 @@ class MLFQ(RequestQueuePolicy):
 POLICIES = {"fcfs": FCFS, "mlfq": MLFQ}
 
 
-def make_policy(policy: str | RequestQueuePolicy, *, max_running: int | None = None, mlfq_levels: int = 4,
-                mlfq_quantum: int = 8, mlfq_entry_tokens: int = 512, mlfq_aging_steps: int = 64) -> RequestQueuePolicy:
+def make_policy(
+    policy: str | RequestQueuePolicy,
+    *,
+    max_running: int | None = None,
+    mlfq_levels: int = 4,
+    mlfq_quantum: int = 8,
+    mlfq_entry_tokens: int = 512,
+    mlfq_aging_steps: int = 64,
+) -> RequestQueuePolicy:
     """A policy object from the scheduler's arguments (a ``RequestQueuePolicy`` is returned as it is).
 
     Raises:
@@ -175,8 +194,19 @@ def make_policy(policy: str | RequestQueuePolicy, *, max_running: int | None = N
     if policy not in POLICIES:
         raise ConfigError(f"policy={policy!r}; use one of {', '.join(POLICIES)}")
     if policy == "mlfq":
-        return MLFQ(max_running, levels=mlfq_levels, quantum=mlfq_quantum, entry_tokens=mlfq_entry_tokens,
-                    aging_steps=mlfq_aging_steps)
+        return MLFQ(
+            max_running,
+            levels=mlfq_levels,
+            quantum=mlfq_quantum,
+            entry_tokens=mlfq_entry_tokens,
+            aging_steps=mlfq_aging_steps,
+        )
     # the MLFQ knobs are validated whatever the policy (a typo fails at start, not when the policy is switched)
-    MLFQ(None, levels=mlfq_levels, quantum=mlfq_quantum, entry_tokens=mlfq_entry_tokens, aging_steps=mlfq_aging_steps)
+    MLFQ(
+        None,
+        levels=mlfq_levels,
+        quantum=mlfq_quantum,
+        entry_tokens=mlfq_entry_tokens,
+        aging_steps=mlfq_aging_steps,
+    )
     return FCFS(max_running)

@@ -82,8 +82,10 @@ class Block:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     def __repr__(self) -> str:
-        return (f"Block(index={self.index}, key={self.key.hex()[:12]}, refs={self.refs}, children={self.children}, "
-                f"{'stored' if self.stored else 'dropped'})")
+        return (
+            f"Block(index={self.index}, key={self.key.hex()[:12]}, refs={self.refs}, children={self.children}, "
+            f"{'stored' if self.stored else 'dropped'})"
+        )
 
 
 def _digest(*parts: bytes) -> bytes:
@@ -120,26 +122,33 @@ class PrefixKVStore:
     # ------------------------------------------------------------------ keys
     def chain_keys(self, producer: str, dtype: torch.dtype, token_ids: Sequence[int]) -> list[bytes]:
         """The chain hash of every full block of ``token_ids`` (``len(token_ids) // block_tokens`` keys)."""
-        key = _digest(b"ccft-prefix-kv", str(producer).encode(), str(dtype).encode(),
-                      str(self.block_tokens).encode())
+        key = _digest(
+            b"ccft-prefix-kv", str(producer).encode(), str(dtype).encode(), str(self.block_tokens).encode()
+        )
         keys = []
         b = self.block_tokens
         for i in range(len(token_ids) // b):
-            key = _digest(key, array("q", [int(t) for t in token_ids[i * b:(i + 1) * b]]).tobytes())
+            key = _digest(key, array("q", [int(t) for t in token_ids[i * b : (i + 1) * b]]).tobytes())
             keys.append(key)
         return keys
 
-    def _lookup(self, key: bytes, parent: Block | None, tokens: tuple[int, ...], producer: str,
-                dtype: torch.dtype) -> Block | None:
+    def _lookup(
+        self, key: bytes, parent: Block | None, tokens: tuple[int, ...], producer: str, dtype: torch.dtype
+    ) -> Block | None:
         blk = self._blocks.get(key)
-        if blk is None or blk.parent is not parent or blk.tokens != tokens or blk.producer != producer \
-                or blk.dtype != dtype:
+        if (
+            blk is None
+            or blk.parent is not parent
+            or blk.tokens != tokens
+            or blk.producer != producer
+            or blk.dtype != dtype
+        ):
             return None
         return blk
 
     def _tokens(self, token_ids: Sequence[int], i: int) -> tuple[int, ...]:
         b = self.block_tokens
-        return tuple(int(t) for t in token_ids[i * b:(i + 1) * b])
+        return tuple(int(t) for t in token_ids[i * b : (i + 1) * b])
 
     # ------------------------------------------------------------------ API
     def match(self, producer: str, dtype: torch.dtype, token_ids: Sequence[int]) -> list[Block]:
@@ -172,8 +181,15 @@ class PrefixKVStore:
         self.miss_tokens += (len(keys) - len(found)) * self.block_tokens
         return found
 
-    def insert(self, producer: str, dtype: torch.dtype, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor,
-               start_block: int = 0) -> list[Block]:
+    def insert(
+        self,
+        producer: str,
+        dtype: torch.dtype,
+        token_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start_block: int = 0,
+    ) -> list[Block]:
         """Store the full blocks ``start_block ..`` of ``token_ids`` (copies of ``k``/``v``); acquires one ref on each.
 
         Blocks already stored are reused (and touched), not overwritten. Blocks ``< start_block`` must
@@ -193,14 +209,18 @@ class PrefixKVStore:
             ConfigError: ``k``/``v`` of another dtype than ``dtype``, mismatched or too short.
         """
         if k.dtype != dtype or v.dtype != dtype:
-            raise ConfigError(f"insert(dtype={dtype}) but k/v are {k.dtype}/{v.dtype}; the dtype is part of the key "
-                              "(K5): pass the dtype the K/V were computed in")
+            raise ConfigError(
+                f"insert(dtype={dtype}) but k/v are {k.dtype}/{v.dtype}; the dtype is part of the key "
+                "(K5): pass the dtype the K/V were computed in"
+            )
         if k.dim() != 4 or k.shape != v.shape:
             raise ConfigError(f"k and v must both be (L, h, n, d); got {tuple(k.shape)} and {tuple(v.shape)}")
         keys = self.chain_keys(producer, dtype, token_ids)
         b = self.block_tokens
         if k.shape[2] < len(keys) * b:
-            raise ConfigError(f"k/v cover {k.shape[2]} positions but token_ids has {len(keys)} full blocks of {b}")
+            raise ConfigError(
+                f"k/v cover {k.shape[2]} positions but token_ids has {len(keys)} full blocks of {b}"
+            )
         start_block = max(0, int(start_block))
         parent = None
         for i in range(start_block):  # the chain up to start_block must be stored
@@ -223,8 +243,16 @@ class PrefixKVStore:
                         self.skipped_blocks += len(keys) - i
                         break
                 s = i * b
-                blk = Block(keys[i], parent, i, tokens, str(producer), dtype,
-                            k[:, :, s:s + b].clone(), v[:, :, s:s + b].clone())
+                blk = Block(
+                    keys[i],
+                    parent,
+                    i,
+                    tokens,
+                    str(producer),
+                    dtype,
+                    k[:, :, s : s + b].clone(),
+                    v[:, :, s : s + b].clone(),
+                )
                 self._blocks[keys[i]] = blk
                 if parent is not None:
                     parent.children += 1
@@ -330,18 +358,28 @@ class PrefixKVStore:
     def stats(self) -> dict:
         """Counters and occupancy (see the module docstring for definitions); a plain dict (JSON-ready)."""
         return {
-            "block_tokens": self.block_tokens, "blocks": len(self._blocks), "bytes_in_use": self.bytes_in_use,
+            "block_tokens": self.block_tokens,
+            "blocks": len(self._blocks),
+            "bytes_in_use": self.bytes_in_use,
             "budget_bytes": self.budget_bytes,
             "referenced_blocks": sum(1 for b in self._blocks.values() if b.refs > 0),
-            "lookups": self.lookups, "hit_blocks": self.hit_blocks, "miss_blocks": self.miss_blocks,
-            "hit_tokens": self.hit_tokens, "miss_tokens": self.miss_tokens, "hit_ratio": self.hit_ratio,
-            "inserted_blocks": self.inserted_blocks, "skipped_blocks": self.skipped_blocks,
-            "evicted_blocks": self.evicted_blocks, "evicted_bytes": self.evicted_bytes,
+            "lookups": self.lookups,
+            "hit_blocks": self.hit_blocks,
+            "miss_blocks": self.miss_blocks,
+            "hit_tokens": self.hit_tokens,
+            "miss_tokens": self.miss_tokens,
+            "hit_ratio": self.hit_ratio,
+            "inserted_blocks": self.inserted_blocks,
+            "skipped_blocks": self.skipped_blocks,
+            "evicted_blocks": self.evicted_blocks,
+            "evicted_bytes": self.evicted_bytes,
         }
 
     def __repr__(self) -> str:
-        return (f"PrefixKVStore(block_tokens={self.block_tokens}, blocks={len(self._blocks)}, "
-                f"bytes_in_use={self.bytes_in_use}, budget_bytes={self.budget_bytes})")
+        return (
+            f"PrefixKVStore(block_tokens={self.block_tokens}, blocks={len(self._blocks)}, "
+            f"bytes_in_use={self.bytes_in_use}, budget_bytes={self.budget_bytes})"
+        )
 
 
 __all__ = ["PrefixKVStore", "Block"]

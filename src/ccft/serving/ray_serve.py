@@ -38,7 +38,6 @@ Scope: one ingress replica holds the session placements (more ingress replicas w
 their own). Needs the ``serve`` and ``ray`` extras (``pip install 'ccft[serve,ray]'``; ``ray[serve]``).
 """
 
-
 import asyncio
 import json
 import logging
@@ -57,8 +56,9 @@ try:
     from ray.serve.config import RequestRouterConfig
     from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 except ImportError as e:  # pragma: no cover - depends on the installation
-    raise ImportError(f"ccft serve --replicas needs the `ray` extra ({e.name} is missing): "
-                      "pip install 'ccft[serve,ray]'") from e
+    raise ImportError(
+        f"ccft serve --replicas needs the `ray` extra ({e.name} is missing): pip install 'ccft[serve,ray]'"
+    ) from e
 try:
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -67,8 +67,18 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 
 log = logging.getLogger(__name__)
 
-__all__ = ["REPLICA_HEADER", "SESSION_HEADER", "ATTEMPTS_HEADER", "ForwardedRequest", "SessionRequestRouter", "EngineReplica", "Ingress", "build_app",
-           "session_of", "replica_actor"]
+__all__ = [
+    "REPLICA_HEADER",
+    "SESSION_HEADER",
+    "ATTEMPTS_HEADER",
+    "ForwardedRequest",
+    "SessionRequestRouter",
+    "EngineReplica",
+    "Ingress",
+    "build_app",
+    "session_of",
+    "replica_actor",
+]
 
 #: Response header naming the engine replica that answered (its full Ray Serve replica id).
 REPLICA_HEADER = "x-ccft-replica"
@@ -155,8 +165,9 @@ class SessionRequestRouter(FIFOMixin, RequestRouter):
         """Ray's count of ongoing requests on ``replica`` (0 while unknown: Ray probes it)."""
         return int(self.replica_queue_len_cache.get(replica.replica_id) or 0)
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         if pending_request is not None:
@@ -214,13 +225,24 @@ class EngineReplica:
         Closing the generator early (the client went away) reports a disconnect to the app, which
         cancels the request's tickets (the scheduler frees their KV).
         """
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in req.headers
-                   if k not in _DROP_HEADERS]
+        headers = [
+            (k.encode("latin-1"), v.encode("latin-1")) for k, v in req.headers if k not in _DROP_HEADERS
+        ]
         headers.append((b"content-length", str(len(req.body)).encode()))
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": req.method, "scheme": "http", "path": req.path, "raw_path": req.path.encode(),
-                 "query_string": req.query.encode(), "root_path": "", "headers": headers,
-                 "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": req.method,
+            "scheme": "http",
+            "path": req.path,
+            "raw_path": req.path.encode(),
+            "query_string": req.query.encode(),
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 0),
+            "server": ("127.0.0.1", 0),
+        }
         out: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()
         sent_body = False
@@ -273,8 +295,10 @@ _ingress_api = FastAPI(title="ccft serve (Ray Serve)", openapi_url=None, docs_ur
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": code}},
+        status_code=status,
+    )
 
 
 def _response_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
@@ -303,16 +327,25 @@ class Ingress:
     async def ray_stats(self):
         """Ingress counters: ``requests``, ``retried`` (re-sent after a replica died), ``failed``
         (answered with a replica error), and answered requests per replica."""
-        return {**{k: self.counts[k] for k in ("requests", "retried", "failed")},
-                "by_replica": dict(self.by_replica)}
+        return {
+            **{k: self.counts[k] for k in ("requests", "retried", "failed")},
+            "by_replica": dict(self.by_replica),
+        }
 
     @_ingress_api.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request):
         body = await request.body()
         sid, stream = session_of(body) if request.method == "POST" else (None, False)
         sid = sid if sid is not None else request.headers.get(SESSION_HEADER)
-        fwd = ForwardedRequest(request.method, request.url.path, request.url.query,
-                               [(k.lower(), v) for k, v in request.headers.items()], body, sid, stream)
+        fwd = ForwardedRequest(
+            request.method,
+            request.url.path,
+            request.url.query,
+            [(k.lower(), v) for k, v in request.headers.items()],
+            body,
+            sid,
+            stream,
+        )
         self.counts["requests"] += 1
         for attempt in range(self.retries + 1):
             gen = self.engine.handle.remote(fwd)
@@ -336,15 +369,20 @@ class Ingress:
                     log.warning("engine replica died before answering (%s); retrying", exc)
                     continue
                 self.counts["failed"] += 1
-                return _error(502, f"the engine replica serving this request died and {self.retries} retries "
-                                   f"failed too ({type(exc).__name__}); send the request again", "replica_failed")
+                return _error(
+                    502,
+                    f"the engine replica serving this request died and {self.retries} retries "
+                    f"failed too ({type(exc).__name__}); send the request again",
+                    "replica_failed",
+                )
             replica = dict(headers).get(REPLICA_HEADER, "")
             self.by_replica[replica] += 1
             headers = [*headers, (ATTEMPTS_HEADER, str(attempt + 1))]
             if not (stream and status == 200):
                 return Response(b"".join(head), status_code=status, headers=_response_headers(headers))
-            return StreamingResponse(self._rest(gen, head), status_code=status,
-                                     headers=_response_headers(headers))
+            return StreamingResponse(
+                self._rest(gen, head), status_code=status, headers=_response_headers(headers)
+            )
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _rest(self, gen, head: list[bytes]):
@@ -355,19 +393,33 @@ class Ingress:
                 yield item[1]
         except RayActorError as exc:
             self.counts["failed"] += 1
-            err = {"error": {"message": f"the engine replica serving this stream died ({type(exc).__name__}); "
-                                        "the stream ends here: send the request again",
-                             "type": "server_error", "param": None, "code": "replica_failed"}}
+            err = {
+                "error": {
+                    "message": f"the engine replica serving this stream died ({type(exc).__name__}); "
+                    "the stream ends here: send the request again",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "replica_failed",
+                }
+            }
             yield f"data: {json.dumps(err)}\n\n".encode()
         finally:
             gen.cancel()
 
 
 # ---------------------------------------------------------------------------------------- the app
-def build_app(factory: Callable[[], Any], *, replicas: int = 2, policy: str = "session",
-              policy_options: Optional[dict] = None, max_ongoing_requests: int = 256,
-              replica_cpus: float = 1.0, retries: int = 2, app_kwargs: Optional[dict] = None,
-              engine_name: str = "Engine"):
+def build_app(
+    factory: Callable[[], Any],
+    *,
+    replicas: int = 2,
+    policy: str = "session",
+    policy_options: Optional[dict] = None,
+    max_ongoing_requests: int = 256,
+    replica_cpus: float = 1.0,
+    retries: int = 2,
+    app_kwargs: Optional[dict] = None,
+    engine_name: str = "Engine",
+):
     """The Ray Serve application: ``replicas`` engine replicas behind the ingress (``serve.run(app)``).
 
     Args:
@@ -393,15 +445,28 @@ def build_app(factory: Callable[[], Any], *, replicas: int = 2, policy: str = "s
     options = dict(policy_options or {})
     ROUTERS[policy]  # noqa: B018 - ConfigError listing the choices for an unknown name
     make_router(policy, **options)  # bad options fail here, not in every replica's router
-    router_config = RequestRouterConfig(request_router_class=SessionRequestRouter,
-                                        request_router_kwargs={"policy": policy, **options})
-    engine = serve.deployment(EngineReplica, name=engine_name).options(
-        num_replicas=int(replicas), max_ongoing_requests=int(max_ongoing_requests),
-        ray_actor_options={"num_cpus": float(replica_cpus)}, request_router_config=router_config,
-    ).bind(factory, app_kwargs or {})
-    return serve.deployment(Ingress, name="Ingress").options(
-        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
-    ).bind(engine, int(retries))
+    router_config = RequestRouterConfig(
+        request_router_class=SessionRequestRouter, request_router_kwargs={"policy": policy, **options}
+    )
+    engine = (
+        serve.deployment(EngineReplica, name=engine_name)
+        .options(
+            num_replicas=int(replicas),
+            max_ongoing_requests=int(max_ongoing_requests),
+            ray_actor_options={"num_cpus": float(replica_cpus)},
+            request_router_config=router_config,
+        )
+        .bind(factory, app_kwargs or {})
+    )
+    return (
+        serve.deployment(Ingress, name="Ingress")
+        .options(
+            num_replicas=1,
+            ray_actor_options={"num_cpus": 0},
+            max_ongoing_requests=4096,
+        )
+        .bind(engine, int(retries))
+    )
 
 
 def replica_actor(replica_id: str):

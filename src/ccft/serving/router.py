@@ -35,8 +35,14 @@ from typing import Any, ClassVar
 from ccft.core.errors import ConfigError
 
 __all__ = [
-    "ROUTERS", "LeastLoadedRouter", "RoundRobinRouter", "Router", "SessionAffinityRouter", "WorkerState",
-    "make_router", "worker_loads",
+    "ROUTERS",
+    "LeastLoadedRouter",
+    "RoundRobinRouter",
+    "Router",
+    "SessionAffinityRouter",
+    "WorkerState",
+    "make_router",
+    "worker_loads",
 ]
 
 
@@ -54,16 +60,20 @@ class WorkerState:
 
 def _load(state: Any) -> int:
     if isinstance(state, bool):
-        raise ConfigError(f"workers_state: a worker's state must be a WorkerState, a mapping with queued/active, "
-                          f"or an int load; got {state!r}")
+        raise ConfigError(
+            f"workers_state: a worker's state must be a WorkerState, a mapping with queued/active, "
+            f"or an int load; got {state!r}"
+        )
     if isinstance(state, int):
         return state
     if isinstance(state, Mapping):
         return int(state.get("queued", 0)) + int(state.get("active", 0))
     if hasattr(state, "queued") and hasattr(state, "active"):
         return int(state.queued) + int(state.active)
-    raise ConfigError(f"workers_state: a worker's state must be a WorkerState, a mapping with queued/active, or "
-                      f"an int load; got {type(state).__name__}")
+    raise ConfigError(
+        f"workers_state: a worker's state must be a WorkerState, a mapping with queued/active, or "
+        f"an int load; got {type(state).__name__}"
+    )
 
 
 def worker_loads(workers_state: Sequence[Any]) -> list[int]:
@@ -137,8 +147,10 @@ class SessionAffinityRouter(Router):
 
     def __init__(self, *, max_load_ratio: float = 2.0, min_load_gap: int = 4) -> None:
         if max_load_ratio < 1.0:
-            raise ConfigError(f"max_load_ratio: must be >= 1.0 (a home worker at most that many times busier than "
-                              f"the least-loaded one keeps its sessions), got {max_load_ratio}")
+            raise ConfigError(
+                f"max_load_ratio: must be >= 1.0 (a home worker at most that many times busier than "
+                f"the least-loaded one keeps its sessions), got {max_load_ratio}"
+            )
         if min_load_gap < 1:
             raise ConfigError(f"min_load_gap: must be >= 1 request, got {min_load_gap}")
         self.max_load_ratio = float(max_load_ratio)
@@ -148,8 +160,7 @@ class SessionAffinityRouter(Router):
 
     def overloaded(self, home_load: int, least_load: int) -> bool:
         """Does a home worker at ``home_load`` give its session up to one at ``least_load``?"""
-        return (home_load - least_load >= self.min_load_gap
-                and home_load > self.max_load_ratio * least_load)
+        return home_load - least_load >= self.min_load_gap and home_load > self.max_load_ratio * least_load
 
     def place(self, session_id, prompt_ids, workers_state) -> int:
         loads = worker_loads(workers_state)
@@ -186,11 +197,13 @@ class _Registry(dict):
         raise ConfigError(f"router: unknown router {name!r}; choices: {', '.join(sorted(self))}")
 
 
-ROUTERS: dict[str, type[Router]] = _Registry({
-    SessionAffinityRouter.name: SessionAffinityRouter,
-    RoundRobinRouter.name: RoundRobinRouter,
-    LeastLoadedRouter.name: LeastLoadedRouter,
-})
+ROUTERS: dict[str, type[Router]] = _Registry(
+    {
+        SessionAffinityRouter.name: SessionAffinityRouter,
+        RoundRobinRouter.name: RoundRobinRouter,
+        LeastLoadedRouter.name: LeastLoadedRouter,
+    }
+)
 
 
 def make_router(name: str, **kwargs: Any) -> Router:

@@ -137,8 +137,13 @@ class ServeRequest:
 
     def __post_init__(self):
         if self.params is None:
-            self.params = DecodeParams(max_new_tokens=self.max_new_tokens, stop=self.stop, sampling=self.sampling,
-                                          ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+            self.params = DecodeParams(
+                max_new_tokens=self.max_new_tokens,
+                stop=self.stop,
+                sampling=self.sampling,
+                ignore_eos=self.ignore_eos,
+                logprobs=self.logprobs,
+            )
         p = self.params
         self.max_new_tokens, self.stop, self.sampling = p.max_new_tokens, list(p.stop) or None, p.sampling
         self.ignore_eos, self.logprobs = p.ignore_eos, p.logprobs
@@ -242,16 +247,33 @@ class Scheduler:
 
     POLICIES = ("fcfs", "mlfq")
 
-    def __init__(self, engine: SharedPrefillEngine, *, share: bool = True, store=None,
-                 kv_budget_bytes: int | None = None, max_queue: int = 4096, max_prompt_tokens: int | None = None,
-                 prefill_chunk_tokens: int | None = None, policy: str | RequestQueuePolicy = "fcfs",
-                 max_running: int | None = None, mlfq_levels: int = 4, mlfq_quantum: int = 8,
-                 mlfq_entry_tokens: int = 512, mlfq_aging_steps: int = 64):
+    def __init__(
+        self,
+        engine: SharedPrefillEngine,
+        *,
+        share: bool = True,
+        store=None,
+        kv_budget_bytes: int | None = None,
+        max_queue: int = 4096,
+        max_prompt_tokens: int | None = None,
+        prefill_chunk_tokens: int | None = None,
+        policy: str | RequestQueuePolicy = "fcfs",
+        max_running: int | None = None,
+        mlfq_levels: int = 4,
+        mlfq_quantum: int = 8,
+        mlfq_entry_tokens: int = 512,
+        mlfq_aging_steps: int = 64,
+    ):
         if prefill_chunk_tokens is not None and int(prefill_chunk_tokens) < 1:
             raise ConfigError(f"prefill_chunk_tokens={prefill_chunk_tokens}; it must be ≥ 1 (or None)")
-        self.queue_policy = make_policy(policy, max_running=max_running, mlfq_levels=mlfq_levels,
-                                        mlfq_quantum=mlfq_quantum, mlfq_entry_tokens=mlfq_entry_tokens,
-                                        mlfq_aging_steps=mlfq_aging_steps)
+        self.queue_policy = make_policy(
+            policy,
+            max_running=max_running,
+            mlfq_levels=mlfq_levels,
+            mlfq_quantum=mlfq_quantum,
+            mlfq_entry_tokens=mlfq_entry_tokens,
+            mlfq_aging_steps=mlfq_aging_steps,
+        )
         self.policy, self.max_running = self.queue_policy.name, self.queue_policy.max_running
         self._policy_observes_steps = type(self.queue_policy).after_step is not RequestQueuePolicy.after_step
         self.prefill_chunk_tokens = None if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
@@ -303,8 +325,13 @@ class Scheduler:
         """
         return self.submit_many([request], on_token=[on_token], on_done=[on_done])[0]
 
-    def submit_many(self, requests: Sequence[ServeRequest], *, on_token: Sequence | None = None,
-                    on_done: Sequence | None = None) -> list[Ticket]:
+    def submit_many(
+        self,
+        requests: Sequence[ServeRequest],
+        *,
+        on_token: Sequence | None = None,
+        on_done: Sequence | None = None,
+    ) -> list[Ticket]:
         """Queue several requests together (all or none; adjacent in the queue); one ``Ticket`` each.
 
         Requests over the same prompt (the ``n`` choices of one HTTP request) are admitted one after
@@ -323,10 +350,14 @@ class Scheduler:
         with self._lock:
             if len(self._queue) + len(requests) > self.max_queue:
                 self.counters["rejected_queue_full"] += len(requests)
-                raise QueueFullError(f"{len(self._queue)} requests are queued (max_queue={self.max_queue}); "
-                                     "retry later or raise max_queue")
-            tickets = [Ticket(next(self._ids), r, on_token=tok, on_done=done, t_submit=now)
-                       for r, tok, done in zip(requests, on_token, on_done, strict=True)]
+                raise QueueFullError(
+                    f"{len(self._queue)} requests are queued (max_queue={self.max_queue}); "
+                    "retry later or raise max_queue"
+                )
+            tickets = [
+                Ticket(next(self._ids), r, on_token=tok, on_done=done, t_submit=now)
+                for r, tok, done in zip(requests, on_token, on_done, strict=True)
+            ]
             for t in tickets:
                 self.queue_policy.on_submit(t)
             self._queue.extend(tickets)
@@ -344,20 +375,26 @@ class Scheduler:
         if r.shared_len is not None and not 0 <= int(r.shared_len) <= n:
             raise ConfigError(f"shared_len={r.shared_len} is outside 0..{n} (the prompt's length)")
         if int(r.params.max_new_tokens) < (0 if r.prompt_logprobs is not None else 1):
-            raise ConfigError(f"max_new_tokens={r.params.max_new_tokens}; it must be ≥ 1 (0 only with prompt_logprobs)")
+            raise ConfigError(
+                f"max_new_tokens={r.params.max_new_tokens}; it must be ≥ 1 (0 only with prompt_logprobs)"
+            )
         if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
-            raise PromptTooLongError(f"the prompt has {n} tokens but max_prompt_tokens={self.max_prompt_tokens}; "
-                                     "shorten it")
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens but max_prompt_tokens={self.max_prompt_tokens}; shorten it"
+            )
         ctx, tail = self._split(r)
         if tail + r.params.max_new_tokens > self.engine.max_tail_tokens:
             raise PromptTooLongError(
                 f"the agent's own {tail} prompt tokens + max_new_tokens={r.params.max_new_tokens} exceed the engine's "
                 f"max_tail_tokens={self.engine.max_tail_tokens}; lower max_new_tokens or mark more of the prompt "
-                "as shared (shared_len)")
+                "as shared (shared_len)"
+            )
         need = self.kv.never_fits(ctx, tail, r.params.max_new_tokens)
         if need is not None:
-            raise PromptTooLongError(f"the request needs {need} bytes of KV but kv_budget_bytes="
-                                     f"{self.kv_budget_bytes}; shorten the prompt or raise the budget")
+            raise PromptTooLongError(
+                f"the request needs {need} bytes of KV but kv_budget_bytes="
+                f"{self.kv_budget_bytes}; shorten the prompt or raise the budget"
+            )
 
     def _handoff(self, decoder: str) -> int:
         """The k this decoder's requests recompute (``resolve_handoff``: its own; the base's is 1)."""
@@ -391,7 +428,9 @@ class Scheduler:
 
     def prefill_progress(self) -> list[tuple[int, int]]:
         """``(positions computed, positions in all)`` of each context being prefilled in pieces (chunked prefill)."""
-        return [(c.job.total - c.job.remaining, c.job.total) for c in self._contexts.values() if c.job is not None]
+        return [
+            (c.job.total - c.job.remaining, c.job.total) for c in self._contexts.values() if c.job is not None
+        ]
 
     @property
     def running(self) -> bool:
@@ -605,15 +644,19 @@ class Scheduler:
         """Add an admitted ticket (its context complete) to the engine: its tail is computed now."""
         r, ctx = t.request, t._ctx
         ctx_tokens = self._split(r)[0]
-        suffix = list(r.prompt_ids)[ctx_tokens + self._handoff(r.decoder):]
+        suffix = list(r.prompt_ids)[ctx_tokens + self._handoff(r.decoder) :]
         t0 = time.perf_counter()
         try:
-            rid = self.engine.add_request(ctx.handle, 0, decoder=r.decoder, params=r.params, suffix_ids=suffix)
+            rid = self.engine.add_request(
+                ctx.handle, 0, decoder=r.decoder, params=r.params, suffix_ids=suffix
+            )
         except Exception as e:  # noqa: BLE001 - the request fails, the scheduler goes on
             self._end(t, "error", error=f"{type(e).__name__}: {e}")
             return
         self.prefill_seconds += time.perf_counter() - t0
-        own = len(suffix) + self._handoff(r.decoder)  # the request's own prompt tokens, computed on its context
+        own = len(suffix) + self._handoff(
+            r.decoder
+        )  # the request's own prompt tokens, computed on its context
         self.counters["tail_tokens"] += own
         if self._budget is not None:
             self._budget -= own
@@ -671,8 +714,13 @@ class Scheduler:
 
     def _prompt_logprobs(self, r: ServeRequest) -> list:
         t0 = time.perf_counter()
-        out = prompt_logprobs(self.engine, r.decoder, r.prompt_ids, top=int(r.prompt_logprobs),
-                              context_tokens=r.prompt_context_tokens)
+        out = prompt_logprobs(
+            self.engine,
+            r.decoder,
+            r.prompt_ids,
+            top=int(r.prompt_logprobs),
+            context_tokens=r.prompt_context_tokens,
+        )
         self.prefill_seconds += time.perf_counter() - t0
         self.counters["prompt_scorings"] += 1
         return out
@@ -726,7 +774,9 @@ class Scheduler:
         self.kv.reserve(self.kv.bytes(ctx_tokens))
         return ctx
 
-    def _end(self, t: Ticket, state: str, *, result: Generation | None = None, error: str | None = None) -> None:
+    def _end(
+        self, t: Ticket, state: str, *, result: Generation | None = None, error: str | None = None
+    ) -> None:
         t.state, t.result, t.error, t.t_done = state, result, error, time.perf_counter()
         if t._rid is not None:
             self._running.pop(t._rid, None)
@@ -777,12 +827,22 @@ class Scheduler:
     def stats(self) -> dict:
         """Counters and gauges (bytes, queue depth, prefix reuse) for metrics and benchmarks."""
         out = dict(self.counters)
-        out.update(queue_depth=self.queue_depth, active=self.active, live_kv_bytes=self.live_bytes,
-                   store_bytes=self.store_bytes, peak_live_kv_bytes=self.peak_live_bytes,
-                   peak_total_kv_bytes=self.peak_total_bytes, kv_budget_bytes=self.kv_budget_bytes,
-                   prefill_seconds=self.prefill_seconds, decode_seconds=self.decode_seconds,
-                   share=self.share, policy=self.policy, prefill_chunk_tokens=self.prefill_chunk_tokens,
-                   max_running=self.max_running, pending_prefill_tokens=self.pending_prefill_tokens)
+        out.update(
+            queue_depth=self.queue_depth,
+            active=self.active,
+            live_kv_bytes=self.live_bytes,
+            store_bytes=self.store_bytes,
+            peak_live_kv_bytes=self.peak_live_bytes,
+            peak_total_kv_bytes=self.peak_total_bytes,
+            kv_budget_bytes=self.kv_budget_bytes,
+            prefill_seconds=self.prefill_seconds,
+            decode_seconds=self.decode_seconds,
+            share=self.share,
+            policy=self.policy,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
+            max_running=self.max_running,
+            pending_prefill_tokens=self.pending_prefill_tokens,
+        )
         # prompt tokens whose KV was reused (a live shared context, or prefix-store blocks) / all prompt tokens
         reused = out.get("prefix_hit_tokens", 0) + out.get("context_reuse_tokens", 0)
         out["prefix_hit_ratio"] = reused / out["prompt_tokens"] if out.get("prompt_tokens") else 0.0

@@ -37,9 +37,29 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 from ccft.core.generation import Generation
 from ccft.core.sampling import DecodeParams, SamplingParams
 
-__all__ = ["APIError", "error_response", "FINISH_REASONS", "json_type", "StreamOptions", "ChatMessage",
-           "CompletionRequest", "ChatCompletionRequest", "parse_request", "Reply", "LogprobText", "TokenLogprob", "MAX_N", "MAX_LOGPROBS", "AssistantMessage", "ChatChoice", "ChatChunkChoice", "CompletionChoice", "CompletionResponse", "Delta",
-           "Usage"]
+__all__ = [
+    "APIError",
+    "error_response",
+    "FINISH_REASONS",
+    "json_type",
+    "StreamOptions",
+    "ChatMessage",
+    "CompletionRequest",
+    "ChatCompletionRequest",
+    "parse_request",
+    "Reply",
+    "LogprobText",
+    "TokenLogprob",
+    "MAX_N",
+    "MAX_LOGPROBS",
+    "AssistantMessage",
+    "ChatChoice",
+    "ChatChunkChoice",
+    "CompletionChoice",
+    "CompletionResponse",
+    "Delta",
+    "Usage",
+]
 
 #: most choices (``n``) one request may ask for
 MAX_N = 64
@@ -54,25 +74,44 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 class APIError(Exception):
     """An error answered as an OpenAI error object ``{"error": {message, type, param, code}}`` with HTTP ``status``."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, type=self.type, param=self.param, code=self.code,
-                              headers=self.headers)
+        return error_response(
+            self.status, self.message, type=self.type, param=self.param, code=self.code, headers=self.headers
+        )
 
 
-def error_response(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
     """The OpenAI-shaped error response ``{"error": {"message", "type", "param", "code"}}``.
 
     ``message`` and ``param`` may quote the request; a lone surrogate there is written as its ``\\uXXXX``
     escape, so an error about hostile text can always be sent (docs/design.md, fault class K9)."""
-    return JSONResponse({"error": {"message": _sendable(message), "type": type, "param": _sendable(param),
-                                   "code": code}}, status_code=status, headers=headers)
+    return JSONResponse(
+        {"error": {"message": _sendable(message), "type": type, "param": _sendable(param), "code": code}},
+        status_code=status,
+        headers=headers,
+    )
 
 
 def _sendable(text: str | None) -> str | None:
@@ -84,8 +123,18 @@ def _sendable(text: str | None) -> str | None:
 
 def json_type(v: Any) -> str:
     """The JSON type name of a parsed JSON value (``null``, ``string``, ``integer``, ``number``, ...)."""
-    return "null" if v is None else {"str": "string", "int": "integer", "float": "number", "bool": "boolean",
-                                     "list": "array", "dict": "object"}.get(type(v).__name__, type(v).__name__)
+    return (
+        "null"
+        if v is None
+        else {
+            "str": "string",
+            "int": "integer",
+            "float": "number",
+            "bool": "boolean",
+            "list": "array",
+            "dict": "object",
+        }.get(type(v).__name__, type(v).__name__)
+    )
 
 
 def _invalid(detail: str, sub: str = "") -> PydanticCustomError:
@@ -93,8 +142,15 @@ def _invalid(detail: str, sub: str = "") -> PydanticCustomError:
     return PydanticCustomError("ccft_invalid", "{detail}", {"detail": detail, "sub": sub})
 
 
-_TYPE_NAMES = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean", "string_type": "a string",
-               "list_type": "an array", "dict_type": "an object", "model_type": "an object"}
+_TYPE_NAMES = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+}
 
 
 def _param(loc: tuple) -> str:
@@ -160,9 +216,15 @@ class ChatMessage(BaseModel):
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise _invalid(' must be a text part ({"type": "text", "text": ...}); other parts are not '
-                                   "supported", sub=f"[{j}]")
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise _invalid(
+                        ' must be a text part ({"type": "text", "text": ...}); other parts are not supported',
+                        sub=f"[{j}]",
+                    )
                 texts.append(part["text"])
             return "".join(texts)
         if content is None:
@@ -212,8 +274,10 @@ class _GenerationRequest(_Strict):
     def _not_implemented(cls, v: Any, info: ValidationInfo) -> Any:
         ok = cls.NOT_IMPLEMENTED.get(info.field_name)
         if ok is not None and v is not None and v not in ok:
-            raise _invalid(f"={json.dumps(v)[:80]} is not supported by this server (accepted: "
-                           f"{', '.join(json.dumps(o) for o in ok)}); drop the field")
+            raise _invalid(
+                f"={json.dumps(v)[:80]} is not supported by this server (accepted: "
+                f"{', '.join(json.dumps(o) for o in ok)}); drop the field"
+            )
         return v
 
     @field_validator("max_tokens")
@@ -259,7 +323,7 @@ class _GenerationRequest(_Strict):
     @field_validator("seed")
     @classmethod
     def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not 0 <= v < 2 ** 63:
+        if v is not None and not 0 <= v < 2**63:
             raise _invalid(f"={v}; it must be in 0 .. 2**63-1")
         return v
 
@@ -286,15 +350,23 @@ class _GenerationRequest(_Strict):
         one: call once per choice. ``ccft.core.sampling``, docs/design.md "Sampling"."""
         if not self.temperature:
             return SamplingParams()
-        return SamplingParams(do_sample=True, temperature=float(self.temperature),
-                              top_p=1.0 if self.top_p is None else float(self.top_p),
-                              seed=secrets.randbits(63) if self.seed is None else (self.seed + choice) % 2 ** 63)
+        return SamplingParams(
+            do_sample=True,
+            temperature=float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            seed=secrets.randbits(63) if self.seed is None else (self.seed + choice) % 2**63,
+        )
 
     def decode_params(self, max_tokens: int, choice: int = 0) -> DecodeParams:
         """The request's decoding settings whole (``DecodeParams``) for choice ``choice``: ``max_tokens``,
         ``stop``, ``ignore_eos``, ``sampling(choice)`` and the generated tokens' logprobs."""
-        return DecodeParams(max_new_tokens=int(max_tokens), stop=self.stop, ignore_eos=bool(self.ignore_eos),
-                            sampling=self.sampling(choice), logprobs=self.token_logprobs)
+        return DecodeParams(
+            max_new_tokens=int(max_tokens),
+            stop=self.stop,
+            ignore_eos=bool(self.ignore_eos),
+            sampling=self.sampling(choice),
+            logprobs=self.token_logprobs,
+        )
 
     @property
     def choices(self) -> int:
@@ -415,7 +487,7 @@ class ChatCompletionRequest(_GenerationRequest):
         if v is not None and not 0 <= v <= MAX_LOGPROBS:
             raise _invalid(f"={v}; it must be in 0..{MAX_LOGPROBS}")
         if v and not info.data.get("logprobs"):
-            raise _invalid(f"={v} needs \"logprobs\": true; set it (or drop top_logprobs)")
+            raise _invalid(f'={v} needs "logprobs": true; set it (or drop top_logprobs)')
         return v
 
     @property
@@ -448,8 +520,9 @@ class ChatCompletionRequest(_GenerationRequest):
         return super().new_tokens(default)
 
 
-def parse_request(raw: bytes | str, *, chat: bool, vocab_size: int | None = None
-                  ) -> CompletionRequest | ChatCompletionRequest:
+def parse_request(
+    raw: bytes | str, *, chat: bool, vocab_size: int | None = None
+) -> CompletionRequest | ChatCompletionRequest:
     """Validate a raw request body (JSON bytes) for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``.
 
     Raises:
@@ -466,9 +539,13 @@ def parse_request(raw: bytes | str, *, chat: bool, vocab_size: int | None = None
             found = _lone_surrogate(raw)
             if found is not None:
                 path, char = found
-                raise APIError(400, f"'{path}' holds a lone UTF-16 surrogate (\\u{ord(char):04x}), which is not "
-                                    "valid JSON text for this server; send the character itself or a surrogate "
-                                    "pair", param=path) from None
+                raise APIError(
+                    400,
+                    f"'{path}' holds a lone UTF-16 surrogate (\\u{ord(char):04x}), which is not "
+                    "valid JSON text for this server; send the character itself or a surrogate "
+                    "pair",
+                    param=path,
+                ) from None
         raise _api_error(err) from None
 
 
@@ -600,12 +677,17 @@ class LogprobText:
 
     def chat(self, ids: Sequence[int], entries: Sequence[TokenLogprob]) -> dict:
         """The chat object ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+
         def one(t: int, lp: float) -> dict:
             s = self.text(t)
             return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "backslashreplace"))}
 
-        return {"content": [{**one(tok, e[0]), "top_logprobs": [one(t, lp) for t, lp in e[1]]}
-                            for tok, e in zip(ids, entries, strict=True)]}
+        return {
+            "content": [
+                {**one(tok, e[0]), "top_logprobs": [one(t, lp) for t, lp in e[1]]}
+                for tok, e in zip(ids, entries, strict=True)
+            ]
+        }
 
 
 @dataclass
@@ -643,8 +725,9 @@ class Reply:
         n = len(self.prompt_ids)
         return Usage(prompt_tokens=n, completion_tokens=completion_tokens, total_tokens=n + completion_tokens)
 
-    def logprobs_of(self, ids: Sequence[int], entries: Sequence | None, *, offset: int = 0,
-                    prompt: Sequence | None = None) -> dict | None:
+    def logprobs_of(
+        self, ids: Sequence[int], entries: Sequence | None, *, offset: int = 0, prompt: Sequence | None = None
+    ) -> dict | None:
         """The choice's ``logprobs`` object for generated ``ids`` (None without ``logprobs``). ``prompt``:
         the prompt's entries (``echo``), placed before the generated tokens; ``offset``: text offset of the
         first token."""
@@ -659,8 +742,12 @@ class Reply:
             return self.tokens.completion(list(self.prompt_ids) + list(ids), list(prompt) + entries, offset)
         return self.tokens.completion(ids, entries, offset)
 
-    def completion(self, g: Generation | Sequence[Generation], logprobs: Sequence | None = None,
-                   prompt_logprobs: Sequence | None = None) -> dict:
+    def completion(
+        self,
+        g: Generation | Sequence[Generation],
+        logprobs: Sequence | None = None,
+        prompt_logprobs: Sequence | None = None,
+    ) -> dict:
         """The non-streaming response body of finished ``Generation``s (one per choice, or one).
 
         ``logprobs``: per choice, its tokens' entries (``Ticket.token_logprobs``); ``prompt_logprobs``:
@@ -670,23 +757,47 @@ class Reply:
         for i, gen in enumerate(gens):
             finish = FINISH_REASONS.get(gen.finish_reason, gen.finish_reason)
             entries = logprobs[i] if logprobs is not None else None
-            ids = ({"prompt_token_ids": list(self.prompt_ids), "token_ids": list(gen.token_ids)}
-                   if self.return_token_ids else {})
+            ids = (
+                {"prompt_token_ids": list(self.prompt_ids), "token_ids": list(gen.token_ids)}
+                if self.return_token_ids
+                else {}
+            )
             if self.chat:
-                choice = ChatChoice(index=i, message=AssistantMessage(role="assistant", content=gen.text), finish_reason=finish,
-                                    logprobs=self.logprobs_of(gen.token_ids, entries), **ids)
+                choice = ChatChoice(
+                    index=i,
+                    message=AssistantMessage(role="assistant", content=gen.text),
+                    finish_reason=finish,
+                    logprobs=self.logprobs_of(gen.token_ids, entries),
+                    **ids,
+                )
             else:
                 text = (self.prompt_text if self.echo else "") + gen.text
-                lp = self.logprobs_of(gen.token_ids, entries,
-                                      prompt=(prompt_logprobs or [None] * len(self.prompt_ids)) if self.echo else None)
+                lp = self.logprobs_of(
+                    gen.token_ids,
+                    entries,
+                    prompt=(prompt_logprobs or [None] * len(self.prompt_ids)) if self.echo else None,
+                )
                 choice = CompletionChoice(text=text, index=i, finish_reason=finish, logprobs=lp, **ids)
             choices.append(choice)
-        return CompletionResponse(id=self.rid, object="chat.completion" if self.chat else "text_completion",
-                                  created=self.created, model=self.model, choices=choices,
-                                  usage=self.usage(sum(len(gen.token_ids) for gen in gens))).body()
+        return CompletionResponse(
+            id=self.rid,
+            object="chat.completion" if self.chat else "text_completion",
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage(sum(len(gen.token_ids) for gen in gens)),
+        ).body()
 
-    def chunk(self, text: str, ids: list[int], finish: str | None = None, *, first: bool = False, index: int = 0,
-              logprobs: dict | None = None) -> dict:
+    def chunk(
+        self,
+        text: str,
+        ids: list[int],
+        finish: str | None = None,
+        *,
+        first: bool = False,
+        index: int = 0,
+        logprobs: dict | None = None,
+    ) -> dict:
         """One stream chunk of choice ``index``: ``text`` with the ``ids`` that produced it (chat: a
         ``delta``, with the role in the ``first`` chunk) and their ``logprobs`` object (``logprobs_of``)."""
         extra: dict = {}
@@ -695,12 +806,19 @@ class Reply:
             if first:
                 extra["prompt_token_ids"] = list(self.prompt_ids)
         if self.chat:
-            delta = Delta(role="assistant", content=text) if first else (Delta(content=text) if text else Delta())
-            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs, **extra)
+            delta = (
+                Delta(role="assistant", content=text) if first else (Delta(content=text) if text else Delta())
+            )
+            choice = ChatChunkChoice(
+                index=index, delta=delta, finish_reason=finish, logprobs=logprobs, **extra
+            )
         else:
-            choice = CompletionChoice(text=text, index=index, finish_reason=finish, logprobs=logprobs, **extra)
-        out = CompletionResponse(id=self.rid, object=self.chunk_object, created=self.created, model=self.model,
-                                 choices=[choice])
+            choice = CompletionChoice(
+                text=text, index=index, finish_reason=finish, logprobs=logprobs, **extra
+            )
+        out = CompletionResponse(
+            id=self.rid, object=self.chunk_object, created=self.created, model=self.model, choices=[choice]
+        )
         if self.include_usage:
             out.usage = None  # a set field: written as null in every chunk but the last
         return out.body()
@@ -708,5 +826,11 @@ class Reply:
     def usage_chunk(self, g: Generation | Sequence[Generation]) -> dict:
         """The last chunk of a stream with ``include_usage``: no choices, the usage (tokens of every choice)."""
         gens = [g] if isinstance(g, Generation) else list(g)
-        return CompletionResponse(id=self.rid, object=self.chunk_object, created=self.created, model=self.model,
-                                  choices=[], usage=self.usage(sum(len(gen.token_ids) for gen in gens))).body()
+        return CompletionResponse(
+            id=self.rid,
+            object=self.chunk_object,
+            created=self.created,
+            model=self.model,
+            choices=[],
+            usage=self.usage(sum(len(gen.token_ids) for gen in gens)),
+        ).body()

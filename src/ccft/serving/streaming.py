@@ -101,7 +101,7 @@ class StreamText:
                 text, self.held, self.stopped = text[:cut], "", True
             else:
                 keep = self.stop.holdback(text)
-                text, self.held = text[:len(text) - keep], text[len(text) - keep:]
+                text, self.held = text[: len(text) - keep], text[len(text) - keep :]
         if text:
             self._sent.append(text)
         return text
@@ -110,10 +110,13 @@ class StreamText:
         """The rest of ``final_text`` (the engine's ``Generation.text``) after what was sent: the last delta."""
         sent = self.sent
         if not final_text.startswith(sent):  # pragma: no cover - the engine's text extends every delta
-            log.warning("streamed text %r is not a prefix of the final text %r; sending nothing more",
-                        sent[-40:], final_text[-40:])
+            log.warning(
+                "streamed text %r is not a prefix of the final text %r; sending nothing more",
+                sent[-40:],
+                final_text[-40:],
+            )
             return ""
-        delta = final_text[len(sent):]
+        delta = final_text[len(sent) :]
         self._sent.append(delta)
         self.held = ""
         return delta
@@ -142,8 +145,14 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def choice_chunks(ticket: Ticket, sink: TokenSink, reply: Reply, text: StreamText, index: int = 0,
-                        prompt_ticket: Ticket | None = None) -> AsyncIterator[dict]:
+async def choice_chunks(
+    ticket: Ticket,
+    sink: TokenSink,
+    reply: Reply,
+    text: StreamText,
+    index: int = 0,
+    prompt_ticket: Ticket | None = None,
+) -> AsyncIterator[dict]:
     """The chunks of one choice: a chunk per batch of tokens that arrived together (empty text chunks
     only with ``return_token_ids`` or ``logprobs``), then the final chunk with the rest of the text and
     the finish reason; a failed or cancelled ticket ends with an error object instead. With ``echo``
@@ -157,7 +166,7 @@ async def choice_chunks(ticket: Ticket, sink: TokenSink, reply: Reply, text: Str
 
     def lp_of(ids: list[int]) -> dict | None:
         nonlocal pos, offset
-        out = reply.logprobs_of(ids, ticket.token_logprobs[pos:pos + len(ids)], offset=offset)
+        out = reply.logprobs_of(ids, ticket.token_logprobs[pos : pos + len(ids)], offset=offset)
         pos += len(ids)
         if out is not None and not reply.chat:
             offset += sum(len(t) for t in out["tokens"])
@@ -191,17 +200,25 @@ async def choice_chunks(ticket: Ticket, sink: TokenSink, reply: Reply, text: Str
     if ticket.state == "done" and ticket.result is not None:
         g = ticket.result
         finish = FINISH_REASONS.get(g.finish_reason, g.finish_reason)
-        yield reply.chunk(tail + text.finish(g.text), pending, finish, first=first, index=index,
-                          logprobs=lp_of(pending))
+        yield reply.chunk(
+            tail + text.finish(g.text), pending, finish, first=first, index=index, logprobs=lp_of(pending)
+        )
     else:
-        reason = ("the request was cancelled" if ticket.state == "cancelled"
-                  else f"the request failed: {ticket.error}")
+        reason = (
+            "the request was cancelled"
+            if ticket.state == "cancelled"
+            else f"the request failed: {ticket.error}"
+        )
         yield {"error": {"message": reason, "type": "server_error", "param": None, "code": ticket.state}}
 
 
-async def sse_events(tickets: Ticket | Sequence[Ticket], sinks: TokenSink | Sequence[TokenSink], reply: Reply,
-                     texts: StreamText | Sequence[StreamText], watcher: asyncio.Future | None = None
-                     ) -> AsyncIterator[str]:
+async def sse_events(
+    tickets: Ticket | Sequence[Ticket],
+    sinks: TokenSink | Sequence[TokenSink],
+    reply: Reply,
+    texts: StreamText | Sequence[StreamText],
+    watcher: asyncio.Future | None = None,
+) -> AsyncIterator[str]:
     """The SSE stream of one request with one or several choices (``n``): each choice's chunks
     (``choice_chunks``; choices interleave as their tokens arrive), the usage chunk
     (``include_usage``: every choice's tokens), then ``data: [DONE]``. Cancels the tickets (and
@@ -211,8 +228,10 @@ async def sse_events(tickets: Ticket | Sequence[Ticket], sinks: TokenSink | Sequ
     tickets = [tickets] if single else list(tickets)
     sinks = [sinks] if isinstance(sinks, TokenSink) else list(sinks)
     texts = [texts] if isinstance(texts, StreamText) else list(texts)
-    gens = [choice_chunks(t, s, reply, x, i, tickets[0]) for i, (t, s, x) in enumerate(zip(tickets, sinks, texts,
-                                                                                            strict=True))]
+    gens = [
+        choice_chunks(t, s, reply, x, i, tickets[0])
+        for i, (t, s, x) in enumerate(zip(tickets, sinks, texts, strict=True))
+    ]
     pumps: list[asyncio.Task] = []
     try:
         if len(gens) == 1:

@@ -54,6 +54,7 @@ class StoreError(CCFTError, RuntimeError):
 
 # ------------------------------------------------------------------ sizes and keys
 
+
 def kv_shape(config) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a decoder-only transformer config."""
     layers = config.num_hidden_layers
@@ -95,9 +96,11 @@ def check_free_space(path: str | Path, need: int, what: str = "C_base") -> None:
     the manifest, file-system slack), would not fit the free disk space at folder ``path``."""
     free = shutil.disk_usage(path).free
     if need * 1.05 + (64 << 20) > free:
-        raise StoreError(f"{what} needs ≈ {human(need)} but only {human(free)} is free at {path}; free space, "
-                         "choose another folder, use fewer rows or a shorter max_length, or train without a "
-                         "store (the prefill is computed on the fly)")
+        raise StoreError(
+            f"{what} needs ≈ {human(need)} but only {human(free)} is free at {path}; free space, "
+            "choose another folder, use fewer rows or a shorter max_length, or train without a "
+            "store (the prefill is computed on the fly)"
+        )
 
 
 def _sha256(path: Path) -> str:
@@ -117,6 +120,7 @@ def prefixes_of(examples: Iterable, handoff_tokens: int) -> list[tuple[int, ...]
 
 
 # ------------------------------------------------------------------ the store
+
 
 @dataclass
 class StoreReport:
@@ -156,8 +160,10 @@ class CacheStore:
         try:
             self.manifest = json.loads(mf.read_text())
         except (OSError, ValueError) as e:
-            raise StoreError(f"{self.path} is not a C_base store ({MANIFEST} unreadable: {e}); "
-                             "create it with `ccft precompute RECIPE`") from None
+            raise StoreError(
+                f"{self.path} is not a C_base store ({MANIFEST} unreadable: {e}); "
+                "create it with `ccft precompute RECIPE`"
+            ) from None
         if self.manifest.get("format") != FORMAT:
             raise StoreError(f"{mf}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
         self.fingerprint = self.manifest["fingerprint"]
@@ -173,11 +179,13 @@ class CacheStore:
         if base.fingerprint != self.fingerprint:
             raise FingerprintMismatchError(
                 f"C_base store {self.path} was computed by base {self.fingerprint} but the run's base is "
-                f"{base.fingerprint}; run `ccft precompute RECIPE` with this base (it rebuilds the store)")
+                f"{base.fingerprint}; run `ccft precompute RECIPE` with this base (it rebuilds the store)"
+            )
         if base.dtype != self.dtype:
             raise FingerprintMismatchError(
                 f"C_base store {self.path} holds {self.dtype} K/V but the run's base computes in {base.dtype}; "
-                "run `ccft precompute RECIPE` with the run's dtype (it rebuilds the store)")
+                "run `ccft precompute RECIPE` with the run's dtype (it rebuilds the store)"
+            )
 
     def __contains__(self, key: str) -> bool:
         return key in self.index
@@ -194,7 +202,8 @@ class CacheStore:
                 raise CacheMutatedError(
                     f"C_base store shard {self.path / name} is missing or changed since it was written (size, "
                     f"sha256 or keys differ from {MANIFEST}); C_base is a constant. Run `ccft precompute RECIPE` "
-                    "to recompute its entries")
+                    "to recompute its entries"
+                )
             handle = safe_open(str(self.path / name), framework="pt", device="cpu")  # mmap
             self._handles[name] = handle
         return handle
@@ -208,7 +217,9 @@ class CacheStore:
         f = self._open(name)
         return f.get_tensor(f"{key}.k"), f.get_tensor(f"{key}.v")
 
-    def batch_cache(self, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor, *, base):
+    def batch_cache(
+        self, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor, *, base
+    ):
         """The ``BaseCache`` of a collated batch from stored entries, or None if any row is missing.
 
         Args:
@@ -228,7 +239,7 @@ class CacheStore:
         lengths = prefix_mask.sum(-1).tolist()
         rows = []
         for i in range(b):
-            ids = prefix_ids[i, p - lengths[i]:].tolist()
+            ids = prefix_ids[i, p - lengths[i] :].tolist()
             kv = self.get(ids)
             if kv is None:
                 self.misses += 1
@@ -241,16 +252,24 @@ class CacheStore:
         vs = torch.zeros_like(ks)
         for i, (k, v) in enumerate(rows):
             n = lengths[i]
-            ks[:, i, :, p - n:] = k
-            vs[:, i, :, p - n:] = v
-        return BaseCache.from_tensors(tuple(ks.unbind(0)), tuple(vs.unbind(0)), prefix_mask, tail_ids, tail_ids.shape[1],
-                     self.fingerprint, "base")
+            ks[:, i, :, p - n :] = k
+            vs[:, i, :, p - n :] = v
+        return BaseCache.from_tensors(
+            tuple(ks.unbind(0)),
+            tuple(vs.unbind(0)),
+            prefix_mask,
+            tail_ids,
+            tail_ids.shape[1],
+            self.fingerprint,
+            "base",
+        )
 
     def close(self) -> None:
         self._handles.clear()
 
 
 # ------------------------------------------------------------------ writing / checking
+
 
 def _read_manifest(path: Path) -> dict | None:
     try:
@@ -290,17 +309,31 @@ def check_shards(path: Path, manifest: dict, *, verify: str = "sha256") -> list[
 
 def _stale_reason(manifest: dict, base) -> str | None:
     layers, kv, head_dim = kv_shape(base.config)
-    want = {"fingerprint": base.fingerprint, "dtype": DTYPE_NAMES.get(base.dtype, str(base.dtype)),
-            "layers": layers, "kv_heads": kv, "head_dim": head_dim}
+    want = {
+        "fingerprint": base.fingerprint,
+        "dtype": DTYPE_NAMES.get(base.dtype, str(base.dtype)),
+        "layers": layers,
+        "kv_heads": kv,
+        "head_dim": head_dim,
+    }
     for k, v in want.items():
         if manifest.get(k) != v:
             return f"{k} {manifest.get(k)!r} != {v!r}"
     return None
 
 
-def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: int = 1, batch_size: int = 8,
-               shard_bytes: int = 256 << 20, verify: str = "sha256", check_disk: bool = True,
-               log=print) -> StoreReport:
+def precompute(
+    base,
+    examples: Sequence,
+    path: str | Path,
+    *,
+    handoff_tokens: int = 1,
+    batch_size: int = 8,
+    shard_bytes: int = 256 << 20,
+    verify: str = "sha256",
+    check_disk: bool = True,
+    log=print,
+) -> StoreReport:
     """Make ``path`` hold C_base for every prefix of ``examples`` (tokenised rows); return what was done.
 
     Prints the size estimate first; refuses with StoreError when the missing entries would not fit the
@@ -317,9 +350,11 @@ def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: in
     report.tokens = sum(len(p) for p in prefixes)
     report.estimate_bytes = estimate_bytes(base.config, base.dtype, report.tokens)
     layers, kv, head_dim = kv_shape(base.config)
-    log(f"[ccft] C_base store {path}: {len(prefixes)} prefixes, {report.tokens} tokens × "
+    log(
+        f"[ccft] C_base store {path}: {len(prefixes)} prefixes, {report.tokens} tokens × "
         f"{bytes_per_token(base.config, base.dtype)} B/token ({layers} layers × 2 × {kv} kv heads × {head_dim} "
-        f"head dim × {torch.empty((), dtype=base.dtype).element_size()} B) ≈ {human(report.estimate_bytes)}")
+        f"head dim × {torch.empty((), dtype=base.dtype).element_size()} B) ≈ {human(report.estimate_bytes)}"
+    )
 
     manifest = _read_manifest(path)
     if manifest is not None:
@@ -330,9 +365,15 @@ def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: in
                 (path / name).unlink(missing_ok=True)
             manifest = None
     if manifest is None:
-        manifest = {"format": FORMAT, "fingerprint": base.fingerprint,
-                    "dtype": DTYPE_NAMES.get(base.dtype, str(base.dtype)), "layers": layers, "kv_heads": kv,
-                    "head_dim": head_dim, "shards": {}}
+        manifest = {
+            "format": FORMAT,
+            "fingerprint": base.fingerprint,
+            "dtype": DTYPE_NAMES.get(base.dtype, str(base.dtype)),
+            "layers": layers,
+            "kv_heads": kv,
+            "head_dim": head_dim,
+            "shards": {},
+        }
     else:
         report.corrupt_shards = check_shards(path, manifest, verify=verify)
         for name in report.corrupt_shards:
@@ -363,10 +404,15 @@ def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: in
 
         name = f"shard-{next_id:05d}.safetensors"
         next_id += 1
-        atomic_write_file(path / name, lambda tmp: save_file(pending, tmp, metadata={
-            "format": FORMAT, "fingerprint": base.fingerprint}))
-        manifest["shards"][name] = {"bytes": (path / name).stat().st_size, "sha256": _sha256(path / name),
-                                    "keys": pending_keys}
+        atomic_write_file(
+            path / name,
+            lambda tmp: save_file(pending, tmp, metadata={"format": FORMAT, "fingerprint": base.fingerprint}),
+        )
+        manifest["shards"][name] = {
+            "bytes": (path / name).stat().st_size,
+            "sha256": _sha256(path / name),
+            "keys": pending_keys,
+        }
         _write_manifest(path, manifest)  # after every shard: an interrupted run keeps what it finished
         pending, pending_keys, pending_bytes = {}, [], 0
 
@@ -374,17 +420,22 @@ def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: in
     order = sorted(todo, key=len)
     pad = pad_token_id(base.tokenizer)
     for s in range(0, len(order), batch_size):
-        chunk = order[s:s + batch_size]
+        chunk = order[s : s + batch_size]
         # ``prefill`` runs prompt[:-1]: give it prefix + one dummy handoff token.
         with torch.no_grad(), base.base_weights() as model:
-            cache = prefill(model, [list(c) + [pad] for c in chunk], handoff_tokens=1, pad_token_id=pad,
-                            fingerprint=base.fingerprint)
+            cache = prefill(
+                model,
+                [list(c) + [pad] for c in chunk],
+                handoff_tokens=1,
+                pad_token_id=pad,
+                fingerprint=base.fingerprint,
+            )
         width = cache.attention_mask.shape[1]
         for i, c in enumerate(chunk):
             n = len(c)
             key = entry_key(base.fingerprint, base.dtype, c)
-            k = torch.stack([t[i, :, width - n:] for t in cache.keys]).contiguous().cpu()
-            v = torch.stack([t[i, :, width - n:] for t in cache.values]).contiguous().cpu()
+            k = torch.stack([t[i, :, width - n :] for t in cache.keys]).contiguous().cpu()
+            v = torch.stack([t[i, :, width - n :] for t in cache.values]).contiguous().cpu()
             pending[f"{key}.k"], pending[f"{key}.v"] = k, v
             pending_keys.append(key)
             pending_bytes += 2 * k.numel() * k.element_size()
@@ -395,14 +446,17 @@ def precompute(base, examples: Sequence, path: str | Path, *, handoff_tokens: in
     report.shards = len(manifest["shards"])
     report.bytes_on_disk = sum(info["bytes"] for info in manifest["shards"].values())
     report.seconds = time.time() - start
-    log(f"[ccft] C_base store ready: {report.reused} reused, {report.computed} computed, "
+    log(
+        f"[ccft] C_base store ready: {report.reused} reused, {report.computed} computed, "
         f"{len(report.corrupt_shards)} corrupt shard(s) replaced, {report.shards} shard(s), "
-        f"{human(report.bytes_on_disk)} on disk, {report.seconds:.1f}s")
+        f"{human(report.bytes_on_disk)} on disk, {report.seconds:.1f}s"
+    )
     return report
 
 
-def open_store_for_training(path: str | Path, base, train_set, *, handoff_tokens: int, eval_set=None,
-                            verify: str = "sha256") -> CacheStore:
+def open_store_for_training(
+    path: str | Path, base, train_set, *, handoff_tokens: int, eval_set=None, verify: str = "sha256"
+) -> CacheStore:
     """Bring the store at ``path`` up to date for the run's rows (``precompute``) and open it."""
     examples = list(train_set.examples) + (list(eval_set.examples) if eval_set is not None else [])
 
@@ -415,5 +469,16 @@ def open_store_for_training(path: str | Path, base, train_set, *, handoff_tokens
     return store
 
 
-__all__ = ["CacheStore", "StoreError", "StoreReport", "precompute", "open_store_for_training", "estimate_bytes",
-           "bytes_per_token", "entry_key", "kv_shape", "check_shards", "check_free_space"]
+__all__ = [
+    "CacheStore",
+    "StoreError",
+    "StoreReport",
+    "precompute",
+    "open_store_for_training",
+    "estimate_bytes",
+    "bytes_per_token",
+    "entry_key",
+    "kv_shape",
+    "check_shards",
+    "check_free_space",
+]

@@ -36,8 +36,11 @@ RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 
 #: Built-in datasets: name -> split files and the column mapping to {prompt, response}.
 BUILTIN_DATASETS: dict[str, dict[str, Any]] = {
-    "gsm8k": {"train": RESOURCES / "gsm8k" / "train.jsonl", "test": RESOURCES / "gsm8k" / "test.jsonl",
-              "columns": {"prompt": "question", "response": "answer"}},
+    "gsm8k": {
+        "train": RESOURCES / "gsm8k" / "train.jsonl",
+        "test": RESOURCES / "gsm8k" / "test.jsonl",
+        "columns": {"prompt": "question", "response": "answer"},
+    },
     # Code: MBPP train split (task ids 601-974) in HumanEval's completion format; train with
     # chat_template=false so rows look like HumanEval / MultiPL-E prompts (resources/mbpp/README.md).
     "mbpp": {"train": RESOURCES / "mbpp" / "train.jsonl", "columns": None},
@@ -56,15 +59,20 @@ def resolve_data(spec: str, columns: dict | None = None) -> tuple[str, dict | No
         ds = BUILTIN_DATASETS[name]
         split = split or "train"
         if split not in ds:
-            raise ConfigError(f"dataset {spec!r}: unknown split {split!r}; use one of "
-                              f"{[k for k in ds if k != 'columns']}")
+            raise ConfigError(
+                f"dataset {spec!r}: unknown split {split!r}; use one of {[k for k in ds if k != 'columns']}"
+            )
         return str(ds[split]), columns if columns is not None else ds["columns"]
     if Path(spec).is_dir():
-        raise ConfigError(f"data {spec!r} is a directory; give a .jsonl/.json file or a built-in dataset "
-                          f"({', '.join(BUILTIN_DATASETS)}; e.g. gsm8k:train)")
+        raise ConfigError(
+            f"data {spec!r} is a directory; give a .jsonl/.json file or a built-in dataset "
+            f"({', '.join(BUILTIN_DATASETS)}; e.g. gsm8k:train)"
+        )
     if not Path(spec).is_file():
-        raise ConfigError(f"data {spec!r} is neither a built-in dataset ({', '.join(BUILTIN_DATASETS)}"
-                          "; e.g. gsm8k:train) nor an existing .jsonl/.json file")
+        raise ConfigError(
+            f"data {spec!r} is neither a built-in dataset ({', '.join(BUILTIN_DATASETS)}"
+            "; e.g. gsm8k:train) nor an existing .jsonl/.json file"
+        )
     return str(spec), columns
 
 
@@ -104,7 +112,10 @@ class TrainConfig(TrainingArguments):
             of this many tokens (docs/training.md, "Training memory"). 0: every batch is checkpointed.
     """
 
-    output_dir: str = field(default="runs/ccft", metadata={"help": "Run folder: the final decoder (with ccft.json) and its checkpoint-N/ folders."})
+    output_dir: str = field(
+        default="runs/ccft",
+        metadata={"help": "Run folder: the final decoder (with ccft.json) and its checkpoint-N/ folders."},
+    )
     method: str = field(default="ccft", metadata={"help": "ccft | full-ft"})
     base: str = field(default=DEFAULT_BASE, metadata={"help": "Base model: embedded name, folder or HF id."})
     decoder_kind: str = field(default="lora", metadata={"help": "lora | full"})
@@ -114,31 +125,62 @@ class TrainConfig(TrainingArguments):
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        metadata={"help": "Modules that get LoRA adapters."})
-    train_data: str = field(default="gsm8k:train", metadata={"help": "Built-in name:split or .jsonl/.json path."})
-    eval_data: str | None = field(default=None, metadata={"help": "Held-out data for eval NLL during training."})
+        metadata={"help": "Modules that get LoRA adapters."},
+    )
+    train_data: str = field(
+        default="gsm8k:train", metadata={"help": "Built-in name:split or .jsonl/.json path."}
+    )
+    eval_data: str | None = field(
+        default=None, metadata={"help": "Held-out data for eval NLL during training."}
+    )
     train_rows: int | None = field(default=None, metadata={"help": "Use the first N training rows."})
     eval_rows: int | None = field(default=None, metadata={"help": "Use the first N eval rows."})
     data_offset: int = field(default=0, metadata={"help": "Skip this many rows before train_rows."})
     columns: dict[str, str] | None = field(default=None, metadata={"help": "ccft field -> source column."})
     max_length: int = field(default=512, metadata={"help": "Drop rows longer than this many tokens."})
-    chat_template: str = field(default="auto", metadata={"help": "auto | true | false (a YAML boolean works too)."})
+    chat_template: str = field(
+        default="auto", metadata={"help": "auto | true | false (a YAML boolean works too)."}
+    )
     system_prompt: str | None = field(default=None, metadata={"help": "Optional system turn."})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16."})
-    train_path: str = field(default="auto", metadata={
-        "help": "auto | two-pass | one-pass: how CCFT computes C_base for LoRA decoders (auto: the faster)."})
-    base_cache_store: str | None = field(default=None, metadata={
-        "help": "Folder of precomputed C_base (`ccft precompute`); stale or corrupt shards are recomputed."})
-    loss_chunk_tokens: int = field(default=1024, metadata={
-        "help": "Supervised tokens per LM-head + cross-entropy chunk (no full-vocabulary logits); 0: full logits."})
-    freeze_embeddings: bool = field(default=True, metadata={
-        "help": "decoder_kind=full: freeze the input embedding (with tied embeddings also the LM head)."})
-    padding_free: bool = field(default=True, metadata={
-        "help": "method=full-ft: run a batch's rows as one sequence without pads (as TRL's padding_free); "
-                "false: the padded layout."})
-    activation_checkpointing_min_tokens: int = field(default=0, metadata={
-        "help": "With activation_checkpointing: checkpoint only batches of at least this many token positions "
-                "with gradient (rows x padded length); shorter ones keep their activations. 0: every batch."})
+    train_path: str = field(
+        default="auto",
+        metadata={
+            "help": "auto | two-pass | one-pass: how CCFT computes C_base for LoRA decoders (auto: the faster)."
+        },
+    )
+    base_cache_store: str | None = field(
+        default=None,
+        metadata={
+            "help": "Folder of precomputed C_base (`ccft precompute`); stale or corrupt shards are recomputed."
+        },
+    )
+    loss_chunk_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "Supervised tokens per LM-head + cross-entropy chunk (no full-vocabulary logits); 0: full logits."
+        },
+    )
+    freeze_embeddings: bool = field(
+        default=True,
+        metadata={
+            "help": "decoder_kind=full: freeze the input embedding (with tied embeddings also the LM head)."
+        },
+    )
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "method=full-ft: run a batch's rows as one sequence without pads (as TRL's padding_free); "
+            "false: the padded layout."
+        },
+    )
+    activation_checkpointing_min_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "With activation_checkpointing: checkpoint only batches of at least this many token positions "
+            "with gradient (rows x padded length); shorter ones keep their activations. 0: every batch."
+        },
+    )
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -155,29 +197,42 @@ class TrainConfig(TrainingArguments):
         if self.train_path not in ("auto", "two-pass", "one-pass"):
             raise ConfigError(f"train_path={self.train_path!r}; use auto, two-pass or one-pass")
         if self.train_path == "one-pass" and (self.decoder_kind != "lora" or self.method != "ccft"):
-            raise ConfigError("train_path=one-pass applies to method=ccft with decoder_kind=lora only; "
-                              "use train_path=auto")
-        for name, low in (("per_device_train_batch_size", 1), ("per_device_eval_batch_size", 1),
-                          ("gradient_accumulation_steps", 1), ("lora_r", 1), ("data_offset", 0),
-                          ("loss_chunk_tokens", 0), ("activation_checkpointing_min_tokens", 0)):
+            raise ConfigError(
+                "train_path=one-pass applies to method=ccft with decoder_kind=lora only; use train_path=auto"
+            )
+        for name, low in (
+            ("per_device_train_batch_size", 1),
+            ("per_device_eval_batch_size", 1),
+            ("gradient_accumulation_steps", 1),
+            ("lora_r", 1),
+            ("data_offset", 0),
+            ("loss_chunk_tokens", 0),
+            ("activation_checkpointing_min_tokens", 0),
+        ):
             if getattr(self, name) < low:
                 raise ConfigError(f"{name}={getattr(self, name)}; it must be ≥ {low}")
         for name in ("train_rows", "eval_rows"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}; give a positive row count or leave it unset (all rows)")
+                raise ConfigError(
+                    f"{name}={getattr(self, name)}; give a positive row count or leave it unset (all rows)"
+                )
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"lora_dropout={self.lora_dropout}; it must be in [0, 1)")
         if not self.lora_target_modules and self.decoder_kind == "lora":
-            raise ConfigError("lora_target_modules is empty; name the modules that get adapters (e.g. [q_proj, v_proj])")
+            raise ConfigError(
+                "lora_target_modules is empty; name the modules that get adapters (e.g. [q_proj, v_proj])"
+            )
         if self.max_length < 2:
             raise ConfigError(f"max_length={self.max_length}; it must be ≥ 2")
         if self.gradient_checkpointing and not self.gradient_checkpointing_kwargs:
             self.gradient_checkpointing_kwargs = {"use_reentrant": False}
         super().__post_init__()
         if self.activation_checkpointing_min_tokens and not self.activation_checkpointing:
-            raise ConfigError(f"activation_checkpointing_min_tokens={self.activation_checkpointing_min_tokens} "
-                              "needs activation_checkpointing: true (it picks which batches are checkpointed); "
-                              "set activation_checkpointing: true or remove the key")
+            raise ConfigError(
+                f"activation_checkpointing_min_tokens={self.activation_checkpointing_min_tokens} "
+                "needs activation_checkpointing: true (it picks which batches are checkpointed); "
+                "set activation_checkpointing: true or remove the key"
+            )
 
     @property
     def chat_template_flag(self) -> bool | str:
@@ -252,10 +307,18 @@ def _parse_value(cls, key: str, value: Any, where: str) -> Any:
     members = tuple(typing.get_origin(a) or a for a in _union(tp))
 
     def bad(reason: str = "") -> ConfigError:
-        name = " | ".join("None" if a is type(None) else a.__name__ if isinstance(a, type) else
-                          str(a).replace("typing.", "") for a in _union(tp))
-        return ConfigError(f"{where}: key {key!r} expects {name}, got {value!r} ({type(value).__name__})"
-                           f"{' (' + reason + ')' if reason else ''}; fix the value in the recipe or override")
+        name = " | ".join(
+            "None"
+            if a is type(None)
+            else a.__name__
+            if isinstance(a, type)
+            else str(a).replace("typing.", "")
+            for a in _union(tp)
+        )
+        return ConfigError(
+            f"{where}: key {key!r} expects {name}, got {value!r} ({type(value).__name__})"
+            f"{' (' + reason + ')' if reason else ''}; fix the value in the recipe or override"
+        )
 
     def parse(text: str) -> Any:
         try:
@@ -291,8 +354,14 @@ def _parse_value(cls, key: str, value: Any, where: str) -> Any:
     return one(value)
 
 
-def _validate(raw: dict, cls, where: str, lines: dict[str, int] | None = None, overridden: set | None = None,
-              prefix: str = "") -> dict:
+def _validate(
+    raw: dict,
+    cls,
+    where: str,
+    lines: dict[str, int] | None = None,
+    overridden: set | None = None,
+    prefix: str = "",
+) -> dict:
     """Check every key of ``raw`` against ``cls``'s fields and convert its value (``_parse_value``).
 
     ``lines``: the recipe line of each key (``FILE:LINE`` in the messages); ``overridden``: the keys a
@@ -307,7 +376,9 @@ def _validate(raw: dict, cls, where: str, lines: dict[str, int] | None = None, o
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{at}: unknown key {key!r}{hint} (see `ccft train --help-config` for the fields)")
+            raise ConfigError(
+                f"{at}: unknown key {key!r}{hint} (see `ccft train --help-config` for the fields)"
+            )
         out[key] = _parse_value(cls, key, value, at)
     return out
 
@@ -323,7 +394,13 @@ def _key_lines(text: str) -> tuple[dict[str, int], dict[str, int]]:
         if isinstance(k, yaml.ScalarNode):
             top[str(k.value)] = k.start_mark.line + 1
             if k.value == "eval" and isinstance(v, yaml.MappingNode):
-                sub.update({str(kk.value): kk.start_mark.line + 1 for kk, _ in v.value if isinstance(kk, yaml.ScalarNode)})
+                sub.update(
+                    {
+                        str(kk.value): kk.start_mark.line + 1
+                        for kk, _ in v.value
+                        if isinstance(kk, yaml.ScalarNode)
+                    }
+                )
     return top, sub
 
 
@@ -336,16 +413,20 @@ def check_paths(cfg: "TrainConfig", where: str = "config") -> None:
     """
     resume = getattr(cfg, "resume_from_checkpoint", None)
     if isinstance(resume, str) and resume and not Path(resume).is_dir():
-        raise ConfigError(f"{where}: resume_from_checkpoint {resume!r} is not a checkpoint folder "
-                          f"({'a file' if Path(resume).exists() else 'it does not exist'})")
+        raise ConfigError(
+            f"{where}: resume_from_checkpoint {resume!r} is not a checkpoint folder "
+            f"({'a file' if Path(resume).exists() else 'it does not exist'})"
+        )
     for key in ("output_dir", "base_cache_store"):
         value = getattr(cfg, key, None)
         if not value:
             continue
         path = Path(value)
         if path.exists() and not path.is_dir():
-            raise ConfigError(f"{where}: {key} {str(path)!r} is an existing file, not a folder; choose another "
-                              f"{key} or move the file")
+            raise ConfigError(
+                f"{where}: {key} {str(path)!r} is an existing file, not a folder; choose another "
+                f"{key} or move the file"
+            )
         parent = path
         while not parent.exists():
             parent = parent.parent
@@ -355,10 +436,14 @@ def check_paths(cfg: "TrainConfig", where: str = "config") -> None:
             raise ConfigError(f"{where}: {key} {str(path)!r}: {str(parent)!r} is not writable by this user")
     base = Path(str(cfg.base))
     if base.exists() and not base.is_dir():
-        raise ConfigError(f"{where}: base {str(base)!r} is a file; give a model folder (config.json, weights, "
-                          "tokenizer), an embedded model name or a hub id")
+        raise ConfigError(
+            f"{where}: base {str(base)!r} is a file; give a model folder (config.json, weights, "
+            "tokenizer), an embedded model name or a hub id"
+        )
     if base.is_dir() and not (base / "config.json").is_file():
-        raise ConfigError(f"{where}: base folder {str(base)!r} has no config.json; give a Hugging Face model folder")
+        raise ConfigError(
+            f"{where}: base folder {str(base)!r} has no config.json; give a Hugging Face model folder"
+        )
 
 
 def parse_override(item: str, example: str = "max_steps=10") -> tuple[str, Any]:
@@ -378,8 +463,10 @@ def parse_override(item: str, example: str = "max_steps=10") -> tuple[str, Any]:
     try:
         parsed = yaml.safe_load(value) if text else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {key}={value!r} is not a valid YAML value "
-                          f"({getattr(e, 'problem', None) or e}); fix the brackets or quotes") from None
+        raise ConfigError(
+            f"override {key}={value!r} is not a valid YAML value "
+            f"({getattr(e, 'problem', None) or e}); fix the brackets or quotes"
+        ) from None
     if isinstance(parsed, (str, dict, list)) and not text.startswith(("{", "[", "'", '"')):
         parsed = text
     return key, parsed
@@ -397,8 +484,9 @@ def parse_overrides(overrides: list[str] | None) -> dict:
     return out
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
-                **extra: Any) -> tuple[TrainConfig, EvalConfig, dict]:
+def load_recipe(
+    path: str | Path | None, overrides: list[str] | None = None, **extra: Any
+) -> tuple[TrainConfig, EvalConfig, dict]:
     """Parse and validate a recipe YAML plus ``key=value`` overrides (``eval.KEY=value`` for the eval section).
 
     Returns (TrainConfig, EvalConfig, the merged raw dict recorded in ``ccft.json``). Raises
@@ -412,14 +500,18 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
     if path is not None:
         p = Path(path)
         if p.is_dir():
-            raise ConfigError(f"recipe {p} is a directory; give a recipe .yaml file (see recipes/ for examples)")
+            raise ConfigError(
+                f"recipe {p} is a directory; give a recipe .yaml file (see recipes/ for examples)"
+            )
         if not p.is_file():
             raise ConfigError(f"recipe {p} does not exist; see recipes/ for examples")
         where = str(p)
         try:
             text = p.read_bytes().decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason}); save the recipe as UTF-8") from None
+            raise ConfigError(
+                f"{p}: not UTF-8 text (byte {e.start}: {e.reason}); save the recipe as UTF-8"
+            ) from None
         except OSError as e:
             raise ConfigError(f"recipe {p} cannot be read: {e.strerror}") from None
         try:
@@ -445,8 +537,14 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None,
     raw.update(ov)
     raw.update(extra)
     train_kw = _validate(raw, TrainConfig, where, lines, set(ov))
-    eval_kw = _validate(eval_raw, EvalConfig, f"{where} (eval section)" if not eval_lines else where, eval_lines,
-                        set(eval_ov), "eval.")
+    eval_kw = _validate(
+        eval_raw,
+        EvalConfig,
+        f"{where} (eval section)" if not eval_lines else where,
+        eval_lines,
+        set(eval_ov),
+        "eval.",
+    )
     train_kw.setdefault("report_to", "none")
     try:
         (cfg,) = _parser(TrainConfig)[0].parse_dict(train_kw)

@@ -73,6 +73,7 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
 # ---------------------------------------------------------------- loading rows
 
+
 def read_data_file(path: str | Path) -> tuple[list[dict], list[int]]:
     """Rows of a ``.jsonl`` (one JSON object a line) or ``.json`` (a list of objects) file, and each row's line.
 
@@ -92,14 +93,18 @@ def read_data_file(path: str | Path) -> tuple[list[dict], list[int]]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8") from None
+        raise DataError(
+            f"{path}:{line}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8"
+        ) from None
     if path.suffix == ".json":
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
         if not isinstance(rows, list):
-            raise DataError(f"{path}:1: a .json data file holds a list of row objects, got {type(rows).__name__}")
+            raise DataError(
+                f"{path}:1: a .json data file holds a list of row objects, got {type(rows).__name__}"
+            )
         starts = _json_row_lines(text, len(rows))
     else:
         rows, starts = [], []
@@ -109,8 +114,10 @@ def read_data_file(path: str | Path) -> tuple[list[dict], list[int]]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}:{e.colno}: not valid JSON: {e.msg} (a .jsonl file holds one JSON "
-                                "object a line)") from None
+                raise DataError(
+                    f"{path}:{n}:{e.colno}: not valid JSON: {e.msg} (a .jsonl file holds one JSON "
+                    "object a line)"
+                ) from None
             starts.append(n)
     for row, n in zip(rows, starts, strict=True):
         if not isinstance(row, dict):
@@ -130,8 +137,9 @@ def _json_row_lines(text: str, n: int) -> list[int]:
     return lines
 
 
-def load_rows(source: Any, columns: dict[str, str] | None = None, limit: int | None = None,
-              offset: int = 0) -> list[dict]:
+def load_rows(
+    source: Any, columns: dict[str, str] | None = None, limit: int | None = None, offset: int = 0
+) -> list[dict]:
     """Rows from a list of dicts, a ``.jsonl``/``.json`` path, or a ``datasets.Dataset``.
 
     Args:
@@ -149,9 +157,11 @@ def load_rows(source: Any, columns: dict[str, str] | None = None, limit: int | N
     elif hasattr(source, "to_list") and hasattr(source, "column_names"):  # datasets.Dataset
         rows = source.to_list()
     else:
-        raise DataError(f"unsupported data source of type {type(source).__name__}; "
-                        "pass a list of dicts, a .jsonl/.json path or a datasets.Dataset")
-    rows = rows[offset: offset + limit if limit is not None else None]
+        raise DataError(
+            f"unsupported data source of type {type(source).__name__}; "
+            "pass a list of dicts, a .jsonl/.json path or a datasets.Dataset"
+        )
+    rows = rows[offset : offset + limit if limit is not None else None]
     for i, row in enumerate(rows):
         if not isinstance(row, Mapping):
             raise DataError(f"{where(offset + i)}: a row must be a mapping, got {type(row).__name__}")
@@ -161,8 +171,10 @@ def load_rows(source: Any, columns: dict[str, str] | None = None, limit: int | N
             new = dict(row)
             for ours, theirs in columns.items():
                 if theirs not in row:
-                    raise DataError(f"{where(offset + i)}: column {theirs!r} (mapped to {ours!r}) is missing; "
-                                    f"row has {sorted(row)}; fix the `columns` mapping")
+                    raise DataError(
+                        f"{where(offset + i)}: column {theirs!r} (mapped to {ours!r}) is missing; "
+                        f"row has {sorted(row)}; fix the `columns` mapping"
+                    )
                 new[ours] = row[theirs]
             out.append(new)
         rows = out
@@ -198,12 +210,16 @@ def split_row(row: dict, index: int = -1) -> tuple[str | list[dict], str, list |
                 raise DataError(f"{where}: messages[{j}] must be a mapping with a string `role`")
             content = m.get("content")
             if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
-                raise DataError(f"{where}: messages[{j}] ({m.get('role')}) needs a string `content`, "
-                                f"got {type(content).__name__}")
+                raise DataError(
+                    f"{where}: messages[{j}] ({m.get('role')}) needs a string `content`, "
+                    f"got {type(content).__name__}"
+                )
         last = msgs[-1]
         if last.get("role") != "assistant":
-            raise DataError(f"{where}: the chat has no final assistant turn to supervise "
-                            f"(last role is {last.get('role')!r}); end each conversation with an assistant message")
+            raise DataError(
+                f"{where}: the chat has no final assistant turn to supervise "
+                f"(last role is {last.get('role')!r}); end each conversation with an assistant message"
+            )
         if len(msgs) < 2:
             raise DataError(f"{where}: the chat has an assistant turn but no prompt before it")
         response = last.get("content")
@@ -213,12 +229,16 @@ def split_row(row: dict, index: int = -1) -> tuple[str | list[dict], str, list |
             tools = json.loads(tools)
     else:
         if "prompt" not in row:
-            raise DataError(f"{where}: no `prompt` (or `messages`) field; row has {sorted(row)}; "
-                            "map your columns with columns={'prompt': ..., 'response': ...}")
+            raise DataError(
+                f"{where}: no `prompt` (or `messages`) field; row has {sorted(row)}; "
+                "map your columns with columns={'prompt': ..., 'response': ...}"
+            )
         prompt = row["prompt"]
         if not isinstance(prompt, (str, list)):
-            raise DataError(f"{where}: `prompt` must be a string (or a list of chat messages), "
-                            f"got {type(prompt).__name__}")
+            raise DataError(
+                f"{where}: `prompt` must be a string (or a list of chat messages), "
+                f"got {type(prompt).__name__}"
+            )
         response = row.get("response", row.get("completion"))
         tools = None
         if response is None:
@@ -230,19 +250,35 @@ def split_row(row: dict, index: int = -1) -> tuple[str | list[dict], str, list |
     return prompt, response, tools
 
 
-def tokenize_row(tokenizer, row: dict, *, index: int = -1, chat_template: bool | str = "auto",
-                 system_prompt: str | None = None) -> Example:
+def tokenize_row(
+    tokenizer,
+    row: dict,
+    *,
+    index: int = -1,
+    chat_template: bool | str = "auto",
+    system_prompt: str | None = None,
+) -> Example:
     """One row -> Example (prompt ids; response ids + EOS). Raises DataError on a malformed row."""
     prompt, response, tools = split_row(row, index)
-    p = tokenize_prompt(tokenizer, prompt, chat_template=chat_template, system_prompt=system_prompt, tools=tools)
+    p = tokenize_prompt(
+        tokenizer, prompt, chat_template=chat_template, system_prompt=system_prompt, tools=tools
+    )
     r = tokenize_response(tokenizer, response)
     return Example(tuple(p), tuple(r), index)
 
 
-def build_dataset(rows: Iterable[dict] | Any, tokenizer, *, max_length: int = 512, handoff_tokens: int = 1,
-                  chat_template: bool | str = "auto", system_prompt: str | None = None,
-                  columns: dict[str, str] | None = None, limit: int | None = None, offset: int = 0
-                  ) -> TokenizedDataset:
+def build_dataset(
+    rows: Iterable[dict] | Any,
+    tokenizer,
+    *,
+    max_length: int = 512,
+    handoff_tokens: int = 1,
+    chat_template: bool | str = "auto",
+    system_prompt: str | None = None,
+    columns: dict[str, str] | None = None,
+    limit: int | None = None,
+    offset: int = 0,
+) -> TokenizedDataset:
     """Tokenise rows for training or evaluation.
 
     Rows with ``len(prompt)+len(response)+1 > max_length`` are dropped and counted in
@@ -250,32 +286,51 @@ def build_dataset(rows: Iterable[dict] | Any, tokenizer, *, max_length: int = 51
     than ``handoff_tokens + 1`` tokens, or when nothing is left.
     """
     if handoff_tokens < 1:
-        raise DataError(f"handoff_tokens={handoff_tokens}; it must be ≥ 1 (the decoder recomputes ≥ 1 prompt token)")
+        raise DataError(
+            f"handoff_tokens={handoff_tokens}; it must be ≥ 1 (the decoder recomputes ≥ 1 prompt token)"
+        )
     source = rows
     where = row_locations(source)
     rows = load_rows(source, columns=columns, limit=limit, offset=offset)
     examples, dropped = [], 0
     for i, row in enumerate(rows):
         try:
-            ex = tokenize_row(tokenizer, row, index=i, chat_template=chat_template, system_prompt=system_prompt)
+            ex = tokenize_row(
+                tokenizer, row, index=i, chat_template=chat_template, system_prompt=system_prompt
+            )
         except DataError as e:
             if isinstance(source, (str, Path)):
                 raise DataError(f"{where(offset + i)}: {e}") from None
             raise
-        except (TypeError, ValueError, KeyError, UnicodeError) as e:  # content the template/tokenizer cannot take
-            raise DataError(f"{where(offset + i)}: this row cannot be tokenised ({type(e).__name__}: {e})") from None
+        except (
+            TypeError,
+            ValueError,
+            KeyError,
+            UnicodeError,
+        ) as e:  # content the template/tokenizer cannot take
+            raise DataError(
+                f"{where(offset + i)}: this row cannot be tokenised ({type(e).__name__}: {e})"
+            ) from None
         if len(ex.prompt_ids) < handoff_tokens + 1:
-            raise DataError(f"{where(offset + i)}: the prompt has {len(ex.prompt_ids)} tokens; with handoff_tokens="
-                            f"{handoff_tokens} it needs at least {handoff_tokens + 1}")
+            raise DataError(
+                f"{where(offset + i)}: the prompt has {len(ex.prompt_ids)} tokens; with handoff_tokens="
+                f"{handoff_tokens} it needs at least {handoff_tokens + 1}"
+            )
         if len(ex.input_ids) > max_length:
             dropped += 1
             continue
         examples.append(ex)
     if not examples:
-        raise DataError(f"no rows left: {dropped} of {len(rows)} rows are longer than max_length={max_length}; "
-                        "raise max_length")
-    return TokenizedDataset(examples, dropped_too_long=dropped, max_length=max_length,
-                            stats={"rows": len(rows), "kept": len(examples)})
+        raise DataError(
+            f"no rows left: {dropped} of {len(rows)} rows are longer than max_length={max_length}; "
+            "raise max_length"
+        )
+    return TokenizedDataset(
+        examples,
+        dropped_too_long=dropped,
+        max_length=max_length,
+        stats={"rows": len(rows), "kept": len(examples)},
+    )
 
 
 # ---------------------------------------------------------------- batching
@@ -302,8 +357,10 @@ class Collator:
 
     def __call__(self, examples: Sequence[Example | Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         k = self.handoff_tokens
-        rows = [(e["prompt_ids"], e["response_ids"]) if isinstance(e, Mapping) else (e.prompt_ids, e.response_ids)
-                for e in examples]
+        rows = [
+            (e["prompt_ids"], e["response_ids"]) if isinstance(e, Mapping) else (e.prompt_ids, e.response_ids)
+            for e in examples
+        ]
         prefixes = [list(p[:-k]) for p, _ in rows]
         tails = [list(p[-k:]) + list(r) for p, r in rows]
         prefix_ids, prefix_mask = left_pad(prefixes, self.pad_token_id)
@@ -311,6 +368,11 @@ class Collator:
         labels = tail_ids.clone()
         labels[tail_mask == 0] = IGNORE_INDEX
         labels[:, :k] = IGNORE_INDEX
-        return {"prefix_ids": prefix_ids, "prefix_mask": prefix_mask, "tail_ids": tail_ids,
-                "tail_mask": tail_mask, "labels": labels,
-                "num_supervised": (labels[:, 1:] != IGNORE_INDEX).sum()}
+        return {
+            "prefix_ids": prefix_ids,
+            "prefix_mask": prefix_mask,
+            "tail_ids": tail_ids,
+            "tail_mask": tail_mask,
+            "labels": labels,
+            "num_supervised": (labels[:, 1:] != IGNORE_INDEX).sum(),
+        }

@@ -33,8 +33,13 @@ def inside_launcher() -> bool:
     return "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
-def accelerate_command(argv: Sequence[str], *, num_processes: int | None = None, config_file: str | None = None,
-                       use_cpu: bool | None = None) -> list[str]:
+def accelerate_command(
+    argv: Sequence[str],
+    *,
+    num_processes: int | None = None,
+    config_file: str | None = None,
+    use_cpu: bool | None = None,
+) -> list[str]:
     """The ``accelerate launch`` command that runs ``ccft <argv>`` in ``num_processes`` processes.
 
     ``use_cpu``: force CPU processes (gloo); default: when no CUDA device is visible. A config file
@@ -45,8 +50,10 @@ def accelerate_command(argv: Sequence[str], *, num_processes: int | None = None,
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if config_file:
         if not Path(config_file).is_file():
-            raise ConfigError(f"accelerate config {config_file} does not exist; see recipes/accelerate/ "
-                              "(ddp.yaml, zero2.yaml, zero3.yaml)")
+            raise ConfigError(
+                f"accelerate config {config_file} does not exist; see recipes/accelerate/ "
+                "(ddp.yaml, zero2.yaml, zero3.yaml)"
+            )
         cmd += ["--config_file", str(config_file)]
     elif (num_processes or 1) > 1:
         cmd += ["--multi_gpu"]  # torchrun-style launch; on CPU the processes form a gloo group
@@ -60,8 +67,13 @@ def accelerate_command(argv: Sequence[str], *, num_processes: int | None = None,
     return cmd
 
 
-def relaunch(argv: Sequence[str], *, num_processes: int | None = None, config_file: str | None = None,
-             env: dict | None = None) -> int:
+def relaunch(
+    argv: Sequence[str],
+    *,
+    num_processes: int | None = None,
+    config_file: str | None = None,
+    env: dict | None = None,
+) -> int:
     """Run ``ccft <argv>`` under ``accelerate launch``; returns its exit status."""
     cmd = accelerate_command(argv, num_processes=num_processes, config_file=config_file)
     run_env = dict(os.environ, **(env or {}))
@@ -85,7 +97,11 @@ def place_frozen_base(base, accelerator, *, decoder_kind: str) -> None:
     no optimizer, eval mode) and gathered layer by layer during the prefill. Otherwise it stays a plain
     replica on the process's device. LoRA decoders need nothing: the base is the decoder's own module.
     """
-    if decoder_kind != "full" or zero_stage(accelerator) != 3 or getattr(base, "_ds_engine", None) is not None:
+    if (
+        decoder_kind != "full"
+        or zero_stage(accelerator) != 3
+        or getattr(base, "_ds_engine", None) is not None
+    ):
         return
     import deepspeed
 
@@ -97,8 +113,13 @@ def place_frozen_base(base, accelerator, *, decoder_kind: str) -> None:
     for key in ("optimizer", "scheduler"):
         cfg.pop(key, None)
     if hidden:
-        zero.update({"reduce_bucket_size": hidden * hidden, "stage3_param_persistence_threshold": 10 * hidden,
-                     "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden)})
+        zero.update(
+            {
+                "reduce_bucket_size": hidden * hidden,
+                "stage3_param_persistence_threshold": 10 * hidden,
+                "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            }
+        )
     for k, v in list(cfg.items()):  # an inference engine needs no batch-size bookkeeping left on "auto"
         if v == "auto":
             cfg.pop(k)

@@ -49,8 +49,17 @@ from pathlib import Path
 
 from ccft.core.errors import ConfigError
 
-__all__ = ["EXPORT_META_FILE", "EXPORT_TARGETS", "ExportResult", "InvocationSequence", "check_alora_kind", "export_alora",
-           "export_decoder", "export_merged", "invocation_sequence"]
+__all__ = [
+    "EXPORT_META_FILE",
+    "EXPORT_TARGETS",
+    "ExportResult",
+    "InvocationSequence",
+    "check_alora_kind",
+    "export_alora",
+    "export_decoder",
+    "export_merged",
+    "invocation_sequence",
+]
 
 EXPORT_TARGETS = ("peft-alora", "merged")
 
@@ -63,8 +72,11 @@ _PROBES: tuple = (
     "Hi",
     "What is 17 + 25?\n",
     "Write a function that reverses a list.\n\n    def f(xs):",
-    [{"role": "user", "content": "One."}, {"role": "assistant", "content": "Two.\nThree"},
-     {"role": "user", "content": "Four?"}],
+    [
+        {"role": "user", "content": "One."},
+        {"role": "assistant", "content": "Two.\nThree"},
+        {"role": "user", "content": "Four?"},
+    ],
 )
 
 
@@ -91,14 +103,19 @@ class InvocationSequence:
         """The trap, in words, when the sequence can occur inside a response (else None)."""
         if self.has_control_token:
             return None
-        fix = (f"train the decoder with handoff_tokens={self.safe_handoff_tokens} (the generation prompt "
-               f"{self.safe_text!r}, which holds a control token no response contains)"
-               if self.safe_handoff_tokens else "train with a handoff that holds a control token")
-        return (f"the aLoRA invocation sequence {self.text!r} (ids {self.ids}) holds no control token, so a "
-                "response can contain it; PEFT activates the adapter at the LAST occurrence in its input, so a "
-                "forward over prompt + such a response (teacher-forced scoring, an engine re-prefilling a "
-                "preempted request) has the adapter off for the response tokens before it. Generation from "
-                f"the prompt is exact. For an export without this trap, {fix}")
+        fix = (
+            f"train the decoder with handoff_tokens={self.safe_handoff_tokens} (the generation prompt "
+            f"{self.safe_text!r}, which holds a control token no response contains)"
+            if self.safe_handoff_tokens
+            else "train with a handoff that holds a control token"
+        )
+        return (
+            f"the aLoRA invocation sequence {self.text!r} (ids {self.ids}) holds no control token, so a "
+            "response can contain it; PEFT activates the adapter at the LAST occurrence in its input, so a "
+            "forward over prompt + such a response (teacher-forced scoring, an engine re-prefilling a "
+            "preempted request) has the adapter off for the response tokens before it. Generation from "
+            f"the prompt is exact. For an export without this trap, {fix}"
+        )
 
 
 @dataclass
@@ -124,8 +141,10 @@ def _prompt_format(meta: dict) -> tuple[bool | str, str | None]:
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     recipe = meta.get("recipe") if isinstance(meta.get("recipe"), dict) else {}
-    return (chat_template_flag(recipe.get("chat_template", defaults["chat_template"])),
-            recipe.get("system_prompt", defaults["system_prompt"]))
+    return (
+        chat_template_flag(recipe.get("chat_template", defaults["chat_template"])),
+        recipe.get("system_prompt", defaults["system_prompt"]),
+    )
 
 
 def invocation_sequence(meta: dict, tokenizer, *, invocation_text: str | None = None) -> InvocationSequence:
@@ -157,16 +176,23 @@ def invocation_sequence(meta: dict, tokenizer, *, invocation_text: str | None = 
                 f"{k} prompt token(s)) is whatever ends each prompt, not a fixed sequence, so no aLoRA invocation "
                 "sequence can express it. Fix: pass --invocation-text TEXT if every prompt you will serve ends "
                 "with TEXT (tokenizing to exactly handoff_tokens ids), export with --to merged, or retrain with "
-                "chat_template: true")
+                "chat_template: true"
+            )
         ids = as_ids(tokenizer(invocation_text, add_special_tokens=False))
         if len(ids) != k:
-            raise ConfigError(f"--invocation-text {invocation_text!r} is {len(ids)} token(s) {ids} but the decoder's "
-                              f"handoff_tokens is {k}; pass the text of exactly the last {k} prompt token(s)")
+            raise ConfigError(
+                f"--invocation-text {invocation_text!r} is {len(ids)} token(s) {ids} but the decoder's "
+                f"handoff_tokens is {k}; pass the text of exactly the last {k} prompt token(s)"
+            )
         return InvocationSequence(ids=ids, text=invocation_text, has_control_token=bool(controls & set(ids)))
     if invocation_text is not None:
-        raise ConfigError("--invocation-text is for decoders trained on plain-text prompts; this one was trained on "
-                          "chat prompts, whose invocation sequence ccft reads from the chat template: drop the option")
-    prompts = [tokenize_prompt(tokenizer, p, chat_template=flag, system_prompt=system_prompt) for p in _PROBES]
+        raise ConfigError(
+            "--invocation-text is for decoders trained on plain-text prompts; this one was trained on "
+            "chat prompts, whose invocation sequence ccft reads from the chat template: drop the option"
+        )
+    prompts = [
+        tokenize_prompt(tokenizer, p, chat_template=flag, system_prompt=system_prompt) for p in _PROBES
+    ]
     common = 0  # length of the suffix every probe prompt shares
     while all(len(p) > common for p in prompts) and len({p[-common - 1] for p in prompts}) == 1:
         common += 1
@@ -175,24 +201,33 @@ def invocation_sequence(meta: dict, tokenizer, *, invocation_text: str | None = 
             f"handoff_tokens={k} reaches past the fixed end of the chat prompts (the {common} token(s) "
             f"{tokenizer.decode(prompts[0][-common:]) if common else ''!r} every prompt ends with) into the message "
             "text, so it is not one invocation sequence. Fix: retrain with handoff_tokens <= "
-            f"{common}, or export with --to merged")
+            f"{common}, or export with --to merged"
+        )
     suffix = prompts[0][-common:]
     safe = next((j for j in range(1, common + 1) if controls & set(suffix[-j:])), None)
     ids = prompts[0][-k:]
-    return InvocationSequence(ids=ids, text=tokenizer.decode(ids), has_control_token=bool(controls & set(ids)),
-                              safe_handoff_tokens=safe,
-                              safe_text=tokenizer.decode(suffix[-safe:]) if safe else None)
+    return InvocationSequence(
+        ids=ids,
+        text=tokenizer.decode(ids),
+        has_control_token=bool(controls & set(ids)),
+        safe_handoff_tokens=safe,
+        safe_text=tokenizer.decode(suffix[-safe:]) if safe else None,
+    )
 
 
 def check_alora_kind(kind: str, method: str | None, what: str) -> None:
     """Refuse full-weight and non-CCFT decoders for ``peft-alora`` (ConfigError naming the fix)."""
     if kind != "lora":
-        raise ConfigError(f"{what} is a full-weight decoder; an aLoRA adapter holds LoRA weights only. Fix: "
-                          "export it with --to merged (a plain transformers folder)")
+        raise ConfigError(
+            f"{what} is a full-weight decoder; an aLoRA adapter holds LoRA weights only. Fix: "
+            "export it with --to merged (a plain transformers folder)"
+        )
     if method != "ccft":
-        raise ConfigError(f"{what} was trained with method={method!r}, on its own prefill: its adapter is on for the "
-                          "whole prompt, which an aLoRA adapter (off before the invocation tokens) is not. Fix: serve "
-                          "its PEFT folder as a plain LoRA, or export with --to merged")
+        raise ConfigError(
+            f"{what} was trained with method={method!r}, on its own prefill: its adapter is on for the "
+            "whole prompt, which an aLoRA adapter (off before the invocation tokens) is not. Fix: serve "
+            "its PEFT folder as a plain LoRA, or export with --to merged"
+        )
 
 
 def _check_alora_adapter(decoder, path) -> None:
@@ -202,18 +237,30 @@ def _check_alora_adapter(decoder, path) -> None:
 
     name = decoder.meta.get("adapter_name", "default")
     cfg = decoder.model.peft_config[name]
-    bad = [(f, getattr(cfg, f, None)) for f in ("modules_to_save", "trainable_token_indices")
-           if getattr(cfg, f, None)]
+    bad = [
+        (f, getattr(cfg, f, None))
+        for f in ("modules_to_save", "trainable_token_indices")
+        if getattr(cfg, f, None)
+    ]
     bad += [(f, True) for f in ("use_dora", "lora_bias") if getattr(cfg, f, False)]
     if bad:
-        raise ConfigError(f"decoder {path}: {', '.join(f'{f}={v!r}' for f, v in bad)} in its LoRA config; PEFT's aLoRA "
-                          "applies the adapter selectively only to LoRA weights of linear layers. Fix: export with "
-                          "--to merged, or retrain without these options")
-    other = sorted({type(m).__name__ for _, m in decoder.model.named_modules()
-                    if isinstance(m, LoraLayer) and name in getattr(m, "lora_A", {}) and not isinstance(m, LoraLinear)})
+        raise ConfigError(
+            f"decoder {path}: {', '.join(f'{f}={v!r}' for f, v in bad)} in its LoRA config; PEFT's aLoRA "
+            "applies the adapter selectively only to LoRA weights of linear layers. Fix: export with "
+            "--to merged, or retrain without these options"
+        )
+    other = sorted(
+        {
+            type(m).__name__
+            for _, m in decoder.model.named_modules()
+            if isinstance(m, LoraLayer) and name in getattr(m, "lora_A", {}) and not isinstance(m, LoraLinear)
+        }
+    )
     if other:
-        raise ConfigError(f"decoder {path}: LoRA on {', '.join(other)} layers; PEFT's aLoRA supports linear layers only. "
-                          "Fix: export with --to merged, or retrain with target_modules on linear projections")
+        raise ConfigError(
+            f"decoder {path}: LoRA on {', '.join(other)} layers; PEFT's aLoRA supports linear layers only. "
+            "Fix: export with --to merged, or retrain with target_modules on linear projections"
+        )
 
 
 def _stage(out: Path) -> Path:
@@ -226,13 +273,16 @@ def _publish(tmp: Path, out: Path) -> None:
     """Move the staged folder to ``out`` (which must not exist or be empty)."""
     if out.exists():
         if any(out.iterdir()):
-            raise ConfigError(f"output folder {out} exists and is not empty; choose a new folder or remove it")
+            raise ConfigError(
+                f"output folder {out} exists and is not empty; choose a new folder or remove it"
+            )
         out.rmdir()
     os.replace(tmp, out)
 
 
-def export_alora(decoder, out: str | os.PathLike, *, invocation_text: str | None = None,
-                 source: str | None = None) -> ExportResult:
+def export_alora(
+    decoder, out: str | os.PathLike, *, invocation_text: str | None = None, source: str | None = None
+) -> ExportResult:
     """Write a CCFT LoRA ``decoder`` as a stock PEFT aLoRA adapter folder ``out``.
 
     The folder holds ``adapter_config.json`` (the decoder's LoRA config plus ``alora_invocation_tokens``
@@ -278,14 +328,23 @@ def export_alora(decoder, out: str | os.PathLike, *, invocation_text: str | None
         cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True))
         from peft import LoraConfig
 
-        if LoraConfig.from_pretrained(str(tmp)).alora_invocation_tokens != list(inv.ids):  # PEFT reads it back
+        if LoraConfig.from_pretrained(str(tmp)).alora_invocation_tokens != list(
+            inv.ids
+        ):  # PEFT reads it back
             raise ConfigError(f"peft did not read alora_invocation_tokens back from {cfg_file}")
         decoder.base.tokenizer.save_pretrained(str(tmp))
-        meta = {"exported_from": source, "target": "peft-alora", "method": decoder.method,
-                "base": decoder.meta.get("base"), "base_fingerprint": decoder.fingerprint,
-                "handoff_tokens": decoder.handoff_tokens, "alora_invocation_tokens": list(inv.ids),
-                "invocation_text": inv.text, "warnings": result.warnings,
-                "source_meta": {k: v for k, v in decoder.meta.items() if k != "adapter_name"}}
+        meta = {
+            "exported_from": source,
+            "target": "peft-alora",
+            "method": decoder.method,
+            "base": decoder.meta.get("base"),
+            "base_fingerprint": decoder.fingerprint,
+            "handoff_tokens": decoder.handoff_tokens,
+            "alora_invocation_tokens": list(inv.ids),
+            "invocation_text": inv.text,
+            "warnings": result.warnings,
+            "source_meta": {k: v for k, v in decoder.meta.items() if k != "adapter_name"},
+        }
         (tmp / EXPORT_META_FILE).write_text(json.dumps(meta, indent=2, default=str))
         from ccft.train.card import write_model_card
 
@@ -324,8 +383,11 @@ def export_merged(decoder, out: str | os.PathLike, *, source: str | None = None)
             model = decoder.model
         model.save_pretrained(str(tmp))
         decoder.base.tokenizer.save_pretrained(str(tmp))
-        meta = decoder_meta(decoder, decoder_kind="full",
-                            exported_from={"path": source, "decoder_kind": decoder.kind, "target": "merged"})
+        meta = decoder_meta(
+            decoder,
+            decoder_kind="full",
+            exported_from={"path": source, "decoder_kind": decoder.kind, "target": "merged"},
+        )
         meta.pop("adapter_name", None)
         from ccft.train.card import write_model_card
 
@@ -337,8 +399,14 @@ def export_merged(decoder, out: str | os.PathLike, *, source: str | None = None)
     return ExportResult(out=out, target="merged")
 
 
-def export_decoder(decoder_path: str | os.PathLike, to: str, out: str | os.PathLike, *,
-                   invocation_text: str | None = None, base=None) -> ExportResult:
+def export_decoder(
+    decoder_path: str | os.PathLike,
+    to: str,
+    out: str | os.PathLike,
+    *,
+    invocation_text: str | None = None,
+    base=None,
+) -> ExportResult:
     """Load the decoder folder ``decoder_path`` and export it (``to``: ``peft-alora`` or ``merged``).
 
     Args:
@@ -357,7 +425,9 @@ def export_decoder(decoder_path: str | os.PathLike, to: str, out: str | os.PathL
     if to not in EXPORT_TARGETS:
         raise ConfigError(f"--to {to!r}; use one of {', '.join(EXPORT_TARGETS)}")
     meta = read_meta(decoder_path)
-    kind = meta.get("decoder_kind") or ("lora" if (Path(decoder_path) / "adapter_config.json").is_file() else "full")
+    kind = meta.get("decoder_kind") or (
+        "lora" if (Path(decoder_path) / "adapter_config.json").is_file() else "full"
+    )
     if to == "peft-alora":  # before loading any model
         check_alora_kind(kind, meta.get("method"), str(decoder_path))
     if to == "merged" and kind == "lora":

@@ -46,6 +46,7 @@ DEFAULT_LORA_PATH = "two-pass"
 
 # ------------------------------------------------------------------ validity
 
+
 def _lora_layers(model) -> list:
     from peft.tuners.lora.layer import LoraLayer
 
@@ -70,7 +71,10 @@ def one_pass_unsupported(model, adapter: str | None = None) -> str | None:
     cfg = model.peft_config.get(adapter)
     if cfg is None:
         return f"adapter {adapter!r} is not loaded"
-    if getattr(cfg, "peft_type", None) is not None and str(getattr(cfg.peft_type, "value", cfg.peft_type)) != "LORA":
+    if (
+        getattr(cfg, "peft_type", None) is not None
+        and str(getattr(cfg.peft_type, "value", cfg.peft_type)) != "LORA"
+    ):
         return f"adapter {adapter!r} is {cfg.peft_type}, not LoRA"
     if getattr(cfg, "modules_to_save", None):
         return f"modules_to_save={cfg.modules_to_save} trains whole modules that also run on the prompt"
@@ -109,15 +113,19 @@ def resolve_train_path(requested: str, *, method: str, decoder_kind: str, model=
         return "self-prefill"
     if decoder_kind != "lora":
         if requested == "one-pass":
-            raise ConfigError("train_path=one-pass needs a LoRA decoder (decoder_kind=lora): a full-weight "
-                              "decoder is a second weight copy, so the base prefill is always a separate pass; "
-                              "use train_path=auto or two-pass")
+            raise ConfigError(
+                "train_path=one-pass needs a LoRA decoder (decoder_kind=lora): a full-weight "
+                "decoder is a second weight copy, so the base prefill is always a separate pass; "
+                "use train_path=auto or two-pass"
+            )
         return "two-pass"
     why = one_pass_unsupported(model) if model is not None else None
     if requested == "one-pass":
         if why:
-            raise ConfigError(f"train_path=one-pass would not equal the two-pass reference: {why}; "
-                              "use train_path=auto or two-pass")
+            raise ConfigError(
+                f"train_path=one-pass would not equal the two-pass reference: {why}; "
+                "use train_path=auto or two-pass"
+            )
         return "one-pass"
     if requested == "auto":
         return DEFAULT_LORA_PATH if not why else "two-pass"
@@ -125,6 +133,7 @@ def resolve_train_path(requested: str, *, method: str, decoder_kind: str, model=
 
 
 # ------------------------------------------------------------------ the token gate
+
 
 class LoraTokenGate:
     """Per-token on/off switch for the active LoRA adapter of a ``PeftModel``.
@@ -155,8 +164,10 @@ class LoraTokenGate:
         if g is None:
             return None
         if output.shape[:-1] != g.shape:
-            raise RuntimeError(f"LoRA token gate of shape {tuple(g.shape)} does not match a LoRA input of "
-                               f"shape {tuple(output.shape[:-1])}; set the gate for this forward")
+            raise RuntimeError(
+                f"LoRA token gate of shape {tuple(g.shape)} does not match a LoRA input of "
+                f"shape {tuple(output.shape[:-1])}; set the gate for this forward"
+            )
         return torch.where(g.unsqueeze(-1), output, output.new_zeros(()))
 
     def set(self, gate: torch.Tensor | None) -> None:
@@ -178,8 +189,10 @@ class LoraTokenGate:
 
 # ------------------------------------------------------------------ the one-pass forward
 
-def one_pass_layout(prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor,
-                    tail_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def one_pass_layout(
+    prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor, tail_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids, attention_mask, position_ids, gate)``, each ``(b, p + t)``, for one forward over prefix + tail.
 
     The layout and positions are those of ``decoder.full_forward``: prefix left-padded, tail right-padded,
@@ -195,9 +208,16 @@ def one_pass_layout(prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_id
     return ids, mask, positions, gate
 
 
-def one_pass_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor,
-                     tail_mask: torch.Tensor | None = None, *, gate: LoraTokenGate | None = None,
-                     logits_to_keep: int | torch.Tensor | None = None) -> torch.Tensor:
+def one_pass_forward(
+    model,
+    prefix_ids: torch.Tensor,
+    prefix_mask: torch.Tensor,
+    tail_ids: torch.Tensor,
+    tail_mask: torch.Tensor | None = None,
+    *,
+    gate: LoraTokenGate | None = None,
+    logits_to_keep: int | torch.Tensor | None = None,
+) -> torch.Tensor:
     """Decoder logits over the tail ``(b, t, v)`` from ONE forward, LoRA gated off on ``prompt[:n-k]``.
 
     Equals ``decoder_forward(model, C_base, tail_ids, tail_mask)`` (same positions, same masks; fp32
@@ -214,7 +234,9 @@ def one_pass_forward(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,
             gate = stack.enter_context(LoraTokenGate(model))
         gate.set(g)
         keep = t if logits_to_keep is None else logits_to_keep
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep)
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep
+        )
     return out.logits[:, -t:]
 
 
@@ -228,5 +250,13 @@ def gate_for_step(model, enabled: bool) -> Iterator[LoraTokenGate | None]:
         yield gate
 
 
-__all__ = ["TRAIN_PATHS", "DEFAULT_LORA_PATH", "LoraTokenGate", "one_pass_forward", "one_pass_layout",
-           "one_pass_unsupported", "resolve_train_path", "gate_for_step"]
+__all__ = [
+    "TRAIN_PATHS",
+    "DEFAULT_LORA_PATH",
+    "LoraTokenGate",
+    "one_pass_forward",
+    "one_pass_layout",
+    "one_pass_unsupported",
+    "resolve_train_path",
+    "gate_for_step",
+]

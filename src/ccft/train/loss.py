@@ -153,8 +153,9 @@ class LinearCrossEntropy(torch.autograd.Function):
         return out[0], out[1], out[2], None, None
 
 
-def chunked_nll(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, chunk: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunked_nll(
+    hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Next-token NLL of the supervised positions without full logits.
 
     Args:
@@ -173,9 +174,17 @@ def chunked_nll(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linea
     h = hidden[:, :-1][keep]
     total, per_token = LinearCrossEntropy.apply(h, head.weight, head.bias, targets[keep], int(chunk))
     nll_rows = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device).index_add_(
-        0, rows, per_token.detach())
+        0, rows, per_token.detach()
+    )
     return total, nll_rows, keep.sum(-1)
 
 
-__all__ = ["CHUNKED_LOSS_MODEL_TYPES", "NO_LOGITS", "LinearCrossEntropy", "capture_final_hidden",
-           "chunked_loss_unsupported", "chunked_nll", "lm_head"]
+__all__ = [
+    "CHUNKED_LOSS_MODEL_TYPES",
+    "NO_LOGITS",
+    "LinearCrossEntropy",
+    "capture_final_hidden",
+    "chunked_loss_unsupported",
+    "chunked_nll",
+    "lm_head",
+]

@@ -55,9 +55,17 @@ class TrainResult:
 def load_split(spec: str, tokenizer, cfg: TrainConfig, rows: int | None, offset: int = 0) -> TokenizedDataset:
     """Tokenise ``rows`` rows of a data spec (built-in ``name:split`` or a file) for this config."""
     path, columns = resolve_data(spec, cfg.columns)
-    return build_dataset(path, tokenizer, max_length=cfg.max_length, handoff_tokens=cfg.handoff_tokens,
-                         chat_template=cfg.chat_template_flag, system_prompt=cfg.system_prompt, columns=columns,
-                         limit=rows, offset=offset)
+    return build_dataset(
+        path,
+        tokenizer,
+        max_length=cfg.max_length,
+        handoff_tokens=cfg.handoff_tokens,
+        chat_template=cfg.chat_template_flag,
+        system_prompt=cfg.system_prompt,
+        columns=columns,
+        limit=rows,
+        offset=offset,
+    )
 
 
 def load_tokenizer(name_or_path: str):
@@ -71,7 +79,9 @@ def load_tokenizer(name_or_path: str):
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"base {name_or_path!r}: its tokenizer cannot be loaded from {path} ({first})") from None
+        raise ConfigError(
+            f"base {name_or_path!r}: its tokenizer cannot be loaded from {path} ({first})"
+        ) from None
 
 
 def check_run(cfg: TrainConfig, *, store: bool = True) -> tuple[TokenizedDataset, TokenizedDataset | None]:
@@ -109,26 +119,44 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
     if base is None:
         base = load_base(cfg.base, dtype=cfg.dtype)
     set_seed(cfg.seed)  # same decoder init whatever was loaded before
-    lora = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
-            "target_modules": list(cfg.lora_target_modules)}
+    lora = {
+        "r": cfg.lora_r,
+        "lora_alpha": cfg.lora_alpha,
+        "lora_dropout": cfg.lora_dropout,
+        "target_modules": list(cfg.lora_target_modules),
+    }
     if cfg.decoder_kind == "lora":
         names = [n for n, _ in base.model.named_modules()]
-        missing = [t for t in cfg.lora_target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+        missing = [
+            t for t in cfg.lora_target_modules if not any(n == t or n.endswith("." + t) for n in names)
+        ]
         if missing:
             leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
-            raise ConfigError(f"lora_target_modules {missing} match no module of base {cfg.base}; "
-                              f"its module names include {leaves[:12]}")
-    decoder = make_decoder(base, cfg.decoder_kind, lora=lora, method=cfg.method, handoff_tokens=cfg.handoff_tokens)
+            raise ConfigError(
+                f"lora_target_modules {missing} match no module of base {cfg.base}; "
+                f"its module names include {leaves[:12]}"
+            )
+    decoder = make_decoder(
+        base, cfg.decoder_kind, lora=lora, method=cfg.method, handoff_tokens=cfg.handoff_tokens
+    )
     store = None
     if cfg.base_cache_store and cfg.method == "ccft":
         from ccft.train.cache_store import open_store_for_training
 
         with cfg.main_process_first(desc="C_base store"):  # one writer; the other processes then reuse it
-            store = open_store_for_training(cfg.base_cache_store, base, train_set,
-                                            handoff_tokens=cfg.handoff_tokens, eval_set=eval_set)
+            store = open_store_for_training(
+                cfg.base_cache_store, base, train_set, handoff_tokens=cfg.handoff_tokens, eval_set=eval_set
+            )
     collator = Collator(pad_token_id(base.tokenizer), cfg.handoff_tokens)
-    trainer = CacheConditionedTrainer(model=decoder.model, args=cfg, base=base, train_dataset=train_set,
-                                      eval_dataset=eval_set, data_collator=collator, cache_store=store)
+    trainer = CacheConditionedTrainer(
+        model=decoder.model,
+        args=cfg,
+        base=base,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        data_collator=collator,
+        cache_store=store,
+    )
     return base, decoder, train_set, eval_set, trainer
 
 
@@ -136,9 +164,11 @@ def check_process_group(trainer) -> None:
     """Refuse a multi-process launch whose processes did not join one group (they would each train alone)."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and trainer.accelerator.num_processes != world:
-        raise ConfigError(f"launched {world} processes but accelerate formed a group of "
-                          f"{trainer.accelerator.num_processes}; on a machine without GPUs set use_cpu=true "
-                          "(`ccft train --num-processes N` does this for you)")
+        raise ConfigError(
+            f"launched {world} processes but accelerate formed a group of "
+            f"{trainer.accelerator.num_processes}; on a machine without GPUs set use_cpu=true "
+            "(`ccft train --num-processes N` does this for you)"
+        )
 
 
 def recorded_recipe(out: str | os.PathLike) -> dict | None:
@@ -166,15 +196,21 @@ def check_resumable_run(out: str | os.PathLike, recipe: dict) -> None:
     recipe = json.loads(json.dumps(recipe, default=str))  # as recorded
     if recorded is None or recorded == recipe or not get_last_checkpoint(str(out)):
         return
-    diff = {k: (recorded.get(k), recipe.get(k)) for k in sorted(set(recorded) | set(recipe))
-            if recorded.get(k) != recipe.get(k)}
-    raise ConfigError(f"{out} holds checkpoints of a run with another recipe {diff} (was, now): resuming would "
-                      "continue that run. Delete the folder (or its checkpoint-* folders) to train this recipe "
-                      "from the start, set output_dir to another folder, or pass --no-resume (ccft train)")
+    diff = {
+        k: (recorded.get(k), recipe.get(k))
+        for k in sorted(set(recorded) | set(recipe))
+        if recorded.get(k) != recipe.get(k)
+    }
+    raise ConfigError(
+        f"{out} holds checkpoints of a run with another recipe {diff} (was, now): resuming would "
+        "continue that run. Delete the folder (or its checkpoint-* folders) to train this recipe "
+        "from the start, set output_dir to another folder, or pass --no-resume (ccft train)"
+    )
 
 
-def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | None = None,
-                 resume: bool = True) -> TrainResult:
+def run_training(
+    cfg: TrainConfig, *, recipe: dict | None = None, base: Base | None = None, resume: bool = True
+) -> TrainResult:
     """Set up, train (resuming from the newest complete checkpoint when ``resume``) and save a decoder.
 
     With ``recipe`` (the parsed recipe, as ``ccft train`` and the study pass it), checkpoints another recipe
@@ -200,10 +236,16 @@ def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | N
         print(f"[ccft] resuming from {last}", flush=True)
     trainer.train(resume_from_checkpoint=last)
     history = list(trainer.state.log_history)
-    data_meta = {"train_data": cfg.train_data, "train_rows": len(train_set), "data_offset": cfg.data_offset,
-                 "dropped_too_long": train_set.dropped_too_long, "max_length": cfg.max_length,
-                 "supervised_tokens": train_set.supervised_tokens,
-                 "eval_data": cfg.eval_data, "eval_rows": len(eval_set) if eval_set else 0}
+    data_meta = {
+        "train_data": cfg.train_data,
+        "train_rows": len(train_set),
+        "data_offset": cfg.data_offset,
+        "dropped_too_long": train_set.dropped_too_long,
+        "max_length": cfg.max_length,
+        "supervised_tokens": train_set.supervised_tokens,
+        "eval_data": cfg.eval_data,
+        "eval_rows": len(eval_set) if eval_set else 0,
+    }
     acc = trainer.accelerator
     acc.wait_for_everyone()
     state_dict = None
@@ -212,20 +254,40 @@ def run_training(cfg: TrainConfig, *, recipe: dict | None = None, base: Base | N
     if zero_stage(acc) == 3:  # gather the partitioned decoder (a collective: every process takes part)
         state_dict = acc.get_state_dict(trainer.model_wrapped)
     if acc.is_main_process:  # one writer per run folder under accelerate / DeepSpeed launches
-        save_decoder(decoder, out, state_dict=state_dict, data=data_meta, recipe=recipe or {}, steps=trainer.state.global_step,
-                     seed=cfg.seed, train_path=trainer.train_path,
-                     distributed={"num_processes": acc.num_processes, "type": str(acc.distributed_type).split(".")[-1]})
+        save_decoder(
+            decoder,
+            out,
+            state_dict=state_dict,
+            data=data_meta,
+            recipe=recipe or {},
+            steps=trainer.state.global_step,
+            seed=cfg.seed,
+            train_path=trainer.train_path,
+            distributed={
+                "num_processes": acc.num_processes,
+                "type": str(acc.distributed_type).split(".")[-1],
+            },
+        )
         atomic_write_text(out / "log_history.json", json.dumps(history, indent=2))
         from ccft.core.checkpoint import read_meta
         from ccft.train.card import write_model_card
 
         write_model_card(out, read_meta(out))  # README.md: Hub model card from ccft.json
     acc.wait_for_everyone()
-    return TrainResult(decoder=decoder, output_dir=out, log_history=history, train_rows=len(train_set),
-                       dropped_too_long=train_set.dropped_too_long, seconds=time.time() - start, trainer=trainer)
+    return TrainResult(
+        decoder=decoder,
+        output_dir=out,
+        log_history=history,
+        train_rows=len(train_set),
+        dropped_too_long=train_set.dropped_too_long,
+        seconds=time.time() - start,
+        trainer=trainer,
+    )
 
 
-def method_config(cfg: TrainConfig, raw: dict, method: str, output_dir: str | os.PathLike) -> tuple[TrainConfig, dict]:
+def method_config(
+    cfg: TrainConfig, raw: dict, method: str, output_dir: str | os.PathLike
+) -> tuple[TrainConfig, dict]:
     """``cfg`` (parsed from the recipe ``raw``) with ``method`` and ``output_dir`` set, and the recipe recorded
     for that run (``raw`` with the same two keys, without its ``eval:`` section).
 
@@ -234,7 +296,9 @@ def method_config(cfg: TrainConfig, raw: dict, method: str, output_dir: str | os
     """
     import dataclasses
 
-    given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig) if f.init and f.name in raw}
+    given = {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig) if f.init and f.name in raw
+    }
     m_cfg = TrainConfig(**{**given, "method": method, "output_dir": str(output_dir)})
     m_raw = {k: v for k, v in raw.items() if k != "eval"} | {"method": method, "output_dir": str(output_dir)}
     return m_cfg, m_raw

@@ -55,8 +55,9 @@ def response_nll_rows(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     ``logits (b, t, v)`` at position j predict ``labels (b, t)`` at j + 1; ``IGNORE_INDEX`` labels are skipped."""
     targets = labels[:, 1:]
     lg = logits[:, :-1].float()
-    nll = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                          reduction="none").view(targets.shape)
+    nll = F.cross_entropy(
+        lg.reshape(-1, lg.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(targets.shape)
     return nll.sum(-1), (targets != IGNORE_INDEX).sum(-1)
 
 
@@ -89,7 +90,9 @@ def checkpointing_off(model: torch.nn.Module, enabled: bool = True) -> Iterator[
     Checkpointing recomputes a layer's forward in the backward with the same inputs and kernels, so a step
     gives the same loss and gradients either way; only the memory held between forward and backward (and the
     recompute time) differ."""
-    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True] if enabled else []
+    flagged = (
+        [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True] if enabled else []
+    )
     for m in flagged:
         m.gradient_checkpointing = False
     try:
@@ -137,18 +140,26 @@ class CacheConditionedTrainer(Trainer):
         self.cache_store = cache_store
         self.method = getattr(self.args, "method", "ccft")
         if self.method == "ccft" and base is None:
-            raise ValueError("method='ccft' needs the frozen base: CacheConditionedTrainer(..., base=ccft.load_base(...))")
+            raise ValueError(
+                "method='ccft' needs the frozen base: CacheConditionedTrainer(..., base=ccft.load_base(...))"
+            )
         from peft import PeftModel
 
         self._decoder_kind = "lora" if isinstance(self.model, PeftModel) else "full"
-        self.train_path = resolve_train_path(getattr(self.args, "train_path", "auto"), method=self.method,
-                                             decoder_kind=self._decoder_kind, model=self.model)
+        self.train_path = resolve_train_path(
+            getattr(self.args, "train_path", "auto"),
+            method=self.method,
+            decoder_kind=self._decoder_kind,
+            model=self.model,
+        )
         self._gate = None  # the LoRA token gate of the running one-pass step
         self.frozen_embeddings: list[str] = []
         if self._decoder_kind == "full" and getattr(self.args, "freeze_embeddings", True):
             self.frozen_embeddings = freeze_input_embeddings(self.model)
         chunk = int(getattr(self.args, "loss_chunk_tokens", 0) or 0)
-        self.loss_unchunked_reason = "loss_chunk_tokens=0" if chunk <= 0 else chunked_loss_unsupported(self.model)
+        self.loss_unchunked_reason = (
+            "loss_chunk_tokens=0" if chunk <= 0 else chunked_loss_unsupported(self.model)
+        )
         self.loss_path = "full-logits" if self.loss_unchunked_reason else "chunked"
         self.padding_free_reason = padding_free_unsupported(self.model) if self.method == "full-ft" else None
         if self.padding_free_reason and getattr(self.args, "padding_free", False):
@@ -161,7 +172,9 @@ class CacheConditionedTrainer(Trainer):
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = True
         self.last_base_cache = None  # the C_base of the latest step (tests check it is unchanged)
-        self._eval_totals = torch.zeros(2, dtype=torch.float64)  # eval NLL and supervised tokens (evaluation_loop)
+        self._eval_totals = torch.zeros(
+            2, dtype=torch.float64
+        )  # eval NLL and supervised tokens (evaluation_loop)
 
     def _set_signature_columns_if_needed(self):
         """Keep the row fields ``ccft.train.data.Collator`` reads (``remove_unused_columns``).
@@ -173,35 +186,64 @@ class CacheConditionedTrainer(Trainer):
 
     def _base_cache(self, inputs):
         if self.cache_store is not None:
-            cache = self.cache_store.batch_cache(inputs["prefix_ids"], inputs["prefix_mask"],
-                                                 inputs["tail_ids"][:, : self.args.handoff_tokens], base=self.base)
+            cache = self.cache_store.batch_cache(
+                inputs["prefix_ids"],
+                inputs["prefix_mask"],
+                inputs["tail_ids"][:, : self.args.handoff_tokens],
+                base=self.base,
+            )
             if cache is not None:
                 return cache
         # A full-weight decoder's base is a separate, frozen copy: run it in inference mode (its K/V
         # become inference tensors, which torch itself refuses to modify in place).
         mode = torch.inference_mode() if self._decoder_kind == "full" else torch.no_grad()
         with self.base.base_weights() as model, mode:
-            return prefill_tensors(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"][:, : self.args.handoff_tokens],
-                                    handoff_tokens=self.args.handoff_tokens, fingerprint=self.base.fingerprint)
+            return prefill_tensors(
+                model,
+                inputs["prefix_ids"],
+                inputs["prefix_mask"],
+                inputs["tail_ids"][:, : self.args.handoff_tokens],
+                handoff_tokens=self.args.handoff_tokens,
+                fingerprint=self.base.fingerprint,
+            )
 
     def tail_logits(self, model, inputs, *, logits_to_keep: int | torch.Tensor | None = None) -> torch.Tensor:
         """Decoder logits over the tail ``(b, t, v)`` for this trainer's method (``logits_to_keep``: default
         all t tail positions; an empty index tensor projects none)."""
         if self.method == "ccft" and self.train_path == "one-pass":
             self.last_base_cache = None  # C_base is never materialised: the prefix runs inside the forward
-            return one_pass_forward(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"],
-                                    inputs["tail_mask"], gate=self._gate, logits_to_keep=logits_to_keep)
+            return one_pass_forward(
+                model,
+                inputs["prefix_ids"],
+                inputs["prefix_mask"],
+                inputs["tail_ids"],
+                inputs["tail_mask"],
+                gate=self._gate,
+                logits_to_keep=logits_to_keep,
+            )
         if self.method == "ccft":
             cache = self._base_cache(inputs)
             self.last_base_cache = cache
-            return decoder_forward(model, cache, inputs["tail_ids"], inputs["tail_mask"],
-                                   logits_to_keep=0 if logits_to_keep is None else logits_to_keep)
-        return full_forward(model, inputs["prefix_ids"], inputs["prefix_mask"], inputs["tail_ids"],
-                            inputs["tail_mask"], logits_to_keep=logits_to_keep,
-                            packed=self.packs_full_ft)
+            return decoder_forward(
+                model,
+                cache,
+                inputs["tail_ids"],
+                inputs["tail_mask"],
+                logits_to_keep=0 if logits_to_keep is None else logits_to_keep,
+            )
+        return full_forward(
+            model,
+            inputs["prefix_ids"],
+            inputs["prefix_mask"],
+            inputs["tail_ids"],
+            inputs["tail_mask"],
+            logits_to_keep=logits_to_keep,
+            packed=self.packs_full_ft,
+        )
 
-    def response_nll(self, model, inputs, *, logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                              torch.Tensor | None]:
+    def response_nll(
+        self, model, inputs, *, logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(nll_sum (), nll_rows (b,), count_rows (b,), logits (b, t, v) or None)`` of a batch, the NLL over
         its supervised tokens. On the ``chunked`` loss path the LM head projects no position in the forward
         (unless ``logits`` are asked for) and the NLL comes from the final hidden states
@@ -222,8 +264,11 @@ class CacheConditionedTrainer(Trainer):
     @property
     def packs_full_ft(self) -> bool:
         """Whether Full-FT batches run packed (``args.padding_free`` and no ``self.padding_free_reason``)."""
-        return (self.method == "full-ft" and bool(getattr(self.args, "padding_free", False))
-                and self.padding_free_reason is None)
+        return (
+            self.method == "full-ft"
+            and bool(getattr(self.args, "padding_free", False))
+            and self.padding_free_reason is None
+        )
 
     def grad_tokens(self, inputs) -> int:
         """Token positions the decoder's forward runs with gradient for a collated batch: the tail (rows × padded
@@ -255,7 +300,9 @@ class CacheConditionedTrainer(Trainer):
         nll, _, count_rows, logits = self.response_nll(model, inputs, logits=return_outputs)
         count = count_rows.sum()
         if count.item() == 0:
-            raise ValueError("a training batch has no supervised tokens; every row needs a non-empty response")
+            raise ValueError(
+                "a training batch has no supervised tokens; every row needs a non-empty response"
+            )
         if num_items_in_batch is None:
             loss = nll / count
         else:
@@ -287,14 +334,25 @@ class CacheConditionedTrainer(Trainer):
             return loss, None, None
         return loss, logits.detach(), inputs["labels"]
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix: str = "eval"):
+    def evaluation_loop(
+        self,
+        dataloader,
+        description,
+        prediction_loss_only=None,
+        ignore_keys=None,
+        metric_key_prefix: str = "eval",
+    ):
         """The stock loop (``compute_metrics``, ``preprocess_logits_for_metrics``, gathering), with
         ``{prefix}_loss`` replaced by the held-out response NLL per supervised token, token-weighted over the
         whole set and all processes, and ``{prefix}_tokens``, the supervised-token count."""
         self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
-                                         ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        output = super().evaluation_loop(
+            dataloader,
+            description,
+            prediction_loss_only=prediction_loss_only,
+            ignore_keys=ignore_keys,
+            metric_key_prefix=metric_key_prefix,
+        )
         total, count = self._eval_totals
         metrics = dict(output.metrics)
         metrics[f"{metric_key_prefix}_loss"] = float(total / count.clamp(min=1))
@@ -330,6 +388,10 @@ class CacheConditionedTrainer(Trainer):
         if self.args.should_save:
             replace_dir(staging / name, run_dir / name)
             shutil.rmtree(staging, ignore_errors=True)
-            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+            rotate_checkpoints(
+                output_dir=str(run_dir),
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
         self.accelerator.wait_for_everyone()

@@ -7,5 +7,9 @@ from pathlib import Path
 def load(**kwargs):
     import datasets
 
-    rows = [json.loads(line) for line in (Path(__file__).parent / "tiny.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (Path(__file__).parent / "tiny.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})

@@ -44,10 +44,26 @@ from ccft.evals.study.report import (
 )
 from ccft.evals.study.resume import DECODERS_STAMP, StudyPhases, run_digest, stamp_matches, write_stamp
 
-__all__ = ["DECODERS_STAMP", "PRIMARY_MEANING", "SECONDARY_MEANING", "SpecialistConfig", "StudyConfig", "StudyPhases",
-           "TaskSettings", "build_study_report", "full_ft_beats_base", "load_study_config", "metrics_of",
-           "recipe_overrides", "run_digest", "stamp_matches", "study_reading", "study_readme", "task_entry",
-           "write_stamp"]
+__all__ = [
+    "DECODERS_STAMP",
+    "PRIMARY_MEANING",
+    "SECONDARY_MEANING",
+    "SpecialistConfig",
+    "StudyConfig",
+    "StudyPhases",
+    "TaskSettings",
+    "build_study_report",
+    "full_ft_beats_base",
+    "load_study_config",
+    "metrics_of",
+    "recipe_overrides",
+    "run_digest",
+    "stamp_matches",
+    "study_reading",
+    "study_readme",
+    "task_entry",
+    "write_stamp",
+]
 
 
 def __getattr__(name: str):
@@ -56,7 +72,11 @@ def __getattr__(name: str):
 
         from ccft.evals.protocol import task_names
 
-        warnings.warn("ccft.evals.study.TASK_METRICS is deprecated; read metrics_of(task) or the task's "
-                      "primary_metric / secondary_metric", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "ccft.evals.study.TASK_METRICS is deprecated; read metrics_of(task) or the task's "
+            "primary_metric / secondary_metric",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return {t: metrics_of(t) for t in task_names()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,14 @@ import yaml
 from ccft.core.errors import ConfigError
 from ccft.core.modes import MODES
 
-__all__ = ["SpecialistConfig", "StudyConfig", "TaskSettings", "load_study_config", "metrics_of", "recipe_overrides"]
+__all__ = [
+    "SpecialistConfig",
+    "StudyConfig",
+    "TaskSettings",
+    "load_study_config",
+    "metrics_of",
+    "recipe_overrides",
+]
 
 
 def metrics_of(task: str) -> tuple[str, str | None]:
@@ -78,8 +85,20 @@ class StudyConfig:
     source: str = ""
 
 
-_TOP_KEYS = {"specialists", "runs", "out", "modes", "batch_size", "bootstrap", "seed", "sweep_limit", "sweep_rhos",
-             "serving", "threads", "device"}
+_TOP_KEYS = {
+    "specialists",
+    "runs",
+    "out",
+    "modes",
+    "batch_size",
+    "bootstrap",
+    "seed",
+    "sweep_limit",
+    "sweep_rhos",
+    "serving",
+    "threads",
+    "device",
+}
 _SPEC_KEYS = {"recipe", "train", "tasks", "multipl_e", "multipl_e_limit", "multipl_e_max_new_tokens"}
 
 
@@ -91,7 +110,7 @@ def _set_dotted(raw: dict, key: str, value: Any, where: str) -> None:
         if nxt is None:
             nxt = node[p] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"{where}: override {key}: {'.'.join(parts[:i + 1])} is not a section")
+            raise ConfigError(f"{where}: override {key}: {'.'.join(parts[: i + 1])} is not a section")
         node = nxt
     node[parts[-1]] = value
 
@@ -115,7 +134,9 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
     from ccft.train.config import parse_override
 
     for ov in overrides or []:
-        k, v = parse_override(ov, example="specialists.tools.train.max_steps=20; dotted keys reach into sections")
+        k, v = parse_override(
+            ov, example="specialists.tools.train.max_steps=20; dotted keys reach into sections"
+        )
         _set_dotted(raw, k, v, str(p))
     unknown = sorted(set(raw) - _TOP_KEYS)
     if unknown:
@@ -139,29 +160,58 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
             ts = ts or {}
             bad = sorted(set(ts) - {"limit", "max_new_tokens"})
             if bad:
-                raise ConfigError(f"{p}: specialists.{name}.tasks.{t}: unknown key(s) {bad}; use limit, max_new_tokens")
+                raise ConfigError(
+                    f"{p}: specialists.{name}.tasks.{t}: unknown key(s) {bad}; use limit, max_new_tokens"
+                )
             tasks[t] = TaskSettings(**ts)
-        spec = SpecialistConfig(name=name, recipe=str(s["recipe"]), train=dict(s.get("train") or {}), tasks=tasks,
-                                multipl_e=s.get("multipl_e") or [],
-                                multipl_e_limit=int(s.get("multipl_e_limit", 20)),
-                                multipl_e_max_new_tokens=s.get("multipl_e_max_new_tokens", 256))
+        spec = SpecialistConfig(
+            name=name,
+            recipe=str(s["recipe"]),
+            train=dict(s.get("train") or {}),
+            tasks=tasks,
+            multipl_e=s.get("multipl_e") or [],
+            multipl_e_limit=int(s.get("multipl_e_limit", 20)),
+            multipl_e_max_new_tokens=s.get("multipl_e_max_new_tokens", 256),
+        )
         if not spec.tasks and not spec.multipl_e:
             raise ConfigError(f"{p}: specialists.{name} has no tasks")
         try:
             recipe_overrides(spec)  # validates the training keys now
-        except ConfigError as e:  # the recipe parser names the recipe; the key may come from this file's train:
+        except (
+            ConfigError
+        ) as e:  # the recipe parser names the recipe; the key may come from this file's train:
             named = sorted(k for k in spec.train if f"{k}=" in str(e))
             if not named:
                 raise
-            raise ConfigError(f"{p}: specialists.{name}.train sets {', '.join(named)} (applied to {e})") from None
+            raise ConfigError(
+                f"{p}: specialists.{name}.train sets {', '.join(named)} (applied to {e})"
+            ) from None
         specialists[name] = spec
     modes = list(raw.get("modes") or MODES)
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ConfigError(f"{p}: modes {bad} are not modes; use {', '.join(MODES)}")
-    cfg = StudyConfig(specialists=specialists, source=str(p), modes=modes,
-                      **{k: raw[k] for k in ("runs", "out", "batch_size", "bootstrap", "seed", "sweep_limit",
-                                             "sweep_rhos", "serving", "threads", "device") if k in raw})
+    cfg = StudyConfig(
+        specialists=specialists,
+        source=str(p),
+        modes=modes,
+        **{
+            k: raw[k]
+            for k in (
+                "runs",
+                "out",
+                "batch_size",
+                "bootstrap",
+                "seed",
+                "sweep_limit",
+                "sweep_rhos",
+                "serving",
+                "threads",
+                "device",
+            )
+            if k in raw
+        },
+    )
     return cfg
 
 

@@ -36,14 +36,18 @@ class StudyRecipe:
         ConfigError: the specialists' recipes name different bases, or a phase's inputs are invalid.
     """
 
-    def __init__(self, cfg: StudyConfig, *, command: str, serve: Callable | None = None, where: str = "the study"):
+    def __init__(
+        self, cfg: StudyConfig, *, command: str, serve: Callable | None = None, where: str = "the study"
+    ):
         self.cfg, self.command, self.serve_fn = cfg, command, serve
         self.out, self.runs = Path(cfg.out), Path(cfg.runs)
         self.parsed = {name: recipe_overrides(spec) for name, spec in cfg.specialists.items()}
         bases = {tc.base for tc, _, _ in self.parsed.values()}
         if len(bases) != 1:
-            raise ConfigError(f"{where}: the specialists' recipes name different bases {sorted(bases)}; the study "
-                              "compares decoders on one frozen base (set specialists.NAME.train.base to one model)")
+            raise ConfigError(
+                f"{where}: the specialists' recipes name different bases {sorted(bases)}; the study "
+                "compares decoders on one frozen base (set specialists.NAME.train.base to one model)"
+            )
         self.base_name = bases.pop()
         self.dtype = next(iter(self.parsed.values()))[0].dtype
         self.phases: StudyPhases | None = None
@@ -133,7 +137,9 @@ class StudyRecipe:
         fmt = resolve_prompt_format("decoder", decoders.values())
         handoff = shared_handoff(decoders.values())
         task_list = [(t, ts.limit, ts.max_new_tokens) for t, ts in spec.tasks.items()]
-        task_list += [(t, spec.multipl_e_limit, spec.multipl_e_max_new_tokens) for t in _multipl_e_tasks(spec)]
+        task_list += [
+            (t, spec.multipl_e_limit, spec.multipl_e_max_new_tokens) for t in _multipl_e_tasks(spec)
+        ]
         self.summaries[name] = []
         records = {}  # per task: mode -> item id -> record (the sweep reuses the points that are eval modes)
         if fresh:  # every result of this specialist goes before the stamp says they are these decoders'
@@ -145,34 +151,67 @@ class StudyRecipe:
         write_stamp(out / name, digests)
         memo = EvalMemo()  # humaneval-plus takes humaneval's texts and NLLs (same prompts and references)
         specs = mode_specs(cfg.modes, decoders, paths)
-        settings_of = {t: EvalSettings(limit=limit, max_new_tokens=max_new, seed=cfg.seed, handoff_tokens=handoff,
-                                       prompt_format=fmt, engine=True) for t, limit, max_new in task_list}
+        settings_of = {
+            t: EvalSettings(
+                limit=limit,
+                max_new_tokens=max_new,
+                seed=cfg.seed,
+                handoff_tokens=handoff,
+                prompt_format=fmt,
+                engine=True,
+            )
+            for t, limit, max_new in task_list
+        }
         # a task folder of this study written with other settings (the study config or the task's protocol
         # changed) is the study's own stale output: computed again
         for t, _, _ in task_list:
             diff = {} if fresh else stale_settings(out / name / t, settings_of[t].as_dict(get_task(t)))
             if diff:
-                print(f"[ccft study] {name}: {t} was evaluated with other settings {diff} (was, now): computing it "
-                      f"again", flush=True)
+                print(
+                    f"[ccft study] {name}: {t} was evaluated with other settings {diff} (was, now): computing it "
+                    f"again",
+                    flush=True,
+                )
                 clear_task_folder(out / name / t)
         # tasks too small to fill the engine's rows alone (MultiPL-E: 10 items per language) decode together
         small = [t for t, limit, _ in task_list if limit is not None and limit < cfg.batch_size]
         with self.phases(f"eval_{name}"):
             for task_name, limit, _ in task_list:
                 if task_name == (small[0] if small else None):
-                    n = decode_ahead([(get_task(t), settings_of[t]) for t in small], self.base, specs, out / name,
-                                     memo=memo, batch_size=cfg.batch_size, overwrite=fresh)
+                    n = decode_ahead(
+                        [(get_task(t), settings_of[t]) for t in small],
+                        self.base,
+                        specs,
+                        out / name,
+                        memo=memo,
+                        batch_size=cfg.batch_size,
+                        overwrite=fresh,
+                    )
                     if n:
-                        print(f"[ccft study] {name}: {n} generations of {len(small)} small tasks decoded together "
-                              f"({', '.join(small)})", flush=True)
+                        print(
+                            f"[ccft study] {name}: {n} generations of {len(small)} small tasks decoded together "
+                            f"({', '.join(small)})",
+                            flush=True,
+                        )
                 print(f"[ccft study] {name}: {task_name} (n={limit})", flush=True)
-                res = run_task(get_task(task_name), self.base, specs, out / name, settings=settings_of[task_name],
-                               batch_size=cfg.batch_size, n_resamples=cfg.bootstrap, overwrite=fresh, memo=memo)
+                res = run_task(
+                    get_task(task_name),
+                    self.base,
+                    specs,
+                    out / name,
+                    settings=settings_of[task_name],
+                    batch_size=cfg.batch_size,
+                    n_resamples=cfg.bootstrap,
+                    overwrite=fresh,
+                    memo=memo,
+                )
                 self.summaries[name].append(res.summary)
                 records[task_name] = {m: {r["id"]: r for r in rs} for m, rs in res.records.items()}
         return decoders, paths, task_list, records, fresh, fmt
 
-    def sweep(self, name: str, decoders: dict, paths: dict, records: dict, *, fresh: bool, prompt_format) -> None:
+    def sweep(
+        self, name: str, decoders: dict, paths: dict, records: dict, *, fresh: bool, prompt_format
+    ) -> None:
         """NLL/token against the sharing ratio ρ on the specialist's first task (its eval modes' points reused)."""
         from ccft.evals.protocol import get_task
         from ccft.evals.sweep import run_sweep
@@ -182,28 +221,44 @@ class StudyRecipe:
         if not (first and cfg.sweep_limit):
             return
         with self.phases(f"sweep_{name}"):
-            self.sweeps[name] = run_sweep(get_task(first), self.base, {"naive": decoders["full-ft"],
-                                                                       "prefillshare": decoders["ccft"]},
-                                          self.out / name / "sweep", rhos=cfg.sweep_rhos, axes=("positions",),
-                                          limit=cfg.sweep_limit, batch_size=cfg.batch_size, overwrite=fresh,
-                                          decoder_paths={"naive": paths["full-ft"], "prefillshare": paths["ccft"]},
-                                          n_resamples=cfg.bootstrap, prompt_format=prompt_format,
-                                          eval_records=records.get(first))
+            self.sweeps[name] = run_sweep(
+                get_task(first),
+                self.base,
+                {"naive": decoders["full-ft"], "prefillshare": decoders["ccft"]},
+                self.out / name / "sweep",
+                rhos=cfg.sweep_rhos,
+                axes=("positions",),
+                limit=cfg.sweep_limit,
+                batch_size=cfg.batch_size,
+                overwrite=fresh,
+                decoder_paths={"naive": paths["full-ft"], "prefillshare": paths["ccft"]},
+                n_resamples=cfg.bootstrap,
+                prompt_format=prompt_format,
+                eval_records=records.get(first),
+            )
 
     def describe(self, name: str, trained: dict, paths: dict, task_list: list) -> None:
         """The specialist's training facts for the report."""
         tc = self.parsed[name][0]
         spec, hist = self.cfg.specialists[name], trained["histories"]
         self.specialists_meta[name] = {
-            "recipe": spec.recipe, "overrides": spec.train, "runs": paths,
+            "recipe": spec.recipe,
+            "overrides": spec.train,
+            "runs": paths,
             "tasks": [t for t, _, _ in task_list],
-            "training": {"train_data": tc.train_data, "train_rows": trained["rows"]["ccft"],
-                         "steps": tc.max_steps, "learning_rate": tc.learning_rate,
-                         "batch": tc.per_device_train_batch_size * tc.gradient_accumulation_steps,
-                         "max_length": tc.max_length, "seed": tc.seed,
-                         "loss_curve": {m: [[x["step"], x["loss"]] for x in hist[m] if "loss" in x] for m in hist},
-                         "final_loss": {m: next((x["loss"] for x in reversed(hist[m]) if "loss" in x), None)
-                                        for m in hist}},
+            "training": {
+                "train_data": tc.train_data,
+                "train_rows": trained["rows"]["ccft"],
+                "steps": tc.max_steps,
+                "learning_rate": tc.learning_rate,
+                "batch": tc.per_device_train_batch_size * tc.gradient_accumulation_steps,
+                "max_length": tc.max_length,
+                "seed": tc.seed,
+                "loss_curve": {m: [[x["step"], x["loss"]] for x in hist[m] if "loss" in x] for m in hist},
+                "final_loss": {
+                    m: next((x["loss"] for x in reversed(hist[m]) if "loss" in x), None) for m in hist
+                },
+            },
         }
 
     def write_report(self) -> dict:
@@ -229,16 +284,26 @@ class StudyRecipe:
                     plots[f"{name}/sweep"] = f"{name}/sweep.png"
                 except Exception as e:
                     print(f"[ccft study] sweep plot: {e}", file=sys.stderr)
-        report = build_study_report(self.cfg, self.summaries, specialists_meta=self.specialists_meta,
-                                    sweeps=self.sweeps, serving=self.serving, phases=self.phases.data,
-                                    hardware=hardware(), model=describe_model(self.base_name))
+        report = build_study_report(
+            self.cfg,
+            self.summaries,
+            specialists_meta=self.specialists_meta,
+            sweeps=self.sweeps,
+            serving=self.serving,
+            phases=self.phases.data,
+            hardware=hardware(),
+            model=describe_model(self.base_name),
+        )
         report["plots"] = plots
         report["complete"] = set(self.summaries) == set(self.cfg.specialists)
         atomic_write_json(out / "report.json", report, default=str)
         notes = out / "SITTINGS.md"  # hand-written notes on each sitting, kept across regenerations
-        atomic_write_text(out / "README.md", study_readme(report, self.command,
-                                                          notes.read_text(encoding="utf-8") if notes.is_file()
-                                                          else None))
+        atomic_write_text(
+            out / "README.md",
+            study_readme(
+                report, self.command, notes.read_text(encoding="utf-8") if notes.is_file() else None
+            ),
+        )
         return report
 
 

@@ -11,7 +11,15 @@ from importlib import resources
 from ccft.core.modes import REFERENCE_MODE
 from ccft.evals.study.config import StudyConfig, metrics_of
 
-__all__ = ["PRIMARY_MEANING", "SECONDARY_MEANING", "build_study_report", "full_ft_beats_base", "study_reading", "study_readme", "task_entry"]
+__all__ = [
+    "PRIMARY_MEANING",
+    "SECONDARY_MEANING",
+    "build_study_report",
+    "full_ft_beats_base",
+    "study_reading",
+    "study_readme",
+    "task_entry",
+]
 
 
 #: what each secondary metric means, for reports
@@ -25,8 +33,6 @@ PRIMARY_MEANING = {
     "passed": "pass@1 (greedy, tests run in the sandbox)",
     "accuracy": "BFCL AST accuracy (bfcl-eval's checker)",
 }
-
-
 
 
 def _metric(mode_block: dict, key: str | None) -> tuple[float | None, list | None]:
@@ -50,28 +56,55 @@ def task_entry(summary: dict, specialist: str) -> dict:
     for mode, block in summary["modes"].items():
         score, score_ci = _metric(block, primary)
         sec, sec_ci = _metric(block, secondary)
-        modes[mode] = {"score": score, "score_ci": score_ci, "secondary": sec, "secondary_ci": sec_ci,
-                       "nll": block.get("nll"), "nll_ci": block.get("nll_ci"), "n": block.get("n"),
-                       "scored_n": block.get("scored_n"), "truncated": block.get("truncated")}
+        modes[mode] = {
+            "score": score,
+            "score_ci": score_ci,
+            "secondary": sec,
+            "secondary_ci": sec_ci,
+            "nll": block.get("nll"),
+            "nll_ci": block.get("nll_ci"),
+            "n": block.get("n"),
+            "scored_n": block.get("scored_n"),
+            "truncated": block.get("truncated"),
+        }
     paired = {}
     for mode, d in (summary.get("deltas_vs_full_ft") or {}).items():
         score, score_ci = _delta(d, primary)
         sec, sec_ci = _delta(d, secondary)
         nll, nll_ci = _delta(d, "nll")
-        paired[mode] = {"score": score, "score_ci": score_ci, "secondary": sec, "secondary_ci": sec_ci,
-                        "nll": nll, "nll_ci": nll_ci}
+        paired[mode] = {
+            "score": score,
+            "score_ci": score_ci,
+            "secondary": sec,
+            "secondary_ci": sec_ci,
+            "nll": nll,
+            "nll_ci": nll_ci,
+        }
     ref = modes.get(REFERENCE_MODE, {})
     retention = {}
     for mode in ("prefillshare", "naive"):
         if mode in modes:
-            retention[mode] = {k: (modes[mode][k] / ref[k] if ref.get(k) and modes[mode][k] is not None else None)
-                               for k in ("score", "secondary")}
+            retention[mode] = {
+                k: (modes[mode][k] / ref[k] if ref.get(k) and modes[mode][k] is not None else None)
+                for k in ("score", "secondary")
+            }
     n = max((b["n"] or 0) for b in modes.values()) if modes else 0
     meta = summary.get("meta") or {}
-    return {"task": task, "specialist": specialist, "primary_metric": primary, "secondary_metric": secondary,
-            "n": n, "settings": {k: (meta.get("settings") or {}).get(k) for k in ("limit", "max_new_tokens", "prompting",
-                                                                                 "decode_path")},
-            "data": meta.get("data"), "modes": modes, "paired_vs_full_ft": paired, "retention": retention}
+    return {
+        "task": task,
+        "specialist": specialist,
+        "primary_metric": primary,
+        "secondary_metric": secondary,
+        "n": n,
+        "settings": {
+            k: (meta.get("settings") or {}).get(k)
+            for k in ("limit", "max_new_tokens", "prompting", "decode_path")
+        },
+        "data": meta.get("data"),
+        "modes": modes,
+        "paired_vs_full_ft": paired,
+        "retention": retention,
+    }
 
 
 def _excludes_zero(ci, sign: int) -> bool:
@@ -85,25 +118,48 @@ def full_ft_beats_base(entry: dict) -> dict:
     """Does Full-FT beat base on this task with a paired 95% CI that excludes 0? Per metric (primary, secondary:
     higher is better; NLL: lower is better)."""
     d = entry["paired_vs_full_ft"].get("base") or {}
-    return {"score": _excludes_zero(d.get("score_ci"), -1), "secondary": _excludes_zero(d.get("secondary_ci"), -1),
-            "nll": _excludes_zero(d.get("nll_ci"), +1)}
+    return {
+        "score": _excludes_zero(d.get("score_ci"), -1),
+        "secondary": _excludes_zero(d.get("secondary_ci"), -1),
+        "nll": _excludes_zero(d.get("nll_ci"), +1),
+    }
 
 
-def build_study_report(cfg: StudyConfig, summaries: Mapping[str, list[dict]], *, specialists_meta: dict,
-                       sweeps: Mapping[str, dict], serving: dict | None, phases: dict, hardware: str,
-                       model: str) -> dict:
+def build_study_report(
+    cfg: StudyConfig,
+    summaries: Mapping[str, list[dict]],
+    *,
+    specialists_meta: dict,
+    sweeps: Mapping[str, dict],
+    serving: dict | None,
+    phases: dict,
+    hardware: str,
+    model: str,
+) -> dict:
     """``report.json`` (see the module docstring and docs/study.md)."""
     tasks = [task_entry(s, spec) for spec, ss in summaries.items() for s in ss]
     resolved = {}
     for spec in summaries:
         entries = [t for t in tasks if t["specialist"] == spec]
         resolved[spec] = {t["task"]: full_ft_beats_base(t) for t in entries}
-    return {"kind": "ccft-study", "config": cfg.source, "model": model, "hardware": hardware,
-            "modes": cfg.modes, "phase_seconds": phases.get("phase_seconds", {}), "sittings": phases.get("sittings"),
-            "load_average": phases.get("load_average", {}), "specialists": specialists_meta, "tasks": tasks,
-            "full_ft_beats_base": resolved, "sweeps": {k: ({kk: vv for kk, vv in v.items() if kk != "per_item"} if v else v) for k, v in sweeps.items()},
-            "serving": serving,
-            "metrics": {"primary": PRIMARY_MEANING, "secondary": SECONDARY_MEANING}}
+    return {
+        "kind": "ccft-study",
+        "config": cfg.source,
+        "model": model,
+        "hardware": hardware,
+        "modes": cfg.modes,
+        "phase_seconds": phases.get("phase_seconds", {}),
+        "sittings": phases.get("sittings"),
+        "load_average": phases.get("load_average", {}),
+        "specialists": specialists_meta,
+        "tasks": tasks,
+        "full_ft_beats_base": resolved,
+        "sweeps": {
+            k: ({kk: vv for kk, vv in v.items() if kk != "per_item"} if v else v) for k, v in sweeps.items()
+        },
+        "serving": serving,
+        "metrics": {"primary": PRIMARY_MEANING, "secondary": SECONDARY_MEANING},
+    }
 
 
 def _pct(x) -> str:
@@ -176,7 +232,11 @@ def study_reading(report: dict) -> str:
         for t in entries:
             d = t["paired_vs_full_ft"]
             parts = []
-            for label, key, pct in (("primary", "score", True), ("secondary", "secondary", True), ("NLL/token", "nll", False)):
+            for label, key, pct in (
+                ("primary", "score", True),
+                ("secondary", "secondary", True),
+                ("NLL/token", "nll", False),
+            ):
                 if t["modes"]["full-ft"].get(key) is None:
                     continue
                 bits = []
@@ -220,15 +280,24 @@ def study_readme(report: dict, command: str, sittings_notes: str | None = None) 
     specs = []
     for name, s in report["specialists"].items():
         tr = s.get("training", {})
-        specs.append(f"- **{name}**: recipe `{s['recipe']}` with {s.get('overrides') or 'no overrides'}; "
-                     f"{tr.get('train_rows')} rows ({tr.get('train_data')}), {tr.get('steps')} steps, "
-                     f"final train loss ccft {tr.get('final_loss', {}).get('ccft', float('nan')):.3f}, "
-                     f"full-ft {tr.get('final_loss', {}).get('full-ft', float('nan')):.3f}; runs "
-                     f"`{s['runs']['ccft']}`, `{s['runs']['full-ft']}`")
-    retention = ["| specialist | task | prefillshare ÷ full-ft (primary) | naive ÷ full-ft (primary) | "
-                 "prefillshare ÷ full-ft (secondary) | naive ÷ full-ft (secondary) |", "|---|---|---|---|---|---|"]
+        specs.append(
+            f"- **{name}**: recipe `{s['recipe']}` with {s.get('overrides') or 'no overrides'}; "
+            f"{tr.get('train_rows')} rows ({tr.get('train_data')}), {tr.get('steps')} steps, "
+            f"final train loss ccft {tr.get('final_loss', {}).get('ccft', float('nan')):.3f}, "
+            f"full-ft {tr.get('final_loss', {}).get('full-ft', float('nan')):.3f}; runs "
+            f"`{s['runs']['ccft']}`, `{s['runs']['full-ft']}`"
+        )
+    retention = [
+        "| specialist | task | prefillshare ÷ full-ft (primary) | naive ÷ full-ft (primary) | "
+        "prefillshare ÷ full-ft (secondary) | naive ÷ full-ft (secondary) |",
+        "|---|---|---|---|---|---|",
+    ]
     for t in report["tasks"]:
-        cells = [_ratio(t["retention"], mode, k) for k in ("score", "secondary") for mode in ("prefillshare", "naive")]
+        cells = [
+            _ratio(t["retention"], mode, k)
+            for k in ("score", "secondary")
+            for mode in ("prefillshare", "naive")
+        ]
         retention.append(f"| {t['specialist']} | {t['task']} | " + " | ".join(cells) + " |")
     resolved = []
     for spec, per_task in report["full_ft_beats_base"].items():
@@ -243,30 +312,52 @@ def study_readme(report: dict, command: str, sittings_notes: str | None = None) 
             continue
         pts = {(p["label"], p["rho"]): p for p in sw.get("points", []) if p.get("over") == "positions"}
         rhos = sorted({r for _, r in pts})
-        sweeps.append(f"**{spec}** ({sw['meta']['task']}, n={sw['meta']['n_items']}; NLL/token over ρ = "
-                      f"{', '.join(str(r) for r in rhos)} of prompt positions shared):\n\n"
-                      "| curve | " + " | ".join(f"ρ={r}" for r in rhos) + " |\n|---|" + "---|" * len(rhos) + "\n"
-                      + "\n".join(f"| {label} | {_sweep_row(pts, rhos, label)} |" for label in ("naive", "prefillshare"))
-                      + "\n")
+        sweeps.append(
+            f"**{spec}** ({sw['meta']['task']}, n={sw['meta']['n_items']}; NLL/token over ρ = "
+            f"{', '.join(str(r) for r in rhos)} of prompt positions shared):\n\n"
+            "| curve | "
+            + " | ".join(f"ρ={r}" for r in rhos)
+            + " |\n|---|"
+            + "---|" * len(rhos)
+            + "\n"
+            + "\n".join(
+                f"| {label} | {_sweep_row(pts, rhos, label)} |" for label in ("naive", "prefillshare")
+            )
+            + "\n"
+        )
     serving = report.get("serving") or {}
     serving_md = serving.get("markdown") or "Not run in this report."
     done = sorted({t["specialist"] for t in report["tasks"]})
-    partial = "" if report.get("complete", True) else (
-        f"> **Partial report**: finished specialists: {', '.join(done) or 'none'}. The study resumes where it "
-        f"stopped; rerun `{command}` to continue.\n\n")
+    partial = (
+        ""
+        if report.get("complete", True)
+        else (
+            f"> **Partial report**: finished specialists: {', '.join(done) or 'none'}. The study resumes where it "
+            f"stopped; rerun `{command}` to continue.\n\n"
+        )
+    )
     fields = {
-        "partial": partial, "command": command, "sittings": report["sittings"], "model": report["model"],
-        "hardware": report["hardware"], "phase_seconds": ", ".join(f"{k} {v:.0f}" for k, v in ps.items()),
-        "total_s": f"{total:.0f}", "total_min": f"{total / 60:.0f}",
+        "partial": partial,
+        "command": command,
+        "sittings": report["sittings"],
+        "model": report["model"],
+        "hardware": report["hardware"],
+        "phase_seconds": ", ".join(f"{k} {v:.0f}" for k, v in ps.items()),
+        "total_s": f"{total:.0f}",
+        "total_min": f"{total / 60:.0f}",
         "load_average": ", ".join(f"{k} {v}" for k, v in report["load_average"].items()),
-        "sittings_block": _sittings_block(sittings_notes), "specialists": "\n".join(specs),
+        "sittings_block": _sittings_block(sittings_notes),
+        "specialists": "\n".join(specs),
         "primary_meaning": "; ".join(f"`{k}` = {v}" for k, v in report["metrics"]["primary"].items()),
         "primary_table": "\n".join(_table(report, "score", lambda x, ci: _pct(x) + _ci_pct(ci), _pp)),
         "secondary_meaning": "; ".join(f"`{k}` = {v}" for k, v in report["metrics"]["secondary"].items()),
         "secondary_table": "\n".join(_table(report, "secondary", lambda x, ci: _pct(x) + _ci_pct(ci), _pp)),
-        "nll_table": "\n".join(_table(report, "nll", _nll, _dnll)), "retention": "\n".join(retention),
-        "resolved": "\n".join(resolved), "sweeps": "\n".join(sweeps) if sweeps else "Not run.",
-        "serving": serving_md, "reading": study_reading(report),
+        "nll_table": "\n".join(_table(report, "nll", _nll, _dnll)),
+        "retention": "\n".join(retention),
+        "resolved": "\n".join(resolved),
+        "sweeps": "\n".join(sweeps) if sweeps else "Not run.",
+        "serving": serving_md,
+        "reading": study_reading(report),
     }
     template = (resources.files("ccft.evals") / "templates" / "study_README.md").read_text(encoding="utf-8")
     return string.Template(template).substitute(fields)
@@ -276,6 +367,8 @@ def _sittings_block(notes: str | None) -> str:
     if not notes or not notes.strip():
         return ""
     quoted = "\n".join(f"> {line}".rstrip() for line in notes.strip().splitlines())
-    return ("## Sittings (notes written by hand in `SITTINGS.md`, not generated)\n\n"
-            "The phase times above are wall time; these notes say what else shared the machine.\n\n"
-            f"{quoted}\n\n")
+    return (
+        "## Sittings (notes written by hand in `SITTINGS.md`, not generated)\n\n"
+        "The phase times above are wall time; these notes say what else shared the machine.\n\n"
+        f"{quoted}\n\n"
+    )

@@ -23,8 +23,11 @@ class StudyPhases:
 
     def __init__(self, out: Path):
         self.path = out / "phases.json"
-        self.data = json.loads(self.path.read_text()) if self.path.is_file() else {"phase_seconds": {}, "sittings": 0,
-                                                                                     "load_average": {}}
+        self.data = (
+            json.loads(self.path.read_text())
+            if self.path.is_file()
+            else {"phase_seconds": {}, "sittings": 0, "load_average": {}}
+        )
         self.data["sittings"] += 1
         self._save()
 
@@ -47,6 +50,7 @@ class StudyPhases:
                     phases.data["load_average"].setdefault(name, []).append(round(os.getloadavg()[0], 2))
                 phases._save()
                 print(f"[ccft study] {name}: {dt:.0f}s", flush=True)
+
         return _Phase()
 
 
@@ -78,11 +82,18 @@ def run_digest(folder: str | os.PathLike) -> str:
 
     meta = json.loads((root / "ccft.json").read_text())
     h = hashlib.sha256(json.dumps({k: meta.get(k) for k in DECODER_FIELDS}, sort_keys=True).encode())
-    files = [f for f in root.iterdir() if f.is_file() and f.name.endswith(DECODER_FILE_SUFFIXES)
-             and f.name not in (*NOT_DECODER_FILES, RECIPE_STAMP)]
+    files = [
+        f
+        for f in root.iterdir()
+        if f.is_file()
+        and f.name.endswith(DECODER_FILE_SUFFIXES)
+        and f.name not in (*NOT_DECODER_FILES, RECIPE_STAMP)
+    ]
     for f in sorted(files):
         h.update(b"\0" + f.name.encode() + b"\0")
-        if f.suffix == ".json":  # by content: PEFT writes target_modules (a set) in a different order every run
+        if (
+            f.suffix == ".json"
+        ):  # by content: PEFT writes target_modules (a set) in a different order every run
             h.update(_canonical_json(json.loads(f.read_text())).encode())
             continue
         with open(f, "rb") as fh:

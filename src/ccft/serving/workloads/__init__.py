@@ -35,5 +35,15 @@ from ccft.serving.workloads.pools import DOMAINS, RESOURCES  # noqa: F401
 from ccft.serving.workloads.trace import FORMAT, FORMAT_VERSION, Request, Trace, TraceReplay  # noqa: F401
 
 __all__ = [
-    "DEFAULT_AGENTS", "EIGHT_AGENTS", "KINDS", "MORE_AGENTS", "KVTokens", "Request", "Trace", "TraceReplay", "describe", "generate", "kv_tokens",
+    "DEFAULT_AGENTS",
+    "EIGHT_AGENTS",
+    "KINDS",
+    "MORE_AGENTS",
+    "KVTokens",
+    "Request",
+    "Trace",
+    "TraceReplay",
+    "describe",
+    "generate",
+    "kv_tokens",
 ]

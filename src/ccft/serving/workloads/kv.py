@@ -47,6 +47,8 @@ def kv_tokens(n_agents: int, shared_len: int, unique_len: int) -> KVTokens:
         ConfigError: ``n_agents < 1`` or a negative length.
     """
     if n_agents < 1 or shared_len < 0 or unique_len < 0:
-        raise ConfigError(f"kv_tokens: need n_agents >= 1 and lengths >= 0, got n_agents={n_agents}, "
-                          f"shared_len={shared_len}, unique_len={unique_len}")
+        raise ConfigError(
+            f"kv_tokens: need n_agents >= 1 and lengths >= 0, got n_agents={n_agents}, "
+            f"shared_len={shared_len}, unique_len={unique_len}"
+        )
     return KVTokens(shared_len + n_agents * unique_len, n_agents * (shared_len + unique_len))

@@ -62,18 +62,30 @@ from ccft.core.errors import ConfigError
 from ccft.serving.workloads.pools import DOMAINS, TokenPieces, tokenizer_info
 from ccft.serving.workloads.trace import FORMAT, FORMAT_VERSION, Request, Trace
 
-__all__ = ["KINDS", "DEFAULT_AGENTS", "MORE_AGENTS", "EIGHT_AGENTS", "SYSTEM_TEXT", "ROLE_TEXT", "REFLECT_TEXT", "AGENT_DOMAIN", "generate",
-           "describe"]
+__all__ = [
+    "KINDS",
+    "DEFAULT_AGENTS",
+    "MORE_AGENTS",
+    "EIGHT_AGENTS",
+    "SYSTEM_TEXT",
+    "ROLE_TEXT",
+    "REFLECT_TEXT",
+    "AGENT_DOMAIN",
+    "generate",
+    "describe",
+]
 
 KINDS = ("react", "reflexion")
 DEFAULT_AGENTS = ("planner", "math", "code", "tools")
 MORE_AGENTS = ("critic", "search", "writer", "verifier")  #: four more roles for 8-agent traces
 EIGHT_AGENTS = DEFAULT_AGENTS + MORE_AGENTS
 
-SYSTEM_TEXT = ("You are one agent of a team that solves a task together: a planner, a math agent, a code "
-               "agent and a tools agent. Everyone reads the same shared trajectory below: the task, then "
-               "each turn's thoughts, actions and observations, and reflections on earlier trials. Answer "
-               "only your own part, concisely.")
+SYSTEM_TEXT = (
+    "You are one agent of a team that solves a task together: a planner, a math agent, a code "
+    "agent and a tools agent. Everyone reads the same shared trajectory below: the task, then "
+    "each turn's thoughts, actions and observations, and reflections on earlier trials. Answer "
+    "only your own part, concisely."
+)
 ROLE_TEXT = {
     "planner": "Planner: read the trajectory so far, then write the next Thought and the Action to take.",
     "math": "Math agent: solve the arithmetic sub-problem below step by step.",
@@ -84,10 +96,20 @@ ROLE_TEXT = {
     "writer": "Writer: turn the results so far into a short answer for the user.",
     "verifier": "Verifier: test the proposed answer below against the task and say pass or fail.",
 }
-REFLECT_TEXT = ("Reflect: the last trial did not solve the task. Say what went wrong and write a short plan "
-                "for the next trial.")
-AGENT_DOMAIN = {"planner": "mixed", "math": "math", "code": "code", "tools": "tools", "critic": "mixed",
-                "search": "tools", "writer": "mixed", "verifier": "math"}
+REFLECT_TEXT = (
+    "Reflect: the last trial did not solve the task. Say what went wrong and write a short plan "
+    "for the next trial."
+)
+AGENT_DOMAIN = {
+    "planner": "mixed",
+    "math": "math",
+    "code": "code",
+    "tools": "tools",
+    "critic": "mixed",
+    "search": "tools",
+    "writer": "mixed",
+    "verifier": "math",
+}
 
 
 def _agents(agents: int | Sequence[str]) -> list[str]:
@@ -106,7 +128,9 @@ def _max_new(max_new_tokens: int | Mapping[str, int], agents: list[str]) -> dict
     if isinstance(max_new_tokens, Mapping):
         missing = [a for a in agents if a not in max_new_tokens]
         if missing:
-            raise ConfigError(f"max_new_tokens: no value for agents {missing}; give an int or one value per agent")
+            raise ConfigError(
+                f"max_new_tokens: no value for agents {missing}; give an int or one value per agent"
+            )
         out = {a: int(max_new_tokens[a]) for a in agents}
     else:
         out = {a: int(max_new_tokens) for a in agents}
@@ -129,11 +153,23 @@ def _check_int(name: str, value: int, minimum: int) -> int:
     return value
 
 
-def generate(kind: str, *, sessions: int = 16, turns: int = 4, agents: int | Sequence[str] = DEFAULT_AGENTS,
-             shared_tokens: int = 512, unique_tokens: int = 32, growth_tokens: int = 64,
-             max_new_tokens: int | Mapping[str, int] = 64, rate: float | None = 1.0, seed: int = 0,
-             tokenizer, reflection_tokens: int | None = None, steps_per_trial: int = 1,
-             new_tokens_spread: float = 0.0) -> Trace:
+def generate(
+    kind: str,
+    *,
+    sessions: int = 16,
+    turns: int = 4,
+    agents: int | Sequence[str] = DEFAULT_AGENTS,
+    shared_tokens: int = 512,
+    unique_tokens: int = 32,
+    growth_tokens: int = 64,
+    max_new_tokens: int | Mapping[str, int] = 64,
+    rate: float | None = 1.0,
+    seed: int = 0,
+    tokenizer,
+    reflection_tokens: int | None = None,
+    steps_per_trial: int = 1,
+    new_tokens_spread: float = 0.0,
+) -> Trace:
     """Build a ReAct or Reflexion multi-agent trace (see the module docstring for the patterns).
 
     Args:
@@ -168,7 +204,9 @@ def generate(kind: str, *, sessions: int = 16, turns: int = 4, agents: int | Seq
     if kind == "react" and steps_per_trial != 1:
         raise ConfigError("steps_per_trial: only used by kind='reflexion'; leave it at 1 for react")
     if not isinstance(new_tokens_spread, (int, float)) or new_tokens_spread < 0:
-        raise ConfigError(f"new_tokens_spread: must be a number >= 0 (0: fixed lengths), got {new_tokens_spread!r}")
+        raise ConfigError(
+            f"new_tokens_spread: must be a number >= 0 (0: fixed lengths), got {new_tokens_spread!r}"
+        )
     if rate is not None and (not isinstance(rate, (int, float)) or rate < 0):
         raise ConfigError(f"rate: sessions per second must be >= 0 or None, got {rate!r}")
     if tokenizer is None:
@@ -207,8 +245,9 @@ def generate(kind: str, *, sessions: int = 16, turns: int = 4, agents: int | Seq
         domain = DOMAINS[rng.randrange(len(DOMAINS))]
         # initial context: system turn + user task turn, exactly shared_tokens
         ctx_id = f"s{s}.ctx"
-        segments[ctx_id] = toks.fit(ctx_head, toks.body(rng, [domain], "task", shared_tokens), user_tail,
-                                    shared_tokens)
+        segments[ctx_id] = toks.fit(
+            ctx_head, toks.body(rng, [domain], "task", shared_tokens), user_tail, shared_tokens
+        )
         context = [ctx_id]
         shared_len = shared_tokens
         prev: list[str] = []
@@ -226,12 +265,24 @@ def generate(kind: str, *, sessions: int = 16, turns: int = 4, agents: int | Seq
                     instruction, udomains = REFLECT_TEXT, [domain]
                 uhead, utail = toks.turn("user", f"[{agent}] {instruction}\n")
                 ahead, _ = toks.turn("assistant", "")
-                segments[rid] = toks.fit(uhead, toks.body(rng, udomains, "task", unique_tokens),
-                                         utail + ahead, unique_tokens)
-                requests.append(Request(request_id=rid, session=s, turn=t, phase=phase, agent=agent,
-                                        arrival=arrivals[s], depends_on=tuple(prev), segments=(*context, rid),
-                                        shared_len=shared_len, unique_len=unique_tokens,
-                                        max_new_tokens=_draw(budget[agent], new_tokens_spread, lrng)))
+                segments[rid] = toks.fit(
+                    uhead, toks.body(rng, udomains, "task", unique_tokens), utail + ahead, unique_tokens
+                )
+                requests.append(
+                    Request(
+                        request_id=rid,
+                        session=s,
+                        turn=t,
+                        phase=phase,
+                        agent=agent,
+                        arrival=arrivals[s],
+                        depends_on=tuple(prev),
+                        segments=(*context, rid),
+                        shared_len=shared_len,
+                        unique_len=unique_tokens,
+                        max_new_tokens=_draw(budget[agent], new_tokens_spread, lrng),
+                    )
+                )
                 ids.append(rid)
             prev = ids
             if t == len(plan) - 1 or record_len == 0:
@@ -239,30 +290,55 @@ def generate(kind: str, *, sessions: int = 16, turns: int = 4, agents: int | Seq
             # the turn's record, appended to the shared context of the next turn
             if phase == "act":
                 rhead, rtail = toks.turn("user", f"Turn {t}: thoughts, actions and observations\n")
-                rdomains = [d for d in (AGENT_DOMAIN.get(a) for a in callers) if d in DOMAINS] or list(DOMAINS)
+                rdomains = [d for d in (AGENT_DOMAIN.get(a) for a in callers) if d in DOMAINS] or list(
+                    DOMAINS
+                )
             else:
                 rhead, rtail = toks.turn("assistant", f"Reflection on trial {trial}:\n")
                 rdomains = [domain]
                 trial += 1
             rec_id = f"s{s}.t{t}.{'obs' if phase == 'act' else 'refl'}"
-            segments[rec_id] = toks.fit(rhead, toks.body(rng, rdomains, "record", record_len), rtail, record_len)
+            segments[rec_id] = toks.fit(
+                rhead, toks.body(rng, rdomains, "record", record_len), rtail, record_len
+            )
             context.append(rec_id)
             shared_len += record_len
 
-    meta = {"format": FORMAT, "version": FORMAT_VERSION, "kind": kind, "seed": seed, "sessions": sessions,
-            "turns": turns, "agents": names, "shared_tokens": shared_tokens, "unique_tokens": unique_tokens,
-            "growth_tokens": growth_tokens, "reflection_tokens": reflection_tokens if kind == "reflexion" else 0,
-            "steps_per_trial": steps_per_trial, "max_new_tokens": budget, "new_tokens_spread": new_tokens_spread,
-            "rate": rate,
-            "markup": "chatml" if toks.chatml else "plain", "tokenizer": tokenizer_info(tokenizer),
-            "num_segments": len(segments), "num_requests": len(requests)}
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "kind": kind,
+        "seed": seed,
+        "sessions": sessions,
+        "turns": turns,
+        "agents": names,
+        "shared_tokens": shared_tokens,
+        "unique_tokens": unique_tokens,
+        "growth_tokens": growth_tokens,
+        "reflection_tokens": reflection_tokens if kind == "reflexion" else 0,
+        "steps_per_trial": steps_per_trial,
+        "max_new_tokens": budget,
+        "new_tokens_spread": new_tokens_spread,
+        "rate": rate,
+        "markup": "chatml" if toks.chatml else "plain",
+        "tokenizer": tokenizer_info(tokenizer),
+        "num_segments": len(segments),
+        "num_requests": len(requests),
+    }
     return Trace(meta, segments, requests)
 
 
 def describe(trace: Trace) -> dict[str, Any]:
     """Counts for logs and reports: sessions, requests, turns, prompt tokens and the Eq. 9 totals."""
     kv = trace.kv_tokens()
-    return {"kind": trace.kind, "sessions": len(trace.sessions()), "requests": len(trace),
-            "session_turns": len(trace.groups()), "agents": trace.agents,
-            "prompt_tokens": sum(r.prompt_len for r in trace), "kv_shared": kv.shared, "kv_no_share": kv.no_share,
-            "kv_ratio": round(kv.ratio, 4)}
+    return {
+        "kind": trace.kind,
+        "sessions": len(trace.sessions()),
+        "requests": len(trace),
+        "session_turns": len(trace.groups()),
+        "agents": trace.agents,
+        "prompt_tokens": sum(r.prompt_len for r in trace),
+        "kv_shared": kv.shared,
+        "kv_no_share": kv.no_share,
+        "kv_ratio": round(kv.ratio, 4),
+    }

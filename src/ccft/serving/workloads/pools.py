@@ -26,6 +26,7 @@ DOMAINS = ("math", "code", "tools")
 @functools.lru_cache(maxsize=None)
 def text_pool(domain: str, part: str) -> tuple[str, ...]:
     """Texts of a bundled data set. ``part``: "task" (questions, requests) or "record" (answers, solutions)."""
+
     def rows(rel: str) -> list[dict]:
         path = RESOURCES / rel
         return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -42,8 +43,10 @@ def text_pool(domain: str, part: str) -> tuple[str, ...]:
             msgs = r["messages"]
             if part == "task":
                 user = next((m["content"] for m in msgs if m["role"] == "user"), "")
-                tools = " ".join(t["function"]["name"] + ": " + t["function"].get("description", "")
-                                 for t in r.get("tools", []))
+                tools = " ".join(
+                    t["function"]["name"] + ": " + t["function"].get("description", "")
+                    for t in r.get("tools", [])
+                )
                 out.append(f"{user}\nAvailable functions: {tools}" if tools else user)
             else:
                 out.append(msgs[-1]["content"])
@@ -69,8 +72,11 @@ class TokenPieces:
         plain = as_ids(tokenizer("a", add_special_tokens=False))
         special = as_ids(tokenizer("a", add_special_tokens=True))
         bos = getattr(tokenizer, "bos_token_id", None)
-        self.bos = [bos] if (not self.chatml and bos is not None and special[:1] == [bos]
-                             and plain[:1] != [bos]) else []
+        self.bos = (
+            [bos]
+            if (not self.chatml and bos is not None and special[:1] == [bos] and plain[:1] != [bos])
+            else []
+        )
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` alone (no special tokens added); memoised."""
@@ -82,7 +88,9 @@ class TokenPieces:
         """The ids of row ``index`` of ``text_pool(domain, part)`` plus a newline; memoised."""
         key = (domain, part, index)
         if key not in self._cache:
-            self._cache[key] = as_ids(self.tok(text_pool(domain, part)[index] + "\n", add_special_tokens=False))
+            self._cache[key] = as_ids(
+                self.tok(text_pool(domain, part)[index] + "\n", add_special_tokens=False)
+            )
         return self._cache[key]
 
     def body(self, rng: random.Random, domains: Sequence[str], part: str, length: int) -> list[int]:
@@ -108,8 +116,8 @@ class TokenPieces:
         if room >= 0:
             return head + body[:room] + tail
         if length >= len(tail):
-            return head[:length - len(tail)] + tail
-        return tail[len(tail) - length:]
+            return head[: length - len(tail)] + tail
+        return tail[len(tail) - length :]
 
 
 def tokenizer_info(tokenizer) -> dict:
@@ -117,5 +125,8 @@ def tokenizer_info(tokenizer) -> dict:
     from ccft.core.fingerprint import tokenizer_digest
 
     name = str(getattr(tokenizer, "name_or_path", "") or "")
-    return {"name": Path(name).name if name else "", "vocab_size": len(tokenizer),
-            "digest": tokenizer_digest(tokenizer)}
+    return {
+        "name": Path(name).name if name else "",
+        "vocab_size": len(tokenizer),
+        "digest": tokenizer_digest(tokenizer),
+    }

@@ -44,11 +44,11 @@ class Request:
     request_id: str
     session: int
     turn: int
-    phase: str                      # "act" or "reflect"
-    agent: str                      # = decoder name
-    arrival: float                  # seconds from the trace start (the session's arrival)
-    depends_on: tuple[str, ...]     # request ids that must finish before this one is released
-    segments: tuple[str, ...]       # segment ids; prompt_ids is their concatenation
+    phase: str  # "act" or "reflect"
+    agent: str  # = decoder name
+    arrival: float  # seconds from the trace start (the session's arrival)
+    depends_on: tuple[str, ...]  # request ids that must finish before this one is released
+    segments: tuple[str, ...]  # segment ids; prompt_ids is their concatenation
     shared_len: int
     unique_len: int
     max_new_tokens: int
@@ -60,18 +60,28 @@ class Request:
 
     @property
     def shared_ids(self) -> list[int]:
-        return self.prompt_ids[:self.shared_len]
+        return self.prompt_ids[: self.shared_len]
 
     @property
     def unique_ids(self) -> list[int]:
-        return self.prompt_ids[self.shared_len:]
+        return self.prompt_ids[self.shared_len :]
 
     def record(self) -> dict:
-        return {"type": "request", "request_id": self.request_id, "session": self.session, "turn": self.turn,
-                "phase": self.phase, "agent": self.agent, "arrival": self.arrival,
-                "depends_on": list(self.depends_on), "segments": list(self.segments),
-                "shared_len": self.shared_len, "unique_len": self.unique_len, "prompt_len": self.prompt_len,
-                "max_new_tokens": self.max_new_tokens}
+        return {
+            "type": "request",
+            "request_id": self.request_id,
+            "session": self.session,
+            "turn": self.turn,
+            "phase": self.phase,
+            "agent": self.agent,
+            "arrival": self.arrival,
+            "depends_on": list(self.depends_on),
+            "segments": list(self.segments),
+            "shared_len": self.shared_len,
+            "unique_len": self.unique_len,
+            "prompt_len": self.prompt_len,
+            "max_new_tokens": self.max_new_tokens,
+        }
 
 
 class Trace:
@@ -127,8 +137,10 @@ class Trace:
         for group in self.groups():
             shared = {r.shared_len for r in group}
             if len(shared) != 1:  # pragma: no cover - generate() never writes this; a hand-edited file might
-                raise DataError(f"session {group[0].session} turn {group[0].turn}: requests disagree on shared_len "
-                                f"{sorted(shared)}; one session-turn reads one shared context")
+                raise DataError(
+                    f"session {group[0].session} turn {group[0].turn}: requests disagree on shared_len "
+                    f"{sorted(shared)}; one session-turn reads one shared context"
+                )
             ls = shared.pop()
             total += KVTokens(ls + sum(r.unique_len for r in group), sum(ls + r.unique_len for r in group))
         return total
@@ -148,6 +160,7 @@ class Trace:
 
     def save(self, path: str | Path) -> Path:
         """Write the trace as JSONL (same trace, same bytes), atomically. Returns the path."""
+
         def write(tmp: str) -> None:
             with open(tmp, "w", encoding="utf-8", newline="\n") as f:
                 for line in self.lines():
@@ -166,7 +179,9 @@ class Trace:
         """
         path = Path(path)
         if not path.is_file():
-            raise DataError(f"trace file {path} does not exist; write one with ccft.serving.workloads.generate(...).save()")
+            raise DataError(
+                f"trace file {path} does not exist; write one with ccft.serving.workloads.generate(...).save()"
+            )
         meta: dict | None = None
         segments: dict[str, list[int]] = {}
         requests: list[Request] = []
@@ -180,31 +195,49 @@ class Trace:
                 where = f"{path}:{n}"
                 if meta is None:
                     if kind != "meta" or rec.get("format") != FORMAT:
-                        raise DataError(f"{where}: not a ccft trace (first line must be a meta record with "
-                                        f"format={FORMAT!r})")
+                        raise DataError(
+                            f"{where}: not a ccft trace (first line must be a meta record with "
+                            f"format={FORMAT!r})"
+                        )
                     if rec.get("version") != FORMAT_VERSION:
-                        raise DataError(f"{where}: trace format version {rec.get('version')!r} is not supported "
-                                        f"(this ccft reads version {FORMAT_VERSION}); regenerate the trace")
+                        raise DataError(
+                            f"{where}: trace format version {rec.get('version')!r} is not supported "
+                            f"(this ccft reads version {FORMAT_VERSION}); regenerate the trace"
+                        )
                     meta = rec
                 elif kind == "segment":
                     segments[rec["id"]] = list(rec["ids"])
                 elif kind == "request":
                     missing = [s for s in rec["segments"] if s not in segments]
                     if missing:
-                        raise DataError(f"{where}: request {rec['request_id']} names missing segments {missing}")
+                        raise DataError(
+                            f"{where}: request {rec['request_id']} names missing segments {missing}"
+                        )
                     unknown = [d for d in rec["depends_on"] if d not in seen]
                     if unknown:
-                        raise DataError(f"{where}: request {rec['request_id']} depends on {unknown}, which are "
-                                        "not earlier requests of the trace")
-                    req = Request(request_id=rec["request_id"], session=rec["session"], turn=rec["turn"],
-                                  phase=rec["phase"], agent=rec["agent"], arrival=rec["arrival"],
-                                  depends_on=tuple(rec["depends_on"]), segments=tuple(rec["segments"]),
-                                  shared_len=rec["shared_len"], unique_len=rec["unique_len"],
-                                  max_new_tokens=rec["max_new_tokens"])
+                        raise DataError(
+                            f"{where}: request {rec['request_id']} depends on {unknown}, which are "
+                            "not earlier requests of the trace"
+                        )
+                    req = Request(
+                        request_id=rec["request_id"],
+                        session=rec["session"],
+                        turn=rec["turn"],
+                        phase=rec["phase"],
+                        agent=rec["agent"],
+                        arrival=rec["arrival"],
+                        depends_on=tuple(rec["depends_on"]),
+                        segments=tuple(rec["segments"]),
+                        shared_len=rec["shared_len"],
+                        unique_len=rec["unique_len"],
+                        max_new_tokens=rec["max_new_tokens"],
+                    )
                     length = sum(len(segments[s]) for s in req.segments)
                     if length != rec["prompt_len"] or length != req.prompt_len:
-                        raise DataError(f"{where}: request {req.request_id}: segments hold {length} tokens but "
-                                        f"prompt_len={rec['prompt_len']}, shared_len + unique_len={req.prompt_len}")
+                        raise DataError(
+                            f"{where}: request {req.request_id}: segments hold {length} tokens but "
+                            f"prompt_len={rec['prompt_len']}, shared_len + unique_len={req.prompt_len}"
+                        )
                     seen.add(req.request_id)
                     requests.append(req)
                 else:
@@ -214,10 +247,12 @@ class Trace:
         if tokenizer is not None:
             digest = tokenizer_info(tokenizer)["digest"]
             if digest != meta["tokenizer"]["digest"]:
-                raise ConfigError(f"tokenizer: the trace {path} was built with tokenizer "
-                                  f"{meta['tokenizer']['name']!r} (digest {meta['tokenizer']['digest'][:12]}), not "
-                                  f"{getattr(tokenizer, 'name_or_path', '?')!r} ({digest[:12]}); regenerate the trace "
-                                  "with this tokenizer")
+                raise ConfigError(
+                    f"tokenizer: the trace {path} was built with tokenizer "
+                    f"{meta['tokenizer']['name']!r} (digest {meta['tokenizer']['digest'][:12]}), not "
+                    f"{getattr(tokenizer, 'name_or_path', '?')!r} ({digest[:12]}); regenerate the trace "
+                    "with this tokenizer"
+                )
         return cls(meta, segments, requests)
 
 
