@@ -247,6 +247,30 @@ def test_gsm8k_task_and_registry():
         get_task("no-such-task")
 
 
+def test_cli_eval_runs_a_suite(setup, tmp_path, capsys):
+    """``ccft eval --suite`` evaluates what the suite declares (task, items, generated items, modes, bootstrap)."""
+    from ccft.cli.main import main
+
+    base, ff, cc, _ = setup
+    ccft.save_decoder(ff, tmp_path / "ff")
+    ccft.save_decoder(cc, tmp_path / "cc")
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(
+        "task: gsm8k\nnll_rows: 3\nem_rows: 1\nmax_new_tokens: 3\nbatch_size: 2\n"
+        "modes: [full-ft, prefillshare]\nbootstrap: 100\n"
+    )
+    argv = ["eval", "--suite", str(suite), "--no-progress", "--out", str(tmp_path / "out")]
+    argv += ["--decoder", str(tmp_path / "ff"), "--decoder", str(tmp_path / "cc")]
+    assert main(argv) == 0
+    s = json.loads((tmp_path / "out" / "gsm8k.json").read_text())
+    assert set(s["modes"]) == {"full-ft", "prefillshare"} and all(m["n"] == 3 for m in s["modes"].values())
+    meta = json.loads((tmp_path / "out" / "gsm8k" / "meta.json").read_text())
+    assert meta["settings"]["generate_limit"] == 1 and meta["settings"]["max_new_tokens"] == 3
+    items = read_jsonl(tmp_path / "out" / "gsm8k" / "items.prefillshare.jsonl")
+    assert sum("text" in r for r in items) == 1  # only the first item is generated
+    capsys.readouterr()
+
+
 def test_runner_keeps_its_public_names():
     """Names other modules and users import from ``ccft.evals.runner`` stay importable there after the split."""
     from ccft.evals import records, results, runner, settings

@@ -12,6 +12,9 @@ Examples::
     ccft eval --task gsm8k --mode full-ft --mode naive --mode prefillshare \\
         --decoder runs/demo/full-ft --decoder runs/demo/ccft --limit 50 --out reports/eval
     ccft eval --task gsm8k --mode base --base smollm2-135m-instruct --limit 20
+    ccft eval --suite evals/demo.yaml --decoder runs/demo/full-ft --decoder runs/demo/ccft
+    ccft eval --suite evals/study.yaml --specialist math --decoder runs/study/math/ccft \\
+        --decoder runs/study/math/full-ft --out reports/study/math
 """
 
 from __future__ import annotations
@@ -37,6 +40,17 @@ def add_parser(sub) -> None:
         help="task name from the registry (repeat for several; default: gsm8k; `--task list` lists them)",
     )
     p.add_argument(
+        "--suite",
+        default=None,
+        help="an evaluation suite YAML (evals/*.yaml): its tasks, items, modes, batch size, bootstrap and seed; "
+        'the options given here override it (docs/evaluation.md, "Suites")',
+    )
+    p.add_argument(
+        "--specialist",
+        default=None,
+        help="with a per-specialist --suite (evals/study.yaml): whose tasks to run on the given decoders",
+    )
+    p.add_argument(
         "--mode",
         action="append",
         default=None,
@@ -52,7 +66,9 @@ def add_parser(sub) -> None:
     p.add_argument("--base", default=None, help="base model (default: the one recorded by the decoders)")
     p.add_argument("--limit", type=int, default=None, help="items per task (default: the task's default)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's setting")
-    p.add_argument("--batch-size", type=int, default=8, help="items per batch (does not change results)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="items per batch (does not change results; default 8)"
+    )
     p.add_argument("--nll-only", action="store_true", help="reference NLL only, no generation")
     p.add_argument(
         "--engine",
@@ -71,8 +87,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--samples", type=int, default=None, help="samples per item (default: the task's; >1 samples)"
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs")
+    p.add_argument("--seed", type=int, default=None, help="sampling and bootstrap seed (default 0)")
+    p.add_argument(
+        "--bootstrap", type=int, default=None, help="bootstrap resamples for the CIs (default 2000)"
+    )
     p.add_argument(
         "--overwrite", action="store_true", help="discard earlier results in OUT instead of resuming"
     )
@@ -114,19 +132,59 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
     return base, decoders
 
 
+def eval_plan(args):
+    """The ``EvalSuite`` this command runs: ``--suite`` (one specialist's part with ``--specialist``) or the
+    ``--task`` list (default gsm8k), with ``--limit``, ``--max-new-tokens``, ``--batch-size``, ``--bootstrap``
+    and ``--seed`` over the suite's values when given. Raises ConfigError for a bad suite or both
+    ``--suite`` and ``--task``."""
+    import dataclasses
+
+    from ccft.core.errors import ConfigError
+    from ccft.evals.suite import EvalSuite, SuiteTask, load_suite
+
+    if args.suite is not None:
+        if args.task:
+            raise ConfigError("--suite declares the tasks; drop --task (or drop --suite)")
+        suite = load_suite(args.suite, args.specialist)
+    elif args.specialist is not None:
+        raise ConfigError("--specialist chooses a part of a per-specialist --suite; give --suite too")
+    else:
+        suite = EvalSuite(source="", tasks=tuple(SuiteTask(t) for t in args.task or ["gsm8k"]))
+    tasks = tuple(
+        dataclasses.replace(
+            t,
+            limit=args.limit if args.limit is not None else t.limit,
+            max_new_tokens=args.max_new_tokens if args.max_new_tokens is not None else t.max_new_tokens,
+        )
+        for t in suite.tasks
+    )
+
+    def pick(flag, value, default):
+        return flag if flag is not None else value if value is not None else default
+
+    return dataclasses.replace(
+        suite,
+        tasks=tasks,
+        batch_size=pick(args.batch_size, suite.batch_size, 8),
+        bootstrap=pick(args.bootstrap, suite.bootstrap, 2000),
+        seed=pick(args.seed, suite.seed, 0),
+    )
+
+
 def run(args) -> int:
     from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.report import task_markdown
     from ccft.evals.runner import EvalMemo, EvalSettings, get_task, run_task, task_names
     from ccft.evals.settings import default_modes, mode_specs, shared_handoff
 
-    tasks = args.task or ["gsm8k"]
-    if tasks == ["list"]:
+    if args.task == ["list"]:
         print("\n".join(task_names()))
         return 0
-    task_objs = [get_task(t) for t in tasks]  # unknown names fail before loading any model
-    for task in task_objs:  # so does missing or damaged task data (one line, exit 2)
-        task.load(args.limit if args.limit is not None else getattr(task, "default_limit", None))
+    plan = eval_plan(args)  # the suite (if any) with the command line over it; fails before any model loads
+    task_objs = [get_task(t.task) for t in plan.tasks]  # unknown names fail before loading any model
+    for task, t in zip(task_objs, plan.tasks):  # so does missing or damaged task data (one line, exit 2)
+        task.load(t.limit if t.limit is not None else getattr(task, "default_limit", None))
+    args.mode = list(plan.modes) if args.mode is None and args.suite else args.mode
     base, loaded = load_models(args.decoder, args.base, args.mode, device=args.device)
     decoders = {method: dec for method, (dec, _) in loaded.items()}
     paths = {method: path for method, (_, path) in loaded.items()}
@@ -136,12 +194,13 @@ def run(args) -> int:
     prompt_format = resolve_prompt_format(args.prompt_format, decoders.values())
     out = Path(args.out)
     memo = EvalMemo()  # tasks with the same prompts (humaneval, humaneval-plus) share generations and NLLs
-    for task in task_objs:
+    for task, t in zip(task_objs, plan.tasks):
         settings = EvalSettings(
-            limit=args.limit if args.limit is not None else getattr(task, "default_limit", None),
-            max_new_tokens=args.max_new_tokens,
+            limit=t.limit if t.limit is not None else getattr(task, "default_limit", None),
+            generate_limit=t.generate_limit,
+            max_new_tokens=t.max_new_tokens,
             generate=not args.nll_only,
-            seed=args.seed,
+            seed=plan.seed,
             handoff_tokens=handoff,
             samples=args.samples,
             engine=args.engine,
@@ -155,10 +214,10 @@ def run(args) -> int:
                 specs,
                 out,
                 settings=settings,
-                batch_size=args.batch_size,
+                batch_size=plan.batch_size,
                 progress=not args.no_progress,
                 overwrite=args.overwrite,
-                n_resamples=args.bootstrap,
+                n_resamples=plan.bootstrap,
                 memo=memo,
             )
         except KeyboardInterrupt:

@@ -484,6 +484,69 @@ def parse_overrides(overrides: list[str] | None) -> dict:
     return out
 
 
+def read_yaml_mapping(p: Path, kind: str, expected: str) -> tuple[dict[str, Any], str]:
+    """(mapping, text) of the YAML file ``p``: a recipe, a study config or an evaluation suite (``kind`` names it
+    in the messages, ``expected`` says what to give instead). An empty file is an empty mapping.
+
+    Raises:
+        ConfigError: ``p`` is a folder, missing, unreadable, not UTF-8, not YAML (``FILE:LINE:COL``) or not a
+            mapping.
+    """
+    if p.is_dir():
+        raise ConfigError(f"{kind} {p} is a directory; give {expected}")
+    if not p.is_file():
+        raise ConfigError(f"{kind} {p} does not exist; give {expected}")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{p}: not UTF-8 text (byte {e.start}: {e.reason}); save the {kind} as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{kind} {p} cannot be read: {e.strerror}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{at}: not valid YAML: {problem}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}:1: a {kind} is a mapping of keys to values, got {type(raw).__name__}")
+    return raw, text
+
+
+def resolve_suite_path(suite: str, referrer: Path) -> Path | None:
+    """The evaluation suite a recipe (or study config) ``referrer`` names: ``suite`` as given (absolute, or
+    relative to the working directory), else relative to the folder above the referrer's (``recipes/x.yaml``
+    naming ``evals/y.yaml`` from any working directory); None when neither is a file."""
+    for cand in (Path(suite), referrer.resolve().parent.parent / suite):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def load_eval_config(path: str | Path) -> EvalConfig:
+    """The ``EvalConfig`` an evaluation suite file declares (``evals/demo.yaml``: ``task``, ``nll_rows``,
+    ``em_rows``, ``modes``, ...; docs/evaluation.md, "Suites"), validated like a recipe's ``eval:`` section.
+
+    Raises:
+        ConfigError: unreadable file, unknown key (``FILE:LINE``), wrong type, unknown mode.
+    """
+    p = Path(path)
+    raw, text = read_yaml_mapping(p, "evaluation suite", "an evals/*.yaml file")
+    kw = _validate(raw, EvalConfig, str(p), _key_lines(text)[0])
+    return _eval_config(kw, str(p))
+
+
+def _eval_config(kw: dict, where: str) -> EvalConfig:
+    (ecfg,) = _parser(EvalConfig)[0].parse_dict(kw)
+    bad = [m for m in ecfg.modes if m not in MODES]
+    if bad:
+        raise ConfigError(f"{where}: eval.modes has unknown mode(s) {bad}; use {', '.join(MODES)}")
+    return ecfg
+
+
 def load_recipe(
     path: str | Path | None, overrides: list[str] | None = None, **extra: Any
 ) -> tuple[TrainConfig, EvalConfig, dict]:
@@ -497,35 +560,28 @@ def load_recipe(
     where = "config"
     lines: dict[str, int] = {}
     eval_lines: dict[str, int] = {}
+    eval_where = "config (eval section)"
     if path is not None:
         p = Path(path)
-        if p.is_dir():
-            raise ConfigError(
-                f"recipe {p} is a directory; give a recipe .yaml file (see recipes/ for examples)"
-            )
-        if not p.is_file():
-            raise ConfigError(f"recipe {p} does not exist; see recipes/ for examples")
+        raw, text = read_yaml_mapping(p, "recipe", "a recipe .yaml file (see recipes/ for examples)")
         where = str(p)
-        try:
-            text = p.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:
+        lines, eval_lines = _key_lines(text)
+        eval_where = where if eval_lines else f"{where} (eval section)"
+        suite = raw.get("eval")
+        if isinstance(suite, str):  # an evaluation suite file (evals/*.yaml; docs/evaluation.md, "Suites")
+            sp = resolve_suite_path(suite, p)
+            if sp is None:
+                raise ConfigError(
+                    f"{p}:{lines.get('eval', 1)}: eval: suite {suite!r} not found (relative paths are read "
+                    f"from the working directory, then from {p.resolve().parent.parent}); give an evals/*.yaml"
+                )
+            raw["eval"], suite_text = read_yaml_mapping(sp, "evaluation suite", "an evals/*.yaml file")
+            eval_lines, eval_where = _key_lines(suite_text)[0], str(sp)
+        elif "eval" in raw and raw["eval"] is not None and not isinstance(raw["eval"], dict):
             raise ConfigError(
-                f"{p}: not UTF-8 text (byte {e.start}: {e.reason}); save the recipe as UTF-8"
-            ) from None
-        except OSError as e:
-            raise ConfigError(f"recipe {p} cannot be read: {e.strerror}") from None
-        try:
-            raw = yaml.safe_load(text) or {}
-            lines, eval_lines = _key_lines(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            at = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ConfigError(f"{at}: not valid YAML: {problem}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{p}:1: a recipe is a mapping of keys to values, got {type(raw).__name__}")
-        if "eval" in raw and raw["eval"] is not None and not isinstance(raw["eval"], dict):
-            raise ConfigError(f"{p}:{lines.get('eval', 1)}: `eval` is a mapping of eval keys to values")
+                f"{p}:{lines.get('eval', 1)}: `eval` is a mapping of eval keys to values, or the path of "
+                "an evaluation suite (evals/*.yaml)"
+            )
     ov = parse_overrides(overrides)
     for key in ov:
         lines.pop(key, None)
@@ -537,23 +593,13 @@ def load_recipe(
     raw.update(ov)
     raw.update(extra)
     train_kw = _validate(raw, TrainConfig, where, lines, set(ov))
-    eval_kw = _validate(
-        eval_raw,
-        EvalConfig,
-        f"{where} (eval section)" if not eval_lines else where,
-        eval_lines,
-        set(eval_ov),
-        "eval.",
-    )
+    eval_kw = _validate(eval_raw, EvalConfig, eval_where, eval_lines, set(eval_ov), "eval.")
     train_kw.setdefault("report_to", "none")
     try:
         (cfg,) = _parser(TrainConfig)[0].parse_dict(train_kw)
     except (ConfigError, ValueError, TypeError) as e:  # __post_init__ of TrainConfig / TrainingArguments
         raise ConfigError(f"{where}: {e}") from None
-    (ecfg,) = _parser(EvalConfig)[0].parse_dict(eval_kw)
-    bad = [m for m in ecfg.modes if m not in MODES]
-    if bad:
-        raise ConfigError(f"{where}: eval.modes has unknown mode(s) {bad}; use {', '.join(MODES)}")
+    ecfg = _eval_config(eval_kw, eval_where)
     for key in ("train_data", "eval_data"):
         if getattr(cfg, key):
             try:

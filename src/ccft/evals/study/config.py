@@ -1,5 +1,6 @@
-"""The study's configuration: ``recipes/study.yaml`` plus ``KEY=value`` overrides, validated before any model loads
-(docs/study.md, "Config"), and the metrics each task declares."""
+"""The study's configuration: ``recipes/study.yaml`` with the evaluation suite it names (``evals/study.yaml``)
+plus ``KEY=value`` overrides, validated before any model loads (docs/study.md, "What runs"; docs/evaluation.md),
+and the metrics each task declares."""
 
 from __future__ import annotations
 
@@ -9,17 +10,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ccft.core.errors import ConfigError
 from ccft.core.modes import MODES
 
 __all__ = [
+    "SUITE_KEYS",
+    "SUITE_SPEC_KEYS",
     "SpecialistConfig",
     "StudyConfig",
     "TaskSettings",
     "load_study_config",
     "metrics_of",
+    "parse_tasks",
     "recipe_overrides",
 ]
 
@@ -62,6 +64,22 @@ class SpecialistConfig:
     multipl_e_limit: int = 20
     multipl_e_max_new_tokens: int | None = 256
 
+    def task_list(self) -> list[tuple[str, int, int | None]]:
+        """``(task, limit, max_new_tokens)`` in evaluation order: ``tasks``, then one ``multipl-e-LANG`` per
+        language of ``multipl_e`` (``all``: the languages whose toolchain ``check_language`` finds here)."""
+        from ccft.evals.execution import check_language
+        from ccft.evals.protocol import task_names
+
+        out = [(t, ts.limit, ts.max_new_tokens) for t, ts in self.tasks.items()]
+        if self.multipl_e == "all":
+            names = [n for n in task_names() if n.startswith("multipl-e-")]
+            langs = [n.removeprefix("multipl-e-") for n in names if check_language(n[10:]).available]
+        else:
+            langs = list(self.multipl_e)
+        return out + [
+            (f"multipl-e-{lang}", self.multipl_e_limit, self.multipl_e_max_new_tokens) for lang in langs
+        ]
+
 
 @dataclass
 class StudyConfig:
@@ -83,9 +101,12 @@ class StudyConfig:
     #: where the base and decoders are evaluated: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:N``
     device: str = "auto"
     source: str = ""
+    #: the evaluation suite the config named (``suite:``; its keys are merged under the config's own)
+    suite: str = ""
 
 
 _TOP_KEYS = {
+    "suite",
     "specialists",
     "runs",
     "out",
@@ -102,6 +123,56 @@ _TOP_KEYS = {
 _SPEC_KEYS = {"recipe", "train", "tasks", "multipl_e", "multipl_e_limit", "multipl_e_max_new_tokens"}
 
 
+#: what an evaluation suite (evals/*.yaml) may declare for the study: the evaluation, not training or serving
+SUITE_KEYS = {"modes", "batch_size", "bootstrap", "seed", "sweep_limit", "sweep_rhos", "specialists"}
+SUITE_SPEC_KEYS = {"tasks", "multipl_e", "multipl_e_limit", "multipl_e_max_new_tokens"}
+
+
+def _with_suite(raw: dict, suite: Any, p: Path) -> dict:
+    """``raw`` with the evaluation suite it names merged under it (the config's own keys win, section by
+    section): the suite declares tasks, n, modes and the sweep; the config, the recipes and training.
+
+    Raises:
+        ConfigError: the suite is missing or not YAML, declares a key that is not evaluation, or a specialist
+            the config has no recipe for.
+    """
+    from ccft.train.config import read_yaml_mapping, resolve_suite_path
+
+    sp = resolve_suite_path(str(suite), p) if isinstance(suite, str) else None
+    if sp is None:
+        raise ConfigError(
+            f"{p}: suite {suite!r} not found (relative paths are read from the working directory, then from "
+            f"{p.resolve().parent.parent}); give an evals/*.yaml"
+        )
+    sraw, _ = read_yaml_mapping(sp, "evaluation suite", "an evals/*.yaml file")
+    bad = sorted(set(sraw) - SUITE_KEYS)
+    if bad:
+        raise ConfigError(
+            f"{sp}: key(s) {bad} are not evaluation settings; a suite takes {sorted(SUITE_KEYS)}"
+        )
+    merged = {k: v for k, v in sraw.items() if k != "specialists"} | {
+        k: v for k, v in raw.items() if k != "specialists"
+    }
+    own = raw.get("specialists") or {}
+    if not isinstance(own, dict):
+        raise ConfigError(f"{p}: `specialists` must map each specialist's name to its recipe")
+    specs = {name: dict(s) if isinstance(s, dict) else s for name, s in own.items()}
+    for name, s in (sraw.get("specialists") or {}).items():
+        if name not in specs:
+            raise ConfigError(
+                f"{sp}: specialists.{name} has tasks but {p} has no recipe for it; add specialists.{name}.recipe"
+            )
+        if not isinstance(s, dict) or set(s) - SUITE_SPEC_KEYS:
+            raise ConfigError(
+                f"{sp}: specialists.{name} takes {sorted(SUITE_SPEC_KEYS)} in a suite (its recipe and train: "
+                f"keys go in {p})"
+            )
+        if isinstance(specs[name], dict):
+            specs[name] = s | specs[name]
+    merged["specialists"] = specs
+    return merged
+
+
 def _set_dotted(raw: dict, key: str, value: Any, where: str) -> None:
     parts = key.split(".")
     node = raw
@@ -115,6 +186,31 @@ def _set_dotted(raw: dict, key: str, value: Any, where: str) -> None:
     node[parts[-1]] = value
 
 
+def parse_tasks(where: str, raw: Any) -> dict[str, TaskSettings]:
+    """``{task: TaskSettings}`` of a ``tasks:`` mapping (``{gsm8k: {limit: 100, max_new_tokens: 256}}``);
+    ``where`` prefixes the messages (``FILE: specialists.NAME``).
+
+    Raises:
+        ConfigError: not a mapping, a task that is not registered or declares no metrics, an unknown key.
+    """
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}.tasks must map task names to {{limit, max_new_tokens}}")
+    tasks = {}
+    for t, ts in raw.items():
+        try:
+            metrics_of(t)
+        except ConfigError as e:
+            raise ConfigError(f"{where}.tasks.{t}: {e}") from None
+        ts = ts or {}
+        bad = sorted(set(ts) - {"limit", "max_new_tokens"}) if isinstance(ts, dict) else ["(not a mapping)"]
+        if bad:
+            raise ConfigError(f"{where}.tasks.{t}: unknown key(s) {bad}; use limit, max_new_tokens")
+        tasks[t] = TaskSettings(**ts)
+    return tasks
+
+
 def load_study_config(path: str | os.PathLike, overrides: list[str] | None = None) -> StudyConfig:
     """Parse and validate a study YAML plus ``KEY=value`` overrides (dotted keys reach into sections:
     ``specialists.tools.train.max_steps=20``, ``specialists.math.tasks.gsm8k.limit=10``, ``batch_size=8``).
@@ -122,15 +218,13 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
     Every specialist's recipe is parsed with its overrides (``ccft.train.config.load_recipe``), so a bad
     training key fails here, before any model is loaded. Raises ConfigError naming the file and key.
     """
+    from ccft.train.config import read_yaml_mapping
+
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"study config {p} does not exist; see recipes/study.yaml")
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: not valid YAML ({e}); see recipes/study.yaml") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p}: the study config must be a mapping of keys; see recipes/study.yaml")
+    raw, _ = read_yaml_mapping(p, "study config", "a study .yaml file (see recipes/study.yaml)")
+    suite_path = raw.pop("suite", None)
+    if suite_path is not None:
+        raw = _with_suite(raw, suite_path, p)
     from ccft.train.config import parse_override
 
     for ov in overrides or []:
@@ -151,19 +245,7 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
         bad = sorted(set(s) - _SPEC_KEYS)
         if bad:
             raise ConfigError(f"{p}: specialists.{name}: unknown key(s) {bad}; use {sorted(_SPEC_KEYS)}")
-        tasks = {}
-        for t, ts in (s.get("tasks") or {}).items():
-            try:
-                metrics_of(t)
-            except ConfigError as e:
-                raise ConfigError(f"{p}: specialists.{name}.tasks.{t}: {e}") from None
-            ts = ts or {}
-            bad = sorted(set(ts) - {"limit", "max_new_tokens"})
-            if bad:
-                raise ConfigError(
-                    f"{p}: specialists.{name}.tasks.{t}: unknown key(s) {bad}; use limit, max_new_tokens"
-                )
-            tasks[t] = TaskSettings(**ts)
+        tasks = parse_tasks(f"{p}: specialists.{name}", s.get("tasks"))
         spec = SpecialistConfig(
             name=name,
             recipe=str(s["recipe"]),
@@ -194,6 +276,7 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
     cfg = StudyConfig(
         specialists=specialists,
         source=str(p),
+        suite=str(suite_path or ""),
         modes=modes,
         **{
             k: raw[k]

@@ -136,10 +136,7 @@ class StudyRecipe:
         fresh = stamped is False or (stamped is None and not all(trained["reused"].values()))
         fmt = resolve_prompt_format("decoder", decoders.values())
         handoff = shared_handoff(decoders.values())
-        task_list = [(t, ts.limit, ts.max_new_tokens) for t, ts in spec.tasks.items()]
-        task_list += [
-            (t, spec.multipl_e_limit, spec.multipl_e_max_new_tokens) for t in _multipl_e_tasks(spec)
-        ]
+        task_list = spec.task_list()
         self.summaries[name] = []
         records = {}  # per task: mode -> item id -> record (the sweep reuses the points that are eval modes)
         if fresh:  # every result of this specialist goes before the stamp says they are these decoders'
@@ -313,14 +310,3 @@ def _device(choice: str) -> str:
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return choice
-
-
-def _multipl_e_tasks(spec) -> list[str]:
-    from ccft.evals.execution import check_language
-    from ccft.evals.protocol import task_names
-
-    names = [n for n in task_names() if n.startswith("multipl-e-")]
-    if spec.multipl_e == "all":
-        langs = [n.removeprefix("multipl-e-") for n in names]
-        return [f"multipl-e-{lang}" for lang in langs if check_language(lang).available]
-    return [f"multipl-e-{lang}" for lang in spec.multipl_e]

@@ -145,6 +145,7 @@ def build_study_report(
     return {
         "kind": "ccft-study",
         "config": cfg.source,
+        "suite": cfg.suite,
         "model": model,
         "hardware": hardware,
         "modes": cfg.modes,
