@@ -1,4 +1,5 @@
-"""``python -m benchmarks.decode``: kept for existing commands; the benchmark is ``ccft.bench.decode`` (``ccft bench decode``)."""
+"""``python -m benchmarks.decode``: kept for existing commands; the benchmark is ``ccft.bench.decode``
+(``ccft bench decode``)."""
 
 import sys
 

@@ -1,11 +1,12 @@
-"""The linears of one decode step at SmolLM2-135M's shapes (fp32, 2 threads), batch 1 and 16: which torch kernel
-streams the weights fastest (docs/inference.md, "Beside llama.cpp").
+"""The linears of one decode step at SmolLM2-135M's shapes (fp32, 2 threads), batch 1 and 16: which torch
+kernel streams the weights fastest (docs/inference.md, "Beside llama.cpp").
 
     python benchmarks/matvec_cpu.py [OUT.json]      # result committed as benchmarks/results/matvec_cpu.json
 
-Every layer gets its own weight copy (30 layers, as in the model), so weights come from memory, not from a cache.
-Kernels: oneDNN prepacked (``torch.ops.mkldnn._linear_pointwise``, what the engine uses on CPU), ``F.linear``,
-``x @ W.T`` with ``W.T`` stored contiguous (in, out), and ``torch.mv`` at batch 1. Medians of 7 runs.
+Every layer gets its own weight copy (30 layers, as in the model), so weights come from memory, not from a
+cache. Kernels: oneDNN prepacked (``torch.ops.mkldnn._linear_pointwise``, what the engine uses on CPU),
+``F.linear``, ``x @ W.T`` with ``W.T`` stored contiguous (in, out), and ``torch.mv`` at batch 1. Medians of 7
+runs.
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
 """MultiPL-E generation with and without stopping at the language's stop tokens (docs/study.md, "Time").
 
 The study's MultiPL-E decode in base mode (the 12 languages x their first 10 items, 256 new tokens, 64 engine
-rows, one ``decode_ahead`` as in the study), once decoding every row on to ``max_new_tokens`` (what the study did
-before 2026-12-02: a stop string no text contains) and once stopping at the language's stop tokens (now). Prints
-both wall times and token counts, and checks that every scored completion (the text cut at the stop tokens, as
-``MultiPLETask.postprocess`` scores it) is the same in both.
+rows, one ``decode_ahead`` as in the study), once decoding every row on to ``max_new_tokens`` (what the study
+did before 2026-12-02: a stop string no text contains) and once stopping at the language's stop tokens (now).
+Prints both wall times and token counts, and checks that every scored completion (the text cut at the stop
+tokens, as ``MultiPLETask.postprocess`` scores it) is the same in both.
 
 ``--modes four`` decodes the study's four modes jointly (480 rows, as the study does): base, and LoRA decoders
-(r=16, PEFT's default initialisation, so their texts equal the base's) as full-ft on its own prefill, naive and
-prefillshare on C_base: the engine's mixed steps and refills at the study's row count, with the base's stop
-positions (the trained decoders' own lengths differ).
+(r=16, PEFT's default initialisation, so their texts equal the base's) as full-ft on its own prefill, naive
+and prefillshare on C_base: the engine's mixed steps and refills at the study's row count, with the base's
+stop positions (the trained decoders' own lengths differ).
 
     .venv/bin/python benchmarks/multipl_e_stop.py --out benchmarks/results/multipl_e_stop_cpu.json
-    .venv/bin/python benchmarks/multipl_e_stop.py --modes four --out benchmarks/results/multipl_e_stop_cpu_4modes.json
+    .venv/bin/python benchmarks/multipl_e_stop.py --modes four \\
+        --out benchmarks/results/multipl_e_stop_cpu_4modes.json
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ LIMIT, MAX_NEW, ROWS = 10, 256, 64
 
 
 def mode_list(base, which: str) -> list[ModeSpec]:
-    """``base`` alone, or the study's four modes with freshly initialised LoRA decoders (texts equal the base's)."""
+    """``base`` alone, or the study's four modes with freshly initialised LoRA decoders (texts equal the
+    base's)."""
     if which == "base":
         return [ModeSpec("base")]
     ff = ccft.make_decoder(base, "lora", method="full-ft", adapter_name="ff")
@@ -50,7 +52,8 @@ def mode_list(base, which: str) -> list[ModeSpec]:
 
 
 def run(base, specs: list[ModeSpec], kind: str) -> tuple[float, int, dict[str, str]]:
-    """(seconds, generated tokens, scored completion per mode/task/item) of one joint decode of every language."""
+    """(seconds, generated tokens, scored completion per mode/task/item) of one joint decode of every
+    language."""
     tasks = [
         (
             MultiPLETask(
@@ -110,7 +113,8 @@ def main() -> None:
                     "what": (
                         "MultiPL-E base-mode greedy decode"
                         if args.modes == "base"
-                        else "MultiPL-E greedy decode of the four modes jointly (LoRA decoders freshly initialised)"
+                        else "MultiPL-E greedy decode of the four modes jointly "
+                        "(LoRA decoders freshly initialised)"
                     )
                     + f", {len(MULTIPL_E_LANGUAGES)} languages x {LIMIT} items, "
                     f"max_new_tokens {MAX_NEW}, {ROWS} engine rows; never = decode to max_new_tokens and cut "
@@ -123,7 +127,8 @@ def main() -> None:
                     "scored_completions_equal": equal,
                     "time_ratio_stop_vs_never": round(t_ratio, 3),
                     "token_ratio_stop_vs_never": round(n_ratio, 3),
-                    # the freshly initialised decoders' texts equal the base's (LoRA B = 0): the proxy's row lengths
+                    # the freshly initialised decoders' texts equal the base's (LoRA B = 0): the proxy's row
+                    # lengths
                     "scored_completions_equal_to_base": sum(
                         v == res["stop"][2]["base/" + k.split("/", 1)[1]] for k, v in res["stop"][2].items()
                     ),

@@ -6,7 +6,8 @@ Full-FT LoRA decoder (its own prefill), as ``GroupPrefill`` does for the four mo
 too, as in the study; freshly initialised adapters); resident memory sampled every 0.05 s.
 
     .venv/bin/python benchmarks/prefill_memory.py             # arena grown region by region (doubling)
-    .venv/bin/python benchmarks/prefill_memory.py --reserve   # GroupPrefill.reserve first (what the runner does)
+    .venv/bin/python benchmarks/prefill_memory.py --reserve   # GroupPrefill.reserve first (what the
+                                                              # runner does)
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def main() -> None:
     prep = prepare(get_task("bfcl-multiple"), base.tokenizer, 100)
     engine = make_engine(base, specs, max_batch=64)
     print(
-        f"{len(prep.prompts)} prompts, {sum(map(len, prep.prompts))} tokens, longest {max(map(len, prep.prompts))}; "
-        f"rss {rss():.2f} GiB",
+        f"{len(prep.prompts)} prompts, {sum(map(len, prep.prompts))} tokens, longest "
+        f"{max(map(len, prep.prompts))}; rss {rss():.2f} GiB",
         flush=True,
     )
     group = GroupPrefill(engine, dict(enumerate(prep.prompts)), 1)
@@ -65,8 +66,8 @@ def main() -> None:
         t0 = time.perf_counter()
         group.handle(spec)
         print(
-            f"prefill {spec.mode}: {time.perf_counter() - t0:.0f} s, arena {engine.arena.capacity} token slots, "
-            f"rss after {rss():.2f} GiB, peak during {peak[0]:.2f} GiB",
+            f"prefill {spec.mode}: {time.perf_counter() - t0:.0f} s, arena {engine.arena.capacity} token "
+            f"slots, rss after {rss():.2f} GiB, peak during {peak[0]:.2f} GiB",
             flush=True,
         )
     group.close()

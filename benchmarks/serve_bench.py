@@ -1,4 +1,5 @@
-"""``python -m benchmarks.serve_bench``: kept for existing commands; the benchmark is ``ccft.bench.serve`` (``ccft bench serve``)."""
+"""``python -m benchmarks.serve_bench``: kept for existing commands; the benchmark is ``ccft.bench.serve``
+(``ccft bench serve``)."""
 
 import sys
 

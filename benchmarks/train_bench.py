@@ -1,4 +1,5 @@
-"""``python -m benchmarks.train_bench``: kept for existing commands; the benchmark is ``ccft.bench.train`` (``ccft bench train``)."""
+"""``python -m benchmarks.train_bench``: kept for existing commands; the benchmark is ``ccft.bench.train``
+(``ccft bench train``)."""
 
 import sys
 

@@ -1,4 +1,5 @@
-"""The embedded SmolLM2-135M-Instruct through ccft: known greedy outputs and known NLLs (slow: the real model).
+"""The embedded SmolLM2-135M-Instruct through ccft: known greedy outputs and known NLLs (slow: the real
+model).
 
 ``ccft.core.models.load_base("smollm2-135m-instruct")`` converts the bundled GGUF (Q4_1) to an fp32 HF folder
 once and loads it. The expected values were measured on 2026-12-01 with plain transformers 5 / torch 2.13.0

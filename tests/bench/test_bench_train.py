@@ -1,4 +1,5 @@
-"""`ccft bench train`: the corrected FLOP model, the reachable speedup and the memory keys (tiny smoke run)."""
+"""`ccft bench train`: the corrected FLOP model, the reachable speedup and the memory keys (tiny smoke
+run)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from ccft.bench.train import reachable_speedup, step_flops
 
 def test_step_flops_counts_the_lm_head_on_the_response_for_both_methods():
     body, head, p, r = 10, 5, 3, 2
-    # full weights: prompt 6 (Full-FT) vs 2 (no-grad prefill); tail 6; LM head 4 (frozen) / 6 (trained) per response token
+    # full weights: prompt 6 (Full-FT) vs 2 (no-grad prefill); tail 6; LM head 4 (frozen) / 6 (trained) per
+    # response token
     assert step_flops("full", "self-prefill", p, r, body, head, False) == 6 * 10 * 5 + 4 * 5 * 2
     assert step_flops("full", "two-pass", p, r, body, head, False) == 2 * 10 * 3 + 6 * 10 * 2 + 4 * 5 * 2
     assert step_flops("full", "two-pass", p, r, body, head, True) == 2 * 10 * 3 + 6 * 10 * 2 + 6 * 5 * 2
@@ -30,7 +32,8 @@ def test_step_flops_counts_the_lm_head_on_the_response_for_both_methods():
 
 
 def test_reachable_speedup_keeps_the_optimizer_update_common():
-    # Full-FT 10 s of which 2 s optimizer; CCFT does half the matrix work and the same 2 s update: 10 / (4 + 2)
+    # Full-FT 10 s of which 2 s optimizer; CCFT does half the matrix work and the same 2 s update:
+    # 10 / (4 + 2)
     assert reachable_speedup(10.0, 2.0, 2.0, 0.5) == pytest.approx(10 / 6)
     assert reachable_speedup(10.0, 0.0, 0.0, 0.5) == pytest.approx(2.0)  # no optimizer cost: the FLOP ratio
 
@@ -123,9 +126,9 @@ def test_repeated_runs_are_reported_as_medians_with_every_value_kept():
 def test_bench_train_runs_ccft_and_trl_with_the_same_activation_checkpointing(
     tmp_path, tiny_dir, checkpointing
 ):
-    # TRL's SFTConfig turns activation checkpointing and bf16 autocast on by default, ccft's TrainConfig leaves both
-    # off: the bench states them for both, or ccft's fp32 peak memory and speed would be compared with a bf16 trainer
-    # that recomputes its activations
+    # TRL's SFTConfig turns activation checkpointing and bf16 autocast on by default, ccft's TrainConfig
+    # leaves both off: the bench states them for both, or ccft's fp32 peak memory and speed would be compared
+    # with a bf16 trainer that recomputes its activations
     from ccft.cli.main import main
 
     out = tmp_path / "train.json"
@@ -182,7 +185,8 @@ def test_bench_train_runs_ccft_and_trl_with_the_same_activation_checkpointing(
 
 
 def test_anonymous_memory_leaves_out_file_pages_that_were_only_read(tmp_path):
-    # a frozen base's weights are memory-mapped from safetensors and only read: resident, but not anonymous memory
+    # a frozen base's weights are memory-mapped from safetensors and only read: resident, but not anonymous
+    # memory
     import mmap
 
     from ccft.bench.train import RSSPeak

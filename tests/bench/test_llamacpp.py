@@ -271,7 +271,8 @@ def test_llamacpp_greedy_equals_hf_on_tiny_model(tiny_dir, tokenizer):
 
 
 def test_portable_writes_the_cache_folder_as_a_variable(tmp_path, monkeypatch):
-    """Recorded commands and paths name $CCFT_CACHE, not this machine's folder (no machine paths in results)."""
+    """Recorded commands and paths name $CCFT_CACHE, not this machine's folder (no machine paths in
+    results)."""
     monkeypatch.setenv("CCFT_CACHE", str(tmp_path / "cache"))
     root = lc.cache_root()
     block = {

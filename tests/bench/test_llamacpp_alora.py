@@ -200,9 +200,9 @@ def test_gguf_alora_in_llama_server_equals_prefillshare(sharp_dir, tmp_path, tok
 @pytest.mark.slow
 def test_trained_decoder_on_the_embedded_model_in_llama_server(tmp_path, tokenizer, gsm8k_rows):
     """``ccft train`` (the math recipe, handoff_tokens=4, 3 steps) on the embedded SmolLM2-135M, exported with
-    ``--to gguf-alora``: llama-server's greedy tokens are ccft prefillshare's on 4 chat prompts x 16 tokens and
-    its log-probabilities are within 1e-3 along them; a base then an aLoRA request recomputes k = 4 tokens.
-    (benchmarks/gguf_alora_equality.py measures 16 prompts x 32 tokens and records the figures.)"""
+    ``--to gguf-alora``: llama-server's greedy tokens are ccft prefillshare's on 4 chat prompts x 16 tokens
+    and its log-probabilities are within 1e-3 along them; a base then an aLoRA request recomputes k = 4
+    tokens. (benchmarks/gguf_alora_equality.py measures 16 prompts x 32 tokens and records the figures.)"""
     from pathlib import Path
 
     from ccft.bench.llamacpp_alora import alora_server_args, cache_reuse, compare_with_prefillshare

@@ -69,7 +69,7 @@ vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapt
 # HELP python_gc_objects_collected_total Objects collected during gc
 # TYPE python_gc_objects_collected_total counter
 python_gc_objects_collected_total{generation="0"} 12345.0
-"""
+"""  # noqa: E501 (a real /metrics response, kept byte for byte)
 
 
 def fake_env(tmp_path: Path) -> vllm.VllmEnv:

@@ -1,4 +1,5 @@
-"""Every documented CLI path, run through the real console script (``ccft`` of this environment) on a tiny model.
+"""Every documented CLI path, run through the real console script (``ccft`` of this environment) on a tiny
+model.
 
 ``ccft train --dry-run`` (loads no model), ``ccft train --help-config``, a single-process ``ccft train``,
 ``ccft eval --task list`` and a tiny smoke run of each ``ccft bench {decode,serve,train}``: exit status 0 and

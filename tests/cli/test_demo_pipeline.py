@@ -122,7 +122,8 @@ def _cache_of_base(hf, prompt: list[int]):
 
 
 def _nll(hf, mode: str, prompt: list[int], response: list[int]) -> float:
-    """Mean NLL (nats) per response token (+ EOS) under ``mode``, one unpadded row, plain HF / PEFT forwards."""
+    """Mean NLL (nats) per response token (+ EOS) under ``mode``, one unpadded row, plain HF / PEFT
+    forwards."""
     n, r = len(prompt), len(response)
     target = torch.tensor(response)
     with torch.no_grad():
@@ -163,7 +164,8 @@ def _greedy(hf, mode: str, prompt: list[int]) -> list[int]:
 
 
 def _hand_em(text: str, answer: str) -> float:
-    """1.0 when the first ``#### N`` of ``text`` is the reference's final number (commas dropped), else 0.0."""
+    """1.0 when the first ``#### N`` of ``text`` is the reference's final number (commas dropped), else
+    0.0."""
     want = answer.split("####")[-1].strip().replace(",", "")
     m = re.search(r"#### \$?(-?[0-9][0-9,]*(?:\.[0-9]+)?)", text)
     return float(m is not None and m.group(1).replace(",", "").rstrip(".") == want)

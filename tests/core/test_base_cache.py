@@ -1,4 +1,5 @@
-"""C_base: invariant 1 (docs/design.md, "Invariants") and fault kinds K2 (positions/masks), K3 (numerics), K1 (mutation).
+"""C_base: invariant 1 (docs/design.md, "Invariants") and fault kinds K2 (positions/masks), K3 (numerics), K1
+(mutation).
 
 Reference path everywhere: a plain, unpadded forward of the base over ``prompt + response`` for
 one row at a time (default positions 0..n+r-1, no cache, no mask). Tolerance: 1e-5 in fp32.
@@ -31,7 +32,8 @@ RESPONSES = [
 # Extra rows that only exist in the "bigger batch" a cache is selected from (one is longer than all).
 EXTRA_PROMPTS = [
     "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. "
-    "Her parents decided to give her $15 for that purpose, and her grandparents twice as much as her parents.",
+    "Her parents decided to give her $15 for that purpose, and her grandparents twice as much as "
+    "her parents.",
     "Hi there, robot.",
 ]
 

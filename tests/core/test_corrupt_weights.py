@@ -1,4 +1,5 @@
-"""A corrupt weights file is a DataError naming the folder and the fix (one line from the CLI), not a traceback."""
+"""A corrupt weights file is a DataError naming the folder and the fix (one line from the CLI), not a
+traceback."""
 
 from __future__ import annotations
 

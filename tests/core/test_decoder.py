@@ -1,4 +1,5 @@
-"""Decoders on C_base: adapters really off for prefill, full copies, K1 interleaving, invariant 3 (no base grad)."""
+"""Decoders on C_base: adapters really off for prefill, full copies, K1 interleaving, invariant 3 (no base
+grad)."""
 
 from __future__ import annotations
 
@@ -134,7 +135,8 @@ def test_k1_interleaved_decoders_share_one_cache(tiny_base, kind):
 
 
 def test_lora_gradient_reaches_adapter_only(tiny_base):
-    """Invariant 3: a loss from decoder_forward gives gradient to LoRA params only; base unchanged after a step."""
+    """Invariant 3: a loss from decoder_forward gives gradient to LoRA params only; base unchanged after a
+    step."""
     tok = tiny_base.tokenizer
     k = 1
     prompts = [tokenize_prompt(tok, p) for p in PROMPTS]
@@ -195,8 +197,9 @@ def test_full_decoder_gradient_stays_in_the_copy(tiny_base):
 
 
 def test_full_decoder_starts_from_the_stored_base_weights_in_its_own_memory(tiny_base):
-    """A full-weight decoder loads θ_base from the base's folder (not a copy of base.model): equal weights, its
-    own storage, and no LoRA layers even when the base already hosts an adapter (docs/training.md, Peak memory)."""
+    """A full-weight decoder loads θ_base from the base's folder (not a copy of base.model): equal weights,
+    its own storage, and no LoRA layers even when the base already hosts an adapter (docs/training.md, Peak
+    memory)."""
     from safetensors.torch import load_file
 
     ccft.make_decoder(
@@ -274,7 +277,8 @@ def tied_dir(tmp_path_factory, tokenizer):
 
 
 def _embedding_decoder(base, seed: int, name: str = "default"):
-    """A LoRA decoder that also trains (saves) the tied embedding, tied back to lm_head (PEFT ensure_weight_tying)."""
+    """A LoRA decoder that also trains (saves) the tied embedding, tied back to lm_head (PEFT
+    ensure_weight_tying)."""
     torch.manual_seed(seed)
     dec = ccft.make_decoder(
         base,

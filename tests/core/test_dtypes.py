@@ -110,7 +110,8 @@ def _forced_agreement(world, kind, decode, prompts, want) -> list[list[bool]]:
 
 
 def _ref_forced_agreement(world, kind, prompts, want) -> list[list[bool]]:
-    """The reference path teacher-forced: argmax of ``ccft.decoder_forward`` / the base over prompt + ``want``."""
+    """The reference path teacher-forced: argmax of ``ccft.decoder_forward`` / the base over
+    prompt + ``want``."""
     base, decs = world
     model = base.model if kind == "base" else decs[kind].model
     out = []
@@ -161,8 +162,8 @@ def test_bf16_top1_agreement(worlds, refs, prompts, kind, path):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_half_precision_on_a_cpu_without_native_kernels_warns_with_the_fix(tiny_dir, monkeypatch, native):
-    """bf16 on an AVX2-only CPU runs oneDNN's fallback kernels (7x slower than fp32 measured on one): load_base
-    says so and names the fix; where the CPU has the kernels (or in fp32) it says nothing."""
+    """bf16 on an AVX2-only CPU runs oneDNN's fallback kernels (7x slower than fp32 measured on one):
+    load_base says so and names the fix; where the CPU has the kernels (or in fp32) it says nothing."""
     import warnings
 
     import ccft.core.models as models

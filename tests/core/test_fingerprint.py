@@ -1,4 +1,5 @@
-"""Fault kind K5: whose KV is it. Fingerprints, compatibility checks, refusing foreign or self-written caches."""
+"""Fault kind K5: whose KV is it. Fingerprints, compatibility checks, refusing foreign or self-written
+caches."""
 
 from __future__ import annotations
 

@@ -138,7 +138,8 @@ def test_max_new_tokens_sets_length(sharp, prompts):
 
 
 def test_eos_stops_a_row(sharp_dir, sharp, prompts, tmp_path):
-    """A model that emits the real EOS id: our generate == HF generate, finish_reason 'eos', EOS not in the ids."""
+    """A model that emits the real EOS id: our generate == HF generate, finish_reason 'eos', EOS not in the
+    ids."""
     tok = sharp.tokenizer
     prompts = prompts[:5]
     free = ccft.generate(prompts, mode="base", base=sharp, max_new_tokens=N_NEW, batch_size=3)

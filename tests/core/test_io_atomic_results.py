@@ -1,5 +1,5 @@
-"""Result files are written atomically (``ccft.core.io``): a writer that fails part-way leaves the file that was
-there before, byte for byte, and no temporary file beside it."""
+"""Result files are written atomically (``ccft.core.io``): a writer that fails part-way leaves the file that
+was there before, byte for byte, and no temporary file beside it."""
 
 import json
 import os
@@ -78,7 +78,8 @@ class _DiskFull:
 
 @pytest.mark.parametrize("module", [decode, train])
 def test_bench_reports_survive_a_failed_write(tmp_path, module, monkeypatch):
-    """The file a bench run wrote before (possibly hours of measurements) survives a write that fails part-way."""
+    """The file a bench run wrote before (possibly hours of measurements) survives a write that fails
+    part-way."""
     import builtins
     import io
 

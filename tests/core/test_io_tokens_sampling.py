@@ -88,7 +88,8 @@ def test_sampling_greedy_and_nucleus():
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8), (1.0, 0.5)])
 def test_sampling_matches_the_exact_distribution(temperature, top_p):
-    """Seeded draws follow softmax(logits / T) restricted to the nucleus and renormalised (total variation)."""
+    """Seeded draws follow softmax(logits / T) restricted to the nucleus and renormalised (total
+    variation)."""
     logits = torch.tensor([2.0, 1.5, 1.0, 0.3, -0.5, -1.0])
     p = torch.softmax(logits / temperature, -1)
     order = p.argsort(descending=True)

@@ -1,4 +1,5 @@
-"""The package surface: light ``import ccft``, lazy public names, deprecated module paths (docs/design.md, "Layers")."""
+"""The package surface: light ``import ccft``, lazy public names, deprecated module paths (docs/design.md,
+"Layers")."""
 
 from __future__ import annotations
 

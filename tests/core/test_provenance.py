@@ -231,7 +231,8 @@ def _batch(world, examples):
 
 @pytest.mark.parametrize("case", ["foreign", "dtype", "mutated"])
 def test_cache_store_refuses_before_compute(world, store, case):
-    """``CacheStore.batch_cache``: a store of another base or dtype, or a shard changed on disk, is refused."""
+    """``CacheStore.batch_cache``: a store of another base or dtype, or a shard changed on disk, is
+    refused."""
     from ccft.train.cache_store import MANIFEST, CacheStore
 
     path, examples = store
@@ -257,7 +258,8 @@ def test_cache_store_refuses_before_compute(world, store, case):
 
 
 def test_trainer_refuses_a_store_of_another_base(world, store, tmp_path):
-    """The trainer's use of a store: a store computed by another base fails the first step, before any forward."""
+    """The trainer's use of a store: a store computed by another base fails the first step, before any
+    forward."""
     from ccft.train.cache_store import CacheStore, precompute
     from ccft.train.config import TrainConfig
     from ccft.train.data import Collator, TokenizedDataset

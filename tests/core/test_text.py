@@ -1,4 +1,5 @@
-"""ccft.core.text: the one stop rule and streaming detokenisation (docs/design.md, "Stop strings and streaming")."""
+"""ccft.core.text: the one stop rule and streaming detokenisation (docs/design.md, "Stop strings and
+streaming")."""
 
 from __future__ import annotations
 

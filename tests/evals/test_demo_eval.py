@@ -1,4 +1,5 @@
-"""``ccft demo``'s evaluation is ``ccft eval``: one stack, one prompt rule, one scoring rule, one result format.
+"""``ccft demo``'s evaluation is ``ccft eval``: one stack, one prompt rule, one scoring rule, one result
+format.
 
 The demo runs end to end on a tiny random Llama (two 1-step LoRA decoders, the GSM8K task of the registry);
 its numbers are checked against independent computations (plain HF forwards, ``decoder_forward`` on C_base,
@@ -93,8 +94,9 @@ def _decoder(mode, decoders):
 
 
 def _expected_nll(mode, base, dec, prompt, response):
-    """Mean NLL per token of ``response`` after ``prompt`` from primitives: a plain forward of the model over its
-    own prompt (base, full-ft) or the decoder over the last prompt token + response on C_base (naive, prefillshare)."""
+    """Mean NLL per token of ``response`` after ``prompt`` from primitives: a plain forward of the model over
+    its own prompt (base, full-ft) or the decoder over the last prompt token + response on C_base (naive,
+    prefillshare)."""
     with torch.no_grad():
         if mode in ("naive", "prefillshare"):
             logits = ccft.decoder_forward(
@@ -205,8 +207,8 @@ def test_demo_evaluates_through_the_runner_end_to_end(demo, tmp_path):
 
 
 def test_ccft_eval_builds_the_demos_prompt_ids(demo, tmp_path, capsys):
-    """The same item and decoder give identical prompt ids (and so identical NLL) in ``ccft demo`` and ``ccft eval``;
-    ``--prompt-format task`` is the task's own rendering."""
+    """The same item and decoder give identical prompt ids (and so identical NLL) in ``ccft demo`` and
+    ``ccft eval``; ``--prompt-format task`` is the task's own rendering."""
     from ccft.cli.main import main
 
     base = [str(demo.runs / "full-ft"), str(demo.runs / "ccft")]
@@ -246,8 +248,8 @@ def test_ccft_eval_builds_the_demos_prompt_ids(demo, tmp_path, capsys):
 
 
 def test_prompt_echo_is_scored_by_one_rule(demo, tmp_path, monkeypatch):
-    """K7: a generation that only repeats the question scores 0 in ``ccft demo`` and ``ccft eval`` alike, even when
-    the question's last number is the answer; the question followed by an answer scores that answer."""
+    """K7: a generation that only repeats the question scores 0 in ``ccft demo`` and ``ccft eval`` alike, even
+    when the question's last number is the answer; the question followed by an answer scores that answer."""
     from ccft.cli.main import main
     from ccft.evals.evaluate import evaluate_decoders
 
@@ -342,7 +344,8 @@ def test_prompt_format_rule(tokenizer):
     assert not PromptFormat(True, SYSTEM).applies_to(code)
     (cit,) = code.load(1)
     assert prompt_ids(code, tokenizer, cit, PromptFormat(True, SYSTEM)) == code.prompt_ids(tokenizer, cit)
-    # resolving from decoders: their recorded recipe; none recorded -> the task's; different ones -> ConfigError
+    # resolving from decoders: their recorded recipe; none recorded -> the task's; different ones
+    # -> ConfigError
     dec = lambda recipe: SimpleNamespace(meta={"recipe": recipe})  # noqa: E731
     assert resolve_prompt_format(
         "decoder", [dec({"system_prompt": SYSTEM}), dec({"system_prompt": SYSTEM})]

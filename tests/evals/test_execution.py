@@ -43,7 +43,8 @@ def test_availability_is_reported_never_silent(lang):
 
 @pytest.mark.parametrize("lang", MULTIPL_E_LANGUAGES)
 def test_fixtures_pass_and_fail_as_written(lang):
-    """Correct add() passes, wrong add() fails, raw generation with the stop string passes after truncation."""
+    """Correct add() passes, wrong add() fails, raw generation with the stop string passes after
+    truncation."""
     if not check_language(lang).available:
         pytest.skip(f"{lang} unavailable here: {check_language(lang).reason}")
     task = get_task(f"multipl-e-{lang}")
@@ -120,8 +121,8 @@ def real_toolchain_hidden(monkeypatch, tmp_path):
 
 
 def test_real_toolchain_hidden_from_path_is_unavailable_not_zero(real_toolchain_hidden):
-    """The "missing toolchain" promise with a real compiler (not a fake language): reported as unavailable with
-    the missing tool named, never scored 0."""
+    """The "missing toolchain" promise with a real compiler (not a fake language): reported as unavailable
+    with the missing tool named, never scored 0."""
     lang, tools = real_toolchain_hidden
     av = check_language(lang, refresh=True)
     assert not av.available and all(t in av.reason for t in tools), av.reason
@@ -150,7 +151,7 @@ def test_perl_error_marker_fails_even_with_exit_zero():
     assert run_program("pl", 'print "ok\\n"; exit 0;').status == "passed"
 
 
-# ------------------------------------------------------------------ no isolation: refuse unless opted in (K10)
+# ----------------------------------------------------------------- no isolation: refuse unless opted in (K10)
 
 
 def test_no_isolation_refuses_generated_code_unless_opted_in(monkeypatch):
@@ -180,7 +181,8 @@ def test_no_isolation_refuses_generated_code_unless_opted_in(monkeypatch):
 
 
 def test_results_name_the_level_they_ran_under():
-    """RunResult.isolation and Availability.isolation are the machine's level (namespaces as root, else userns)."""
+    """RunResult.isolation and Availability.isolation are the machine's level (namespaces as root, else
+    userns)."""
     from ccft.evals import sandbox
 
     info = sandbox.isolation()
@@ -192,7 +194,8 @@ def test_results_name_the_level_they_ran_under():
 
 
 def test_forced_level_is_probed_and_named(monkeypatch):
-    """CCFT_SANDBOX_LEVEL names the one level to try; a level that does not work here is a refusal, not basic."""
+    """CCFT_SANDBOX_LEVEL names the one level to try; a level that does not work here is a refusal, not
+    basic."""
     from ccft.evals import sandbox
 
     monkeypatch.setattr(sandbox, "_ISOLATION_CACHE", None)

@@ -26,7 +26,8 @@ GSM8K_TEST = Path(
 
 # (generation text, strict-match, flexible-extract). Source of every value: lm-eval's gsm8k filters and
 # exact_match clean-up (lm_eval/tasks/gsm8k/gsm8k.yaml), compared as numbers; the rows where ccft deliberately
-# differs are listed in DEVIATIONS below with the documented reason (test_golden_table_agrees_with_lm_eval...).
+# differs are listed in DEVIATIONS below with the documented reason
+# (test_golden_table_agrees_with_lm_eval...).
 GOLDEN: list[tuple[str, str | None, str | None]] = [
     # K7: thousands separators must not be read as "000"
     ("She pays 8,000 dollars.\n#### 8,000", "8000", "8000"),

@@ -110,7 +110,8 @@ def test_generation_and_loglikelihood_tasks_match_ccft(folders, mode, key):
 
 
 def test_decoder_equal_to_base_scores_like_the_base(folders):
-    """docs/design.md, "Invariants the tests hold" 1, through lm-eval: a decoder equal to the base, reading C_base, scores as the base itself."""
+    """docs/design.md, "Invariants the tests hold" 1, through lm-eval: a decoder equal to the base, reading
+    C_base, scores as the base itself."""
     tasks = ("ccft_tiny_mc",)
     a = _evaluate(f"base={folders['base']},mode=base", tasks)["samples"]["ccft_tiny_mc"]
     b = _evaluate(f"decoder={folders['same']},mode=prefillshare", tasks)["samples"]["ccft_tiny_mc"]

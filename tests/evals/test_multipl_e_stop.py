@@ -36,7 +36,8 @@ def test_rows_that_disagree_on_stop_tokens_are_refused(monkeypatch):
 
 
 def _generate(task, base, tmp_path, max_new=24, limit=4):
-    """Greedy base-mode texts of the first ``limit`` items through the study's route (decode_ahead into a memo)."""
+    """Greedy base-mode texts of the first ``limit`` items through the study's route (decode_ahead into a
+    memo)."""
     settings = EvalSettings(limit=limit, max_new_tokens=max_new, engine=True)
     spec = ModeSpec("base")
     memo = EvalMemo()

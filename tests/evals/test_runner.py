@@ -1,6 +1,6 @@
 """Eval runner: four modes on the same items (values checked against independent forwards and ccft.generate),
-batch-size independence (K7 in docs/design.md, "Fault classes"), per-item resume after an interruption, settings
-guard, the ``ccft eval`` CLI."""
+batch-size independence (K7 in docs/design.md, "Fault classes"), per-item resume after an interruption,
+settings guard, the ``ccft eval`` CLI."""
 
 from __future__ import annotations
 
@@ -129,7 +129,8 @@ def test_modes_run_same_items_with_real_values(setup, full_run):
 def test_greedy_scores_identical_at_batch_size_1_and_8(setup, full_run, tmp_path):
     """K7: batching (left padding, length sorting, chunking) changes no generation, score or NLL.
 
-    full-ft stands for the self-prefill path (base is the same code), prefillshare for the C_base path (naive too).
+    full-ft stands for the self-prefill path (base is the same code), prefillshare for the C_base path (naive
+    too).
     """
     base, _, _, specs = setup
     eight, _ = full_run
@@ -248,7 +249,8 @@ def test_gsm8k_task_and_registry():
 
 
 def test_cli_eval_runs_a_suite(setup, tmp_path, capsys):
-    """``ccft eval --suite`` evaluates what the suite declares (task, items, generated items, modes, bootstrap)."""
+    """``ccft eval --suite`` evaluates what the suite declares (task, items, generated items, modes,
+    bootstrap)."""
     from ccft.cli.main import main
 
     base, ff, cc, _ = setup
@@ -272,7 +274,8 @@ def test_cli_eval_runs_a_suite(setup, tmp_path, capsys):
 
 
 def test_runner_keeps_its_public_names():
-    """Names other modules and users import from ``ccft.evals.runner`` stay importable there after the split."""
+    """Names other modules and users import from ``ccft.evals.runner`` stay importable there after the
+    split."""
     from ccft.evals import records, results, runner, settings
 
     assert runner.EvalSettings is settings.EvalSettings and runner.ModeSpec is settings.ModeSpec
@@ -380,12 +383,12 @@ def test_samples_and_unavailable_toolchain(setup, tmp_path):
 
 @pytest.mark.parametrize("batch_size", [4, 16])
 def test_engine_path_equals_reference_generation(setup, full_run, tmp_path, monkeypatch, batch_size):
-    """--engine: every mode decodes through SharedPrefillEngine (base and full-ft on their own prefill, naive and
-    prefillshare on C_base); same texts and NLLs as the reference path, the Full-FT decoder registered once, and
-    each group of items prefilled once per producer: C_base once for base, naive and prefillshare (generation and
-    reference NLL), the Full-FT decoder's own prefix once for full-ft; no other pass over the prompts.
-    The four modes' rows decode in the same engine steps (at batch 4 mode after mode through 4 slots, at batch
-    16 all at once)."""
+    """--engine: every mode decodes through SharedPrefillEngine (base and full-ft on their own prefill, naive
+    and prefillshare on C_base); same texts and NLLs as the reference path, the Full-FT decoder registered
+    once, and each group of items prefilled once per producer: C_base once for base, naive and prefillshare
+    (generation and reference NLL), the Full-FT decoder's own prefix once for full-ft; no other pass over the
+    prompts. The four modes' rows decode in the same engine steps (at batch 4 mode after mode through 4 slots,
+    at batch 16 all at once)."""
     pytest.importorskip("ccft.inference")
     import ccft.evals.runner as runner_mod
     import ccft.evals.scoring as scoring_mod
@@ -552,7 +555,8 @@ def test_eval_memo_reuses_identical_generations_and_nlls_across_tasks(
     setup, full_run, tmp_path, engine, monkeypatch
 ):
     """A task with another task's prompts, references and settings is scored on the same greedy texts and NLLs
-    without computing them again (no prefill, no forward, no decode); its records equal a run without the memo."""
+    without computing them again (no prefill, no forward, no decode); its records equal a run without the
+    memo."""
     from ccft.evals.runner import EvalMemo
 
     base, _, _, specs = setup
@@ -635,9 +639,9 @@ class _ToyOther(ToyTask):
 def test_decode_ahead_decodes_small_tasks_together_with_the_same_records(
     setup, full_run, tmp_path, monkeypatch
 ):
-    """Two small tasks' generations and NLLs in one joint decode (decode_ahead): run_task then computes nothing
-    (no prefill, forward or decode) and writes the records a run without it writes; items already in a task's
-    folder are not decoded again; the memo counts no hits for what was decoded ahead."""
+    """Two small tasks' generations and NLLs in one joint decode (decode_ahead): run_task then computes
+    nothing (no prefill, forward or decode) and writes the records a run without it writes; items already in a
+    task's folder are not decoded again; the memo counts no hits for what was decoded ahead."""
     pytest.importorskip("ccft.inference")
     from ccft.evals import generation
     from ccft.evals.runner import EvalMemo, decode_ahead

@@ -124,7 +124,10 @@ class _Listener:
 def test_socket_cannot_reach_a_local_server(level):
     server = _Listener()
     try:
-        src = f"import socket\ns = socket.create_connection(('127.0.0.1', {server.port}), timeout=2)\nprint('connected')\n"
+        src = (
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {server.port}), timeout=2)\n"
+            "print('connected')\n"
+        )
         res = run_py(src, level)
     finally:
         server.close()
@@ -155,8 +158,9 @@ def test_environment_secrets_are_not_inherited(level, monkeypatch):
 def test_parent_environment_unreadable_through_proc(monkeypatch):
     monkeypatch.setenv("CCFT_TEST_SECRET", "topsecret789")
     src = (
-        f"import os\nfor pid in ({os.getpid()}, os.getppid(), 1):\n    try:\n"
-        "        print(open(f'/proc/{pid}/environ', 'rb').read())\n    except OSError as e:\n        print('denied', e)\n"
+        f"import os\nfor pid in ({os.getpid()}, os.getppid(), 1):\n    try:\n        "
+        "print(open(f'/proc/{pid}/environ', 'rb').read())\n    except OSError as e:\n        "
+        "print('denied', e)\n"
     )
     res = run_py(src, "namespaces")
     assert "topsecret789" not in res.stdout
@@ -188,7 +192,8 @@ def test_sandbox_write_refuses_escaping_names():
 
 HOSTILE_COMPLETIONS = {
     "infinite loop": "    while True:\n        pass\n",
-    "fork bomb": "    import os\n    while True:\n        try:\n            os.fork()\n        except OSError:\n            pass\n",
+    "fork bomb": "    import os\n    while True:\n        try:\n            os.fork()\n        except "
+    "OSError:\n            pass\n",
     "huge output": "    while True:\n        print('x' * 100000)\n",
     "write outside": "    open('/tmp/ccft-hostile-write', 'w').write('x')\n    return False\n",
     "early exit(0)": "    import sys\n    sys.exit(0)\n",
@@ -218,7 +223,10 @@ def test_socket_completion_fails_only_because_the_network_is_blocked():
     assert task.score(item, CLOSE_ELEMENTS) == {"passed": 1.0, "compiles": 1.0}
     server = _Listener()
     try:
-        connect = f"    import socket\n    socket.create_connection(('127.0.0.1', {server.port}), timeout=2).close()\n"
+        connect = (
+            f"    import socket\n    socket.create_connection(('127.0.0.1', {server.port}), "
+            "timeout=2).close()\n"
+        )
         scored = task.score(item, connect + CLOSE_ELEMENTS)
     finally:
         server.close()
@@ -274,7 +282,8 @@ def test_exit_status_of_a_signal_death_round_trips():
 
 
 def test_root_layout_shows_each_path_once():
-    """The userns/bwrap root: system folders, then the interpreter's folders, nothing inside a folder already shown."""
+    """The userns/bwrap root: system folders, then the interpreter's folders, nothing inside a folder already
+    shown."""
     needs = root_paths([sys.executable, sys.prefix, sys.base_prefix, "/usr/bin/env"])
     assert os.path.realpath(sys.executable) in needs and needs == sorted(needs, key=lambda p: (len(p), p))
     layout = root_layout(needs)
@@ -302,7 +311,7 @@ def test_guard_installs_nothing_when_imported_as_a_module():
     assert r.stdout.strip() == "unguarded", r.stderr
 
 
-# ------------------------------------------------------------------ hostile programs, as root and as an unprivileged uid (K10)
+# ------------------------------------------------- hostile programs, as root and as an unprivileged uid (K10)
 
 #: Run by an interpreter as the user under test: ``HARNESS SRC TOKEN PORT``. It scores hostile
 #: programs with ``ccft.evals.execution.run_program`` (the level this user gets), checks right after
@@ -409,7 +418,7 @@ report["secret"] = secret
 shutil.rmtree(home)
 shutil.rmtree(outside)
 print(json.dumps(report))
-'''
+'''  # noqa: E501 (harness program text, kept byte for byte)
 
 NOBODY = 65534
 
@@ -525,7 +534,8 @@ def _free_port() -> int:
 
 
 def _contained(report) -> dict:
-    """The results, or a skip where the machine has no isolation for this user (the refusal is tested below)."""
+    """The results, or a skip where the machine has no isolation for this user (the refusal is tested
+    below)."""
     if "refused" in report:
         assert report["user"] != "root" and "CCFT_ALLOW_UNISOLATED_CODE" in report["refused"]
         pytest.skip(
@@ -535,7 +545,8 @@ def _contained(report) -> dict:
 
 
 def test_hostile_level_is_isolated_for_every_user(hostile):
-    """Root gets namespaces, any other user userns or bwrap (the one forced) or a refusal (never basic unasked)."""
+    """Root gets namespaces, any other user userns or bwrap (the one forced) or a refusal (never basic
+    unasked)."""
     if "refused" in hostile:
         assert hostile["level"] == "basic" and "CCFT_ALLOW_UNISOLATED_CODE" in hostile["refused"]
     elif hostile["uid"] == 0:
@@ -561,7 +572,8 @@ def test_hostile_harness_still_scores_items(hostile):
 
 
 def test_hostile_processes_do_not_survive_the_run(hostile):
-    """A daemon started by raw fork + setsid + execv (ctypes) and a raw fork bomb are gone when run() returns."""
+    """A daemon started by raw fork + setsid + execv (ctypes) and a raw fork bomb are gone when run()
+    returns."""
     results = _contained(hostile)
     assert "daemon started" in results["daemon"]["stdout"]  # it did run, ignoring SIGHUP and SIGTERM
     assert hostile["survivors"] == {name: [] for name in hostile["results"]}
@@ -569,7 +581,8 @@ def test_hostile_processes_do_not_survive_the_run(hostile):
 
 
 def test_hostile_program_reads_no_secret(hostile):
-    """Neither the evaluator's environment (/proc/PID/environ) nor a file only the evaluating user can read."""
+    """Neither the evaluator's environment (/proc/PID/environ) nor a file only the evaluating user can
+    read."""
     results = _contained(hostile)
     out = results["secrets"]["stdout"]
     assert "leaks []" in out and hostile["secret"] not in json.dumps(results)

@@ -135,7 +135,7 @@ def test_shipped_study_config_parses():
         assert all(t.limit >= 100 for t in spec.tasks.values())
 
 
-# ---------------------------------------------------------------- report from summaries (hand-computed values)
+# --------------------------------------------------------------- report from summaries (hand-computed values)
 
 
 def test_task_entry_and_resolution_from_a_summary():
@@ -220,7 +220,8 @@ bootstrap: 200
 batch_size: 4
 sweep_limit: 2
 sweep_rhos: [0.0, 1.0]
-serving: {{sessions: [1, 2], turns: 2, shared_tokens: 32, unique_tokens: 8, growth_tokens: 8, max_new_tokens: 4,
+serving: {{sessions: [1, 2], turns: 2, shared_tokens: 32, unique_tokens: 8, growth_tokens: 8, \
+max_new_tokens: 4,
           threads: 1, block_tokens: 8}}
 specialists:
   math:
@@ -429,8 +430,9 @@ def test_run_digest_and_stamps(tmp_path):
 
 
 def test_a_retrained_run_with_the_same_weights_keeps_its_results(tiny_study, tmp_path):
-    """A run trained again (here: its folder deleted) comes out bit for bit the same decoder, so the stamp still
-    matches and the specialist's results, sweep and the serving result are reused, not computed again."""
+    """A run trained again (here: its folder deleted) comes out bit for bit the same decoder, so the stamp
+    still matches and the specialist's results, sweep and the serving result are reused, not computed
+    again."""
     import shutil
 
     root, _, _ = tiny_study
@@ -474,9 +476,10 @@ def _study_again_into(root: Path, out: Path) -> subprocess.CompletedProcess:
 
 
 def test_a_task_evaluated_with_other_settings_is_computed_again(tiny_study, tmp_path):
-    """A task folder of the study written with other settings (here: other stop strings, as MultiPL-E's results
-    from before its generation stopped at the stop tokens) is the study's own stale output: computed again with
-    a message naming the setting, not refused with FolderConflictError; the other task's items are kept."""
+    """A task folder of the study written with other settings (here: other stop strings, as MultiPL-E's
+    results from before its generation stopped at the stop tokens) is the study's own stale output: computed
+    again with a message naming the setting, not refused with FolderConflictError; the other task's items are
+    kept."""
     import shutil
 
     root, _, _ = tiny_study
@@ -498,7 +501,8 @@ def test_a_task_evaluated_with_other_settings_is_computed_again(tiny_study, tmp_
 
 def test_results_of_other_decoders_are_computed_again(tiny_study, tmp_path):
     """Results whose stamp names other decoders (a sitting killed between retraining and evaluation leaves new
-    decoders beside old items) are evaluated again, serving too; with these decoders the numbers are the same."""
+    decoders beside old items) are evaluated again, serving too; with these decoders the numbers are the
+    same."""
     import shutil
 
     root, base, _ = tiny_study

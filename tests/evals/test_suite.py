@@ -92,7 +92,8 @@ def test_a_recipe_naming_a_missing_or_bad_suite_fails_at_its_line(tmp_path):
     _write(tmp_path / "st.yaml", "specialists:\n  art:\n    tasks: {gsm8k: {limit: 2}}\n")
     cfg = _write(
         tmp_path / "study.yaml",
-        f"suite: {tmp_path / 'st.yaml'}\nspecialists:\n  math: {{recipe: {ROOT / 'recipes/math-gsm8k.yaml'}}}\n",
+        f"suite: {tmp_path / 'st.yaml'}\nspecialists:\n  math: {{recipe: "
+        f"{ROOT / 'recipes/math-gsm8k.yaml'}}}\n",
     )
     from ccft.evals.study.config import load_study_config
 

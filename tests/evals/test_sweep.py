@@ -26,7 +26,8 @@ TEXTS = [
     ("Natalia sold clips to 48 of her friends in April, and then she sold half as many in May.", "72 clips"),
     ("What is 2 + 2?", "4"),
     (
-        "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+        "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+        "How much did she earn?",
         "She earned $10.",
     ),
 ]
@@ -34,7 +35,8 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def deep_dir(tmp_path_factory, tokenizer):
-    """Four layers, so ρ over layers moves one layer per 0.25 (plain logits: the equality checks are absolute)."""
+    """Four layers, so ρ over layers moves one layer per 0.25 (plain logits: the equality checks are
+    absolute)."""
     return make_tiny_folder(tmp_path_factory.mktemp("sweep4"), tokenizer, seed=4, layers=4)
 
 
@@ -313,9 +315,9 @@ def test_run_sweep_references_resume_and_cli(sharp, tmp_path, capsys):
 
 
 def test_sweep_points_that_are_eval_modes_reuse_the_eval_records(sharp, tmp_path):
-    """The references, ρ = 1 (either axis) and the naive curve at ρ = 0 are eval modes: with ``eval_records`` from
-    an eval run of the same items they take its per-item NLLs (equal to computing them, ≤ 1e-5); the other points
-    are computed; a record on another prompt is not reused."""
+    """The references, ρ = 1 (either axis) and the naive curve at ρ = 0 are eval modes: with ``eval_records``
+    from an eval run of the same items they take its per-item NLLs (equal to computing them, ≤ 1e-5); the
+    other points are computed; a record on another prompt is not reused."""
     from ccft.evals.runner import EvalSettings, ModeSpec, run_task
 
     base = sharp

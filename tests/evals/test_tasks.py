@@ -1,4 +1,5 @@
-"""Task API: registry, K7 (truncation, no doubled prompt, GSM-Plus golden table), K8 gates, pass@k, BFCL, tools data."""
+"""Task API: registry, K7 (truncation, no doubled prompt, GSM-Plus golden table), K8 gates, pass@k, BFCL,
+tools data."""
 
 from __future__ import annotations
 
@@ -343,7 +344,8 @@ def test_gsm8k_task_scores_reference():
         ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', [{"f": {"a": 1}}]),
         ('<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2]}"}</tool_call>', [{"f": {"a": [1, 2]}}]),
         (
-            '<tool_call>{"name": "a.b", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {"x": "y"}}',
+            '<tool_call>{"name": "a.b", "arguments": {}}</tool_call><tool_call>{"name": "g", '
+            '"arguments": {"x": "y"}}',
             [{"a.b": {}}, {"g": {"x": "y"}}],
         ),
         ('{"name": "f", "arguments": {"a": 1}}', [{"f": {"a": 1}}]),

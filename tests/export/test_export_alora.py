@@ -122,12 +122,13 @@ def test_alora_export_equals_prefillshare_logits_and_greedy_tokens(
 
 
 def test_one_token_newline_handoff_trap(sharp_dir, tmp_path, tokenizer, gsm8k_rows, capsys):
-    """handoff_tokens=1 on SmolLM2's chat template: the invocation is the newline ending the generation prompt.
+    """handoff_tokens=1 on SmolLM2's chat template: the invocation is the newline ending the generation
+    prompt.
 
-    Exported with a warning naming the fix (handoff_tokens=4: "ass", "istant" are two tokens). Exact for responses without a newline and for
-    generation; a response holding a newline moves PEFT's activation point to it (the last occurrence), so
-    stock teacher-forced scoring differs before it. Passing PEFT's ``alora_offsets`` (the handoff position)
-    explicitly restores ccft's logits.
+    Exported with a warning naming the fix (handoff_tokens=4: "ass", "istant" are two tokens). Exact for
+    responses without a newline and for generation; a response holding a newline moves PEFT's activation point
+    to it (the last occurrence), so stock teacher-forced scoring differs before it. Passing PEFT's
+    ``alora_offsets`` (the handoff position) explicitly restores ccft's logits.
     """
     dec, folder = _lora_folder(sharp_dir, tmp_path / "dec", handoff=1)
     with pytest.warns(UserWarning, match="LAST occurrence"):
@@ -225,7 +226,8 @@ def _assert_same_greedy(dec, model, tokenizer, prompt) -> None:
 
 
 def _assert_stock_peft_matches(dec, model, tokenizer, rows, handoff: int = 4) -> None:
-    """Stock PEFT ``model`` gives ``dec``'s prefillshare logits (within TOL of their scale) and greedy tokens."""
+    """Stock PEFT ``model`` gives ``dec``'s prefillshare logits (within TOL of their scale) and greedy
+    tokens."""
     for row in rows:
         prompt = _chat(tokenizer, row["prompt"])
         response = tokenize_response(tokenizer, row["response"])
@@ -237,8 +239,9 @@ def _assert_stock_peft_matches(dec, model, tokenizer, rows, handoff: int = 4) ->
 
 @pytest.mark.slow
 def test_alora_export_on_the_embedded_model(tmp_path, tokenizer, gsm8k_rows):
-    """The embedded SmolLM2-135M (fp32, 30 layers) with a random non-zero LoRA, handoff_tokens=4: logits within
-    3e-5 of the logits' scale (two passes vs one forward round differently over 30 layers), same greedy tokens."""
+    """The embedded SmolLM2-135M (fp32, 30 layers) with a random non-zero LoRA, handoff_tokens=4: logits
+    within 3e-5 of the logits' scale (two passes vs one forward round differently over 30 layers), same greedy
+    tokens."""
     from ccft.core.models import resolve_model_path
 
     base = ccft.load_base("smollm2-135m-instruct")
@@ -252,8 +255,9 @@ def test_alora_export_on_the_embedded_model(tmp_path, tokenizer, gsm8k_rows):
 
 @pytest.mark.slow
 def test_alora_export_of_a_trained_decoder_on_the_embedded_model(tmp_path, tokenizer, gsm8k_rows):
-    """A CCFT LoRA decoder trained by ``ccft train`` (the math recipe, handoff_tokens=4, 3 steps) on the embedded
-    SmolLM2-135M, exported as a PEFT aLoRA adapter: stock PEFT gives ccft's prefillshare logits and greedy tokens."""
+    """A CCFT LoRA decoder trained by ``ccft train`` (the math recipe, handoff_tokens=4, 3 steps) on the
+    embedded SmolLM2-135M, exported as a PEFT aLoRA adapter: stock PEFT gives ccft's prefillshare logits and
+    greedy tokens."""
     from ccft.core.models import resolve_model_path
     from ccft.train.config import load_recipe
     from ccft.train.run import run_training

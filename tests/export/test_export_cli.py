@@ -1,4 +1,5 @@
-"""``ccft train`` then ``ccft export``: a decoder trained a few steps, its model cards, and stock PEFT on the export.
+"""``ccft train`` then ``ccft export``: a decoder trained a few steps, its model cards, and stock PEFT on the
+export.
 
 Model cards are Hub model cards: the YAML header parses (``huggingface_hub.ModelCard``) with
 ``base_model``, ``library_name``, ``tags`` and ``datasets`` as ``ccft.json`` says.

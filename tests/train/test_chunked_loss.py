@@ -1,4 +1,5 @@
-"""The chunked LM-head + cross-entropy loss (``ccft.train.loss``) and frozen embeddings for full-weight decoders.
+"""The chunked LM-head + cross-entropy loss (``ccft.train.loss``) and frozen embeddings for full-weight
+decoders.
 
 The reference is the full-logits path (``response_nll_rows`` over ``F.cross_entropy`` of the tail's logits;
 tests/train/test_trainer.py checks it against independent two-pass and self-prefill references). Everything

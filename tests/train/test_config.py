@@ -13,7 +13,8 @@ from ccft import ConfigError
 from ccft.train.config import EvalConfig, TrainConfig, load_recipe, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
-#: training recipes (study.yaml is the study's config, not a training recipe: tests/evals/test_study.py parses it)
+#: training recipes (study.yaml is the study's config, not a training recipe: tests/evals/test_study.py parses
+#: it)
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.name != "study.yaml")
 
 
@@ -168,7 +169,8 @@ def test_overrides_parse_yaml_scalars():
 
 
 def test_values_convert_as_hf_argument_parser_converts_the_command_line(tmp_path):
-    """A recipe value means what ``--key=value`` means to ``transformers.HfArgumentParser`` (the reference)."""
+    """A recipe value means what ``--key=value`` means to ``transformers.HfArgumentParser`` (the
+    reference)."""
     from transformers import HfArgumentParser
 
     cli = [
@@ -218,7 +220,8 @@ def test_values_convert_as_hf_argument_parser_converts_the_command_line(tmp_path
         and raw["lr_scheduler_type"] == "cosine"
         and raw["chat_template"] == "false"
     )
-    # A value the parser refuses names the key, where it was set (here the command line) and the parser's reason.
+    # A value the parser refuses names the key, where it was set (here the command line) and the parser's
+    # reason.
     with pytest.raises(
         ConfigError,
         match=r"^command-line override save_strategy=sometimes: key 'save_strategy' "

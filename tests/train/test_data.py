@@ -97,7 +97,8 @@ def test_pad_equals_eos_still_supervises_final_eos(tokenizer, k):
 
 
 def test_collator_reads_mapping_rows_like_examples(tokenizer):
-    """Rows as mappings of ``Collator.features`` (a ``datasets.Dataset`` of tokenised rows) batch like Examples."""
+    """Rows as mappings of ``Collator.features`` (a ``datasets.Dataset`` of tokenised rows) batch like
+    Examples."""
     rows = [
         {"prompt": "What is 2+2?", "response": "4"},
         {"prompt": "Explain gravity briefly.", "response": "Mass attracts mass."},

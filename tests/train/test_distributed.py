@@ -134,8 +134,8 @@ def test_ddp_eval_checkpoints_and_the_best_one_kept(recipe, tmp_path, tiny_dir):
     """Two processes: the eval NLL over 7 rows (uneven: accelerate repeats a row to even out the processes) is
     the single-process one, token-weighted; both processes write into the staging folder before the rename
     (barriers around it), so the checkpoint holds both RNG states; with load_best_model_at_end and
-    save_total_limit=1 the best one (by eval_loss, greater_is_better=true: the earlier step, as the loss falls)
-    is the one kept and the final decoder."""
+    save_total_limit=1 the best one (by eval_loss, greater_is_better=true: the earlier step, as the loss
+    falls) is the one kept and the final decoder."""
     from transformers import AutoTokenizer
 
     from ccft.train.data import build_dataset, load_rows

@@ -1,4 +1,5 @@
-"""One-pass LoRA training path == the two-pass reference (docs/design.md, invariant 6), path choice and recording.
+"""One-pass LoRA training path == the two-pass reference (docs/design.md, invariant 6), path choice and
+recording.
 
 Equivalence table (PEFT style): (batch layout, handoff k, gradient checkpointing) -> loss and every LoRA
 gradient of the one-pass path equal the two-pass path's in fp32, on a tiny random GQA Llama with

@@ -91,7 +91,8 @@ def config(tiny_dir, out, data, **kw):
 
 
 def perturb(model, *, lora_only: bool, seed: int = 123, std: float = 0.05) -> None:
-    """Make the decoder differ from the base: LoRA B ~ N(0, std) (PEFT inits B = 0), or noise on every weight."""
+    """Make the decoder differ from the base: LoRA B ~ N(0, std) (PEFT inits B = 0), or noise on every
+    weight."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -117,8 +118,8 @@ def cache_kw() -> str:
 
 
 def two_pass_reference(ref_base, decoder_model, examples) -> tuple[float, int]:
-    """Σ NLL over response+EOS and the token count: base prefills prompt[:-1] unpadded (HF cache, deep-copied),
-    the decoder runs prompt[-1:] + response at positions n-1, n, ... on that cache."""
+    """Σ NLL over response+EOS and the token count: base prefills prompt[:-1] unpadded (HF cache,
+    deep-copied), the decoder runs prompt[-1:] + response at positions n-1, n, ... on that cache."""
     total, count = 0.0, 0
     kw = cache_kw()
     for ex in examples:
@@ -138,7 +139,8 @@ def two_pass_reference(ref_base, decoder_model, examples) -> tuple[float, int]:
 
 
 def self_prefill_reference(model, examples) -> tuple[float, int]:
-    """Σ NLL over response+EOS of a plain causal-LM forward over prompt+response (HF labels, -100 on the prompt)."""
+    """Σ NLL over response+EOS of a plain causal-LM forward over prompt+response (HF labels, -100 on the
+    prompt)."""
     total, count = 0.0, 0
     for ex in examples:
         p, r = list(ex.prompt_ids), list(ex.response_ids)
@@ -235,8 +237,9 @@ def test_full_ft_loss_equals_masked_causal_lm_loss(tmp_path, tiny_dir, short_dat
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_padding_free_full_ft_equals_the_padded_layout(tmp_path, tiny_dir, short_data, kind):
-    """``padding_free`` (default) runs a Full-FT batch's real tokens as one packed sequence: the tail logits, the
-    loss and every gradient equal the padded layout's up to fp32 rounding, rows of different lengths included."""
+    """``padding_free`` (default) runs a Full-FT batch's real tokens as one packed sequence: the tail logits,
+    the loss and every gradient equal the padded layout's up to fp32 rounding, rows of different lengths
+    included."""
     from ccft.core.decoder import full_forward
 
     cfg, _ = config(tiny_dir, tmp_path / "run", short_data, decoder_kind=kind, method="full-ft")
@@ -273,8 +276,8 @@ def test_padding_free_full_ft_equals_the_padded_layout(tmp_path, tiny_dir, short
 def test_padding_free_falls_back_to_the_padded_layout_for_a_model_it_cannot_pack(
     tmp_path, tiny_dir, short_data, monkeypatch
 ):
-    """A model type outside ``PADDING_FREE_MODEL_TYPES`` (its mask may ignore restarting positions, letting rows
-    attend across the pack) trains the padded layout, says why, and counts padded positions."""
+    """A model type outside ``PADDING_FREE_MODEL_TYPES`` (its mask may ignore restarting positions, letting
+    rows attend across the pack) trains the padded layout, says why, and counts padded positions."""
     from ccft.core import decoder as decoder_mod
 
     cfg, _ = config(tiny_dir, tmp_path / "run", short_data, decoder_kind="lora", method="full-ft")
@@ -355,9 +358,10 @@ def test_base_cache_unchanged_and_checkpointing_equal(tmp_path, tiny_dir, short_
 def test_checkpointing_min_tokens_skips_the_recompute_of_short_batches_only(
     tmp_path, tiny_dir, short_data, method
 ):
-    """``activation_checkpointing_min_tokens``: a batch with fewer token positions under gradient than the threshold
-    runs without the recompute, one with exactly as many is checkpointed, and either way the step's loss and
-    gradients are those of checkpointing every batch (bit for bit: the recompute repeats the same kernels)."""
+    """``activation_checkpointing_min_tokens``: a batch with fewer token positions under gradient than the
+    threshold runs without the recompute, one with exactly as many is checkpointed, and either way the step's
+    loss and gradients are those of checkpointing every batch (bit for bit: the recompute repeats the same
+    kernels)."""
     ref = _one_step(tiny_dir, tmp_path / "all", short_data, gc=True, method=method)
     (g,) = ref[0].grad_tokens_seen or [None]
     assert g is None  # without a threshold the step does not look at the batch size
@@ -690,7 +694,8 @@ def test_run_folder_records_metadata_and_reloads(tmp_path, tiny_dir, tiny_base, 
 
 def test_unused_column_removal_keeps_the_fields_the_collator_reads(tmp_path, tiny_dir, short_data):
     """``_set_signature_columns_if_needed`` (the hook transformers calls) keeps ``Collator.features``: a
-    ``datasets.Dataset`` of tokenised rows loses its other columns, not the ids, and batches like the Examples."""
+    ``datasets.Dataset`` of tokenised rows loses its other columns, not the ids, and batches like the
+    Examples."""
     import datasets
     from transformers import Trainer
 
@@ -781,9 +786,9 @@ def test_evaluate_calls_compute_metrics_with_the_tail_logits(tmp_path, tiny_dir,
 
 @pytest.mark.parametrize("greater_is_better", [False, True])
 def test_load_best_model_at_end_keeps_the_best_checkpoint(tmp_path, tiny_dir, short_data, greater_is_better):
-    """Checkpoints every step, save_total_limit=1, load_best_model_at_end on eval_loss: the one checkpoint left
-    is the best step's and the final decoder equals it. ``greater_is_better=True`` makes the best an early step
-    (the eval loss falls), so the best is not simply the latest checkpoint."""
+    """Checkpoints every step, save_total_limit=1, load_best_model_at_end on eval_loss: the one checkpoint
+    left is the best step's and the final decoder equals it. ``greater_is_better=True`` makes the best an
+    early step (the eval loss falls), so the best is not simply the latest checkpoint."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
@@ -846,7 +851,8 @@ def test_load_best_model_at_end_keeps_the_best_checkpoint(tmp_path, tiny_dir, sh
 
 def test_checkpoints_of_another_recipe_are_not_resumed(tmp_path, tiny_dir, short_data):
     """A run folder whose checkpoints another recipe trained (a changed learning rate, step count or
-    checkpointing) is refused before any work, naming the keys; the same recipe resumes; --no-resume trains."""
+    checkpointing) is refused before any work, naming the keys; the same recipe resumes; --no-resume
+    trains."""
     from ccft.core.errors import ConfigError
     from ccft.train.run import RECIPE_STAMP, train_or_reuse
 

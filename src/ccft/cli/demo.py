@@ -96,8 +96,9 @@ def run(args) -> int:
             "kind": "ccft-demo",
             "model": describe_model(cfg.base),
             "data": {
-                "train": f"{cfg.train_data}, rows {cfg.data_offset}..{cfg.data_offset + train_rows['ccft'] - 1} "
-                f"(response = reference solution + EOS)",
+                "train": f"{cfg.train_data}, rows "
+                f"{cfg.data_offset}..{cfg.data_offset + train_rows['ccft'] - 1} (response = "
+                "reference solution + EOS)",
                 "eval": summary["meta"]["data"],
             },
             "hardware": hardware(),
@@ -154,10 +155,13 @@ Produced by `make demo` (`ccft demo {recipe}`). Every number below was measured 
 per-item records are in `{result["eval_folder"]}/` (`ccft report` reads them).
 
 - **Model**: {result["model"]} (base, frozen); decoders are {decoders} on it.
-- **Training data**: {result["data"]["train"]}; {result["train_rows"]} rows, {result["steps"]} optimizer steps,
+- **Training data**: {result["data"]["train"]}; {result["train_rows"]} rows, {result["steps"]} optimizer \
+steps,
   batch {s.get("per_device_train_batch_size")} × accumulation {s.get("gradient_accumulation_steps", 1)},
-  learning rate {s.get("learning_rate")}, seed {s.get("seed", 42)}; both decoders get the same rows, steps and seed.
-- **Evaluation data**: {meta["data"]}. NLL on the first {meta["n_items"]} items; generations scored on the first
+  learning rate {s.get("learning_rate")}, seed {s.get("seed", 42)}; both decoders get the same rows, \
+steps and seed.
+- **Evaluation data**: {meta["data"]}. NLL on the first {meta["n_items"]} items; generations scored on \
+the first
   {min(n_gen, meta["n_items"])} of them (greedy, max {es["max_new_tokens"]} new tokens).
 - **Prompts** (training and evaluation): {es.get("prompting")}.
 - **Hardware**: {result["hardware"]}.

@@ -42,8 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--suite",
         default=None,
-        help="an evaluation suite YAML (evals/*.yaml): its tasks, items, modes, batch size, bootstrap and seed; "
-        'the options given here override it (docs/evaluation.md, "Suites")',
+        help="an evaluation suite YAML (evals/*.yaml): its tasks, items, modes, batch size, bootstrap and "
+        'seed; the options given here override it (docs/evaluation.md, "Suites")',
     )
     p.add_argument(
         "--specialist",

@@ -1,4 +1,5 @@
-"""``ccft export DECODER --to peft-alora|gguf-alora|merged OUT``: a decoder for engines that know nothing of ccft.
+"""``ccft export DECODER --to peft-alora|gguf-alora|merged OUT``: a decoder for engines that know nothing of
+ccft.
 
 ``peft-alora``: a CCFT LoRA decoder as a stock PEFT activated-LoRA adapter whose invocation tokens are
 the decoder's handoff tokens (``PeftModel.from_pretrained(AutoModelForCausalLM..., OUT)`` gives ccft's
@@ -94,8 +95,8 @@ def run(args) -> int:
             print(f"ccft export: warning: {w}", file=sys.stderr)
         print(
             f"[ccft] exported {args.decoder} as gguf-alora -> {g.out} (adapter {g.adapter_gguf.name}, base "
-            f"{g.base_gguf.name}; GGUF invocation tokens {g.invocation_ids}: llama-server turns the adapter on one "
-            f"token before them, at the handoff {g.handoff_ids})"
+            f"{g.base_gguf.name}; GGUF invocation tokens {g.invocation_ids}: llama-server turns the adapter "
+            f"on one token before them, at the handoff {g.handoff_ids})"
         )
         return 0
     from ccft.train.export import export_decoder

@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (CCFTError, OSError, UnicodeError) as e:
         # A bad recipe, data file, path or folder: one line naming the file (and line), exit status 2.
-        # OSError/UnicodeError are files the command could not read or write. CCFT_DEBUG=1 shows the traceback.
+        # OSError/UnicodeError are files the command could not read or write. CCFT_DEBUG=1 shows the
+        # traceback.
         if os.environ.get("CCFT_DEBUG"):
             raise
         print(f"ccft {args.command}: error: {one_line(e)}", file=sys.stderr)

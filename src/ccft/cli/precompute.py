@@ -71,8 +71,9 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
     print(
-        f"[ccft] estimate: {len(prefixes)} prefixes, {tokens} prefix tokens × {bytes_per_token(config, dtype)} B "
-        f"= {human(need)} for C_base ({cfg.dtype}); {human(free)} free at {out}",
+        f"[ccft] estimate: {len(prefixes)} prefixes, {tokens} prefix tokens × "
+        f"{bytes_per_token(config, dtype)} B = {human(need)} for C_base ({cfg.dtype}); "
+        f"{human(free)} free at {out}",
         flush=True,
     )
     if args.estimate_only:
@@ -91,6 +92,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     print(
-        f"[ccft] C_base store at {out}; train with `ccft train {args.recipe or 'RECIPE'} base_cache_store={out}`"
+        f"[ccft] C_base store at {out}; train with `ccft train {args.recipe or 'RECIPE'} "
+        f"base_cache_store={out}`"
     )
     return 0

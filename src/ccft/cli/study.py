@@ -7,8 +7,9 @@ Phases (wall time of each is added up over sittings in ``OUT/phases.json``):
   sweep_SPEC             NLL/token against the sharing ratio ρ on the specialist's first task
   serving                the multi-agent serving benchmark with the trained CCFT decoders as agents
   report                 OUT/report.json, OUT/README.md, plots
-Finished work is reused, interrupted work resumes. The phases are ``ccft.evals.study.recipe.StudyRecipe``; this
-module parses the command line and supplies the serving phase (``ccft bench serve``, a layer above the evals).
+Finished work is reused, interrupted work resumes. The phases are ``ccft.evals.study.recipe.StudyRecipe``;
+this module parses the command line and supplies the serving phase (``ccft bench serve``, a layer above the
+evals).
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def _serving(cfg, decoders: dict[str, str], base_name: str, out: Path) -> dict:
 
     Agents named like a specialist (math, code, tools) get that specialist's CCFT decoder; the planner has no
     trained specialist and keeps the benchmark's random LoRA adapter. ``cfg.serving`` keys are the benchmark's
-    options (``sessions: [1, 2, 4]``, ``turns: 2``, ...). Outputs are checked against offline ``ccft.generate``
-    (``--check-outputs``). Resumes: a finished ``serving/serve.json`` is reused when ``serving/decoders.json``
-    says it was computed with these decoders (``run_digest``); otherwise (retrained, or no stamp) it runs again.
+    options (``sessions: [1, 2, 4]``, ``turns: 2``, ...). Outputs are checked against offline
+    ``ccft.generate`` (``--check-outputs``). Resumes: a finished ``serving/serve.json`` is reused when
+    ``serving/decoders.json`` says it was computed with these decoders (``run_digest``); otherwise (retrained,
+    or no stamp) it runs again.
     """
     import argparse
 

@@ -8,7 +8,8 @@ kept in ``DIR/points.jsonl``; rerunning resumes. ``ccft report DIR -o REPORT`` d
 
 Example::
 
-    ccft sweep --task gsm8k --decoder runs/demo/full-ft --decoder runs/demo/ccft --limit 50 --out reports/sweep
+    ccft sweep --task gsm8k --decoder runs/demo/full-ft --decoder runs/demo/ccft --limit 50 \\
+        --out reports/sweep
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def run(args) -> int:
         d = p.get("delta_nll_vs_full_ft")
         rho = "" if p["rho"] is None else f"rho={p['rho']:.2f}"
         print(
-            f"[ccft] {p['label']:12s} {p['over'] or 'own prefill':11s} {rho:9s} nll={p.get('nll', float('nan')):.4f}"
-            + (f" delta_vs_full_ft={d['delta']:+.4f}" if d else ""),
+            f"[ccft] {p['label']:12s} {p['over'] or 'own prefill':11s} {rho:9s} "
+            f"nll={p.get('nll', float('nan')):.4f}" + (f" delta_vs_full_ft={d['delta']:+.4f}" if d else ""),
             flush=True,
         )
     print(f"[ccft] wrote {args.out}/sweep.json", flush=True)

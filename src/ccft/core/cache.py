@@ -23,7 +23,8 @@ from ccft.core.tokens import left_pad, pad_token_id
 
 
 def cache_kwarg(model) -> str:
-    """Name of the cache argument of ``model.forward``: ``cache`` (transformers ≥ 5.x) or ``past_key_values``."""
+    """Name of the cache argument of ``model.forward``: ``cache`` (transformers ≥ 5.x) or
+    ``past_key_values``."""
     import inspect
 
     inner = model
@@ -34,9 +35,9 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-#: Producers whose cache a decoder may read as its prefix without ``allow_self`` (docs/design.md, "C_base", K5):
-#: ``base`` (C_base) and ``mixed``, the layer-sharing study's cache of C_base layers and the reading decoder's
-#: own layers (``ccft.evals.sharing.layer_cache``, built from C_base of the same fingerprint).
+#: Producers whose cache a decoder may read as its prefix without ``allow_self`` (docs/design.md, "C_base",
+#: K5): ``base`` (C_base) and ``mixed``, the layer-sharing study's cache of C_base layers and the reading
+#: decoder's own layers (``ccft.evals.sharing.layer_cache``, built from C_base of the same fingerprint).
 PREFIX_PRODUCERS = ("base", "mixed")
 
 
@@ -125,14 +126,16 @@ class BaseCache:
         )
 
     def as_dynamic_cache(self):
-        """A fresh ``DynamicCache`` over these tensors, for generation (its updates concatenate into new tensors)."""
+        """A fresh ``DynamicCache`` over these tensors, for generation (its updates concatenate into new
+        tensors)."""
         from transformers import DynamicCache
 
         self.check_unmodified()
         return DynamicCache(ddp_cache_data=list(zip(self.keys, self.values)))
 
     def as_prefix_cache(self, shared_layers: Sequence[int] | None = None):
-        """A read-only ``PrefixCache`` for teacher-forced forwards (training, scoring); see ``PrefixCache``."""
+        """A read-only ``PrefixCache`` for teacher-forced forwards (training, scoring); see
+        ``PrefixCache``."""
         self.check_unmodified()
         return PrefixCache(self.keys, self.values)
 
@@ -199,8 +202,8 @@ class BaseCache:
         """
         if self.producer not in PREFIX_PRODUCERS and not allow_self:
             raise FingerprintMismatchError(
-                f"this cache was written by {self.producer!r}, not by the base model; decoders read only C_base "
-                "(compute it with ccft.compute_base_cache)"
+                f"this cache was written by {self.producer!r}, not by the base model; decoders read only "
+                "C_base (compute it with ccft.compute_base_cache)"
             )
         if fingerprint != self.fingerprint:
             raise FingerprintMismatchError(
@@ -313,7 +316,8 @@ def prefill(
     fingerprint: str = "",
     producer: str = "base",
 ) -> BaseCache:
-    """Run ``model`` over ``prompt[:n-k]`` for every row and return its KV cache (no checks; see compute_base_cache).
+    """Run ``model`` over ``prompt[:n-k]`` for every row and return its KV cache (no checks; see
+    compute_base_cache).
 
     Args:
         prompts: b lists of prompt token ids, each with ≥ k+1 ids.

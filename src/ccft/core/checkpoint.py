@@ -25,7 +25,8 @@ from ccft.core.models import Base, load_base
 from ccft.core.version import __version__
 
 META_FILE = "ccft.json"
-#: the recipe a run folder's checkpoints are being trained with (``ccft.train.run`` writes it when training starts)
+#: the recipe a run folder's checkpoints are being trained with (``ccft.train.run`` writes it when training
+#: starts)
 RECIPE_STAMP = "ccft-recipe.json"
 
 
@@ -134,8 +135,8 @@ def load_decoder(
         adapter_name: name for a LoRA adapter (default: the folder name), so several decoders share one base.
     Raises:
         ConfigError: not a decoder folder; a LoRA decoder whose ``modules_to_save`` holds the tied embedding,
-            onto a base that already carries adapters (PEFT would untie its ``lm_head``; load it onto a base of
-            its own).
+            onto a base that already carries adapters (PEFT would untie its ``lm_head``; load it onto a base
+            of its own).
         FingerprintMismatchError: ``base`` is not the base the decoder was trained on.
         IncompatibleModelError: a full-weight decoder whose shape cannot read the base's KV.
     """
@@ -148,8 +149,8 @@ def load_decoder(
     want = meta.get("base_fingerprint")
     if want and want != base.fingerprint:
         raise FingerprintMismatchError(
-            f"decoder {path} was trained on base {want} ({meta.get('base', {}).get('name')}) but the base given "
-            f"is {base.fingerprint} ({base.name}); load the decoder with the base it was trained on"
+            f"decoder {path} was trained on base {want} ({meta.get('base', {}).get('name')}) but the base "
+            f"given is {base.fingerprint} ({base.name}); load the decoder with the base it was trained on"
         )
     kind = meta.get("decoder_kind") or ("lora" if (path / "adapter_config.json").is_file() else "full")
     if kind == "lora":

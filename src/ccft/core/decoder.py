@@ -78,7 +78,8 @@ def check_cache_reader(
             ``fingerprint`` is given: a bare module does not know its base).
         cache: the prefix cache it is about to read.
         fingerprint: the reader's base fingerprint; default: ``model.fingerprint`` for a ``Decoder``.
-        allow_self: accept a cache a model wrote over its own prompt (``producer != "base"``); default: C_base only.
+        allow_self: accept a cache a model wrote over its own prompt (``producer != "base"``); default: C_base
+            only.
     Raises:
         CacheMutatedError: a tensor of ``cache`` was written in place since it was made.
         FingerprintMismatchError: ``cache`` was computed by another base, in another dtype than the reader
@@ -105,8 +106,8 @@ def check_base_reader(base, decoder: Decoder) -> None:
         )
     if reader_dtype(decoder) != base.dtype:
         raise FingerprintMismatchError(
-            f"C_base would be computed in {base.dtype} but the decoder computes in {reader_dtype(decoder)}; load "
-            "the base and the decoder in one dtype"
+            f"C_base would be computed in {base.dtype} but the decoder computes in {reader_dtype(decoder)}; "
+            "load the base and the decoder in one dtype"
         )
 
 
@@ -132,13 +133,14 @@ def decoder_forward(
         tail_ids: ``(b, t)`` = ``prompt[n-k:] + response (+ EOS)``, right-padded.
         tail_mask: ``(b, t)``, 1 on real tokens (default: all ones).
         check: also re-check after the forward that nothing wrote into the cache.
-        fingerprint: the reader's base fingerprint when ``model`` is a bare module (a ``Decoder`` knows its own).
+        fingerprint: the reader's base fingerprint when ``model`` is a bare module (a ``Decoder`` knows its
+            own).
         allow_self: read a cache a model wrote over its own prompt (studies of sharing ratios; not C_base).
         logits_to_keep: the tail positions the LM head projects, as transformers takes it (0: all; an empty
             index tensor: none, for a loss computed from the final hidden states, ``ccft.train.loss``).
     Returns:
-        logits ``(b, t, v)`` (t: the kept positions): position j predicts tail token j+1. Positions continue each
-        row's real prompt length: row i's first tail token is at position ``cache.lengths[i]``.
+        logits ``(b, t, v)`` (t: the kept positions): position j predicts tail token j+1. Positions continue
+        each row's real prompt length: row i's first tail token is at position ``cache.lengths[i]``.
     Raises:
         FingerprintMismatchError: the cache comes from another base, another dtype, or a decoder (K5).
         CacheMutatedError: C_base was written in place (before or during the forward; docs/design.md, K1).
@@ -176,14 +178,14 @@ def full_forward(
 
     Same layout and positions as ``decoder_forward``; returns only the tail's logits ``(b, t, v)``.
     ``logits_to_keep``: default the t tail positions; an empty index tensor projects none (``(b, 0, v)``).
-    ``packed``: run the rows' real tokens as one sequence ``(1, Σ n_r)`` with each row's positions restarting at
-    0 (the padding-free layout of TRL's ``padding_free``; transformers builds the block-diagonal causal mask from
-    the positions), then put the body's output back in the padded ``(b, p + t, h)`` layout (zeros at pads)
-    before the LM head, so callers (and ``ccft.train.loss.capture_final_hidden``) see the same shapes. The
-    same function as the padded forward, without computing the pads: equal up to fp32 rounding
-    (``tests/train/test_trainer.py``), faster when rows differ in length (docs/training.md, "Full-FT without padding").
-    Check ``padding_free_unsupported(model)`` first: packing relies on the model building its mask from the
-    positions.
+    ``packed``: run the rows' real tokens as one sequence ``(1, Σ n_r)`` with each row's positions restarting
+    at 0 (the padding-free layout of TRL's ``padding_free``; transformers builds the block-diagonal causal
+    mask from the positions), then put the body's output back in the padded ``(b, p + t, h)`` layout (zeros at
+    pads) before the LM head, so callers (and ``ccft.train.loss.capture_final_hidden``) see the same shapes.
+    The same function as the padded forward, without computing the pads: equal up to fp32 rounding
+    (``tests/train/test_trainer.py``), faster when rows differ in length (docs/training.md, "Full-FT without
+    padding"). Check ``padding_free_unsupported(model)`` first: packing relies on the model building its mask
+    from the positions.
     """
     if isinstance(model, Decoder):
         model = model.activate()
@@ -234,7 +236,8 @@ PADDING_FREE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smo
 
 
 def padding_free_unsupported(model) -> str | None:
-    """Why ``full_forward(packed=True)`` would not equal the padded forward for ``model`` (any wrapper), or None.
+    """Why ``full_forward(packed=True)`` would not equal the padded forward for ``model`` (any wrapper), or
+    None.
 
     Packed rows are kept apart only by their positions, so the model type must build its causal mask from them
     (``PADDING_FREE_MODEL_TYPES``); any other model would let a row attend to the rows packed before it."""
@@ -270,7 +273,8 @@ class Decoder:
         model: ``PeftModel`` (kind ``lora``) or a full-weight ``PreTrainedModel`` (kind ``full``).
         base: the ``ccft.Base`` it is conditioned on.
         kind: ``"lora"`` or ``"full"``.
-        method: ``"ccft"`` (trained on C_base), ``"full-ft"`` (trained on its own prefill) or None (untrained).
+        method: ``"ccft"`` (trained on C_base), ``"full-ft"`` (trained on its own prefill) or None
+            (untrained).
         handoff_tokens: k used in training; inference uses the same.
         meta: the ``ccft.json`` metadata it was loaded with or will be saved with.
     """
@@ -307,7 +311,8 @@ class Decoder:
 
 
 def tied_modules_to_save(base, modules_to_save) -> list[str]:
-    """The entries of a LoRA ``modules_to_save`` that name the base's tied input/output embedding (else ``[]``).
+    """The entries of a LoRA ``modules_to_save`` that name the base's tied input/output embedding (else
+    ``[]``).
 
     Such an adapter carries its own copy of the shared embedding matrix, which PEFT ties back to ``lm_head``
     only when the adapter is the first one injected into the model (``PeftModel.from_pretrained``)."""
@@ -334,10 +339,10 @@ def check_second_adapter(base, modules_to_save, what: str) -> None:
     tied = tied_modules_to_save(base, modules_to_save)
     if tied and base.adapter_hosts:
         raise ConfigError(
-            f"{what} saves the tied embedding ({', '.join(tied)} in modules_to_save) and base {base.name} already "
-            "carries LoRA adapters: PEFT would load it with an untied lm_head (wrong logits). Load it onto a "
-            "base of its own (ccft.load_decoder(path, base=ccft.load_base(...)), a fresh base per such decoder), "
-            "or train without modules_to_save on the embedding"
+            f"{what} saves the tied embedding ({', '.join(tied)} in modules_to_save) and base {base.name} "
+            "already carries LoRA adapters: PEFT would load it with an untied lm_head (wrong logits). Load "
+            "it onto a base of its own (ccft.load_decoder(path, base=ccft.load_base(...)), a fresh base per "
+            "such decoder), or train without modules_to_save on the embedding"
         )
 
 
@@ -374,7 +379,8 @@ def make_decoder(
             # Load the stored weights θ_base again (the ones base.fingerprint names) rather than deep-copying
             # base.model: under ZeRO-3 the base is partitioned (zero.Init) and a copy would share its empty
             # shards; otherwise a copy reads every memory-mapped page of the base, which a Full-FT run never
-            # touches again (docs/training.md, "Peak memory"), and would carry any adapters PEFT injected into it.
+            # touches again (docs/training.md, "Peak memory"), and would carry any adapters PEFT injected into
+            # it.
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(base.path, dtype=base.dtype)

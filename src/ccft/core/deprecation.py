@@ -1,4 +1,5 @@
-"""Names the ccft 0.1 modules exported that live elsewhere now: one table, read by each module's ``__getattr__``.
+"""Names the ccft 0.1 modules exported that live elsewhere now: one table, read by each module's
+``__getattr__``.
 
 ``ccft.MOVED_MODULES`` maps the 0.1 module paths to their new homes (``import ccft.evaluate`` is
 ``ccft.evals.evaluate``); the redesign also moved names out of those modules and out of the old

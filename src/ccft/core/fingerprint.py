@@ -93,7 +93,8 @@ def _combine(config: str, tokenizer: str, weights: str) -> str:
 
 
 def fingerprint_folder(path: str | Path, tokenizer, model: torch.nn.Module | None = None) -> str:
-    """Fingerprint of the base stored at ``path`` (local folder) — or of ``model`` when no folder is at hand."""
+    """Fingerprint of the base stored at ``path`` (local folder) — or of ``model`` when no folder is at
+    hand."""
     from transformers import AutoConfig
 
     folder = Path(path)
@@ -113,7 +114,8 @@ def fingerprint_folder(path: str | Path, tokenizer, model: torch.nn.Module | Non
 
 
 def fingerprint_model(model: torch.nn.Module, tokenizer) -> str:
-    """Fingerprint of an in-memory model: its folder's files when ``name_or_path`` is a saved folder, else its weights."""
+    """Fingerprint of an in-memory model: its folder's files when ``name_or_path`` is a saved folder, else its
+    weights."""
     folder = Path(getattr(model.config, "_name_or_path", "") or "")
     if str(folder) and weights_digest_files(folder) is not None:
         return fingerprint_folder(folder, tokenizer)

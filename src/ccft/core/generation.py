@@ -29,7 +29,8 @@ from ccft.core.tokens import eos_token_ids, pad_token_id
 
 @dataclass
 class Generation:
-    """One generated completion. ``finish_reason``: ``eos``, ``stop`` (a stop string) or ``length`` (truncated)."""
+    """One generated completion. ``finish_reason``: ``eos``, ``stop`` (a stop string) or ``length``
+    (truncated)."""
 
     text: str
     token_ids: list[int]
@@ -65,7 +66,8 @@ def decode_on_cache(
         fingerprint: the reader's base fingerprint for a bare module (checked when given).
         allow_self: accept a cache a model wrote over its own prompt (the ``base`` / ``full-ft`` modes do).
     Raises:
-        FingerprintMismatchError, CacheMutatedError: before any compute (``ccft.core.decoder.check_cache_reader``).
+        FingerprintMismatchError, CacheMutatedError: before any compute
+            (``ccft.core.decoder.check_cache_reader``).
     """
     check_cache_reader(model, cache, fingerprint=fingerprint, allow_self=allow_self)
     if isinstance(model, Decoder):
@@ -163,7 +165,8 @@ def generate(
     tok = base.tokenizer
     pad = pad_token_id(tok)
     results: list[Generation | None] = [None] * len(prompts)
-    # Similar lengths together: less padding, and results do not depend on it (tests check batch 1 == batch 8).
+    # Similar lengths together: less padding, and results do not depend on it (tests check batch 1 == batch
+    # 8).
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     kw = dict(

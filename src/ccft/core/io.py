@@ -51,14 +51,16 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 
 def atomic_write_json(path: str | Path, obj, *, indent: int | None = 2, **dumps_kwargs) -> Path:
-    """``json.dumps(obj)`` written to ``path`` atomically: a reader (or a crash) sees the old file or the new one."""
+    """``json.dumps(obj)`` written to ``path`` atomically: a reader (or a crash) sees the old file or the new
+    one."""
     import json
 
     return atomic_write_text(path, json.dumps(obj, indent=indent, **dumps_kwargs))
 
 
 def save_figure(fig, path: str | Path, **savefig_kwargs) -> Path:
-    """``fig.savefig`` (a matplotlib figure) to ``path`` atomically; the format is the path's suffix (png default)."""
+    """``fig.savefig`` (a matplotlib figure) to ``path`` atomically; the format is the path's suffix (png
+    default)."""
     fmt = Path(path).suffix.lstrip(".") or "png"
     return atomic_write_file(path, lambda tmp: fig.savefig(tmp, format=fmt, **savefig_kwargs))
 

@@ -44,7 +44,8 @@ DTYPES = {
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"float32" | "bfloat16" | "float16"`` (or a ``torch.dtype``) -> ``torch.dtype``; ConfigError otherwise."""
+    """``"float32" | "bfloat16" | "float16"`` (or a ``torch.dtype``) -> ``torch.dtype``; ConfigError
+    otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
@@ -56,9 +57,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def cpu_has_native_kernels(dtype: torch.dtype) -> bool:
-    """Whether this CPU runs ``dtype`` matmuls in oneDNN's native kernels (float32 always; bfloat16 / float16 need
-    AVX-512 BF16/FP16, AMX or AVX-NE-CONVERT). Without them torch falls back to kernels that were 6-15x slower
-    than float32 on an AVX2-only CPU (docs/training.md, "Results at TRL's settings made equal")."""
+    """Whether this CPU runs ``dtype`` matmuls in oneDNN's native kernels (float32 always; bfloat16 / float16
+    need AVX-512 BF16/FP16, AMX or AVX-NE-CONVERT). Without them torch falls back to kernels that were 6-15x
+    slower than float32 on an AVX2-only CPU (docs/training.md, "Results at TRL's settings made equal")."""
     if dtype == torch.float32:
         return True
     probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(
@@ -71,7 +72,8 @@ def cpu_has_native_kernels(dtype: torch.dtype) -> bool:
 
 
 def warn_slow_cpu_dtype(dtype: torch.dtype, device: str | torch.device, what: str) -> None:
-    """Warn (``UserWarning``) when ``what`` will run half-precision matmuls on a CPU without native kernels."""
+    """Warn (``UserWarning``) when ``what`` will run half-precision matmuls on a CPU without native
+    kernels."""
     import warnings
 
     if torch.device(device).type == "cpu" and not cpu_has_native_kernels(dtype):
@@ -200,7 +202,8 @@ class Base:
 
     @contextlib.contextmanager
     def base_weights(self):
-        """Context in which ``self.model`` computes with θ_base: adapters of attached LoRA decoders disabled."""
+        """Context in which ``self.model`` computes with θ_base: adapters of attached LoRA decoders
+        disabled."""
         with contextlib.ExitStack() as stack:
             for host in self.adapter_hosts:
                 stack.enter_context(host.disable_adapter())
@@ -222,7 +225,8 @@ def load_base(
     Raises:
         ConfigError: embedded package missing or unknown dtype.
     Warns:
-        UserWarning: ``bfloat16`` / ``float16`` on a CPU without native kernels for it (``cpu_has_native_kernels``).
+        UserWarning: ``bfloat16`` / ``float16`` on a CPU without native kernels for it
+            (``cpu_has_native_kernels``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

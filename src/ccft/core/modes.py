@@ -1,4 +1,5 @@
-"""The four evaluation modes: which model prefills the prompt and which model decodes (docs/design.md, "Modes").
+"""The four evaluation modes: which model prefills the prompt and which model decodes (docs/design.md,
+"Modes").
 
 | mode           | prefill (the prompt's KV cache)  | decode             | role               |
 |----------------|----------------------------------|--------------------|--------------------|
@@ -28,7 +29,8 @@ class Mode:
 
     Attributes:
         name: the mode's name.
-        shared_prefill: the decoder reads ``C_base`` (the base prefilled the prompt) instead of its own prefill.
+        shared_prefill: the decoder reads ``C_base`` (the base prefilled the prompt) instead of its own
+            prefill.
         decoder_method: the training method the decoder must have (``None``: no decoder, the base decodes).
         note: one line for reports.
     """

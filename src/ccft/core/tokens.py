@@ -139,7 +139,8 @@ def _string_leaves(value: Any, path: str) -> Iterator[tuple[str, str]]:
 
 
 def _control_text_error(field: str, found: str, why: str) -> DataError:
-    """A ``DataError`` naming the offending ``field`` (also as ``.field``, for the HTTP server's ``param``)."""
+    """A ``DataError`` naming the offending ``field`` (also as ``.field``, for the HTTP server's
+    ``param``)."""
     err = DataError(f"{field} holds control-token text {found!r}; {why}")
     err.field = field
     return err
@@ -349,8 +350,9 @@ def pad_token_id(tokenizer) -> int:
 
 
 def eos_token_ids(tokenizer, model=None) -> set[int]:
-    """Every id that ends a generation: the tokenizer's EOS plus the model's ``generation_config.eos_token_id``
-    (an int or a list; chat models often add their end-of-turn token there)."""
+    """Every id that ends a generation: the tokenizer's EOS plus the model's
+    ``generation_config.eos_token_id`` (an int or a list; chat models often add their end-of-turn token
+    there)."""
     ids = {getattr(tokenizer, "eos_token_id", None)}
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(gen_eos, int):

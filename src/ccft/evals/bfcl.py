@@ -70,7 +70,7 @@ for line in sys.stdin:
         except Exception as e:
             out.append({"valid": False, "error": [repr(e)], "error_type": "checker_exception"})
     print("CCFT-BFCL-RESULT " + json.dumps(out), flush=True)
-"""
+"""  # noqa: E501 (checker program text, kept byte for byte)
 
 
 class _CheckerProcess:
@@ -123,7 +123,8 @@ def _close_checkers() -> None:
 
 
 def checker_python() -> str | None:
-    """The interpreter with bfcl-eval: ``$CCFT_BFCL_PYTHON``, ``<repo>/.venv-bfcl``, or ``$CCFT_HOME/bfcl-venv``."""
+    """The interpreter with bfcl-eval: ``$CCFT_BFCL_PYTHON``, ``<repo>/.venv-bfcl``, or
+    ``$CCFT_HOME/bfcl-venv``."""
     from ccft.core.models import ccft_home
 
     candidates = [

@@ -36,7 +36,8 @@ def demo_settings(ecfg, decoders: Mapping[str, Decoder], *, prompt_format: str =
 
     Args:
         ecfg: ``ccft.train.config.EvalConfig`` (``nll_rows``, ``em_rows``, ``max_new_tokens``, ``seed``).
-        decoders: ``{method: Decoder}``; their ``handoff_tokens`` and recorded recipe set the handoff and prompts.
+        decoders: ``{method: Decoder}``; their ``handoff_tokens`` and recorded recipe set the handoff and
+            prompts.
         prompt_format: ``"decoder"`` (the decoders' training format) or ``"task"``.
     Raises:
         ConfigError: decoders with different ``handoff_tokens`` or prompt formats.
@@ -61,7 +62,8 @@ def evaluate_decoders(
     progress: bool = True,
     overwrite: bool = False,
 ) -> TaskResult:
-    """Run ``ecfg.modes`` of ``ecfg.task`` into ``out_dir/TASK/`` (see the module docstring); resumes a folder.
+    """Run ``ecfg.modes`` of ``ecfg.task`` into ``out_dir/TASK/`` (see the module docstring); resumes a
+    folder.
 
     Args:
         base: the frozen ``ccft.Base``; decoders: ``{"ccft": Decoder, "full-ft": Decoder}`` (the modes in

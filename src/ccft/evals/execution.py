@@ -123,7 +123,8 @@ LANGUAGES: dict[str, Language] = {
         "main.cpp",
         ("g++",),
         ("./main",),
-        "#include<assert.h>\n#include<bits/stdc++.h>\nint main() { std::vector<long> v{1, 2}; assert(v.size() == 2); }\n",
+        "#include<assert.h>\n#include<bits/stdc++.h>\nint main() { std::vector<long> v{1, 2}; "
+        "assert(v.size() == 2); }\n",
         compile=("g++", "-std=c++17", "-O0", "-o", "main", "{src}"),
         version_cmd=("g++", "--version"),
     ),
@@ -150,7 +151,8 @@ LANGUAGES: dict[str, Language] = {
         "main.js",
         ("node",),
         ("node", "{src}"),
-        "const assert = require('node:assert');\nconst _ = require('lodash');\nassert.deepEqual(_.isEqual([1], [1]), true);\n",
+        "const assert = require('node:assert');\nconst _ = require('lodash');\n"
+        "assert.deepEqual(_.isEqual([1], [1]), true);\n",
         deps="lodash for MBXP tests (Debian node-lodash)",
         version_cmd=("node", "--version"),
         **_NODE,
@@ -161,7 +163,8 @@ LANGUAGES: dict[str, Language] = {
         "main.ts",
         ("tsc", "node"),
         ("node", "main.js"),
-        "declare var require: any;\nconst assert = require('node:assert');\nassert.deepEqual([1, 2].length, 2);\n",
+        "declare var require: any;\nconst assert = require('node:assert');\n"
+        "assert.deepEqual([1, 2].length, 2);\n",
         deps="tsc (Debian node-typescript)",
         compile=("tsc", "--target", "esnext", "--lib", "esnext", "{src}"),
         compile_memory_mb=3072,
@@ -174,7 +177,8 @@ LANGUAGES: dict[str, Language] = {
         "main_test.go",
         ("go",),
         ("go", "test", "{src}"),
-        'package probe_test\n\nimport "testing"\n\nfunc TestProbe(t *testing.T) {\n\tif 1+1 != 2 {\n\t\tt.Errorf("x")\n\t}\n}\n',
+        'package probe_test\n\nimport "testing"\n\nfunc TestProbe(t *testing.T) {\n\tif 1+1 != 2 {\n'
+        '\t\tt.Errorf("x")\n\t}\n}\n',
         env={
             "GOCACHE": "{workdir}/.gocache",
             "GOPATH": "{workdir}/go",
@@ -214,7 +218,8 @@ LANGUAGES: dict[str, Language] = {
         "main.rb",
         ("ruby",),
         ("ruby", "{src}"),
-        "require 'test/unit'\nclass TestProbe < Test::Unit::TestCase\n  def test_probe\n    assert_equal(2, 1 + 1)\n  end\nend\n",
+        "require 'test/unit'\nclass TestProbe < Test::Unit::TestCase\n  def test_probe\n    assert_equal(2, "
+        "1 + 1)\n  end\nend\n",
         deps="test/unit (Debian ruby-test-unit)",
         version_cmd=("ruby", "--version"),
     ),
@@ -235,7 +240,8 @@ LANGUAGES: dict[str, Language] = {
         "main.lua",
         ("lua",),
         ("lua", "{src}"),
-        "lu = require('luaunit')\nfunction test_probe()\n    lu.assertEquals(1 + 1, 2)\nend\nos.exit(lu.LuaUnit.run())\n",
+        "lu = require('luaunit')\nfunction test_probe()\n    lu.assertEquals(1 + 1, 2)\nend\n"
+        "os.exit(lu.LuaUnit.run())\n",
         deps="luaunit (Debian lua-unit)",
         version_cmd=("lua", "-v"),
     ),

@@ -51,9 +51,10 @@ _NUMBER = re.compile(rf"(?P<s1>[+-]?)\$?(?P<s2>[+-]?)(?P<body>{_BODY})")
 # (U+2212) are tolerated here.
 _STRICT = re.compile("#### \\$?([-\u2212]?[0-9.,]+)")
 
-# Flexible candidates (public: GSM-Plus extends it with fractions): like lm-eval's ``(-?[$0-9.,]{2,})|(-?[0-9]+)`` (optional minus, optional $,
-# digits, separators, decimals; the minus may be U+2212) but each match is one well-formed number. The ``(?![0-9])`` stops
-# ``1,0000`` from being read as ``1,000`` followed by ``0``.
+# Flexible candidates (public: GSM-Plus extends it with fractions): like lm-eval's
+# ``(-?[$0-9.,]{2,})|(-?[0-9]+)`` (optional minus, optional $, digits, separators, decimals; the minus may be
+# U+2212) but each match is one well-formed number. The ``(?![0-9])`` stops ``1,0000`` from being read as
+# ``1,000`` followed by ``0``.
 FLEX_NUMBER = re.compile(
     "[-\u2212]?\\$?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\\.[0-9]+)?|[-\u2212]?\\$?\\.[0-9]+"
 )

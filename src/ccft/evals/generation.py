@@ -81,8 +81,9 @@ def _decoder_name(engine, spec: ModeSpec) -> str:
 
 
 def producer_of(engine, spec: ModeSpec) -> str | None:
-    """Who prefills under ``spec.mode`` in ``engine`` (the table in ``ccft.core.modes``): None (the base, writing
-    C_base) for ``base`` / ``naive`` / ``prefillshare``; the decoder's engine name for ``full-ft`` (its own prefill).
+    """Who prefills under ``spec.mode`` in ``engine`` (the table in ``ccft.core.modes``): None (the base,
+    writing C_base) for ``base`` / ``naive`` / ``prefillshare``; the decoder's engine name for ``full-ft``
+    (its own prefill).
 
     Raises:
         ConfigError: ``spec.decoder`` is not registered in ``engine``.
@@ -106,9 +107,9 @@ def engine_generate(
     handle=None,
     rows: Sequence[int] | None = None,
 ) -> list[Generation]:
-    """Generate ``prompts`` under ``spec.mode`` with a ``make_engine`` engine (the table in ``ccft.core.modes``):
-    the base prefills (C_base) for ``base`` / ``naive`` / ``prefillshare``, the decoder itself for ``full-ft``;
-    the base decodes for ``base``, ``spec.decoder`` otherwise.
+    """Generate ``prompts`` under ``spec.mode`` with a ``make_engine`` engine (the table in
+    ``ccft.core.modes``): the base prefills (C_base) for ``base`` / ``naive`` / ``prefillshare``, the decoder
+    itself for ``full-ft``; the base decodes for ``base``, ``spec.decoder`` otherwise.
 
     With ``handle`` (a prefix the mode's producer already wrote, e.g. ``GroupPrefill.handle``) nothing is
     prefilled: ``rows`` of it are decoded (``prompts`` unused). Row r samples with seed ``seed + r``.
@@ -160,8 +161,8 @@ class GroupPrefill:
         self.prefills = 0
 
     def reserve(self, specs: Sequence[ModeSpec]) -> None:
-        """Size the engine's prefix arena once for the prefills ``specs`` will read (one per producer), so they
-        do not grow it one by one (``SharedPrefillEngine.reserve_prefix``; memory only, same results)."""
+        """Size the engine's prefix arena once for the prefills ``specs`` will read (one per producer), so
+        they do not grow it one by one (``SharedPrefillEngine.reserve_prefix``; memory only, same results)."""
         producers = {producer_of(self.engine, spec) for spec in specs}
         self.engine.reserve_prefix(self._prompts, handoff_tokens=self.k, prefills=len(producers))
 
@@ -219,10 +220,10 @@ def decode_jointly(
     max_new_tokens: int | Sequence[int],
     on_row: Callable[[], None] | None = None,
 ) -> list[list[Generation]]:
-    """Greedy-decode several ``(handle, decoder name, rows, stop strings)`` jobs of a ``make_engine`` engine in the
-    same engine steps (rows of different decoders and prefills side by side; each row is admitted as soon as
-    its lane has a free slot). Per job, one ``Generation`` per row, equal to ``engine.generate`` of that job
-    alone (greedy, per-row positions; the engine's step is tested against the reference path).
+    """Greedy-decode several ``(handle, decoder name, rows, stop strings)`` jobs of a ``make_engine`` engine
+    in the same engine steps (rows of different decoders and prefills side by side; each row is admitted as
+    soon as its lane has a free slot). Per job, one ``Generation`` per row, equal to ``engine.generate`` of
+    that job alone (greedy, per-row positions; the engine's step is tested against the reference path).
 
     Args:
         max_new_tokens: one limit for every job, or one per job.
@@ -285,11 +286,11 @@ class JointGroup:
 def decode_groups_jointly(
     groups: Sequence[JointGroup], engine, memo: "EvalMemo", *, on_row: Callable[[], None] | None = None
 ) -> int:
-    """Greedy generations of every group's modes' rows decoded in the same engine steps (``decode_jointly``) and
-    put in ``memo`` (``ahead=True``), where ``generate_samples`` then finds them. One group's modes share the
-    steps (a group of 10 items does not run four short, mostly empty batches), and several groups' too (the
-    twelve MultiPL-E languages of 10 items each fill the engine's rows together instead of one language at a
-    time). Generations already in ``memo`` are skipped. ``on_row`` is called per decoded row. Returns the
+    """Greedy generations of every group's modes' rows decoded in the same engine steps (``decode_jointly``)
+    and put in ``memo`` (``ahead=True``), where ``generate_samples`` then finds them. One group's modes share
+    the steps (a group of 10 items does not run four short, mostly empty batches), and several groups' too
+    (the twelve MultiPL-E languages of 10 items each fill the engine's rows together instead of one language
+    at a time). Generations already in ``memo`` are skipped. ``on_row`` is called per decoded row. Returns the
     number of generations decoded.
 
     Raises:
@@ -331,8 +332,9 @@ def decode_group_jointly(
     group: "GroupPrefill",
     memo: "EvalMemo",
 ) -> int:
-    """``decode_groups_jointly`` of one group: every mode's ``rows_by_mode[mode]`` (indices into ``prep``, all in
-    ``group``) decoded in the same engine steps and put in ``memo``. Returns the number of generations decoded.
+    """``decode_groups_jointly`` of one group: every mode's ``rows_by_mode[mode]`` (indices into ``prep``, all
+    in ``group``) decoded in the same engine steps and put in ``memo``. Returns the number of generations
+    decoded.
 
     Raises:
         ConfigError: the settings sample (only greedy generations are kept in a memo).
@@ -390,8 +392,8 @@ class EvalMemo:
         return ("nll", spec.mode, id(spec.decoder), tuple(prompt), tuple(reference), int(k))
 
     def get_nll(self, spec, prompt, reference, k) -> tuple[float, int] | None:
-        """``(summed NLL, tokens)`` of ``reference`` after ``prompt`` computed earlier under the same mode, or None
-        (one put with ``ahead=True`` is taken once without counting as a hit)."""
+        """``(summed NLL, tokens)`` of ``reference`` after ``prompt`` computed earlier under the same mode, or
+        None (one put with ``ahead=True`` is taken once without counting as a hit)."""
         key = self._nll_key(spec, prompt, reference, k)
         hit = self._nlls.get(key)
         if key in self._ahead:
@@ -401,11 +403,13 @@ class EvalMemo:
         return hit
 
     def has_nll(self, spec, prompt, reference, k) -> bool:
-        """Whether an NLL of ``reference`` after ``prompt`` under the same mode is kept (not counted as a hit)."""
+        """Whether an NLL of ``reference`` after ``prompt`` under the same mode is kept (not counted as a
+        hit)."""
         return self._nll_key(spec, prompt, reference, k) in self._nlls
 
     def put_nll(self, spec, prompt, reference, k, nll: tuple[float, int], *, ahead: bool = False) -> None:
-        """Keep ``nll``; ``ahead``: computed ahead of its own item's ``get_nll`` (``ccft.evals.runner.decode_ahead``)."""
+        """Keep ``nll``; ``ahead``: computed ahead of its own item's ``get_nll``
+        (``ccft.evals.runner.decode_ahead``)."""
         key = self._nll_key(spec, prompt, reference, k)
         self._nlls[key] = (float(nll[0]), int(nll[1]))
         if ahead:
@@ -431,7 +435,8 @@ def generate_samples(
         cache: ``C_base`` of exactly ``rows``' prompts (shared-prefill modes; computed when None).
         engine: a ``make_engine`` engine (every mode decodes through it when given).
         memo: greedy texts of earlier identical generations, reused instead of decoding (``EvalMemo``).
-        group: with ``engine``, a ``GroupPrefill`` holding ``rows``: decode on its prefill instead of prefilling.
+        group: with ``engine``, a ``GroupPrefill`` holding ``rows``: decode on its prefill instead of
+            prefilling.
     Returns:
         per row, one sample dict per sample: ``text``, ``finish_reason`` (``eos`` | ``stop`` | ``length``),
         ``new_tokens``, ``scores`` (``{metric: float}``) and ``score_details`` when the task returns any.
@@ -505,8 +510,8 @@ def generate_samples(
 
 
 def merge_samples(record: dict, samples: Sequence[dict]) -> dict:
-    """Put an item's samples into its record: the first sample's fields; with n > 1 samples, each metric's mean
-    over the samples that report it as ``scores`` and the samples themselves as ``samples``."""
+    """Put an item's samples into its record: the first sample's fields; with n > 1 samples, each metric's
+    mean over the samples that report it as ``scores`` and the samples themselves as ``samples``."""
     record.update(samples[0])
     if len(samples) > 1:
         keys = sorted({k for x in samples for k in x["scores"]})

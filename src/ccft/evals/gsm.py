@@ -1,4 +1,5 @@
-"""GSM8K as a task of the evaluation API: zero-shot chat, strict and flexible exact match (the only GSM8K task).
+"""GSM8K as a task of the evaluation API: zero-shot chat, strict and flexible exact match (the only GSM8K
+task).
 
 Prompt: the question as one user turn of the tokenizer's chat template (the same rows and
 template ``ccft train`` uses for ``gsm8k:train``, so a math specialist sees its training format;

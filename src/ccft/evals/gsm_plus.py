@@ -149,7 +149,8 @@ def extract_plus_flexible(text: str) -> Fraction | None:
 
 def score_generation(text: str, reference: Fraction | _Abstain) -> dict[str, float]:
     """``exact_match_strict`` / ``exact_match_flexible`` of one (already truncated) generation, and
-    ``answer_format``: the strict ``#### N`` form (a number or an explicit "none") is present, right or wrong."""
+    ``answer_format``: the strict ``#### N`` form (a number or an explicit "none") is present, right or
+    wrong."""
     strict = extract_plus_strict(text)
     form = {"answer_format": float(strict is not None)}
     if reference is ABSTAIN:

@@ -265,7 +265,7 @@ def _ccft_check(fn, entry_point, atol):
         if isinstance(exp, (list, tuple)):
             assert len(out) == len(exp), ("length", i)
         assert _ccft_allclose(out, exp, tol), ("allclose", i)
-"""
+"""  # noqa: E501 (driver program text, kept byte for byte)
 
 _GT_DRIVER = r"""
 

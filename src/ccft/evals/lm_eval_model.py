@@ -17,8 +17,8 @@ does not know ``ccft`` unless this module was imported in that process.)
 
 How requests run (the same layout as ``ccft eval``; who prefills and who decodes is
 ``ccft.core.modes``'s, docs/design.md, "Modes"): for the shared-prefill modes (``naive`` /
-``prefillshare``) the frozen base prefills ``context[:-k]`` (k = the decoder's ``handoff_tokens``; fewer when the context is that
-short) and the decoder processes ``context[-k:]`` + the continuation on that ``C_base``;
+``prefillshare``) the frozen base prefills ``context[:-k]`` (k = the decoder's ``handoff_tokens``; fewer when
+the context is that short) and the decoder processes ``context[-k:]`` + the continuation on that ``C_base``;
 ``generate_until`` decodes on ``C_base`` (``ccft.core.generation.generate``). ``base`` / ``full-ft``
 run the model over its own prompt.
 ``loglikelihood`` returns ``(sum log p(continuation), greedy)``; ``loglikelihood_rolling`` uses
@@ -49,7 +49,8 @@ def _as_bool(x) -> bool:
 
 
 def _pick_device(device) -> torch.device:
-    """lm-eval's CLI passes ``--device`` (default ``cuda``); like its ``hf`` model, fall back to CPU without CUDA."""
+    """lm-eval's CLI passes ``--device`` (default ``cuda``); like its ``hf`` model, fall back to CPU without
+    CUDA."""
     want = str(device or "cpu")
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"

@@ -169,7 +169,8 @@ class MultiPLETask(CodeTask):
     license: str = "MultiPL-E: BSD-3-Clause + no-ML-training clause (evaluation only)"
 
     def __post_init__(self) -> None:
-        # generation stops where scoring cuts (MultiPL-E's harness does the same); an explicit ``stop`` is kept
+        # generation stops where scoring cuts (MultiPL-E's harness does the same); an explicit ``stop`` is
+        # kept
         if not self.stop:
             self.stop = language_stop(self.language)
 

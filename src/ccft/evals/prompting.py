@@ -42,7 +42,8 @@ class PromptFormat:
 
     @classmethod
     def from_recipe(cls, recipe: Mapping) -> PromptFormat:
-        """The format of a recipe dict (``ccft.json`` ``recipe``; missing keys take ``TrainConfig``'s defaults)."""
+        """The format of a recipe dict (``ccft.json`` ``recipe``; missing keys take ``TrainConfig``'s
+        defaults)."""
         from ccft.train.config import TrainConfig, chat_template_flag
 
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -50,7 +51,8 @@ class PromptFormat:
         return cls(flag, recipe.get("system_prompt", defaults["system_prompt"]))
 
     def applies_to(self, task) -> bool:
-        """True for chat-style tasks (``prompt_style == "chat"`` with a ``prompt_text``); completion tasks keep theirs."""
+        """True for chat-style tasks (``prompt_style == "chat"`` with a ``prompt_text``); completion tasks
+        keep theirs."""
         return getattr(task, "prompt_style", None) == "chat" and hasattr(task, "prompt_text")
 
     def describe(self) -> str:

@@ -79,7 +79,8 @@ def item_id(task, item, index: int) -> str:
 
 
 def task_stop(task, item) -> list[str]:
-    """The stop strings of ``item`` (``task.stop`` as a list, or ``task.stop(item)``); empty strings dropped."""
+    """The stop strings of ``item`` (``task.stop`` as a list, or ``task.stop(item)``); empty strings
+    dropped."""
     stop = getattr(task, "stop", None)
     if callable(stop):
         stop = stop(item)
@@ -157,7 +158,8 @@ def secondary_metric_of(task) -> str | None:
 
 
 def accepts_arg(fn) -> bool:
-    """Does ``fn`` take at least one positional argument (``check_environment(limit)`` vs ``check_environment()``)?"""
+    """Does ``fn`` take at least one positional argument (``check_environment(limit)`` vs
+    ``check_environment()``)?"""
     try:
         return len(inspect.signature(fn).parameters) >= 1
     except (TypeError, ValueError):  # pragma: no cover - builtins without a signature

@@ -68,7 +68,8 @@ def paired_deltas_by_id(
     n_resamples: int = 2000,
     seed: int = 0,
 ) -> dict:
-    """Paired-bootstrap deltas (mode − reference) of NLL and every metric, on the items both modes finished."""
+    """Paired-bootstrap deltas (mode − reference) of NLL and every metric, on the items both modes
+    finished."""
     if reference not in per_mode:
         return {}
     ref = {r["id"]: r for r in per_mode[reference]}

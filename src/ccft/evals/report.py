@@ -40,7 +40,8 @@ _DECODER_NAME = {"full-ft": "Full-FT decoder", "ccft": "CCFT decoder", None: "ba
 
 
 def _sweep_note(label: str) -> str:
-    """Which model a sweep curve or reference runs: its mode's decoder, and ', own prefill' for an own-prefill mode."""
+    """Which model a sweep curve or reference runs: its mode's decoder, and ', own prefill' for an own-prefill
+    mode."""
     if label not in MODES:
         return ""
     m = get_mode(label)
@@ -105,9 +106,9 @@ def _metric_order(summary: dict) -> list[str]:
 
 
 def modes_table(summary: dict) -> str:
-    """One task's Markdown tables: per mode NLL/token and each metric with 95% CIs, n and truncated generations;
-    then the paired deltas against full-ft. An ``n scored`` column appears when fewer items were generated than
-    scored for NLL (``EvalSettings.generate_limit``, e.g. the demo's ``em_rows``)."""
+    """One task's Markdown tables: per mode NLL/token and each metric with 95% CIs, n and truncated
+    generations; then the paired deltas against full-ft. An ``n scored`` column appears when fewer items were
+    generated than scored for NLL (``EvalSettings.generate_limit``, e.g. the demo's ``em_rows``)."""
     modes = summary["modes"]
     metrics = _metric_order(summary)
     partial = any("scored_n" in m and m["scored_n"] != m.get("n") for m in modes.values())
@@ -158,7 +159,8 @@ def _pairs_cell(d: dict, metrics) -> str:
 
 
 def reading(summary: dict) -> str:
-    """A plain-words reading of naive vs prefillshare vs full-ft, derived from the numbers (never hand-written)."""
+    """A plain-words reading of naive vs prefillshare vs full-ft, derived from the numbers (never
+    hand-written)."""
     m = summary["modes"]
     d = summary.get("deltas_vs_full_ft") or {}
     out = []
@@ -217,10 +219,11 @@ def task_markdown(summary: dict, plot: str | None = None) -> str:
         [f"### {summary.get('task')}", "", f"- {provenance(meta)}"]
         + ([f"- {env_line}"] if env_line else [])
         + [
-            f"- decoding: {gen}, same items and settings in every mode; "
-            f"prompting: {s.get('prompting') or 'as defined by the task'}; handoff_tokens = {s.get('handoff_tokens', 1)}"
+            f"- decoding: {gen}, same items and settings in every mode; prompting: "
+            f"{s.get('prompting') or 'as defined by the task'}; handoff_tokens = {s.get('handoff_tokens', 1)}"
             + (
-                f"; {s.get('samples')} samples per item (temperature {s.get('temperature')}, top-p {s.get('top_p')})"
+                f"; {s.get('samples')} samples per item (temperature {s.get('temperature')}, "
+                f"top-p {s.get('top_p')})"
                 if (s.get("samples") or 1) > 1
                 else ""
             ),
@@ -310,7 +313,8 @@ def headline_table(summaries: list[dict]) -> str:
                 f"| {s.get('task')} | {mode} | {prim or ''} | {score} | "
                 f"{_cell(d[prim]['delta'], d[prim]['ci'], pct=rate, sign=True) if prim in d else ''} | "
                 f"{_cell(m.get('nll'), m.get('nll_ci'))} | "
-                f"{_cell(d['nll']['delta'], d['nll']['ci'], sign=True) if 'nll' in d else ''} | {m.get('n')} | [{j}] |"
+                f"{_cell(d['nll']['delta'], d['nll']['ci'], sign=True) if 'nll' in d else ''} | "
+                f"{m.get('n')} | [{j}] |"
             )
     lines.append("")
     for j, s in enumerate(summaries, 1):
@@ -328,9 +332,10 @@ def sweep_markdown(sweep: dict, plot: str | None = None) -> str:
         f"### Sharing sweep: {meta.get('task')}",
         "",
         f"- {provenance(meta)}",
-        "- ρ over positions: per row the decoder recomputes k = max(handoff, ⌈(1−ρ)·n⌉) prompt tokens on C_base "
-        "of the first n−k; over layers: the first ⌈ρ·L⌉ layers read C_base, the others the decoder's own "
-        f"prefill (L = {meta.get('num_layers')}). ρ = 1 is PrefillShare / naive sharing; full-ft = own prefill.",
+        "- ρ over positions: per row the decoder recomputes k = max(handoff, ⌈(1−ρ)·n⌉) prompt tokens on "
+        "C_base of the first n−k; over layers: the first ⌈ρ·L⌉ layers read C_base, the others the decoder's "
+        f"own prefill (L = {meta.get('num_layers')}). ρ = 1 is PrefillShare / naive sharing; "
+        "full-ft = own prefill.",
         "",
     ]
     if plot:
@@ -410,7 +415,8 @@ def plot_task(summary: dict, path) -> None:
 
 
 def plot_sweep(sweep: dict, path) -> None:
-    """NLL/token (and accuracy, if generated) against ρ, one panel per axis; full-ft own prefill as a line (PNG)."""
+    """NLL/token (and accuracy, if generated) against ρ, one panel per axis; full-ft own prefill as a line
+    (PNG)."""
     plt = _plt()
     pts = sweep["points"]
     axes_names = [a for a in ("positions", "layers") if any(p["over"] == a for p in pts)]
@@ -493,11 +499,12 @@ def plot_sweep(sweep: dict, path) -> None:
     plt.close(fig)
 
 
-# ------------------------------------------------------------------------------------------------ collecting runs
+# -------------------------------------------------------------------------------------------- collecting runs
 
 
 def legacy_demo_summary(data: dict, path) -> dict:
-    """A ``results.json`` of the ccft 0.1 demo (per-row lists ``per_row``) as a summary in the runner's format.
+    """A ``results.json`` of the ccft 0.1 demo (per-row lists ``per_row``) as a summary in the runner's
+    format.
 
     Only a reader: ``ccft demo`` now writes a runner task folder. Kept so that ``ccft report`` still reads
     demo results written before (such as a committed ``reports/demo/results.json``).
@@ -576,7 +583,8 @@ def collect_runs(paths) -> tuple[list[dict], list[dict]]:
 
 
 def build_report(paths, out_dir, *, title: str = "ccft report") -> dict:
-    """Write ``out_dir/README.md``, ``out_dir/report.json`` and PNG plots from result folders; returns report.json.
+    """Write ``out_dir/README.md``, ``out_dir/report.json`` and PNG plots from result folders; returns
+    report.json.
 
     Raises:
         ConfigError: no results under ``paths``.

@@ -78,7 +78,8 @@ def append_jsonl(path: Path, records: Sequence[dict]) -> None:
 
 
 def write_json(path: Path, obj) -> None:
-    """``obj`` as indented JSON, written atomically (``ccft.core.io.atomic_write_json``; other objects as ``str``)."""
+    """``obj`` as indented JSON, written atomically (``ccft.core.io.atomic_write_json``; other objects as
+    ``str``)."""
     atomic_write_json(path, obj, default=str)
 
 
@@ -108,24 +109,26 @@ def folder_records(folder: Path, index_of: dict[str, int] | None = None) -> dict
     return out
 
 
-# ------------------------------------------------------------------------------------------------ resume guards
+# ---------------------------------------------------------------------------------------------- resume guards
 
 
 class FolderConflictError(ConfigError):
-    """A result folder holds a run that this one cannot continue (other settings, base, decoder or prompts)."""
+    """A result folder holds a run that this one cannot continue (other settings, base, decoder or
+    prompts)."""
 
 
 def settings_diff(old: dict, new: dict) -> dict:
-    """``{key: (was, now)}`` for every setting that differs between a folder's ``meta.json`` settings ``old`` and
-    ``new`` (a key only in ``old`` is ``(was, None)``); empty when a run with ``new`` may continue the folder."""
+    """``{key: (was, now)}`` for every setting that differs between a folder's ``meta.json`` settings ``old``
+    and ``new`` (a key only in ``old`` is ``(was, None)``); empty when a run with ``new`` may continue the
+    folder."""
     diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
     diff.update({k: (v, None) for k, v in old.items() if k not in new})
     return diff
 
 
 def stale_settings(folder: Path, settings: dict) -> dict:
-    """:func:`settings_diff` of the run in ``folder`` (its ``meta.json``) against ``settings``; empty when the folder
-    holds no run yet."""
+    """:func:`settings_diff` of the run in ``folder`` (its ``meta.json``) against ``settings``; empty when the
+    folder holds no run yet."""
     meta_path = Path(folder) / "meta.json"
     if not meta_path.is_file():
         return {}
@@ -167,9 +170,9 @@ def check_resumable(
 
 
 def hardware() -> str:
-    """One line naming the CPU/GPU, the CPU vector instructions torch's kernels use and the thread count the numbers
-    were measured on (two CPUs with the same model name can differ: an AVX2-only one ran the study's training
-    ~1.7x slower than one whose line did not say; docs/study.md, "Time")."""
+    """One line naming the CPU/GPU, the CPU vector instructions torch's kernels use and the thread count the
+    numbers were measured on (two CPUs with the same model name can differ: an AVX2-only one ran the study's
+    training ~1.7x slower than one whose line did not say; docs/study.md, "Time")."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -196,7 +199,7 @@ def describe_base(base) -> str:
     return desc if dtype in desc else f"{desc} ({dtype} weights)"
 
 
-# ------------------------------------------------------------------------------------------------ reading back
+# ----------------------------------------------------------------------------------------------- reading back
 
 
 def load_task_folder(folder: str | Path) -> dict:

@@ -126,10 +126,10 @@ def run_mode_batch(
     (its rows are refilled as others finish: continuous batching). With ``group`` (a ``GroupPrefill``
     holding ``rows``; needs ``engine``) nothing is prefilled here: the NLL reads the group's prefill of
     the mode's producer (rows of similar reference length in one forward of at most ``NLL_TOKENS``
-    tokens, unless one row is longer: little padding) and the engine decodes on it. Items past ``settings.generate_limit`` and every item when ``score=False`` (a task
-    whose toolchain is unavailable) get the reference NLL only. ``memo`` (``EvalMemo``): NLLs and greedy
-    generations an earlier task computed for the same mode, decoder, prompt and reference / settings are
-    taken from it, and the new ones put in it.
+    tokens, unless one row is longer: little padding) and the engine decodes on it. Items past
+    ``settings.generate_limit`` and every item when ``score=False`` (a task whose toolchain is unavailable)
+    get the reference NLL only. ``memo`` (``EvalMemo``): NLLs and greedy generations an earlier task computed
+    for the same mode, decoder, prompt and reference / settings are taken from it, and the new ones put in it.
     """
     if group is not None and engine is None:
         raise ValueError("run_mode_batch: group needs the engine it was prefilled on")
@@ -218,7 +218,8 @@ def run_mode_batch(
 
 
 def _check_environment(task, settings: EvalSettings):
-    """K8 (docs/design.md, "Fault classes"): the task's execution environment, checked before any model is scored."""
+    """K8 (docs/design.md, "Fault classes"): the task's execution environment, checked before any model is
+    scored."""
     if not (settings.generate and hasattr(task, "check_environment")):
         return None
     fn = task.check_environment
@@ -226,7 +227,8 @@ def _check_environment(task, settings: EvalSettings):
 
 
 def _done_records(folder: Path, prep: Prepared, specs: Sequence[ModeSpec]) -> dict[str, dict[str, dict]]:
-    """mode -> item id -> record already in ``folder/items.MODE.jsonl`` for the items of ``prep`` (the resume rule).
+    """mode -> item id -> record already in ``folder/items.MODE.jsonl`` for the items of ``prep`` (the resume
+    rule).
 
     Raises:
         FolderConflictError: a record was computed on another prompt than the item's now.
@@ -260,14 +262,14 @@ def decode_ahead(
     overwrite: bool = False,
     progress: bool = True,
 ) -> int:
-    """Greedy generations and reference NLLs of several small tasks' pending items, every mode, computed in one
-    engine decode and put in ``memo``, so that ``run_task(task, ..., memo=memo)`` for each of them then only
-    scores and writes (same records as without it: greedy results do not depend on batching, K7 in
+    """Greedy generations and reference NLLs of several small tasks' pending items, every mode, computed in
+    one engine decode and put in ``memo``, so that ``run_task(task, ..., memo=memo)`` for each of them then
+    only scores and writes (same records as without it: greedy results do not depend on batching, K7 in
     docs/design.md, "Fault classes").
 
     For tasks too small to fill the engine's rows alone (MultiPL-E: 10 items per language): every task's items
-    are one ``GroupPrefill`` (one prefill per producer, as for one task: a step's attention reads two prefixes,
-    not two per task), and every task's modes' rows decode in the same engine steps
+    are one ``GroupPrefill`` (one prefill per producer, as for one task: a step's attention reads two
+    prefixes, not two per task), and every task's modes' rows decode in the same engine steps
     (``decode_groups_jointly``), so the engine stays full across tasks instead of draining at the end of each
     task. Items already in ``out_dir/TASK/items.MODE.jsonl`` are skipped (``overwrite``: none are, as
     ``run_task(overwrite=True)`` discards them); sampled settings and ``settings.engine=False`` tasks are left
@@ -295,8 +297,8 @@ def decode_ahead(
     joint: list[JointGroup] = []
     prefills: dict[int, GroupPrefill] = {}
     try:
-        # every task's items in one prefill per producer (per k): a step then reads two prefills, as in one task,
-        # instead of two per task (each prefill's rows are attended to separately in every layer)
+        # every task's items in one prefill per producer (per k): a step then reads two prefills, as in one
+        # task, instead of two per task (each prefill's rows are attended to separately in every layer)
         prompts: dict[int, dict[tuple[int, int], Sequence[int]]] = {}
         entries = []
         for t, (task, st) in enumerate(wanted):
@@ -349,8 +351,9 @@ def decode_ahead(
 
 
 class _TaskRows:
-    """One task's items in a ``GroupPrefill`` shared by several tasks (keyed ``(task number, item index)``): the
-    ``GroupPrefill`` calls ``decode_groups_jointly`` and the NLL make, with the task's own item indices."""
+    """One task's items in a ``GroupPrefill`` shared by several tasks (keyed ``(task number, item index)``):
+    the ``GroupPrefill`` calls ``decode_groups_jointly`` and the NLL make, with the task's own item
+    indices."""
 
     def __init__(self, group: GroupPrefill, task: int):
         self.group, self.task = group, task
@@ -397,8 +400,9 @@ def run_task(
         overwrite: discard earlier results in the folder instead of resuming.
         n_resamples: bootstrap resamples for the CIs of the summary.
         on_item: called as ``on_item(mode, record)`` after each item is written (progress hooks, tests).
-        memo: an ``EvalMemo`` shared with other tasks: reference NLLs and greedy texts of identical items (same mode,
-            decoder, prompt and reference, or stop strings and settings) are reused instead of computed again.
+        memo: an ``EvalMemo`` shared with other tasks: reference NLLs and greedy texts of identical items
+            (same mode, decoder, prompt and reference, or stop strings and settings) are reused instead of
+            computed again.
     Returns:
         TaskResult with the summary (also in ``summary.json``) and every item record per mode.
     Raises:
@@ -444,9 +448,9 @@ def run_task(
 def _open_task_folder(
     task, base, modes: Sequence[ModeSpec], folder: Path, settings: EvalSettings, overwrite: bool
 ) -> tuple:
-    """The folder and resume part of ``run_task``: clear it (``overwrite``) or check that its earlier run may be
-    resumed, run the task's environment check, and write ``meta.json``. Returns (prepared items, meta, whether
-    the task's toolchain is unavailable)."""
+    """The folder and resume part of ``run_task``: clear it (``overwrite``) or check that its earlier run may
+    be resumed, run the task's environment check, and write ``meta.json``. Returns (prepared items, meta,
+    whether the task's toolchain is unavailable)."""
     name = task_name(task)
     # the items and the task's environment first: a task that cannot run leaves the folder as it was
     prep = prepare(task, base.tokenizer, settings.limit, settings.handoff_tokens, settings.prompt_format)
@@ -499,9 +503,9 @@ def _run_groups(
     on_item,
     memo: EvalMemo | None,
 ) -> tuple[dict[str, int], list[ModeSpec]]:
-    """The group loop of ``run_task``: the items not in ``done`` in groups, every mode per group (each producer
-    prefills a group once with the engine), records appended to ``items.MODE.jsonl`` and added to ``done``.
-    Returns the items computed per mode and the modes in the order they ran."""
+    """The group loop of ``run_task``: the items not in ``done`` in groups, every mode per group (each
+    producer prefills a group once with the engine), records appended to ``items.MODE.jsonl`` and added to
+    ``done``. Returns the items computed per mode and the modes in the order they ran."""
     name = task_name(task)
     engine = None
     if settings.engine and settings.generate:
@@ -513,17 +517,17 @@ def _run_groups(
     specs = list(specs)
     pending = {spec.mode: {i for i in range(prep.n) if prep.ids[i] not in done[spec.mode]} for spec in specs}
     computed.update({spec.mode: 0 for spec in specs})
-    # items in groups, every mode per group (with the engine each producer prefills a group once: GroupPrefill);
-    # shortest prompts first: less padding, and results do not depend on batching
+    # items in groups, every mode per group (with the engine each producer prefills a group once:
+    # GroupPrefill); shortest prompts first: less padding, and results do not depend on batching
     todo = sorted(set().union(*pending.values()), key=lambda i: (len(prep.prompts[i]), i))
     if (
         engine is not None
     ):  # the modes reading C_base first, so it is freed before the Full-FT decoder's prefill
         specs.sort(key=lambda spec: (producer_of(engine, spec) is not None, _mode_order(spec)))
     last_use = {producer_of(engine, spec): n for n, spec in enumerate(specs)} if engine is not None else {}
-    # greedy: every mode's rows of a group decode in the same engine steps, mode after mode (a mode's rows take
-    # the slots the previous mode's last rows free; a group smaller than the engine's rows fills them with every
-    # mode at once), through a memo that run_mode_batch reads
+    # greedy: every mode's rows of a group decode in the same engine steps, mode after mode (a mode's rows
+    # take the slots the previous mode's last rows free; a group smaller than the engine's rows fills them
+    # with every mode at once), through a memo that run_mode_batch reads
     joint = (
         engine is not None
         and not unavailable

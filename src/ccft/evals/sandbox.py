@@ -1,4 +1,5 @@
-"""Sandboxed execution of untrusted programs: one process tree per program, limits, no network (docs/design.md K10).
+"""Sandboxed execution of untrusted programs: one process tree per program, limits, no network (docs/design.md
+K10).
 
 This module is the host side (:class:`Sandbox`, :class:`Limits`, :class:`RunResult`,
 :func:`isolation`). Every call of :meth:`Sandbox.run` starts the launcher
@@ -48,8 +49,8 @@ setuid or allowed by an AppArmor profile; or forced with ``CCFT_SANDBOX_LEVEL=bw
     calls the C library directly (ctypes) gets past it, and other languages get no network or
     filesystem isolation: :func:`isolation` says so and the eval reports it.
 
-When no isolated level (``namespaces``, ``userns``, ``bwrap``) is available, :class:`Sandbox` refuses to run generated
-code (:class:`SandboxUnavailableError`, naming ``CCFT_ALLOW_UNISOLATED_CODE``), as human-eval's
+When no isolated level (``namespaces``, ``userns``, ``bwrap``) is available, :class:`Sandbox` refuses to run
+generated code (:class:`SandboxUnavailableError`, naming ``CCFT_ALLOW_UNISOLATED_CODE``), as human-eval's
 and lm-eval's ``code_eval`` (``HF_ALLOW_CODE_EVAL``) do.
 
 Always, every level: a fresh temporary working directory (deleted afterwards), a scrubbed
@@ -214,15 +215,15 @@ _LEVEL_INFO: dict[str, dict[str, str]] = {
     },
     "userns": {
         **_COMMON,
-        "filesystem": "new root: system folders and the toolchain read-only, the fresh working directory the only "
-        "writable place, private /proc; the user's home and other files are not visible",
+        "filesystem": "new root: system folders and the toolchain read-only, the fresh working directory the "
+        "only writable place, private /proc; the user's home and other files are not visible",
         "identity": "the evaluating user's uid in a new user namespace, no capabilities, no_new_privs",
     },
     "bwrap": {
         **_COMMON,
-        "filesystem": "bubblewrap: new root with system folders and the toolchain read-only, the fresh working "
-        "directory the only writable place, private /proc; the user's home and other files are not "
-        "visible",
+        "filesystem": "bubblewrap: new root with system folders and the toolchain read-only, the fresh "
+        "working directory the only writable place, private /proc; the user's home and other "
+        "files are not visible",
         "identity": "the evaluating user's uid in a new user namespace (bubblewrap), no capabilities",
     },
     "basic": {
@@ -238,7 +239,8 @@ _LEVEL_INFO: dict[str, dict[str, str]] = {
 
 
 def unisolated_allowed() -> bool:
-    """Did the user opt in to running generated code without isolation (``ALLOW_ENV`` or ``LEVEL_ENV=basic``)?"""
+    """Did the user opt in to running generated code without isolation (``ALLOW_ENV`` or
+    ``LEVEL_ENV=basic``)?"""
     return (
         os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes")
         or os.environ.get(LEVEL_ENV, "").strip().lower() == "basic"
@@ -250,7 +252,8 @@ def _bwrap() -> str | None:
 
 
 def _probe(level: str) -> bool:
-    """Does a program run under ``level`` on this machine (the launcher's ``--probe``; for ``bwrap`` a real run)?"""
+    """Does a program run under ``level`` on this machine (the launcher's ``--probe``; for ``bwrap`` a real
+    run)?"""
     if not sys.platform.startswith("linux") or (os.geteuid() == 0) != (level == "namespaces"):
         return False
     if level == "bwrap":
@@ -324,11 +327,10 @@ def isolation(refresh: bool = False) -> dict[str, object]:
 def _refusal(info: dict[str, object]) -> SandboxUnavailableError:
     return SandboxUnavailableError(
         f"sandbox: refusing to execute generated code without isolation: {info['note']}. The 'basic' level "
-        f"leaves the program your user's files, environment and processes. Enable unprivileged user namespaces "
-        f"(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0; on Ubuntu "
-        f"kernel.apparmor_restrict_unprivileged_userns=0), install a working bubblewrap (bwrap), or run as root "
-        f"in a container; or opt in with "
-        f"{ALLOW_ENV}=1 (docs/sandbox.md)."
+        "leaves the program your user's files, environment and processes. Enable unprivileged user "
+        "namespaces (sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0; on Ubuntu "
+        "kernel.apparmor_restrict_unprivileged_userns=0), install a working bubblewrap (bwrap), or run as "
+        f"root in a container; or opt in with {ALLOW_ENV}=1 (docs/sandbox.md)."
     )
 
 
@@ -345,8 +347,8 @@ class Sandbox:
             res = sb.run([sys.executable, "main.py"], limits=Limits(timeout_s=5))
 
     ``expose`` lists toolchain folders the program needs besides its executable and this Python
-    (see :func:`exposed_paths`). The directory is deleted on exit. ``run`` never raises for a failing or hostile program;
-    it raises ``FileNotFoundError`` only when the command's executable does not exist.
+    (see :func:`exposed_paths`). The directory is deleted on exit. ``run`` never raises for a failing or
+    hostile program; it raises ``FileNotFoundError`` only when the command's executable does not exist.
 
     ``level=None`` takes :func:`isolation`'s level and raises :class:`SandboxUnavailableError` when
     that is ``basic`` and the user did not opt in (:func:`unisolated_allowed`); an explicit ``level``
@@ -544,7 +546,8 @@ def _bwrap_init(info_r: int, wait_s: float = 60.0):
 
 
 def _wait_pidfd(pidfd: int, wait_s: float = 30.0) -> None:
-    """Wait until the process behind ``pidfd`` has exited: PID 1 of a namespace exits only after the rest of it."""
+    """Wait until the process behind ``pidfd`` has exited: PID 1 of a namespace exits only after the rest of
+    it."""
     try:
         select.select([pidfd], [], [], wait_s)
     finally:
@@ -570,7 +573,8 @@ def _reap_uid(uid: int, wait_s: float = 10.0) -> None:
 
 def _kill_tree(proc: subprocess.Popen, namespace: bool = False) -> None:
     """Kill the run. With ``namespace``, SIGTERM first asks the launcher to kill its PID namespace's init and
-    to wait until the namespace is empty; then (and at the basic level at once) SIGKILL to the launcher's session."""
+    to wait until the namespace is empty; then (and at the basic level at once) SIGKILL to the launcher's
+    session."""
     if namespace and proc.poll() is None:
         try:
             proc.send_signal(signal.SIGTERM)
@@ -590,7 +594,8 @@ def _kill_tree(proc: subprocess.Popen, namespace: bool = False) -> None:
 def _collect(
     proc: subprocess.Popen, limits: Limits, stdin: bytes | None, namespace: bool = False
 ) -> tuple[bytes, bytes, bool, bool]:
-    """Read stdout/stderr with the output cap and the wall-time limit; kill the tree on either (:func:`_kill_tree`)."""
+    """Read stdout/stderr with the output cap and the wall-time limit; kill the tree on either
+    (:func:`_kill_tree`)."""
     if stdin:
         try:
             proc.stdin.write(stdin)  # type: ignore[union-attr]

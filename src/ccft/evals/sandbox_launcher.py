@@ -107,7 +107,8 @@ def sandbox_uid(launcher_pid: int) -> int:
 
 
 def encode_exit(code: int) -> int:
-    """``os.waitstatus_to_exitcode`` result -> an exit status: a death by signal ``s`` (``-s``) is ``128 + s``."""
+    """``os.waitstatus_to_exitcode`` result -> an exit status: a death by signal ``s`` (``-s``) is
+    ``128 + s``."""
     return code if code >= 0 else _SIGNAL_BASE - code
 
 
@@ -285,7 +286,8 @@ def _bind(libc, src: str, dst: str) -> None:
 
 
 def _build_root(libc, newroot: str, workdir: str, needs: list[str]) -> None:
-    """An empty tmpfs at ``newroot`` showing only the system folders, ``needs``, ``workdir``, a minimal /dev."""
+    """An empty tmpfs at ``newroot`` showing only the system folders, ``needs``, ``workdir``, a
+    minimal /dev."""
     _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
     _check(
         libc.mount(b"tmpfs", newroot.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755,size=16m"),
@@ -507,7 +509,8 @@ _PROBE_LIMITS = {
 
 
 def probe(level: str, tmp: str) -> int:
-    """Can this machine give ``level`` (``namespaces`` or ``userns``)? Prints ``probe-ok`` and returns 0 if so.
+    """Can this machine give ``level`` (``namespaces`` or ``userns``)? Prints ``probe-ok`` and returns 0 if
+    so.
 
     Runs, in this (throwaway) process, :func:`launch` of a Python program that checks it is the
     second process of a new PID namespace, with ``tmp/work`` as the working directory.

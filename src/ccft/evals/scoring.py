@@ -124,10 +124,11 @@ def batch_nll(
     Args:
         mode: one of ``ccft.core.modes.MODES``; decoder: the mode's decoder (None for ``base``).
         prompts: b prompt id lists; responses: b response id lists ending with EOS.
-        cache: the prefix K/V of exactly these prompts' ``prompt[:n-k]``: for the shared-prefill modes ``C_base``
-            (computed when None); for ``base`` / ``full-ft`` optionally the mode's own prefill (written by the
-            base / by the Full-FT decoder, e.g. ``ccft.inference.PrefixHandle.to_base_cache``), read instead of
-            a forward over the whole prompt (equal within fp32 rounding: the model's K/V are causal).
+        cache: the prefix K/V of exactly these prompts' ``prompt[:n-k]``: for the shared-prefill modes
+            ``C_base`` (computed when None); for ``base`` / ``full-ft`` optionally the mode's own prefill
+            (written by the base / by the Full-FT decoder, e.g.
+            ``ccft.inference.PrefixHandle.to_base_cache``), read instead of a forward over the whole prompt
+            (equal within fp32 rounding: the model's K/V are causal).
     Returns:
         b pairs ``(Σ −log p, n tokens)``.
     Raises:
@@ -183,9 +184,10 @@ def handle_nll(
     handoff_tokens: int = 1,
 ) -> list[tuple[float, int]]:
     """``batch_nll`` on a prefix an engine already holds: (summed NLL in nats, token count) of each response
-    (+ EOS) after ``prompts[i]`` (= the prompt of ``handle`` row ``rows[i]``) under engine decoder ``decoder``,
-    in one teacher-forced forward of the engine (``SharedPrefillEngine.tail_logits``). Same layout and labels
-    as ``batch_nll`` (``ccft.train.data.Collator``), equal to it within fp32 rounding (tested).
+    (+ EOS) after ``prompts[i]`` (= the prompt of ``handle`` row ``rows[i]``) under engine decoder
+    ``decoder``, in one teacher-forced forward of the engine (``SharedPrefillEngine.tail_logits``). Same
+    layout and labels as ``batch_nll`` (``ccft.train.data.Collator``), equal to it within fp32 rounding
+    (tested).
 
     Raises:
         ConfigError: a prompt whose last k tokens are not the handle row's handoff tokens (another prompt's

@@ -1,4 +1,5 @@
-"""Partial prefill sharing: the sharing ratio ρ over prompt positions and over layers (docs/design.md, "Terms").
+"""Partial prefill sharing: the sharing ratio ρ over prompt positions and over layers (docs/design.md,
+"Terms").
 
 Built only on the public primitives of ``ccft.core.cache`` / ``ccft.core.decoder`` (``prefill``,
 ``compute_base_cache``, ``BaseCache.from_tensors``, ``decoder_forward``); nothing here changes how

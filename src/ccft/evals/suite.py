@@ -1,15 +1,16 @@
-"""Evaluation suites: which tasks, how many items, which modes, declared in a YAML file (``evals/*.yaml`` at the
-top of the repository, beside ``recipes/``), read by ``ccft eval --suite``, ``ccft demo`` (a recipe's
+"""Evaluation suites: which tasks, how many items, which modes, declared in a YAML file (``evals/*.yaml`` at
+the top of the repository, beside ``recipes/``), read by ``ccft eval --suite``, ``ccft demo`` (a recipe's
 ``eval: evals/demo.yaml``) and ``ccft study`` (``suite: evals/study.yaml``); docs/evaluation.md, "Suites".
 
 A suite has one of two forms:
 
 - **one task** (``evals/demo.yaml``): the keys of ``ccft.train.config.EvalConfig`` — ``task``, ``nll_rows``
-  (items scored by reference NLL), ``em_rows`` (the first of them also generated and scored), ``max_new_tokens``,
-  ``batch_size``, ``modes``, ``bootstrap``, ``seed``;
+  (items scored by reference NLL), ``em_rows`` (the first of them also generated and scored),
+  ``max_new_tokens``, ``batch_size``, ``modes``, ``bootstrap``, ``seed``;
 - **per specialist** (``evals/study.yaml``): ``modes``, ``batch_size``, ``bootstrap``, ``seed``, the sweep's
   ``sweep_limit`` / ``sweep_rhos``, and ``specialists: {NAME: {tasks: {TASK: {limit, max_new_tokens}},
-  multipl_e, multipl_e_limit, multipl_e_max_new_tokens}}``; each specialist's decoders are evaluated on its tasks.
+  multipl_e, multipl_e_limit, multipl_e_max_new_tokens}}``; each specialist's decoders are evaluated on its
+  tasks.
 
 The task data ships in the wheel (``ccft.evals.data``); a suite only names tasks of the registry
 (``ccft eval --task list``).
@@ -58,12 +59,13 @@ def load_suite(path: str | os.PathLike, specialist: str | None = None) -> EvalSu
 
     Args:
         path: a suite YAML (``evals/demo.yaml``, ``evals/study.yaml``).
-        specialist: for a per-specialist suite, whose tasks (may be omitted when the suite has one specialist).
+        specialist: for a per-specialist suite, whose tasks (may be omitted when the suite has one
+            specialist).
     Returns:
         the ``EvalSuite``; MultiPL-E ``all`` is resolved to the languages whose toolchain is present here.
     Raises:
-        ConfigError: an unreadable file, an unknown key or task (naming the file and key), a missing or unknown
-            ``specialist``.
+        ConfigError: an unreadable file, an unknown key or task (naming the file and key), a missing or
+            unknown ``specialist``.
     """
     from ccft.evals.study.config import SUITE_KEYS, SUITE_SPEC_KEYS, SpecialistConfig, parse_tasks
     from ccft.train.config import load_eval_config, read_yaml_mapping

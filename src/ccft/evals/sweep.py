@@ -154,12 +154,13 @@ def run_sweep(
         rhos: sharing ratios in [0, 1]; axes: ``positions`` and/or ``layers``.
         gen_rows: items (the first ones) also generated greedily and scored by the task at each point.
         prompt_format: the decoders' training format (``ccft.evals.prompting``); None: the task's own.
-        eval_records: ``{mode: {item id: record}}`` of an eval run (``ccft.evals.runner``) of the same task with
-            the same base and decoders. The points that are exactly an eval mode take its per-item NLLs instead
-            of computing them again: the references (``base``, ``full-ft``), ρ = 1 on either axis (the shared
-            mode itself) and the naive curve at ρ = 0 (the Full-FT decoder prefilling the whole prompt: mode
-            ``full-ft``). A point is taken only when every item is there with the same prompt (``prompt_sha``)
-            and reference token count; it records ``source: "eval:MODE"``. Not used with ``gen_rows``.
+        eval_records: ``{mode: {item id: record}}`` of an eval run (``ccft.evals.runner``) of the same task
+            with the same base and decoders. The points that are exactly an eval mode take its per-item NLLs
+            instead of computing them again: the references (``base``, ``full-ft``), ρ = 1 on either axis (the
+            shared mode itself) and the naive curve at ρ = 0 (the Full-FT decoder prefilling the whole prompt:
+            mode ``full-ft``). A point is taken only when every item is there with the same prompt
+            (``prompt_sha``) and reference token count; it records ``source: "eval:MODE"``. Not used with
+            ``gen_rows``.
     Raises:
         ConfigError: bad ρ / axis / curve, no decoder, or a folder holding a sweep with other settings.
     """
@@ -291,9 +292,9 @@ def run_sweep(
 
 
 def eval_mode_of_point(label: str, over: str | None, rho: float | None) -> str | None:
-    """The eval mode (``ccft.core.modes``) a sweep point equals, or None: a reference is its own mode; ρ = 1 on
-    either axis reads all of C_base (the shared mode itself, ``ccft.evals.sharing``); the naive curve at ρ = 0
-    is the Full-FT decoder prefilling the whole prompt itself (``full-ft``)."""
+    """The eval mode (``ccft.core.modes``) a sweep point equals, or None: a reference is its own mode; ρ = 1
+    on either axis reads all of C_base (the shared mode itself, ``ccft.evals.sharing``); the naive curve at
+    ρ = 0 is the Full-FT decoder prefilling the whole prompt itself (``full-ft``)."""
     if over is None:
         return label
     if rho == 1.0:
@@ -358,7 +359,8 @@ def _ids_sha(prep) -> str:
 
 
 def summarize_sweep(meta: dict, points: list[dict], *, n_resamples: int = 2000, seed: int = 0) -> dict:
-    """``sweep.json``: per point mean NLL with 95% CI, paired delta vs ``full-ft`` own prefill, accuracy if scored."""
+    """``sweep.json``: per point mean NLL with 95% CI, paired delta vs ``full-ft`` own prefill, accuracy if
+    scored."""
     ref = next((p for p in points if p["label"] == "full-ft" and p["over"] is None), None)
     ref_nll = dict(zip(ref["ids"], ref["nll"], strict=True)) if ref else {}
     ref_scores = dict(zip(ref.get("gen_ids", []), ref.get("scores", []), strict=True)) if ref else {}

@@ -86,7 +86,8 @@ __all__ = [
 
 
 class EnvironmentCheckError(RuntimeError):
-    """The execution environment failed a K8 check (a canonical solution did not pass here; docs/design.md K8)."""
+    """The execution environment failed a K8 check (a canonical solution did not pass here; docs/design.md
+    K8)."""
 
 
 @dataclass(frozen=True)

@@ -183,8 +183,8 @@ class CacheStore:
             )
         if base.dtype != self.dtype:
             raise FingerprintMismatchError(
-                f"C_base store {self.path} holds {self.dtype} K/V but the run's base computes in {base.dtype}; "
-                "run `ccft precompute RECIPE` with the run's dtype (it rebuilds the store)"
+                f"C_base store {self.path} holds {self.dtype} K/V but the run's base computes in "
+                f"{base.dtype}; run `ccft precompute RECIPE` with the run's dtype (it rebuilds the store)"
             )
 
     def __contains__(self, key: str) -> bool:
@@ -200,9 +200,9 @@ class CacheStore:
 
             if check_shards(self.path, {"shards": {name: self.manifest["shards"][name]}}, verify=self.verify):
                 raise CacheMutatedError(
-                    f"C_base store shard {self.path / name} is missing or changed since it was written (size, "
-                    f"sha256 or keys differ from {MANIFEST}); C_base is a constant. Run `ccft precompute RECIPE` "
-                    "to recompute its entries"
+                    f"C_base store shard {self.path / name} is missing or changed since it was written "
+                    f"(size, sha256 or keys differ from {MANIFEST}); C_base is a constant. Run `ccft "
+                    "precompute RECIPE` to recompute its entries"
                 )
             handle = safe_open(str(self.path / name), framework="pt", device="cpu")  # mmap
             self._handles[name] = handle
@@ -352,8 +352,9 @@ def precompute(
     layers, kv, head_dim = kv_shape(base.config)
     log(
         f"[ccft] C_base store {path}: {len(prefixes)} prefixes, {report.tokens} tokens × "
-        f"{bytes_per_token(base.config, base.dtype)} B/token ({layers} layers × 2 × {kv} kv heads × {head_dim} "
-        f"head dim × {torch.empty((), dtype=base.dtype).element_size()} B) ≈ {human(report.estimate_bytes)}"
+        f"{bytes_per_token(base.config, base.dtype)} B/token ({layers} layers × 2 × {kv} kv heads × "
+        f"{head_dim} head dim × {torch.empty((), dtype=base.dtype).element_size()} B) ≈ "
+        f"{human(report.estimate_bytes)}"
     )
 
     manifest = _read_manifest(path)

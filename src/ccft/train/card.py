@@ -52,7 +52,8 @@ def _datasets(meta: Mapping) -> list[str]:
 
 
 def card_data(meta: Mapping, *, export: Mapping | None = None):
-    """The ``ModelCardData`` (YAML header) of a decoder folder from its ``ccft.json`` (and export provenance)."""
+    """The ``ModelCardData`` (YAML header) of a decoder folder from its ``ccft.json`` (and export
+    provenance)."""
     from huggingface_hub import ModelCardData
 
     target = (export or {}).get("target")
@@ -102,7 +103,8 @@ def _eval_table(evals: Sequence[Mapping]) -> str:
 
 
 def model_card_text(meta: Mapping, *, export: Mapping | None = None, evals: Sequence[Mapping] = ()) -> str:
-    """The full ``README.md`` (YAML header + body) for a decoder folder described by ``meta`` (its ``ccft.json``).
+    """The full ``README.md`` (YAML header + body) for a decoder folder described by ``meta`` (its
+    ``ccft.json``).
 
     Args:
         meta: ``ccft.json`` of the decoder (or of the decoder an export came from).
@@ -123,15 +125,16 @@ def model_card_text(meta: Mapping, *, export: Mapping | None = None, evals: Sequ
     train = meta.get("data") or {}
     lines = [
         f"# ccft decoder ({method or 'untrained'}, {'aLoRA export' if target == 'peft-alora' else ''}"
-        f"{'merged export' if target == 'merged' else ''}{'' if target else meta.get('decoder_kind', 'lora')})",
+        f"{'merged export' if target == 'merged' else ''}"
+        f"{'' if target else meta.get('decoder_kind', 'lora')})",
         "",
-        "A specialist decoder made with [ccft](https://arxiv.org/abs/2602.12029) (cache-conditioned fine-tuning, "
-        "PrefillShare): a frozen base model prefills the prompt once (its KV cache, `C_base`), the decoder "
-        "recomputes the last `handoff_tokens` prompt tokens and generates on that cache.",
+        "A specialist decoder made with [ccft](https://arxiv.org/abs/2602.12029) (cache-conditioned "
+        "fine-tuning, PrefillShare): a frozen base model prefills the prompt once (its KV cache, `C_base`), "
+        "the decoder recomputes the last `handoff_tokens` prompt tokens and generates on that cache.",
         "",
         "## Method",
         "",
-        f"- method: `{method}` ({'trained on the base prefill C_base' if method == 'ccft' else 'trained on its own prefill' if method == 'full-ft' else 'not trained'})",
+        f"- method: `{method}` ({'trained on the base prefill C_base' if method == 'ccft' else 'trained on its own prefill' if method == 'full-ft' else 'not trained'})",  # noqa: E501
         f"- decoder: `{meta.get('decoder_kind')}`" + (f", exported as `{target}`" if target else ""),
         f"- base: `{base.get('name')}`"
         + (

@@ -102,14 +102,15 @@ class TrainConfig(TrainingArguments):
             full-vocabulary logits (``ccft.train.loss``); 0: the full-logits loss.
         freeze_embeddings: full-weight decoders: keep the input embedding (and with tied embeddings the LM
             head, the same matrix) frozen; false trains it (a dense ``(v, h)`` gradient every step).
-        padding_free: Full-FT: a batch's rows run as one packed sequence of their real tokens (positions restart
-            per row, block-diagonal attention; ``ccft.core.decoder.full_forward(packed=True)``), the same loss
-            up to fp32 rounding without computing the pads; false: the padded layout.
+        padding_free: Full-FT: a batch's rows run as one packed sequence of their real tokens (positions
+            restart per row, block-diagonal attention; ``ccft.core.decoder.full_forward(packed=True)``), the
+            same loss up to fp32 rounding without computing the pads; false: the padded layout.
         activation_checkpointing_min_tokens: with ``activation_checkpointing``, checkpoint only the batches
             whose decoder forward runs at least this many token positions with gradient (rows × padded length:
-            the tail for two-pass CCFT, prompt + tail otherwise); shorter batches keep their activations, which
-            saves the recompute and gives the same numbers. Peak memory is then that of an uncheckpointed batch
-            of this many tokens (docs/training.md, "Training memory"). 0: every batch is checkpointed.
+            the tail for two-pass CCFT, prompt + tail otherwise); shorter batches keep their activations,
+            which saves the recompute and gives the same numbers. Peak memory is then that of an
+            uncheckpointed batch of this many tokens (docs/training.md, "Training memory"). 0: every batch is
+            checkpointed.
     """
 
     output_dir: str = field(
@@ -146,19 +147,22 @@ class TrainConfig(TrainingArguments):
     train_path: str = field(
         default="auto",
         metadata={
-            "help": "auto | two-pass | one-pass: how CCFT computes C_base for LoRA decoders (auto: the faster)."
+            "help": "auto | two-pass | one-pass: how CCFT computes C_base for LoRA "
+            "decoders (auto: the faster)."
         },
     )
     base_cache_store: str | None = field(
         default=None,
         metadata={
-            "help": "Folder of precomputed C_base (`ccft precompute`); stale or corrupt shards are recomputed."
+            "help": "Folder of precomputed C_base (`ccft precompute`); stale or corrupt "
+            "shards are recomputed."
         },
     )
     loss_chunk_tokens: int = field(
         default=1024,
         metadata={
-            "help": "Supervised tokens per LM-head + cross-entropy chunk (no full-vocabulary logits); 0: full logits."
+            "help": "Supervised tokens per LM-head + cross-entropy chunk (no full-vocabulary "
+            "logits); 0: full logits."
         },
     )
     freeze_embeddings: bool = field(
@@ -170,15 +174,16 @@ class TrainConfig(TrainingArguments):
     padding_free: bool = field(
         default=True,
         metadata={
-            "help": "method=full-ft: run a batch's rows as one sequence without pads (as TRL's padding_free); "
-            "false: the padded layout."
+            "help": "method=full-ft: run a batch's rows as one sequence without pads (as TRL's "
+            "padding_free); false: the padded layout."
         },
     )
     activation_checkpointing_min_tokens: int = field(
         default=0,
         metadata={
-            "help": "With activation_checkpointing: checkpoint only batches of at least this many token positions "
-            "with gradient (rows x padded length); shorter ones keep their activations. 0: every batch."
+            "help": "With activation_checkpointing: checkpoint only batches of at least this many token "
+            "positions with gradient (rows x padded length); shorter ones keep their "
+            "activations. 0: every batch."
         },
     )
 
@@ -408,8 +413,8 @@ def check_paths(cfg: "TrainConfig", where: str = "config") -> None:
     """Refuse (``ConfigError``, before any model loads) output and store paths that cannot be written.
 
     ``output_dir`` and ``base_cache_store`` must be folders or not exist yet, under a writable
-    folder (no existing file anywhere on the way); ``resume_from_checkpoint`` must be an existing folder; a local
-    ``base`` path must be a model folder.
+    folder (no existing file anywhere on the way); ``resume_from_checkpoint`` must be an existing folder; a
+    local ``base`` path must be a model folder.
     """
     resume = getattr(cfg, "resume_from_checkpoint", None)
     if isinstance(resume, str) and resume and not Path(resume).is_dir():
@@ -447,8 +452,8 @@ def check_paths(cfg: "TrainConfig", where: str = "config") -> None:
 
 
 def parse_override(item: str, example: str = "max_steps=10") -> tuple[str, Any]:
-    """One ``key=value`` override -> ``(key, value)``: the rule ``ccft train``, ``ccft demo``, ``ccft eval`` and
-    ``ccft study`` share. The value is YAML (``10`` an int, ``0.5`` a float, ``true``, ``null``, flow
+    """One ``key=value`` override -> ``(key, value)``: the rule ``ccft train``, ``ccft demo``, ``ccft eval``
+    and ``ccft study`` share. The value is YAML (``10`` an int, ``0.5`` a float, ``true``, ``null``, flow
     collections ``[a, b]`` / ``{k: v}``, quoted strings); unquoted text stays as typed (YAML would read
     ``Answer: briefly`` as a mapping and cut ``after #### N`` at the comment sign); an empty value is None.
 
@@ -473,7 +478,8 @@ def parse_override(item: str, example: str = "max_steps=10") -> tuple[str, Any]:
 
 
 def parse_overrides(overrides: list[str] | None) -> dict:
-    """``["key=value", ...]`` -> dict (``parse_override`` per item; ``eval.KEY`` into the ``eval`` section)."""
+    """``["key=value", ...]`` -> dict (``parse_override`` per item; ``eval.KEY`` into the ``eval``
+    section)."""
     out: dict[str, Any] = {}
     for item in overrides or []:
         key, parsed = parse_override(item)
@@ -485,8 +491,8 @@ def parse_overrides(overrides: list[str] | None) -> dict:
 
 
 def read_yaml_mapping(p: Path, kind: str, expected: str) -> tuple[dict[str, Any], str]:
-    """(mapping, text) of the YAML file ``p``: a recipe, a study config or an evaluation suite (``kind`` names it
-    in the messages, ``expected`` says what to give instead). An empty file is an empty mapping.
+    """(mapping, text) of the YAML file ``p``: a recipe, a study config or an evaluation suite (``kind`` names
+    it in the messages, ``expected`` says what to give instead). An empty file is an empty mapping.
 
     Raises:
         ConfigError: ``p`` is a folder, missing, unreadable, not UTF-8, not YAML (``FILE:LINE:COL``) or not a
@@ -550,7 +556,8 @@ def _eval_config(kw: dict, where: str) -> EvalConfig:
 def load_recipe(
     path: str | Path | None, overrides: list[str] | None = None, **extra: Any
 ) -> tuple[TrainConfig, EvalConfig, dict]:
-    """Parse and validate a recipe YAML plus ``key=value`` overrides (``eval.KEY=value`` for the eval section).
+    """Parse and validate a recipe YAML plus ``key=value`` overrides (``eval.KEY=value`` for the eval
+    section).
 
     Returns (TrainConfig, EvalConfig, the merged raw dict recorded in ``ccft.json``). Raises
     ConfigError for an unreadable file, unknown key, wrong type or invalid value — before any
@@ -573,7 +580,8 @@ def load_recipe(
             if sp is None:
                 raise ConfigError(
                     f"{p}:{lines.get('eval', 1)}: eval: suite {suite!r} not found (relative paths are read "
-                    f"from the working directory, then from {p.resolve().parent.parent}); give an evals/*.yaml"
+                    f"from the working directory, then from {p.resolve().parent.parent}); "
+                    "give an evals/*.yaml"
                 )
             raw["eval"], suite_text = read_yaml_mapping(sp, "evaluation suite", "an evals/*.yaml file")
             eval_lines, eval_where = _key_lines(suite_text)[0], str(sp)

@@ -1,4 +1,5 @@
-"""Rows -> token ids, labels and batches for CCFT and Full-FT (docs/design.md, "Token boundary"; fault class K6).
+"""Rows -> token ids, labels and batches for CCFT and Full-FT (docs/design.md, "Token boundary"; fault class
+K6).
 
 Accepted rows (any mix, after an optional ``columns`` rename mapping):
   * ``{"prompt": str, "response": str}``
@@ -75,10 +76,12 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
 
 def read_data_file(path: str | Path) -> tuple[list[dict], list[int]]:
-    """Rows of a ``.jsonl`` (one JSON object a line) or ``.json`` (a list of objects) file, and each row's line.
+    """Rows of a ``.jsonl`` (one JSON object a line) or ``.json`` (a list of objects) file, and each row's
+    line.
 
     Returns:
-        (rows, lines): ``lines[i]`` is the 1-based line of row i (the line the object starts on for ``.json``).
+        (rows, lines): ``lines[i]`` is the 1-based line of row i (the line the object starts on for
+        ``.json``).
     Raises:
         DataError: naming ``FILE:LINE`` for a missing file, a directory, bytes that are not UTF-8, a line that
             is not JSON, or a row that is not a JSON object.
@@ -182,7 +185,8 @@ def load_rows(
 
 
 def row_locations(source: Any):
-    """``where(i)``: ``FILE:LINE`` of row i for a data file (line numbers read once, on first use), else ``row i``."""
+    """``where(i)``: ``FILE:LINE`` of row i for a data file (line numbers read once, on first use), else
+    ``row i``."""
     if not isinstance(source, (str, Path)):
         return lambda i: f"row {i}"
     lines: list[int] = []
@@ -199,7 +203,8 @@ def row_locations(source: Any):
 
 
 def split_row(row: dict, index: int = -1) -> tuple[str | list[dict], str, list | None]:
-    """(prompt or prompt messages, response text, tools) of a row in any accepted format; DataError otherwise."""
+    """(prompt or prompt messages, response text, tools) of a row in any accepted format; DataError
+    otherwise."""
     where = f"row {index}" if index >= 0 else "row"
     if "messages" in row:
         msgs = row["messages"]

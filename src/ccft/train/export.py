@@ -1,4 +1,5 @@
-"""Export a ccft decoder folder for engines that know nothing of ccft: a PEFT aLoRA adapter, or a merged model.
+"""Export a ccft decoder folder for engines that know nothing of ccft: a PEFT aLoRA adapter, or a merged
+model.
 
 ``ccft export DECODER --to peft-alora OUT`` (:func:`export_alora`)
     A CCFT LoRA decoder is off on the base-prefilled prompt ``prompt[:n-k]`` (the base computes
@@ -136,7 +137,8 @@ class ExportResult:
 
 
 def _prompt_format(meta: dict) -> tuple[bool | str, str | None]:
-    """(chat_template flag, system_prompt) of the recipe recorded in ``ccft.json`` (TrainConfig defaults when absent)."""
+    """(chat_template flag, system_prompt) of the recipe recorded in ``ccft.json`` (TrainConfig defaults when
+    absent)."""
     from ccft.train.config import TrainConfig, chat_template_flag
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -172,11 +174,11 @@ def invocation_sequence(meta: dict, tokenizer, *, invocation_text: str | None = 
     if not use_chat_template(tokenizer, flag):
         if invocation_text is None:
             raise ConfigError(
-                f"the decoder was trained on plain-text prompts (chat_template={flag}): its handoff (the last "
-                f"{k} prompt token(s)) is whatever ends each prompt, not a fixed sequence, so no aLoRA invocation "
-                "sequence can express it. Fix: pass --invocation-text TEXT if every prompt you will serve ends "
-                "with TEXT (tokenizing to exactly handoff_tokens ids), export with --to merged, or retrain with "
-                "chat_template: true"
+                f"the decoder was trained on plain-text prompts (chat_template={flag}): its handoff (the "
+                f"last {k} prompt token(s)) is whatever ends each prompt, not a fixed sequence, so no aLoRA "
+                "invocation sequence can express it. Fix: pass --invocation-text TEXT if every prompt you "
+                "will serve ends with TEXT (tokenizing to exactly handoff_tokens ids), export with --to "
+                "merged, or retrain with chat_template: true"
             )
         ids = as_ids(tokenizer(invocation_text, add_special_tokens=False))
         if len(ids) != k:
@@ -199,8 +201,8 @@ def invocation_sequence(meta: dict, tokenizer, *, invocation_text: str | None = 
     if k >= min(len(p) for p in prompts) or k > common:
         raise ConfigError(
             f"handoff_tokens={k} reaches past the fixed end of the chat prompts (the {common} token(s) "
-            f"{tokenizer.decode(prompts[0][-common:]) if common else ''!r} every prompt ends with) into the message "
-            "text, so it is not one invocation sequence. Fix: retrain with handoff_tokens <= "
+            f"{tokenizer.decode(prompts[0][-common:]) if common else ''!r} every prompt ends with) into the "
+            "message text, so it is not one invocation sequence. Fix: retrain with handoff_tokens <= "
             f"{common}, or export with --to merged"
         )
     suffix = prompts[0][-common:]

@@ -242,7 +242,8 @@ def one_pass_forward(
 
 @contextlib.contextmanager
 def gate_for_step(model, enabled: bool) -> Iterator[LoraTokenGate | None]:
-    """A ``LoraTokenGate`` kept entered for a whole training step (forward, backward, checkpoint recompute)."""
+    """A ``LoraTokenGate`` kept entered for a whole training step (forward, backward, checkpoint
+    recompute)."""
     if not enabled:
         yield None
         return

@@ -12,8 +12,8 @@ keep the copies cross-entropy makes (the shifted view, log-softmax, their gradie
 3. in ``LinearCrossEntropy`` (a custom ``torch.autograd.Function``, the fused / chunked linear
    cross-entropy of Liger-Kernel, arXiv 2410.10989, §3.2, written for any device), projects ``chunk``
    tokens at a time onto the vocabulary, adds their NLL to the sum and, when gradients are needed, turns
-   the chunk's log-probabilities in place into ``softmax − onehot`` and multiplies it into the gradients of the
-   hidden states (``(n, h)``) and of the LM head's weight (``(v, h)``, only when it trains) right away.
+   the chunk's log-probabilities in place into ``softmax − onehot`` and multiplies it into the gradients of
+   the hidden states (``(n, h)``) and of the LM head's weight (``(v, h)``, only when it trains) right away.
    No logits outlive their chunk; the backward scales the stored gradients by the incoming one.
 
 FLOPs equal the unfused path's (forward 2·n·h·v, backward 2·n·h·v per gradient taken); peak memory of the

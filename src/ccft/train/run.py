@@ -69,7 +69,8 @@ def load_split(spec: str, tokenizer, cfg: TrainConfig, rows: int | None, offset:
 
 
 def load_tokenizer(name_or_path: str):
-    """The base's tokenizer, loaded before any weights. Raises ConfigError naming the base when it cannot load."""
+    """The base's tokenizer, loaded before any weights. Raises ConfigError naming the base when it cannot
+    load."""
     from transformers import AutoTokenizer
 
     from ccft.core.models import resolve_model_path
@@ -107,7 +108,8 @@ def check_run(cfg: TrainConfig, *, store: bool = True) -> tuple[TokenizedDataset
 
 
 def setup(cfg: TrainConfig, *, base: Base | None = None):
-    """Build (base, decoder, train set, eval set, trainer) for ``cfg``. The data is checked before the base loads."""
+    """Build (base, decoder, train set, eval set, trainer) for ``cfg``. The data is checked before the base
+    loads."""
     set_seed(cfg.seed)
     if base is None:
         # Tokenise with the base's tokenizer before loading weights, so bad data fails fast.
@@ -186,8 +188,8 @@ def recorded_recipe(out: str | os.PathLike) -> dict | None:
 
 
 def check_resumable_run(out: str | os.PathLike, recipe: dict) -> None:
-    """Refuse to resume checkpoints in ``out`` that another recipe trained (they would carry its weights, optimizer
-    and step count into this run: a changed learning rate or step count silently not applied).
+    """Refuse to resume checkpoints in ``out`` that another recipe trained (they would carry its weights,
+    optimizer and step count into this run: a changed learning rate or step count silently not applied).
 
     Raises:
         ConfigError: naming the keys that differ (was, now) and the way out.
@@ -225,7 +227,8 @@ def run_training(
     out = Path(cfg.output_dir)
     if recipe is not None and resume and out.is_dir():
         check_resumable_run(out, recipe)
-    # every input is checked (recipe, data rows, base, LoRA targets, store) before the first write to output_dir
+    # every input is checked (recipe, data rows, base, LoRA targets, store) before the first write to
+    # output_dir
     base, decoder, train_set, eval_set, trainer = setup(cfg, base=base)
     check_process_group(trainer)
     if recipe is not None:
@@ -288,8 +291,8 @@ def run_training(
 def method_config(
     cfg: TrainConfig, raw: dict, method: str, output_dir: str | os.PathLike
 ) -> tuple[TrainConfig, dict]:
-    """``cfg`` (parsed from the recipe ``raw``) with ``method`` and ``output_dir`` set, and the recipe recorded
-    for that run (``raw`` with the same two keys, without its ``eval:`` section).
+    """``cfg`` (parsed from the recipe ``raw``) with ``method`` and ``output_dir`` set, and the recipe
+    recorded for that run (``raw`` with the same two keys, without its ``eval:`` section).
 
     The keys the recipe sets are kept as given; everything else takes ``TrainConfig``'s defaults, so the
     two methods of a comparison (``ccft``, ``full-ft``) differ only in ``method`` and ``output_dir``.

@@ -52,7 +52,8 @@ STAGING_DIR = ".staging"
 def response_nll_rows(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token NLL summed per row ``(b,)`` (fp32) and supervised-token count per row ``(b,)``.
 
-    ``logits (b, t, v)`` at position j predict ``labels (b, t)`` at j + 1; ``IGNORE_INDEX`` labels are skipped."""
+    ``logits (b, t, v)`` at position j predict ``labels (b, t)`` at j + 1; ``IGNORE_INDEX`` labels are
+    skipped."""
     targets = labels[:, 1:]
     lg = logits[:, :-1].float()
     nll = F.cross_entropy(
@@ -85,7 +86,8 @@ def freeze_input_embeddings(model) -> list[str]:
 @contextlib.contextmanager
 def checkpointing_off(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
     """Run the enclosed forward and backward without activation checkpointing, then restore each module's
-    ``gradient_checkpointing`` flag as it was (``transformers``' per-layer flags, ``every_n_layers`` included).
+    ``gradient_checkpointing`` flag as it was (``transformers``' per-layer flags, ``every_n_layers``
+    included).
 
     Checkpointing recomputes a layer's forward in the backward with the same inputs and kernels, so a step
     gives the same loss and gradients either way; only the memory held between forward and backward (and the
@@ -168,7 +170,8 @@ class CacheConditionedTrainer(Trainer):
             from ccft.train.distributed import place_frozen_base
 
             place_frozen_base(base, self.accelerator, decoder_kind=self._decoder_kind)
-        # Count supervised tokens over labels[:, 1:] for every micro-batch of the step (our loss shifts labels).
+        # Count supervised tokens over labels[:, 1:] for every micro-batch of the step (our loss shifts
+        # labels).
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = True
         self.last_base_cache = None  # the C_base of the latest step (tests check it is unchanged)
@@ -271,9 +274,10 @@ class CacheConditionedTrainer(Trainer):
         )
 
     def grad_tokens(self, inputs) -> int:
-        """Token positions the decoder's forward runs with gradient for a collated batch: the tail (rows × padded
-        length) on the two-pass CCFT path; the prompt and the tail otherwise (one-pass and Full-FT run the whole
-        sequence in one forward), their real tokens only with Full-FT's ``padding_free``."""
+        """Token positions the decoder's forward runs with gradient for a collated batch: the tail
+        (rows × padded length) on the two-pass CCFT path; the prompt and the tail otherwise (one-pass and
+        Full-FT run the whole sequence in one forward), their real tokens only with Full-FT's
+        ``padding_free``."""
         tail = inputs["tail_ids"].numel()
         if self.method == "ccft" and self.train_path != "one-pass":
             return tail
@@ -283,8 +287,9 @@ class CacheConditionedTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The stock step; on the one-pass path the LoRA token gate stays on through the backward
-        (gradient checkpointing recomputes the gated forward there). With ``activation_checkpointing_min_tokens``
-        a batch below that many ``grad_tokens`` runs with checkpointing off (``checkpointing_off``)."""
+        (gradient checkpointing recomputes the gated forward there). With
+        ``activation_checkpointing_min_tokens`` a batch below that many ``grad_tokens`` runs with
+        checkpointing off (``checkpointing_off``)."""
         one_pass = self.method == "ccft" and self.train_path == "one-pass"
         low = int(getattr(self.args, "activation_checkpointing_min_tokens", 0) or 0)
         skip = bool(low) and self.grad_tokens(inputs) < low
@@ -312,8 +317,8 @@ class CacheConditionedTrainer(Trainer):
         return (loss, {"logits": logits}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """One eval batch: ``(loss, logits (b, t, v), labels (b, t))`` over the tail, the loss being the batch's
-        response NLL per supervised token; logits and labels only when ``compute_metrics`` needs them
+        """One eval batch: ``(loss, logits (b, t, v), labels (b, t))`` over the tail, the loss being the
+        batch's response NLL per supervised token; logits and labels only when ``compute_metrics`` needs them
         (the logit at j predicts ``labels[:, j + 1]``, the causal-LM convention of ``EvalPrediction``).
         The rows' summed NLL and token counts (gathered from all processes) are added to the totals
         ``evaluation_loop`` reports."""

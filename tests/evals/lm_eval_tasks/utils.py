@@ -1,4 +1,5 @@
-"""Local data for the offline lm-eval tasks of the ccft tests (no download: rows come from tiny.jsonl here)."""
+"""Local data for the offline lm-eval tasks of the ccft tests (no download: rows come from tiny.jsonl
+here)."""
 
 import json
 from pathlib import Path

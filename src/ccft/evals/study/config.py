@@ -1,6 +1,6 @@
 """The study's configuration: ``recipes/study.yaml`` with the evaluation suite it names (``evals/study.yaml``)
-plus ``KEY=value`` overrides, validated before any model loads (docs/study.md, "What runs"; docs/evaluation.md),
-and the metrics each task declares."""
+plus ``KEY=value`` overrides, validated before any model loads (docs/study.md, "What runs";
+docs/evaluation.md), and the metrics each task declares."""
 
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ class TaskSettings:
 
 @dataclass
 class SpecialistConfig:
-    """A specialist: its training recipe (+ ``train`` overrides, ``key: value`` as on the ``ccft train`` command
-    line) and its tasks. ``multipl_e`` lists MultiPL-E languages (``all``: every language whose toolchain is
-    present on this machine), each evaluated on ``multipl_e_limit`` items."""
+    """A specialist: its training recipe (+ ``train`` overrides, ``key: value`` as on the ``ccft train``
+    command line) and its tasks. ``multipl_e`` lists MultiPL-E languages (``all``: every language whose
+    toolchain is present on this machine), each evaluated on ``multipl_e_limit`` items."""
 
     name: str
     recipe: str
@@ -98,7 +98,8 @@ class StudyConfig:
     #: torch CPU threads (None: torch's default). On a CPU shared with other jobs, 1 thread avoids the
     #: thread-synchronisation stalls that make a 2-thread matmul many times slower under oversubscription.
     threads: int | None = None
-    #: where the base and decoders are evaluated: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:N``
+    #: where the base and decoders are evaluated: ``auto`` (CUDA when available), ``cpu``, ``cuda``,
+    #: ``cuda:N``
     device: str = "auto"
     source: str = ""
     #: the evaluation suite the config named (``suite:``; its keys are merged under the config's own)
@@ -160,7 +161,8 @@ def _with_suite(raw: dict, suite: Any, p: Path) -> dict:
     for name, s in (sraw.get("specialists") or {}).items():
         if name not in specs:
             raise ConfigError(
-                f"{sp}: specialists.{name} has tasks but {p} has no recipe for it; add specialists.{name}.recipe"
+                f"{sp}: specialists.{name} has tasks but {p} has no recipe for it; add "
+                f"specialists.{name}.recipe"
             )
         if not isinstance(s, dict) or set(s) - SUITE_SPEC_KEYS:
             raise ConfigError(

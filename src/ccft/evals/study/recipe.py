@@ -31,7 +31,8 @@ class StudyRecipe:
         cfg: a validated ``StudyConfig`` (``load_study_config``).
         command: the command line named in the report ("make study", "ccft study ...").
         where: the config file, named in errors.
-        serve: ``serve(cfg, ccft_decoder_paths, base_name, out) -> dict`` for the serving phase; None skips it.
+        serve: ``serve(cfg, ccft_decoder_paths, base_name, out) -> dict`` for the serving phase; None skips
+            it.
     Raises (from ``run``):
         ConfigError: the specialists' recipes name different bases, or a phase's inputs are invalid.
     """
@@ -94,7 +95,8 @@ class StudyRecipe:
                     setup_checker_env()
 
     def train(self, name: str) -> dict:
-        """The specialist's decoders, method ``ccft`` and ``full-ft``, from its recipe (reused when finished)."""
+        """The specialist's decoders, method ``ccft`` and ``full-ft``, from its recipe (reused when
+        finished)."""
         from ccft.train.config import METHODS
         from ccft.train.run import method_config, train_or_reuse
 
@@ -109,9 +111,9 @@ class StudyRecipe:
         return trained
 
     def evaluate(self, name: str, trained: dict):
-        """Every task of the specialist in the four modes; results of other decoders or settings are recomputed.
-        Returns (decoders, their paths, the task list, per task: mode -> item id -> record, whether every result
-        was recomputed, the decoders' prompt format)."""
+        """Every task of the specialist in the four modes; results of other decoders or settings are
+        recomputed. Returns (decoders, their paths, the task list, per task: mode -> item id -> record,
+        whether every result was recomputed, the decoders' prompt format)."""
         from ccft.core.checkpoint import load_decoder
         from ccft.core.models import load_base
         from ccft.evals.prompting import resolve_prompt_format
@@ -128,9 +130,9 @@ class StudyRecipe:
         decoders = {m: load_decoder(paths[m], base=self.base) for m in METHODS}
         self.ccft_decoders[name] = paths["ccft"]
         # earlier results are stale when the decoders they were computed with (the stamp next to them) are not
-        # these: a sitting killed between training and evaluation leaves new decoders beside old items. A retrained
-        # run that came out bit for bit the same (training is deterministic on one machine) keeps its results. A
-        # folder without a stamp is taken as it is unless a decoder was retrained now.
+        # these: a sitting killed between training and evaluation leaves new decoders beside old items. A
+        # retrained run that came out bit for bit the same (training is deterministic on one machine) keeps
+        # its results. A folder without a stamp is taken as it is unless a decoder was retrained now.
         digests = {m: run_digest(paths[m]) for m in METHODS}
         stamped = stamp_matches(out / name, digests)
         fresh = stamped is False or (stamped is None and not all(trained["reused"].values()))
@@ -165,8 +167,8 @@ class StudyRecipe:
             diff = {} if fresh else stale_settings(out / name / t, settings_of[t].as_dict(get_task(t)))
             if diff:
                 print(
-                    f"[ccft study] {name}: {t} was evaluated with other settings {diff} (was, now): computing it "
-                    f"again",
+                    f"[ccft study] {name}: {t} was evaluated with other settings {diff} (was, "
+                    "now): computing it again",
                     flush=True,
                 )
                 clear_task_folder(out / name / t)
@@ -186,8 +188,8 @@ class StudyRecipe:
                     )
                     if n:
                         print(
-                            f"[ccft study] {name}: {n} generations of {len(small)} small tasks decoded together "
-                            f"({', '.join(small)})",
+                            f"[ccft study] {name}: {n} generations of {len(small)} small tasks decoded "
+                            f"together ({', '.join(small)})",
                             flush=True,
                         )
                 print(f"[ccft study] {name}: {task_name} (n={limit})", flush=True)
@@ -209,7 +211,8 @@ class StudyRecipe:
     def sweep(
         self, name: str, decoders: dict, paths: dict, records: dict, *, fresh: bool, prompt_format
     ) -> None:
-        """NLL/token against the sharing ratio ρ on the specialist's first task (its eval modes' points reused)."""
+        """NLL/token against the sharing ratio ρ on the specialist's first task (its eval modes' points
+        reused)."""
         from ccft.evals.protocol import get_task
         from ccft.evals.sweep import run_sweep
 

@@ -1,5 +1,5 @@
-"""The study's report: ``report.json`` from the runner's summaries, and ``README.md`` rendered from the template
-``ccft/evals/templates/study_README.md``."""
+"""The study's report: ``report.json`` from the runner's summaries, and ``README.md`` rendered from the
+template ``ccft/evals/templates/study_README.md``."""
 
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ def _excludes_zero(ci, sign: int) -> bool:
 
 
 def full_ft_beats_base(entry: dict) -> dict:
-    """Does Full-FT beat base on this task with a paired 95% CI that excludes 0? Per metric (primary, secondary:
-    higher is better; NLL: lower is better)."""
+    """Does Full-FT beat base on this task with a paired 95% CI that excludes 0? Per metric (primary,
+    secondary: higher is better; NLL: lower is better)."""
     d = entry["paired_vs_full_ft"].get("base") or {}
     return {
         "score": _excludes_zero(d.get("score_ci"), -1),
@@ -333,8 +333,8 @@ def study_readme(report: dict, command: str, sittings_notes: str | None = None) 
         ""
         if report.get("complete", True)
         else (
-            f"> **Partial report**: finished specialists: {', '.join(done) or 'none'}. The study resumes where it "
-            f"stopped; rerun `{command}` to continue.\n\n"
+            f"> **Partial report**: finished specialists: {', '.join(done) or 'none'}. The study resumes "
+            f"where it stopped; rerun `{command}` to continue.\n\n"
         )
     )
     fields = {

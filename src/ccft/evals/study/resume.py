@@ -1,5 +1,6 @@
 """What lets the study resume over sittings: the wall time per phase added up in ``OUT/phases.json`` and the
-decoder digests stamped beside each result folder (a result is reused only with the decoders it was computed with)."""
+decoder digests stamped beside each result folder (a result is reused only with the decoders it was computed
+with)."""
 
 from __future__ import annotations
 
@@ -54,23 +55,24 @@ class StudyPhases:
         return _Phase()
 
 
-#: the ``ccft.json`` fields that shape a decoder's outputs (what ``ccft.load_decoder`` reads); the rest records
-#: how it was trained (recipe, data counts, training path), which the weights already reflect
+#: the ``ccft.json`` fields that shape a decoder's outputs (what ``ccft.load_decoder`` reads); the rest
+#: records how it was trained (recipe, data counts, training path), which the weights already reflect
 DECODER_FIELDS = ("method", "decoder_kind", "base_fingerprint", "handoff_tokens", "dtype")
-#: the run folder's files that define the decoder besides ``ccft.json``: weights, model/adapter configs, tokenizer
+#: the run folder's files that define the decoder besides ``ccft.json``: weights, model/adapter configs,
+#: tokenizer
 DECODER_FILE_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
-#: top-level files that only record the training (``ccft.json`` enters through ``DECODER_FIELDS``; the recipe stamp
-#: ``ccft.core.checkpoint.RECIPE_STAMP`` is left out too)
+#: top-level files that only record the training (``ccft.json`` enters through ``DECODER_FIELDS``; the recipe
+#: stamp ``ccft.core.checkpoint.RECIPE_STAMP`` is left out too)
 NOT_DECODER_FILES = ("ccft.json", "log_history.json", "trainer_state.json")
 
 
 def run_digest(folder: str | os.PathLike) -> str:
-    """sha256 (hex) of a training run's decoder: the ``DECODER_FIELDS`` of its ``ccft.json`` and the files at the
-    run folder's top level that define it (weights ``*.safetensors``, adapter/model configs, tokenizer and chat
-    template; JSON files by content, keys and PEFT's ``target_modules`` sorted), by name. Two runs with equal
-    digests hold the same decoder bit for bit, whatever their recipes say about how they got there (a recipe
-    change that changes the weights changes the digest through them; one that does not, such as activation
-    checkpointing, leaves it).
+    """sha256 (hex) of a training run's decoder: the ``DECODER_FIELDS`` of its ``ccft.json`` and the files at
+    the run folder's top level that define it (weights ``*.safetensors``, adapter/model configs, tokenizer and
+    chat template; JSON files by content, keys and PEFT's ``target_modules`` sorted), by name. Two runs with
+    equal digests hold the same decoder bit for bit, whatever their recipes say about how they got there (a
+    recipe change that changes the weights changes the digest through them; one that does not, such as
+    activation checkpointing, leaves it).
 
     Raises:
         ConfigError: the folder holds no ``ccft.json`` (not a finished training run).
@@ -114,8 +116,8 @@ DECODERS_STAMP = "decoders.json"
 
 
 def stamp_matches(folder: str | os.PathLike, digests: Mapping[str, str]) -> bool | None:
-    """Whether ``folder/decoders.json`` records ``digests``; None when the folder has no stamp (results written
-    before stamps existed, or nothing written yet)."""
+    """Whether ``folder/decoders.json`` records ``digests``; None when the folder has no stamp (results
+    written before stamps existed, or nothing written yet)."""
     path = Path(folder) / DECODERS_STAMP
     if not path.is_file():
         return None
