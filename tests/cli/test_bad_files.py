@@ -257,7 +257,7 @@ def test_a_real_run_that_fails_to_start_writes_nothing(workdir, capsys, case):
 def test_precompute_out_that_is_a_file(workdir, capsys):
     (workdir / "store.bin").write_text("x")
     rc, err = run_cli(["precompute", "r.yaml", "--out", "store.bin", "--estimate-only"], capsys)
-    assert rc == 2 and "store 'store.bin' is an existing file" in err and len(err.strip().splitlines()) == 1
+    assert rc == 2 and "--out 'store.bin' is an existing file" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("case", ["jsonl line 4 without its closing brace", "output_dir is an existing file"])

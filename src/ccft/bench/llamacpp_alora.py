@@ -164,11 +164,9 @@ def export_gguf_alora(
     """
     from ccft.core.checkpoint import read_meta
     from ccft.core.models import resolve_model_path
-    from ccft.train.export import EXPORT_META_FILE, check_alora_kind, export_decoder
+    from ccft.train.export import EXPORT_META_FILE, check_alora_kind, check_export_folder, export_decoder
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"output folder {out} exists and is not empty; choose a new folder or remove it")
+    out = check_export_folder(out)
     meta = read_meta(decoder_path)
     k = int(meta.get("handoff_tokens", 1))
     kind = meta.get("decoder_kind") or (

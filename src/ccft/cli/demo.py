@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from pathlib import Path
 
 
 def add_parser(sub) -> None:
@@ -48,19 +47,23 @@ def _phase(times: dict, name: str):
 
 def run(args) -> int:
     from ccft.core.checkpoint import load_decoder
-    from ccft.core.io import atomic_write_text
+    from ccft.core.io import atomic_write_text, check_output_folder
     from ccft.core.models import describe_model, load_base, resolve_model_path
     from ccft.evals.evaluate import evaluate_decoders
     from ccft.evals.report import modes_table, reading
     from ccft.evals.results import FolderConflictError, hardware
     from ccft.train.config import METHODS, load_recipe
-    from ccft.train.run import method_config, train_or_reuse
+    from ccft.train.run import check_run, method_config, train_or_reuse
 
     times: dict[str, float] = {}
     total = time.time()
     cfg, ecfg, raw = load_recipe(args.recipe, args.overrides)
-    runs = Path(args.runs)
-    out = Path(args.out)
+    # nothing is written before the folders and both methods' data rows are checked (a failed start leaves
+    # --runs and --out as they were)
+    runs = check_output_folder(args.runs, "--runs")
+    out = check_output_folder(args.out, "--out")
+    for method in METHODS:
+        check_run(method_config(cfg, raw, method, runs / method)[0], store=False)
     with _phase(times, "setup"):
         resolve_model_path(cfg.base)  # converts the embedded model once
     histories, train_rows, reused = {}, {}, {}

@@ -172,6 +172,7 @@ def eval_plan(args):
 
 
 def run(args) -> int:
+    from ccft.core.io import check_output_folder
     from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.report import task_markdown
     from ccft.evals.runner import EvalMemo, EvalSettings, get_task, run_task, task_names
@@ -181,6 +182,7 @@ def run(args) -> int:
         print("\n".join(task_names()))
         return 0
     plan = eval_plan(args)  # the suite (if any) with the command line over it; fails before any model loads
+    check_output_folder(args.out, "--out")
     task_objs = [get_task(t.task) for t in plan.tasks]  # unknown names fail before loading any model
     for task, t in zip(task_objs, plan.tasks):  # so does missing or damaged task data (one line, exit 2)
         task.load(t.limit if t.limit is not None else getattr(task, "default_limit", None))

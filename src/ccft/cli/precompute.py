@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from transformers import AutoConfig
 
-    from ccft.core.errors import ConfigError
+    from ccft.core.io import check_output_folder
     from ccft.core.models import load_base, parse_dtype, resolve_model_path
     from ccft.train.cache_store import (
         bytes_per_token,
@@ -57,9 +57,7 @@ def run(args) -> int:
     from ccft.train.run import check_run
 
     cfg, _, _ = load_recipe(args.recipe, args.overrides)
-    out = Path(args.out or cfg.base_cache_store or Path(cfg.output_dir) / "c_base")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"store {str(out)!r} is an existing file, not a folder; choose another --out")
+    out = check_output_folder(args.out or cfg.base_cache_store or Path(cfg.output_dir) / "c_base", "--out")
     train, ev = check_run(cfg, store=False)
     examples = list(train.examples) + (list(ev.examples) if ev is not None else [])
     path = resolve_model_path(cfg.base)
@@ -68,8 +66,10 @@ def run(args) -> int:
     prefixes = prefixes_of(examples, cfg.handoff_tokens)
     tokens = sum(len(p) for p in prefixes)
     need = estimate_bytes(config, dtype, tokens)
-    out.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out).free
+    existing = out
+    while not existing.exists():  # --estimate-only creates nothing; the store's folder is made by precompute
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
     print(
         f"[ccft] estimate: {len(prefixes)} prefixes, {tokens} prefix tokens × "
         f"{bytes_per_token(config, dtype)} B = {human(need)} for C_base ({cfg.dtype}); "

@@ -134,9 +134,9 @@ def load_decoder(
         dtype: load dtype (default: the one recorded, else float32).
         adapter_name: name for a LoRA adapter (default: the folder name), so several decoders share one base.
     Raises:
-        ConfigError: not a decoder folder; a LoRA decoder whose ``modules_to_save`` holds the tied embedding,
-            onto a base that already carries adapters (PEFT would untie its ``lm_head``; load it onto a base
-            of its own).
+        ConfigError: not a decoder folder (or its ``ccft.json`` names no base, when ``base`` is None); a LoRA
+            decoder whose ``modules_to_save`` holds the tied embedding, onto a base that already carries
+            adapters (PEFT would untie its ``lm_head``; load it onto a base of its own).
         FingerprintMismatchError: ``base`` is not the base the decoder was trained on.
         IncompatibleModelError: a full-weight decoder whose shape cannot read the base's KV.
     """
@@ -144,7 +144,12 @@ def load_decoder(
     meta = read_meta(path)
     dtype = dtype or meta.get("dtype") or "float32"
     if base is None:
-        b = meta.get("base", {})
+        b = meta.get("base") if isinstance(meta.get("base"), dict) else {}
+        if not (b.get("path") or b.get("name")):
+            raise ConfigError(
+                f"{path / META_FILE}: no `base` (the base model's name or path): the decoder folder is "
+                "damaged; save it again, or pass the base it was trained on (base=)"
+            )
         base = load_base(b.get("path") or b.get("name"), dtype=dtype)
     want = meta.get("base_fingerprint")
     if want and want != base.fingerprint:

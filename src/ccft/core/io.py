@@ -114,3 +114,36 @@ def display_path(path: str | Path, start: str | Path | None = None) -> str:
         return str(p.relative_to(base))
     except ValueError:
         return str(Path(*p.parts[-2:]))
+
+
+def check_output_folder(path: str | Path, key: str, where: str | None = None) -> Path:
+    """Refuse, before any work, a folder a command is to write that it could not: ``path`` must be a folder or
+    not exist yet, under a writable folder with no existing file on the way. Nothing is created.
+
+    Args:
+        path: the output folder.
+        key: the option or recipe key that names it (``output_dir``, ``--out``), quoted in the error.
+        where: the file the key comes from (``r.yaml``), put before the message; None for a command-line
+            option (the command's error line names the command).
+    Returns:
+        ``Path(path)``.
+    Raises:
+        ConfigError: ``path`` is a file, lies under a file, or its nearest existing folder is not writable by
+            this user; the message names ``where``, ``key`` and the fix.
+    """
+    from ccft.core.errors import ConfigError
+
+    at = f"{where}: " if where else ""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(
+            f"{at}{key} {str(p)!r} is an existing file, not a folder; choose another {key} or move the file"
+        )
+    parent = p
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{at}{key} {str(p)!r} lies under {str(parent)!r}, which is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{at}{key} {str(p)!r}: {str(parent)!r} is not writable by this user")
+    return p

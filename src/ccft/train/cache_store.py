@@ -93,8 +93,12 @@ def human(n: float) -> str:
 
 def check_free_space(path: str | Path, need: int, what: str = "C_base") -> None:
     """Refuse (``StoreError``) when ``need`` bytes, plus 5 % and 64 MiB of headroom (safetensors headers,
-    the manifest, file-system slack), would not fit the free disk space at folder ``path``."""
-    free = shutil.disk_usage(path).free
+    the manifest, file-system slack), would not fit the free disk space at folder ``path`` (or, when it does
+    not exist yet, at its nearest existing parent: nothing is created)."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
     if need * 1.05 + (64 << 20) > free:
         raise StoreError(
             f"{what} needs ≈ {human(need)} but only {human(free)} is free at {path}; free space, "

@@ -16,7 +16,6 @@ import dataclasses
 import difflib
 import enum
 import functools
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -422,23 +421,12 @@ def check_paths(cfg: "TrainConfig", where: str = "config") -> None:
             f"{where}: resume_from_checkpoint {resume!r} is not a checkpoint folder "
             f"({'a file' if Path(resume).exists() else 'it does not exist'})"
         )
+    from ccft.core.io import check_output_folder
+
     for key in ("output_dir", "base_cache_store"):
         value = getattr(cfg, key, None)
-        if not value:
-            continue
-        path = Path(value)
-        if path.exists() and not path.is_dir():
-            raise ConfigError(
-                f"{where}: {key} {str(path)!r} is an existing file, not a folder; choose another "
-                f"{key} or move the file"
-            )
-        parent = path
-        while not parent.exists():
-            parent = parent.parent
-        if not parent.is_dir():
-            raise ConfigError(f"{where}: {key} {str(path)!r} lies under {str(parent)!r}, which is a file")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(f"{where}: {key} {str(path)!r}: {str(parent)!r} is not writable by this user")
+        if value:
+            check_output_folder(value, key, where)
     base = Path(str(cfg.base))
     if base.exists() and not base.is_dir():
         raise ConfigError(

@@ -265,6 +265,23 @@ def _check_alora_adapter(decoder, path) -> None:
         )
 
 
+def check_export_folder(out: str | os.PathLike) -> Path:
+    """Refuse an export folder that is not new or empty (an export never mixes with other files), before any
+    model loads.
+
+    Returns:
+        ``Path(out)``.
+    Raises:
+        ConfigError: ``out`` is a file, lies under a file, is not writable, or is a folder that is not empty.
+    """
+    from ccft.core.io import check_output_folder
+
+    out = check_output_folder(out, "out")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"output folder {out} exists and is not empty; choose a new folder or remove it")
+    return out
+
+
 def _stage(out: Path) -> Path:
     """A temporary sibling of ``out`` to write into (renamed into place by :func:`_publish`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -307,9 +324,7 @@ def export_alora(
     check_alora_kind(decoder.kind, decoder.method, what)
     _check_alora_adapter(decoder, what)
     inv = invocation_sequence(decoder.meta, decoder.base.tokenizer, invocation_text=invocation_text)
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"output folder {out} exists and is not empty; choose a new folder or remove it")
+    out = check_export_folder(out)
     result = ExportResult(out=out, target="peft-alora", invocation=inv)
     warning = inv.recurrence_warning()
     if warning:
@@ -369,9 +384,7 @@ def export_merged(decoder, out: str | os.PathLike, *, source: str | None = None)
     """
     from ccft.core.checkpoint import META_FILE, decoder_meta
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"output folder {out} exists and is not empty; choose a new folder or remove it")
+    out = check_export_folder(out)
     tmp = _stage(out)
     try:
         if decoder.kind == "lora":
@@ -418,8 +431,9 @@ def export_decoder(
     Returns:
         :class:`ExportResult`.
     Raises:
-        ConfigError: unknown ``to``, not a decoder folder, or what :func:`export_alora` refuses; checked
-            before the model is loaded where the folder's ``ccft.json`` already tells.
+        ConfigError: unknown ``to``, not a decoder folder, ``out`` not new or empty, or what
+            :func:`export_alora` refuses; checked before the model is loaded where the folder's ``ccft.json``
+            already tells.
         FingerprintMismatchError: ``base`` is not the decoder's base.
     """
     from ccft.core.checkpoint import load_decoder, read_meta
@@ -432,6 +446,7 @@ def export_decoder(
     )
     if to == "peft-alora":  # before loading any model
         check_alora_kind(kind, meta.get("method"), str(decoder_path))
+    check_export_folder(out)  # before the model loads
     if to == "merged" and kind == "lora":
         base = None  # merging rewrites the host's weights: never the caller's base
     decoder = load_decoder(decoder_path, base=base, adapter_name="default" if base is None else None)

@@ -40,7 +40,7 @@ class StudyRecipe:
     def __init__(
         self, cfg: StudyConfig, *, command: str, serve: Callable | None = None, where: str = "the study"
     ):
-        self.cfg, self.command, self.serve_fn = cfg, command, serve
+        self.cfg, self.command, self.serve_fn, self.where = cfg, command, serve, where
         self.out, self.runs = Path(cfg.out), Path(cfg.runs)
         self.parsed = {name: recipe_overrides(spec) for name, spec in cfg.specialists.items()}
         bases = {tc.base for tc, _, _ in self.parsed.values()}
@@ -61,7 +61,11 @@ class StudyRecipe:
 
     # ------------------------------------------------------------------ the recipe
     def run(self) -> dict:
-        """Every phase in order; returns the report (also in ``OUT/report.json``)."""
+        """Every phase in order; returns the report (also in ``OUT/report.json``).
+
+        Every specialist's recipe, data rows and run folders are checked before the first write
+        (``check``): a study that fails to start leaves ``runs`` and ``out`` as they were."""
+        self.check()
         self.out.mkdir(parents=True, exist_ok=True)
         if self.cfg.threads:
             import torch
@@ -80,6 +84,23 @@ class StudyRecipe:
                 self.serving = self.serve_fn(self.cfg, self.ccft_decoders, self.base_name, self.out)
         with self.phases("report"):
             return self.write_report()
+
+    def check(self) -> None:
+        """What ``ccft train --dry-run`` checks, for each specialist and method, without loading weights: the
+        tokenizer, every data row (``FILE:LINE``), the run folders; and the report folder ``out``.
+
+        Raises:
+            ConfigError, DataError, StoreError: the first problem found, naming the specialist's recipe.
+        """
+        from ccft.core.io import check_output_folder
+        from ccft.train.config import METHODS
+        from ccft.train.run import check_run, method_config
+
+        check_output_folder(self.out, "out", self.where)
+        for name, (tc, _, raw) in self.parsed.items():
+            for method in METHODS:
+                m_cfg, _ = method_config(tc, raw, method, self.runs / name / method)
+                check_run(m_cfg, store=False)
 
     def setup(self) -> None:
         """Convert the embedded base once; set up the BFCL checker's environment when a task needs it."""

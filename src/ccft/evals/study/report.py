@@ -267,6 +267,12 @@ def _sweep_row(pts: dict, rhos: list, label: str) -> str:
     return " | ".join(_nll(pts[(label, r)].get("nll")) if (label, r) in pts else "–" for r in rhos)
 
 
+def _loss(value) -> str:
+    """A final train loss for the README: 3 decimals, or "not logged" (no ``loss`` entry in the log history:
+    ``logging_steps`` above ``max_steps``)."""
+    return "not logged" if value is None else f"{value:.3f}"
+
+
 def study_readme(report: dict, command: str, sittings_notes: str | None = None) -> str:
     """``README.md`` of ``reports/study/``: setup, the headline tables, retention, sweeps, serving, reading,
     rendered from the template ``ccft/evals/templates/study_README.md`` (``string.Template`` fields).
@@ -281,11 +287,11 @@ def study_readme(report: dict, command: str, sittings_notes: str | None = None) 
     specs = []
     for name, s in report["specialists"].items():
         tr = s.get("training", {})
+        loss = {m: _loss(tr.get("final_loss", {}).get(m)) for m in ("ccft", "full-ft")}
         specs.append(
             f"- **{name}**: recipe `{s['recipe']}` with {s.get('overrides') or 'no overrides'}; "
             f"{tr.get('train_rows')} rows ({tr.get('train_data')}), {tr.get('steps')} steps, "
-            f"final train loss ccft {tr.get('final_loss', {}).get('ccft', float('nan')):.3f}, "
-            f"full-ft {tr.get('final_loss', {}).get('full-ft', float('nan')):.3f}; runs "
+            f"final train loss ccft {loss['ccft']}, full-ft {loss['full-ft']}; runs "
             f"`{s['runs']['ccft']}`, `{s['runs']['full-ft']}`"
         )
     retention = [
