@@ -21,6 +21,9 @@ adapters written to a temporary folder; ``--allow-reload`` unless ``--no-reload`
   this process before the server starts); the first round also sends a reload of a folder that
   does not exist (expects 400, and the probes then still equal the weights served before).
 
+``--no-tune-malloc`` starts the server with glibc's default mmap threshold (``ccft serve
+--no-tune-malloc``; ``ccft.serving.malloc``), to compare RSS with and without the setting.
+
 Every ``--sample-s`` seconds it records the server's RSS (``/proc/PID/status``) and its gauges from
 ``/metrics`` (live KV, prefix store, prefix arena, active, queued). After the load stops it waits
 for the server to be idle and reads live KV once more.
@@ -98,6 +101,11 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--kv-budget-mb", type=float, default=256.0, help="the server's --kv-budget-mb")
     p.add_argument("--threads", type=int, default=None, help="the server's --threads (default: all cores)")
+    p.add_argument(
+        "--no-tune-malloc",
+        action="store_true",
+        help="start the server with --no-tune-malloc (glibc's default mmap threshold; for comparison)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-request HTTP timeout (s)")
     p.add_argument("--out", default=None, help="write the JSON here (atomically)")
@@ -586,6 +594,7 @@ def run(args) -> dict:
             *(["--threads", str(args.threads)] if args.threads else []),
             *[a for n, p in served.items() for a in ("--decoder", f"{n}={p}")],
             *(["--allow-reload"] if reload_on else []),
+            *(["--no-tune-malloc"] if args.no_tune_malloc else []),
         ]
         with serve(cmd, url) as proc:
             card = httpx.get(url + f"/v1/models/{RELOADED}", timeout=30).json()
@@ -680,6 +689,7 @@ def summarize(args, tally: Tally, load_s: float, idle: dict, final: dict, refs: 
                 "max_new_tokens",
                 "kv_budget_mb",
                 "threads",
+                "no_tune_malloc",
                 "seed",
             )
         },

@@ -104,6 +104,12 @@ def add_parser(sub) -> None:
         help='serve POST /v1/models/{model}/reload {"path": FOLDER}: a LoRA decoder takes new weights in '
         "place (off: 404)",
     )
+    p.add_argument(
+        "--no-tune-malloc",
+        action="store_true",
+        help="keep glibc's default mmap threshold (by default it is fixed at 64 KiB against arena growth; "
+        "docs/serving.md, Soak)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -260,7 +266,8 @@ def run(args) -> int:
     from ccft.serving.app import create_app
     from ccft.serving.malloc import tune_malloc
 
-    tune_malloc()  # glibc: a fixed 64 KiB mmap threshold, against arena growth (docs/serving.md, "Soak")
+    if not args.no_tune_malloc:
+        tune_malloc()  # glibc: a fixed 64 KiB mmap threshold, against arena growth (docs/serving.md, "Soak")
     scheduler, tokenizer = build_scheduler(args)
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb else None
     app = create_app(
