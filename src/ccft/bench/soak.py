@@ -497,6 +497,14 @@ def windows(tally: Tally, duration: float, window: float) -> dict:
             "completed": len(per_token),
             "p95_s_per_token": _p95(per_token),
             "rss_bytes": _mean([r["rss_bytes"] for r in tally.samples if lo <= r["t_s"] < hi]),
+            # RSS less the K/V the server holds by design (prefix store blocks + prefix arena capacity)
+            "rss_less_kv_bytes": _mean(
+                [
+                    r["rss_bytes"] - (r.get("prefix_store_bytes") or 0) - (r.get("prefix_arena_bytes") or 0)
+                    for r in tally.samples
+                    if lo <= r["t_s"] < hi and r["rss_bytes"] is not None
+                ]
+            ),
             "live_kv_bytes_max": max(
                 (r.get("live_kv_bytes") or 0 for r in tally.samples if lo <= r["t_s"] < hi), default=None
             ),
@@ -647,6 +655,11 @@ def summarize(args, tally: Tally, load_s: float, idle: dict, final: dict, refs: 
     rss_pct = None
     if first["rss_bytes"] and last["rss_bytes"]:
         rss_pct = 100.0 * (last["rss_bytes"] - first["rss_bytes"]) / first["rss_bytes"]
+    rss_less_kv_pct = None
+    if first["rss_less_kv_bytes"] and last["rss_less_kv_bytes"]:
+        rss_less_kv_pct = (
+            100.0 * (last["rss_less_kv_bytes"] - first["rss_less_kv_bytes"]) / first["rss_less_kv_bytes"]
+        )
     p95_ratio = None
     if first["p95_s_per_token"] and last["p95_s_per_token"]:
         p95_ratio = last["p95_s_per_token"] / first["p95_s_per_token"]
@@ -728,6 +741,7 @@ def summarize(args, tally: Tally, load_s: float, idle: dict, final: dict, refs: 
         "rss_first_bytes": first["rss_bytes"],
         "rss_last_bytes": last["rss_bytes"],
         "rss_growth_pct": rss_pct,
+        "rss_less_kv_growth_pct": rss_less_kv_pct,
         "p95_s_per_token_first": first["p95_s_per_token"],
         "p95_s_per_token_last": last["p95_s_per_token"],
         "p95_last_over_first": p95_ratio,
@@ -756,7 +770,12 @@ def table(result: dict) -> str:
         f"hostile: {result['hostile']['sent']} sent, {len(result['hostile']['unexpected'])} unexpected "
         f"({result['hostile']['by_kind']})",
         f"RSS: {_mb(result['rss_first_bytes'])} -> {_mb(result['rss_last_bytes'])} "
-        + ("" if result["rss_growth_pct"] is None else f"({result['rss_growth_pct']:+.1f}%)"),
+        + ("" if result["rss_growth_pct"] is None else f"({result['rss_growth_pct']:+.1f}%)")
+        + (
+            ""
+            if result.get("rss_less_kv_growth_pct") is None
+            else f"; less prefix store and arena {result['rss_less_kv_growth_pct']:+.1f}%"
+        ),
         f"live KV at end: {result['live_kv_bytes_at_end']} bytes",
         "p95 s/token first -> last: "
         + (
