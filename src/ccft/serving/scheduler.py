@@ -67,7 +67,10 @@ later with the same tokens. Under ``"fcfs"``, ``max_running`` caps admitted requ
 Outputs never depend on the policy or on chunking (greedy equality with the offline reference is
 tested for every request).
 
-Threading: ``submit`` and ``Ticket.cancel`` may be called from any thread; ``step`` /
+Hot reload (``reload_decoder``): a LoRA decoder's new weights are read and validated in the caller's
+thread, then copied in by the loop at its next step boundary (``SharedPrefillEngine.reload_decoder``).
+
+Threading: ``submit``, ``reload_decoder`` and ``Ticket.cancel`` may be called from any thread; ``step`` /
 ``run_until_idle`` / the background loop (``start``) run the engine in one thread. Callbacks run
 on the scheduler thread and must not block.
 """
