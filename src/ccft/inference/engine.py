@@ -72,6 +72,7 @@ from ccft.inference.prefill import (
     prefill_rows,
     prefill_tail,
 )
+from ccft.inference.reload import StagedReload, apply_reload, stage_reload
 from ccft.inference.requests import Request, StepError, StepOutput, choose_tokens, token_logprobs
 from ccft.inference.weights import check_supported, lane_weights
 
@@ -287,6 +288,40 @@ class SharedPrefillEngine:
             ConfigError: ``name`` already used.
         """
         self._registry.add(name, decoder, tokenizer=tokenizer)
+
+    def stage_reload(self, name: str, path: str | Path) -> StagedReload:
+        """Read and validate the decoder folder ``path`` as new weights for LoRA decoder ``name``; the live
+        decoder is not touched (``ccft.inference.reload.stage_reload``). Safe to call from any thread.
+
+        Raises:
+            ConfigError: an unknown ``name``, the base or a full-weight decoder, or a folder whose
+                ``handoff_tokens``, adapter config fields or tensors differ from the served adapter's (the
+                message names the field and the fix); FingerprintMismatchError: another base;
+            IncompatibleModelError: another tokenizer.
+        """
+        if name not in self.decoders:
+            raise ConfigError(f"unknown decoder {name!r}; registered: {', '.join(self.decoders)}")
+        return stage_reload(self.decoders[name], self.base, path, tokenizer=self.tokenizer)
+
+    def reload_decoder(self, name: str, path: str | Path | StagedReload) -> str:
+        """Swap LoRA decoder ``name``'s adapter weights in place for those of decoder folder ``path``.
+
+        The folder is validated completely before a weight is written (``stage_reload``; a ``StagedReload``
+        from it may be passed instead of the path); then the new values are copied into the live
+        parameters, which gives the decoder a new producer key (``producer_key``). Call it between
+        steps (``ccft.serving.Scheduler.reload_decoder`` does); requests of the decoder already decoding
+        go on with the new weights from the next step.
+
+        Returns:
+            the decoder's new producer key.
+        Raises:
+            as ``stage_reload``; nothing is changed when it raises.
+        """
+        staged = path if isinstance(path, StagedReload) else self.stage_reload(name, path)
+        if staged.name != name:
+            raise ConfigError(f"reload_decoder({name!r}): the staged reload is for decoder {staged.name!r}")
+        apply_reload(staged)
+        return self.producer_key(name)
 
     # ------------------------------------------------------------------ prefill
     @_inference

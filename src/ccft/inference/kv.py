@@ -80,6 +80,11 @@ class PrefixArena:
     def used_tokens(self) -> int:
         return sum(self.used.values())
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V storage the arena holds (its whole capacity, used or free)."""
+        return self.k.nbytes + self.v.nbytes
+
     def allocate(self, tokens: int) -> int:
         """Reserve ``tokens`` contiguous token slots; returns the start slot. Grows the arena if needed."""
         tokens = max(1, int(tokens))

@@ -23,6 +23,9 @@ decoders). Endpoints:
   the role).
 * ``GET /v1/models`` (and ``/v1/models/{model}``), ``GET /health``, ``GET /metrics`` (Prometheus
   text format, one registry per app; ``ccft.serving.metrics.ServerMetrics``).
+* ``POST /v1/models/{model}/reload`` with ``{"path": FOLDER}``, only with ``create_app(allow_reload=True)``
+  (``ccft serve --allow-reload``; 404 otherwise): a LoRA decoder takes new weights in place
+  (``ServerState.reload``; 400 naming the field when the folder is refused).
 
 ccft extensions of the request: ``shared_prefix_tokens`` (how many leading prompt tokens are
 context shared with other requests, ``ServeRequest.shared_len``; a placement hint only, the output
@@ -211,8 +214,11 @@ class ServerState:
         max_model_len: int | None,
         retry_after_s: int,
         max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+        allow_reload: bool = False,
+        reload_timeout_s: float = 300.0,
     ):
         self.scheduler, self.tokenizer, self.models = scheduler, tokenizer, models
+        self.allow_reload, self.reload_timeout_s = bool(allow_reload), float(reload_timeout_s)
         #: the tokenizer of the prepare thread (each copy is used by one thread only)
         self.prompt_tokenizer = copy.deepcopy(tokenizer)
         self.max_body_bytes = max_body_bytes
@@ -488,6 +494,42 @@ class ServerState:
             )
         )
 
+    async def reload(self, model: str, raw: bytes) -> dict:
+        """``POST /v1/models/{model}/reload`` with body ``{"path": FOLDER}``: the LoRA decoder behind
+        ``model`` takes the weights of the decoder folder (``Scheduler.reload_decoder``, at a step boundary;
+        validated in a worker thread first, so streams go on meanwhile).
+
+        Raises:
+            APIError: 404 when the server was started without ``--allow-reload`` or ``model`` is unknown;
+                400 when the body is not ``{"path": "..."}`` or the folder is refused (the message names
+                the field and the fix; nothing is changed); 503 when the scheduler did not reach a step
+                boundary in ``reload_timeout_s``.
+        """
+        if not self.allow_reload:
+            raise APIError(
+                404,
+                "reload is not enabled on this server; start it with `ccft serve --allow-reload`",
+                code="not_found",
+            )
+        try:
+            body = json.loads(raw or b"null")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f'the body is not valid JSON ({e}); send {{"path": "FOLDER"}}') from None
+        path = body.get("path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise APIError(400, '\'path\' is missing or not a string; send {"path": "FOLDER"}', param="path")
+        decoder = self.resolve(model)
+        try:
+            key = await asyncio.to_thread(
+                self.scheduler.reload_decoder, decoder, path, timeout=self.reload_timeout_s
+            )
+        except CCFTError as e:
+            raise APIError(400, str(e), param="path") from None
+        except TimeoutError as e:
+            raise APIError(503, str(e), type="server_error", code="reload_timeout") from None
+        log.info("reloaded model %s from %s (producer key %s)", model, path, key)
+        return {"id": model, "object": "model.reload", "path": path, "producer_key": key}
+
     # ------------------------------------------------------------------ other endpoints
     def model_card(self, name: str) -> dict:
         """The ``/v1/models`` entry of a served model (``parent``: the base, for decoders)."""
@@ -530,6 +572,7 @@ def create_app(
     retry_after_s: int = 1,
     title: str = "ccft serve",
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+    allow_reload: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible FastAPI app over ``scheduler`` (see the module docstring).
 
@@ -546,6 +589,7 @@ def create_app(
         retry_after_s: the ``Retry-After`` header of a 503 (queue full).
         max_body_bytes: longest request body accepted (default 4 MiB); longer ones get 413 before they
             are read (``BodyLimitAndErrors``). ``None``: no limit.
+        allow_reload: serve ``POST /v1/models/{model}/reload`` (``ServerState.reload``); off: it answers 404.
     Raises:
         ConfigError: a served name that is not a decoder of the engine.
     """
@@ -579,6 +623,7 @@ def create_app(
         max_model_len=max_model_len,
         retry_after_s=int(retry_after_s),
         max_body_bytes=None if max_body_bytes is None else int(max_body_bytes),
+        allow_reload=allow_reload,
     )
 
     @asynccontextmanager
@@ -627,6 +672,10 @@ def create_app(
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [state.model_card(n) for n in state.models]}
+
+    @app.post("/v1/models/{model:path}/reload")
+    async def reload_model(request: Request, model: str):
+        return await state.reload(model, await request.body())
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str):

@@ -42,6 +42,7 @@ class ServerMetrics:
     ``ccft_prompt_tokens_total`` and ``ccft_generation_tokens_total`` by model. Read from the
     scheduler at scrape time: gauges ``ccft_queue_depth``, ``ccft_active_requests``,
     ``ccft_live_kv_bytes`` (``Scheduler.live_bytes``), ``ccft_prefix_store_bytes``,
+    ``ccft_prefix_arena_bytes`` (``Scheduler.arena_bytes``: the prefix arena's capacity),
     ``ccft_prefix_hit_ratio`` (context tokens copied from the prefix store / context tokens of
     every prefill; a context already live is not prefilled again and is not counted),
     ``ccft_kv_budget_bytes`` (when set) and counters ``ccft_scheduler_<name>_total`` for the
@@ -65,6 +66,7 @@ class ServerMetrics:
         "prefill_chunks",
         "mlfq_demotions",
         "mlfq_promotions",
+        "reloads",
     )
 
     def __init__(self, scheduler: Scheduler):
@@ -152,6 +154,11 @@ class _SchedulerCollector:
             s.live_bytes,
         )
         yield gauge("ccft_prefix_store_bytes", "Bytes of K/V blocks in the prefix store", s.store_bytes)
+        yield gauge(
+            "ccft_prefix_arena_bytes",
+            "Bytes of the engine's prefix arena (its whole capacity; it grows and is not given back)",
+            s.arena_bytes,
+        )
         hit, miss = counters.get("prefix_hit_tokens", 0), counters.get("prefill_tokens", 0)
         yield gauge(
             "ccft_prefix_hit_ratio",

@@ -67,7 +67,10 @@ later with the same tokens. Under ``"fcfs"``, ``max_running`` caps admitted requ
 Outputs never depend on the policy or on chunking (greedy equality with the offline reference is
 tested for every request).
 
-Threading: ``submit`` and ``Ticket.cancel`` may be called from any thread; ``step`` /
+Hot reload (``reload_decoder``): a LoRA decoder's new weights are read and validated in the caller's
+thread, then copied in by the loop at its next step boundary (``SharedPrefillEngine.reload_decoder``).
+
+Threading: ``submit``, ``reload_decoder`` and ``Ticket.cancel`` may be called from any thread; ``step`` /
 ``run_until_idle`` / the background loop (``start``) run the engine in one thread. Callbacks run
 on the scheduler thread and must not block.
 """
@@ -222,6 +225,16 @@ class _Context:
     store_reserve: int = 0  # bytes its unfinished job may still insert into the store (chunked prefill)
 
 
+@dataclass(eq=False)
+class _PendingReload:
+    """A staged decoder reload waiting for the loop's next step boundary, and its outcome."""
+
+    staged: object
+    done: threading.Event = field(default_factory=threading.Event)
+    key: str | None = None
+    error: BaseException | None = None
+
+
 class Scheduler:
     """Continuous batching over one engine with a KV byte budget (see the module docstring).
 
@@ -295,6 +308,7 @@ class Scheduler:
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
         self._budget: int | None = None  # chunked prefill: tokens left in this step's budget
+        self._reloads: list[_PendingReload] = []  # decoder reloads the loop applies at its next step boundary
 
     # KV bytes (``KVLedger``): live = handles + reserved tail slots; pending = store blocks unfinished chunked
     # prefills will insert; the peaks since start
@@ -408,6 +422,63 @@ class Scheduler:
         s = min(s, n)
         return s - k, n - s + k
 
+    def reload_decoder(self, name: str, path, *, timeout: float | None = None) -> str:
+        """Swap LoRA decoder ``name``'s weights for those of decoder folder ``path``, at a step boundary.
+
+        The folder is read and validated in the calling thread (``SharedPrefillEngine.stage_reload``), so
+        the scheduler loop is not held up and nothing changes when it is refused; the loop then copies
+        the weights in before its next step (at once when the loop is not running). Requests of that
+        decoder already decoding go on with the new weights; every request admitted after this returns
+        reads only them. Any thread may call it.
+
+        Args:
+            timeout: seconds to wait for the loop (None: no limit).
+        Returns:
+            the decoder's new producer key.
+        Raises:
+            ConfigError, FingerprintMismatchError, IncompatibleModelError: the folder is refused (as
+                ``SharedPrefillEngine.stage_reload``; the message names the field and the fix).
+            TimeoutError: the loop did not reach a step boundary within ``timeout`` (nothing changed).
+            RuntimeError: the scheduler stopped before applying it (nothing changed).
+        """
+        staged = self.engine.stage_reload(name, path)
+        if not self.running:
+            return self._apply_reload(staged)
+        pending = _PendingReload(staged)
+        with self._lock:
+            self._reloads.append(pending)
+            self._wake.notify_all()
+        if not pending.done.wait(timeout):
+            with self._lock:
+                if pending in self._reloads:  # not started: withdraw it
+                    self._reloads.remove(pending)
+                    raise TimeoutError(
+                        f"reload of decoder {name!r}: the scheduler did not reach a step boundary in "
+                        f"{timeout} s; nothing was changed, retry"
+                    )
+            pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        return pending.key
+
+    def _apply_reload(self, staged) -> str:
+        key = self.engine.reload_decoder(staged.name, staged)
+        self.counters["reloads"] += 1
+        return key
+
+    def _run_reloads(self) -> None:
+        """Apply the pending reloads (scheduler thread, between steps)."""
+        if not self._reloads:
+            return
+        with self._lock:
+            pending, self._reloads = self._reloads, []
+        for p in pending:
+            try:
+                p.key = self._apply_reload(p.staged)
+            except Exception as e:  # noqa: BLE001 - handed to the caller of reload_decoder
+                p.error = e
+            p.done.set()
+
     # ------------------------------------------------------------------ the loop (one thread)
     @property
     def queue_depth(self) -> int:
@@ -420,6 +491,12 @@ class Scheduler:
     @property
     def store_bytes(self) -> int:
         return self.kv.store_bytes
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes the engine's prefix arena holds (its whole capacity: it grows, it is not given back)."""
+        arena = getattr(self.engine, "arena", None)
+        return int(arena.nbytes) if arena is not None else 0
 
     @property
     def live_contexts(self) -> int:
@@ -449,7 +526,9 @@ class Scheduler:
         return not self._queue and not self._running and not any(c.waiting for c in self._contexts.values())
 
     def step(self) -> int:
-        """One scheduling iteration: admit → prefill (pieces) → decode → deliver; returns the rows decoded."""
+        """One scheduling iteration: (pending decoder reloads →) admit → prefill (pieces) → decode → deliver;
+        returns the rows decoded."""
+        self._run_reloads()
         self._reap_cancelled()
         self._budget = self._step_token_budget()
         self._admit()
@@ -540,11 +619,16 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        with self._lock:
+            pending, self._reloads = self._reloads, []
+        for p in pending:
+            p.error = RuntimeError(f"the scheduler stopped before reloading decoder {p.staged.name!r}")
+            p.done.set()
 
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and self.idle():
+                while not self._stop and self.idle() and not self._reloads:
                     self._wake.wait(timeout=0.5)
                 if self._stop:
                     return

@@ -1,0 +1,86 @@
+"""``ccft bench soak``, short: a tiny model served by ``ccft serve`` (child process, 127.0.0.1) under
+streaming clients that abandon some streams, hostile bodies and hot reloads for ~30 s of load.
+
+The invariants of ``make soak`` must hold: no request lost, no 5xx, every hostile body answered with
+its status, live KV 0 after the last request, every reload's probes equal a cold start on the weights
+it loaded. Nothing asserts on time (RSS and p95 figures are reported, not checked, here).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ccft.cli.main import main
+from ccft.serving.malloc import tune_malloc
+from conftest import make_tiny_folder
+
+
+def test_tune_malloc_is_accepted_or_a_no_op():
+    import platform
+
+    ok = tune_malloc()
+    assert ok is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+
+
+def test_short_soak_keeps_the_invariants(tmp_path, tokenizer, capsys):
+    model = make_tiny_folder(tmp_path / "base", tokenizer, seed=7, scale=30.0)
+    out = tmp_path / "soak.json"
+    rc = main(
+        [
+            "bench",
+            "soak",
+            "--model",
+            str(model),
+            "--duration-s",
+            "30",
+            "--window-s",
+            "6",
+            "--clients",
+            "3",
+            "--abandon-fraction",
+            "0.25",
+            "--hostile-every-s",
+            "0.5",
+            "--reload-every-s",
+            "7",
+            "--sample-s",
+            "0.5",
+            "--sessions",
+            "4",
+            "--turns",
+            "2",
+            "--shared-tokens",
+            "64",
+            "--unique-tokens",
+            "16",
+            "--growth-tokens",
+            "16",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["invariants"] == {k: True for k in result["invariants"]}, printed
+    assert rc == 0 and result["ok"]
+    q = result["requests"]
+    assert q["lost"] == 0 and q["completed"] > 0 and q["abandoned"] > 0
+    assert result["status_5xx"] == 0
+    assert result["live_kv_bytes_at_end"] == 0
+    assert result["hostile"]["by_kind"] == {
+        "body_too_large": ["413"],
+        "malformed_json": ["400"],
+        "prompt_too_long": ["400"],
+        "unknown_model": ["404"],
+    }
+    reloads = result["reloads"]
+    assert [r["status"] for r in reloads][:2] == [400, 200]  # the refused folder first, then a real reload
+    assert sum(r["status"] == 200 for r in reloads) >= 2 and all(r["probes_equal"] for r in reloads)
+    assert result["reload_changes_outputs"]  # the probes tell the two weight sets apart
+    assert result["final_metrics"]["scheduler_reloads_total"] == sum(r["status"] == 200 for r in reloads)
+    assert result["rss_first_bytes"] and result["windows"]["per_window"]
+    assert "lost" in printed and "probes equal cold start" in printed
