@@ -86,7 +86,7 @@ B_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (129, 576), (16, 1536)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 17, 64, 70])
 def test_kernel_matmul_matches_torch(fmt, n, k, rows, kernel):
     bm, w = _random_blocks(fmt, n, k, kernel, seed=n * 1000 + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -247,3 +247,24 @@ def test_kernel_file_is_built_once_and_reused(kernel, tmp_path, monkeypatch):
     )
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temporary left
     assert B.BlockKernel(second).lib.ccft_blocks_abi() == B.ABI
+
+
+def test_plain_cpp_path_matches_torch(kernel, tmp_path, monkeypatch):
+    """The kernel built without ``-march=native`` (no AVX2: the plain C++ loops) computes the same products."""
+    import shutil
+
+    monkeypatch.setenv("CCFT_CACHE", str(tmp_path))
+    flags = tuple(f for f in B.FLAGS if f != "-march=native")
+    plain = B.BlockKernel(B.build_kernel(shutil.which("g++") or shutil.which("c++"), flags))
+    assert plain.avx2 is False and kernel.avx2 is (kernel.lib.ccft_blocks_features() == 1)
+    for fmt in ("Q4_1", "Q8_0"):
+        bm, w = _random_blocks(fmt, 19, 96, plain, seed=9)
+        assert torch.equal(bm.dequantize(), w)
+        for rows in (1, 6, 11):
+            x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+            torch.testing.assert_close(
+                bm.matmul(x), (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5
+            )
+        up, wu = _random_blocks(fmt, 19, 96, plain, seed=10)
+        ref = torch.nn.functional.silu(x.double() @ w.double().T) * (x.double() @ wu.double().T)
+        torch.testing.assert_close(B.fused_mlp(bm, up, x), ref.float(), rtol=1e-5, atol=1e-5)

@@ -81,19 +81,20 @@ def _compiler() -> str | None:
     return None
 
 
-def kernel_path(compiler: str) -> Path:
-    """``<cache_root()>/kernels/blocks-<16 hex digits>.so``: the hash covers the source, the flags and the
+def kernel_path(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """``<cache_root()>/kernels/blocks-<16 hex digits>.so``: the hash covers the source, the ``flags`` and the
     compiler's path and version (``compiler --version``), so any change builds a new file."""
     from ccft.core.models import cache_root
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     h = hashlib.sha256(SOURCE.read_bytes())
-    h.update("\0".join((*FLAGS, compiler, version)).encode())
+    h.update("\0".join((*flags, compiler, version)).encode())
     return cache_root() / "kernels" / f"blocks-{h.hexdigest()[:16]}.so"
 
 
-def build_kernel(compiler: str) -> Path:
-    """Compile ``kernels/blocks.cpp`` with ``compiler`` into :func:`kernel_path` unless that file exists;
+def build_kernel(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile ``kernels/blocks.cpp`` with ``compiler`` and ``flags`` (default :data:`FLAGS`; without
+    ``-march=native`` the plain C++ path is built) into :func:`kernel_path` unless that file exists;
     returns the path. The build writes a temporary file and renames it (concurrent builds are safe).
 
     Raises:
@@ -101,13 +102,13 @@ def build_kernel(compiler: str) -> Path:
     """
     from ccft.core.io import atomic_write_file
 
-    path = kernel_path(compiler)
+    path = kernel_path(compiler, flags)
     if path.is_file():
         return path
 
     def compile_to(tmp: str) -> None:
         r = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False
+            [compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False
         )
         if r.returncode != 0:
             raise OSError(f"{compiler} failed on {SOURCE.name}: {(r.stderr or r.stdout).strip()[-2000:]}")

@@ -31,6 +31,7 @@ The parts, one concept per module of ``ccft.inference``:
 * ``planner``: per-step plans (prefix groups, LoRA rows, static inputs);
 * ``graphs``: the static step run eagerly, compiled or captured as CUDA graphs;
 * ``model``, ``attention``, ``kv``, ``weights``: the forward, its attention, its buffers, its weights.
+* ``blocks``: the base's linear layers computed from the GGUF's own Q4_1 / Q8_0 blocks (``block_weights``).
 
 Decode modes (``decode=``):
   * ``eager`` (CPU default): host-side grouping of rows by prefix, exact-width views, no copies.

@@ -112,10 +112,13 @@ inline void dequant_avx2(int kind, const uint8_t* b, __m256& w0, __m256& w1, __m
     }
 }
 
-// out[r] = x[r] · w for MT rows of x (stride ldx) and one weight row of nb blocks.
+// out[r] = x[r] · w for MT rows of x (stride ldx) and one weight row of nb blocks. Up to 4 rows: two
+// accumulators per row (independent FMA chains); more rows: one each (the rows are the independent chains,
+// and the accumulators and the four weight vectors stay in registers).
 template <int MT>
 inline void dot_rows(int kind, const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* out) {
     const int64_t bb = block_bytes(kind);
+    constexpr bool two = MT <= 4;
     __m256 a0[MT], a1[MT];
     for (int r = 0; r < MT; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -124,13 +127,20 @@ inline void dot_rows(int kind, const uint8_t* w, int64_t nb, const float* x, int
         const float* xb = x + b * QK;
         for (int r = 0; r < MT; ++r) {
             const float* xr = xb + r * ldx;
-            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[r]);
-            a0[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a1[r]);
+            if (two) {
+                a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
+                a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[r]);
+                a0[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a0[r]);
+                a1[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a1[r]);
+            } else {
+                a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
+                a0[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a0[r]);
+                a0[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a0[r]);
+                a0[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a0[r]);
+            }
         }
     }
-    for (int r = 0; r < MT; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+    for (int r = 0; r < MT; ++r) out[r] = hsum(two ? _mm256_add_ps(a0[r], a1[r]) : a0[r]);
 }
 #else
 template <int MT>
@@ -151,10 +161,14 @@ inline void dot_rows(int kind, const uint8_t* w, int64_t nb, const float* x, int
 }
 #endif
 
-// out[r] for up to 4 rows at once (rows = 1..4).
+// out[r] for up to MT_MAX rows at once (rows = 1..8).
 inline void dot_tile(int kind, const uint8_t* w, int64_t nb, const float* x, int64_t ldx, int rows,
                      float* out) {
     switch (rows) {
+        case 8: dot_rows<8>(kind, w, nb, x, ldx, out); break;
+        case 7: dot_rows<7>(kind, w, nb, x, ldx, out); break;
+        case 6: dot_rows<6>(kind, w, nb, x, ldx, out); break;
+        case 5: dot_rows<5>(kind, w, nb, x, ldx, out); break;
         case 4: dot_rows<4>(kind, w, nb, x, ldx, out); break;
         case 3: dot_rows<3>(kind, w, nb, x, ldx, out); break;
         case 2: dot_rows<2>(kind, w, nb, x, ldx, out); break;
@@ -163,7 +177,7 @@ inline void dot_tile(int kind, const uint8_t* w, int64_t nb, const float* x, int
 }
 
 constexpr int64_t ROWS_PER_TASK = 16;  // output rows one thread takes at a time (their blocks stay in L1)
-constexpr int MT_MAX = 4;              // activation rows per pass over a weight row
+constexpr int MT_MAX = 8;              // activation rows per pass over a weight row
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
