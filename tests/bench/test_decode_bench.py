@@ -243,3 +243,36 @@ def test_blocks_beside_fp32_engine(tmp_path, tokenizer, monkeypatch):
     )
     blk = result["batches"]["3"]["engine_blocks"]["decode_tok_s"]
     assert result["llamacpp_q4_1_ratio_batch3"] == blk / 10.0 and "llamacpp_ratio_batch3" not in result
+
+
+def test_llamacpp_failing_on_the_block_gguf_keeps_the_run(tmp_path, tokenizer, monkeypatch):
+    """llama.cpp crashing on the blocks' GGUF (as the pinned build does on the embedded Q4_1 file here) leaves
+    that comparison out with its error; the fp32 comparison and the block engine's rows stay."""
+    from ccft.inference.blocks import load_kernel
+    from conftest import make_block_folder
+
+    if load_kernel() is None:
+        pytest.skip("no C++ compiler builds the block kernel here")
+    folder = make_block_folder(tmp_path, tokenizer)
+
+    def batched(build, gguf, p_len, new, batch, threads, repeats, log):
+        if str(gguf).endswith("model.gguf"):
+            raise lc.LlamaCppError("command failed (exit -11): llama-batched-bench -m model.gguf")
+        return {"decode_tok_s": 10.0, "prefill_tok_s": 100.0, "commands": []}
+
+    build = lc.LlamaCpp(root=lc.llamacpp_dir("9.9"), version="9.9", build_info={})
+    monkeypatch.setattr(lc, "ensure_built", lambda log: build)
+    monkeypatch.setattr(lc, "convert_to_gguf", lambda build, path, fingerprint, log: tmp_path / "x.f32.gguf")
+    monkeypatch.setattr(lc, "bench_batched", batched)
+    monkeypatch.setattr(lc, "bench_llama_bench", lambda *a, **k: {"decode_tok_s": 12.0, "commands": []})
+    monkeypatch.setattr(
+        lc, "greedy_tokens", lambda build, gguf, prompts, n, threads, log: [[0]] * len(prompts)
+    )
+    args = _args(model=str(folder), device="cpu", blocks=True, llamacpp=True, batch_sizes=[2])
+    result = decode.run(_args(**{**vars(args), "new_tokens": 3, "repeats": 1}))
+    assert result["llamacpp_ratio_batch2"] == result["batches"]["2"]["engine"]["decode_tok_s"] / 10.0
+    assert "llamacpp_q4_1" not in result and "llamacpp_q4_1" not in result["batches"]["2"]
+    assert not [k for k in result if k.startswith("llamacpp_q4_1_ratio")]
+    assert result["llamacpp_q4_1_error"]["gguf"] == "model.gguf"
+    assert "exit -11" in result["llamacpp_q4_1_error"]["error"]
+    assert "llama.cpp on model.gguf: command failed (exit -11)" in decode.table(result)

@@ -663,16 +663,26 @@ def run(args) -> dict:
     if llamacpp:
         result["llamacpp"] = run_llamacpp(build, gguf, args, prompts_of, engine_tokens, result)
         if blocks_engine is not None:
-            result["llamacpp_q4_1"] = run_llamacpp(
-                build,
-                Path(blocks_engine.block_weights),
-                args,
-                prompts_of,
-                blocks_tokens,
-                result,
-                engine_key="engine_blocks",
-                row_key="llamacpp_q4_1",
-            )
+            q41 = Path(blocks_engine.block_weights)
+            try:
+                result["llamacpp_q4_1"] = run_llamacpp(
+                    build,
+                    q41,
+                    args,
+                    prompts_of,
+                    blocks_tokens,
+                    result,
+                    engine_key="engine_blocks",
+                    row_key="llamacpp_q4_1",
+                )
+            except lc.LlamaCppError as e:  # kept: the rest of the run is measured already
+                _log(f"llama.cpp on {q41.name} failed; its rows are left out: {e}")
+                for row in result["batches"].values():
+                    row.pop("llamacpp_q4_1", None)
+                for key in [k for k in result if k.startswith("llamacpp_q4_1_ratio_")]:
+                    del result[key]
+                error = lc.portable(str(e)).replace(f"{q41.parent}/", "")  # no machine path in a result
+                result["llamacpp_q4_1_error"] = {"gguf": q41.name, "error": error}
     # 1-minute load average before and after: other processes on the machine show up as lower numbers
     result["load_average"] = {"before": load_before, "after": _loadavg(), "cpus": os.cpu_count()}
     return result
@@ -862,6 +872,10 @@ def table(result: dict) -> str:
                 f"llama.cpp tok/s: llama-batched-bench, fp32 KV; batch 1 with llama-bench (f16 KV, its default): "
                 f"{result['batches']['1']['llamacpp']['llama_bench_decode_tok_s']:.1f} tok/s"
             )
+    if "llamacpp_q4_1_error" in result:
+        lines.append(
+            f"llama.cpp on {result['llamacpp_q4_1_error']['gguf']}: {result['llamacpp_q4_1_error']['error']}"
+        )
     if q41:
         a = result["llamacpp_q4_1"]["greedy"]["vs_engine"]
         lines.append(
