@@ -197,6 +197,69 @@ def make_full(base, seed: int, handoff: int = 1, *, method: str | None = "ccft")
     return dec
 
 
+#: block format of each weight :func:`make_block_folder` quantises by default (as the embedded model: linear
+#: layers Q4_1, the LM head Q8_0)
+BLOCK_FORMATS = {"proj": "Q4_1", "lm_head": "Q8_0"}
+
+
+def _gguf_permute(w, heads: int):
+    """llama.cpp's q / k row order (``convert_hf_to_gguf``'s ``permute``) of ``w (n, ...)``."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def make_block_folder(path: Path, tokenizer, *, formats: dict | None = None, seed: int = 0, **tiny) -> Path:
+    """A tiny Llama as the embedded model is shipped and loaded, with no download: its weights quantised into
+    GGUF blocks (``formats``: ``{"proj": "Q4_1" | "Q8_0", "lm_head": ...}``, default :data:`BLOCK_FORMATS`),
+    written as ``path/model.gguf`` (llama.cpp's names, q / k rows in llama.cpp's order; the embedding F32),
+    and the HF folder ``path/hf`` whose fp32 weights are those blocks dequantised by gguf-py (as transformers
+    dequantises a GGUF), with ``CCFT_SOURCE.txt`` naming the GGUF (``ccft.core.models.source_gguf``).
+    ``tiny``: arguments of :func:`make_tiny_folder`. Returns the HF folder."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+    from transformers import LlamaForCausalLM
+
+    formats = {**BLOCK_FORMATS, **(formats or {})}
+    hf = make_tiny_folder(path / "hf", tokenizer, seed=seed, **tiny)
+    model = LlamaForCausalLM.from_pretrained(hf)
+    cfg = model.config
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    names.update(gate_proj="ffn_gate", up_proj="ffn_up", down_proj="ffn_down")
+    writer = GGUFWriter(str(path / "model.gguf"), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    tensors = [("token_embd.weight", model.model.embed_tokens.weight, None, None)]
+    for i, layer in enumerate(model.model.layers):
+        for hf_name, gg_name in names.items():
+            mod = getattr(
+                layer.self_attn if hf_name in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp, hf_name
+            )
+            heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(hf_name)
+            tensors.append((f"blk.{i}.{gg_name}.weight", mod.weight, formats["proj"], heads))
+        tensors.append((f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, None, None))
+        tensors.append((f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, None, None))
+    tensors.append(("output_norm.weight", model.model.norm.weight, None, None))
+    tensors.append(("output.weight", model.lm_head.weight, formats["lm_head"], None))
+    with torch.no_grad():
+        for name, param, fmt, heads in tensors:
+            w = param.detach().numpy().astype(np.float32)
+            if fmt is None:
+                writer.add_tensor(name, w)
+                continue
+            qtype = GGMLQuantizationType[fmt]
+            blocks = quantize(w, qtype)
+            param.copy_(torch.from_numpy(dequantize(blocks, qtype).reshape(w.shape)))
+            if heads is not None:
+                blocks = _gguf_permute(blocks, heads)
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.save_pretrained(hf)
+    (hf / "CCFT_SOURCE.txt").write_text(f"tiny Llama in GGUF blocks\nconverted from {path / 'model.gguf'}\n")
+    return hf
+
+
 # ------------------------------------------------------------------ order independence
 
 

@@ -197,3 +197,82 @@ def test_profile_step_attributes_the_step_to_op_categories(tiny_base):
     assert decode._profile_group("aten::bmm") == "attention matmul"
     assert decode._profile_group("aten::rsqrt") == "elementwise / norms / RoPE / other ops"
     assert decode._profile_group("mkldnn::_linear_pointwise") == "linear (oneDNN packed)"
+
+
+def test_blocks_beside_fp32_engine(tmp_path, tokenizer, monkeypatch):
+    """``--blocks`` on a tiny block-quantised model: the block engine's row, its ratio to the fp32 engine,
+    equal greedy rows, fewer weight bytes; with llama.cpp (stubbed) the Q4_1 ratio is the block engine's."""
+    from ccft.inference.blocks import load_kernel
+    from conftest import make_block_folder
+
+    if load_kernel() is None:
+        pytest.skip("no C++ compiler builds the block kernel here")
+    folder = make_block_folder(tmp_path, tokenizer)
+    result = decode.run(
+        _args(model=str(folder), device="cpu", blocks=True, batch_sizes=[1, 3], new_tokens=4, repeats=1)
+    )
+    assert result["block_weights"]["gguf"] == "model.gguf"
+    for b in ("1", "3"):
+        row = result["batches"][b]["engine_blocks"]
+        assert row["greedy_rows_equal_fp32"] == 1.0 and result[f"blocks_greedy_rows_equal_batch{b}"] == 1.0
+        assert (
+            result[f"blocks_speedup_batch{b}"]
+            == row["decode_tok_s"] / result["batches"][b]["engine"]["decode_tok_s"]
+        )
+        assert row["bytes_per_step"] < result["batches"][b]["roofline"]["bytes_per_step"]
+    mem = result["engine_memory"]
+    # Q4_1 projections (20 bytes per 32 weights) and a Q8_0 LM head (34 per 32) instead of fp32 (128 per 32)
+    assert mem["blocks_linear_bytes_per_step"] * 3 < mem["fp32_linear_bytes_per_step"]
+    assert 0 < mem["blocks_engine_extra_bytes"] < mem["fp32_engine_extra_bytes"]
+    text = decode.table(result)
+    assert "| engine blocks tok/s | blocks / fp32 | blocks rows = fp32 |" in text and "100% |" in text
+
+    monkeypatch.setattr(
+        lc, "bench_batched", lambda *a, **k: {"decode_tok_s": 10.0, "prefill_tok_s": 100.0, "commands": []}
+    )
+    monkeypatch.setattr(lc, "bench_llama_bench", lambda *a, **k: {"decode_tok_s": 12.0, "commands": []})
+    monkeypatch.setattr(
+        lc, "greedy_tokens", lambda build, gguf, prompts, n, threads, log: [[0]] * len(prompts)
+    )
+    build = lc.LlamaCpp(root=lc.llamacpp_dir("9.9"), version="9.9", build_info={})
+    prompts = {1: [[1] * 7], 3: [[1] * 7] * 3}
+    tokens = {b: [[0]] * b for b in (1, 3)}
+    args = _args(threads=2, repeats=1, new_tokens=4, llamacpp_compare=1)
+    decode.run_llamacpp(
+        build, "q.gguf", args, prompts, tokens, result, engine_key="engine_blocks", row_key="llamacpp_q4_1"
+    )
+    blk = result["batches"]["3"]["engine_blocks"]["decode_tok_s"]
+    assert result["llamacpp_q4_1_ratio_batch3"] == blk / 10.0 and "llamacpp_ratio_batch3" not in result
+
+
+def test_llamacpp_failing_on_the_block_gguf_keeps_the_run(tmp_path, tokenizer, monkeypatch):
+    """llama.cpp crashing on the blocks' GGUF (as the pinned build does on the embedded Q4_1 file here) leaves
+    that comparison out with its error; the fp32 comparison and the block engine's rows stay."""
+    from ccft.inference.blocks import load_kernel
+    from conftest import make_block_folder
+
+    if load_kernel() is None:
+        pytest.skip("no C++ compiler builds the block kernel here")
+    folder = make_block_folder(tmp_path, tokenizer)
+
+    def batched(build, gguf, p_len, new, batch, threads, repeats, log):
+        if str(gguf).endswith("model.gguf"):
+            raise lc.LlamaCppError("command failed (exit -11): llama-batched-bench -m model.gguf")
+        return {"decode_tok_s": 10.0, "prefill_tok_s": 100.0, "commands": []}
+
+    build = lc.LlamaCpp(root=lc.llamacpp_dir("9.9"), version="9.9", build_info={})
+    monkeypatch.setattr(lc, "ensure_built", lambda log: build)
+    monkeypatch.setattr(lc, "convert_to_gguf", lambda build, path, fingerprint, log: tmp_path / "x.f32.gguf")
+    monkeypatch.setattr(lc, "bench_batched", batched)
+    monkeypatch.setattr(lc, "bench_llama_bench", lambda *a, **k: {"decode_tok_s": 12.0, "commands": []})
+    monkeypatch.setattr(
+        lc, "greedy_tokens", lambda build, gguf, prompts, n, threads, log: [[0]] * len(prompts)
+    )
+    args = _args(model=str(folder), device="cpu", blocks=True, llamacpp=True, batch_sizes=[2])
+    result = decode.run(_args(**{**vars(args), "new_tokens": 3, "repeats": 1}))
+    assert result["llamacpp_ratio_batch2"] == result["batches"]["2"]["engine"]["decode_tok_s"] / 10.0
+    assert "llamacpp_q4_1" not in result and "llamacpp_q4_1" not in result["batches"]["2"]
+    assert not [k for k in result if k.startswith("llamacpp_q4_1_ratio")]
+    assert result["llamacpp_q4_1_error"]["gguf"] == "model.gguf"
+    assert "exit -11" in result["llamacpp_q4_1_error"]["error"]
+    assert "llama.cpp on model.gguf: command failed (exit -11)" in decode.table(result)

@@ -27,6 +27,17 @@ llama.cpp's greedy tokens on the largest batch's prompts compared with the engin
 ``--llamacpp-compare`` tokens (reported, not asserted: fp32 reductions differ in order). See
 ``ccft.bench.llamacpp``.
 
+With ``--blocks``: a second engine whose base lane computes from the GGUF's own Q4_1 / Q8_0 blocks
+(``SharedPrefillEngine(block_weights="on")``, ``ccft.inference.blocks``) runs beside the fp32 engine
+(``block_weights="off"``, the ``engine`` of every row), interleaved; each row gets ``engine_blocks``
+(decode tok/s, TTFT, greedy rows equal to the fp32 engine's, weight bytes read per step and their share of the
+measured bandwidth) and the top level ``blocks_speedup_batch<B>`` (blocks ÷ fp32 decode tok/s),
+``blocks_greedy_rows_equal_batch<B>`` and ``engine_memory`` (bytes the engines hold beside the model's own
+parameters, and the process's RSS growth as each engine was built). With ``--llamacpp`` too, llama.cpp also
+runs the GGUF the blocks came from (the embedded model's Q4_1 file) as it is: per row ``llamacpp_q4_1`` and
+the top-level ``llamacpp_q4_1_ratio_batch<B>`` (block engine ÷ llama.cpp on that file), beside
+``llamacpp_ratio_batch<B>`` (fp32 engine ÷ llama.cpp on the F32 GGUF).
+
 Every row runs exactly ``--new-tokens`` tokens on both sides (HF: ``min_new_tokens``; engine:
 ``ignore_eos``). ``--random-weights`` builds a random model in SmolLM2-135M's shape, so nothing is
 downloaded or shipped (the GPU check uses it). The JSON's top level carries ``speedup_batch1``,
@@ -539,12 +550,25 @@ def run(args) -> dict:
         from ccft.core.models import resolve_model_path
 
         gguf = lc.convert_to_gguf(build, resolve_model_path(args.model), base.fingerprint, log=_log)
+    rss = [_rss_bytes()]
     engine = SharedPrefillEngine(
         base,
         max_batch=max(args.batch_sizes),
         decode=args.decode,
         max_tail_tokens=max(64, 2 * args.new_tokens),
+        block_weights="off",
     )
+    rss.append(_rss_bytes())
+    blocks_engine = None
+    if getattr(args, "blocks", False):
+        blocks_engine = SharedPrefillEngine(
+            base,
+            max_batch=max(args.batch_sizes),
+            decode=args.decode,
+            max_tail_tokens=max(64, 2 * args.new_tokens),
+            block_weights="on",
+        )
+        rss.append(_rss_bytes())
     load_before = _loadavg()
     bw = memory_bandwidth(args.device, dtype)
     peak = peak_matmul(args.device, dtype)
@@ -564,15 +588,33 @@ def run(args) -> dict:
         "peak_matmul_detail": peak,
         "batches": {},
     }
-    prompts_of, engine_tokens = {}, {}
+    if blocks_engine is not None:
+        result["block_weights"] = {
+            "gguf": Path(blocks_engine.block_weights).name,
+            "kernel": "AVX2+FMA" if _kernel_avx2() else "plain C++",
+        }
+        result["engine_memory"] = {
+            "fp32_engine_extra_bytes": engine_extra_bytes(engine),
+            "blocks_engine_extra_bytes": engine_extra_bytes(blocks_engine),
+            "fp32_engine_rss_growth_bytes": rss[1] - rss[0],
+            "blocks_engine_rss_growth_bytes": rss[2] - rss[1],
+            "model_parameter_bytes": sum(p.numel() * p.element_size() for p in base.model.parameters()),
+            "fp32_linear_bytes_per_step": linear_bytes(engine, blocks=False),
+            "blocks_linear_bytes_per_step": linear_bytes(blocks_engine),
+        }
+    prompts_of, engine_tokens, blocks_tokens = {}, {}, {}
     for batch in args.batch_sizes:
         prompts = make_prompts(base, batch, args.prompt_tokens, real=not args.random_weights)
-        hf_runs, eng_runs = [], []
+        hf_runs, eng_runs, blk_runs = [], [], []
         run_hf(base, prompts, min(4, args.new_tokens))  # warm-up
         run_engine(engine, prompts, min(4, args.new_tokens))
-        for _ in range(args.repeats):  # interleaved, so drift in machine load hits both alike
+        if blocks_engine is not None:
+            run_engine(blocks_engine, prompts, min(4, args.new_tokens))
+        for _ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
             hf_runs.append(run_hf(base, prompts, args.new_tokens))
             eng_runs.append(run_engine(engine, prompts, args.new_tokens))
+            if blocks_engine is not None:
+                blk_runs.append(run_engine(blocks_engine, prompts, args.new_tokens))
         steps = args.new_tokens - 1
 
         def summary(runs, batch=batch, steps=steps):
@@ -600,10 +642,47 @@ def run(args) -> dict:
         }
         for key in ("speedup", "roofline_fraction", "bandwidth_fraction"):
             result[f"{key}_batch{batch}"] = result["batches"][str(batch)][key]
+        if blocks_engine is not None:
+            blk = summary(blk_runs)
+            blocks_tokens[batch] = blk_runs[0]["tokens"]
+            read = roof["bytes_per_step"] - linear_bytes(engine, blocks=False) + linear_bytes(blocks_engine)
+            blk.update(
+                speedup_vs_fp32=blk["decode_tok_s"] / eng["decode_tok_s"],
+                greedy_rows_equal_fp32=sum(
+                    a == b for a, b in zip(eng_runs[0]["tokens"], blk_runs[0]["tokens"], strict=True)
+                )
+                / batch,
+                bytes_per_step=read,
+                bandwidth_fraction=read * blk["decode_tok_s"] / batch / bw["bandwidth_Bps"],
+            )
+            result["batches"][str(batch)]["engine_blocks"] = blk
+            result[f"blocks_speedup_batch{batch}"] = blk["speedup_vs_fp32"]
+            result[f"blocks_greedy_rows_equal_batch{batch}"] = blk["greedy_rows_equal_fp32"]
         if getattr(args, "profile", False):
             result["batches"][str(batch)]["profile"] = profile_step(engine, prompts)
     if llamacpp:
         result["llamacpp"] = run_llamacpp(build, gguf, args, prompts_of, engine_tokens, result)
+        if blocks_engine is not None:
+            q41 = Path(blocks_engine.block_weights)
+            try:
+                result["llamacpp_q4_1"] = run_llamacpp(
+                    build,
+                    q41,
+                    args,
+                    prompts_of,
+                    blocks_tokens,
+                    result,
+                    engine_key="engine_blocks",
+                    row_key="llamacpp_q4_1",
+                )
+            except lc.LlamaCppError as e:  # kept: the rest of the run is measured already
+                _log(f"llama.cpp on {q41.name} failed; its rows are left out: {e}")
+                for row in result["batches"].values():
+                    row.pop("llamacpp_q4_1", None)
+                for key in [k for k in result if k.startswith("llamacpp_q4_1_ratio_")]:
+                    del result[key]
+                error = lc.portable(str(e)).replace(f"{q41.parent}/", "")  # no machine path in a result
+                result["llamacpp_q4_1_error"] = {"gguf": q41.name, "error": error}
     # 1-minute load average before and after: other processes on the machine show up as lower numbers
     result["load_average"] = {"before": load_before, "after": _loadavg(), "cpus": os.cpu_count()}
     return result
@@ -613,11 +692,22 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_llamacpp(build, gguf, args, prompts_of: dict, engine_tokens: dict, result: dict) -> dict:
+def run_llamacpp(
+    build,
+    gguf,
+    args,
+    prompts_of: dict,
+    engine_tokens: dict,
+    result: dict,
+    *,
+    engine_key: str = "engine",
+    row_key: str = "llamacpp",
+) -> dict:
     """llama.cpp on the same GGUF weights: speed per batch size with ``llama-batched-bench`` (prompt length =
-    the batch's mean, rounded; at batch 1 also ``llama-bench``) and greedy agreement with the engine on the largest batch's prompts. Adds ``llamacpp`` to each batch
-    row of ``result`` and ``llamacpp_ratio_batch<B>`` (engine ÷ llama.cpp decode tok/s) to its top level;
-    returns the ``llamacpp`` block."""
+    the batch's mean, rounded; at batch 1 also ``llama-bench``) and greedy agreement with the engine on the
+    largest batch's prompts. Adds ``row_key`` to each batch row of ``result`` and ``<row_key>_ratio_batch<B>``
+    (the row's ``engine_key`` decode tok/s ÷ llama.cpp decode tok/s) to its top level; returns the block
+    describing the run (kept under ``row_key`` at the top level)."""
     from ccft.bench import llamacpp as lc
 
     block = {**build.describe(), "gguf": str(gguf), "threads": args.threads, "kv_type": "f32", "batches": {}}
@@ -631,14 +721,14 @@ def run_llamacpp(build, gguf, args, prompts_of: dict, engine_tokens: dict, resul
             )
         block["batches"][str(batch)] = r
         row = result["batches"][str(batch)]
-        row["llamacpp"] = {
+        row[row_key] = {
             "decode_tok_s": r["decode_tok_s"],
             "prefill_tok_s": r["prefill_tok_s"],
-            "ratio": row["engine"]["decode_tok_s"] / r["decode_tok_s"],
+            "ratio": row[engine_key]["decode_tok_s"] / r["decode_tok_s"],
         }
         if "llama_bench" in r:
-            row["llamacpp"]["llama_bench_decode_tok_s"] = r["llama_bench"]["decode_tok_s"]
-        result[f"llamacpp_ratio_batch{batch}"] = row["llamacpp"]["ratio"]
+            row[row_key]["llama_bench_decode_tok_s"] = r["llama_bench"]["decode_tok_s"]
+        result[f"{row_key}_ratio_batch{batch}"] = row[row_key]["ratio"]
     largest = max(prompts_of)
     n = min(args.llamacpp_compare, args.new_tokens)
     tokens = lc.greedy_tokens(build, gguf, prompts_of[largest], n, args.threads, log=_log)
@@ -649,6 +739,62 @@ def run_llamacpp(build, gguf, args, prompts_of: dict, engine_tokens: dict, resul
         "tokens": tokens,
     }
     return lc.portable(block)  # the cache folder as $CCFT_CACHE: no machine path in a committed result
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size in bytes (Linux ``/proc/self/statm``; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _kernel_avx2() -> bool:
+    from ccft.inference.blocks import load_kernel
+
+    k = load_kernel()
+    return bool(k is not None and k.avx2)
+
+
+def _linears(engine) -> list:
+    """The distinct ``weights.Linear`` objects the base lane's decode step calls (packed ones if packed)."""
+    lw = engine.lanes["base"].weights
+    out = []
+    for layer in lw.layers:
+        p = layer.proj
+        out += [layer.qkv] if layer.qkv is not None else [p["q_proj"], p["k_proj"], p["v_proj"]]
+        out += [layer.gate_up] if layer.gate_up is not None else [p["gate_proj"], p["up_proj"]]
+        out += [p["o_proj"], p["down_proj"]]
+    return [*out, lw.lm_head]
+
+
+def linear_bytes(engine, *, blocks: bool = True) -> int:
+    """Bytes of weights the base lane's linear layers read per decode step: the blocks of those computed
+    from blocks (when ``blocks``), else their fp32 (or packed) weights."""
+    total = 0
+    for lin in _linears(engine):
+        if blocks and lin.blocks is not None:
+            total += lin.blocks.nbytes
+        elif lin.weight is not None:
+            total += lin.weight.numel() * lin.weight.element_size()
+        else:  # a [q; k; v] kept only as blocks: its fp32 size
+            total += 4 * lin.blocks.n * lin.blocks.k
+    return total
+
+
+def engine_extra_bytes(engine) -> int:
+    """Bytes the engine's base lane holds beside the model's own parameters: oneDNN-packed / concatenated
+    fp32 copies, or the blocks."""
+    own = {p.data_ptr() for p in engine.base.model.parameters()}
+    total = 0
+    for lin in _linears(engine):
+        if lin.blocks is not None:
+            total += lin.blocks.nbytes
+        elif lin.packed is not None:
+            total += lin.packed.numel() * lin.packed.element_size()
+        elif lin.weight.data_ptr() not in own:
+            total += lin.weight.numel() * lin.weight.element_size()
+    return total
 
 
 def _device_name(device) -> str:
@@ -666,9 +812,15 @@ def table(result: dict) -> str:
         f"load average {result['load_average']['before']} -> {result['load_average']['after']}"
     ]
     lc = "llamacpp" in result
+    blk = "block_weights" in result
+    q41 = "llamacpp_q4_1" in result
     cols = ["batch", "HF tok/s", "engine tok/s"]
+    if blk:
+        cols += ["engine blocks tok/s", "blocks / fp32", "blocks rows = fp32"]
     if lc:
         cols += ["llama.cpp tok/s", "engine / llama.cpp", "llama.cpp prefill tok/s"]
+    if q41:
+        cols += ["llama.cpp Q4_1 tok/s", "blocks / llama.cpp Q4_1"]
     cols += [
         "speedup",
         "HF TTFT ms",
@@ -681,12 +833,21 @@ def table(result: dict) -> str:
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for b, r in result["batches"].items():
         cells = [b, f"{r['hf']['decode_tok_s']:.1f}", f"{r['engine']['decode_tok_s']:.1f}"]
+        if blk:
+            e = r["engine_blocks"]
+            cells += [
+                f"{e['decode_tok_s']:.1f}",
+                f"{e['speedup_vs_fp32']:.2f}x",
+                f"{100 * e['greedy_rows_equal_fp32']:.0f}%",
+            ]
         if lc:
             cells += [
                 f"{r['llamacpp']['decode_tok_s']:.1f}",
                 f"{r['llamacpp']['ratio']:.2f}x",
                 f"{r['llamacpp']['prefill_tok_s']:.1f}",
             ]
+        if q41:
+            cells += [f"{r['llamacpp_q4_1']['decode_tok_s']:.1f}", f"{r['llamacpp_q4_1']['ratio']:.2f}x"]
         cells += [
             f"{r['speedup']:.2f}x",
             f"{1e3 * r['hf']['ttft_s']:.0f}",
@@ -711,6 +872,29 @@ def table(result: dict) -> str:
                 f"llama.cpp tok/s: llama-batched-bench, fp32 KV; batch 1 with llama-bench (f16 KV, its default): "
                 f"{result['batches']['1']['llamacpp']['llama_bench_decode_tok_s']:.1f} tok/s"
             )
+    if "llamacpp_q4_1_error" in result:
+        lines.append(
+            f"llama.cpp on {result['llamacpp_q4_1_error']['gguf']}: {result['llamacpp_q4_1_error']['error']}"
+        )
+    if q41:
+        a = result["llamacpp_q4_1"]["greedy"]["vs_engine"]
+        lines.append(
+            f"llama.cpp on {Path(result['llamacpp_q4_1']['gguf']).name} vs the block engine, greedy on batch "
+            f"{result['llamacpp_q4_1']['greedy']['batch']}'s prompts, first {a['first_tokens']} tokens: "
+            f"{100 * a['leading_share']:.0f}% leading tokens equal, {100 * a['rows_equal']:.0f}% rows equal"
+        )
+    if blk:
+        m = {k: v / 1e6 for k, v in result["engine_memory"].items()}
+        w = result["block_weights"]
+        lines.append(
+            f"block weights from {w['gguf']} ({w['kernel']} kernel); engine memory beside the model's "
+            f"{m['model_parameter_bytes']:.0f} MB of parameters: fp32 {m['fp32_engine_extra_bytes']:.0f} MB "
+            f"(RSS +{m['fp32_engine_rss_growth_bytes']:.0f} MB), "
+            f"blocks {m['blocks_engine_extra_bytes']:.0f} MB "
+            f"(RSS +{m['blocks_engine_rss_growth_bytes']:.0f} MB); linear weights read per decode step: "
+            f"fp32 {m['fp32_linear_bytes_per_step']:.0f} MB, "
+            f"blocks {m['blocks_linear_bytes_per_step']:.0f} MB"
+        )
     for b, r in result["batches"].items():
         if "profile" in r:
             pr = r["profile"]
@@ -747,6 +931,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also run llama.cpp on the same weights (F32 GGUF; CPU, float32; built once if missing)",
     )
     p.add_argument(
+        "--blocks",
+        action="store_true",
+        help="also run the engine on the GGUF's Q4_1/Q8_0 blocks (block_weights='on') beside the fp32 "
+        "engine; with --llamacpp also llama.cpp on that GGUF",
+    )
+    p.add_argument(
         "--llamacpp-compare",
         type=int,
         default=16,
@@ -774,7 +964,16 @@ def report(result: dict, out: str | None) -> int:
             {
                 k: v
                 for k, v in result.items()
-                if k.startswith(("speedup_", "roofline_fraction_", "bandwidth_fraction_", "llamacpp_ratio_"))
+                if k.startswith(
+                    (
+                        "speedup_",
+                        "roofline_fraction_",
+                        "bandwidth_fraction_",
+                        "llamacpp_ratio_",
+                        "llamacpp_q4_1_ratio_",
+                        "blocks_",
+                    )
+                )
             }
         )
     )

@@ -87,15 +87,11 @@ class LlamaCppError(ConfigError):
 
 
 def cache_root() -> Path:
-    """``$CCFT_CACHE``, else ``$CCFT_HOME``, else ``$XDG_CACHE_HOME/ccft``, else ``~/.cache/ccft``
-    (``$CCFT_HOME`` and the default are ``ccft.core.models.ccft_home``, the models' cache)."""
-    from ccft.core.models import ccft_home
+    """``ccft.core.models.cache_root()`` (``$CCFT_CACHE``, else ``$CCFT_HOME``, else ``$XDG_CACHE_HOME/ccft``,
+    else ``~/.cache/ccft``), imported when called."""
+    from ccft.core.models import cache_root as root
 
-    if os.environ.get("CCFT_CACHE"):
-        return Path(os.environ["CCFT_CACHE"])
-    if not os.environ.get("CCFT_HOME") and os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "ccft"
-    return ccft_home()
+    return root()
 
 
 def portable(obj, root: Path | None = None):

@@ -91,6 +91,35 @@ def ccft_home() -> Path:
     return Path(os.environ.get("CCFT_HOME") or Path.home() / ".cache" / "ccft")
 
 
+def cache_root() -> Path:
+    """Folder for built tools and kernels: ``$CCFT_CACHE``, else ``$CCFT_HOME``, else
+    ``$XDG_CACHE_HOME/ccft``, else ``~/.cache/ccft`` (``$CCFT_HOME`` and the default are :func:`ccft_home`, the models' cache)."""
+    if os.environ.get("CCFT_CACHE"):
+        return Path(os.environ["CCFT_CACHE"])
+    if not os.environ.get("CCFT_HOME") and os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "ccft"
+    return ccft_home()
+
+
+def source_gguf(name_or_path: str) -> Path | None:
+    """The GGUF file a base's fp32 weights were dequantised from, or None (a plain checkpoint).
+
+    An embedded model name -> the GGUF file inside its package; a folder written by
+    :func:`convert_embedded` (or any folder whose ``CCFT_SOURCE.txt`` has a line ``converted from
+    PATH.gguf``) -> that file when it exists. Raises ConfigError for an embedded model whose package
+    is missing."""
+    if name_or_path in EMBEDDED_MODELS:
+        return _gguf_path(name_or_path)
+    source = Path(str(name_or_path)) / "CCFT_SOURCE.txt"
+    if not source.is_file():
+        return None
+    for line in source.read_text().splitlines():
+        if line.startswith("converted from ") and line.endswith(".gguf"):
+            path = Path(line[len("converted from ") :].strip())
+            return path if path.is_file() else None
+    return None
+
+
 def _gguf_path(name: str) -> Path:
     package, rel, _ = EMBEDDED_MODELS[name]
     spec = importlib.util.find_spec(package)

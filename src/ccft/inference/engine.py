@@ -31,6 +31,7 @@ The parts, one concept per module of ``ccft.inference``:
 * ``planner``: per-step plans (prefix groups, LoRA rows, static inputs);
 * ``graphs``: the static step run eagerly, compiled or captured as CUDA graphs;
 * ``model``, ``attention``, ``kv``, ``weights``: the forward, its attention, its buffers, its weights.
+* ``blocks``: the base's linear layers computed from the GGUF's own Q4_1 / Q8_0 blocks (``block_weights``).
 
 Decode modes (``decode=``):
   * ``eager`` (CPU default): host-side grouping of rows by prefix, exact-width views, no copies.
@@ -62,6 +63,7 @@ from ccft.core.text import StopMatcher
 from ccft.core.tokens import left_pad, pad_token_id
 from ccft.inference import model as M
 from ccft.inference import planner
+from ccft.inference.blocks import use_block_weights
 from ccft.inference.handles import BASE, PrefixHandle
 from ccft.inference.kv import CapacityError, PrefixArena
 from ccft.inference.lanes import Lane, LaneRegistry
@@ -175,10 +177,18 @@ class SharedPrefillEngine:
             unless ``decode="compile"``.
         fill: value of never-written cache memory (0; tests use NaN to catch reads of it, K3 in
             docs/design.md).
+        block_weights: compute the base lane's linear layers from the GGUF's own Q4_1 / Q8_0 blocks
+            (``blocks``; LoRA deltas stay fp32 on top): ``"auto"`` (on when the block kernel compiles, the
+            base was dequantised from such a GGUF and its blocks equal the fp32 weights bit for bit, on
+            the CPU in fp32 with decode eager or static; else off), ``"on"`` (the same, raising instead
+            of falling back), ``"off"``, or the GGUF file's path. Default: ``$CCFT_BLOCK_WEIGHTS``
+            (``0`` = off), else ``"auto"``. ``self.block_weights`` is the GGUF used (None: fp32).
     Raises:
         IncompatibleModelError: a model the engine cannot run, or a decoder that cannot read the base's KV.
         FingerprintMismatchError: a decoder conditioned on another base.
-        ConfigError: an unknown ``decode`` / ``attention``, or one this device cannot run.
+        ConfigError: an unknown ``decode`` / ``attention``, or one this device cannot run; a
+            ``block_weights`` that is unknown or, when asked for explicitly, cannot be used.
+        BlockMismatchError: ``block_weights`` "on" or a path whose blocks differ from the fp32 weights.
     """
 
     def __init__(
@@ -193,6 +203,7 @@ class SharedPrefillEngine:
         attention: str = "auto",
         pack_weights: bool | None = None,
         fill: float = 0.0,
+        block_weights: str | Path | None = None,
     ):
         self.base = base
         self.tokenizer = base.tokenizer
@@ -232,6 +243,8 @@ class SharedPrefillEngine:
                 "weight handling); leave pack_weights unset"
             )
         self.pack_weights = bool(pack_weights)
+        #: the GGUF file whose blocks the base lane computes from (None: fp32 weights)
+        self.block_weights = use_block_weights(base, bw, block_weights, decode_mode=decode)
         self.max_batch, self.max_tail_tokens = int(max_batch), int(max_tail_tokens)
         self.fill = float(fill)
         self.num_layers = bw.num_layers

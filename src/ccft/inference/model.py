@@ -32,6 +32,7 @@ from ccft.inference.attention import (
     prefix_attention_grouped,
     tail_attention,
 )
+from ccft.inference.blocks import fused_mlp
 from ccft.inference.weights import Adapter, LaneWeights, Linear
 
 
@@ -106,11 +107,21 @@ def _adapts(lora: LoraPlan, layer: int, names: tuple[str, ...]) -> bool:
 
 
 def _mlp(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan) -> torch.Tensor:
-    """``x + down(silu(gate(h)) * up(h))``, h = RMSNorm(x); fused oneDNN calls where no adapter intervenes."""
+    """``x + down(silu(gate(h)) * up(h))``, h = RMSNorm(x); fused oneDNN calls (or one block-kernel call, when
+    gate and up are block weights) where no adapter intervenes."""
     layer = lw.layers[i]
     h = rms_norm(x, layer.mlp_norm, lw.eps)
     p = layer.proj
-    if layer.gate_up is not None:
+    g, u = p["gate_proj"], p["up_proj"]
+    if (
+        g.blocks is not None
+        and u.blocks is not None
+        and g.bias is None
+        and u.bias is None
+        and not _adapts(lora, i, ("gate_proj", "up_proj"))
+    ):
+        act = fused_mlp(g.blocks, u.blocks, h)
+    elif layer.gate_up is not None:
         gu = layer.gate_up(h)
         inter = gu.shape[-1] // 2
         _lora_into(gu, h, "gate_proj", i, lora, 0)

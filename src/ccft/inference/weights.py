@@ -33,35 +33,41 @@ except (AttributeError, RuntimeError):  # pragma: no cover - PyTorch built witho
 
 @dataclass
 class Linear:
-    """``y = x @ weight.T + bias``; ``weight (out, in)``.
+    """``y = x @ weight.T + bias``; ``weight (out, in)`` (None for a packed [q; k; v] kept only as blocks).
 
     ``packed``: the same weight prepacked for oneDNN (CPU), used instead of ``weight`` when set.
+    ``blocks``: the same weight as GGUF Q4_1 / Q8_0 blocks (``blocks.BlockMatrix``; fp32 activations on
+    the CPU), used instead of ``weight`` when set (``blocks.attach_blocks``).
     """
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None
+    blocks: object | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            y = self.blocks.matmul(x)
+            return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return _ONEDNN_LINEAR(x, self.packed, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(self(x))`` (one fused oneDNN call when packed)."""
-        if self.packed is not None:
+        if self.packed is not None and self.blocks is None:
             return _ONEDNN_LINEAR(x, self.packed, self.bias, "swish", [], "")
         return torch.nn.functional.silu(self(x))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``self(x) * other`` (one fused oneDNN call when packed)."""
-        if self.packed is not None:
+        if self.packed is not None and self.blocks is None:
             return _ONEDNN_BINARY(x, other, self.packed, self.bias, "mul")
         return self(x) * other
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``other + self(x)`` (one fused oneDNN call when packed)."""
-        if self.packed is not None:
+        if self.packed is not None and self.blocks is None:
             return _ONEDNN_BINARY(x, other, self.packed, self.bias, "add")
         return other + self(x)
 
@@ -78,9 +84,10 @@ def onednn_available() -> bool:
 def prepack(lin: Linear) -> Linear:
     """A copy of ``lin`` with its weight prepacked for oneDNN (no batch-size hint: good for 1..64 rows); ``lin``
     itself where oneDNN cannot pack it (not on the CPU, another dtype, or bf16 on a CPU without the
-    instructions oneDNN's bf16 kernels need, e.g. AVX2 only)."""
+    instructions oneDNN's bf16 kernels need, e.g. AVX2 only) or where it computes from its blocks."""
     if (
-        lin.weight.device.type != "cpu"
+        lin.blocks is not None
+        or lin.weight.device.type != "cpu"
         or lin.weight.dtype not in (torch.float32, torch.bfloat16)
         or not onednn_available()
     ):
@@ -170,6 +177,14 @@ class LaneWeights:
 
 
 def _packed(parts: list[Linear]) -> Linear:
+    """``[W1; W2; ...]`` as one Linear: from the blocks when every part has blocks of one format (no fp32
+    copy), else an fp32 copy of the weights."""
+    if all(p.blocks is not None for p in parts):
+        from ccft.inference.blocks import concat
+
+        stacked = concat([p.blocks for p in parts])
+        if stacked is not None and all(p.bias is None for p in parts):
+            return Linear(None, None, None, stacked)
     weight = torch.cat([p.weight.detach() for p in parts], dim=0).contiguous()
     if all(p.bias is None for p in parts):
         return Linear(weight)
@@ -187,13 +202,17 @@ def pack(lw: LaneWeights) -> LaneWeights:
     on CPUs than per-projection ``F.linear`` (about 2x at batch 1 and 16 on a 2-core EPYC). The
     packed copies cost one extra copy of the lane's weights, shared by every decoder of the lane;
     the model's own parameters are untouched. They are a snapshot: later in-place edits of the
-    model's weights are not seen (LoRA adapter weights are read live).
+    model's weights are not seen (LoRA adapter weights are read live). Projections computed from
+    their blocks (``blocks.attach_blocks``) are not copied: [q;k;v] stacks their blocks.
     """
     onednn = lw.device.type == "cpu" and lw.dtype in (torch.float32, torch.bfloat16) and onednn_available()
     for layer in lw.layers:
         p = layer.proj
         layer.qkv = prepack(_packed([p["q_proj"], p["k_proj"], p["v_proj"]]))
-        if onednn:  # gate and up stay separate: silu(gate x) and (up x) * that are fused oneDNN calls
+        blocks = p["gate_proj"].blocks is not None and p["up_proj"].blocks is not None
+        # gate and up stay separate: silu(gate x) and (up x) * that are fused oneDNN calls, or one call of the
+        # block kernel (blocks.fused_mlp)
+        if onednn or blocks:
             for name in ("gate_proj", "up_proj"):
                 p[name] = prepack(p[name])
         else:

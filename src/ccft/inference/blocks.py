@@ -1,0 +1,451 @@
+"""Block weights: the base's linear layers kept in the GGUF's own Q4_1 / Q8_0 blocks, multiplied from them.
+
+The embedded model is a GGUF file whose linear layers are Q4_1 (blocks of 32 weights, an fp16 scale d
+and an fp16 minimum m: ``w = d·q + m``, q in 0..15) and whose tied embedding / LM head is Q8_0 (blocks
+of 32, an fp16 scale: ``w = d·q``, q in -128..127). ``ccft.core.models.convert_embedded`` dequantises
+it into the fp32 folder the base loads, so the fp32 weights *are* the dequantised blocks: a matrix kept
+as its blocks (20 or 34 bytes per 32 weights instead of 128) computes with the same weights.
+
+* :class:`BlockMatrix`: one weight ``(n, k)`` as its raw blocks (``uint8 (n, k/32 · bytes per block)``),
+  with ``matmul`` (``y = x · Wᵀ``, activations and outputs fp32) and ``dequantize``.
+* :func:`fused_mlp`: ``silu(x · Wgᵀ) * (x · Wuᵀ)`` in one kernel call.
+* :func:`read_gguf_blocks`: a GGUF file's Q4_1 / Q8_0 tensors under the HF names of a Llama model (q / k
+  rows put back in HF's order, as transformers' GGUF loader does).
+* :func:`attach_blocks`: point a lane's ``Linear`` layers (``weights.Linear.blocks``) at their blocks, after
+  checking that the dequantised blocks equal the fp32 weights bit for bit.
+* :func:`load_kernel`: the C++ kernel (``kernels/blocks.cpp``: AVX2 + FMA where the CPU has them, plain
+  C++ otherwise; OpenMP over output rows), compiled at first use with the system C++ compiler
+  (``$CXX``, else ``g++``, ``c++``, ``clang++``; ``-O3 -march=native -fopenmp``) into
+  ``<cache>/kernels/blocks-<hash of source, flags, compiler>.so`` (``<cache>``:
+  ``ccft.core.models.cache_root``) through a temporary file renamed into place, so concurrent processes share one build. Without a compiler
+  (or if the build fails) it returns None and logs one line; the engine then keeps the fp32 path.
+
+``SharedPrefillEngine(block_weights=...)`` uses them for the base lane on the CPU (docs/inference.md, "Block
+weights"); ``CCFT_BLOCK_WEIGHTS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ccft.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: weights per block (both formats)
+BLOCK = 32
+#: format name -> (kernel kind id, bytes per block)
+FORMATS = {"Q8_0": (0, 34), "Q4_1": (1, 20)}
+#: the kernel's ABI version (``ccft_blocks_abi`` in blocks.cpp)
+ABI = 2
+SOURCE = Path(__file__).resolve().parent / "kernels" / "blocks.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+#: above this many activation rows (prefill), ``matmul`` dequantises the matrix and calls ``torch.matmul``
+DEQUANT_ROWS = 64
+
+_lock = threading.Lock()
+_kernel: dict[str, object] = {}  # "lib": the loaded kernel (or None after a failed build), per process
+
+
+class BlockKernel:
+    """The loaded C++ kernel (``ctypes``): ``path`` of the ``.so`` and ``avx2`` (built with AVX2 + FMA)."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        if lib.ccft_blocks_abi() != ABI:
+            raise OSError(f"{path}: kernel ABI {lib.ccft_blocks_abi()} (expected {ABI})")
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        lib.ccft_blocks_dequant.argtypes = [i32, ptr, i64, i64, ptr, i32]
+        lib.ccft_blocks_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
+        lib.ccft_blocks_mlp.argtypes = [i32, ptr, i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
+        for fn in (lib.ccft_blocks_dequant, lib.ccft_blocks_matmul, lib.ccft_blocks_mlp):
+            fn.restype = None
+        self.lib, self.path = lib, path
+        self.avx2 = bool(lib.ccft_blocks_features() & 1)
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def kernel_path(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """``<cache_root()>/kernels/blocks-<16 hex digits>.so``: the hash covers the source, the ``flags`` and the
+    compiler's path and version (``compiler --version``), so any change builds a new file."""
+    from ccft.core.models import cache_root
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update("\0".join((*flags, compiler, version)).encode())
+    return cache_root() / "kernels" / f"blocks-{h.hexdigest()[:16]}.so"
+
+
+def build_kernel(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile ``kernels/blocks.cpp`` with ``compiler`` and ``flags`` (default :data:`FLAGS`; without
+    ``-march=native`` the plain C++ path is built) into :func:`kernel_path` unless that file exists;
+    returns the path. The build writes a temporary file and renames it (concurrent builds are safe).
+
+    Raises:
+        OSError: the compiler failed (its output in the message).
+    """
+    from ccft.core.io import atomic_write_file
+
+    path = kernel_path(compiler, flags)
+    if path.is_file():
+        return path
+
+    def compile_to(tmp: str) -> None:
+        r = subprocess.run(
+            [compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False
+        )
+        if r.returncode != 0:
+            raise OSError(f"{compiler} failed on {SOURCE.name}: {(r.stderr or r.stdout).strip()[-2000:]}")
+
+    return atomic_write_file(path, compile_to)
+
+
+def load_kernel(*, fresh: bool = False) -> BlockKernel | None:
+    """The block kernel, built on first use (once per process; see the module docstring), or None when no
+    C++ compiler is found or the build or load fails (logged once, at WARNING, naming the fp32 fallback).
+    ``fresh``: look for the compiler and the built file again instead of reusing this process's answer."""
+    with _lock:
+        if fresh or "lib" not in _kernel:
+            compiler = _compiler()
+            if compiler is None:
+                why = "no C++ compiler found (set CXX, or install g++)"
+            else:
+                try:
+                    _kernel["lib"] = BlockKernel(build_kernel(compiler))
+                    return _kernel["lib"]
+                except OSError as e:
+                    why = str(e)
+            log.warning("ccft block weights unavailable, using fp32 weights: %s", why)
+            _kernel["lib"] = None
+        return _kernel["lib"]
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+@dataclass(eq=False)
+class BlockMatrix:
+    """A weight ``W (n, k)`` kept as its GGUF blocks.
+
+    Attributes:
+        fmt: ``"Q4_1"`` or ``"Q8_0"``.
+        raw: ``uint8 (n, k / 32 · bytes per block)``, row i = the blocks of W's row i, in ggml's layout.
+        n, k: W's shape (``k`` a multiple of 32).
+        kernel: the loaded :class:`BlockKernel`.
+    """
+
+    fmt: str
+    raw: torch.Tensor
+    n: int
+    k: int
+    kernel: BlockKernel
+
+    @property
+    def kind(self) -> int:
+        return FORMATS[self.fmt][0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks (what one product reads)."""
+        return self.raw.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """``W`` as fp32 ``(n, k)``, computed by the kernel's own dequantisation."""
+        out = torch.empty(self.n, self.k, dtype=torch.float32)
+        self.kernel.lib.ccft_blocks_dequant(self.kind, _ptr(self.raw), self.n, self.k, _ptr(out), _threads())
+        return out
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x · Wᵀ``: ``x (..., k)`` fp32 on the CPU -> ``(..., n)`` fp32. More than :data:`DEQUANT_ROWS`
+        rows (prefill): the matrix is dequantised for the call and ``torch.matmul`` runs (faster at many rows)."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        if m > DEQUANT_ROWS:
+            return torch.matmul(x2, self.dequantize().T).view(*lead, self.n)
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        self.kernel.lib.ccft_blocks_matmul(
+            self.kind, _ptr(self.raw), self.n, self.k, _ptr(x2), m, x2.stride(0), _ptr(y), self.n, _threads()
+        )
+        return y.view(*lead, self.n)
+
+    def rows(self, index: torch.Tensor) -> BlockMatrix:
+        """The rows ``index`` (long ``(n',)``) of W as a new ``BlockMatrix`` (blocks copied, not re-quantised)."""
+        return BlockMatrix(self.fmt, self.raw[index].contiguous(), int(index.numel()), self.k, self.kernel)
+
+
+def concat(parts: list[BlockMatrix]) -> BlockMatrix | None:
+    """``[W1; W2; ...]`` stacked by rows (e.g. packed [q; k; v]); None when their formats or ``k`` differ."""
+    first = parts[0]
+    if any(p.fmt != first.fmt or p.k != first.k for p in parts):
+        return None
+    raw = torch.cat([p.raw for p in parts], dim=0)
+    return BlockMatrix(first.fmt, raw, sum(p.n for p in parts), first.k, first.kernel)
+
+
+def fused_mlp(gate: BlockMatrix, up: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
+    """``silu(x · Wgᵀ) * (x · Wuᵀ)``: ``x (..., k)`` fp32 -> ``(..., n)``, gate and up ``(n, k)``, one kernel
+    call (above :data:`DEQUANT_ROWS` rows: two ``matmul`` calls and torch's SiLU)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, gate.k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m > DEQUANT_ROWS:
+        return (torch.nn.functional.silu(gate.matmul(x2)) * up.matmul(x2)).view(*lead, gate.n)
+    y = torch.empty(m, gate.n, dtype=torch.float32)
+    gate.kernel.lib.ccft_blocks_mlp(
+        gate.kind,
+        _ptr(gate.raw),
+        up.kind,
+        _ptr(up.raw),
+        gate.n,
+        gate.k,
+        _ptr(x2),
+        m,
+        x2.stride(0),
+        _ptr(y),
+        gate.n,
+        _threads(),
+    )
+    return y.view(*lead, gate.n)
+
+
+#: GGUF (llama.cpp) tensor name in a layer -> HF projection name
+_LAYER_NAMES = {
+    "attn_q": "q_proj",
+    "attn_k": "k_proj",
+    "attn_v": "v_proj",
+    "attn_output": "o_proj",
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
+}
+
+
+def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q / k permutation (``convert_hf_to_gguf``'s ``permute``), as
+    transformers' GGUF loader does: HF row i is GGUF row ``index[i]``."""
+    idx = torch.arange(n)
+    return idx.reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
+
+
+def read_gguf_blocks(path: str | Path, config, kernel: BlockKernel) -> dict[str, BlockMatrix]:
+    """The Q4_1 / Q8_0 linear weights of the Llama GGUF file ``path`` by HF name.
+
+    Keys: ``"layers.{i}.{proj}"`` (``weights.PROJECTIONS``) and ``"lm_head"`` (``output.weight``, or the
+    tied ``token_embd.weight`` when the file has no output tensor and ``config.tie_word_embeddings``).
+    Tensors in other formats (F32, F16, other quantisations) are left out: they keep the fp32 path.
+
+    Raises:
+        ConfigError: the file cannot be read as GGUF, or is not a Llama model.
+    """
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"block weights: {path} cannot be read as GGUF ({e})") from None
+    arch = reader.fields.get("general.architecture")
+    if arch is not None and bytes(arch.parts[arch.data[0]]).decode() != "llama":
+        raise ConfigError(f"block weights: {path} is not a llama GGUF model")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    out: dict[str, BlockMatrix] = {}
+    tensors = {t.name: t for t in reader.tensors}
+    for name, t in tensors.items():
+        fmt = t.tensor_type.name
+        if fmt not in FORMATS:
+            continue
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES and parts[3] == "weight":
+            key = f"layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+        elif name == "output.weight" or (
+            name == "token_embd.weight"
+            and "output.weight" not in tensors
+            and getattr(config, "tie_word_embeddings", False)
+        ):
+            key = "lm_head"
+        else:
+            continue
+        k, n = (int(s) for s in t.shape[:2])  # ggml order: the contiguous dimension first
+        raw = torch.from_numpy(t.data.reshape(n, -1).copy())
+        if raw.shape[1] != k // BLOCK * FORMATS[fmt][1] or k % BLOCK:
+            raise ConfigError(f"block weights: {path} {name} has {raw.shape[1]} bytes per row for k={k}")
+        m = BlockMatrix(fmt, raw, n, k, kernel)
+        if key.endswith("q_proj"):
+            m = m.rows(_unpermute_rows(n, heads))
+        elif key.endswith("k_proj"):
+            m = m.rows(_unpermute_rows(n, kv_heads))
+        out[key] = m
+    return out
+
+
+class BlockMismatchError(ConfigError):
+    """The GGUF's dequantised blocks differ from the model's fp32 weights (another file, or edited ones)."""
+
+
+def attach_blocks(lw, blocks: dict[str, BlockMatrix]) -> int:
+    """Point ``lw``'s ``Linear`` layers (``weights.LaneWeights``: every layer's projections and the LM head)
+    at their ``blocks`` (:func:`read_gguf_blocks`), each after checking that its dequantised blocks equal
+    the fp32 weight bit for bit (``torch.equal``). Returns the number of layers attached; layers without
+    blocks keep fp32. Nothing is attached unless every check passes.
+
+    Raises:
+        BlockMismatchError: a block matrix whose shape or dequantised values differ from the fp32 weight.
+    """
+    pairs = []
+    for i, layer in enumerate(lw.layers):
+        for name, lin in layer.proj.items():
+            if f"layers.{i}.{name}" in blocks:
+                pairs.append((f"layers.{i}.{name}", lin))
+    if "lm_head" in blocks:
+        pairs.append(("lm_head", lw.lm_head))
+    for key, lin in pairs:
+        b, w = blocks[key], lin.weight
+        if tuple(w.shape) != (b.n, b.k) or w.dtype != torch.float32 or w.device.type != "cpu":
+            raise BlockMismatchError(
+                f"block weights: {key} is {b.fmt} ({b.n}, {b.k}) in the GGUF, but the model's weight is "
+                f"{w.dtype} {tuple(w.shape)} on {w.device}"
+            )
+        if not torch.equal(b.dequantize(), w.detach()):
+            raise BlockMismatchError(
+                f"block weights: {key}'s dequantised {b.fmt} blocks differ from the model's fp32 weight; "
+                "the GGUF is not the file these weights came from (or the weights were edited)"
+            )
+    for key, lin in pairs:
+        lin.blocks = blocks[key]
+    return len(pairs)
+
+
+#: ``block_weights`` settings besides a GGUF path
+SETTINGS = ("auto", "on", "off")
+#: environment variable giving the default setting (``0`` / ``off``, ``1`` / ``on``, ``auto``)
+ENV = "CCFT_BLOCK_WEIGHTS"
+
+
+def default_setting() -> str:
+    """``block_weights``'s default: ``$CCFT_BLOCK_WEIGHTS`` (``0``/``off``/``false`` -> ``"off"``,
+    ``1``/``on``/``true`` -> ``"on"``, ``auto``), else ``"auto"``.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    if raw in ("0", "off", "false", "no"):
+        return "off"
+    if raw in ("1", "on", "true", "yes"):
+        return "on"
+    raise ConfigError(f"{ENV}={raw!r}; use 0 (off), 1 (on) or auto")
+
+
+def use_block_weights(base, lw, setting, *, decode_mode: str) -> Path | None:
+    """Attach a base lane's block weights (``attach_blocks``) as ``setting`` says; returns the GGUF file used,
+    or None (fp32 weights).
+
+    Args:
+        base: the ``ccft.Base`` (its ``name`` / ``path`` locate the GGUF, ``ccft.core.models.source_gguf``).
+        lw: its ``weights.LaneWeights`` (the base lane), before packing.
+        setting: ``"auto"`` (on when the kernel builds, the base was dequantised from a Q4_1 / Q8_0 GGUF
+            whose blocks equal its fp32 weights, and the engine decodes fp32 on the CPU eagerly or
+            statically; otherwise off, with a log line when something was tried and failed), ``"on"``
+            (the same, but every failure raises), ``"off"``, or a path to the GGUF file (as ``"on"``),
+            or None (:func:`default_setting`).
+        decode_mode: the engine's decode mode (``"compile"`` and ``"cuda_graph"`` keep fp32).
+    Raises:
+        ConfigError: an unknown setting; with ``"on"`` or a path: a device, dtype or decode mode the
+            kernel does not run, no GGUF found, no kernel, or no Q4_1 / Q8_0 tensor in the file.
+        BlockMismatchError: with ``"on"`` or a path, blocks that differ from the fp32 weights.
+    """
+    setting = default_setting() if setting is None else setting
+    path = None
+    if isinstance(setting, (str, Path)) and str(setting) not in SETTINGS:
+        path = Path(setting)
+        if not path.is_file():
+            raise ConfigError(f"block_weights={str(setting)!r}: use auto, on, off or an existing GGUF file")
+        setting = "on"
+    if setting not in SETTINGS:
+        raise ConfigError(f"block_weights={setting!r}: use auto, on, off or a GGUF file path")
+    if setting == "off":
+        return None
+    required = setting == "on"
+
+    def refuse(why: str) -> None:
+        if required:
+            raise ConfigError(f"block_weights: {why}")
+
+    if lw.device.type != "cpu" or lw.dtype != torch.float32 or decode_mode not in ("eager", "static"):
+        refuse(
+            f"the block kernel runs fp32 on the CPU with decode eager or static, not {lw.dtype} on "
+            f"{lw.device} with decode={decode_mode!r}; use block_weights='off'"
+        )
+        return None
+    if path is None:
+        from ccft.core.models import source_gguf
+
+        path = source_gguf(base.name) or (source_gguf(base.path) if base.path else None)
+        if path is None:
+            refuse(f"{base.name!r} was not dequantised from a GGUF file; pass the file as block_weights=PATH")
+            return None
+    kernel = load_kernel()
+    if kernel is None:
+        refuse("the block kernel could not be built (see the log); use block_weights='off'")
+        return None
+    blocks = read_gguf_blocks(path, lw.owner.config, kernel)
+    if not blocks:
+        refuse(f"{path} has no Q4_1 / Q8_0 linear weights")
+        return None
+    try:
+        n = attach_blocks(lw, blocks)
+    except BlockMismatchError as e:
+        if required:
+            raise
+        log.warning("ccft block weights not used, fp32 weights kept: %s", e)
+        return None
+    log.info(
+        "ccft block weights: %d linear layers from %s (%s)", n, path.name, "AVX2" if kernel.avx2 else "C++"
+    )
+    return path
+
+
+__all__ = [
+    "BLOCK",
+    "FORMATS",
+    "BlockKernel",
+    "BlockMatrix",
+    "BlockMismatchError",
+    "attach_blocks",
+    "build_kernel",
+    "concat",
+    "fused_mlp",
+    "kernel_path",
+    "load_kernel",
+    "read_gguf_blocks",
+    "default_setting",
+    "use_block_weights",
+]

@@ -1,0 +1,270 @@
+"""Block weights (``ccft.inference.blocks``): the base's linear layers computed from GGUF Q4_1 / Q8_0 blocks.
+
+A tiny Llama is quantised into blocks and written as a GGUF plus the fp32 folder dequantised from it
+(``conftest.make_block_folder``: no download), so the fp32 path is the exact reference. Skipped when no
+C++ compiler can build the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ccft.core.errors import ConfigError
+from ccft.inference import SharedPrefillEngine
+from ccft.inference import blocks as B
+from conftest import make_block_folder, make_lora
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = B.load_kernel()
+    if k is None:
+        pytest.skip("no C++ compiler builds the block kernel here")
+    return k
+
+
+@pytest.fixture(scope="module")
+def block_dir(tmp_path_factory, tokenizer):
+    return make_block_folder(tmp_path_factory.mktemp("blocks"), tokenizer)
+
+
+@pytest.fixture(scope="module", params=["Q4_1", "Q8_0"])
+def proj_format_dir(request, tmp_path_factory, tokenizer):
+    """Block folders whose projections are Q4_1 or Q8_0 (the LM head Q8_0)."""
+    folder = tmp_path_factory.mktemp(f"blocks_{request.param}")
+    return make_block_folder(folder, tokenizer, formats={"proj": request.param})
+
+
+def _random_blocks(fmt: str, n: int, k: int, kernel, seed: int):
+    """A random (n, k) matrix quantised to ``fmt`` -> (BlockMatrix, its fp32 dequantisation by gguf-py)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.1).numpy().astype(np.float32)
+    qtype = GGMLQuantizationType[fmt]
+    raw = quantize(w, qtype)
+    ref = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).copy())
+    return B.BlockMatrix(fmt, torch.from_numpy(raw.copy()), n, k, kernel), ref
+
+
+def test_source_gguf_found(block_dir):
+    from ccft.core.models import source_gguf
+
+    assert source_gguf(str(block_dir)) == block_dir.parent / "model.gguf"
+
+
+def test_dequantised_blocks_equal_fp32_weights_bit_for_bit(block_dir, kernel):
+    import ccft
+
+    base = ccft.load_base(str(block_dir))
+    blocks = B.read_gguf_blocks(block_dir.parent / "model.gguf", base.config, kernel)
+    # 2 layers x 7 projections + the LM head; the F32 embedding and norms are left out
+    assert sorted(blocks) == sorted([f"layers.{i}.{p}" for i in range(2) for p in B_PROJ] + ["lm_head"])
+    assert {b.fmt for k, b in blocks.items() if k != "lm_head"} == {"Q4_1"} and blocks[
+        "lm_head"
+    ].fmt == "Q8_0"
+    params = dict(base.model.named_parameters())
+    for key, b in blocks.items():
+        if key == "lm_head":
+            w = params["lm_head.weight"]
+        else:
+            _, i, proj = key.split(".")
+            group = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            w = params[f"model.layers.{i}.{group}.{proj}.weight"]
+        assert torch.equal(b.dequantize(), w), key  # q / k rows put back in HF's order too
+
+
+B_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (129, 576), (16, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 17, 64, 70])
+def test_kernel_matmul_matches_torch(fmt, n, k, rows, kernel):
+    bm, w = _random_blocks(fmt, n, k, kernel, seed=n * 1000 + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = bm.matmul(x)
+    ref = (x.double() @ w.double().T).float()
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * k**0.5)
+    # a strided input (a column slice: rows not contiguous) and a leading batch dimension
+    wide = torch.randn(rows, k + 32, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(
+        bm.matmul(wide[:, 16 : 16 + k]),
+        (wide[:, 16 : 16 + k].double() @ w.double().T).float(),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    assert bm.matmul(x.view(1, rows, k)).shape == (1, rows, n)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6, 80])
+def test_fused_mlp_matches_torch(rows, kernel):
+    gate, wg = _random_blocks("Q4_1", 45, 64, kernel, seed=1)
+    up, wu = _random_blocks("Q8_0", 45, 64, kernel, seed=2)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(3))
+    ref = torch.nn.functional.silu(x.double() @ wg.double().T) * (x.double() @ wu.double().T)
+    torch.testing.assert_close(B.fused_mlp(gate, up, x), ref.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_concat_stacks_rows(kernel):
+    a, wa = _random_blocks("Q4_1", 5, 64, kernel, seed=4)
+    b, wb = _random_blocks("Q4_1", 3, 64, kernel, seed=5)
+    c, _ = _random_blocks("Q8_0", 3, 64, kernel, seed=6)
+    stacked = B.concat([a, b])
+    assert (stacked.n, stacked.k) == (8, 64) and torch.equal(stacked.dequantize(), torch.cat([wa, wb]))
+    assert B.concat([a, c]) is None  # formats differ: the caller keeps an fp32 copy
+
+
+def _prompts(tokenizer, gsm8k_rows, n):
+    from ccft.core.tokens import tokenize_prompt
+
+    return [
+        tokenize_prompt(tokenizer, r["prompt"], chat_template=False)[: 12 + 5 * i]
+        for i, r in enumerate(gsm8k_rows[:n])
+    ]
+
+
+def _greedy(engine, prompts, decoder="base", new=12):
+    with engine.prefill(prompts) as h:
+        return [g.token_ids for g in engine.generate(h, decoder=decoder, max_new_tokens=new, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_engine_greedy_equals_fp32_path(proj_format_dir, decode, kernel, tokenizer, gsm8k_rows):
+    import ccft
+
+    path = proj_format_dir
+    base = ccft.load_base(str(path))
+    lora = make_lora(base, "math", seed=3, r=4)
+    blocks = SharedPrefillEngine(base, {"math": lora}, decode=decode, block_weights="auto")
+    fp32 = SharedPrefillEngine(base, {"math": lora}, decode=decode, block_weights="off")
+    assert blocks.block_weights == path.parent / "model.gguf" and fp32.block_weights is None
+    lw = blocks.lanes["base"].weights
+    assert lw.lm_head.blocks is not None and all(
+        layer.proj["down_proj"].blocks is not None for layer in lw.layers
+    )
+    for n in (1, 3, 8):
+        prompts = _prompts(tokenizer, gsm8k_rows, n)
+        for dec in ("base", "math"):
+            assert _greedy(blocks, prompts, dec) == _greedy(fp32, prompts, dec), (n, dec)
+
+
+def test_engine_logits_close_to_fp32(block_dir, kernel, tokenizer, gsm8k_rows):
+    import ccft
+
+    base = ccft.load_base(str(block_dir))
+    prompts = _prompts(tokenizer, gsm8k_rows, 4)
+    out = {}
+    for setting in ("on", "off"):
+        engine = SharedPrefillEngine(base, block_weights=setting)
+        with engine.prefill(prompts) as h:
+            ids = [engine.add_request(h, i, max_new_tokens=1, logprobs=5) for i in range(len(prompts))]
+            out[setting] = {o.request_id: o.top_logprobs for o in engine.step()}
+            out[setting] = [out[setting][r] for r in ids]
+    for a, b in zip(out["on"], out["off"], strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) < 1e-4
+
+
+def test_mismatched_weights_fall_back_or_raise(block_dir, kernel, caplog):
+    import ccft
+
+    base = ccft.load_base(str(block_dir))
+    with torch.no_grad():
+        base.model.model.layers[1].mlp.down_proj.weight[3, 5] += 1e-3
+    with caplog.at_level(logging.WARNING, logger="ccft.inference.blocks"):
+        engine = SharedPrefillEngine(base, block_weights="auto")
+    assert engine.block_weights is None
+    assert engine.lanes["base"].weights.lm_head.blocks is None  # nothing attached when one check fails
+    assert "layers.1.down_proj" in caplog.text and "fp32 weights kept" in caplog.text
+    with pytest.raises(B.BlockMismatchError, match="layers.1.down_proj"):
+        SharedPrefillEngine(base, block_weights="on")
+
+
+def test_settings(tiny_base, block_dir, kernel, monkeypatch):
+    import ccft
+
+    # a plain fp32 checkpoint: auto keeps fp32, on names what is missing
+    assert SharedPrefillEngine(tiny_base).block_weights is None
+    with pytest.raises(ConfigError, match="not dequantised from a GGUF"):
+        SharedPrefillEngine(tiny_base, block_weights="on")
+    with pytest.raises(ConfigError, match="use auto, on, off"):
+        SharedPrefillEngine(tiny_base, block_weights="maybe")
+    # an explicit GGUF path turns them on; CCFT_BLOCK_WEIGHTS=0 turns the default off
+    base = ccft.load_base(str(block_dir))
+    gguf = block_dir.parent / "model.gguf"
+    assert SharedPrefillEngine(base, block_weights=str(gguf)).block_weights == gguf
+    monkeypatch.setenv("CCFT_BLOCK_WEIGHTS", "0")
+    assert SharedPrefillEngine(base).block_weights is None
+    monkeypatch.setenv("CCFT_BLOCK_WEIGHTS", "sometimes")
+    with pytest.raises(ConfigError, match="CCFT_BLOCK_WEIGHTS"):
+        SharedPrefillEngine(base)
+    monkeypatch.delenv("CCFT_BLOCK_WEIGHTS")
+    with pytest.raises(ConfigError, match="decode eager or static"):
+        SharedPrefillEngine(base, block_weights="on", decode="compile")
+
+
+def test_compiler_failure_falls_back_to_fp32(block_dir, kernel, tmp_path, monkeypatch, caplog):
+    import ccft
+
+    monkeypatch.setenv("CCFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
+    try:
+        with caplog.at_level(logging.WARNING, logger="ccft.inference.blocks"):
+            assert B.load_kernel(fresh=True) is None
+        assert caplog.text.count("block weights unavailable, using fp32 weights") == 1
+        assert "failed on blocks.cpp" in caplog.text
+        assert not list((tmp_path / "cache").rglob("*.so"))  # no half-written kernel left behind
+        base = ccft.load_base(str(block_dir))
+        assert SharedPrefillEngine(base).block_weights is None  # auto: fp32
+        with pytest.raises(ConfigError, match="could not be built"):
+            SharedPrefillEngine(base, block_weights="on")
+    finally:
+        monkeypatch.undo()
+        assert B.load_kernel(fresh=True) is not None
+
+
+def test_kernel_file_is_built_once_and_reused(kernel, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("CCFT_CACHE", str(tmp_path))
+    compiler = shutil.which("g++") or shutil.which("c++")
+    first = B.build_kernel(compiler)
+    assert first.parent == tmp_path / "kernels" and first.name.startswith("blocks-") and first.suffix == ".so"
+    stat = first.stat()
+    second = B.build_kernel(compiler)
+    assert second == first and (second.stat().st_ino, second.stat().st_mtime_ns) == (
+        stat.st_ino,
+        stat.st_mtime_ns,
+    )
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temporary left
+    assert B.BlockKernel(second).lib.ccft_blocks_abi() == B.ABI
+
+
+def test_plain_cpp_path_matches_torch(kernel, tmp_path, monkeypatch):
+    """The kernel built without ``-march=native`` (no AVX2: the plain C++ loops) computes the same products."""
+    import shutil
+
+    monkeypatch.setenv("CCFT_CACHE", str(tmp_path))
+    flags = tuple(f for f in B.FLAGS if f != "-march=native")
+    plain = B.BlockKernel(B.build_kernel(shutil.which("g++") or shutil.which("c++"), flags))
+    assert plain.avx2 is False and kernel.avx2 is (kernel.lib.ccft_blocks_features() == 1)
+    for fmt in ("Q4_1", "Q8_0"):
+        bm, w = _random_blocks(fmt, 19, 96, plain, seed=9)
+        assert torch.equal(bm.dequantize(), w)
+        for rows in (1, 6, 11):
+            x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+            torch.testing.assert_close(
+                bm.matmul(x), (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5
+            )
+        up, wu = _random_blocks(fmt, 19, 96, plain, seed=10)
+        ref = torch.nn.functional.silu(x.double() @ w.double().T) * (x.double() @ wu.double().T)
+        torch.testing.assert_close(B.fused_mlp(bm, up, x), ref.float(), rtol=1e-5, atol=1e-5)
