@@ -193,15 +193,19 @@ def test_settings(tiny_base, block_dir, kernel, monkeypatch):
     import ccft
 
     # a plain fp32 checkpoint: auto keeps fp32, on names what is missing
-    assert SharedPrefillEngine(tiny_base).block_weights is None
+    assert SharedPrefillEngine(tiny_base, block_weights="auto").block_weights is None
     with pytest.raises(ConfigError, match="not dequantised from a GGUF"):
         SharedPrefillEngine(tiny_base, block_weights="on")
     with pytest.raises(ConfigError, match="use auto, on, off"):
         SharedPrefillEngine(tiny_base, block_weights="maybe")
-    # an explicit GGUF path turns them on; CCFT_BLOCK_WEIGHTS=0 turns the default off
+    # an explicit GGUF path turns them on; the default is off, CCFT_BLOCK_WEIGHTS=auto (or 1) turns it on
     base = ccft.load_base(str(block_dir))
     gguf = block_dir.parent / "model.gguf"
     assert SharedPrefillEngine(base, block_weights=str(gguf)).block_weights == gguf
+    monkeypatch.delenv("CCFT_BLOCK_WEIGHTS", raising=False)
+    assert SharedPrefillEngine(base).block_weights is None
+    monkeypatch.setenv("CCFT_BLOCK_WEIGHTS", "auto")
+    assert SharedPrefillEngine(base).block_weights == gguf
     monkeypatch.setenv("CCFT_BLOCK_WEIGHTS", "0")
     assert SharedPrefillEngine(base).block_weights is None
     monkeypatch.setenv("CCFT_BLOCK_WEIGHTS", "sometimes")
@@ -224,7 +228,7 @@ def test_compiler_failure_falls_back_to_fp32(block_dir, kernel, tmp_path, monkey
         assert "failed on blocks.cpp" in caplog.text
         assert not list((tmp_path / "cache").rglob("*.so"))  # no half-written kernel left behind
         base = ccft.load_base(str(block_dir))
-        assert SharedPrefillEngine(base).block_weights is None  # auto: fp32
+        assert SharedPrefillEngine(base, block_weights="auto").block_weights is None  # auto: fp32
         with pytest.raises(ConfigError, match="could not be built"):
             SharedPrefillEngine(base, block_weights="on")
     finally:

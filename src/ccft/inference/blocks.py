@@ -349,15 +349,16 @@ ENV = "CCFT_BLOCK_WEIGHTS"
 
 def default_setting() -> str:
     """``block_weights``'s default: ``$CCFT_BLOCK_WEIGHTS`` (``0``/``off``/``false`` -> ``"off"``,
-    ``1``/``on``/``true`` -> ``"on"``, ``auto``), else ``"auto"``.
+    ``1``/``on``/``true`` -> ``"on"``, ``auto``), else ``"off"`` (docs/inference.md, "Block weights": faster
+    at 1-16 rows, slower at 64 and in long prefills, and the demo and study have not been timed with it).
 
     Raises:
         ConfigError: any other value.
     """
     raw = os.environ.get(ENV, "").strip().lower()
-    if raw in ("", "auto"):
+    if raw == "auto":
         return "auto"
-    if raw in ("0", "off", "false", "no"):
+    if raw in ("", "0", "off", "false", "no"):
         return "off"
     if raw in ("1", "on", "true", "yes"):
         return "on"
