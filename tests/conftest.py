@@ -155,7 +155,8 @@ def gsm8k_rows():
 
 
 def ragged_prompts(gsm8k_rows, tokenizer, n: int, first: int, step: int) -> list[list[int]]:
-    """``n`` real GSM8K prompts (no chat template) cut to ``first, first + step, ...`` tokens: ragged prefixes."""
+    """``n`` real GSM8K prompts (no chat template) cut to ``first, first + step, ...`` tokens: ragged
+    prefixes."""
     from ccft.core.tokens import tokenize_prompt
 
     ids = [tokenize_prompt(tokenizer, r["prompt"], chat_template=False) for r in gsm8k_rows[:n]]
@@ -163,7 +164,8 @@ def ragged_prompts(gsm8k_rows, tokenizer, n: int, first: int, step: int) -> list
 
 
 def perturb(model, seed: int, scale: float = 0.05) -> None:
-    """Add seeded noise to every ``*proj.weight`` of ``model`` in place (a decoder that differs from the base)."""
+    """Add seeded noise to every ``*proj.weight`` of ``model`` in place (a decoder that differs from the
+    base)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -174,7 +176,8 @@ def perturb(model, seed: int, scale: float = 0.05) -> None:
 def make_lora(
     base, name: str, seed: int, r: int, handoff: int = 1, targets=None, *, method: str | None = "ccft"
 ):
-    """A LoRA decoder ``name`` on ``base`` with random B too (``init_lora_weights=False``: an ignored adapter shows)."""
+    """A LoRA decoder ``name`` on ``base`` with random B too (``init_lora_weights=False``: an ignored adapter
+    shows)."""
     import ccft
 
     torch.manual_seed(seed)
@@ -187,7 +190,8 @@ def make_lora(
 
 
 def make_full(base, seed: int, handoff: int = 1, *, method: str | None = "ccft"):
-    """A read-only full-weight decoder: a copy of ``base`` (make it before attaching adapters) with seeded noise."""
+    """A read-only full-weight decoder: a copy of ``base`` (make it before attaching adapters) with seeded
+    noise."""
     import ccft
 
     dec = ccft.make_decoder(base, "full", method=method, handoff_tokens=handoff)

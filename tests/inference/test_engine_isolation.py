@@ -63,7 +63,8 @@ def test_step_error_is_confined_to_the_broken_decoder(world, decode):
                 results[rids[o.request_id]] = o.generation.token_ids
     assert steps_with_error == 1 and isinstance(eng.last_step_error, RuntimeError)
     # eager: only the step with the broken decoder's rows raised. static: the step computes every adapter
-    # of the lane (row masks), so the broken one keeps raising; each later step ran in parts and failed nothing
+    # of the lane (row masks), so the broken one keeps raising; each later step ran in parts and failed
+    # nothing
     assert eng.step_errors == 1 if decode == "eager" else eng.step_errors == N_NEW
     assert {rids[r] for r in failed} == {("code", row) for row in range(len(prompts))}
     assert all(isinstance(e, RuntimeError) for e in failed.values())

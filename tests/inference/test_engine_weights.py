@@ -150,7 +150,8 @@ def test_full_decoder_in_place_edit(sharp_dir, prompts):
 
 
 def test_prepack_keeps_the_plain_linear_where_onednn_refuses_the_dtype(monkeypatch):
-    # on an AVX2-only CPU oneDNN raises for bf16 weights (no bf16 kernels); the lane must keep F.linear, same output
+    # on an AVX2-only CPU oneDNN raises for bf16 weights (no bf16 kernels); the lane must keep F.linear, same
+    # output
     from ccft.inference import weights as W
 
     if not W.onednn_available():

@@ -141,7 +141,8 @@ def test_cascade_equals_plain_attention(case, fused, monkeypatch):
 
 
 def test_identity_layout_reads_views_without_copies():
-    """One decode row per prefix row, in order: the grouped path is plain batched attention on the arena view."""
+    """One decode row per prefix row, in order: the grouped path is plain batched attention on the arena
+    view."""
     arena, regions, rows, q, tk, tv, tail_len = make_case(5, 2, 2, 16, [[4, 6, 3]], 3)
     rows = [(0, 0), (0, 1), (0, 2)]
     start, p, lengths = regions[0]

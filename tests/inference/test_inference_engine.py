@@ -25,7 +25,8 @@ N_NEW = 6
 ATOL = 1e-5
 NAN = float("nan")
 MODES = [("eager", "gather"), ("static", "gather")]
-#: engine configurations of the teacher-forced test: eager and static, packed (CPU default) and per-projection weights
+#: engine configurations of the teacher-forced test: eager and static, packed (CPU default) and per-projection
+#: weights
 CONFIGS = {
     "eager": {"decode": "eager"},
     "static": {"decode": "static"},
@@ -220,7 +221,8 @@ def test_greedy_equals_reference(world, refs, prompts, mode, attention, batch):
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("handoff", [1, 2])
 def test_teacher_forced_logits_every_step(tiny_dir, prompts, config, handoff):
-    """All decoders at once (two lanes, three adapters in one lane), every prompt: step logits == decoder_forward.
+    """All decoders at once (two lanes, three adapters in one lane), every prompt: step
+    logits == decoder_forward.
 
     On the unsharpened tiny model (logits of order 1, so 1e-5 is a meaningful fp32 bound)."""
     base = ccft.load_base(str(tiny_dir))
@@ -294,7 +296,8 @@ def _drain(eng, **kw):
 
 @pytest.mark.parametrize("mode,attention", MODES)
 def test_requests_join_and_leave(world, prompts, mode, attention):
-    """Continuous batching across two handles: joins, an abort and an early finish leave the others unchanged."""
+    """Continuous batching across two handles: joins, an abort and an early finish leave the others
+    unchanged."""
     base, decs = world
     ref_a = _reference(base, decs["math"], [prompts[1], prompts[2], prompts[5]], n=10)
     ref_base = _reference(base, None, [prompts[0], prompts[4]], n=10)
@@ -469,7 +472,8 @@ def test_decoder_folders_and_clear_errors(world, refs, prompts, tmp_path, tokeni
             k2.add_request(h2, 0, decoder="math")
     with pytest.raises(FingerprintMismatchError):
         k2.prefill_cache(ccft.compute_base_cache(other_base, prompts[:2]))
-    # decoders trained with different k: a prefill without handoff_tokens is refused (ccft.core.decoder.resolve_handoff)
+    # decoders trained with different k: a prefill without handoff_tokens is refused
+    # (ccft.core.decoder.resolve_handoff)
     math2 = dataclasses.replace(eng.decoders["math"].decoder, handoff_tokens=2)
     mixed = _engine(base, {"math": eng.decoders["math"].decoder, "math2": math2})
     with pytest.raises(ConfigError, match=r"different handoff_tokens \[1, 2\].*pass handoff_tokens="):

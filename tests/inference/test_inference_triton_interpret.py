@@ -1,8 +1,8 @@
 """The Triton shared-prefix kernel on CPU, in Triton's interpreter.
 
 Runs only with TRITON_INTERPRET=1 set before Python starts (``test_inference_attention.py`` runs
-this file in such a subprocess; ``TRITON_INTERPRET=1 pytest tests/inference/test_inference_triton_interpret.py``
-does too).
+this file in such a subprocess; ``TRITON_INTERPRET=1 pytest
+tests/inference/test_inference_triton_interpret.py`` does too).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def test_kernel_equals_plain_attention(seed):
 
 
 def test_engine_with_triton_attention_equals_reference(tmp_path, gsm8k_rows, tokenizer):
-    """The static decode step with the kernel (what a CUDA graph captures) == ccft.generate, LoRA rows mixed in."""
+    """The static decode step with the kernel (what a CUDA graph captures) == ccft.generate, LoRA rows mixed
+    in."""
     pytest.importorskip("triton")
     import ccft
     from ccft.core.tokens import tokenize_prompt

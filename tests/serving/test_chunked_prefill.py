@@ -44,9 +44,9 @@ def long_ids(gsm8k_rows, tokenizer):
 
 
 def _reference(world, r, share=True):
-    """Offline ``ccft.generate`` (shared prefill: mode prefillshare). The no-share baseline (a decoder prefills
-    its own prompt) has no offline mode for a ccft decoder: there, a fresh engine's one-shot prefill with the
-    decoder's weights and its ``generate`` (as tests/serving/test_scheduler.py does)."""
+    """Offline ``ccft.generate`` (shared prefill: mode prefillshare). The no-share baseline (a decoder
+    prefills its own prompt) has no offline mode for a ccft decoder: there, a fresh engine's one-shot prefill
+    with the decoder's weights and its ``generate`` (as tests/serving/test_scheduler.py does)."""
     base, decs = world
     if not share and r.decoder != "base":
         fresh = SharedPrefillEngine(base, decoders=decs)

@@ -236,8 +236,9 @@ def test_fuzzed_bodies_get_answers_on_one_connection(fuzzed, path, body):
 
 
 def test_after_the_fuzz_the_server_is_healthy(fuzzed):
-    """After the fuzz: every kind of answer was seen, /health is 200, KV back to 0. In file order the fuzz test
-    has run on this module's server; in any other order (``--reverse``, ``-k``) this test runs the fuzz first."""
+    """After the fuzz: every kind of answer was seen, /health is 200, KV back to 0. In file order the fuzz
+    test has run on this module's server; in any other order (``--reverse``, ``-k``) this test runs the fuzz
+    first."""
     if sum(fuzzed.statuses.values()) < N_EXAMPLES:
         test_fuzzed_bodies_get_answers_on_one_connection(fuzzed)
     assert sum(fuzzed.statuses.values()) >= N_EXAMPLES, fuzzed.statuses

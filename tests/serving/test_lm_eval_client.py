@@ -72,7 +72,8 @@ from pathlib import Path
 def load(**kwargs):
     import datasets
 
-    rows = [json.loads(x) for x in (Path(__file__).parent / "rows.jsonl").read_text().splitlines() if x.strip()]
+    rows = [json.loads(x) for x in (Path(__file__).parent / "rows.jsonl").read_text().splitlines() \
+if x.strip()]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 """
 

@@ -105,7 +105,8 @@ def test_prompt_logprobs_equal_per_position_reference(world, prompt, decoder):
 
 @pytest.mark.parametrize("decoder", ["k1", "k2"])
 def test_prompt_logprobs_equal_the_engines_first_token(world, prompt, decoder):
-    """Echo position i = the logprob the engine gives prompt[i] as the first token generated after prompt[:i]."""
+    """Echo position i = the logprob the engine gives prompt[i] as the first token generated after
+    prompt[:i]."""
     base, decs = world
     engine = SharedPrefillEngine(base, decoders=decs)
     got = prompt_logprobs(engine, decoder, prompt)
@@ -158,7 +159,8 @@ def test_n_choices_prefill_the_prompt_once(world, prompt):
 
 
 def test_score_only_request(world, prompt):
-    """max_new_tokens=0 with prompt_logprobs: no KV, no lane slot, an empty generation, the prompt's logprobs."""
+    """max_new_tokens=0 with prompt_logprobs: no KV, no lane slot, an empty generation, the prompt's
+    logprobs."""
     base, decs = world
     engine = SharedPrefillEngine(base, decoders=decs)
     sched = Scheduler(engine)

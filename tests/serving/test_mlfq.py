@@ -195,7 +195,8 @@ class NewestFirst(FCFS):
 
 
 def test_a_policy_object_decides_admission_order_and_nothing_else(world, texts):
-    """Scheduler(policy=<object>): with one slot, the policy alone orders admission; outputs stay the reference."""
+    """Scheduler(policy=<object>): with one slot, the policy alone orders admission; outputs stay the
+    reference."""
     base, decs = world
     sched = Scheduler(SharedPrefillEngine(base, decoders=decs, max_batch=1), policy=NewestFirst())
     clock = StepClock(sched)

@@ -1,4 +1,5 @@
-"""``ccft serve`` as the official ``openai`` Python package uses it (a client no one here wrote), over loopback.
+"""``ccft serve`` as the official ``openai`` Python package uses it (a client no one here wrote), over
+loopback.
 
 A real uvicorn server on 127.0.0.1 (port 0: the OS picks a free one) over a tiny Llama and a LoRA
 decoder. Every answer is checked against an independent reference: the engine's offline output on a
@@ -129,7 +130,8 @@ def test_completion_logprobs_and_usage(client, world, tokenizer, text, offline):
 
 
 def test_echo_scores_the_prompt(client, world, tokenizer, text):
-    """echo + max_tokens=0 + logprobs=1: the prompt's tokens, first logprob null (lm-eval's loglikelihood call)."""
+    """echo + max_tokens=0 + logprobs=1: the prompt's tokens, first logprob null (lm-eval's loglikelihood
+    call)."""
     ids = tokenize_prompt(tokenizer, text, chat_template=False)
     r = client.completions.create(model="math", prompt=ids, max_tokens=0, logprobs=1, echo=True)
     (choice,) = r.choices

@@ -219,7 +219,8 @@ def _greedy(eng, h, name):
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_prefill_cached_equals_prefill(world, prompt, chunk):
     """No hit, partial hit, full hit, a hit ending at a block boundary, a prompt shorter than a block:
-    the K/V equal plain prefill and every decoder decodes the same tokens (chunk=3: several chunked passes)."""
+    the K/V equal plain prefill and every decoder decodes the same tokens (chunk=3: several chunked
+    passes)."""
     base, decs = world
     eng = _engine(base, decs)
     store = PrefixKVStore(block_tokens=4)
@@ -254,7 +255,8 @@ def test_prefill_cached_equals_prefill(world, prompt, chunk):
 
 
 def test_prefill_cached_handoff_and_hold(world, prompt):
-    """handoff k=2 (the prefix is prompt[:-2]); hold=True pins the prompt's blocks until the handle is freed."""
+    """handoff k=2 (the prefix is prompt[:-2]); hold=True pins the prompt's blocks until the handle is
+    freed."""
     base, decs = world
     eng = _engine(base, decs)
     bb = 2 * eng.num_layers * 2 * 4 * 16 * 4  # layers x KV heads 2 x block 4 x head dim 16, fp32, K and V
@@ -317,7 +319,8 @@ def test_store_never_serves_another_base_decoder_or_dtype(world, prompt, tiny_di
 
 @pytest.mark.parametrize("name", ["math", "full"])
 def test_no_share_prefill_decodes_like_the_decoder_itself(world, prompt, name):
-    """producer=X: X prefills its own prompt (its own weights); X's greedy decode == ccft.generate(mode="full-ft")."""
+    """producer=X: X prefills its own prompt (its own weights); X's greedy
+    decode == ccft.generate(mode="full-ft")."""
     base, decs = world
     dec = decs[name]
     eng = _engine(base, decs)

@@ -111,7 +111,7 @@ def test_cli_errors_before_ray_starts():
         ray_app(parse(["serve", "--replicas", "2", "--min-load-gap", "0"]))
 
 
-# ------------------------------------------------------------------------------------ slow: a local Ray instance
+# --------------------------------------------------------------------------------- slow: a local Ray instance
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tokenizer):
     """(tiny base folder, {name: decoder folder}, offline single engine over the same folders)."""

@@ -247,8 +247,8 @@ def test_no_share_context_follows_in_place_weight_edits(tmp_path, tokenizer, tex
 
 
 def test_decode_params_pass_whole_to_the_engine(world, texts, refs, monkeypatch):
-    """ServeRequest(params=DecodeParams) reaches SharedPrefillEngine.add_request as the same object (a field added
-    to DecodeParams cannot be dropped on the way), and gives the outputs of the separate keywords."""
+    """ServeRequest(params=DecodeParams) reaches SharedPrefillEngine.add_request as the same object (a field
+    added to DecodeParams cannot be dropped on the way), and gives the outputs of the separate keywords."""
     base, decs = world
     eng = SharedPrefillEngine(base, decoders=decs)
     seen = []

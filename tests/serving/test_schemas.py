@@ -43,7 +43,8 @@ def _error(body, chat: bool = False) -> APIError:
             "'prompt' holds a lone UTF-16 surrogate (\\ud83d)",
         ),
         (
-            b'{"model": "m", "messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "a\\udc00"}]}',
+            b'{"model": "m", "messages": [{"role": "user", "content": "ok"}, {"role": "user", '
+            b'"content": "a\\udc00"}]}',
             True,
             "messages[1].content",
             "lone UTF-16 surrogate",

@@ -50,7 +50,8 @@ def test_replay_both_modes_same_work(engine, tokenizer):
     )  # one per session-turn vs one per agent call
     # every request computes its own 8 unique tokens + 1 handoff token on top of its context, in both systems
     assert shared["tail_tokens"] == no_share["tail_tokens"] == n * (8 + 1)
-    # peak live KV: both sessions in their last turn (context 128 + 16) at once; Eq. 9 with the generation included
+    # peak live KV: both sessions in their last turn (context 128 + 16) at once; Eq. 9 with the generation
+    # included
     bpt = engine.kv_bytes_per_token
     assert shared["peak_live_kv_bytes"] == 2 * (144 - 1 + 4 * (8 + 1 + 3)) * bpt
     assert no_share["peak_live_kv_bytes"] == 2 * 4 * (144 - 1 + 8 + 1 + 3) * bpt
@@ -145,8 +146,8 @@ def test_bench_run_eight_agents_both_policies_chunked(tmp_path, tokenizer):
 
 
 def test_cost_work_ratio_weighs_prompt_and_generated_tokens_by_their_measured_cost(tmp_path):
-    """cost_work: prompt tokens at the shared system's prefill s/token, generated tokens at its decode s/token;
-    a hand-computed point, and --from-json re-derives a saved result without measuring."""
+    """cost_work: prompt tokens at the shared system's prefill s/token, generated tokens at its decode
+    s/token; a hand-computed point, and --from-json re-derives a saved result without measuring."""
     import argparse
     import json
 

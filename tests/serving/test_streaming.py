@@ -1,5 +1,6 @@
-"""Streaming detokenisation of ``ccft serve`` (``ccft.serving.streaming.StreamText``: ``ccft.core.text.TextStream``
-+ ``StopMatcher``; docs/design.md, "Stop strings and streaming", fault class K7).
+"""Streaming detokenisation of ``ccft serve`` (``ccft.serving.streaming.StreamText``:
+``ccft.core.text.TextStream`` + ``StopMatcher``; docs/design.md, "Stop strings and streaming", fault class
+K7).
 
 The reference is the engine's rule for the final, non-streamed text: after every generated token the
 whole output is decoded (``skip_special_tokens=True``) and cut before the earliest stop string; the

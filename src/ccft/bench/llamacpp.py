@@ -3,8 +3,8 @@ F32 GGUF, its speed at batch 1 and 16, and its greedy tokens.
 
 * **Source**: the sdist of ``llama-cpp-python`` at :data:`LLAMA_CPP_PYTHON_VERSION` (the pin in the source
   repository's ``constraints.txt``; a test keeps the two equal), which vendors one llama.cpp commit.
-  ``pip download --no-binary llama-cpp-python --no-deps`` fetches it from the package registry; nothing else is
-  downloaded.
+  ``pip download --no-binary llama-cpp-python --no-deps`` fetches it from the package registry; nothing else
+  is downloaded.
 * **Build** (once, CPU only, cmake + ninja, ``-DGGML_NATIVE=ON``): the tools :data:`TOOLS` in
   :func:`llamacpp_dir` = ``<cache>/llama.cpp/<version>/`` with ``<cache>`` = ``$CCFT_CACHE``, else
   ``$CCFT_HOME``, else ``$XDG_CACHE_HOME/ccft``, else ``~/.cache/ccft``. The file :data:`MARKER` is written
@@ -95,8 +95,9 @@ def cache_root() -> Path:
 
 
 def portable(obj, root: Path | None = None):
-    """``obj`` (str / list / dict, nested) with the cache folder (``cache_root()``) written as ``$CCFT_CACHE``,
-    so commands and paths recorded in a committed benchmark result name no machine-specific folder."""
+    """``obj`` (str / list / dict, nested) with the cache folder (``cache_root()``) written as
+    ``$CCFT_CACHE``, so commands and paths recorded in a committed benchmark result name no machine-specific
+    folder."""
     root_s = str((root or cache_root()).absolute())
     if isinstance(obj, str):
         return obj.replace(root_s, "$CCFT_CACHE")

@@ -1,4 +1,5 @@
-"""A CCFT decoder inside llama.cpp: ``ccft export DECODER --to gguf-alora OUT`` and llama-server's aLoRA requests.
+"""A CCFT decoder inside llama.cpp: ``ccft export DECODER --to gguf-alora OUT`` and llama-server's aLoRA
+requests.
 
 llama.cpp's server shares one prompt's KV cache between the base and activated-LoRA (aLoRA) adapters: for
 a request naming an aLoRA adapter it computes the prompt before the adapter's invocation tokens without
@@ -31,8 +32,9 @@ export against it and (slow) against the running server, logits included.
 * ``ccft_export.json`` (provenance, both invocation sequences, the serve command) and ``README.md``.
 
 Serve it: ``llama-server -m OUT/base.f32.gguf --lora OUT/adapter.f32.gguf --lora-init-without-apply -fa off``
-(``-fa off``: :data:`EXACT_FLAGS`; more ``--lora`` files for more decoders; ids in that order) and send ``"lora": [{"id": I, "scale": 1.0}]``
-with each request (:func:`lora_field`); requests without it run the base.
+(``-fa off``: :data:`EXACT_FLAGS`; more ``--lora`` files for more decoders; ids in that order) and send
+``"lora": [{"id": I, "scale": 1.0}]`` with each request (:func:`lora_field`); requests without it run the
+base.
 """
 
 from __future__ import annotations
@@ -84,10 +86,11 @@ def gguf_invocation_tokens(handoff_ids: Sequence[int]) -> list[int]:
     ids = [int(t) for t in handoff_ids]
     if len(ids) <= LLAMACPP_EARLY_TOKENS:
         raise ConfigError(
-            f"handoff_tokens={len(ids)}: llama-server turns an aLoRA adapter on one token before its invocation "
-            "tokens, so a decoder with a 1-token handoff would need an empty invocation sequence, which llama.cpp "
-            "cannot express. Fix: retrain with handoff_tokens >= 2 (for SmolLM2, handoff_tokens: 4 covers the "
-            "generation prompt <|im_start|>assistant\\n), or serve it with ccft / export --to peft-alora"
+            f"handoff_tokens={len(ids)}: llama-server turns an aLoRA adapter on one token before its "
+            "invocation tokens, so a decoder with a 1-token handoff would need an empty invocation sequence, "
+            "which llama.cpp cannot express. Fix: retrain with handoff_tokens >= 2 (for SmolLM2, "
+            "handoff_tokens: 4 covers the generation prompt <|im_start|>assistant\\n), or serve it with ccft "
+            "/ export --to peft-alora"
         )
     return ids[LLAMACPP_EARLY_TOKENS:]
 
@@ -157,9 +160,9 @@ def export_gguf_alora(
     Returns:
         :class:`GgufAloraExport`.
     Raises:
-        ConfigError: a non-empty ``out``, a full-weight or ``full-ft`` decoder, ``handoff_tokens`` < 2, or what
-            ``ccft.train.export.export_alora`` refuses — all before any model is loaded or anything is built,
-            where ``ccft.json`` tells.
+        ConfigError: a non-empty ``out``, a full-weight or ``full-ft`` decoder, ``handoff_tokens`` < 2, or
+            what ``ccft.train.export.export_alora`` refuses — all before any model is loaded or anything is
+            built, where ``ccft.json`` tells.
         LlamaCppError: llama.cpp cannot be built, or its converters fail (the message has their output).
     """
     from ccft.core.checkpoint import read_meta
@@ -219,8 +222,8 @@ def export_gguf_alora(
         )
         _link_or_copy(cached_base, tmp / "base.f32.gguf")
         serve = (
-            "llama-server -m base.f32.gguf --lora adapter.f32.gguf --lora-init-without-apply -ctk f32 -ctv f32 "
-            "-fa off; "
+            "llama-server -m base.f32.gguf --lora adapter.f32.gguf --lora-init-without-apply -ctk f32 "
+            "-ctv f32 -fa off; "
             'per request: "lora": [{"id": 0, "scale": 1.0}]'
         )
         record = {
@@ -268,7 +271,8 @@ def _readme(record: dict) -> str:
         f"- `peft/`: the same decoder as a stock PEFT aLoRA adapter (invocation tokens "
         f"{record['peft_alora_invocation_tokens']}: PEFT turns the adapter on at their start)\n\n"
         "Serve:\n\n```\nllama-server -m base.f32.gguf --lora adapter.f32.gguf --lora-init-without-apply "
-        '-ctk f32 -ctv f32 -fa off\n```\n\n(`-fa off`: llama.cpp\'s CPU flash attention rounds through fp16)\n\nand send `"lora": [{"id": 0, "scale": 1.0}]` with each request that '
+        "-ctk f32 -ctv f32 -fa off\n```\n\n(`-fa off`: llama.cpp's CPU flash attention rounds through "
+        'fp16)\n\nand send `"lora": [{"id": 0, "scale": 1.0}]` with each request that '
         "should decode with this decoder; requests without it run the base, and both reuse one cached prompt "
         "up to the handoff.\n"
     )
@@ -287,7 +291,8 @@ def alora_server_args(adapters: Sequence[str | os.PathLike], *, exact: bool = Tr
 
 
 def lora_field(adapter_id: int | None, n_adapters: int) -> list[dict]:
-    """The per-request ``"lora"`` field: adapter ``adapter_id`` at scale 1, every other at 0 (None: the base)."""
+    """The per-request ``"lora"`` field: adapter ``adapter_id`` at scale 1, every other at 0 (None: the
+    base)."""
     return [{"id": i, "scale": 1.0 if i == adapter_id else 0.0} for i in range(n_adapters)]
 
 
@@ -352,9 +357,9 @@ def compare_with_prefillshare(
     the decoder's log-probabilities along llama.cpp's tokens (teacher forcing, so a flipped near tie does not
     hide the rest of the row) and generates greedily on its own (``ccft.core.generation.generate``).
 
-    Returns ``{"rows", "rows_equal", "rows_equal_share", "max_logprob_gap" (largest |ccft − llama.cpp| over every
-    reported (step, token)), "first_divergence" (per row: the first step whose greedy tokens differ, or None),
-    "margin_at_divergence" (ccft's top-1 − top-2 log-probability there: a near tie when small)}``."""
+    Returns ``{"rows", "rows_equal", "rows_equal_share", "max_logprob_gap" (largest |ccft − llama.cpp| over
+    every reported (step, token)), "first_divergence" (per row: the first step whose greedy tokens differ, or
+    None), "margin_at_divergence" (ccft's top-1 − top-2 log-probability there: a near tie when small)}``."""
     import torch
 
     import ccft

@@ -39,7 +39,7 @@ of bytes where the peer takes one (ccft ``--kv-budget-mb``, vLLM ``VLLM_CPU_KVCA
 
 Resumable: the JSON at ``--out`` is rewritten after every point and a rerun with the same settings
 skips the points it holds (another setting: the file is refused, name a new one).
-"""
+"""  # noqa: E501 (line 1 is the CLI description; the table rows cannot be wrapped)
 
 from __future__ import annotations
 
@@ -574,7 +574,8 @@ def saturation(points: list[dict], system: str) -> dict:
 
 
 def derive(run: dict) -> dict:
-    """Per peer: ``throughput_ratio`` (ccft ÷ peer) and ``p95_ratio`` (ccft ÷ peer) at the peer's saturation point."""
+    """Per peer: ``throughput_ratio`` (ccft ÷ peer) and ``p95_ratio`` (ccft ÷ peer) at the peer's saturation
+    point."""
     pts = run["points"]
     run["ratios"] = {}
     if not pts or not all("ccft" in p["systems"] for p in pts):
@@ -712,8 +713,9 @@ def run(args, *, log: Callable[[str], None] | None = None) -> dict:
                 continue
             if name not in run_["outputs"] and refs is None:
                 log(
-                    f"[ccft] {key}: offline references (ccft.generate, prefillshare and full-ft) for the outputs "
-                    f"check: {len(check.requests)} requests of {len(agents)} agents, a few minutes on 2 cores"
+                    f"[ccft] {key}: offline references (ccft.generate, prefillshare and full-ft) for the "
+                    f"outputs check: {len(check.requests)} requests of {len(agents)} agents, a "
+                    "few minutes on 2 cores"
                 )
                 refs = offline_references(args.model, adapters, agents, check)
             system = System(
@@ -747,7 +749,8 @@ def run(args, *, log: Callable[[str], None] | None = None) -> dict:
                     pt["systems"][name] = m
                     log(
                         f"[ccft] {key} {name} sessions={n}: {m['throughput_tok_s']:.1f} tok/s, p95 "
-                        f"{m['latency_p95_s']:.2f} s, TTFT p95 {m['ttft_p95_s']:.2f} s, hit {m['prefix_hit_ratio']}"
+                        f"{m['latency_p95_s']:.2f} s, TTFT p95 {m['ttft_p95_s']:.2f} s, hit "
+                        f"{m['prefix_hit_ratio']}"
                     )
                     derive(run_)
                     save()

@@ -616,13 +616,13 @@ def plots(result: dict, folder: str | None) -> list[str]:
 
 def table(result: dict) -> str:
     lines = [
-        f"serve benchmark: {result['model']} ({result['dtype']}) on {result['device']}, {result['threads']} threads; "
-        f"{result['workload']['kind']}, {len(result['workload']['agents'])} agents, shared {result['workload']['shared_tokens']}"
-        f"+{result['workload']['growth_tokens']}/turn, unique {result['workload']['unique_tokens']}, "
-        f"{result['workload']['max_new_tokens']} new tokens; KV budget "
-        f"{result['kv_budget_bytes'] / 2**20:.1f} MiB (both)",
-        "| sessions | policy | mode | p50 s | p95 s | TTFT p95 s | TPOT p95 ms | tok/s | sessions/min | hit ratio "
-        "| peak KV MiB | waits | work ratio | tput ratio |",
+        f"serve benchmark: {result['model']} ({result['dtype']}) on {result['device']}, {result['threads']} "
+        f"threads; {result['workload']['kind']}, {len(result['workload']['agents'])} agents, shared "
+        f"{result['workload']['shared_tokens']}+{result['workload']['growth_tokens']}/turn, unique "
+        f"{result['workload']['unique_tokens']}, {result['workload']['max_new_tokens']} new tokens; KV "
+        f"budget {result['kv_budget_bytes'] / 2**20:.1f} MiB (both)",
+        "| sessions | policy | mode | p50 s | p95 s | TTFT p95 s | TPOT p95 ms | tok/s | sessions/min | hit "
+        "ratio | peak KV MiB | waits | work ratio | tput ratio |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     pols = result.get("scheduler", {}).get("policies", ["fcfs"])

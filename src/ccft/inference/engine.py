@@ -98,7 +98,8 @@ DECODE_MODES = ("eager", "static", "cuda_graph", "compile")
 
 
 class PrefillJob:
-    """A prefill in progress (``SharedPrefillEngine.begin_prefill``): ``advance`` it, then ``finish`` or ``cancel``.
+    """A prefill in progress (``SharedPrefillEngine.begin_prefill``): ``advance`` it, then ``finish`` or
+    ``cancel``.
 
     Attributes:
         handle: the ``PrefixHandle`` being written (not readable before ``finish``).
@@ -271,7 +272,8 @@ class SharedPrefillEngine:
             decode_mode=decode,
             attention=attention,
         )
-        #: lane key -> ``lanes.Lane`` (``"base"``: the base and its LoRA decoders; one per full-weight decoder)
+        #: lane key -> ``lanes.Lane`` (``"base"``: the base and its LoRA decoders; one per full-weight
+        #: decoder)
         self.lanes: dict[str, Lane] = self._registry.lanes
         #: decoder name -> ``lanes.DecoderEntry`` (``"base"`` included; ``.decoder`` is the ``ccft.Decoder``)
         self.decoders = self._registry.decoders
@@ -508,10 +510,11 @@ class SharedPrefillEngine:
     def producer_key(self, producer: str | None = None) -> str:
         """The key K/V written by ``producer`` is stored under (prefix store, ``PrefixHandle.producer_key``).
 
-        None / ``"base"``: the base fingerprint. A decoder's name: ``"{base fingerprint}+{name}/{weights id}"``,
-        weights id = 16 hex digits of a digest of the decoder's own weights (its LoRA A/B and scalings,
-        or a full-weight decoder's parameters), recomputed when their version counters moved: weights
-        edited in place get a new key (``lanes``; a packed full-weight decoder refuses the edit).
+        None / ``"base"``: the base fingerprint. A decoder's name:
+        ``"{base fingerprint}+{name}/{weights id}"``, weights id = 16 hex digits of a digest of the decoder's
+        own weights (its LoRA A/B and scalings, or a full-weight decoder's parameters), recomputed when their
+        version counters moved: weights edited in place get a new key (``lanes``; a packed full-weight decoder
+        refuses the edit).
 
         Raises:
             ConfigError: an unknown producer, or a packed full-weight decoder edited in place.
@@ -571,15 +574,15 @@ class SharedPrefillEngine:
             raise ConfigError(f"unknown decoder {decoder!r}; registered: {', '.join(self.decoders)}")
         if handle.producer != BASE and handle.producer != decoder:
             raise FingerprintMismatchError(
-                f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} with its own weights "
-                f"(no-share prefill), but decoder {decoder!r} was asked to read it; a decoder reads only C_base "
-                f"written by the base (prefill with producer=None) or K/V it wrote itself (prefill with "
-                f"producer={decoder!r})"
+                f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} with its own "
+                f"weights (no-share prefill), but decoder {decoder!r} was asked to read it; a decoder reads "
+                "only C_base written by the base (prefill with producer=None) or K/V it wrote itself "
+                f"(prefill with producer={decoder!r})"
             )
         if handle.producer != BASE and handle.producer_key != self._registry.producer(handle.producer).key:
             raise FingerprintMismatchError(
-                f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} before its weights were "
-                "changed in place; prefill again with the current weights"
+                f"PrefixHandle {handle.id} holds K/V written by decoder {handle.producer!r} before its "
+                "weights were changed in place; prefill again with the current weights"
             )
         entry = self.decoders[decoder]
         self._registry.check_unchanged(entry)
@@ -601,7 +604,8 @@ class SharedPrefillEngine:
         *,
         decoder: str = BASE,
     ) -> torch.Tensor:
-        """Teacher-forced logits of ``decoder`` over given tails on ``rows`` of ``handle`` (one batched forward).
+        """Teacher-forced logits of ``decoder`` over given tails on ``rows`` of ``handle`` (one batched
+        forward).
 
         Row i's tail starts at the handle's k handoff tokens of prompt ``rows[i]`` (the tokens the decoder
         recomputes) and goes on with any tokens, e.g. a reference response: ``tail_ids[i, j]`` sits at

@@ -112,8 +112,8 @@ class PrefixArena:
 
         For a caller that knows what it will allocate (an evaluation group's prefills, one region per
         producer): one growth to the sum, where allocating region by region doubles the arena for each and
-        holds the old and the new storage at once while copying (the measured peak is in docs/study.md, "Time").
-        Beyond ``max_tokens`` it grows to ``max_tokens`` (``allocate`` then raises CapacityError).
+        holds the old and the new storage at once while copying (the measured peak is in docs/study.md,
+        "Time"). Beyond ``max_tokens`` it grows to ``max_tokens`` (``allocate`` then raises CapacityError).
         """
         tokens = int(tokens)
         if tokens <= 0 or any(n >= tokens for _, n in self.free_ranges):

@@ -170,7 +170,8 @@ class LaneRegistry:
         }
 
     def new_lane(self, key: str, weights: LaneWeights) -> Lane:
-        """A lane over ``weights`` (packed first when ``pack_weights``) with a one-slot tail pool that grows."""
+        """A lane over ``weights`` (packed first when ``pack_weights``) with a one-slot tail pool that
+        grows."""
         if self.pack_weights:
             pack(weights)
         pool = TailPool(
@@ -235,8 +236,9 @@ class LaneRegistry:
             dtypes = {p.dtype for p in decoder.model.parameters() if p.is_floating_point()}
             if dtypes != {base.dtype}:
                 raise IncompatibleModelError(
-                    f"decoder {name!r} has {', '.join(sorted(map(str, dtypes)))} weights but the base is {base.dtype}; "
-                    f"load both in one dtype (C_base is read as is): e.g. decoder.model.to({base.dtype})"
+                    f"decoder {name!r} has {', '.join(sorted(map(str, dtypes)))} weights but the base is "
+                    f"{base.dtype}; load both in one dtype (C_base is read as is): e.g. "
+                    f"decoder.model.to({base.dtype})"
                 )
             check_supported(decoder.model.config)
             lane = self.new_lane(name, lane_weights(decoder.model, allow_adapters=False))
@@ -255,9 +257,10 @@ class LaneRegistry:
         """
         if entry.packed and entry.versions() != entry.versions_at_registration:
             raise ConfigError(
-                f"the weights of decoder {entry.name!r} were changed in place after it was registered, but its lane "
-                "decodes the packed copy taken at registration (pack_weights=True); register the edited decoder "
-                "under a new name (add_decoder), or build the engine with pack_weights=False to read weights live"
+                f"the weights of decoder {entry.name!r} were changed in place after it was registered, but "
+                "its lane decodes the packed copy taken at registration (pack_weights=True); register the "
+                "edited decoder under a new name (add_decoder), or build the engine with pack_weights=False "
+                "to read weights live"
             )
 
     def _load(self, name: str, folder: str | Path, tokenizer):
@@ -269,8 +272,8 @@ class LaneRegistry:
         want = meta.get("base_fingerprint")
         if want and want != self.base.fingerprint:
             raise FingerprintMismatchError(
-                f"decoder {folder} was trained on base {want} but this engine's base is {self.base.fingerprint} "
-                f"({self.base.name}); serve it with the base it was trained on"
+                f"decoder {folder} was trained on base {want} but this engine's base is "
+                f"{self.base.fingerprint} ({self.base.name}); serve it with the base it was trained on"
             )
         if tokenizer is None and (Path(folder) / "tokenizer_config.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -280,8 +283,8 @@ class LaneRegistry:
     def _check_tokenizer(self, name: str, tokenizer) -> None:
         if tokenizer is not None and tokenizer_digest(tokenizer) != tokenizer_digest(self.tokenizer):
             raise IncompatibleModelError(
-                f"decoder {name!r} uses a different tokenizer (vocabulary, special tokens or chat template) than "
-                "the base; a decoder must read the base's token ids"
+                f"decoder {name!r} uses a different tokenizer (vocabulary, special tokens or chat template) "
+                "than the base; a decoder must read the base's token ids"
             )
 
     def producer(self, producer: str | None) -> Producer:

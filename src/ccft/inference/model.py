@@ -67,7 +67,8 @@ NO_LORA = LoraPlan()
 
 
 def project(x: torch.Tensor, lin: Linear, name: str, layer: int, lora: LoraPlan) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` plus, for each adapter in ``lora`` adapting this projection, its delta on its rows."""
+    """``x @ W.T (+ bias)`` plus, for each adapter in ``lora`` adapting this projection, its delta on its
+    rows."""
     y = lin(x)
     for adapter, sel in lora.entries:
         lw = adapter.layers[layer].get(name)
@@ -86,7 +87,8 @@ def project(x: torch.Tensor, lin: Linear, name: str, layer: int, lora: LoraPlan)
 
 
 def _lora_into(y: torch.Tensor, x: torch.Tensor, name: str, layer: int, lora: LoraPlan, col: int) -> None:
-    """Add the LoRA deltas of projection ``name`` into columns ``col:`` of a packed output ``y`` (in place)."""
+    """Add the LoRA deltas of projection ``name`` into columns ``col:`` of a packed output ``y`` (in
+    place)."""
     for adapter, sel in lora.entries:
         lw = adapter.layers[layer].get(name)
         if lw is None:
@@ -168,7 +170,8 @@ def _qkv(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan, cos, sin):
 
 
 def _cos_sin(lw: LaneWeights, x: torch.Tensor, positions: torch.Tensor):
-    """cos and signed sin (see ``rope``) of ``positions (...)``, shaped ``(..., 1, d)`` (broadcast over heads)."""
+    """cos and signed sin (see ``rope``) of ``positions (...)``, shaped ``(..., 1, d)`` (broadcast over
+    heads)."""
     flat = positions.reshape(1, -1)
     cos, sin = lw.rotary(x, flat)
     shape = (*positions.shape, 1, lw.head_dim)
@@ -185,7 +188,8 @@ def logits_of(x: torch.Tensor, lw: LaneWeights) -> torch.Tensor:
 def prefill(
     lw: LaneWeights, ids: torch.Tensor, mask: torch.Tensor, write_k, write_v, lora: LoraPlan = NO_LORA
 ) -> None:
-    """Run the lane (the base; with ``lora``, a LoRA decoder on it) over left-padded prefixes and write their K/V.
+    """Run the lane (the base; with ``lora``, a LoRA decoder on it) over left-padded prefixes and write their
+    K/V.
 
     Args:
         ids, mask: ``(b, p)`` left-padded prefix ids and their attention mask.
@@ -280,7 +284,8 @@ def extend(
     *,
     logits: bool = True,
 ) -> torch.Tensor | None:
-    """Process ``t`` tokens of one row (attending to its prefix and its tail so far); returns logits ``(t, V)``.
+    """Process ``t`` tokens of one row (attending to its prefix and its tail so far); returns logits
+    ``(t, V)``.
 
     Args:
         tokens: ``(t,)``.  start_position: RoPE position of the first token.

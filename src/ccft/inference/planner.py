@@ -25,8 +25,8 @@ from ccft.inference.requests import Request
 from ccft.inference.weights import LaneWeights
 
 #: a handle's rows in a decode batch that lie within a span of at most this many times their number are read
-#: in place as that span (a view; the span's other rows are computed and dropped) instead of gathered (a copy of
-#: their whole prefix K/V in every layer, every step)
+#: in place as that span (a view; the span's other rows are computed and dropped) instead of gathered (a copy
+#: of their whole prefix K/V in every layer, every step)
 SPAN_FACTOR = 2
 
 
@@ -90,7 +90,8 @@ def lora_plan(weights: LaneWeights, rows: Sequence[Request], device) -> M.LoraPl
 
 
 def single_lora_plan(weights: LaneWeights, adapter_index: int | None) -> M.LoraPlan:
-    """The plan of one decoder over all rows: its adapter (``adapter_index`` in ``weights.adapters``), or none."""
+    """The plan of one decoder over all rows: its adapter (``adapter_index`` in ``weights.adapters``), or
+    none."""
     if adapter_index is None:
         return M.NO_LORA
     return M.LoraPlan([(weights.adapters[adapter_index], None)])

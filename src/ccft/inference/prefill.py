@@ -236,7 +236,8 @@ class ChunkedPrefill:
 
 
 def import_cache(cache: BaseCache, handle: PrefixHandle) -> None:
-    """Copy a ``BaseCache``'s keys and values ``(b, h, p, d)`` per layer into ``handle``'s region (bit for bit)."""
+    """Copy a ``BaseCache``'s keys and values ``(b, h, p, d)`` per layer into ``handle``'s region (bit for
+    bit)."""
     for i in range(len(cache.keys)):
         handle.keys(i).copy_(cache.keys[i])
         handle.values(i).copy_(cache.values[i])

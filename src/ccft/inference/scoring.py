@@ -76,7 +76,8 @@ def prompt_logprobs(
     context_tokens: int | None = None,
     rows_per_batch: int = 32,
 ) -> list[PromptLogprob | None]:
-    """Log-probabilities of the prompt's own tokens under ``decoder`` of ``engine`` (see the module docstring).
+    """Log-probabilities of the prompt's own tokens under ``decoder`` of ``engine`` (see the module
+    docstring).
 
     Args:
         engine: a ``SharedPrefillEngine`` (its base and registered decoders).
@@ -118,7 +119,8 @@ def prompt_logprobs(
             logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, :-1]
         return out + logprob_entries(torch.log_softmax(logits.float(), -1), ids[1:], top)
     k = int(dec.handoff_tokens)
-    # C_base of prompt[:n-1] once (handoff 1: the base prefills all but the last token); row i reads its first i-k
+    # C_base of prompt[:n-1] once (handoff 1: the base prefills all but the last token); row i reads its first
+    # i-k
     full = compute_base_cache(base, [ids], handoff_tokens=1)
     upto = n if context_tokens is None else int(context_tokens) + 1  # later positions: the continuation row
     for s in range(1, upto, rows_per_batch):

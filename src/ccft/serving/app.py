@@ -35,10 +35,10 @@ Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: a
 ``max_body_bytes`` → 413 (``request_too_large``), answered from the ``Content-Length`` header before
 any of the body is read (or as soon as a chunked body passes the limit); a malformed body, a
 missing / wrong-typed / unsupported field, text the tokenizer cannot encode, or control-token text
-outside a message content (``ccft.core.tokens.tokenize_prompt``) → 400 naming the field; an unknown model → 404 listing the
-served ones; a prompt that can never be served (``PromptTooLongError``, or prompt + ``max_tokens``
-beyond the model's positions) → 400 with code ``context_length_exceeded``; a full queue
-(``QueueFullError``) → 503 with ``Retry-After``; a request the engine failed → 500. When a client
+outside a message content (``ccft.core.tokens.tokenize_prompt``) → 400 naming the field; an unknown model →
+404 listing the served ones; a prompt that can never be served (``PromptTooLongError``, or
+prompt + ``max_tokens`` beyond the model's positions) → 400 with code ``context_length_exceeded``; a full
+queue (``QueueFullError``) → 503 with ``Retry-After``; a request the engine failed → 500. When a client
 disconnects before its response is complete (streaming or not), its ticket is cancelled: the
 scheduler aborts the engine row and frees its KV (docs/design.md, fault class K9). Every error is
 answered on the request's own connection and leaves it open (keep-alive): an exception no handler
@@ -350,7 +350,8 @@ class ServerState:
             executor.shutdown(wait=False, cancel_futures=True)
 
     def check_length(self, prompt_ids: list[int], req, max_tokens: int) -> None:
-        """400 when ``shared_prefix_tokens`` exceeds the prompt or prompt + ``max_tokens`` exceed ``max_model_len``."""
+        """400 when ``shared_prefix_tokens`` exceeds the prompt or prompt + ``max_tokens`` exceed
+        ``max_model_len``."""
         n = len(prompt_ids)
         if req.shared_prefix_tokens is not None and req.shared_prefix_tokens > n:
             raise APIError(

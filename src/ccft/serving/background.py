@@ -1,4 +1,5 @@
-"""``BackgroundServer``: run an ASGI app with uvicorn in a background thread (tests, notebooks, benchmarks)."""
+"""``BackgroundServer``: run an ASGI app with uvicorn in a background thread (tests, notebooks,
+benchmarks)."""
 
 from __future__ import annotations
 

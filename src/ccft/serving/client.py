@@ -148,7 +148,8 @@ def requests_from_dicts(rows: Iterable[dict]) -> list[ReplayRequest]:
 
 
 def requests_from_trace(trace) -> list[ReplayRequest]:
-    """``ReplayRequest`` s of a ``ccft.serving.workloads.Trace`` (agent → model, shared_len → shared_prefix_tokens)."""
+    """``ReplayRequest`` s of a ``ccft.serving.workloads.Trace`` (agent → model, shared_len →
+    shared_prefix_tokens)."""
     return [
         ReplayRequest(
             request_id=r.request_id,

@@ -1,4 +1,5 @@
-"""``KVLedger``: the scheduler's KV byte accounting against ``kv_budget_bytes`` (docs/serving.md, "KV budget").
+"""``KVLedger``: the scheduler's KV byte accounting against ``kv_budget_bytes`` (docs/serving.md, "KV
+budget").
 
 Three kinds of bytes, at ``bytes_per_token = layers × 2 × kv_heads × head_dim × dtype bytes``:
 
@@ -41,7 +42,8 @@ class KVLedger:
         return int(tokens) * self.bytes_per_token
 
     def store_block_tokens(self, context_tokens: int) -> int:
-        """Tokens of a context's full store blocks (what a prefill may copy into the store); 0 without a store."""
+        """Tokens of a context's full store blocks (what a prefill may copy into the store); 0 without a
+        store."""
         if self.store is None:
             return 0
         block = self.store.block_tokens
@@ -62,7 +64,8 @@ class KVLedger:
         return need
 
     def never_fits(self, context_tokens: int, tail_tokens: int, max_new_tokens: int) -> int | None:
-        """The bytes a request needs alone when that exceeds the budget (it can never be admitted); else None."""
+        """The bytes a request needs alone when that exceeds the budget (it can never be admitted); else
+        None."""
         need = self.bytes(context_tokens + tail_tokens + max_new_tokens)
         return need if self.budget_bytes is not None and need > self.budget_bytes else None
 
@@ -72,7 +75,8 @@ class KVLedger:
 
     # -- accounting
     def make_room(self, need: int) -> bool:
-        """Whether ``need`` more bytes fit; evicts unreferenced store blocks (LRU) first when they would not."""
+        """Whether ``need`` more bytes fit; evicts unreferenced store blocks (LRU) first when they would
+        not."""
         if self.budget_bytes is None:
             return True
         used = self.live_bytes + self.pending_store_bytes

@@ -3,10 +3,10 @@ decode in a step. The scheduler owns the mechanism (KV ledger, contexts, prefill
 only its ordering and its per-request state (docs/serving.md, "Policies").
 
 ``FCFS``: arrival order, head of line; ``max_running`` caps admitted requests.
-``MLFQ``: a preemptive multi-level feedback queue after FastServe's skip-join MLFQ (Wu et al. 2023, arXiv 2305.05920): a
-request enters at the level its prompt length selects (level i holds prompts up to ``entry_tokens·2^i``:
-long prompts skip the top levels), is demoted one level after decoding that level's quantum
-(``quantum·2^i`` tokens), and is promoted to the top after ``aging_steps`` steps without being stepped
+``MLFQ``: a preemptive multi-level feedback queue after FastServe's skip-join MLFQ (Wu et al. 2023, arXiv
+2305.05920): a request enters at the level its prompt length selects (level i holds prompts up to
+``entry_tokens·2^i``: long prompts skip the top levels), is demoted one level after decoding that level's
+quantum (``quantum·2^i`` tokens), and is promoted to the top after ``aging_steps`` steps without being stepped
 (no starvation). With ``max_running`` only that many active rows, best first, decode per step; the others
 stay paused in their engine slots.
 
@@ -153,7 +153,8 @@ class MLFQ(RequestQueuePolicy):
         return [rid for rid, _ in best]
 
     def after_step(self, tickets: Iterable[Queued], stepped: set[int]) -> None:
-        """Demote a ticket that used its level's quantum; promote one that waited ``aging_steps`` unstepped."""
+        """Demote a ticket that used its level's quantum; promote one that waited ``aging_steps``
+        unstepped."""
         for t in tickets:
             s = self._state.get(t.id)
             if s is None:
@@ -201,7 +202,8 @@ def make_policy(
             entry_tokens=mlfq_entry_tokens,
             aging_steps=mlfq_aging_steps,
         )
-    # the MLFQ knobs are validated whatever the policy (a typo fails at start, not when the policy is switched)
+    # the MLFQ knobs are validated whatever the policy (a typo fails at start, not when the policy is
+    # switched)
     MLFQ(
         None,
         levels=mlfq_levels,

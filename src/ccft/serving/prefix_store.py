@@ -83,8 +83,8 @@ class Block:
 
     def __repr__(self) -> str:
         return (
-            f"Block(index={self.index}, key={self.key.hex()[:12]}, refs={self.refs}, children={self.children}, "
-            f"{'stored' if self.stored else 'dropped'})"
+            f"Block(index={self.index}, key={self.key.hex()[:12]}, refs={self.refs}, "
+            f"children={self.children}, {'stored' if self.stored else 'dropped'})"
         )
 
 
@@ -190,7 +190,8 @@ class PrefixKVStore:
         v: torch.Tensor,
         start_block: int = 0,
     ) -> list[Block]:
-        """Store the full blocks ``start_block ..`` of ``token_ids`` (copies of ``k``/``v``); acquires one ref on each.
+        """Store the full blocks ``start_block ..`` of ``token_ids`` (copies of ``k``/``v``); acquires one ref
+        on each.
 
         Blocks already stored are reused (and touched), not overwritten. Blocks ``< start_block`` must
         be stored (normally: the ones ``match`` returned, still referenced); a block whose parent is

@@ -84,7 +84,8 @@ __all__ = [
 REPLICA_HEADER = "x-ccft-replica"
 #: Request header that names the session when the body does not (any route, GET included).
 SESSION_HEADER = "x-ccft-session"
-#: Response header: how many times the ingress sent the request (2 or more: a replica died and it was retried).
+#: Response header: how many times the ingress sent the request (2 or more: a replica died and it was
+#: retried).
 ATTEMPTS_HEADER = "x-ccft-attempts"
 #: Ray Serve's actor namespace (replica actors are named by their full replica id there).
 SERVE_NAMESPACE = "serve"
@@ -305,7 +306,8 @@ def _response_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
     return {k: v for k, v in headers if k.lower() not in {"content-length", "transfer-encoding"}}
 
 
-# serve.ingress pickles the app (and so the helpers its routes use) here: everything they use is defined above.
+# serve.ingress pickles the app (and so the helpers its routes use) here: everything they use is defined
+# above.
 @serve.ingress(_ingress_api)
 class Ingress:
     """The HTTP entry: forwards every request to the engine deployment (see the module docstring).

@@ -59,9 +59,9 @@ order (head of line) and steps every active row. ``"mlfq"`` is a preemptive mult
 queue in the spirit of FastServe's skip-join MLFQ: a request enters at a priority level set by its
 prompt length (level i holds prompts up to ``mlfq_entry_tokens·2^i``; skip-join: long prompts skip
 the top levels), is demoted one level after it decoded its level's quantum (``mlfq_quantum·2^i``
-tokens), and any request that waited ``mlfq_aging_steps`` steps without being stepped (queued or paused) is promoted to the top level
-(no starvation). Admission picks the best (level, arrival) queued request; with ``max_running``
-only that many of the active rows, best first, are decoded per step: the others are paused in
+tokens), and any request that waited ``mlfq_aging_steps`` steps without being stepped (queued or paused) is
+promoted to the top level (no starvation). Admission picks the best (level, arrival) queued request; with
+``max_running`` only that many of the active rows, best first, are decoded per step: the others are paused in
 their engine slots (their KV kept; ``SharedPrefillEngine.step(request_ids=...)``) and resume
 later with the same tokens. Under ``"fcfs"``, ``max_running`` caps admitted requests instead.
 Outputs never depend on the policy or on chunking (greedy equality with the offline reference is
@@ -99,7 +99,8 @@ class QueueFullError(CCFTError, RuntimeError):
 
 
 class PromptTooLongError(CCFTError, ValueError):
-    """A request can never be admitted: prompt + max_new_tokens exceed the engine's or the KV budget's limits."""
+    """A request can never be admitted: prompt + max_new_tokens exceed the engine's or the KV budget's
+    limits."""
 
 
 @dataclass
@@ -113,8 +114,8 @@ class ServeRequest:
             prompt). Only a hint for placing KV: outputs do not depend on it.
         params: the decoding settings whole (``ccft.core.sampling.DecodeParams``), passed as they are to
             ``SharedPrefillEngine.add_request``. Without it they are built from the separate fields
-            ``max_new_tokens, stop, sampling, ignore_eos, logprobs`` (kept for existing callers); with it those
-            fields are set from it. ``max_new_tokens`` may be 0 only with ``prompt_logprobs`` (score the
+            ``max_new_tokens, stop, sampling, ignore_eos, logprobs`` (kept for existing callers); with it
+            those fields are set from it. ``max_new_tokens`` may be 0 only with ``prompt_logprobs`` (score the
             prompt, generate nothing).
         session_id: the caller's session (metrics, routing); optional.
         logprobs: None, or k ≥ 0: each generated token's logprob and the k most likely tokens
@@ -399,9 +400,9 @@ class Scheduler:
         ctx, tail = self._split(r)
         if tail + r.params.max_new_tokens > self.engine.max_tail_tokens:
             raise PromptTooLongError(
-                f"the agent's own {tail} prompt tokens + max_new_tokens={r.params.max_new_tokens} exceed the engine's "
-                f"max_tail_tokens={self.engine.max_tail_tokens}; lower max_new_tokens or mark more of the prompt "
-                "as shared (shared_len)"
+                f"the agent's own {tail} prompt tokens + max_new_tokens={r.params.max_new_tokens} exceed the "
+                f"engine's max_tail_tokens={self.engine.max_tail_tokens}; lower max_new_tokens or mark more "
+                "of the prompt as shared (shared_len)"
             )
         need = self.kv.never_fits(ctx, tail, r.params.max_new_tokens)
         if need is not None:
@@ -504,7 +505,8 @@ class Scheduler:
         return len(self._contexts)
 
     def prefill_progress(self) -> list[tuple[int, int]]:
-        """``(positions computed, positions in all)`` of each context being prefilled in pieces (chunked prefill)."""
+        """``(positions computed, positions in all)`` of each context being prefilled in pieces (chunked
+        prefill)."""
         return [
             (c.job.total - c.job.remaining, c.job.total) for c in self._contexts.values() if c.job is not None
         ]
@@ -516,7 +518,8 @@ class Scheduler:
 
     @property
     def pending_prefill_tokens(self) -> int:
-        """Prompt positions of contexts still being prefilled in pieces (chunked prefill), not computed yet."""
+        """Prompt positions of contexts still being prefilled in pieces (chunked prefill), not computed
+        yet."""
         return sum(c.job.remaining for c in self._contexts.values() if c.job is not None)
 
     def _waiting_tickets(self) -> list[Ticket]:
@@ -927,7 +930,8 @@ class Scheduler:
             max_running=self.max_running,
             pending_prefill_tokens=self.pending_prefill_tokens,
         )
-        # prompt tokens whose KV was reused (a live shared context, or prefix-store blocks) / all prompt tokens
+        # prompt tokens whose KV was reused (a live shared context, or prefix-store blocks) / all prompt
+        # tokens
         reused = out.get("prefix_hit_tokens", 0) + out.get("context_reuse_tokens", 0)
         out["prefix_hit_ratio"] = reused / out["prompt_tokens"] if out.get("prompt_tokens") else 0.0
         return out

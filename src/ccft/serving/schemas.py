@@ -63,7 +63,8 @@ __all__ = [
 
 #: most choices (``n``) one request may ask for
 MAX_N = 64
-#: most top log-probabilities per token (``logprobs`` of a completion, ``top_logprobs`` of a chat), as OpenAI's 20
+#: most top log-probabilities per token (``logprobs`` of a completion, ``top_logprobs`` of a chat), as
+#: OpenAI's 20
 MAX_LOGPROBS = 20
 
 #: Generation.finish_reason → OpenAI finish_reason
@@ -72,7 +73,8 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 # ---------------------------------------------------------------------------------------- errors
 class APIError(Exception):
-    """An error answered as an OpenAI error object ``{"error": {message, type, param, code}}`` with HTTP ``status``."""
+    """An error answered as an OpenAI error object ``{"error": {message, type, param, code}}`` with HTTP
+    ``status``."""
 
     def __init__(
         self,
@@ -138,7 +140,8 @@ def json_type(v: Any) -> str:
 
 
 def _invalid(detail: str, sub: str = "") -> PydanticCustomError:
-    """A validation error whose message is ``'<field><sub>'<detail>`` (the field path is filled in from its location)."""
+    """A validation error whose message is ``'<field><sub>'<detail>`` (the field path is filled in from its
+    location)."""
     return PydanticCustomError("ccft_invalid", "{detail}", {"detail": detail, "sub": sub})
 
 
@@ -189,7 +192,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    """``stream_options``: ``include_usage`` adds a final chunk with ``usage`` (and ``"usage": null`` to the others)."""
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage`` (and ``"usage": null`` to the
+    others)."""
 
     include_usage: bool | None = None
 
@@ -523,7 +527,8 @@ class ChatCompletionRequest(_GenerationRequest):
 def parse_request(
     raw: bytes | str, *, chat: bool, vocab_size: int | None = None
 ) -> CompletionRequest | ChatCompletionRequest:
-    """Validate a raw request body (JSON bytes) for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``.
+    """Validate a raw request body (JSON bytes) for ``/v1/chat/completions`` (``chat``) or
+    ``/v1/completions``.
 
     Raises:
         APIError: 400 naming the first field that does not validate (``param``), or the body when it
@@ -582,7 +587,7 @@ def _lone_surrogate(raw: bytes | str) -> tuple[str, str] | None:
 TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
-# ------------------------------------------------------------------ responses (OpenAI's shapes, ccft's extensions)
+# ------------------------------------------------------------- responses (OpenAI's shapes, ccft's extensions)
 class _Out(BaseModel):
     """A response object: fields left unset (an extension not asked for) are left out of the JSON
     (``body()``: ``model_dump(exclude_unset=True)``); fields set to None are written as null."""
@@ -632,7 +637,8 @@ class ChatChunkChoice(_Choice):
 
 
 class CompletionResponse(_Out):
-    """``/v1/completions`` and ``/v1/chat/completions`` bodies and their stream chunks (``object`` tells which)."""
+    """``/v1/completions`` and ``/v1/chat/completions`` bodies and their stream chunks (``object`` tells
+    which)."""
 
     id: str
     object: str
@@ -643,7 +649,8 @@ class CompletionResponse(_Out):
 
 
 class LogprobText:
-    """Token ids → the token strings, bytes and offsets of OpenAI's logprobs objects (one tokenizer, one thread).
+    """Token ids → the token strings, bytes and offsets of OpenAI's logprobs objects (one tokenizer, one
+    thread).
 
     A token's string is ``tokenizer.decode([id])`` (a token that ends inside a multi-byte UTF-8
     character shows U+FFFD); its ``bytes`` are that string's UTF-8 bytes. Strings are memoised.
@@ -676,7 +683,8 @@ class LogprobText:
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
     def chat(self, ids: Sequence[int], entries: Sequence[TokenLogprob]) -> dict:
-        """The chat object ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+        """The chat object ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
+        bytes}]}]}``."""
 
         def one(t: int, lp: float) -> dict:
             s = self.text(t)
@@ -824,7 +832,8 @@ class Reply:
         return out.body()
 
     def usage_chunk(self, g: Generation | Sequence[Generation]) -> dict:
-        """The last chunk of a stream with ``include_usage``: no choices, the usage (tokens of every choice)."""
+        """The last chunk of a stream with ``include_usage``: no choices, the usage (tokens of every
+        choice)."""
         gens = [g] if isinstance(g, Generation) else list(g)
         return CompletionResponse(
             id=self.rid,

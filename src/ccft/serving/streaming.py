@@ -107,7 +107,8 @@ class StreamText:
         return text
 
     def finish(self, final_text: str) -> str:
-        """The rest of ``final_text`` (the engine's ``Generation.text``) after what was sent: the last delta."""
+        """The rest of ``final_text`` (the engine's ``Generation.text``) after what was sent: the last
+        delta."""
         sent = self.sent
         if not final_text.startswith(sent):  # pragma: no cover - the engine's text extends every delta
             log.warning(

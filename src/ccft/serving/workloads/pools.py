@@ -25,7 +25,8 @@ DOMAINS = ("math", "code", "tools")
 
 @functools.lru_cache(maxsize=None)
 def text_pool(domain: str, part: str) -> tuple[str, ...]:
-    """Texts of a bundled data set. ``part``: "task" (questions, requests) or "record" (answers, solutions)."""
+    """Texts of a bundled data set. ``part``: "task" (questions, requests) or "record" (answers,
+    solutions)."""
 
     def rows(rel: str) -> list[dict]:
         path = RESOURCES / rel
@@ -121,7 +122,8 @@ class TokenPieces:
 
 
 def tokenizer_info(tokenizer) -> dict:
-    """``{name, vocab_size, digest}`` of a tokenizer, as a trace's meta records it (``digest``: ccft's tokenizer digest)."""
+    """``{name, vocab_size, digest}`` of a tokenizer, as a trace's meta records it (``digest``: ccft's
+    tokenizer digest)."""
     from ccft.core.fingerprint import tokenizer_digest
 
     name = str(getattr(tokenizer, "name_or_path", "") or "")

@@ -132,7 +132,8 @@ class Trace:
         return list(out.values())
 
     def kv_tokens(self) -> KVTokens:
-        """Eq. 9 summed over every session-turn: ``Σ L_shared + Σ_i L_unique_i`` vs ``Σ_i (L_shared + L_unique_i)``."""
+        """Eq. 9 summed over every session-turn: ``Σ L_shared + Σ_i L_unique_i`` vs
+        ``Σ_i (L_shared + L_unique_i)``."""
         total = KVTokens(0, 0)
         for group in self.groups():
             shared = {r.shared_len for r in group}
@@ -170,7 +171,8 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path, *, tokenizer=None) -> Trace:
-        """Read a trace written by :meth:`save`; with ``tokenizer``, check it is the one the trace was built with.
+        """Read a trace written by :meth:`save`; with ``tokenizer``, check it is the one the trace was built
+        with.
 
         Raises:
             DataError: missing file, not a ccft trace, unknown version, a request naming a missing
@@ -180,7 +182,8 @@ class Trace:
         path = Path(path)
         if not path.is_file():
             raise DataError(
-                f"trace file {path} does not exist; write one with ccft.serving.workloads.generate(...).save()"
+                f"trace file {path} does not exist; write one with "
+                "ccft.serving.workloads.generate(...).save()"
             )
         meta: dict | None = None
         segments: dict[str, list[int]] = {}
