@@ -25,8 +25,9 @@ test: venv  ## the test suite (tiny models, CPU, CI-fast)
 test-slow: venv  ## real-model tests on the embedded SmolLM2
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-lint: venv  ## ruff + the import contract (.importlinter; docs/design.md, "Layers") + dead code (vulture)
-	$(VENV)/bin/ruff check src tests benchmarks
+lint: venv  ## ruff (lint + format check) + the import contract (.importlinter; docs/design.md, "Layers") + dead code (vulture)
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts
 	$(VENV)/bin/vulture src/ccft tests benchmarks scripts --min-confidence 60
 	$(VENV)/bin/lint-imports --no-cache
 
