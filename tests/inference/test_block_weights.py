@@ -254,7 +254,8 @@ def test_kernel_file_is_built_once_and_reused(kernel, tmp_path, monkeypatch):
 
 
 def test_plain_cpp_path_matches_torch(kernel, tmp_path, monkeypatch):
-    """The kernel built without ``-march=native`` (no AVX2: the plain C++ loops) computes the same products."""
+    """The kernel built without ``-march=native`` (no AVX2: the plain C++ loops) computes the same
+    products."""
     import shutil
 
     monkeypatch.setenv("CCFT_CACHE", str(tmp_path))

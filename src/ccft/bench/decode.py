@@ -372,7 +372,8 @@ def memory_bandwidth(device, dtype, size_mb: int = 512) -> dict:
 
 def peak_matmul(device, dtype, n: int | None = None) -> dict:
     """Peak matmul throughput in FLOP/s: a large square GEMM (``n`` × ``n`` by ``n`` × ``n``, default 8192
-    on CUDA and 2048 on CPU) in ``dtype``, the fastest of 5 timed runs; ``{"n", "seconds", "flops_per_s"}``."""
+    on CUDA and 2048 on CPU) in ``dtype``, the fastest of 5 timed runs; ``{"n", "seconds",
+    "flops_per_s"}``."""
     n = n or (8192 if torch.device(device).type == "cuda" else 2048)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
@@ -869,7 +870,8 @@ def table(result: dict) -> str:
         )
         if "llama_bench_decode_tok_s" in result["batches"].get("1", {}).get("llamacpp", {}):
             lines.append(
-                f"llama.cpp tok/s: llama-batched-bench, fp32 KV; batch 1 with llama-bench (f16 KV, its default): "
+                "llama.cpp tok/s: llama-batched-bench, fp32 KV; batch 1 with llama-bench (f16 KV, its "
+                "default): "
                 f"{result['batches']['1']['llamacpp']['llama_bench_decode_tok_s']:.1f} tok/s"
             )
     if "llamacpp_q4_1_error" in result:
@@ -900,7 +902,8 @@ def table(result: dict) -> str:
             pr = r["profile"]
             parts = ", ".join(f"{k} {v:.1f}" for k, v in pr["ms_per_step"].items())
             lines.append(
-                f"profile, batch {b}: step {pr['step_ms']:.1f} ms ({pr['profiled_step_ms']:.1f} ms profiled): {parts}"
+                f"profile, batch {b}: step {pr['step_ms']:.1f} ms ({pr['profiled_step_ms']:.1f} ms "
+                f"profiled): {parts}"
             )
     return "\n".join(lines)
 

@@ -30,7 +30,8 @@ BENCHMARKS = {
     "peers": (
         "ccft.bench.peers",
         "ccft serve vs vLLM (multi-LoRA, prefix caching) and llama.cpp (aLoRA) on the same "
-        "multi-agent traces over HTTP: outputs vs offline, latency, TTFT, throughput, ratios (`make peers` first)",
+        "multi-agent traces over HTTP: outputs vs offline, latency, TTFT, throughput, ratios "
+        "(`make peers` first)",
     ),
 }
 

@@ -93,7 +93,8 @@ def ccft_home() -> Path:
 
 def cache_root() -> Path:
     """Folder for built tools and kernels: ``$CCFT_CACHE``, else ``$CCFT_HOME``, else
-    ``$XDG_CACHE_HOME/ccft``, else ``~/.cache/ccft`` (``$CCFT_HOME`` and the default are :func:`ccft_home`, the models' cache)."""
+    ``$XDG_CACHE_HOME/ccft``, else ``~/.cache/ccft`` (``$CCFT_HOME`` and the default are :func:`ccft_home`,
+    the models' cache)."""
     if os.environ.get("CCFT_CACHE"):
         return Path(os.environ["CCFT_CACHE"])
     if not os.environ.get("CCFT_HOME") and os.environ.get("XDG_CACHE_HOME"):

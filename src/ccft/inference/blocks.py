@@ -17,8 +17,9 @@ as its blocks (20 or 34 bytes per 32 weights instead of 128) computes with the s
   C++ otherwise; OpenMP over output rows), compiled at first use with the system C++ compiler
   (``$CXX``, else ``g++``, ``c++``, ``clang++``; ``-O3 -march=native -fopenmp``) into
   ``<cache>/kernels/blocks-<hash of source, flags, compiler>.so`` (``<cache>``:
-  ``ccft.core.models.cache_root``) through a temporary file renamed into place, so concurrent processes share one build. Without a compiler
-  (or if the build fails) it returns None and logs one line; the engine then keeps the fp32 path.
+  ``ccft.core.models.cache_root``) through a temporary file renamed into place, so concurrent processes
+  share one build. Without a compiler (or if the build fails) it returns None and logs one line; the engine
+  then keeps the fp32 path.
 
 ``SharedPrefillEngine(block_weights=...)`` uses them for the base lane on the CPU (docs/inference.md, "Block
 weights"); ``CCFT_BLOCK_WEIGHTS=0`` turns them off.
@@ -178,7 +179,8 @@ class BlockMatrix:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x · Wᵀ``: ``x (..., k)`` fp32 on the CPU -> ``(..., n)`` fp32. More than :data:`DEQUANT_ROWS`
-        rows (prefill): the matrix is dequantised for the call and ``torch.matmul`` runs (faster at many rows)."""
+        rows (prefill): the matrix is dequantised for the call and ``torch.matmul`` runs (faster at many
+        rows)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k)
         if x2.stride(-1) != 1:
@@ -193,7 +195,8 @@ class BlockMatrix:
         return y.view(*lead, self.n)
 
     def rows(self, index: torch.Tensor) -> BlockMatrix:
-        """The rows ``index`` (long ``(n',)``) of W as a new ``BlockMatrix`` (blocks copied, not re-quantised)."""
+        """The rows ``index`` (long ``(n',)``) of W as a new ``BlockMatrix`` (blocks copied, not
+        re-quantised)."""
         return BlockMatrix(self.fmt, self.raw[index].contiguous(), int(index.numel()), self.k, self.kernel)
 
 

@@ -183,7 +183,8 @@ class SharedPrefillEngine:
             base was dequantised from such a GGUF and its blocks equal the fp32 weights bit for bit, on
             the CPU in fp32 with decode eager or static; else off), ``"on"`` (the same, raising instead
             of falling back), ``"off"``, or the GGUF file's path. Default: ``$CCFT_BLOCK_WEIGHTS``
-            (``auto``, ``1`` = on, ``0`` = off), else ``"off"``. ``self.block_weights`` is the GGUF used (None: fp32).
+            (``auto``, ``1`` = on, ``0`` = off), else ``"off"``. ``self.block_weights`` is the GGUF used
+            (None: fp32).
     Raises:
         IncompatibleModelError: a model the engine cannot run, or a decoder that cannot read the base's KV.
         FingerprintMismatchError: a decoder conditioned on another base.

@@ -82,8 +82,8 @@ def onednn_available() -> bool:
 
 
 def prepack(lin: Linear) -> Linear:
-    """A copy of ``lin`` with its weight prepacked for oneDNN (no batch-size hint: good for 1..64 rows); ``lin``
-    itself where oneDNN cannot pack it (not on the CPU, another dtype, or bf16 on a CPU without the
+    """A copy of ``lin`` with its weight prepacked for oneDNN (no batch-size hint: good for 1..64 rows);
+    ``lin`` itself where oneDNN cannot pack it (not on the CPU, another dtype, or bf16 on a CPU without the
     instructions oneDNN's bf16 kernels need, e.g. AVX2 only) or where it computes from its blocks."""
     if (
         lin.blocks is not None
@@ -281,7 +281,8 @@ def lane_weights(model: torch.nn.Module, *, allow_adapters: bool = True) -> Lane
     if not allow_adapters and any(len(getattr(m, "lora_A", {})) for m in lm.modules()):
         raise IncompatibleModelError(
             "this full-weight decoder contains LoRA layers (e.g. it was copied from a base that already had "
-            "adapters attached); merge them (merge_and_unload) or create the full decoder before attaching LoRA"
+            "adapters attached); merge them (merge_and_unload) or create the full decoder before "
+            "attaching LoRA"
         )
     layers = []
     for i, block in enumerate(inner.layers):
