@@ -147,6 +147,20 @@ def tiny_base(tiny_dir):
     return load_base(str(tiny_dir))
 
 
+def jsonl(rows) -> str:
+    """``rows`` as JSON Lines text."""
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every path under ``folder`` with its size and mtime (folders: ``(-1, 0)``): equal snapshots before and
+    after a command mean it wrote nothing there."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else (-1, 0)
+        for p in sorted(folder.rglob("*"))
+    }
+
+
 @pytest.fixture(scope="session")
 def gsm8k_rows():
     """GSM8K train rows as {prompt, response}."""

@@ -17,20 +17,10 @@ from pathlib import Path
 import pytest
 
 from ccft.cli.main import main
+from conftest import jsonl, snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD_ROWS = [{"prompt": f"What is {i} + {i}?", "response": str(2 * i)} for i in range(1, 6)]
-
-
-def jsonl(rows) -> str:
-    return "".join(json.dumps(r) + "\n" for r in rows)
-
-
-def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    return {
-        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else (-1, 0)
-        for p in sorted(folder.rglob("*"))
-    }
 
 
 def write_recipe(folder: Path, base: Path, **fields) -> Path:

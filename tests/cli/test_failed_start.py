@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ccft.cli.main import main
-from conftest import make_lora
+from conftest import jsonl, make_lora, snapshot
 
 GOOD_ROWS = [{"prompt": f"What is {i} + {i}?", "response": str(2 * i)} for i in range(1, 9)]
 
@@ -52,17 +52,6 @@ specialists:
     recipe: r2.yaml
     tasks: {bfcl-multiple: {limit: 2, max_new_tokens: 4}}
 """
-
-
-def jsonl(rows) -> str:
-    return "".join(json.dumps(r) + "\n" for r in rows)
-
-
-def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    return {
-        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else (-1, 0)
-        for p in sorted(folder.rglob("*"))
-    }
 
 
 def _malformed_line_4(d: Path, name: str = "data.jsonl") -> None:

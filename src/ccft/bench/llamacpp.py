@@ -37,19 +37,18 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ccft.bench.process import free_port, server_process
 from ccft.core.errors import ConfigError
 from ccft.core.io import atomic_write_file, atomic_write_text
 
@@ -505,12 +504,6 @@ def bench_llama_bench(
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post_json(url: str, body: dict, timeout: float) -> dict:
     """POST ``body`` as JSON to ``url`` and return the decoded JSON reply (urllib; raises its errors)."""
     req = urllib.request.Request(
@@ -537,7 +530,7 @@ def server(
     ``ctx``: context tokens in all (``-c``; llama-server splits it over the ``parallel`` slots, ``-np``);
     ``extra_args``: more flags (``--lora FILE``, ``--lora-init-without-apply``, ...).
     Raises LlamaCppError when it exits or is not healthy within ``ready_timeout`` seconds."""
-    port = _free_port()
+    port = free_port()
     cmd = [
         build.tool("llama-server"),
         "-m",
@@ -559,34 +552,9 @@ def server(
         "--no-warmup",
         *extra_args,
     ]
-    log("[ccft] $ " + " ".join(map(str, cmd)))
-    with tempfile.TemporaryFile() as errlog:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=errlog, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + ready_timeout
-            while True:
-                if proc.poll() is not None:
-                    errlog.seek(0)
-                    tail = errlog.read().decode(errors="replace")[-2000:]
-                    raise LlamaCppError(f"llama-server exited with {proc.returncode}:\n{tail}")
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise LlamaCppError(f"llama-server not ready after {ready_timeout:.0f} s")
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    url = f"http://127.0.0.1:{port}"
+    with server_process(cmd, url, "/health", log=log, ready_timeout=ready_timeout, error=LlamaCppError):
+        yield url
 
 
 def greedy_tokens(

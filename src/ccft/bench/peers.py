@@ -48,7 +48,6 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -56,6 +55,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ccft.bench.process import free_port, server_process
 from ccft.core.errors import ConfigError
 
 SYSTEMS = ("ccft", "ccft-no-share", "vllm", "llamacpp")
@@ -166,14 +166,6 @@ def make_adapters(
 # ------------------------------------------------------------------ servers
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
@@ -191,7 +183,7 @@ def ccft_server(
     ready_timeout: float = 600.0,
 ):
     """``ccft serve`` in a child process on 127.0.0.1 (``--no-share`` unless ``share``); yields its URL."""
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -212,41 +204,9 @@ def ccft_server(
         *[a for n, p in decoders.items() for a in ("--decoder", f"{n}={p}")],
         *([] if share else ["--no-share"]),
     ]
-    with _process(cmd, f"http://127.0.0.1:{port}", "/health", log=log, ready_timeout=ready_timeout) as url:
+    url = f"http://127.0.0.1:{port}"
+    with server_process(cmd, url, "/health", log=log, ready_timeout=ready_timeout):
         yield url
-
-
-@contextlib.contextmanager
-def _process(cmd: list[str], url: str, health: str, *, log, ready_timeout: float, env: dict | None = None):
-    import tempfile
-
-    log("[ccft] $ " + " ".join(cmd))
-    with tempfile.TemporaryFile() as errlog:
-        proc = subprocess.Popen(cmd, stdout=errlog, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            deadline = time.monotonic() + ready_timeout
-            while True:
-                if proc.poll() is not None:
-                    errlog.seek(0)
-                    raise ConfigError(
-                        f"{cmd[0]} exited with {proc.returncode}:\n"
-                        f"{errlog.read().decode(errors='replace')[-3000:]}"
-                    )
-                with contextlib.suppress(OSError):
-                    _get(url + health, timeout=5)
-                    break
-                if time.monotonic() > deadline:
-                    raise ConfigError(f"server not ready after {ready_timeout:.0f} s: {' '.join(cmd)}")
-                time.sleep(0.5)
-            yield url
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 15)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
 
 
 def metric_values(text: str) -> dict[str, float]:

@@ -49,13 +49,14 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ccft.bench.process import free_port
 
 AGENTS = ("math", "code", "tools")  #: the served decoders
 RELOADED = "math"  #: the decoder the soak reloads
@@ -170,45 +171,14 @@ def cold_start_tokens(model: str, folder: str, prompts: list[list[int]]) -> list
 # ------------------------------------------------------------------ the server
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve(cmd: list[str], url: str, *, ready_timeout: float = 600.0):
-    """Run ``cmd`` (``ccft serve``) in its own session; yield its ``Popen`` once ``/health`` answers 200."""
-    import httpx
+    """Run ``cmd`` (``ccft serve``) in its own session; yield its ``Popen`` once ``/health`` answers 200
+    (``ccft.bench.peers.server_process``)."""
+    from ccft.bench.process import server_process
 
-    from ccft.core.errors import ConfigError
-
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + ready_timeout
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    tail = log.read().decode(errors="replace")[-3000:]
-                    raise ConfigError(f"ccft serve exited with {proc.returncode}:\n{tail}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise ConfigError(f"ccft serve not ready after {ready_timeout:.0f} s: {' '.join(cmd)}")
-                time.sleep(0.5)
-            yield proc
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 15)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+    with server_process(cmd, url, "/health", log=lambda _: None, ready_timeout=ready_timeout) as proc:
+        yield proc
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -581,7 +551,7 @@ def run(args) -> dict:
             }
             for r in trace.requests
         ]
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         max_body_mb = 1.0
         cmd = [

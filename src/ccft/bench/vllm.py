@@ -48,8 +48,6 @@ import os
 import platform
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ccft.bench.llamacpp import cache_root
+from ccft.bench.process import free_port, stop_process_group
 from ccft.core.errors import ConfigError
 from ccft.core.io import atomic_write_text
 
@@ -450,26 +449,6 @@ def serve_env(
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (API server, engine core, workers), SIGKILL after 30 s."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    with contextlib.suppress(ProcessLookupError):  # workers left behind by a leader that exited first
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
 @contextlib.contextmanager
 def server(
     env: VllmEnv,
@@ -490,7 +469,7 @@ def server(
     its own process group, which is terminated on exit. Raises VllmError with the log's tail when it exits or
     is not healthy within ``ready_timeout`` seconds. ``preload``: with :func:`preload_libraries` in
     ``LD_PRELOAD``, as vLLM's CPU backend asks."""
-    port = _free_port()
+    port = free_port()
     cmd = serve_command(env, model_dir, loras, port=port, kv_cache_gib=kv_cache_gib, **serve_kw)
     extra_env = serve_env(threads, kv_cache_gib, preload_libraries(env) if preload else ())
     log(
@@ -535,7 +514,7 @@ def server(
             log(f"[ccft] vLLM ready at {url} after {time.monotonic() - t0:.0f} s")
             yield url
         finally:
-            _stop(proc)
+            stop_process_group(proc)
 
 
 def complete(
