@@ -118,9 +118,8 @@ def make_adapters(
 ) -> dict[str, dict[str, Path]]:
     """Per agent ``{"ccft": folder, "full-ft": folder}``: one adapter saved twice (methods ``ccft`` and
     ``full-ft``). ``given``: trained CCFT decoder folders by agent (their Full-FT twin is written beside)."""
-    import torch
-
     import ccft
+    from ccft.bench.serve import random_agent_decoder
     from ccft.core.checkpoint import load_decoder, read_meta
 
     out: dict[str, dict[str, Path]] = {}
@@ -141,14 +140,8 @@ def make_adapters(
         if given and name in given:
             dec = load_decoder(paths["ccft"], base=base, adapter_name=f"peer-{name}")
         else:
-            torch.manual_seed(1000 * (seed + 1) + i)
-            dec = ccft.make_decoder(
-                base,
-                "lora",
-                lora={"r": 8, "lora_alpha": 2, "init_lora_weights": False},
-                method="ccft",
-                handoff_tokens=HANDOFF,
-                adapter_name=f"peer-{name}",
+            dec = random_agent_decoder(
+                base, f"peer-{name}", 1000 * (seed + 1) + i, lora_alpha=2, handoff_tokens=HANDOFF
             )
             ccft.save_decoder(
                 dec,

@@ -149,6 +149,25 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="write the JSON here")
 
 
+def random_agent_decoder(base, name: str, seed: int, *, lora_alpha: int = 16, handoff_tokens: int = 1):
+    """A benchmark agent's stand-in decoder: a CCFT LoRA decoder (r = 8, ``lora_alpha``) on ``base`` with
+    random A and B drawn after ``torch.manual_seed(seed)`` (``init_lora_weights=False``: the adapter changes
+    the outputs, so a decoder that is ignored shows), adapter ``name``, in eval mode."""
+    import ccft
+
+    torch.manual_seed(seed)
+    d = ccft.make_decoder(
+        base,
+        "lora",
+        lora={"r": 8, "lora_alpha": lora_alpha, "init_lora_weights": False},
+        method="ccft",
+        handoff_tokens=handoff_tokens,
+        adapter_name=name,
+    )
+    d.model.eval()
+    return d
+
+
 def build(args):
     """The base, an engine with one decoder per agent, and a description."""
     import ccft
@@ -162,16 +181,7 @@ def build(args):
         if name in given:
             decoders[name] = given[name]
             continue
-        torch.manual_seed(100 + i)
-        d = ccft.make_decoder(
-            base,
-            "lora",
-            lora={"r": 8, "lora_alpha": 16, "init_lora_weights": False},
-            method="ccft",
-            adapter_name=name,
-        )
-        d.model.eval()
-        decoders[name] = d
+        decoders[name] = random_agent_decoder(base, name, 100 + i)
     engine = SharedPrefillEngine(base, decoders=decoders, max_batch=args.max_batch)
     kinds = {n: ("folder " + given[n]) if n in given else "random LoRA r=8" for n in agents}
     from ccft.core.models import describe_model

@@ -118,9 +118,8 @@ def add_arguments(p) -> None:
 def make_decoders(model: str, folder: Path, given: dict[str, str], reload_with: str | None, seed: int):
     """``(served {name: folder}, {"a": folder, "b": folder} of the reloaded decoder)``: given folders,
     else random LoRA r=8 adapters (``init_lora_weights=False``) saved under ``folder``."""
-    import torch
-
     import ccft
+    from ccft.bench.serve import random_agent_decoder
 
     served: dict[str, str] = {}
     base = None
@@ -129,26 +128,12 @@ def make_decoders(model: str, folder: Path, given: dict[str, str], reload_with: 
             served[name] = given[name]
             continue
         base = base or ccft.load_base(model)
-        torch.manual_seed(1000 * (seed + 1) + i)
-        dec = ccft.make_decoder(
-            base,
-            "lora",
-            lora={"r": 8, "lora_alpha": 16, "init_lora_weights": False},
-            method="ccft",
-            adapter_name=f"soak-{name}",
-        )
+        dec = random_agent_decoder(base, f"soak-{name}", 1000 * (seed + 1) + i)
         served[name] = str(ccft.save_decoder(dec, folder / name))
     second = reload_with
     if second is None:
         base = base or ccft.load_base(model)
-        torch.manual_seed(1000 * (seed + 1) + 99)
-        dec = ccft.make_decoder(
-            base,
-            "lora",
-            lora={"r": 8, "lora_alpha": 16, "init_lora_weights": False},
-            method="ccft",
-            adapter_name=f"soak-{RELOADED}-b",
-        )
+        dec = random_agent_decoder(base, f"soak-{RELOADED}-b", 1000 * (seed + 1) + 99)
         second = str(ccft.save_decoder(dec, folder / f"{RELOADED}-b"))
     return served, {"a": served[RELOADED], "b": second}
 
