@@ -133,6 +133,7 @@ def test_single_process_train_writes_a_loadable_decoder(workdir):
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
     assert [s for s, _ in losses] == [1, 2, 3]
     assert all(math.isfinite(v) and v > 0 for _, v in losses), losses
+    assert f"loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}" in out, out  # the summary line's loss
     dec = ccft.load_decoder(folder)
     assert dec.method == "ccft" and dec.kind == "lora"
     ids = dec.base.tokenizer("Natalia sold clips to 48 of her friends.", add_special_tokens=False)[
@@ -142,6 +143,14 @@ def test_single_process_train_writes_a_loadable_decoder(workdir):
     with torch.no_grad():
         logits = ccft.decoder_forward(dec, cache, torch.tensor([ids[-1:]]))
     assert logits.shape == (1, 1, len(dec.base.tokenizer)) and bool(torch.isfinite(logits).all())
+
+
+def test_train_summary_says_when_no_step_loss_was_logged(workdir):
+    """Fewer steps than ``logging_steps``: the summary says so instead of printing ``loss nan -> nan``."""
+    out = _ok(
+        run_ccft(["train", "r.yaml", "--no-resume", "logging_steps=10", "output_dir=out_quiet"], workdir)
+    )
+    assert "no step loss logged: fewer steps than logging_steps=10" in out and "nan" not in out, out
 
 
 # ------------------------------------------------------------------ ccft eval

@@ -109,6 +109,8 @@ def test_cli_errors_before_ray_starts():
         ray_app(parse(["serve", "--replicas", "-1"]))
     with pytest.raises(ConfigError, match="min_load_gap: must be >= 1"):
         ray_app(parse(["serve", "--replicas", "2", "--min-load-gap", "0"]))
+    with pytest.raises(ConfigError, match="--allow-reload is not available with --replicas"):
+        ray_app(parse(["serve", "--replicas", "2", "--allow-reload"]))
 
 
 # --------------------------------------------------------------------------------- slow: a local Ray instance

@@ -297,6 +297,11 @@ def ray_app(args):
 
     if args.replicas < 0:
         raise ConfigError(f"--replicas {args.replicas}: use 0 (no Ray) or N >= 1 engine replicas")
+    if getattr(args, "allow_reload", False):
+        raise ConfigError(
+            "--allow-reload is not available with --replicas (a reload would reach one replica); "
+            'drop one of them (docs/server.md, "Hot reload")'
+        )
     _decoders(args.decoder)  # bad --decoder specs fail before Ray starts
     options = (
         {"max_load_ratio": args.max_load_ratio, "min_load_gap": args.min_load_gap}

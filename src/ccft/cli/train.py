@@ -84,9 +84,13 @@ def run(args) -> int:
     if not result.trainer.is_world_process_zero():
         return 0
     curve = result.loss_curve
-    first, last = (curve[0][1], curve[-1][1]) if curve else (float("nan"), float("nan"))
+    loss = (
+        f"loss {curve[0][1]:.4f} -> {curve[-1][1]:.4f}"
+        if curve
+        else f"no step loss logged: fewer steps than logging_steps={cfg.logging_steps}"
+    )
     print(
         f"[ccft] trained {cfg.method} decoder -> {result.output_dir} ({result.train_rows} rows, "
-        f"loss {first:.4f} -> {last:.4f}, {result.seconds:.0f}s)"
+        f"{loss}, {result.seconds:.0f}s)"
     )
     return 0

@@ -365,7 +365,7 @@ def default_setting() -> str:
         return "off"
     if raw in ("1", "on", "true", "yes"):
         return "on"
-    raise ConfigError(f"{ENV}={raw!r}; use 0 (off), 1 (on) or auto")
+    raise ConfigError(f"{ENV}={raw!r}; use auto, 1 / on / true (on) or 0 / off / false (off)")
 
 
 def use_block_weights(base, lw, setting, *, decode_mode: str) -> Path | None:

@@ -506,7 +506,8 @@ def read_yaml_mapping(p: Path, kind: str, expected: str) -> tuple[dict[str, Any]
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{at}: not valid YAML: {problem}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{p}:1: a {kind} is a mapping of keys to values, got {type(raw).__name__}")
+        article = "an" if kind[:1] in "aeiou" else "a"
+        raise ConfigError(f"{p}:1: {article} {kind} is a mapping of keys to values, got {type(raw).__name__}")
     return raw, text
 
 
