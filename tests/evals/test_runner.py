@@ -271,6 +271,12 @@ def test_cli_eval_runs_a_suite(setup, tmp_path, capsys):
     items = read_jsonl(tmp_path / "out" / "gsm8k" / "items.prefillshare.jsonl")
     assert sum("text" in r for r in items) == 1  # only the first item is generated
     capsys.readouterr()
+    # a mode the suite asks for that the given decoders cannot run: the error says where the modes came from
+    argv = ["eval", "--suite", str(suite), "--no-progress", "--out", str(tmp_path / "out2")]
+    argv += ["--decoder", str(tmp_path / "cc")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "mode 'full-ft'" in err and f"come from the suite {suite}; choose others with --mode" in err, err
 
 
 def test_runner_keeps_its_public_names():

@@ -76,6 +76,12 @@ def test_bad_suites_are_refused_naming_the_file(tmp_path):
         load_suite(ROOT / "evals" / "demo.yaml", "math")
     with pytest.raises(ConfigError, match="evaluation suite .*nope.yaml does not exist"):
         load_suite(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"e\.yaml: an empty evaluation suite; declare at least `task:`"):
+        load_suite(_write(tmp_path / "e.yaml", ""))
+    with pytest.raises(ConfigError, match=r"o\.yaml: task: unknown task 'gsm9k'; known tasks: "):
+        load_suite(_write(tmp_path / "o.yaml", "task: gsm9k\n"))
+    with pytest.raises(ConfigError, match=r"l\.yaml:1: an evaluation suite is a mapping"):
+        load_suite(_write(tmp_path / "l.yaml", "- task: gsm8k\n"))
 
 
 def test_a_recipe_naming_a_missing_or_bad_suite_fails_at_its_line(tmp_path):

@@ -55,7 +55,8 @@ def add_parser(sub) -> None:
         action="append",
         default=None,
         choices=list(MODES),
-        help="repeat for several modes (default: every mode the given decoders allow)",
+        help="repeat for several modes (default: the --suite's modes, else every mode the given decoders "
+        "allow)",
     )
     p.add_argument(
         "--decoder",
@@ -172,6 +173,7 @@ def eval_plan(args):
 
 
 def run(args) -> int:
+    from ccft.core.errors import ConfigError
     from ccft.core.io import check_output_folder
     from ccft.evals.prompting import resolve_prompt_format
     from ccft.evals.report import task_markdown
@@ -186,8 +188,16 @@ def run(args) -> int:
     task_objs = [get_task(t.task) for t in plan.tasks]  # unknown names fail before loading any model
     for task, t in zip(task_objs, plan.tasks):  # so does missing or damaged task data (one line, exit 2)
         task.load(t.limit if t.limit is not None else getattr(task, "default_limit", None))
-    args.mode = list(plan.modes) if args.mode is None and args.suite else args.mode
-    base, loaded = load_models(args.decoder, args.base, args.mode, device=args.device)
+    from_suite = args.mode is None and bool(args.suite)
+    args.mode = list(plan.modes) if from_suite else args.mode
+    try:
+        base, loaded = load_models(args.decoder, args.base, args.mode, device=args.device)
+    except ConfigError as e:
+        if not (args.suite and from_suite):
+            raise
+        raise ConfigError(
+            f"{e} (the modes {list(plan.modes)} come from the suite {args.suite}; choose others with --mode)"
+        ) from None
     decoders = {method: dec for method, (dec, _) in loaded.items()}
     paths = {method: path for method, (_, path) in loaded.items()}
     modes = list(dict.fromkeys(args.mode or default_modes(decoders)))

@@ -72,10 +72,16 @@ def load_suite(path: str | os.PathLike, specialist: str | None = None) -> EvalSu
 
     p = Path(path)
     raw, _ = read_yaml_mapping(p, "evaluation suite", "an evals/*.yaml file")
+    if not raw:
+        raise ConfigError(f"{p}: an empty evaluation suite; declare at least `task:` (see evals/demo.yaml)")
     if "specialists" not in raw:
         if specialist is not None:
             raise ConfigError(f"{p} has no specialists (one task for any decoders); drop --specialist")
         e = load_eval_config(p)
+        from ccft.evals.protocol import task_names
+
+        if e.task not in task_names():
+            raise ConfigError(f"{p}: task: unknown task {e.task!r}; known tasks: {', '.join(task_names())}")
         return EvalSuite(
             source=str(p),
             tasks=(SuiteTask(e.task, e.nll_rows, e.em_rows, e.max_new_tokens),),
