@@ -95,11 +95,15 @@ def add_arguments(p) -> None:
     p.add_argument("--no-reload", action="store_true", help="serve without --allow-reload; no reloads")
     p.add_argument("--sample-s", type=float, default=2.0, help="seconds between RSS / metrics samples")
     p.add_argument("--sessions", type=int, default=16, help="sessions of the trace the clients cycle over")
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--shared-tokens", type=int, default=256)
-    p.add_argument("--unique-tokens", type=int, default=32)
-    p.add_argument("--growth-tokens", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--turns", type=int, default=3, help="turns per session of the ReAct trace")
+    p.add_argument(
+        "--shared-tokens", type=int, default=256, help="tokens of the context every agent of a session shares"
+    )
+    p.add_argument("--unique-tokens", type=int, default=32, help="tokens of each agent's own instruction")
+    p.add_argument("--growth-tokens", type=int, default=64, help="tokens the shared context grows per turn")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=16, help="tokens generated per request (EOS ignored)"
+    )
     p.add_argument("--kv-budget-mb", type=float, default=256.0, help="the server's --kv-budget-mb")
     p.add_argument("--threads", type=int, default=None, help="the server's --threads (default: all cores)")
     p.add_argument(
@@ -107,7 +111,9 @@ def add_arguments(p) -> None:
         action="store_true",
         help="start the server with --no-tune-malloc (glibc's default mmap threshold; for comparison)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the trace, the abandons and the random decoders"
+    )
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-request HTTP timeout (s)")
     p.add_argument("--out", default=None, help="write the JSON here (atomically)")
 
@@ -739,7 +745,10 @@ def table(result: dict) -> str:
             else f"{result['p95_s_per_token_first']:.4f} -> {result['p95_s_per_token_last']:.4f} "
             f"({result['p95_last_over_first']:.2f}x)"
         ),
-        f"reloads: {len(probes)}, probes equal cold start: {sum(probes)}/{len(probes)}",
+        f"reloads: {len(probes)}, probes equal cold start: {sum(probes)}/{len(probes)}"
+        + (" (no reload: the run was shorter than --reload-every-s)" if not probes else ""),
+        f"windows: {result['windows']['window_s']:.0f} s each (a run shorter than 3 x --window-s uses a "
+        "third of it; goals from short windows are indicative only)",
         "invariants: "
         + ", ".join(f"{k} {'ok' if v else 'VIOLATED'}" for k, v in result["invariants"].items()),
         "goals: " + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in result["goals"].items()),

@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks (ratios, JSON out)")
     kinds = p.add_subparsers(dest="benchmark", required=True)
     for kind, (module, help_text) in BENCHMARKS.items():
-        q = kinds.add_parser(kind, help=help_text)
+        q = kinds.add_parser(kind, help=help_text, description=help_text)
         importlib.import_module(module).add_arguments(q)
         q.set_defaults(func=run, bench_module=module)
 
