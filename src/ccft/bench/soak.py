@@ -605,7 +605,10 @@ def run(args) -> dict:
             stop_sampler.set()
             sampler.join()
             final = gauges(httpx.get(url + "/metrics", timeout=30).text)
-    return summarize(args, tally, load_s, idle, final, refs, describe_model(args.model), served)
+    described = {  # given folders as given; the random ones lived in a temporary folder, gone now
+        name: given.get(name, f"random LoRA r=8 (seed {args.seed})") for name in served
+    }
+    return summarize(args, tally, load_s, idle, final, refs, describe_model(args.model), described)
 
 
 def summarize(args, tally: Tally, load_s: float, idle: dict, final: dict, refs: dict, model, served) -> dict:
