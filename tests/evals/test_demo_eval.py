@@ -270,7 +270,7 @@ def test_prompt_echo_is_scored_by_one_rule(demo, tmp_path, monkeypatch):
             out.append(Generation(text=texts[q], token_ids=[0], finish_reason="eos"))
         return out
 
-    monkeypatch.setattr("ccft.evals.generation.generate", echo)
+    monkeypatch.setattr("ccft.evals.generation.generate", echo)  # the reference path's generator
     ecfg = EvalConfig(
         task="gsm8k",
         nll_rows=5,
@@ -279,6 +279,7 @@ def test_prompt_echo_is_scored_by_one_rule(demo, tmp_path, monkeypatch):
         batch_size=5,
         modes=["base", "prefillshare"],
         bootstrap=100,
+        engine=False,
     )
     demo_res = evaluate_decoders(base, decoders, ecfg, tmp_path / "demo", progress=False)
     assert (
@@ -300,6 +301,7 @@ def test_prompt_echo_is_scored_by_one_rule(demo, tmp_path, monkeypatch):
                 "--no-progress",
                 "--bootstrap",
                 "100",
+                "--no-engine",
                 "--out",
                 str(tmp_path / "eval"),
             ]

@@ -117,6 +117,7 @@ def _args(**kw):
         batch_size=None,
         bootstrap=None,
         seed=None,
+        engine=None,
     )
     return argparse.Namespace(**(base | kw))
 
@@ -138,3 +139,29 @@ def test_command_line_options_go_over_the_suite():
         eval_plan(_args(suite=str(ROOT / "evals" / "demo.yaml"), task=["gsm8k"]))
     with pytest.raises(ConfigError, match="give --suite too"):
         eval_plan(_args(specialist="math"))
+
+
+def test_the_decode_path_has_one_default_and_the_command_line_wins(tmp_path):
+    """``engine``: EvalConfig's default (the engine) for the demo, a one-task suite and ``ccft eval`` without
+    a suite; a suite's ``engine: false`` chooses the reference path; ``--engine`` / ``--no-engine`` win."""
+    from ccft.cli.eval import add_parser, eval_plan
+    from ccft.train.config import EvalConfig, load_recipe
+
+    assert EvalConfig.engine is True
+    _, ecfg, _ = load_recipe(ROOT / "recipes" / "demo.yaml")
+    assert ecfg.engine is True and load_suite(ROOT / "evals" / "demo.yaml").engine is True
+    _, ecfg, _ = load_recipe(ROOT / "recipes" / "demo.yaml", ["eval.engine=false"])
+    assert ecfg.engine is False
+    off = _write(tmp_path / "off.yaml", "task: gsm8k\nnll_rows: 3\nengine: false\n")
+    assert load_suite(off).engine is False
+    assert eval_plan(_args(task=["gsm8k"])).engine is True
+    assert eval_plan(_args(suite=str(off))).engine is False
+    assert eval_plan(_args(suite=str(off), engine=True)).engine is True
+    assert eval_plan(_args(suite=str(ROOT / "evals" / "demo.yaml"), engine=False)).engine is False
+    assert load_suite(ROOT / "evals" / "study.yaml", "math").engine is None  # the study always uses it
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    parse = sub.choices["eval"].parse_args
+    assert [parse(a).engine for a in ([], ["--engine"], ["--no-engine"])] == [None, True, False]
+    with pytest.raises(ConfigError, match=r"b\.yaml:2: .*engine"):
+        load_suite(_write(tmp_path / "b.yaml", "task: gsm8k\nengine: sometimes\n"))

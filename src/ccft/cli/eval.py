@@ -19,6 +19,7 @@ Examples::
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -73,9 +74,11 @@ def add_parser(sub) -> None:
     p.add_argument("--nll-only", action="store_true", help="reference NLL only, no generation")
     p.add_argument(
         "--engine",
-        action="store_true",
-        help="generations of every mode through ccft.SharedPrefillEngine (batched, continuous batching; "
-        "default: the reference ccft.generate path it is tested against)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every mode through ccft.SharedPrefillEngine: each producer prefills a group of items once "
+        "for the generations and reference NLL of every mode reading it (default, or the suite's "
+        "`engine:`); --no-engine: the reference ccft.generate path it is tested equal to",
     )
     p.add_argument(
         "--prompt-format",
@@ -135,13 +138,14 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
 
 def eval_plan(args):
     """The ``EvalSuite`` this command runs: ``--suite`` (one specialist's part with ``--specialist``) or the
-    ``--task`` list (default gsm8k), with ``--limit``, ``--max-new-tokens``, ``--batch-size``, ``--bootstrap``
-    and ``--seed`` over the suite's values when given. Raises ConfigError for a bad suite or both
+    ``--task`` list (default gsm8k), with ``--limit``, ``--max-new-tokens``, ``--batch-size``, ``--bootstrap``,
+    ``--seed`` and ``--engine`` over the suite's values when given. Raises ConfigError for a bad suite or both
     ``--suite`` and ``--task``."""
     import dataclasses
 
     from ccft.core.errors import ConfigError
     from ccft.evals.suite import EvalSuite, SuiteTask, load_suite
+    from ccft.train.config import EvalConfig
 
     if args.suite is not None:
         if args.task:
@@ -169,6 +173,7 @@ def eval_plan(args):
         batch_size=pick(args.batch_size, suite.batch_size, 8),
         bootstrap=pick(args.bootstrap, suite.bootstrap, 2000),
         seed=pick(args.seed, suite.seed, 0),
+        engine=pick(args.engine, suite.engine, EvalConfig.engine),
     )
 
 
@@ -215,7 +220,7 @@ def run(args) -> int:
             seed=plan.seed,
             handoff_tokens=handoff,
             samples=args.samples,
-            engine=args.engine,
+            engine=plan.engine,
             prompt_format=prompt_format,
         )
         print(f"[ccft] {settings.as_dict(task)['task']}: prompts: {settings.prompting(task)}", flush=True)

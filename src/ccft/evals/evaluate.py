@@ -35,7 +35,8 @@ def demo_settings(ecfg, decoders: Mapping[str, Decoder], *, prompt_format: str =
     """``EvalSettings`` for a recipe's ``eval:`` section and the decoders it evaluates.
 
     Args:
-        ecfg: ``ccft.train.config.EvalConfig`` (``nll_rows``, ``em_rows``, ``max_new_tokens``, ``seed``).
+        ecfg: ``ccft.train.config.EvalConfig`` (``nll_rows``, ``em_rows``, ``max_new_tokens``, ``seed``,
+            ``engine``).
         decoders: ``{method: Decoder}``; their ``handoff_tokens`` and recorded recipe set the handoff and
             prompts.
         prompt_format: ``"decoder"`` (the decoders' training format) or ``"task"``.
@@ -49,6 +50,7 @@ def demo_settings(ecfg, decoders: Mapping[str, Decoder], *, prompt_format: str =
         seed=ecfg.seed,
         handoff_tokens=shared_handoff(decoders.values()),
         prompt_format=resolve_prompt_format(prompt_format, decoders.values()),
+        engine=ecfg.engine,
     )
 
 

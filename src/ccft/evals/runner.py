@@ -508,7 +508,7 @@ def _run_groups(
     ``done``. Returns the items computed per mode and the modes in the order they ran."""
     name = task_name(task)
     engine = None
-    if settings.engine and settings.generate:
+    if settings.engine:
         engine = make_engine(base, specs, max_batch=batch_size)
     # the engine decodes batch_size rows at a time and refills a row's slot as soon as it finishes, so it gets
     # several batches per call (records are written per call)

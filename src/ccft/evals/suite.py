@@ -6,7 +6,7 @@ A suite has one of two forms:
 
 - **one task** (``evals/demo.yaml``): the keys of ``ccft.train.config.EvalConfig`` — ``task``, ``nll_rows``
   (items scored by reference NLL), ``em_rows`` (the first of them also generated and scored),
-  ``max_new_tokens``, ``batch_size``, ``modes``, ``bootstrap``, ``seed``;
+  ``max_new_tokens``, ``batch_size``, ``modes``, ``bootstrap``, ``seed``, ``engine``;
 - **per specialist** (``evals/study.yaml``): ``modes``, ``batch_size``, ``bootstrap``, ``seed``, the sweep's
   ``sweep_limit`` / ``sweep_rhos``, and ``specialists: {NAME: {tasks: {TASK: {limit, max_new_tokens}},
   multipl_e, multipl_e_limit, multipl_e_max_new_tokens}}``; each specialist's decoders are evaluated on its
@@ -42,7 +42,9 @@ class SuiteTask:
 
 @dataclass(frozen=True)
 class EvalSuite:
-    """A suite resolved for one group of decoders (the whole suite, or one specialist's part of it)."""
+    """A suite resolved for one group of decoders (the whole suite, or one specialist's part of it).
+
+    ``engine``: the decode path a one-task suite declares (``EvalConfig.engine``); None = not declared."""
 
     source: str
     tasks: tuple[SuiteTask, ...]
@@ -52,6 +54,7 @@ class EvalSuite:
     seed: int | None = None
     specialist: str | None = None
     specialists: tuple[str, ...] = field(default=())
+    engine: bool | None = None
 
 
 def load_suite(path: str | os.PathLike, specialist: str | None = None) -> EvalSuite:
@@ -89,6 +92,7 @@ def load_suite(path: str | os.PathLike, specialist: str | None = None) -> EvalSu
             batch_size=e.batch_size,
             bootstrap=e.bootstrap,
             seed=e.seed,
+            engine=e.engine,
         )
     bad = sorted(set(raw) - SUITE_KEYS)
     if bad:

@@ -265,6 +265,10 @@ class EvalConfig:
         batch_size: generation and scoring batch size.
         modes: which of base, full-ft, naive, prefillshare to run.
         bootstrap: resamples for confidence intervals.
+        engine: True (default): every mode through ``ccft.inference.SharedPrefillEngine``, each producer
+            prefilling a group of items once for every mode that reads it (generations and reference NLL);
+            False: the reference path (``ccft.core.generation.generate`` and one NLL forward per mode), which
+            the engine path is tested equal to (docs/evaluation.md, "Decode path").
     """
 
     task: str = "gsm8k"
@@ -275,6 +279,7 @@ class EvalConfig:
     modes: list[str] = field(default_factory=lambda: list(MODES))
     bootstrap: int = 2000
     seed: int = 0
+    engine: bool = True
 
 
 # ------------------------------------------------------------------ parsing
