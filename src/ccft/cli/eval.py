@@ -138,9 +138,9 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
 
 def eval_plan(args):
     """The ``EvalSuite`` this command runs: ``--suite`` (one specialist's part with ``--specialist``) or the
-    ``--task`` list (default gsm8k), with ``--limit``, ``--max-new-tokens``, ``--batch-size``, ``--bootstrap``,
-    ``--seed`` and ``--engine`` over the suite's values when given. Raises ConfigError for a bad suite or both
-    ``--suite`` and ``--task``."""
+    ``--task`` list (default gsm8k), with ``--limit``, ``--max-new-tokens``, ``--batch-size``,
+    ``--bootstrap``, ``--seed`` and ``--engine`` over the suite's values when given. Raises ConfigError for a
+    bad suite or both ``--suite`` and ``--task``."""
     import dataclasses
 
     from ccft.core.errors import ConfigError
