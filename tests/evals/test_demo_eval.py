@@ -170,6 +170,8 @@ def test_demo_evaluates_through_the_runner_end_to_end(demo, tmp_path):
     readme = (demo.out / "README.md").read_text()
     assert readme == demo_readme(result, str(demo.recipe))
     assert modes_table(summary) in readme and "| n | n scored | truncated |" in readme
+    assert meta["settings"]["decode_path"] == "SharedPrefillEngine (every mode)"  # EvalConfig's default
+    assert "- **Decode path**: every mode on `ccft.SharedPrefillEngine`: each group of items" in readme
     for mode in MODES:
         assert f"| {mode} | {get_mode(mode).note} | {summary['modes'][mode]['nll']:.4f}" in readme
     rep = build_report([str(demo.out)], tmp_path / "rep")

@@ -131,6 +131,17 @@ def run(args) -> int:
     return 0
 
 
+def _decode_path_line(path: str | None) -> str:
+    """The report's line for the evaluation's decode path (``EvalSettings.as_dict``'s ``decode_path``)."""
+    if path is not None and path.startswith("SharedPrefillEngine"):
+        return (
+            "every mode on `ccft.SharedPrefillEngine`: each group of items prefilled once per producer "
+            "(C_base for base, naive and prefillshare; the Full-FT decoder's own prefix for full-ft), read "
+            'by the reference NLL and the greedy generation (docs/evaluation.md, "Decode path")'
+        )
+    return f"{path or 'reference (ccft.generate)'}: per mode, one prompt pass for the NLL, one for generation"
+
+
 def demo_readme(result: dict, recipe: str) -> str:
     """``README.md`` of the demo: setup, the eval runner's per-mode table and deltas, curves, the reading."""
     from ccft.evals.report import modes_table, reading
@@ -166,6 +177,7 @@ steps and seed.
 - **Evaluation data**: {meta["data"]}. NLL on the first {meta["n_items"]} items; generations scored on \
 the first
   {min(n_gen, meta["n_items"])} of them (greedy, max {es["max_new_tokens"]} new tokens).
+- **Decode path**: {_decode_path_line(es.get("decode_path"))}.
 - **Prompts** (training and evaluation): {es.get("prompting")}.
 - **Hardware**: {result["hardware"]}.
 - **Wall time per phase (s)**: {", ".join(f"{k} {v:.0f}" for k, v in t.items())}.
