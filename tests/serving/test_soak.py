@@ -24,6 +24,12 @@ def test_tune_malloc_is_accepted_or_a_no_op():
     assert ok is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
 
 
+def test_a_bad_arena_value_is_refused_before_anything_runs(capsys):
+    assert main(["bench", "soak", "--max-prefix-tokens", "lots", "--duration-s", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-prefix-tokens 'lots': use 'budget', a number of token slots N, or 0" in err
+
+
 def test_short_soak_keeps_the_invariants(tmp_path, tokenizer, capsys):
     model = make_tiny_folder(tmp_path / "base", tokenizer, seed=7, scale=30.0)
     out = tmp_path / "soak.json"

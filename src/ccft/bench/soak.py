@@ -116,8 +116,9 @@ def add_arguments(p) -> None:
         "--max-prefix-tokens",
         default="budget",
         metavar="N|budget",
-        help="the server's --max-prefix-tokens: 'budget' allocates the prefix arena whole at start from "
-        "--kv-budget-mb, so it never grows mid-run; 0: the arena starts small and doubles when full",
+        help="the server's --max-prefix-tokens: 'budget' (the default) allocates the prefix arena whole at "
+        "start from --kv-budget-mb, so it never grows mid-run; N: N token slots; 0: the arena starts small "
+        "and doubles when full",
     )
     p.add_argument(
         "--no-warmup",
@@ -579,6 +580,11 @@ def run(args) -> dict:
         if not sep or name not in AGENTS:
             raise ConfigError(f"--decoder {spec!r}: use NAME=PATH with NAME one of {', '.join(AGENTS)}")
         given[name] = path
+    arena_value = str(args.max_prefix_tokens).strip()
+    if arena_value != "budget" and not arena_value.isdigit():  # before the decoders and references are made
+        raise ConfigError(
+            f"--max-prefix-tokens {args.max_prefix_tokens!r}: use 'budget', a number of token slots N, or 0"
+        )
     reload_on = not args.no_reload
     with tempfile.TemporaryDirectory(prefix="ccft-soak-") as tmp:
         served, folders = make_decoders(args.model, Path(tmp), given, args.reload_with, args.seed)
