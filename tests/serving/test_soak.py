@@ -98,6 +98,7 @@ def test_short_soak_keeps_the_invariants(tmp_path, tokenizer, capsys):
     arena = result["prefix_arena"]
     assert arena["start_bytes"] == arena["end_bytes"] == 8 * 2**20 and arena["grew"] is False
     assert result["final_metrics"]["prefix_arena_bytes"] == 8 * 2**20
+    assert result["final_metrics"]["scheduler_arena_waits_total"] == 0  # 8 MiB holds every live context
     # the warm-up, before the clock started: one request per distinct shared context; the 4 sessions' first
     # 64 tokens are the same (the trace's opening text), so 1 context of turn 1 and 4 of turn 2
     assert result["warmup"]["requests"] == 5 and result["warmup"]["prefix_store_bytes"] > 0

@@ -808,6 +808,7 @@ def summarize(
                 "ccft_scheduler_cancelled_total",
                 "ccft_scheduler_done_total",
                 "ccft_scheduler_reloads_total",
+                "ccft_scheduler_arena_waits_total",
             )
         },
         "windows": w,
