@@ -72,8 +72,9 @@ setup-times: venv
 	  env CCFT_CACHE=$$tmp/cache $(PY) -m ccft.bench.vllm setup && \
 	/usr/bin/time -f "setup-times: BFCL checker venv %e s" $(PY) -m ccft.evals.bfcl setup $$tmp/bfcl-venv
 
-# `ccft serve` (embedded SmolLM2, three LoRA decoders, --allow-reload) under a steady load for SOAK_S
-# seconds: streaming clients that abandon some streams, hostile bodies, hot reloads; writes
+# `ccft serve` (embedded SmolLM2, three LoRA decoders, --allow-reload, --max-prefix-tokens budget: the prefix
+# arena allocated whole from --kv-budget-mb) under a steady load for SOAK_S seconds, after a warm-up that fills
+# the prefix store: streaming clients that abandon some streams, hostile bodies, hot reloads; writes
 # benchmarks/results/soak_cpu.json and fails on a lost request, a 5xx, live KV left at the end or a
 # reload whose outputs differ from a cold start. Not CI (tests/serving/test_soak.py is the short
 # version). On a shared machine: flock /tmp/ccft-measure.lock make soak

@@ -111,6 +111,11 @@ def test_cli_errors_before_ray_starts():
         ray_app(parse(["serve", "--replicas", "2", "--min-load-gap", "0"]))
     with pytest.raises(ConfigError, match="--allow-reload is not available with --replicas"):
         ray_app(parse(["serve", "--replicas", "2", "--allow-reload"]))
+    # each replica sizes its arena by the rule of build_scheduler; a bad value fails here, before Ray starts
+    with pytest.raises(ConfigError, match="--max-prefix-tokens 'many'"):
+        ray_app(parse(["serve", "--replicas", "2", "--max-prefix-tokens", "many"]))
+    with pytest.raises(ConfigError, match="--max-prefix-tokens budget sizes the prefix arena"):
+        ray_app(parse(["serve", "--replicas", "2", "--max-prefix-tokens", "budget"]))
 
 
 # --------------------------------------------------------------------------------- slow: a local Ray instance

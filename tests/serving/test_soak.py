@@ -1,7 +1,9 @@
 """``ccft bench soak``, short: a tiny model served by ``ccft serve`` (child process, 127.0.0.1) under
 streaming clients that abandon some streams, hostile bodies and hot reloads for ~30 s of load.
 
-The invariants of ``make soak`` must hold: no request lost, no 5xx, every hostile body answered with
+The server's prefix arena is allocated whole from its ``--kv-budget-mb`` (``--max-prefix-tokens budget``, the
+soak's default) and a warm-up fills the prefix store before the clock starts. The invariants of ``make soak``
+must hold: no request lost, no 5xx, every hostile body answered with
 its status, live KV 0 after the last request, every reload's probes equal a cold start on the weights
 it loaded. Nothing asserts on time (RSS and p95 figures are reported, not checked, here).
 """
@@ -20,6 +22,12 @@ def test_tune_malloc_is_accepted_or_a_no_op():
 
     ok = tune_malloc()
     assert ok is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+
+
+def test_a_bad_arena_value_is_refused_before_anything_runs(capsys):
+    assert main(["bench", "soak", "--max-prefix-tokens", "lots", "--duration-s", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-prefix-tokens 'lots': use 'budget', a number of token slots N, or 0" in err
 
 
 def test_short_soak_keeps_the_invariants(tmp_path, tokenizer, capsys):
@@ -59,6 +67,8 @@ def test_short_soak_keeps_the_invariants(tmp_path, tokenizer, capsys):
             "8",
             "--threads",
             "1",
+            "--kv-budget-mb",
+            "8",
             "--out",
             str(out),
         ]
@@ -83,4 +93,14 @@ def test_short_soak_keeps_the_invariants(tmp_path, tokenizer, capsys):
     assert result["reload_changes_outputs"]  # the probes tell the two weight sets apart
     assert result["final_metrics"]["scheduler_reloads_total"] == sum(r["status"] == 200 for r in reloads)
     assert result["rss_first_bytes"] and result["windows"]["per_window"]
+    # the prefix arena was allocated whole from the budget (8 MiB; whole tokens of 512 bytes) and never grew
+    assert result["settings"]["max_prefix_tokens"] == "budget"
+    arena = result["prefix_arena"]
+    assert arena["start_bytes"] == arena["end_bytes"] == 8 * 2**20 and arena["grew"] is False
+    assert result["final_metrics"]["prefix_arena_bytes"] == 8 * 2**20
+    assert result["final_metrics"]["scheduler_arena_waits_total"] == 0  # 8 MiB holds every live context
+    # the warm-up, before the clock started: one request per distinct shared context; the 4 sessions' first
+    # 64 tokens are the same (the trace's opening text), so 1 context of turn 1 and 4 of turn 2
+    assert result["warmup"]["requests"] == 5 and result["warmup"]["prefix_store_bytes"] > 0
+    assert "prefix arena (--max-prefix-tokens budget): 8.0 MiB at start -> 8.0 MiB at end" in printed
     assert "lost" in printed and "probes equal cold start" in printed

@@ -21,6 +21,13 @@ adapters written to a temporary folder; ``--allow-reload`` unless ``--no-reload`
   this process before the server starts); the first round also sends a reload of a folder that
   does not exist (expects 400, and the probes then still equal the weights served before).
 
+Before the clock starts (unless ``--no-warmup``) the clients send one request (``max_tokens`` 1) for each
+distinct shared context of the trace, each session's turns in order: the prefix store then holds what the
+load will keep in it (``--kv-budget-mb`` bounds store + live KV; the server evicts the store to admit live
+requests), instead of filling during the first minutes of the measured load. The server runs with
+``--max-prefix-tokens budget`` (``--max-prefix-tokens``): its prefix arena is allocated whole at start from
+the same budget, so it never doubles mid-run. The JSON records the arena's bytes at start and end.
+
 ``--no-tune-malloc`` starts the server with glibc's default mmap threshold (``ccft serve
 --no-tune-malloc``; ``ccft.serving.malloc``), to compare RSS with and without the setting.
 
@@ -105,6 +112,20 @@ def add_arguments(p) -> None:
         "--max-new-tokens", type=int, default=16, help="tokens generated per request (EOS ignored)"
     )
     p.add_argument("--kv-budget-mb", type=float, default=256.0, help="the server's --kv-budget-mb")
+    p.add_argument(
+        "--max-prefix-tokens",
+        default="budget",
+        metavar="N|budget",
+        help="the server's --max-prefix-tokens: 'budget' (the default) allocates the prefix arena whole at "
+        "start from --kv-budget-mb, so it never grows mid-run; N: N token slots; 0: the arena starts small "
+        "and doubles when full",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the warm-up (one request per distinct shared context of the trace, before the clock "
+        "starts, so the prefix store is at its budget-bounded size from the start of the load)",
+    )
     p.add_argument("--threads", type=int, default=None, help="the server's --threads (default: all cores)")
     p.add_argument(
         "--no-tune-malloc",
@@ -429,6 +450,59 @@ def wait_idle(url: str, timeout: float) -> dict:
     return body
 
 
+def warmup_sessions(bodies: list[dict]) -> list[list[dict]]:
+    """The warm-up: for each distinct shared context of ``bodies`` (its first request), a copy with
+    ``max_tokens`` 1, not streamed; one list per session, in the trace's order (turn after turn)."""
+    seen: set[tuple] = set()
+    sessions: dict[str, list[dict]] = {}
+    for b in bodies:
+        key = tuple(b["prompt"][: b.get("shared_prefix_tokens") or len(b["prompt"])])
+        if key not in seen:
+            seen.add(key)
+            sessions.setdefault(str(b.get("session_id")), []).append({**b, "max_tokens": 1, "stream": False})
+    return list(sessions.values())
+
+
+def warmup(url: str, bodies: list[dict], clients: int, timeout: float, tally: Tally) -> dict:
+    """Send the warm-up (``warmup_sessions``) from ``clients`` threads, each its share of the sessions; a
+    request that is not answered 200 is lost (``tally.lost``, "warm-up: ...")."""
+    import httpx
+
+    sessions = warmup_sessions(bodies)
+    clients = max(1, min(clients, len(sessions)))
+    sent = [0] * clients
+
+    def one_client(c: int) -> None:
+        with httpx.Client(timeout=timeout) as client:
+            for session in sessions[c::clients]:
+                for body in session:
+                    sent[c] += 1
+                    try:
+                        r = client.post(url + "/v1/completions", json=body)
+                        got: int | str = r.status_code
+                    except httpx.HTTPError as e:
+                        got = type(e).__name__
+                    tally.status(got)
+                    if got != 200:
+                        with tally.lock:
+                            tally.lost.append(f"warm-up: status {got}")
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=one_client, args=(c,)) for c in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    took = time.perf_counter() - t
+    g = gauges(httpx.get(url + "/metrics", timeout=30).text)
+    return {
+        "requests": sum(sent),
+        "seconds": round(took, 1),
+        "prefix_store_bytes": g.get("ccft_prefix_store_bytes"),
+        "prefix_arena_bytes": g.get("ccft_prefix_arena_bytes"),
+    }
+
+
 # ------------------------------------------------------------------ the run
 
 
@@ -506,6 +580,11 @@ def run(args) -> dict:
         if not sep or name not in AGENTS:
             raise ConfigError(f"--decoder {spec!r}: use NAME=PATH with NAME one of {', '.join(AGENTS)}")
         given[name] = path
+    arena_value = str(args.max_prefix_tokens).strip()
+    if arena_value != "budget" and not arena_value.isdigit():  # before the decoders and references are made
+        raise ConfigError(
+            f"--max-prefix-tokens {args.max_prefix_tokens!r}: use 'budget', a number of token slots N, or 0"
+        )
     reload_on = not args.no_reload
     with tempfile.TemporaryDirectory(prefix="ccft-soak-") as tmp:
         served, folders = make_decoders(args.model, Path(tmp), given, args.reload_with, args.seed)
@@ -556,6 +635,8 @@ def run(args) -> dict:
             str(port),
             "--kv-budget-mb",
             str(args.kv_budget_mb),
+            "--max-prefix-tokens",
+            str(args.max_prefix_tokens),
             "--max-body-mb",
             str(max_body_mb),
             "--log-level",
@@ -568,7 +649,12 @@ def run(args) -> dict:
         with serve(cmd, url) as proc:
             card = httpx.get(url + f"/v1/models/{RELOADED}", timeout=30).json()
             max_model_len = int(card.get("max_model_len") or 2048)
+            arena_start = gauges(httpx.get(url + "/metrics", timeout=30).text).get("ccft_prefix_arena_bytes")
             tally = Tally(t0=time.perf_counter())
+            warm = None
+            if not args.no_warmup:
+                warm = warmup(url, bodies, args.clients, args.timeout_s, tally)
+                tally.t0 = time.perf_counter()  # the load's clock starts after the warm-up
             stop, stop_sampler = threading.Event(), threading.Event()
             threads = [
                 threading.Thread(
@@ -608,11 +694,30 @@ def run(args) -> dict:
     described = {  # given folders as given; the random ones lived in a temporary folder, gone now
         name: given.get(name, f"random LoRA r=8 (seed {args.seed})") for name in served
     }
-    return summarize(args, tally, load_s, idle, final, refs, describe_model(args.model), described)
+    arena = {"start_bytes": arena_start, "end_bytes": final.get("ccft_prefix_arena_bytes")}
+    return summarize(
+        args, tally, load_s, idle, final, refs, describe_model(args.model), described, arena=arena, warm=warm
+    )
 
 
-def summarize(args, tally: Tally, load_s: float, idle: dict, final: dict, refs: dict, model, served) -> dict:
-    """The result dict: counts, windows, invariants and goals."""
+def summarize(
+    args,
+    tally: Tally,
+    load_s: float,
+    idle: dict,
+    final: dict,
+    refs: dict,
+    model,
+    served,
+    *,
+    arena: dict | None = None,
+    warm: dict | None = None,
+) -> dict:
+    """The result dict: counts, windows, invariants and goals (``arena``: the prefix arena's bytes at the
+    server's start and at the end; ``warm``: the warm-up's figures, None without one)."""
+    arena = dict(arena or {})
+    if arena.get("start_bytes") is not None and arena.get("end_bytes") is not None:
+        arena["grew"] = arena["end_bytes"] > arena["start_bytes"]
     w = windows(tally, min(float(args.duration_s), load_s), float(args.window_s))
     fivexx = sum(n for code, n in tally.statuses.items() if code.isdigit() and int(code) >= 500)
     first, last = w["first"], w["last"]
@@ -665,6 +770,8 @@ def summarize(args, tally: Tally, load_s: float, idle: dict, final: dict, refs: 
                 "growth_tokens",
                 "max_new_tokens",
                 "kv_budget_mb",
+                "max_prefix_tokens",
+                "no_warmup",
                 "threads",
                 "no_tune_malloc",
                 "seed",
@@ -690,6 +797,8 @@ def summarize(args, tally: Tally, load_s: float, idle: dict, final: dict, refs: 
         "reloads": tally.reloads,
         "reload_changes_outputs": (refs["a"] != refs["b"]) if refs else None,
         "live_kv_bytes_at_end": live_end,
+        "warmup": warm,
+        "prefix_arena": {"max_prefix_tokens": args.max_prefix_tokens, **arena},
         "idle_health": idle,
         "final_metrics": {
             k.removeprefix("ccft_"): final.get(k)
@@ -699,6 +808,7 @@ def summarize(args, tally: Tally, load_s: float, idle: dict, final: dict, refs: 
                 "ccft_scheduler_cancelled_total",
                 "ccft_scheduler_done_total",
                 "ccft_scheduler_reloads_total",
+                "ccft_scheduler_arena_waits_total",
             )
         },
         "windows": w,
@@ -723,6 +833,24 @@ def _mb(b) -> str:
     return "n/a" if b is None else f"{b / 2**20:.1f} MiB"
 
 
+def _arena_line(result: dict) -> str:
+    a = result.get("prefix_arena") or {}
+    grew = {True: "grew", False: "did not grow", None: "n/a"}[a.get("grew")]
+    return (
+        f"prefix arena (--max-prefix-tokens {a.get('max_prefix_tokens')}): {_mb(a.get('start_bytes'))} at "
+        f"start -> {_mb(a.get('end_bytes'))} at end ({grew})"
+    )
+
+
+def _warmup_line(w: dict | None) -> str:
+    if not w:
+        return "warm-up: none (--no-warmup)"
+    return (
+        f"warm-up: {w['requests']} requests (one per shared context) in {w['seconds']:.0f} s; prefix store "
+        f"{_mb(w['prefix_store_bytes'])} after it"
+    )
+
+
 def table(result: dict) -> str:
     """The human summary of a result."""
     q = result["requests"]
@@ -741,6 +869,8 @@ def table(result: dict) -> str:
             else f"; less prefix store and arena {result['rss_less_kv_growth_pct']:+.1f}%"
         ),
         f"live KV at end: {result['live_kv_bytes_at_end']} bytes",
+        _arena_line(result),
+        _warmup_line(result.get("warmup")),
         "p95 s/token first -> last: "
         + (
             "n/a"

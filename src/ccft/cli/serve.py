@@ -6,7 +6,8 @@
 The first form loads the base (``--model``: an embedded name or an HF folder), registers each
 ``--decoder NAME=PATH`` on a ``SharedPrefillEngine``, wraps it in a ``Scheduler`` (PrefillShare
 unless ``--no-share``; a prefix K/V store of ``--block-tokens`` blocks unless ``--block-tokens 0``;
-``--kv-budget-mb`` caps live KV + store) and serves ``ccft.serving.app.create_app`` with uvicorn.
+``--kv-budget-mb`` caps live KV + store; ``--max-prefix-tokens N|budget`` allocates the prefix arena whole at
+start) and serves ``ccft.serving.app.create_app`` with uvicorn.
 The second replays a workload trace (``ccft.serving.workloads``) or a JSONL file of requests
 against a running server and prints TTFT / latency quantiles. Heavy imports happen only when run.
 
@@ -53,6 +54,15 @@ def add_parser(sub) -> None:
         type=float,
         default=None,
         help="cap on live KV + prefix store (MiB); default: no cap",
+    )
+    p.add_argument(
+        "--max-prefix-tokens",
+        default="0",
+        metavar="N|budget",
+        help="allocate the prefix arena (the K/V of live contexts) whole at start, N token slots; it never "
+        "grows, and a context that does not fit waits for live ones to end (one larger than the arena "
+        "fails, 500). 'budget': the slots --kv-budget-mb holds (budget / KV bytes per token), the most the "
+        "budget ever admits. 0: start at 1024 slots and double when full",
     )
     p.add_argument("--max-batch", type=int, default=16, help="active rows per engine lane")
     p.add_argument(
@@ -219,13 +229,63 @@ def _decoders(specs: list[str]) -> dict[str, str]:
     return out
 
 
+ARENA_FROM_BUDGET = "budget"  #: ``--max-prefix-tokens budget``
+
+
+def prefix_arena_tokens(args, kv_bytes_per_token: int | None) -> int | None:
+    """The prefix arena's size in token slots from ``--max-prefix-tokens`` (the one rule: ``build_scheduler``,
+    so the single engine and every Ray replica): None for 0 (the default: it starts at 1024 slots and doubles
+    when full); N for N ≥ 1; for ``budget``, the slots ``--kv-budget-mb`` holds, budget bytes //
+    ``kv_bytes_per_token``, as vLLM sizes its KV blocks up front from its memory share. The scheduler keeps
+    live KV (contexts + reserved tails) + prefix store within the budget, so live contexts never need more.
+    With ``kv_bytes_per_token`` None only the value is checked (before a model is loaded).
+
+    Raises:
+        ConfigError: a value that is not an integer ≥ 0 or ``budget``; ``budget`` without ``--kv-budget-mb``
+            or with one that holds no token.
+    """
+    from ccft.core.errors import ConfigError
+
+    value = getattr(args, "max_prefix_tokens", None)
+    value = "0" if value is None else str(value).strip()
+    if value == ARENA_FROM_BUDGET:
+        mb = getattr(args, "kv_budget_mb", None)
+        if mb is None:
+            raise ConfigError(
+                "--max-prefix-tokens budget sizes the prefix arena from --kv-budget-mb; give --kv-budget-mb, "
+                "or a number of token slots (--max-prefix-tokens N)"
+            )
+        if kv_bytes_per_token is None:
+            return None
+        tokens = int(mb * 2**20) // int(kv_bytes_per_token)
+        if tokens < 1:
+            raise ConfigError(
+                f"--max-prefix-tokens budget: --kv-budget-mb {mb:g} holds no token of this model's KV "
+                f"({kv_bytes_per_token} bytes per token); raise --kv-budget-mb"
+            )
+        return tokens
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ConfigError(
+            f"--max-prefix-tokens {value!r}: use a whole number of token slots (N ≥ 1: the prefix arena is "
+            f"allocated whole at start; 0: it grows as needed) or {ARENA_FROM_BUDGET!r} (the slots "
+            "--kv-budget-mb holds)"
+        )
+    return tokens or None
+
+
 def build_scheduler(args):
     """(scheduler, tokenizer) from ``ccft serve`` arguments."""
     import torch
 
     import ccft
+    from ccft.inference.engine import kv_bytes_per_token
     from ccft.serving.scheduler import Scheduler
 
+    prefix_arena_tokens(args, None)  # a bad value fails before the model is loaded
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device
@@ -234,7 +294,11 @@ def build_scheduler(args):
     decoders = _decoders(args.decoder)
     base = ccft.load_base(args.model or ccft.DEFAULT_BASE, dtype=args.dtype, device=device)
     engine = ccft.SharedPrefillEngine(
-        base, decoders=decoders, max_batch=args.max_batch, max_tail_tokens=args.max_tail_tokens
+        base,
+        decoders=decoders,
+        max_batch=args.max_batch,
+        max_tail_tokens=args.max_tail_tokens,
+        max_prefix_tokens=prefix_arena_tokens(args, kv_bytes_per_token(base)),
     )
     store = None
     if args.block_tokens:
@@ -278,10 +342,16 @@ def run(args) -> int:
         allow_reload=args.allow_reload,
     )
     names = ", ".join(scheduler.engine.decoders)
+    arena = scheduler.engine.arena
+    fixed = (
+        f", prefix arena of {arena.capacity} token slots ({arena.nbytes / 2**20:.1f} MiB) allocated"
+        if arena.max_tokens is not None
+        else ""
+    )
     print(
         f"ccft serve: models {names} on http://{args.host}:{args.port} "
         f"({'shared prefill' if scheduler.share else 'no sharing'}, "
-        f"{'prefix store' if scheduler.store is not None else 'no prefix store'})",
+        f"{'prefix store' if scheduler.store is not None else 'no prefix store'}{fixed})",
         file=sys.stderr,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -303,6 +373,7 @@ def ray_app(args):
             'drop one of them (docs/server.md, "Hot reload")'
         )
     _decoders(args.decoder)  # bad --decoder specs fail before Ray starts
+    prefix_arena_tokens(args, None)  # so does a bad --max-prefix-tokens (each replica sizes its arena by it)
     options = (
         {"max_load_ratio": args.max_load_ratio, "min_load_gap": args.min_load_gap}
         if args.router == "session"

@@ -97,6 +97,17 @@ def _inference(fn):
 DECODE_MODES = ("eager", "static", "cuda_graph", "compile")
 
 
+def kv_bytes_per_token(base) -> int:
+    """Bytes of K and V one token takes over all layers of ``base``'s model: layers × 2 × kv_heads ×
+    head_dim × dtype bytes (``SharedPrefillEngine.kv_bytes_per_token``, known before an engine is built: what
+    sizes its prefix arena from a byte budget, ``ccft serve --max-prefix-tokens budget``)."""
+    return _kv_bytes_per_token(lane_weights(base.model))
+
+
+def _kv_bytes_per_token(bw) -> int:
+    return bw.num_layers * 2 * bw.kv_heads * bw.head_dim * bw.dtype.itemsize
+
+
 class PrefillJob:
     """A prefill in progress (``SharedPrefillEngine.begin_prefill``): ``advance`` it, then ``finish`` or
     ``cancel``.
@@ -167,7 +178,9 @@ class SharedPrefillEngine:
         decoders: name -> ``ccft.Decoder`` or decoder folder (loaded onto ``base``).
         max_batch: active rows per lane (tail-pool slots).
         max_tail_tokens: per-request tail capacity limit (handoff tokens + max_new_tokens).
-        max_prefix_tokens: prefix-arena limit in token slots (b·p per handle); None: grows as needed.
+        max_prefix_tokens: the prefix arena's size in token slots (b·p per handle), allocated whole here; it
+            never grows, and a prefill beyond it raises CapacityError. None: it starts at 1024 slots and
+            doubles when full.
         decode: ``"auto"`` (CUDA: ``cuda_graph``; else ``eager``), ``"eager"``, ``"static"``,
             ``"cuda_graph"`` or ``"compile"``.
         attention: prefix attention of the static step: ``"auto"`` (Triton on CUDA when available,
@@ -251,7 +264,7 @@ class SharedPrefillEngine:
         self.fill = float(fill)
         self.num_layers = bw.num_layers
         #: bytes of K and V per token over all layers: layers × 2 × kv_heads × head_dim × dtype bytes
-        self.kv_bytes_per_token = bw.num_layers * 2 * bw.kv_heads * bw.head_dim * bw.dtype.itemsize
+        self.kv_bytes_per_token = _kv_bytes_per_token(bw)
         self.arena = PrefixArena(
             bw.num_layers,
             bw.kv_heads,
@@ -1039,6 +1052,7 @@ class SharedPrefillEngine:
 
 __all__ = [
     "SharedPrefillEngine",
+    "kv_bytes_per_token",
     "PrefillJob",
     "PrefixHandle",
     "SamplingParams",

@@ -96,6 +96,15 @@ class PrefixArena:
         self.used[start] = tokens
         return start
 
+    def fits(self, tokens: int) -> bool:
+        """Whether ``allocate(tokens)`` succeeds now: a free range that large, or room to grow to one (always,
+        without ``max_tokens``)."""
+        tokens = max(1, int(tokens))
+        if any(n >= tokens for _, n in self.free_ranges) or self.max_tokens is None:
+            return True
+        tail_free = next((n for s, n in self.free_ranges if s + n == self.capacity), 0)
+        return int(self.max_tokens) - self.capacity + tail_free >= tokens
+
     def _fit(self, tokens: int) -> int | None:
         for i, (s, n) in enumerate(self.free_ranges):
             if n >= tokens:

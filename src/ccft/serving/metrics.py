@@ -59,6 +59,7 @@ class ServerMetrics:
         "decode_steps",
         "decode_rows",
         "admission_waits",
+        "arena_waits",
         "done",
         "cancelled",
         "error",

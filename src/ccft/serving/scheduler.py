@@ -39,7 +39,10 @@ KV budget (``kv_budget_bytes``): live KV (handles + the tail slots reserved by a
 ``layers × 2 × kv_heads × head_dim × dtype bytes`` per token) plus the store's blocks never exceed
 it. Admission first evicts unreferenced store blocks (LRU); a request that still does not fit waits
 in the queue (head of line: arrival order is kept), and one that could never fit alone is refused
-at ``submit`` (``PromptTooLongError``). A full queue refuses new requests (``QueueFullError``).
+at ``submit`` (``PromptTooLongError``). A full queue refuses new requests (``QueueFullError``). An engine
+whose prefix arena has a fixed size (``max_prefix_tokens``) holds a new context only where the arena has a
+free range that long: the request waits the same way while live contexts hold the room
+(``counters["arena_waits"]``); one longer than the whole arena fails at its prefill (``CapacityError``).
 
 Chunked prefill (``prefill_chunk_tokens=B``; as vLLM's chunked prefill / Sarathi-Serve): each step
 has a token budget of B shared by the decode rows and pending prefills. The decode rows come first
@@ -699,6 +702,9 @@ class Scheduler:
             ctx_tokens, tail = self._split(r)
             key = self._context_key(r, ctx_tokens)
             ctx = self._contexts.get(key)
+            if ctx is None and self._arena_wait(ctx_tokens):
+                self.counters["arena_waits"] += 1
+                return
             need = self.kv.admission_bytes(ctx_tokens, tail, r.params.max_new_tokens, new_context=ctx is None)
             if not self.kv.make_room(need):
                 self.counters["admission_waits"] += 1
@@ -726,6 +732,16 @@ class Scheduler:
                 ctx.waiting.append(t)  # joins the decode batch when its context is complete
             else:
                 self._join(t)
+
+    def _arena_wait(self, tokens: int) -> bool:
+        """Whether a new context of ``tokens`` waits for the engine's prefix arena: a fixed-size arena
+        (``max_prefix_tokens``) with no free range that large now, while live contexts, once released, can
+        make one. A context larger than the whole arena does not wait: its prefill raises CapacityError (the
+        request fails), as at any full arena."""
+        arena = getattr(self.engine, "arena", None)
+        if arena is None or arena.max_tokens is None or not self._contexts:
+            return False
+        return tokens <= arena.max_tokens and not arena.fits(tokens)
 
     def _join(self, t: Ticket) -> None:
         """Add an admitted ticket (its context complete) to the engine: its tail is computed now."""
