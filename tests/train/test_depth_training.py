@@ -1,6 +1,7 @@
 """CCFT at sharing depth m (issue 35, item 1; ``share_from_layer`` in the recipe): the trainer's hybrid prefix
 (the decoder's own prompt K/V with gradient in layers 0..m-1, C_base in m..L-1), checked against references
-built without ``ccft.core.depth``; m = 0 is today's run bit for bit; the store path; ``ccft.json``.
+built without ``ccft.core.depth``; m = 0 is today's run bit for bit; the store path; ``ccft.json``; what
+refuses a depth-m decoder (engine, aLoRA export) and what falls back (the eval runner).
 
 A 4-layer tiny Llama (fp32) so that m = 2 is a proper middle.
 """
@@ -270,3 +271,38 @@ def test_run_folder_records_the_depth_and_a_load_restores_it(depth_run, deep_dir
     want = ccft.generate(prompts, mode="prefillshare", decoder=trained, max_new_tokens=4)
     got = ccft.generate(prompts, mode="prefillshare", decoder=loaded, max_new_tokens=4)
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
+
+
+# ------------------------------------------------------------------ who refuses or falls back
+
+
+def test_engine_and_alora_exports_refuse_a_depth_decoder(depth_run, deep_dir, tmp_path):
+    from ccft.inference import SharedPrefillEngine
+    from ccft.train.export import export_decoder
+
+    base = ccft.load_base(str(deep_dir))
+    loaded = ccft.load_decoder(depth_run.output_dir, base=base)
+    refusal = "not supported by SharedPrefillEngine yet; use the reference path"
+    with pytest.raises(ConfigError, match=refusal):
+        SharedPrefillEngine(base, decoders={"d": loaded})
+    with pytest.raises(ConfigError, match=refusal):  # a folder: refused before its adapter loads
+        SharedPrefillEngine(ccft.load_base(str(deep_dir)), decoders={"d": str(depth_run.output_dir)})
+    with pytest.raises(ConfigError, match="share_from_layer=2.*--to merged"):
+        export_decoder(depth_run.output_dir, "peft-alora", tmp_path / "alora")
+    assert not (tmp_path / "alora").exists()
+    merged = export_decoder(depth_run.output_dir, "merged", tmp_path / "merged")
+    assert json.loads((Path(merged.out) / "ccft.json").read_text())["share_from_layer"] == 2
+
+
+def test_eval_modes_name_the_depth_and_the_engine_is_skipped(deep_dir):
+    from ccft.evals.generation import engine_unsupported
+    from ccft.evals.settings import ModeSpec
+
+    base = ccft.load_base(str(deep_dir))
+    dec = ccft.make_decoder(base, "lora", method="ccft", share_from_layer=2)
+    flat = ccft.make_decoder(ccft.load_base(str(deep_dir)), "lora", method="ccft")
+    assert engine_unsupported([ModeSpec("prefillshare", flat), ModeSpec("base")]) is None
+    why = engine_unsupported([ModeSpec("base"), ModeSpec("prefillshare", dec)])
+    assert "share_from_layer=2" in why and "SharedPrefillEngine" in why
+    assert ModeSpec("prefillshare", dec).describe()["share_from_layer"] == 2
+    assert "share_from_layer" not in ModeSpec("prefillshare", flat).describe()  # old records still resume
