@@ -136,6 +136,18 @@ def test_share_from_layer_is_validated_before_any_model_loads(tmp_path, deep_dir
     assert not (tmp_path / "r").exists()
 
 
+def test_a_two_method_recipe_keeps_the_depth_for_ccft_only(tmp_path, deep_dir, short_data):
+    """``ccft demo`` / ``ccft study`` train both methods from one recipe: the Full-FT run leaves the CCFT key
+    out (Full-FT prefills the whole prompt itself), the CCFT run keeps it."""
+    from ccft.train.run import method_config
+
+    cfg, raw = config(deep_dir, tmp_path / "r", short_data, share_from_layer=2)
+    c_cfg, c_raw = method_config(cfg, raw, "ccft", tmp_path / "ccft")
+    f_cfg, f_raw = method_config(cfg, raw, "full-ft", tmp_path / "ft")
+    assert c_cfg.share_from_layer == 2 and c_raw["share_from_layer"] == 2
+    assert f_cfg.share_from_layer == 0 and "share_from_layer" not in f_raw and f_cfg.method == "full-ft"
+
+
 # ------------------------------------------------------------------ equalities
 
 
