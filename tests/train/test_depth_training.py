@@ -205,6 +205,35 @@ def test_loss_and_gradients_equal_the_hand_built_hybrid(tmp_path, deep_dir, shor
         assert abs(ft.item() - loss.item()) < 1e-5
 
 
+def test_a_full_weight_decoder_trains_on_the_hybrid_too(tmp_path, deep_dir, short_data):
+    """decoder_kind=full at m = 2: C_base comes from the base's separate copy (inference tensors); loss and
+    gradients equal the hand-built hybrid, and the own layers' gradients are not those of depth 0."""
+    cfg, _ = config(deep_dir, tmp_path / "run", short_data, share_from_layer=2, decoder_kind="full")
+    base, decoder, train_set, _, trainer = setup(cfg)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # a decoder that differs from the base: its own K/V differ from C_base
+        for name, p in decoder.model.named_parameters():
+            if name.endswith("proj.weight"):
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    batch = trainer.data_collator([train_set[i] for i in (0, 5, 10, 2)])
+    model = trainer.model
+    model.zero_grad()
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    got = grads(model)
+    model.zero_grad()
+    want = reference_loss(model, base, batch, 2)
+    want.backward()
+    ref = grads(model)
+    assert abs(loss.item() - want.item()) < 1e-5 and set(got) == set(ref) and got
+    for n in got:
+        assert torch.allclose(got[n], ref[n], atol=1e-6, rtol=1e-4), n
+    model.zero_grad()
+    reference_loss(model, base, batch, 0).backward()
+    name = next(n for n in got if ".layers.0." in n and "k_proj" in n)
+    assert (got[name] - model.get_parameter(name).grad).abs().max() > 1e-6
+
+
 def test_gradient_checkpointing_and_the_store_give_the_same_step(tmp_path, deep_dir, short_data):
     """At m = 2: activation checkpointing (the partial prefill's cache is replayed in the backward) and a
     C_base store give the plain run's loss and gradients."""
