@@ -175,9 +175,9 @@ def export_gguf_alora(
     kind = meta.get("decoder_kind") or (
         "lora" if (Path(decoder_path) / "adapter_config.json").is_file() else "full"
     )
-    check_alora_kind(
-        kind, meta.get("method"), str(decoder_path)
-    )  # --to peft-alora's refusals, before any load
+    check_alora_kind(  # --to peft-alora's refusals, before any load
+        kind, meta.get("method"), str(decoder_path), meta.get("share_from_layer", 0)
+    )
     if k <= LLAMACPP_EARLY_TOKENS:
         gguf_invocation_tokens([0] * k)  # raises the ConfigError naming the fix
     build = build or ensure_built(jobs=jobs, log=log, runner=runner)

@@ -36,8 +36,9 @@ def cache_kwarg(model) -> str:
 
 
 #: Producers whose cache a decoder may read as its prefix without ``allow_self`` (docs/design.md, "C_base",
-#: K5): ``base`` (C_base) and ``mixed``, the layer-sharing study's cache of C_base layers and the reading
-#: decoder's own layers (``ccft.evals.sharing.layer_cache``, built from C_base of the same fingerprint).
+#: K5): ``base`` (C_base) and ``mixed``, C_base layers mixed with the reading decoder's own layers
+#: (``ccft.core.depth.mix_layers``: the sharing depth m and the layer-sharing study's
+#: ``ccft.evals.sharing.layer_cache``, built from C_base of the same fingerprint).
 PREFIX_PRODUCERS = ("base", "mixed")
 
 

@@ -1,7 +1,8 @@
 """Decoder folders: an HF (full weights) or PEFT (LoRA adapter) folder plus ``ccft.json``.
 
 ``ccft.json`` records what a reader needs to trust the folder: the training ``method``, the decoder
-``kind``, the base (name, path, fingerprint), ``handoff_tokens``, the data and the recipe. Folders
+``kind``, the base (name, path, fingerprint), ``handoff_tokens``, the sharing depth ``share_from_layer``
+(issue 35; absent in older folders: 0), the data and the recipe. Folders
 are written atomically: into a temporary sibling, then renamed into place, so a crash never leaves a
 half-written decoder where a complete one was.
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ccft.core.decoder import Decoder, check_second_adapter
+from ccft.core.decoder import Decoder, check_second_adapter, check_share_from_layer, num_layers
 from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.fingerprint import check_compatible
 from ccft.core.io import atomic_write_dir, atomic_write_text  # noqa: F401 - atomic_write_text re-exported
@@ -43,6 +44,7 @@ def decoder_meta(decoder: Decoder, **extra: Any) -> dict:
         },
         "base_fingerprint": decoder.base.fingerprint,
         "handoff_tokens": decoder.handoff_tokens,
+        "share_from_layer": decoder.share_from_layer,
         "dtype": str(decoder.dtype).replace("torch.", ""),
     }
     meta.update({k: v for k, v in decoder.meta.items() if k not in meta})
@@ -157,6 +159,10 @@ def load_decoder(
             f"decoder {path} was trained on base {want} ({meta.get('base', {}).get('name')}) but the base "
             f"given is {base.fingerprint} ({base.name}); load the decoder with the base it was trained on"
         )
+    try:
+        depth = check_share_from_layer(meta.get("share_from_layer", 0), num_layers(base.model))
+    except ConfigError as e:
+        raise ConfigError(f"{path / META_FILE}: {e}; the decoder folder is damaged, save it again") from None
     kind = meta.get("decoder_kind") or ("lora" if (path / "adapter_config.json").is_file() else "full")
     if kind == "lora":
         from peft import PeftModel
@@ -200,4 +206,5 @@ def load_decoder(
         method=meta.get("method"),
         handoff_tokens=int(meta.get("handoff_tokens", 1)),
         meta=meta,
+        share_from_layer=depth,
     )

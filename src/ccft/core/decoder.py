@@ -57,6 +57,35 @@ def resolve_handoff(handoffs, requested: int | None = None, *, what: str = "the 
     return k
 
 
+def num_layers(model) -> int:
+    """L, the transformer layers of ``model`` (a ``Decoder``, ``ccft.Base``, any wrapper or a config)."""
+    if isinstance(model, Decoder):
+        model = model.model
+    config = model if hasattr(model, "num_hidden_layers") else getattr(model, "config", None)
+    if config is None:
+        config = unwrap_pretrained(model).config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    return int(config.num_hidden_layers)
+
+
+def check_share_from_layer(m, layers: int, *, where: str = "share_from_layer") -> int:
+    """``m`` as an int after checking ``0 ≤ m ≤ layers`` (docs/training.md, ``share_from_layer``).
+
+    Raises:
+        ConfigError: naming ``where`` (the recipe key by default), the range and what the ends mean.
+    """
+    if isinstance(m, bool) or not isinstance(m, int):
+        raise ConfigError(f"{where}={m!r}: give an integer layer index 0..{layers} (0: PrefillShare)")
+    if not 0 <= m <= layers:
+        raise ConfigError(
+            f"{where}={m}: it must be in 0..{layers} for this {layers}-layer base (0: every layer reads "
+            f"C_base, PrefillShare; {layers}: the decoder's own prefill in every layer); set {where} to a "
+            "value in that range"
+        )
+    return m
+
+
 def reader_dtype(model) -> torch.dtype:
     """The dtype ``model`` computes in: the autocast dtype when autocast is on for its device, else the
     dtype of its first parameter (``Decoder.dtype``'s rule; for LoRA the base's, not the adapters')."""
@@ -82,10 +111,19 @@ def check_cache_reader(
             only.
     Raises:
         CacheMutatedError: a tensor of ``cache`` was written in place since it was made.
+        ConfigError: a ``Decoder`` trained at sharing depth m > 0 handed plain C_base (producer
+            ``"base"``): it would silently run at depth 0 (``ccft.core.depth``).
         FingerprintMismatchError: ``cache`` was computed by another base, in another dtype than the reader
             computes in (``reader_dtype``), or written by a decoder (unless ``allow_self``).
     """
     cache.check_unmodified()
+    if isinstance(model, Decoder) and model.share_from_layer and cache.producer == "base":
+        m = model.share_from_layer
+        raise ConfigError(
+            f"this decoder was trained at share_from_layer={m}: it reads its own prompt K/V in layers "
+            f"0..{m - 1} and C_base only above; plain C_base would run it at depth 0. Build its prefix with "
+            "ccft.core.depth.depth_cache (ccft.generate does), or pass share_from_layer=0 to ccft.generate"
+        )
     if fingerprint is None and isinstance(model, Decoder):
         fingerprint = model.fingerprint
     cache.check_reader(
@@ -277,6 +315,9 @@ class Decoder:
             (untrained).
         handoff_tokens: k used in training; inference uses the same.
         meta: the ``ccft.json`` metadata it was loaded with or will be saved with.
+        share_from_layer: the sharing depth m it was trained at (issue 35; docs/design.md, "Terms"): it
+            reads its own prompt K/V in layers ``0..m−1`` and C_base in ``m..L−1`` (``ccft.core.depth``);
+            0 (default) is PrefillShare, every layer from C_base.
     """
 
     model: torch.nn.Module
@@ -285,6 +326,7 @@ class Decoder:
     method: str | None = None
     handoff_tokens: int = 1
     meta: dict = field(default_factory=dict)
+    share_from_layer: int = 0
 
     @property
     def fingerprint(self) -> str:
@@ -357,6 +399,7 @@ def make_decoder(
     method: str | None = None,
     handoff_tokens: int = 1,
     adapter_name: str = "default",
+    share_from_layer: int = 0,
 ) -> Decoder:
     """A new decoder initialised from ``base``.
 
@@ -366,10 +409,13 @@ def make_decoder(
             else a deep copy of ``base.model``).
         lora: ``peft.LoraConfig`` fields (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
             ``init_lora_weights``...). Default: r=16, alpha=32, attention and MLP projections.
+        share_from_layer: the sharing depth m, ``0 ≤ m ≤ L`` (``Decoder.share_from_layer``; issue 35).
     Raises:
-        ConfigError: unknown kind, or a LoRA config whose ``modules_to_save`` holds the tied embedding on a
+        ConfigError: unknown kind, ``share_from_layer`` outside ``0..L``, or a LoRA config whose
+            ``modules_to_save`` holds the tied embedding on a
             base that already carries adapters (``check_second_adapter``).
     """
+    check_share_from_layer(share_from_layer, num_layers(base.model))
     if kind == "full":
         from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -418,7 +464,15 @@ def make_decoder(
         meta["adapter_name"] = (
             adapter_name  # generate/save/decoder_forward select this adapter on the shared host
         )
-    return Decoder(model=model, base=base, kind=kind, method=method, handoff_tokens=handoff_tokens, meta=meta)
+    return Decoder(
+        model=model,
+        base=base,
+        kind=kind,
+        method=method,
+        handoff_tokens=handoff_tokens,
+        meta=meta,
+        share_from_layer=share_from_layer,
+    )
 
 
 __getattr__ = moved_name_getattr(__name__)  # 0.1 names: ccft.core.deprecation.MOVED_NAMES

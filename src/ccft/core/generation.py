@@ -19,8 +19,16 @@ import torch
 from tqdm.auto import tqdm
 
 from ccft.core.cache import BaseCache, cache_kwarg, compute_base_cache, prefill
-from ccft.core.decoder import Decoder, check_base_reader, check_cache_reader
+from ccft.core.decoder import (
+    Decoder,
+    check_base_reader,
+    check_cache_reader,
+    check_share_from_layer,
+    num_layers,
+)
 from ccft.core.deprecation import moved_name_getattr
+from ccft.core.depth import depth_cache, prompt_prefixes
+from ccft.core.errors import ConfigError
 from ccft.core.modes import MODES, check_mode  # noqa: F401 - MODES re-exported
 from ccft.core.sampling import SamplingParams, select_tokens
 from ccft.core.text import StopMatcher
@@ -136,6 +144,7 @@ def generate(
     seed: int = 0,
     batch_size: int = 16,
     progress: bool = False,
+    share_from_layer: int | None = None,
 ) -> list[Generation]:
     """Batched greedy or sampled generation in one of the four modes.
 
@@ -146,19 +155,33 @@ def generate(
         cache: a precomputed C_base for exactly these prompts (naive / prefillshare); computed if None.
         handoff_tokens: k (default: the decoder's, else 1).
         stop: stop strings; EOS always stops a row.
+        share_from_layer: the sharing depth m of ``naive`` / ``prefillshare`` (issue 35; ``ccft.core.depth``):
+            the decoder prefills ``prompt[:n−k]`` itself in its first m layers (a partial prefill) and reads
+            C_base in layers m..L−1. Default: the decoder's own ``share_from_layer`` (0 for decoders trained
+            before it existed: PrefillShare); the own-prefill modes take only 0 or None.
     Returns:
         one ``Generation`` per prompt, in order; ``finish_reason == "length"`` marks a truncated row.
     Raises:
-        ConfigError: unknown mode or a mode that does not match the decoder's method.
+        ConfigError: unknown mode or a mode that does not match the decoder's method; ``share_from_layer``
+            outside ``0..L`` or given to an own-prefill mode; a ``cache`` of other prompts at depth m > 0.
         FingerprintMismatchError: ``cache`` comes from another base or dtype or was written by a decoder, or
             ``base`` is not the decoder's base (fingerprint or dtype); raised before any compute (K5).
         CacheMutatedError: ``cache`` was written in place.
     """
     spec = check_mode(mode, decoder)
     base = base if base is not None else decoder.base
+    depth = 0
     if spec.shared_prefill:
-        if cache is not None:
-            check_cache_reader(decoder, cache)
+        depth = decoder.share_from_layer if share_from_layer is None else share_from_layer
+        depth = check_share_from_layer(depth, num_layers(decoder))
+    elif share_from_layer:
+        raise ConfigError(
+            f"share_from_layer={share_from_layer} applies to the modes that read C_base (naive, "
+            f"prefillshare); mode {mode!r} prefills the whole prompt itself: leave share_from_layer unset"
+        )
+    if spec.shared_prefill:
+        if cache is not None:  # (the module: a depth-m decoder reads C_base here through depth_cache below)
+            check_cache_reader(decoder.model, cache, fingerprint=decoder.fingerprint)
         else:
             check_base_reader(base, decoder)
     k = handoff_tokens or (decoder.handoff_tokens if decoder is not None else 1)
@@ -187,6 +210,10 @@ def generate(
             c.check_reader(decoder.fingerprint, decoder.dtype)
             if decoder.kind == "lora":
                 decoder.model.set_adapter(decoder.meta.get("adapter_name", "default"))
+            if depth:  # the decoder's own K/V below layer m, C_base above (ccft.core.depth)
+                ids, mask = prompt_prefixes(batch, k, pad, c.device)
+                with torch.no_grad():
+                    c = depth_cache(decoder, c, ids, mask, depth)
             outs = decode_on_cache(decoder.model, tok, c, **kw)
         elif not spec.needs_decoder:
             with base.base_weights() as model:

@@ -40,6 +40,20 @@ __all__ = [
 ]
 
 
+def engine_unsupported(modes: Sequence[ModeSpec]) -> str | None:
+    """Why ``SharedPrefillEngine`` cannot run ``modes``, or None: a decoder trained at sharing depth m > 0
+    (issue 35; the engine refuses it, ``ccft.inference.lanes.check_engine_depth``). The eval runner then takes
+    the reference path (``ccft.generate``), which reads the decoder's own K/V below layer m."""
+    for spec in modes:
+        m = getattr(spec.decoder, "share_from_layer", 0) if spec.decoder is not None else 0
+        if m:
+            return (
+                f"mode {spec.mode!r}: its decoder was trained at share_from_layer={m}, not supported by "
+                "SharedPrefillEngine yet"
+            )
+    return None
+
+
 def make_engine(base, modes: Sequence[ModeSpec], max_batch: int = 16):
     """A ``SharedPrefillEngine`` on ``base`` holding every decoder the ``modes`` use, each once (named after
     the first mode that uses it).

@@ -21,6 +21,7 @@ The task interface is ``ccft.evals.protocol``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -39,6 +40,7 @@ from ccft.evals.generation import (
     JointGroup,
     decode_group_jointly,
     decode_groups_jointly,
+    engine_unsupported,
     generate_samples,
     make_engine,
     merge_samples,
@@ -290,7 +292,7 @@ def decode_ahead(
         for task, st in tasks
         if st.engine and st.generate and not st.sampling(task)["do_sample"] and st.resolved_samples(task) == 1
     ]
-    if not wanted:
+    if not wanted or engine_unsupported(modes):  # run_task then takes the reference path
         return 0
     engine = make_engine(base, modes, max_batch=batch_size)
     specs = sorted(modes, key=_mode_order)
@@ -414,6 +416,10 @@ def run_task(
     settings = settings or EvalSettings()
     for spec in modes:
         check_mode(spec.mode, spec.decoder)
+    why = engine_unsupported(modes) if settings.engine else None
+    if why:  # the reference path, recorded as such in meta.json (decode_path)
+        print(f"[ccft] {why}: generating on the reference path (ccft.generate)", file=sys.stderr, flush=True)
+        settings = dataclasses.replace(settings, engine=False)
     name = task_name(task)
     folder = Path(out_dir) / name
     prep, meta, unavailable = _open_task_folder(task, base, modes, folder, settings, overwrite)

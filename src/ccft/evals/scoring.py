@@ -4,7 +4,8 @@ The response NLL of an item is ``− Σ_t log p(r_t | prompt, r_<t) / |r|`` over
 tokens plus EOS (``ccft.core.tokens.tokenize_response``; the tokens CCFT supervises, arXiv 2602.12029
 §3). Who prefills the prompt is the mode's (``ccft.core.modes``): the model itself for ``base`` /
 ``full-ft`` (``full_forward``), the frozen base's ``C_base`` for ``naive`` / ``prefillshare``
-(``decoder_forward``). The handoff layout is the same in every mode: a prefix over ``prompt[:n−k]``,
+(``decoder_forward``; a decoder trained at sharing depth m > 0 reads its own K/V below layer m,
+``ccft.core.depth``). The handoff layout is the same in every mode: a prefix over ``prompt[:n−k]``,
 then the last ``k`` prompt tokens and the response (docs/design.md, "Terms").
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from ccft.core.cache import BaseCache, compute_base_cache
 from ccft.core.decoder import Decoder, decoder_forward, full_forward
+from ccft.core.depth import depth_cache
 from ccft.core.errors import ConfigError
 from ccft.core.modes import check_mode
 from ccft.core.tokens import pad_token_id, tokenize_response
@@ -159,6 +161,10 @@ def batch_nll(
         if cache is None:
             cache = compute_base_cache(base, prompts, handoff_tokens=k)
         cache.check_reader(decoder.fingerprint, decoder.dtype)
+        if decoder.share_from_layer:  # sharing depth m: the decoder's own K/V below layer m (ccft.core.depth)
+            cache = depth_cache(
+                decoder, cache, batch["prefix_ids"], batch["prefix_mask"], decoder.share_from_layer
+            )
         logits = decoder_forward(decoder, cache, batch["tail_ids"], batch["tail_mask"])
     elif spec.needs_decoder:  # the decoder prefills its own prompt
         logits = full_forward(

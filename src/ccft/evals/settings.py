@@ -110,12 +110,15 @@ class ModeSpec:
 
     def describe(self) -> dict:
         d = self.decoder
+        depth = getattr(d, "share_from_layer", 0) if d is not None else 0
         return {
             "mode": self.mode,
             "decoder": self.decoder_path,
             "method": None if d is None else d.method,
             "kind": None if d is None else d.kind,
             "decoder_fingerprint": None if d is None else d.meta.get("base_fingerprint"),
+            # the sharing depth (issue 35), only when set: records written before it still resume
+            **({"share_from_layer": depth} if depth else {}),
         }
 
 

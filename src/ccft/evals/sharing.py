@@ -26,6 +26,7 @@ import torch
 
 from ccft.core.cache import BaseCache, compute_base_cache, prefill
 from ccft.core.decoder import Decoder, check_base_reader, decoder_forward
+from ccft.core.depth import mix_layers
 from ccft.core.errors import ConfigError
 from ccft.core.tokens import IGNORE_INDEX, pad_token_id, right_pad
 
@@ -137,7 +138,9 @@ def layer_cache(
     """A prefix cache whose ``shared_layers`` come from C_base and whose other layers are the decoder's own.
 
     Both caches cover ``prompt[:n−h]`` (h = ``decoder.handoff_tokens``) with the same left padding, so
-    they can be mixed layer by layer. With every layer shared the result is C_base itself.
+    they can be mixed layer by layer (``ccft.core.depth.mix_layers``). With every layer shared the result is
+    C_base itself. Sharing depth m (issue 35: the decoder's own K/V below layer m) is
+    ``shared_layers=range(m, L)``.
     """
     k = decoder.handoff_tokens
     c_base = compute_base_cache(base, prompts, handoff_tokens=k)
@@ -160,11 +163,8 @@ def layer_cache(
         fingerprint=c_base.fingerprint,
         producer="self",
     )
-    keys = tuple(c_base.keys[i] if i in shared else own.keys[i] for i in range(L))
-    values = tuple(c_base.values[i] if i in shared else own.values[i] for i in range(L))
-    return BaseCache.from_tensors(
-        keys, values, c_base.attention_mask, c_base.tail_ids, k, c_base.fingerprint, "mixed"
-    )
+    # One rule mixes C_base and the decoder's own K/V per layer (ccft.core.depth; the sharing depth uses it).
+    return mix_layers(c_base, own.keys, own.values, [i for i in range(L) if i not in shared])
 
 
 @torch.no_grad()

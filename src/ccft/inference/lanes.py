@@ -54,6 +54,23 @@ from ccft.inference.weights import (
 )
 
 
+def check_engine_depth(what: str, share_from_layer) -> None:
+    """Refuse a decoder trained at sharing depth m > 0 (issue 35; ``ccft.core.depth``): the engine's lanes
+    read one C_base in every layer and keep no per-decoder K/V below layer m, so serving it would silently
+    run it at depth 0.
+
+    Raises:
+        ConfigError: naming the decoder, m and the way out (the reference path).
+    """
+    m = int(share_from_layer or 0)
+    if m:
+        raise ConfigError(
+            f"{what} was trained at share_from_layer={m} (its own prompt KV in layers 0..{m - 1}): not "
+            "supported by SharedPrefillEngine yet; use the reference path (ccft.generate, or `ccft eval` "
+            "with eval.engine=false)"
+        )
+
+
 @dataclass
 class Lane:
     """One set of weights and its active rows.
@@ -202,7 +219,8 @@ class LaneRegistry:
             FingerprintMismatchError: the decoder was conditioned on another base.
             IncompatibleModelError: its tokenizer, layer count, KV geometry, RoPE or dtype differ from
                 the base's, or it is a model / LoRA variant the engine does not run.
-            ConfigError: ``name`` already used, or not a decoder.
+            ConfigError: ``name`` already used, or not a decoder; a decoder trained at sharing depth m > 0
+                (``check_engine_depth``).
         """
         if name in self.decoders:
             raise ConfigError(f"a decoder named {name!r} is already registered; pick another name")
@@ -212,6 +230,7 @@ class LaneRegistry:
             raise ConfigError(
                 f"decoder {name!r}: expected a ccft.Decoder or a decoder folder, got {type(decoder)}"
             )
+        check_engine_depth(f"decoder {name!r}", decoder.share_from_layer)
         base = self.base
         if decoder.fingerprint != base.fingerprint:
             raise FingerprintMismatchError(
@@ -275,6 +294,7 @@ class LaneRegistry:
                 f"decoder {folder} was trained on base {want} but this engine's base is "
                 f"{self.base.fingerprint} ({self.base.name}); serve it with the base it was trained on"
             )
+        check_engine_depth(f"decoder {name!r} ({folder})", meta.get("share_from_layer", 0))
         if tokenizer is None and (Path(folder) / "tokenizer_config.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self._check_tokenizer(name, tokenizer)

@@ -84,6 +84,10 @@ class TrainConfig(TrainingArguments):
         base: base model: embedded name (``smollm2-135m-instruct``), local folder or HF id.
         decoder_kind: ``lora`` (adapter on the base's weights) or ``full`` (a second, trainable weight copy).
         handoff_tokens: k ≥ 1, prompt tokens the decoder recomputes on C_base.
+        share_from_layer: the sharing depth m (issue 35; ``ccft.core.depth``): the decoder computes its own
+            prompt K/V in layers ``0..m−1`` (a partial prefill, with gradient) and reads C_base in
+            ``m..L−1``; 0 (default) is PrefillShare, L the decoder's own prefill. ``method=ccft`` only;
+            checked against the base's layer count before its weights load.
     LoRA:
         lora_r, lora_alpha, lora_dropout, lora_target_modules.
     Data:
@@ -120,6 +124,13 @@ class TrainConfig(TrainingArguments):
     base: str = field(default=DEFAULT_BASE, metadata={"help": "Base model: embedded name, folder or HF id."})
     decoder_kind: str = field(default="lora", metadata={"help": "lora | full"})
     handoff_tokens: int = field(default=1, metadata={"help": "Prompt tokens the decoder recomputes (k ≥ 1)."})
+    share_from_layer: int = field(
+        default=0,
+        metadata={
+            "help": "Sharing depth m (method=ccft): the decoder's own prompt KV in layers 0..m-1, C_base in "
+            "m..L-1; 0: PrefillShare (every layer reads C_base)."
+        },
+    )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
@@ -193,6 +204,22 @@ class TrainConfig(TrainingArguments):
             raise ConfigError(f"decoder_kind={self.decoder_kind!r}; use one of {', '.join(DECODER_KINDS)}")
         if self.handoff_tokens < 1:
             raise ConfigError(f"handoff_tokens={self.handoff_tokens}; it must be ≥ 1")
+        if self.share_from_layer < 0:
+            raise ConfigError(
+                f"share_from_layer={self.share_from_layer}; it must be ≥ 0 (0: PrefillShare, every layer "
+                "reads C_base; m: the decoder's own prompt KV in layers 0..m-1)"
+            )
+        if self.share_from_layer and self.method != "ccft":
+            raise ConfigError(
+                f"share_from_layer={self.share_from_layer} applies to method=ccft only (method={self.method} "
+                "prefills the whole prompt itself); remove the key or set share_from_layer: 0"
+            )
+        if self.share_from_layer and self.train_path == "one-pass":
+            raise ConfigError(
+                f"share_from_layer={self.share_from_layer} needs train_path two-pass (one-pass gates LoRA "
+                "off on the whole prompt, so it cannot give the decoder its own K/V below layer m); "
+                "use train_path=auto or two-pass"
+            )
         if str(self.dtype).lower() not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}; use one of float32, bfloat16, float16")
         if str(self.chat_template).lower() not in ("auto", "true", "false"):

@@ -14,8 +14,10 @@ model.
     several probe prompts rendered as training rendered them). Refused, with the fix named:
     full-weight decoders, ``full-ft`` decoders (trained on their own prefill: the adapter must be on
     for the whole prompt), plain-text prompts (their last token is whatever ends the prompt) unless
-    the caller names the fixed suffix, a handoff that reaches into the message text, and adapters
-    PEFT cannot run as aLoRA (``modules_to_save``, DoRA, trainable tokens, LoRA on non-linear layers).
+    the caller names the fixed suffix, a handoff that reaches into the message text, adapters
+    PEFT cannot run as aLoRA (``modules_to_save``, DoRA, trainable tokens, LoRA on non-linear layers), and
+    decoders trained at sharing depth ``share_from_layer`` m > 0 (issue 35: aLoRA is off on the prompt in
+    every layer, so the decoder's own prompt K/V below layer m cannot be expressed).
 
     The trap (warned, recorded in the result and the model card): PEFT activates at the *last*
     occurrence. A sequence without a control token (e.g. the single newline ending SmolLM2's
@@ -32,7 +34,8 @@ model.
     ``ccft.json`` keeps the method, base fingerprint and ``handoff_tokens`` (``decoder_kind: full``,
     ``exported_from``), so ``ccft.load_decoder`` loads it as a decoder. A merged CCFT decoder is exact
     only on ``C_base`` (ccft's prefillshare mode, or an engine doing disaggregated prefill with the base);
-    running its own prefill is a different model (docs/design.md, "Modes").
+    running its own prefill is a different model (docs/design.md, "Modes"). A decoder trained at sharing depth
+    m > 0 keeps ``share_from_layer`` in its ``ccft.json``: ccft's reference path runs it at that depth.
 
 Every export writes a ``README.md`` model card (``ccft.train.card``).
 """
@@ -217,8 +220,18 @@ def invocation_sequence(meta: dict, tokenizer, *, invocation_text: str | None = 
     )
 
 
-def check_alora_kind(kind: str, method: str | None, what: str) -> None:
-    """Refuse full-weight and non-CCFT decoders for ``peft-alora`` (ConfigError naming the fix)."""
+def check_alora_kind(kind: str, method: str | None, what: str, share_from_layer: int | None = 0) -> None:
+    """Refuse full-weight and non-CCFT decoders for ``peft-alora``, and decoders trained at sharing depth
+    m > 0 (issue 35: an aLoRA adapter is off on the whole prompt in every layer, so it cannot give the
+    decoder its own prompt K/V below layer m) (ConfigError naming the fix)."""
+    m = int(share_from_layer or 0)
+    if m:
+        raise ConfigError(
+            f"{what} was trained at share_from_layer={m} (its own prompt KV in layers 0..{m - 1}, C_base "
+            "above): an aLoRA adapter is off on the whole prompt in every layer, so neither peft-alora nor "
+            "gguf-alora can represent it. Fix: export with --to merged (its ccft.json keeps "
+            "share_from_layer; run it with ccft's reference path), or train with share_from_layer: 0"
+        )
     if kind != "lora":
         raise ConfigError(
             f"{what} is a full-weight decoder; an aLoRA adapter holds LoRA weights only. Fix: "
@@ -321,7 +334,7 @@ def export_alora(
             adapter aLoRA cannot run, or a non-empty ``out`` — all before anything is written.
     """
     what = source or "the decoder"
-    check_alora_kind(decoder.kind, decoder.method, what)
+    check_alora_kind(decoder.kind, decoder.method, what, decoder.share_from_layer)
     _check_alora_adapter(decoder, what)
     inv = invocation_sequence(decoder.meta, decoder.base.tokenizer, invocation_text=invocation_text)
     out = check_export_folder(out)
@@ -445,7 +458,7 @@ def export_decoder(
         "lora" if (Path(decoder_path) / "adapter_config.json").is_file() else "full"
     )
     if to == "peft-alora":  # before loading any model
-        check_alora_kind(kind, meta.get("method"), str(decoder_path))
+        check_alora_kind(kind, meta.get("method"), str(decoder_path), meta.get("share_from_layer", 0))
     check_export_folder(out)  # before the model loads
     if to == "merged" and kind == "lora":
         base = None  # merging rewrites the host's weights: never the caller's base

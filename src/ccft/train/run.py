@@ -20,7 +20,7 @@ from transformers import set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
 from ccft.core.checkpoint import RECIPE_STAMP, save_decoder
-from ccft.core.decoder import Decoder, make_decoder
+from ccft.core.decoder import Decoder, check_share_from_layer, make_decoder, num_layers
 from ccft.core.errors import ConfigError
 from ccft.core.io import atomic_write_text
 from ccft.core.models import Base, load_base
@@ -85,6 +85,26 @@ def load_tokenizer(name_or_path: str):
         ) from None
 
 
+def check_depth(cfg: TrainConfig, where: str = "share_from_layer") -> None:
+    """Refuse a ``share_from_layer`` above the base's layer count, from its ``config.json`` (no weights load).
+
+    Raises:
+        ConfigError: naming the key, the base's layer count and the range (``check_share_from_layer``).
+    """
+    if not cfg.share_from_layer:
+        return
+    from transformers import AutoConfig
+
+    from ccft.core.models import resolve_model_path
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(cfg.base))
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"base {cfg.base!r}: its config cannot be loaded ({first})") from None
+    check_share_from_layer(cfg.share_from_layer, num_layers(config), where=where)
+
+
 def check_run(cfg: TrainConfig, *, store: bool = True) -> tuple[TokenizedDataset, TokenizedDataset | None]:
     """Everything ``--dry-run`` checks without loading weights: the base's tokenizer, the train and eval data
     (``FILE:LINE`` for a bad row), the output folder and the C_base store (``ccft.train.config.check_paths``;
@@ -99,6 +119,7 @@ def check_run(cfg: TrainConfig, *, store: bool = True) -> tuple[TokenizedDataset
 
     check_paths(cfg)
     tokenizer = load_tokenizer(cfg.base)
+    check_depth(cfg)
     train_set = load_split(cfg.train_data, tokenizer, cfg, cfg.train_rows, cfg.data_offset)
     eval_set = load_split(cfg.eval_data, tokenizer, cfg, cfg.eval_rows) if cfg.eval_data else None
     folder = Path(cfg.base_cache_store) if cfg.base_cache_store and store else None
@@ -116,6 +137,10 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
         tokenizer = load_tokenizer(cfg.base)
     else:
         tokenizer = base.tokenizer
+    if base is None:
+        check_depth(cfg)
+    else:
+        check_share_from_layer(cfg.share_from_layer, num_layers(base))
     train_set = load_split(cfg.train_data, tokenizer, cfg, cfg.train_rows, cfg.data_offset)
     eval_set = load_split(cfg.eval_data, tokenizer, cfg, cfg.eval_rows) if cfg.eval_data else None
     if base is None:
@@ -139,7 +164,12 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
                 f"its module names include {leaves[:12]}"
             )
     decoder = make_decoder(
-        base, cfg.decoder_kind, lora=lora, method=cfg.method, handoff_tokens=cfg.handoff_tokens
+        base,
+        cfg.decoder_kind,
+        lora=lora,
+        method=cfg.method,
+        handoff_tokens=cfg.handoff_tokens,
+        share_from_layer=cfg.share_from_layer,
     )
     store = None
     if cfg.base_cache_store and cfg.method == "ccft":
@@ -295,15 +325,21 @@ def method_config(
     recorded for that run (``raw`` with the same two keys, without its ``eval:`` section).
 
     The keys the recipe sets are kept as given; everything else takes ``TrainConfig``'s defaults, so the
-    two methods of a comparison (``ccft``, ``full-ft``) differ only in ``method`` and ``output_dir``.
+    two methods of a comparison (``ccft``, ``full-ft``) differ only in ``method`` and ``output_dir`` (and
+    ``share_from_layer``, a CCFT key that the Full-FT run leaves out).
     """
     import dataclasses
 
     given = {
         f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig) if f.init and f.name in raw
     }
+    drop = {"eval"} | ({"share_from_layer"} if method != "ccft" else set())  # a CCFT-only key (sharing depth)
+    given = {k: v for k, v in given.items() if k not in drop}
     m_cfg = TrainConfig(**{**given, "method": method, "output_dir": str(output_dir)})
-    m_raw = {k: v for k, v in raw.items() if k != "eval"} | {"method": method, "output_dir": str(output_dir)}
+    m_raw = {k: v for k, v in raw.items() if k not in drop} | {
+        "method": method,
+        "output_dir": str(output_dir),
+    }
     return m_cfg, m_raw
 
 

@@ -9,7 +9,10 @@ tokens in the optimizer step (all micro-batches, all processes), so gradient acc
 parallelism do not change it. ``C_base`` is computed by the frozen base under ``torch.no_grad``
 (with LoRA decoders: the same weights, adapters disabled) and fed as a read-only cache, which
 also keeps it under gradient checkpointing (transformers drops ordinary caches there).
-Full-FT: the same loss with the decoder prefilling its own prompt.
+Full-FT: the same loss with the decoder prefilling its own prompt. At sharing depth
+m = ``args.share_from_layer`` (issue 35; ``ccft.core.depth``) the decoder reads a hybrid prefix: its own
+K/V of ``prompt[:n−k]`` in layers ``0..m−1`` (a partial prefill with gradient) and C_base in ``m..L−1``
+(constant, from the store when there is one).
 
 Everything else (optimizer, schedule, accumulation, logging/``report_to``, evaluation with
 ``compute_metrics``, checkpoints and their rotation, ``load_best_model_at_end``, resume,
@@ -36,7 +39,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
 
 from ccft.core.cache import prefill_tensors
-from ccft.core.decoder import decoder_forward, full_forward, padding_free_unsupported
+from ccft.core.decoder import (
+    check_share_from_layer,
+    decoder_forward,
+    full_forward,
+    num_layers,
+    padding_free_unsupported,
+)
+from ccft.core.depth import depth_cache
+from ccft.core.errors import ConfigError
 from ccft.core.io import replace_dir
 from ccft.core.tokens import IGNORE_INDEX
 from ccft.train.data import Collator
@@ -148,11 +159,19 @@ class CacheConditionedTrainer(Trainer):
         from peft import PeftModel
 
         self._decoder_kind = "lora" if isinstance(self.model, PeftModel) else "full"
+        self.share_from_layer = int(getattr(self.args, "share_from_layer", 0) or 0)
+        if self.share_from_layer and self.method != "ccft":
+            raise ConfigError(
+                f"share_from_layer={self.share_from_layer} applies to method=ccft only; method={self.method} "
+                "prefills the whole prompt itself"
+            )
+        check_share_from_layer(self.share_from_layer, num_layers(self.model))
         self.train_path = resolve_train_path(
             getattr(self.args, "train_path", "auto"),
             method=self.method,
             decoder_kind=self._decoder_kind,
             model=self.model,
+            share_from_layer=self.share_from_layer,
         )
         self._gate = None  # the LoRA token gate of the running one-pass step
         self.frozen_embeddings: list[str] = []
@@ -227,6 +246,10 @@ class CacheConditionedTrainer(Trainer):
         if self.method == "ccft":
             cache = self._base_cache(inputs)
             self.last_base_cache = cache
+            if self.share_from_layer:  # the decoder's own prompt K/V (with gradient) below layer m
+                cache = depth_cache(
+                    model, cache, inputs["prefix_ids"], inputs["prefix_mask"], self.share_from_layer
+                )
             return decoder_forward(
                 model,
                 cache,
@@ -276,10 +299,10 @@ class CacheConditionedTrainer(Trainer):
     def grad_tokens(self, inputs) -> int:
         """Token positions the decoder's forward runs with gradient for a collated batch: the tail
         (rows × padded length) on the two-pass CCFT path; the prompt and the tail otherwise (one-pass and
-        Full-FT run the whole sequence in one forward), their real tokens only with Full-FT's
-        ``padding_free``."""
+        Full-FT run the whole sequence in one forward; at sharing depth m > 0 the prompt runs m layers with
+        gradient), their real tokens only with Full-FT's ``padding_free``."""
         tail = inputs["tail_ids"].numel()
-        if self.method == "ccft" and self.train_path != "one-pass":
+        if self.method == "ccft" and self.train_path != "one-pass" and not self.share_from_layer:
             return tail
         if self.packs_full_ft:  # only the real tokens run
             return int(inputs["prefix_mask"].sum() + inputs["tail_mask"].sum())
