@@ -163,5 +163,5 @@ def test_the_decode_path_has_one_default_and_the_command_line_wins(tmp_path):
     add_parser(sub)
     parse = sub.choices["eval"].parse_args
     assert [parse(a).engine for a in ([], ["--engine"], ["--no-engine"])] == [None, True, False]
-    with pytest.raises(ConfigError, match=r"b\.yaml:2: .*engine"):
+    with pytest.raises(ConfigError, match=r"b\.yaml:2: key 'engine' expects bool.*; fix the value there$"):
         load_suite(_write(tmp_path / "b.yaml", "task: gsm8k\nengine: sometimes\n"))

@@ -353,7 +353,7 @@ def _parse_value(cls, key: str, value: Any, where: str) -> Any:
         )
         return ConfigError(
             f"{where}: key {key!r} expects {name}, got {value!r} ({type(value).__name__})"
-            f"{' (' + reason + ')' if reason else ''}; fix the value in the recipe or override"
+            f"{' (' + reason + ')' if reason else ''}; fix the value there"
         )
 
     def parse(text: str) -> Any:
