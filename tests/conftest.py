@@ -152,6 +152,30 @@ def jsonl(rows) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
+def short_run_overrides(base_dir, out, data, **kw) -> list[str]:
+    """Recipe overrides (``key=value``) for a short CCFT run on CPU: 12 rows of ``data``, batch 3, 4 steps,
+    lr 1e-2, seed 7, no chat template, no saving; ``kw`` adds or replaces keys."""
+    ov = {
+        "base": str(base_dir),
+        "output_dir": str(out),
+        "train_data": str(data),
+        "train_rows": 12,
+        "max_steps": 4,
+        "per_device_train_batch_size": 3,
+        "logging_steps": 1,
+        "learning_rate": 1e-2,
+        "method": "ccft",
+        "use_cpu": "true",
+        "disable_tqdm": "true",
+        "lora_dropout": 0,
+        "chat_template": "false",
+        "save_strategy": "no",
+        "seed": 7,
+    }
+    ov.update(kw)
+    return [f"{k}={v}" for k, v in ov.items()]
+
+
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every path under ``folder`` with its size and mtime (folders: ``(-1, 0)``): equal snapshots before and
     after a command mean it wrote nothing there."""

@@ -118,12 +118,11 @@ def test_hybrid_forward_equals_per_row_reference(deep_base, prompts, m, k):
     assert (flat - got)[tail_mask.bool()].abs().max() > 1e-3
 
 
-def test_hybrid_cache_equals_hand_built_layer_cat(deep_base, prompts):
-    """depth_cache == the per-layer cat of the decoder's full prefill (layers < m) and C_base (layers ≥ m)."""
-    m, k = 2, 1
-    dec = _decoder(deep_base, m)
-    pad = pad_token_id(deep_base.tokenizer)
-    c_base = compute_base_cache(deep_base, prompts, handoff_tokens=k)
+def _hand_built(base, dec, prompts, m: int, k: int) -> tuple[BaseCache, BaseCache, BaseCache]:
+    """(C_base, the decoder's own full prefill, the hand-built hybrid: its layers < m and C_base's >= m),
+    built without ccft.core.depth."""
+    pad = pad_token_id(base.tokenizer)
+    c_base = compute_base_cache(base, prompts, handoff_tokens=k)
     own = prefill(dec.activate(), prompts, handoff_tokens=k, pad_token_id=pad, producer="self")
     hand = BaseCache.from_tensors(
         own.keys[:m] + c_base.keys[m:],
@@ -134,6 +133,15 @@ def test_hybrid_cache_equals_hand_built_layer_cat(deep_base, prompts):
         c_base.fingerprint,
         "mixed",
     )
+    return c_base, own, hand
+
+
+def test_hybrid_cache_equals_hand_built_layer_cat(deep_base, prompts):
+    """depth_cache == the per-layer cat of the decoder's full prefill (layers < m) and C_base (layers ≥ m)."""
+    m, k = 2, 1
+    dec = _decoder(deep_base, m)
+    pad = pad_token_id(deep_base.tokenizer)
+    c_base, own, hand = _hand_built(deep_base, dec, prompts, m, k)
     ids, mask = prompt_prefixes(prompts, k, pad)
     with torch.no_grad():
         got = depth_cache(dec, c_base, ids, mask, m)
@@ -190,20 +198,9 @@ def test_generate_at_depth_equals_decoding_on_the_hand_built_cache(deep_base, pr
     m, k = 2, 1
     method = "ccft" if mode == "prefillshare" else "full-ft"
     dec = _decoder(deep_base, m if mode == "prefillshare" else 0, method=method)
-    pad = pad_token_id(deep_base.tokenizer)
     kw = {} if mode == "prefillshare" else {"share_from_layer": m}  # naive: the depth is the caller's
     got = ccft.generate(prompts, mode=mode, decoder=dec, max_new_tokens=8, batch_size=2, **kw)
-    c_base = compute_base_cache(deep_base, prompts, handoff_tokens=k)
-    own = prefill(dec.activate(), prompts, handoff_tokens=k, pad_token_id=pad, producer="self")
-    hand = BaseCache.from_tensors(
-        own.keys[:m] + c_base.keys[m:],
-        own.values[:m] + c_base.values[m:],
-        c_base.attention_mask,
-        c_base.tail_ids,
-        k,
-        c_base.fingerprint,
-        "mixed",
-    )
+    _, _, hand = _hand_built(deep_base, dec, prompts, m, k)
     want = decode_on_cache(dec.activate(), deep_base.tokenizer, hand, max_new_tokens=8)
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
     flat = ccft.generate(prompts, mode=mode, decoder=dec, max_new_tokens=8, share_from_layer=0)

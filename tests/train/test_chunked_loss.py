@@ -19,6 +19,7 @@ from ccft.core.errors import ConfigError
 from ccft.train.config import load_recipe
 from ccft.train.loss import LinearCrossEntropy, chunked_loss_unsupported, chunked_nll
 from ccft.train.run import setup
+from conftest import short_run_overrides
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -70,26 +71,8 @@ def tied_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 def make(model_dir, out, data, **kw):
-    ov = {
-        "base": str(model_dir),
-        "output_dir": str(out),
-        "train_data": str(data),
-        "train_rows": 12,
-        "max_steps": 3,
-        "per_device_train_batch_size": 4,
-        "logging_steps": 1,
-        "learning_rate": 1e-2,
-        "method": "ccft",
-        "use_cpu": "true",
-        "disable_tqdm": "true",
-        "lora_dropout": 0,
-        "chat_template": "false",
-        "save_strategy": "no",
-        "seed": 11,
-        "loss_chunk_tokens": 7,
-    }
-    ov.update(kw)
-    cfg, _, _ = load_recipe(None, [f"{k}={v}" for k, v in ov.items()])
+    kw = {"max_steps": 3, "per_device_train_batch_size": 4, "seed": 11, "loss_chunk_tokens": 7, **kw}
+    cfg, _, _ = load_recipe(None, short_run_overrides(model_dir, out, data, **kw))
     return setup(cfg)
 
 

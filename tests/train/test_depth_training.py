@@ -22,7 +22,7 @@ from ccft.core.decoder import decoder_forward, full_forward
 from ccft.core.errors import ConfigError
 from ccft.train.config import load_recipe
 from ccft.train.run import check_run, run_training, setup
-from conftest import make_tiny_folder
+from conftest import make_tiny_folder, short_run_overrides
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -50,25 +50,7 @@ def short_data(tmp_path_factory) -> Path:
 
 
 def config(base_dir, out, data, **kw):
-    ov = {
-        "base": str(base_dir),
-        "output_dir": str(out),
-        "train_data": str(data),
-        "train_rows": 12,
-        "max_steps": 2,
-        "per_device_train_batch_size": 3,
-        "logging_steps": 1,
-        "learning_rate": 1e-2,
-        "method": "ccft",
-        "use_cpu": "true",
-        "disable_tqdm": "true",
-        "lora_dropout": 0,
-        "chat_template": "false",
-        "save_strategy": "no",
-        "seed": 7,
-    }
-    ov.update(kw)
-    cfg, _, raw = load_recipe(None, [f"{k}={v}" for k, v in ov.items()])
+    cfg, _, raw = load_recipe(None, short_run_overrides(base_dir, out, data, **{"max_steps": 2, **kw}))
     return cfg, raw
 
 

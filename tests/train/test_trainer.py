@@ -34,6 +34,7 @@ from ccft.core.decoder import decoder_forward
 from ccft.train.config import load_recipe
 from ccft.train.data import TokenizedDataset
 from ccft.train.run import run_training, setup
+from conftest import short_run_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,25 +65,7 @@ def short_data(tmp_path_factory) -> Path:
 
 def overrides(tiny_dir, out, data, **kw) -> list[str]:
     """Recipe overrides for a short CPU run on the tiny model; ``kw`` adds or replaces keys."""
-    ov = {
-        "base": str(tiny_dir),
-        "output_dir": str(out),
-        "train_data": str(data),
-        "train_rows": 12,
-        "max_steps": 4,
-        "per_device_train_batch_size": 3,
-        "logging_steps": 1,
-        "learning_rate": 1e-2,
-        "method": "ccft",
-        "use_cpu": "true",
-        "disable_tqdm": "true",
-        "lora_dropout": 0,
-        "chat_template": "false",
-        "save_strategy": "no",
-        "seed": 7,
-    }
-    ov.update(kw)
-    return [f"{k}={v}" for k, v in ov.items()]
+    return short_run_overrides(tiny_dir, out, data, **kw)
 
 
 def config(tiny_dir, out, data, **kw):

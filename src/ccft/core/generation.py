@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ccft.core import errors  # the module: ConfigError stays a moved name here (MOVED_NAMES)
 from ccft.core.cache import BaseCache, cache_kwarg, compute_base_cache, prefill
 from ccft.core.decoder import (
     Decoder,
@@ -28,7 +29,6 @@ from ccft.core.decoder import (
 )
 from ccft.core.deprecation import moved_name_getattr
 from ccft.core.depth import depth_cache, prompt_prefixes
-from ccft.core.errors import ConfigError
 from ccft.core.modes import MODES, check_mode  # noqa: F401 - MODES re-exported
 from ccft.core.sampling import SamplingParams, select_tokens
 from ccft.core.text import StopMatcher
@@ -175,7 +175,7 @@ def generate(
         depth = decoder.share_from_layer if share_from_layer is None else share_from_layer
         depth = check_share_from_layer(depth, num_layers(decoder))
     elif share_from_layer:
-        raise ConfigError(
+        raise errors.ConfigError(
             f"share_from_layer={share_from_layer} applies to the modes that read C_base (naive, "
             f"prefillshare); mode {mode!r} prefills the whole prompt itself: leave share_from_layer unset"
         )
