@@ -152,6 +152,19 @@ def jsonl(rows) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
+def short_sum_rows(path: Path, *, done_suffix: bool) -> Path:
+    """24 short rows ("Qi: what is a plus b?" with 0-2 repeated sentences, "a plus b is c." and, with
+    ``done_suffix``, 0-3 " Done."), of different prompt and response lengths, written to ``path`` (JSONL)."""
+    rows = []
+    for i in range(24):
+        a, b = 3 * i + 1, 7 * i % 11 + 2
+        extra = " Please think carefully." * (i % 3)
+        response = f"{a} plus {b} is {a + b}." + (" Done." * (i % 4) if done_suffix else "")
+        rows.append({"prompt": f"Q{i}: what is {a} plus {b}?{extra}", "response": response})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def short_run_overrides(base_dir, out, data, **kw) -> list[str]:
     """Recipe overrides (``key=value``) for a short CCFT run on CPU: 12 rows of ``data``, batch 3, 4 steps,
     lr 1e-2, seed 7, no chat template, no saving; ``kw`` adds or replaces keys."""

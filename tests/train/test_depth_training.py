@@ -22,7 +22,7 @@ from ccft.core.decoder import decoder_forward, full_forward
 from ccft.core.errors import ConfigError
 from ccft.train.config import load_recipe
 from ccft.train.run import check_run, run_training, setup
-from conftest import make_tiny_folder, short_run_overrides
+from conftest import make_tiny_folder, short_run_overrides, short_sum_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -37,16 +37,7 @@ def deep_dir(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def short_data(tmp_path_factory) -> Path:
-    rows = []
-    for i in range(24):
-        a, b = 3 * i + 1, 7 * i % 11 + 2
-        extra = " Please think carefully." * (i % 3)
-        rows.append(
-            {"prompt": f"Q{i}: what is {a} plus {b}?{extra}", "response": f"{a} plus {b} is {a + b}."}
-        )
-    path = tmp_path_factory.mktemp("short_data") / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return short_sum_rows(tmp_path_factory.mktemp("short_data") / "rows.jsonl", done_suffix=False)
 
 
 def config(base_dir, out, data, **kw):

@@ -34,7 +34,7 @@ from ccft.core.decoder import decoder_forward
 from ccft.train.config import load_recipe
 from ccft.train.data import TokenizedDataset
 from ccft.train.run import run_training, setup
-from conftest import short_run_overrides
+from conftest import short_run_overrides, short_sum_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,19 +48,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 @pytest.fixture(scope="module")
 def short_data(tmp_path_factory) -> Path:
     """24 short rows of different prompt and response lengths (a few tokens each), as a JSONL file."""
-    rows = []
-    for i in range(24):
-        a, b = 3 * i + 1, 7 * i % 11 + 2
-        extra = " Please think carefully." * (i % 3)
-        rows.append(
-            {
-                "prompt": f"Q{i}: what is {a} plus {b}?{extra}",
-                "response": f"{a} plus {b} is {a + b}." + " Done." * (i % 4),
-            }
-        )
-    path = tmp_path_factory.mktemp("short_data") / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return short_sum_rows(tmp_path_factory.mktemp("short_data") / "rows.jsonl", done_suffix=True)
 
 
 def overrides(tiny_dir, out, data, **kw) -> list[str]:
