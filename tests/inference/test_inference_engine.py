@@ -483,8 +483,9 @@ def test_decoder_folders_and_clear_errors(world, refs, prompts, tmp_path, tokeni
     with mixed.prefill(prompts[:2], producer="math2") as own:  # a decoder's own prefill: its k
         assert own.handoff_tokens == 2
     mixed.close()
-    with pytest.raises(ConfigError, match="cuda_graph"):
-        SharedPrefillEngine(base, decode="cuda_graph")
+    for mode in ("cuda_graph", "compiled_graph"):
+        with pytest.raises(ConfigError, match=f"decode='{mode}' needs the model on a CUDA device"):
+            SharedPrefillEngine(base, decode=mode)
 
 
 @pytest.mark.slow

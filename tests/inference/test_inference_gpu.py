@@ -103,6 +103,17 @@ def _prompts(n, seed=0):
 @pytest.mark.parametrize("attention", ["triton", "gather"])
 @pytest.mark.parametrize("batch", [1, 3, 5])
 def test_cuda_graph_greedy_equals_reference(attention, batch):
+    _greedy_equals_reference("cuda_graph", attention, batch)
+
+
+@pytest.mark.parametrize("attention", ["triton", "gather"])
+def test_compiled_graph_greedy_equals_reference(attention):
+    """decode='compiled_graph' (the torch.compile'd step captured as CUDA graphs) equals the reference."""
+    torch._dynamo.reset()
+    _greedy_equals_reference("compiled_graph", attention, 3)
+
+
+def _greedy_equals_reference(decode, attention, batch):
     import ccft
     from ccft.inference import SharedPrefillEngine
 
@@ -111,9 +122,7 @@ def test_cuda_graph_greedy_equals_reference(attention, batch):
     base = _base()
     decs = _decoders(base)
     prompts = _prompts(batch)
-    eng = SharedPrefillEngine(
-        base, decoders=decs, decode="cuda_graph", attention=attention, fill=float("nan")
-    )
+    eng = SharedPrefillEngine(base, decoders=decs, decode=decode, attention=attention, fill=float("nan"))
     with eng.prefill(prompts) as h:
         snap = h.snapshot()
         for name in ("base", "math", "code", "math", "full"):  # A, B, A on one handle

@@ -341,6 +341,47 @@ def profile_step(engine, prompts, steps: int = 16) -> dict:
     }
 
 
+def device_time_per_step(engine, prompts, steps: int = 6) -> dict:
+    """GPU time of one decode step against its wall time (CUDA engines): where a step's time goes.
+
+    ``steps`` steps of ``prompts``' rows are timed plainly (``wall_ms``, synchronised by ``step()``'s
+    host tokens) and again under ``torch.profiler`` with CUDA activity; ``device_ms`` is the sum of the
+    GPU kernels' and copies' durations per step (the kernels inside replayed CUDA graphs are traced one
+    by one) and ``kernels`` their count per step. ``wall_ms - device_ms`` is time the GPU sat idle:
+    host work (building inputs, bookkeeping, launching) that the step does not overlap. Milliseconds.
+    The rows decode ``2·steps + 2`` tokens: 6 steps keep them in the tail bucket of 16 slots, so a
+    compiled engine (decode="compile" / "compiled_graph") measured here compiles nothing new.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    handle = engine.prefill(prompts)
+    for i in range(len(prompts)):
+        engine.add_request(handle, i, max_new_tokens=2 * steps + 2, ignore_eos=True)
+    for _ in range(2):  # the handoff step and a warm step are not timed
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.active:
+        engine.step()
+    handle.release()
+    device_us, kernels = 0.0, 0
+    for evt in prof.events():
+        if str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            device_us += getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
+            kernels += 1
+    return {
+        "wall_ms": 1e3 * wall,
+        "device_ms": device_us / 1e3 / steps,
+        "kernels_per_step": kernels / steps,
+        "steps": steps,
+    }
+
+
 def _timeit(fn, min_time: float = 0.3, device="cpu") -> float:
     fn()
     _sync(device)
@@ -560,6 +601,16 @@ def run(args) -> dict:
         block_weights="off",
     )
     rss.append(_rss_bytes())
+    also = getattr(args, "also_decode", None)
+    also_engine = None
+    if also:  # the same engine in a second decode mode, measured in the same interleaved runs
+        also_engine = SharedPrefillEngine(
+            base,
+            max_batch=max(args.batch_sizes),
+            decode=also,
+            max_tail_tokens=max(64, 2 * args.new_tokens),
+            block_weights="off",
+        )
     blocks_engine = None
     if getattr(args, "blocks", False):
         blocks_engine = SharedPrefillEngine(
@@ -580,6 +631,7 @@ def run(args) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "decode_mode": engine.decode_mode,
+        "also_decode_mode": also_engine.decode_mode if also_engine is not None else None,
         "attention": engine.attention,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
@@ -611,9 +663,14 @@ def run(args) -> dict:
         run_engine(engine, prompts, min(4, args.new_tokens))
         if blocks_engine is not None:
             run_engine(blocks_engine, prompts, min(4, args.new_tokens))
+        also_runs = []
+        if also_engine is not None:
+            run_engine(also_engine, prompts, args.new_tokens)  # warm-up over every width it will use
         for _ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
             hf_runs.append(run_hf(base, prompts, args.new_tokens))
             eng_runs.append(run_engine(engine, prompts, args.new_tokens))
+            if also_engine is not None:
+                also_runs.append(run_engine(also_engine, prompts, args.new_tokens))
             if blocks_engine is not None:
                 blk_runs.append(run_engine(blocks_engine, prompts, args.new_tokens))
         steps = args.new_tokens - 1
@@ -659,6 +716,21 @@ def run(args) -> dict:
             result["batches"][str(batch)]["engine_blocks"] = blk
             result[f"blocks_speedup_batch{batch}"] = blk["speedup_vs_fp32"]
             result[f"blocks_greedy_rows_equal_batch{batch}"] = blk["greedy_rows_equal_fp32"]
+        if also_engine is not None:
+            other = summary(also_runs)
+            other.update(
+                speedup_vs_engine=other["decode_tok_s"] / eng["decode_tok_s"],
+                greedy_rows_equal_engine=sum(
+                    a == b for a, b in zip(eng_runs[0]["tokens"], also_runs[0]["tokens"], strict=True)
+                )
+                / batch,
+            )
+            if args.device.startswith("cuda"):
+                other["device_time"] = device_time_per_step(also_engine, prompts)
+            result["batches"][str(batch)]["engine_also"] = other
+            result[f"{also}_speedup_batch{batch}"] = other["speedup_vs_engine"]
+        if args.device.startswith("cuda"):
+            result["batches"][str(batch)]["engine"]["device_time"] = device_time_per_step(engine, prompts)
         if getattr(args, "profile", False):
             result["batches"][str(batch)]["profile"] = profile_step(engine, prompts)
     if llamacpp:
@@ -831,6 +903,12 @@ def table(result: dict) -> str:
         "HF / roofline",
         "engine / bandwidth",
     ]
+    also = result.get("also_decode_mode")
+    if also:
+        cols += [f"engine {also} tok/s", f"{also} / {result['decode_mode']}", f"{also} rows = engine"]
+    gpu = any("device_time" in r["engine"] for r in result["batches"].values())
+    if gpu:
+        cols += ["step ms (GPU busy ms)"] + ([f"{also} step ms (GPU busy ms)"] if also else [])
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for b, r in result["batches"].items():
         cells = [b, f"{r['hf']['decode_tok_s']:.1f}", f"{r['engine']['decode_tok_s']:.1f}"]
@@ -858,6 +936,17 @@ def table(result: dict) -> str:
             f"{100 * r['hf_roofline_fraction']:.0f}%",
             f"{100 * r['bandwidth_fraction']:.0f}%",
         ]
+        if also:
+            o = r["engine_also"]
+            cells += [
+                f"{o['decode_tok_s']:.1f}",
+                f"{o['speedup_vs_engine']:.2f}x",
+                f"{100 * o['greedy_rows_equal_engine']:.0f}%",
+            ]
+        if gpu:
+            for e in [r["engine"]] + ([r["engine_also"]] if also else []):
+                t = e.get("device_time")
+                cells.append(f"{t['wall_ms']:.2f} ({t['device_ms']:.2f})" if t else "")
         lines.append("| " + " | ".join(cells) + " |")
     if lc:
         g = result["llamacpp"]["greedy"]
@@ -926,7 +1015,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side (medians reported)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument(
-        "--decode", default="auto", help="engine decode mode: auto, eager, static, cuda_graph, compile"
+        "--decode",
+        default="auto",
+        help="engine decode mode: auto, eager, static, cuda_graph, compile, compiled_graph",
+    )
+    p.add_argument(
+        "--also-decode",
+        default=None,
+        help="also run the engine in this decode mode beside --decode's, in the same interleaved runs "
+        "(e.g. --decode cuda_graph --also-decode compiled_graph: the fused step against the plain one)",
     )
     p.add_argument(
         "--llamacpp",

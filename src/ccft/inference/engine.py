@@ -39,6 +39,9 @@ Decode modes (``decode=``):
   * ``cuda_graph`` (CUDA default): that step captured once per (lane, batch bucket, tail bucket,
     prefix bucket, adapter count) and replayed; outputs copied out before the next replay.
   * ``compile``: that step through ``torch.compile`` (CPU or CUDA), same buckets, bounded recompiles.
+  * ``compiled_graph`` (CUDA): the fused step: that step through ``torch.compile`` (norms, RoPE,
+    residuals, KV writes and LoRA masks fused into generated kernels), then captured as CUDA graphs
+    per key like ``cuda_graph``; one compilation per key, before its capture.
 
 Every fast path equals the reference path ``ccft.core.generation`` (docs/design.md, "Invariants
 the tests hold" 6; fault classes K1-K5 and K12 for its entry points).
@@ -94,7 +97,7 @@ def _inference(fn):
     return wrapper
 
 
-DECODE_MODES = ("eager", "static", "cuda_graph", "compile")
+DECODE_MODES = ("eager", "static", "cuda_graph", "compile", "compiled_graph")
 
 
 def kv_bytes_per_token(base) -> int:
@@ -182,7 +185,7 @@ class SharedPrefillEngine:
             never grows, and a prefill beyond it raises CapacityError. None: it starts at 1024 slots and
             doubles when full.
         decode: ``"auto"`` (CUDA: ``cuda_graph``; else ``eager``), ``"eager"``, ``"static"``,
-            ``"cuda_graph"`` or ``"compile"``.
+            ``"cuda_graph"``, ``"compile"`` or ``"compiled_graph"`` (CUDA; the compiled step captured).
         attention: prefix attention of the static step: ``"auto"`` (Triton on CUDA when available,
             else ``"gather"``), ``"gather"`` or ``"triton"``.
         pack_weights: keep each lane's weights packed ([q;k;v], [gate;up]) and prepacked for oneDNN
@@ -229,9 +232,10 @@ class SharedPrefillEngine:
             decode = "cuda_graph" if device.type == "cuda" else "eager"
         if decode not in DECODE_MODES:
             raise ConfigError(f"decode={decode!r}; use one of auto, {', '.join(DECODE_MODES)}")
-        if decode == "cuda_graph" and device.type != "cuda":
+        if decode in ("cuda_graph", "compiled_graph") and device.type != "cuda":
             raise ConfigError(
-                "decode='cuda_graph' needs the model on a CUDA device; use 'eager' or 'static' on CPU"
+                f"decode={decode!r} needs the model on a CUDA device; "
+                "use 'eager', 'static' or 'compile' on CPU"
             )
         from ccft.inference.triton_kernels import kernel_supports, triton_available
 
@@ -252,9 +256,9 @@ class SharedPrefillEngine:
         self.decode_mode, self.attention = decode, attention
         if pack_weights is None:
             pack_weights = device.type == "cpu" and decode != "compile"
-        if pack_weights and decode == "compile":
+        if pack_weights and decode in ("compile", "compiled_graph"):
             raise ConfigError(
-                "pack_weights=True cannot be combined with decode='compile' (torch.compile does its own "
+                f"pack_weights=True cannot be combined with decode={decode!r} (torch.compile does its own "
                 "weight handling); leave pack_weights unset"
             )
         self.pack_weights = bool(pack_weights)

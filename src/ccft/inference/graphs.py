@@ -5,6 +5,9 @@ builds the fixed-shape ``StaticInputs`` (``planner.static_inputs``) and runs ``m
 
 * ``static``: eagerly (the CPU check of exactly the function that is captured);
 * ``compile``: through ``torch.compile(dynamic=False)``; one compilation per key;
+* ``compiled_graph``: the fused step: as ``cuda_graph``, but what runs and is captured is the
+  ``torch.compile`` d step (its generated kernels fuse the ~1,000 small elementwise ops of a step:
+  norms, RoPE, residuals, KV writes, LoRA masks); the warm-up run also compiles that key;
 * ``cuda_graph``: the first step of a key runs once for real (warm-up, which also compiles the
   Triton kernel), is captured into a ``torch.cuda.CUDAGraph`` whose input buffers are that key's
   ``StaticInputs``, and is replayed after copying each step's inputs into those buffers. The
@@ -40,7 +43,8 @@ class StaticRunner:
 
     Args:
         weights, pool: the lane's weights (adapters may be added later) and tail pool.
-        arena: the engine's prefix arena.  mode: ``"static"``, ``"compile"`` or ``"cuda_graph"``.
+        arena: the engine's prefix arena.
+        mode: ``"static"``, ``"compile"``, ``"cuda_graph"`` or ``"compiled_graph"``.
         attention: prefix attention, ``"gather"`` or ``"triton"``.  device: where inputs are built.
     """
 
@@ -89,7 +93,7 @@ class StaticRunner:
             # trips the caching allocator's use-count assertion, so the next capture takes a new one
             self._mempool = None
             self._generations = gens
-        if self.mode == "cuda_graph":
+        if self.mode in ("cuda_graph", "compiled_graph"):
             return self._replay(key, inp, tail_width, prefix_width)[:n].clone()
         if self.mode == "compile":
             if key not in self._keys:
@@ -124,15 +128,16 @@ class StaticRunner:
 
     def _capture(self, inp, tail_width, prefix_width):
         args = self._args(inp, tail_width, prefix_width)
+        fn = self._compiled_fn() if self.mode == "compiled_graph" else M.decode_step_static
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            warm = M.decode_step_static(*args)  # compiles kernels; writes exactly what the replays write
+            warm = fn(*args)  # compiles kernels (and, compiled, the step); writes what the replays write
         torch.cuda.current_stream().wait_stream(stream)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            out = M.decode_step_static(*args)
+            out = fn(*args)
         self.captures += 1
         return graph, out, warm
