@@ -99,7 +99,8 @@ if triton is not None:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     s = tl.dot(q, tl.trans(k))
-                s = tl.where(n_ok[None, :], s * scale, float("-inf"))
+                # fp32 whatever type the launcher gave ``scale`` (torch.compile passes Python floats as fp64)
+                s = tl.where(n_ok[None, :], (s * scale).to(tl.float32), float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 p = tl.exp(s - m_new[:, None])
                 alpha = tl.exp(m_i - m_new)
