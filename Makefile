@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ccft-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-slow lint demo study clean toolchains setup-times soak
+.PHONY: venv test test-slow lint demo study frontier clean toolchains setup-times soak
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,6 +36,9 @@ demo: venv  ## the main job: CCFT + Full-FT on GSM8K, four-mode evaluation, repo
 
 study: venv  ## the specialists study: math, code, tools x (CCFT, Full-FT), four modes each, reports/study/
 	$(VENV)/bin/ccft study recipes/study.yaml $(STUDY_ARGS)
+
+frontier: venv  ## the sharing-depth frontier (tools, code; m = 0,1,2,4,8): reports/frontier/ (resumable, hours on CPU)
+	$(VENV)/bin/ccft study recipes/frontier.yaml $(STUDY_ARGS)
 
 # Debian/Ubuntu packages for the MultiPL-E / MBXP languages ccft.evals.execution checks (check_language
 # names the package of anything missing): go, php, ruby, lua, R, node + lodash + typescript, Java +

@@ -104,6 +104,9 @@ class StudyConfig:
     source: str = ""
     #: the evaluation suite the config named (``suite:``; its keys are merged under the config's own)
     suite: str = ""
+    #: ``frontier:``: CCFT decoders trained at sharing depths m and evaluated beside the study's modes
+    #: (``ccft.evals.study.frontier``); None: no frontier
+    frontier: Any = None
 
 
 _TOP_KEYS = {
@@ -120,6 +123,7 @@ _TOP_KEYS = {
     "serving",
     "threads",
     "device",
+    "frontier",
 }
 _SPEC_KEYS = {"recipe", "train", "tasks", "multipl_e", "multipl_e_limit", "multipl_e_max_new_tokens"}
 
@@ -275,8 +279,11 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ConfigError(f"{p}: modes {bad} are not modes; use {', '.join(MODES)}")
+    from ccft.evals.study.frontier import parse_frontier
+
     cfg = StudyConfig(
         specialists=specialists,
+        frontier=parse_frontier(raw.get("frontier"), str(p), list(specialists)),
         source=str(p),
         suite=str(suite_path or ""),
         modes=modes,

@@ -12,6 +12,7 @@ The serving phase runs ``ccft bench serve``, a layer above the evaluation: the c
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import sys
 from pathlib import Path
@@ -58,6 +59,8 @@ class StudyRecipe:
         self.specialists_meta: dict[str, dict] = {}
         self.ccft_decoders: dict[str, str] = {}
         self.serving: dict | None = None
+        self.settings_of: dict[str, dict] = {}  # per specialist: task -> EvalSettings of its evaluation
+        self.frontiers: dict[str, list[dict]] = {}  # per specialist: one frontier per task
 
     # ------------------------------------------------------------------ the recipe
     def run(self) -> dict:
@@ -77,6 +80,7 @@ class StudyRecipe:
             trained = self.train(name)
             decoders, paths, task_list, records, fresh, fmt = self.evaluate(name, trained)
             self.sweep(name, decoders, paths, records, fresh=fresh, prompt_format=fmt)
+            self.frontier(name, records)
             self.describe(name, trained, paths, task_list)
             self.write_report()  # partial
         if self.serve_fn is not None:
@@ -182,6 +186,7 @@ class StudyRecipe:
             )
             for t, limit, max_new in task_list
         }
+        self.settings_of[name] = settings_of
         # a task folder of this study written with other settings (the study config or the task's protocol
         # changed) is the study's own stale output: computed again
         for t, _, _ in task_list:
@@ -258,6 +263,90 @@ class StudyRecipe:
                 eval_records=records.get(first),
             )
 
+    def frontier(self, name: str, records: dict) -> None:
+        """CCFT decoders of the specialist trained at each sharing depth of ``cfg.frontier`` (its recipe with
+        ``share_from_layer: m``, into ``RUNS/NAME/ccft-mM``; reused when finished), each evaluated in mode
+        prefillshare on the specialist's tasks with the study's settings (into ``OUT/NAME/frontier/mM``;
+        resumed item by item, recomputed when the decoder changed), then the frontier of every task
+        (``ccft.evals.study.frontier``) beside the study's full-ft, naive and prefillshare (m = 0) points."""
+        from ccft.core.checkpoint import load_decoder
+        from ccft.evals.protocol import get_task
+        from ccft.evals.results import clear_task_folder
+        from ccft.evals.runner import EvalMemo, run_task
+        from ccft.evals.settings import mode_specs
+        from ccft.evals.study.frontier import choose_depth, frontier_points
+        from ccft.inference.engine import kv_bytes_per_token
+        from ccft.train.run import method_config, train_or_reuse
+
+        fc = self.cfg.frontier
+        if fc is None or name not in fc.specialists:
+            return
+        missing = [m for m in ("full-ft", "naive", "prefillshare") if m not in self.cfg.modes]
+        if missing:
+            raise ConfigError(
+                f"{self.where}: frontier needs the modes full-ft, naive and prefillshare; "
+                f"modes lacks {missing}"
+            )
+        tc, _, raw = self.parsed[name]
+        depth_records: dict[int, dict] = {}
+        for m in fc.depths:
+            folder = self.runs / name / f"ccft-m{m}"
+            m_cfg, m_raw = method_config(tc, raw, "ccft", folder)
+            m_cfg, m_raw = dataclasses.replace(m_cfg, share_from_layer=m), m_raw | {"share_from_layer": m}
+            with self.phases(f"frontier_{name}_train_m{m}"):
+                train_or_reuse(m_cfg, m_raw, prefix="[ccft study]")
+            gc.collect()
+            dec = load_decoder(str(folder), base=self.base)
+            res_dir = self.out / name / "frontier" / f"m{m}"
+            digests = {"ccft": run_digest(folder)}
+            stale = stamp_matches(res_dir, digests) is False
+            if stale:
+                for t in self.settings_of[name]:
+                    if (res_dir / t).is_dir():
+                        clear_task_folder(res_dir / t)
+            write_stamp(res_dir, digests)
+            specs = mode_specs(["prefillshare"], {"ccft": dec}, {"ccft": str(folder)})
+            depth_records[m] = {}
+            with self.phases(f"frontier_{name}_eval_m{m}"):
+                for task_name in self.cfg.specialists[name].tasks:  # the main tasks (not MultiPL-E)
+                    print(f"[ccft study] {name}: frontier m={m}, {task_name}", flush=True)
+                    res = run_task(
+                        get_task(task_name),
+                        self.base,
+                        specs,
+                        res_dir,
+                        settings=self.settings_of[name][task_name],
+                        batch_size=self.cfg.batch_size,
+                        n_resamples=self.cfg.bootstrap,
+                        overwrite=stale,
+                        memo=EvalMemo(),
+                    )
+                    depth_records[m][task_name] = {r["id"]: r for r in res.records["prefillshare"]}
+            del dec
+            gc.collect()
+        layers = self.base.model.config.num_hidden_layers
+        per_token = kv_bytes_per_token(self.base)  # all layers
+        self.frontiers[name] = []
+        for task_name in self.cfg.specialists[name].tasks:
+            recs = records[task_name]
+            points = {
+                "full-ft": recs["full-ft"],
+                "naive": recs["naive"],
+                "prefillshare m=0": recs["prefillshare"],
+                **{f"prefillshare m={m}": depth_records[m][task_name] for m in fc.depths},
+            }
+            f = frontier_points(
+                task_name,
+                points,
+                layers=layers,
+                bytes_per_layer_token=per_token // layers,
+                agents=fc.agents,
+                n_resamples=self.cfg.bootstrap,
+                seed=self.cfg.seed,
+            )
+            f["choice"] = choose_depth(f, fc.target_retention)
+            self.frontiers[name].append(f)
+
     def describe(self, name: str, trained: dict, paths: dict, task_list: list) -> None:
         """The specialist's training facts for the report."""
         tc = self.parsed[name][0]
@@ -317,14 +406,33 @@ class StudyRecipe:
         )
         report["plots"] = plots
         report["complete"] = set(self.summaries) == set(self.cfg.specialists)
+        fplots: dict[str, str] = {}
+        if self.frontiers:
+            from ccft.evals.study.frontier import plot_frontier
+
+            for name, fs in self.frontiers.items():
+                for f in fs:
+                    png = out / name / "frontier" / f"{f['task']}.png"
+                    try:
+                        plot_frontier(f, png)
+                        fplots[f"{name}/{f['task']}"] = f"{name}/frontier/{png.name}"
+                    except Exception as e:  # plotting must not lose the numbers
+                        print(f"[ccft study] frontier plot {png}: {e}", file=sys.stderr)
+            report["frontier"] = {
+                "config": self.cfg.frontier.as_dict(),
+                "specialists": self.frontiers,
+                "plots": fplots,
+            }
         atomic_write_json(out / "report.json", report, default=str)
         notes = out / "SITTINGS.md"  # hand-written notes on each sitting, kept across regenerations
-        atomic_write_text(
-            out / "README.md",
-            study_readme(
-                report, self.command, notes.read_text(encoding="utf-8") if notes.is_file() else None
-            ),
+        readme = study_readme(
+            report, self.command, notes.read_text(encoding="utf-8") if notes.is_file() else None
         )
+        if self.frontiers:
+            from ccft.evals.study.frontier import frontier_markdown
+
+            readme = readme.rstrip("\n") + "\n\n" + frontier_markdown(self.frontiers, fplots)
+        atomic_write_text(out / "README.md", readme)
         return report
 
 
