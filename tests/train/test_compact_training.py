@@ -258,6 +258,16 @@ def test_engine_and_alora_exports_refuse_a_compact_trained_decoder(compact_run, 
         SharedPrefillEngine(base, decoders={"d": loaded})
     with pytest.raises(ConfigError, match=refusal):  # a folder: refused before its adapter loads
         SharedPrefillEngine(ccft.load_base(str(deep_dir)), decoders={"d": str(compact_run.output_dir)})
+    # a live reload of a served (native) decoder from the compact-trained folder: refused, nothing changes
+    import shutil
+
+    native = tmp_path / "native"
+    shutil.copytree(compact_run.output_dir, native)
+    meta = json.loads((native / "ccft.json").read_text())
+    (native / "ccft.json").write_text(json.dumps(dict(meta, cache_format="native")))
+    engine = SharedPrefillEngine(ccft.load_base(str(deep_dir)), decoders={"d": str(native)})
+    with pytest.raises(ConfigError, match="reload of decoder 'd' .*" + refusal):
+        engine.reload_decoder("d", compact_run.output_dir)
     with pytest.raises(ConfigError, match="cache_format=int8.*--to merged.*cache_format: native"):
         export_decoder(compact_run.output_dir, "peft-alora", tmp_path / "alora")
     assert not (tmp_path / "alora").exists()
