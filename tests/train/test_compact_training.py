@@ -271,5 +271,13 @@ def test_engine_and_alora_exports_refuse_a_compact_trained_decoder(compact_run, 
     with pytest.raises(ConfigError, match="cache_format=int8.*--to merged.*cache_format: native"):
         export_decoder(compact_run.output_dir, "peft-alora", tmp_path / "alora")
     assert not (tmp_path / "alora").exists()
+    from ccft.bench.llamacpp_alora import export_gguf_alora
+
+    def no_build(*a, **k):  # the refusal comes before llama.cpp is built or run
+        raise AssertionError("llama.cpp was run before the refusal")
+
+    with pytest.raises(ConfigError, match="cache_format=int8.*gguf-alora"):
+        export_gguf_alora(compact_run.output_dir, tmp_path / "gguf", runner=no_build)
+    assert not (tmp_path / "gguf").exists()
     merged = export_decoder(compact_run.output_dir, "merged", tmp_path / "merged")
     assert json.loads((Path(merged.out) / "ccft.json").read_text())["cache_format"] == "int8"
