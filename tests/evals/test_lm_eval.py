@@ -18,6 +18,7 @@ import torch
 from harness_fixtures import perturb
 
 import ccft
+from ccft.core.compact import read_cache
 from ccft.core.errors import ConfigError
 from conftest import make_tiny_folder
 
@@ -37,7 +38,16 @@ def folders(tmp_path_factory, tokenizer):
     ccft.save_decoder(ccft.make_decoder(base, "full", method="ccft"), root / "same")  # == the base
     cc = ccft.make_decoder(base, "lora", method="ccft", lora={"r": 4, "init_lora_weights": False})
     ccft.save_decoder(cc, root / "cc")
-    return {"base": base_dir, "ff": root / "ff", "cc": root / "cc", "same": root / "same", "root": root}
+    cc.cache_format = "int8"  # trained on the compact C_base (issue 35): its log-likelihoods read that cache
+    ccft.save_decoder(cc, root / "cc8")
+    return {
+        "base": base_dir,
+        "ff": root / "ff",
+        "cc": root / "cc",
+        "cc8": root / "cc8",
+        "same": root / "same",
+        "root": root,
+    }
 
 
 def _evaluate(model_args: str, tasks=("ccft_tiny_gen", "ccft_tiny_mc")):
@@ -60,7 +70,7 @@ def _expected_logprob(mode, base, decoder, ctx: str, cont: str) -> float:
     cont_ids = tok(ctx + cont, add_special_tokens=False)["input_ids"][len(ctx_ids) :]
     with torch.no_grad():
         if mode in ("naive", "prefillshare"):
-            cache = ccft.compute_base_cache(base, [ctx_ids])
+            cache = read_cache(ccft.compute_base_cache(base, [ctx_ids]), decoder.cache_format)
             logits = ccft.decoder_forward(decoder, cache, torch.tensor([ctx_ids[-1:] + cont_ids]))[0]
             lp = torch.log_softmax(logits.float(), -1)[:-1]
         else:
@@ -101,7 +111,7 @@ def _check_against_primitives(res, mode, base, decoder):
     return [[r[0] for r in s["filtered_resps"]] for s in samples]
 
 
-@pytest.mark.parametrize("mode,key", [("prefillshare", "cc"), ("full-ft", "ff")])
+@pytest.mark.parametrize("mode,key", [("prefillshare", "cc"), ("prefillshare", "cc8"), ("full-ft", "ff")])
 def test_generation_and_loglikelihood_tasks_match_ccft(folders, mode, key):
     res = _evaluate(f"base={folders['base']},decoder={folders[key]},mode={mode},batch_size=3")
     base = ccft.load_base(str(folders["base"]))

@@ -176,7 +176,7 @@ def export_gguf_alora(
         "lora" if (Path(decoder_path) / "adapter_config.json").is_file() else "full"
     )
     check_alora_kind(  # --to peft-alora's refusals, before any load
-        kind, meta.get("method"), str(decoder_path), meta.get("share_from_layer", 0)
+        kind, meta.get("method"), str(decoder_path), meta.get("share_from_layer", 0), meta.get("cache_format")
     )
     if k <= LLAMACPP_EARLY_TOKENS:
         gguf_invocation_tokens([0] * k)  # raises the ConfigError naming the fix

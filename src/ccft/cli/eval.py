@@ -81,6 +81,14 @@ def add_parser(sub) -> None:
         "`engine:`); --no-engine: the reference ccft.generate path it is tested equal to",
     )
     p.add_argument(
+        "--cache-format",
+        choices=["native", "int8"],
+        default=None,
+        help="the format naive/prefillshare read C_base in (issue 35): int8 serves every such decoder on the "
+        "compact C_base (keys per channel, values per token in 8 bits; the reference path), native on C_base "
+        "as computed (default: each decoder's own, recorded in its ccft.json)",
+    )
+    p.add_argument(
         "--prompt-format",
         choices=list(PROMPT_FORMAT_CHOICES),
         default="decoder",
@@ -222,6 +230,7 @@ def run(args) -> int:
             samples=args.samples,
             engine=plan.engine,
             prompt_format=prompt_format,
+            cache_format=args.cache_format,
         )
         print(f"[ccft] {settings.as_dict(task)['task']}: prompts: {settings.prompting(task)}", flush=True)
         try:

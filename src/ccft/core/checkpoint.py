@@ -2,7 +2,8 @@
 
 ``ccft.json`` records what a reader needs to trust the folder: the training ``method``, the decoder
 ``kind``, the base (name, path, fingerprint), ``handoff_tokens``, the sharing depth ``share_from_layer``
-(issue 35; absent in older folders: 0), the data and the recipe. Folders
+(issue 35; absent in older folders: 0), the C_base format ``cache_format`` it was trained on (issue 35;
+``ccft.core.compact``; absent in older folders: ``native``), the data and the recipe. Folders
 are written atomically: into a temporary sibling, then renamed into place, so a crash never leaves a
 half-written decoder where a complete one was.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ccft.core.compact import check_cache_format
 from ccft.core.decoder import Decoder, check_second_adapter, check_share_from_layer, num_layers
 from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.fingerprint import check_compatible
@@ -45,6 +47,7 @@ def decoder_meta(decoder: Decoder, **extra: Any) -> dict:
         "base_fingerprint": decoder.base.fingerprint,
         "handoff_tokens": decoder.handoff_tokens,
         "share_from_layer": decoder.share_from_layer,
+        "cache_format": decoder.cache_format,
         "dtype": str(decoder.dtype).replace("torch.", ""),
     }
     meta.update({k: v for k, v in decoder.meta.items() if k not in meta})
@@ -161,6 +164,7 @@ def load_decoder(
         )
     try:
         depth = check_share_from_layer(meta.get("share_from_layer", 0), num_layers(base.model))
+        cache_format = check_cache_format(meta.get("cache_format", "native"))
     except ConfigError as e:
         raise ConfigError(f"{path / META_FILE}: {e}; the decoder folder is damaged, save it again") from None
     kind = meta.get("decoder_kind") or ("lora" if (path / "adapter_config.json").is_file() else "full")
@@ -207,4 +211,5 @@ def load_decoder(
         handoff_tokens=int(meta.get("handoff_tokens", 1)),
         meta=meta,
         share_from_layer=depth,
+        cache_format=cache_format,
     )

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ccft.core.cache import BaseCache, allow_readonly_cache_under_checkpointing, cache_kwarg
+from ccft.core.compact import check_cache_format
 from ccft.core.deprecation import moved_name_getattr
 from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.fingerprint import check_compatible
@@ -318,6 +319,9 @@ class Decoder:
         share_from_layer: the sharing depth m it was trained at (issue 35; docs/design.md, "Terms"): it
             reads its own prompt K/V in layers ``0..m−1`` and C_base in ``m..L−1`` (``ccft.core.depth``);
             0 (default) is PrefillShare, every layer from C_base.
+        cache_format: the format of C_base it was trained on (issue 35; ``ccft.core.compact``): ``native``
+            (default; C_base as the base computed it) or ``int8`` (the compact C_base). Readers that build its
+            prefix (``ccft.generate``, teacher-forced NLL) read C_base in this format unless told otherwise.
     """
 
     model: torch.nn.Module
@@ -327,6 +331,7 @@ class Decoder:
     handoff_tokens: int = 1
     meta: dict = field(default_factory=dict)
     share_from_layer: int = 0
+    cache_format: str = "native"
 
     @property
     def fingerprint(self) -> str:
@@ -400,6 +405,7 @@ def make_decoder(
     handoff_tokens: int = 1,
     adapter_name: str = "default",
     share_from_layer: int = 0,
+    cache_format: str = "native",
 ) -> Decoder:
     """A new decoder initialised from ``base``.
 
@@ -410,12 +416,15 @@ def make_decoder(
         lora: ``peft.LoraConfig`` fields (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
             ``init_lora_weights``...). Default: r=16, alpha=32, attention and MLP projections.
         share_from_layer: the sharing depth m, ``0 ≤ m ≤ L`` (``Decoder.share_from_layer``; issue 35).
+        cache_format: ``native`` or ``int8`` (``Decoder.cache_format``; ``ccft.core.compact``).
     Raises:
-        ConfigError: unknown kind, ``share_from_layer`` outside ``0..L``, or a LoRA config whose
+        ConfigError: unknown kind, ``share_from_layer`` outside ``0..L``, an unknown ``cache_format``, or a
+            LoRA config whose
             ``modules_to_save`` holds the tied embedding on a
             base that already carries adapters (``check_second_adapter``).
     """
     check_share_from_layer(share_from_layer, num_layers(base.model))
+    check_cache_format(cache_format)
     if kind == "full":
         from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -472,6 +481,7 @@ def make_decoder(
         handoff_tokens=handoff_tokens,
         meta=meta,
         share_from_layer=share_from_layer,
+        cache_format=cache_format,
     )
 
 

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ccft.core.cache import BaseCache, allow_readonly_cache_under_checkpointing, cache_kwarg
+from ccft.core.compact import read_cache
 from ccft.core.decoder import Decoder, check_share_from_layer, num_layers, unwrap_pretrained
 from ccft.core.errors import ConfigError
 from ccft.core.tokens import left_pad
@@ -195,6 +196,32 @@ def depth_cache(
     return mix_layers(c_base, keys, values, range(m))
 
 
+def decoder_prefix(
+    model,
+    c_base: BaseCache,
+    prefix_ids: torch.Tensor | None,
+    prefix_mask: torch.Tensor | None,
+    *,
+    share_from_layer: int = 0,
+    cache_format: str = "native",
+) -> BaseCache:
+    """The prefix cache a decoder reads on top of C_base, in one order everywhere (``ccft.generate``,
+    teacher-forced NLL, the CCFT trainer): C_base in ``cache_format`` first (``ccft.core.compact.read_cache``:
+    the compact C_base dequantised), then the decoder's own K/V in layers ``0..m−1`` (``depth_cache``). So at
+    depth m > 0 only the shared layers ``m..L−1`` are compact; the decoder's own layers are its own prefill.
+
+    Args:
+        model, c_base, prefix_ids, prefix_mask, share_from_layer: as ``depth_cache`` (the prefixes may be None
+            at m = 0).
+        cache_format: ``native`` or ``int8`` (``ccft.core.compact.CACHE_FORMATS``).
+    Returns:
+        ``c_base`` itself for ``native`` at m = 0 (today's PrefillShare, bit for bit).
+    Raises:
+        ConfigError: an unknown format; m outside ``0..L``; prefixes of another batch.
+    """
+    return depth_cache(model, read_cache(c_base, cache_format), prefix_ids, prefix_mask, share_from_layer)
+
+
 def prompt_prefixes(
     prompts: Sequence[Sequence[int]], handoff_tokens: int, pad_token_id: int, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +235,7 @@ __all__ = [
     "MIXED",
     "check_share_from_layer",
     "decoder_body",
+    "decoder_prefix",
     "depth_cache",
     "mix_layers",
     "num_layers",

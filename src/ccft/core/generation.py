@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from ccft.core import errors  # the module: ConfigError stays a moved name here (MOVED_NAMES)
 from ccft.core.cache import BaseCache, cache_kwarg, compute_base_cache, prefill
+from ccft.core.compact import check_cache_format
 from ccft.core.decoder import (
     Decoder,
     check_base_reader,
@@ -28,7 +29,7 @@ from ccft.core.decoder import (
     num_layers,
 )
 from ccft.core.deprecation import moved_name_getattr
-from ccft.core.depth import depth_cache, prompt_prefixes
+from ccft.core.depth import decoder_prefix, prompt_prefixes
 from ccft.core.modes import MODES, check_mode  # noqa: F401 - MODES re-exported
 from ccft.core.sampling import SamplingParams, select_tokens
 from ccft.core.text import StopMatcher
@@ -145,6 +146,7 @@ def generate(
     batch_size: int = 16,
     progress: bool = False,
     share_from_layer: int | None = None,
+    cache_format: str | None = None,
 ) -> list[Generation]:
     """Batched greedy or sampled generation in one of the four modes.
 
@@ -159,21 +161,33 @@ def generate(
             the decoder prefills ``prompt[:n−k]`` itself in its first m layers (a partial prefill) and reads
             C_base in layers m..L−1. Default: the decoder's own ``share_from_layer`` (0 for decoders trained
             before it existed: PrefillShare); the own-prefill modes take only 0 or None.
+        cache_format: the format ``naive`` / ``prefillshare`` read C_base in (issue 35;
+            ``ccft.core.compact``): ``native`` (C_base as computed) or ``int8`` (the compact C_base,
+            dequantised before the attention). Default: the decoder's own ``cache_format`` (``native`` for
+            decoders trained before it existed); pass ``int8`` to serve a decoder trained on the native cache
+            on the compact one. The own-prefill modes take only ``native`` or None.
     Returns:
         one ``Generation`` per prompt, in order; ``finish_reason == "length"`` marks a truncated row.
     Raises:
         ConfigError: unknown mode or a mode that does not match the decoder's method; ``share_from_layer``
-            outside ``0..L`` or given to an own-prefill mode; a ``cache`` of other prompts at depth m > 0.
+            outside ``0..L`` or given to an own-prefill mode; a ``cache`` of other prompts at depth m > 0; an
+            unknown ``cache_format``, or ``int8`` given to an own-prefill mode.
         FingerprintMismatchError: ``cache`` comes from another base or dtype or was written by a decoder, or
             ``base`` is not the decoder's base (fingerprint or dtype); raised before any compute (K5).
         CacheMutatedError: ``cache`` was written in place.
     """
     spec = check_mode(mode, decoder)
     base = base if base is not None else decoder.base
-    depth = 0
+    depth, fmt = 0, "native"
     if spec.shared_prefill:
         depth = decoder.share_from_layer if share_from_layer is None else share_from_layer
         depth = check_share_from_layer(depth, num_layers(decoder))
+        fmt = check_cache_format(decoder.cache_format if cache_format is None else cache_format)
+    elif cache_format is not None and check_cache_format(cache_format) != "native":
+        raise errors.ConfigError(
+            f"cache_format={cache_format!r} applies to the modes that read C_base (naive, prefillshare); "
+            f"mode {mode!r} prefills the whole prompt itself: leave cache_format unset"
+        )
     elif share_from_layer:
         raise errors.ConfigError(
             f"share_from_layer={share_from_layer} applies to the modes that read C_base (naive, "
@@ -210,10 +224,10 @@ def generate(
             c.check_reader(decoder.fingerprint, decoder.dtype)
             if decoder.kind == "lora":
                 decoder.model.set_adapter(decoder.meta.get("adapter_name", "default"))
-            if depth:  # the decoder's own K/V below layer m, C_base above (ccft.core.depth)
-                ids, mask = prompt_prefixes(batch, k, pad, c.device)
-                with torch.no_grad():
-                    c = depth_cache(decoder, c, ids, mask, depth)
+            # C_base in its format, then the decoder's own K/V below layer m (ccft.core.depth.decoder_prefix)
+            ids, mask = prompt_prefixes(batch, k, pad, c.device) if depth else (None, None)
+            with torch.no_grad():
+                c = decoder_prefix(decoder, c, ids, mask, share_from_layer=depth, cache_format=fmt)
             outs = decode_on_cache(decoder.model, tok, c, **kw)
         elif not spec.needs_decoder:
             with base.base_weights() as model:

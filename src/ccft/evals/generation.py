@@ -40,11 +40,20 @@ __all__ = [
 ]
 
 
-def engine_unsupported(modes: Sequence[ModeSpec]) -> str | None:
+def engine_unsupported(modes: Sequence[ModeSpec], cache_format: str | None = None) -> str | None:
     """Why ``SharedPrefillEngine`` cannot run ``modes``, or None: a decoder trained at sharing depth m > 0
-    (issue 35; the engine refuses it, ``ccft.inference.lanes.check_engine_depth``). The eval runner then takes
-    the reference path (``ccft.generate``), which reads the decoder's own K/V below layer m."""
+    (issue 35; the engine refuses it, ``ccft.inference.lanes.check_engine_depth``), or a mode that reads the
+    compact C_base (its decoder's ``cache_format``, or ``cache_format``, the eval's
+    ``EvalSettings.cache_format``; ``ccft.inference.lanes.check_engine_cache_format``). The eval runner then
+    takes the reference path (``ccft.generate``), which reads the decoder's own K/V below layer m and the
+    compact C_base."""
     for spec in modes:
+        fmt = spec.cache_format(cache_format)
+        if fmt != "native":
+            return (
+                f"mode {spec.mode!r} reads C_base in cache_format={fmt}, not supported by "
+                "SharedPrefillEngine yet"
+            )
         m = getattr(spec.decoder, "share_from_layer", 0) if spec.decoder is not None else 0
         if m:
             return (
@@ -501,6 +510,7 @@ def generate_samples(
                     stop=list(stop),
                     seed=settings.seed + s,
                     batch_size=len(todo),
+                    cache_format=spec.cache_format(settings.cache_format),
                     **sampling,
                 )
             for j, g in zip(todo, gens if todo else [], strict=True):

@@ -36,6 +36,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
+from ccft.core.compact import read_cache
 from ccft.core.decoder import decoder_forward, full_forward
 from ccft.core.errors import ConfigError
 from ccft.core.generation import generate
@@ -172,6 +173,8 @@ class CCFTLM(TemplateLM):
                     model, prefixes, pad_token_id=pad, fingerprint=self.base.fingerprint, producer="base"
                 )
             cache.check_reader(self.decoder.fingerprint, self.decoder.dtype)
+            # in the decoder's C_base format (issue 35; ccft.generate does the same for generate_until)
+            cache = read_cache(cache, self.decoder.cache_format)
             logits = decoder_forward(self.decoder, cache, tail_ids, tail_mask)
         else:
             prefix_ids, prefix_mask = left_pad(prefixes, pad)

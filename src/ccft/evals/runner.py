@@ -169,6 +169,7 @@ def run_mode_batch(
                 [refs[j] for j in js],
                 handoff_tokens=k,
                 cache=source,
+                cache_format=spec.cache_format(settings.cache_format),
             )
         for j, (s, n) in zip(js, nlls, strict=True):
             records[j].update(nll=s / max(n, 1), nll_sum=s, nll_tokens=n)
@@ -292,7 +293,8 @@ def decode_ahead(
         for task, st in tasks
         if st.engine and st.generate and not st.sampling(task)["do_sample"] and st.resolved_samples(task) == 1
     ]
-    if not wanted or engine_unsupported(modes):  # run_task then takes the reference path
+    # a run the engine cannot serve (sharing depth, compact C_base): run_task then takes the reference path
+    if not wanted or any(engine_unsupported(modes, st.cache_format) for _, st in wanted):
         return 0
     engine = make_engine(base, modes, max_batch=batch_size)
     specs = sorted(modes, key=_mode_order)
@@ -416,7 +418,7 @@ def run_task(
     settings = settings or EvalSettings()
     for spec in modes:
         check_mode(spec.mode, spec.decoder)
-    why = engine_unsupported(modes) if settings.engine else None
+    why = engine_unsupported(modes, settings.cache_format) if settings.engine else None
     if why:  # the reference path, recorded as such in meta.json (decode_path)
         print(f"[ccft] {why}: generating on the reference path (ccft.generate)", file=sys.stderr, flush=True)
         settings = dataclasses.replace(settings, engine=False)

@@ -5,7 +5,8 @@ tokens plus EOS (``ccft.core.tokens.tokenize_response``; the tokens CCFT supervi
 §3). Who prefills the prompt is the mode's (``ccft.core.modes``): the model itself for ``base`` /
 ``full-ft`` (``full_forward``), the frozen base's ``C_base`` for ``naive`` / ``prefillshare``
 (``decoder_forward``; a decoder trained at sharing depth m > 0 reads its own K/V below layer m,
-``ccft.core.depth``). The handoff layout is the same in every mode: a prefix over ``prompt[:n−k]``,
+``ccft.core.depth``; C_base is read in the decoder's ``cache_format`` or the one given,
+``ccft.core.compact``). The handoff layout is the same in every mode: a prefix over ``prompt[:n−k]``,
 then the last ``k`` prompt tokens and the response (docs/design.md, "Terms").
 """
 
@@ -18,8 +19,9 @@ from typing import Sequence
 import torch
 
 from ccft.core.cache import BaseCache, compute_base_cache
+from ccft.core.compact import check_cache_format
 from ccft.core.decoder import Decoder, decoder_forward, full_forward
-from ccft.core.depth import depth_cache
+from ccft.core.depth import decoder_prefix
 from ccft.core.errors import ConfigError
 from ccft.core.modes import check_mode
 from ccft.core.tokens import pad_token_id, tokenize_response
@@ -120,6 +122,7 @@ def batch_nll(
     *,
     handoff_tokens: int = 1,
     cache: BaseCache | None = None,
+    cache_format: str | None = None,
 ) -> list[tuple[float, int]]:
     """(summed NLL in nats, token count) of each response (+ EOS) under ``mode``, one forward for the batch.
 
@@ -131,6 +134,9 @@ def batch_nll(
             (written by the base / by the Full-FT decoder, e.g.
             ``ccft.inference.PrefixHandle.to_base_cache``), read instead of a forward over the whole prompt
             (equal within fp32 rounding: the model's K/V are causal).
+        cache_format: the format the shared-prefill modes read C_base in (``native`` or ``int8``, issue 35;
+            ``ccft.core.compact``); default: the decoder's own ``cache_format``. The own-prefill modes ignore
+            it.
     Returns:
         b pairs ``(Σ −log p, n tokens)``.
     Raises:
@@ -161,10 +167,16 @@ def batch_nll(
         if cache is None:
             cache = compute_base_cache(base, prompts, handoff_tokens=k)
         cache.check_reader(decoder.fingerprint, decoder.dtype)
-        if decoder.share_from_layer:  # sharing depth m: the decoder's own K/V below layer m (ccft.core.depth)
-            cache = depth_cache(
-                decoder, cache, batch["prefix_ids"], batch["prefix_mask"], decoder.share_from_layer
-            )
+        # C_base in its format, then at depth m the decoder's own K/V below layer m (ccft.core.depth)
+        fmt = check_cache_format(decoder.cache_format if cache_format is None else cache_format)
+        cache = decoder_prefix(
+            decoder,
+            cache,
+            batch["prefix_ids"],
+            batch["prefix_mask"],
+            share_from_layer=decoder.share_from_layer,
+            cache_format=fmt,
+        )
         logits = decoder_forward(decoder, cache, batch["tail_ids"], batch["tail_mask"])
     elif spec.needs_decoder:  # the decoder prefills its own prompt
         logits = full_forward(

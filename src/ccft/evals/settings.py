@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ccft.core.compact import check_cache_format
 from ccft.core.decoder import Decoder, resolve_handoff
 from ccft.core.modes import MODES, check_mode, decoder_for_mode, get_mode
 from ccft.evals.prompting import PromptFormat
@@ -37,6 +38,11 @@ class EvalSettings:
         engine: generations (every mode) through ``ccft.inference.SharedPrefillEngine`` (else the
             reference ``ccft.core.generation.generate`` it is tested against).
         prompt_format: the decoders' training format (``ccft.evals.prompting``); None = each task's own.
+        cache_format: the format the modes that read C_base (``naive``, ``prefillshare``) read it in
+            (issue 35; ``ccft.core.compact``): ``int8`` serves every such decoder on the compact C_base (one
+            trained on the native cache too), ``native`` on C_base as computed; None = each decoder's own
+            (``Decoder.cache_format``). ``SharedPrefillEngine`` does not read the compact cache yet: a run
+            that needs it takes the reference path (``decode_path`` in ``meta.json``).
     """
 
     limit: int | None = None
@@ -50,6 +56,11 @@ class EvalSettings:
     engine: bool = False
     generate_limit: int | None = None
     prompt_format: PromptFormat | None = None
+    cache_format: str | None = None
+
+    def __post_init__(self):
+        if self.cache_format is not None:
+            check_cache_format(self.cache_format, where="eval cache_format")
 
     def resolved_samples(self, task) -> int:
         return int(self.samples or getattr(task, "samples", 1) or 1)
@@ -97,6 +108,8 @@ class EvalSettings:
         }
         if self.generate_limit is not None:  # only when set: folders written before the field still resume
             out["generate_limit"] = self.generate_limit
+        if self.cache_format is not None:  # likewise
+            out["cache_format"] = self.cache_format
         return out
 
 
@@ -108,9 +121,17 @@ class ModeSpec:
     decoder: Decoder | None = None
     decoder_path: str | None = None
 
+    def cache_format(self, override: str | None = None) -> str:
+        """The format this mode reads C_base in: ``native`` for the own-prefill modes; else ``override`` (an
+        ``EvalSettings.cache_format``) or the decoder's own."""
+        if not get_mode(self.mode).shared_prefill:
+            return "native"
+        return override or getattr(self.decoder, "cache_format", "native") or "native"
+
     def describe(self) -> dict:
         d = self.decoder
         depth = getattr(d, "share_from_layer", 0) if d is not None else 0
+        fmt = getattr(d, "cache_format", "native") if d is not None else "native"
         return {
             "mode": self.mode,
             "decoder": self.decoder_path,
@@ -119,6 +140,8 @@ class ModeSpec:
             "decoder_fingerprint": None if d is None else d.meta.get("base_fingerprint"),
             # the sharing depth (issue 35), only when set: records written before it still resume
             **({"share_from_layer": depth} if depth else {}),
+            # the C_base format it was trained on (issue 35), likewise only when not native
+            **({"cache_format": fmt} if fmt != "native" else {}),
         }
 
 

@@ -71,6 +71,23 @@ def check_engine_depth(what: str, share_from_layer) -> None:
         )
 
 
+def check_engine_cache_format(what: str, cache_format) -> None:
+    """Refuse a decoder trained on the compact C_base (``cache_format`` ``int8``; issue 35,
+    ``ccft.core.compact``): the engine's lanes read C_base as the base computed it, so serving it would
+    silently run it on another cache than the one it learned.
+
+    Raises:
+        ConfigError: naming the decoder, the format and the way out (the reference path).
+    """
+    fmt = cache_format or "native"
+    if fmt != "native":
+        raise ConfigError(
+            f"{what} was trained on cache_format={fmt} (the compact C_base): not supported by "
+            "SharedPrefillEngine yet; use the reference path (ccft.generate, or `ccft eval` with "
+            "eval.engine=false)"
+        )
+
+
 @dataclass
 class Lane:
     """One set of weights and its active rows.
@@ -220,7 +237,7 @@ class LaneRegistry:
             IncompatibleModelError: its tokenizer, layer count, KV geometry, RoPE or dtype differ from
                 the base's, or it is a model / LoRA variant the engine does not run.
             ConfigError: ``name`` already used, or not a decoder; a decoder trained at sharing depth m > 0
-                (``check_engine_depth``).
+                (``check_engine_depth``) or on the compact C_base (``check_engine_cache_format``).
         """
         if name in self.decoders:
             raise ConfigError(f"a decoder named {name!r} is already registered; pick another name")
@@ -231,6 +248,7 @@ class LaneRegistry:
                 f"decoder {name!r}: expected a ccft.Decoder or a decoder folder, got {type(decoder)}"
             )
         check_engine_depth(f"decoder {name!r}", decoder.share_from_layer)
+        check_engine_cache_format(f"decoder {name!r}", decoder.cache_format)
         base = self.base
         if decoder.fingerprint != base.fingerprint:
             raise FingerprintMismatchError(
@@ -295,6 +313,7 @@ class LaneRegistry:
                 f"{self.base.fingerprint} ({self.base.name}); serve it with the base it was trained on"
             )
         check_engine_depth(f"decoder {name!r} ({folder})", meta.get("share_from_layer", 0))
+        check_engine_cache_format(f"decoder {name!r} ({folder})", meta.get("cache_format"))
         if tokenizer is None and (Path(folder) / "tokenizer_config.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self._check_tokenizer(name, tokenizer)

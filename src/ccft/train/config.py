@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
+from ccft.core.compact import check_cache_format
 from ccft.core.errors import ConfigError
 from ccft.core.models import DEFAULT_BASE, DTYPES
 from ccft.core.modes import MODES
@@ -88,6 +89,11 @@ class TrainConfig(TrainingArguments):
             prompt K/V in layers ``0..m−1`` (a partial prefill, with gradient) and reads C_base in
             ``m..L−1``; 0 (default) is PrefillShare, L the decoder's own prefill. ``method=ccft`` only;
             checked against the base's layer count before its weights load.
+        cache_format: the format of C_base the decoder trains on (issue 35; ``ccft.core.compact``):
+            ``native`` (default: C_base as the base computed it, today's run bit for bit) or ``int8`` (the
+            compact C_base, keys per channel and values per token in 8 bits, dequantised before the
+            attention), so the decoder learns the cache it will be served. ``method=ccft`` and train_path
+            two-pass only; combines with ``share_from_layer`` (only C_base's layers ``m..L−1`` are compact).
     LoRA:
         lora_r, lora_alpha, lora_dropout, lora_target_modules.
     Data:
@@ -129,6 +135,13 @@ class TrainConfig(TrainingArguments):
         metadata={
             "help": "Sharing depth m (method=ccft): the decoder's own prompt KV in layers 0..m-1, C_base in "
             "m..L-1; 0: PrefillShare (every layer reads C_base)."
+        },
+    )
+    cache_format: str = field(
+        default="native",
+        metadata={
+            "help": "native | int8 (method=ccft): the format of C_base the decoder trains on; int8: the "
+            "compact C_base (keys per channel, values per token in 8 bits)."
         },
     )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -219,6 +232,18 @@ class TrainConfig(TrainingArguments):
                 f"share_from_layer={self.share_from_layer} needs train_path two-pass (one-pass gates LoRA "
                 "off on the whole prompt, so it cannot give the decoder its own K/V below layer m); "
                 "use train_path=auto or two-pass"
+            )
+        check_cache_format(self.cache_format)
+        if self.cache_format != "native" and self.method != "ccft":
+            raise ConfigError(
+                f"cache_format={self.cache_format} applies to method=ccft only (method={self.method} reads "
+                "no C_base in training); remove the key or set cache_format: native"
+            )
+        if self.cache_format != "native" and self.train_path == "one-pass":
+            raise ConfigError(
+                f"cache_format={self.cache_format} needs train_path two-pass (one-pass never materialises "
+                "C_base: the prompt's K/V stay inside its forward, so they cannot be quantised); use "
+                "train_path=auto or two-pass"
             )
         if str(self.dtype).lower() not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}; use one of float32, bfloat16, float16")

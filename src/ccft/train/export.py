@@ -17,7 +17,8 @@ model.
     the caller names the fixed suffix, a handoff that reaches into the message text, adapters
     PEFT cannot run as aLoRA (``modules_to_save``, DoRA, trainable tokens, LoRA on non-linear layers), and
     decoders trained at sharing depth ``share_from_layer`` m > 0 (issue 35: aLoRA is off on the prompt in
-    every layer, so the decoder's own prompt K/V below layer m cannot be expressed).
+    every layer, so the decoder's own prompt K/V below layer m cannot be expressed) or on the compact C_base
+    (``cache_format`` ``int8``: an aLoRA server prefills in its own precision).
 
     The trap (warned, recorded in the result and the model card): PEFT activates at the *last*
     occurrence. A sequence without a control token (e.g. the single newline ending SmolLM2's
@@ -35,7 +36,8 @@ model.
     ``exported_from``), so ``ccft.load_decoder`` loads it as a decoder. A merged CCFT decoder is exact
     only on ``C_base`` (ccft's prefillshare mode, or an engine doing disaggregated prefill with the base);
     running its own prefill is a different model (docs/design.md, "Modes"). A decoder trained at sharing depth
-    m > 0 keeps ``share_from_layer`` in its ``ccft.json``: ccft's reference path runs it at that depth.
+    m > 0 keeps ``share_from_layer`` in its ``ccft.json``: ccft's reference path runs it at that depth (and a
+    decoder trained on the compact C_base keeps ``cache_format``).
 
 Every export writes a ``README.md`` model card (``ccft.train.card``).
 """
@@ -220,10 +222,26 @@ def invocation_sequence(meta: dict, tokenizer, *, invocation_text: str | None = 
     )
 
 
-def check_alora_kind(kind: str, method: str | None, what: str, share_from_layer: int | None = 0) -> None:
-    """Refuse full-weight and non-CCFT decoders for ``peft-alora``, and decoders trained at sharing depth
+def check_alora_kind(
+    kind: str,
+    method: str | None,
+    what: str,
+    share_from_layer: int | None = 0,
+    cache_format: str | None = "native",
+) -> None:
+    """Refuse full-weight and non-CCFT decoders for ``peft-alora``, decoders trained at sharing depth
     m > 0 (issue 35: an aLoRA adapter is off on the whole prompt in every layer, so it cannot give the
-    decoder its own prompt K/V below layer m) (ConfigError naming the fix)."""
+    decoder its own prompt K/V below layer m) and decoders trained on the compact C_base (``cache_format``
+    ``int8``, issue 35: an aLoRA server prefills the prompt in its own precision, so the cache the decoder
+    learned cannot be expressed) (ConfigError naming the fix)."""
+    fmt = cache_format or "native"
+    if fmt != "native":
+        raise ConfigError(
+            f"{what} was trained on cache_format={fmt} (the compact C_base, quantised K/V): an aLoRA "
+            "server prefills the prompt with the base in its own precision, so neither peft-alora nor "
+            "gguf-alora can represent the cache it learned. Fix: export with --to merged (its ccft.json "
+            "keeps cache_format; run it with ccft's reference path), or train with cache_format: native"
+        )
     m = int(share_from_layer or 0)
     if m:
         raise ConfigError(
@@ -334,7 +352,7 @@ def export_alora(
             adapter aLoRA cannot run, or a non-empty ``out`` — all before anything is written.
     """
     what = source or "the decoder"
-    check_alora_kind(decoder.kind, decoder.method, what, decoder.share_from_layer)
+    check_alora_kind(decoder.kind, decoder.method, what, decoder.share_from_layer, decoder.cache_format)
     _check_alora_adapter(decoder, what)
     inv = invocation_sequence(decoder.meta, decoder.base.tokenizer, invocation_text=invocation_text)
     out = check_export_folder(out)
@@ -458,7 +476,13 @@ def export_decoder(
         "lora" if (Path(decoder_path) / "adapter_config.json").is_file() else "full"
     )
     if to == "peft-alora":  # before loading any model
-        check_alora_kind(kind, meta.get("method"), str(decoder_path), meta.get("share_from_layer", 0))
+        check_alora_kind(
+            kind,
+            meta.get("method"),
+            str(decoder_path),
+            meta.get("share_from_layer", 0),
+            meta.get("cache_format"),
+        )
     check_export_folder(out)  # before the model loads
     if to == "merged" and kind == "lora":
         base = None  # merging rewrites the host's weights: never the caller's base

@@ -101,14 +101,22 @@ def one_pass_unsupported(model, adapter: str | None = None) -> str | None:
 
 
 def resolve_train_path(
-    requested: str, *, method: str, decoder_kind: str, model=None, share_from_layer: int = 0
+    requested: str,
+    *,
+    method: str,
+    decoder_kind: str,
+    model=None,
+    share_from_layer: int = 0,
+    cache_format: str = "native",
 ) -> str:
     """The path a run uses: ``two-pass`` or ``one-pass`` for CCFT, ``self-prefill`` for Full-FT.
 
     ``auto`` gives ``DEFAULT_LORA_PATH`` for LoRA decoders when the one-pass path is exact for them
     (else two-pass) and two-pass for full-weight decoders (the only CCFT path: the base is a second
     weight copy). At sharing depth ``share_from_layer`` > 0 CCFT is two-pass: the one-pass gate keeps LoRA
-    off on the whole prompt, so the prompt's K/V would be C_base in every layer (``ccft.core.depth``).
+    off on the whole prompt, so the prompt's K/V would be C_base in every layer (``ccft.core.depth``). So is
+    CCFT on the compact C_base (``cache_format`` ``int8``; ``ccft.core.compact``): one-pass never
+    materialises C_base, so there is nothing to quantise.
     Raises ConfigError for an unknown value or a one-pass request that would be inexact.
     """
     if requested not in TRAIN_PATHS:
@@ -120,6 +128,13 @@ def resolve_train_path(
             raise ConfigError(
                 f"train_path=one-pass cannot train at share_from_layer={share_from_layer} (it gates LoRA "
                 "off on the whole prompt); use train_path=auto or two-pass"
+            )
+        return "two-pass"
+    if cache_format != "native":
+        if requested == "one-pass":
+            raise ConfigError(
+                f"train_path=one-pass cannot train on cache_format={cache_format} (it never materialises "
+                "C_base, so its K/V cannot be quantised); use train_path=auto or two-pass"
             )
         return "two-pass"
     if decoder_kind != "lora":

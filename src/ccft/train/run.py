@@ -170,6 +170,7 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
         method=cfg.method,
         handoff_tokens=cfg.handoff_tokens,
         share_from_layer=cfg.share_from_layer,
+        cache_format=cfg.cache_format,
     )
     store = None
     if cfg.base_cache_store and cfg.method == "ccft":
@@ -326,14 +327,15 @@ def method_config(
 
     The keys the recipe sets are kept as given; everything else takes ``TrainConfig``'s defaults, so the
     two methods of a comparison (``ccft``, ``full-ft``) differ only in ``method`` and ``output_dir`` (and
-    ``share_from_layer``, a CCFT key that the Full-FT run leaves out).
+    ``share_from_layer`` and ``cache_format``, CCFT keys that the Full-FT run leaves out).
     """
     import dataclasses
 
     given = {
         f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig) if f.init and f.name in raw
     }
-    drop = {"eval"} | ({"share_from_layer"} if method != "ccft" else set())  # a CCFT-only key (sharing depth)
+    # CCFT-only keys (sharing depth, C_base format)
+    drop = {"eval"} | ({"share_from_layer", "cache_format"} if method != "ccft" else set())
     given = {k: v for k, v in given.items() if k not in drop}
     m_cfg = TrainConfig(**{**given, "method": method, "output_dir": str(output_dir)})
     m_raw = {k: v for k, v in raw.items() if k not in drop} | {

@@ -12,7 +12,10 @@ also keeps it under gradient checkpointing (transformers drops ordinary caches t
 Full-FT: the same loss with the decoder prefilling its own prompt. At sharing depth
 m = ``args.share_from_layer`` (issue 35; ``ccft.core.depth``) the decoder reads a hybrid prefix: its own
 K/V of ``prompt[:n−k]`` in layers ``0..m−1`` (a partial prefill with gradient) and C_base in ``m..L−1``
-(constant, from the store when there is one).
+(constant, from the store when there is one). With ``args.cache_format`` ``int8`` (issue 35;
+``ccft.core.compact``) the decoder reads the compact C_base, quantised and dequantised before the attention
+(from the store too), so it learns the cache it will be served; at depth m > 0 only C_base's layers
+``m..L−1`` are compact (``ccft.core.depth.decoder_prefix``: one order for every reader).
 
 Everything else (optimizer, schedule, accumulation, logging/``report_to``, evaluation with
 ``compute_metrics``, checkpoints and their rotation, ``load_best_model_at_end``, resume,
@@ -39,6 +42,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
 
 from ccft.core.cache import prefill_tensors
+from ccft.core.compact import check_cache_format
 from ccft.core.decoder import (
     check_share_from_layer,
     decoder_forward,
@@ -46,7 +50,7 @@ from ccft.core.decoder import (
     num_layers,
     padding_free_unsupported,
 )
-from ccft.core.depth import depth_cache
+from ccft.core.depth import decoder_prefix
 from ccft.core.errors import ConfigError
 from ccft.core.io import replace_dir
 from ccft.core.tokens import IGNORE_INDEX
@@ -166,12 +170,19 @@ class CacheConditionedTrainer(Trainer):
                 "prefills the whole prompt itself"
             )
         check_share_from_layer(self.share_from_layer, num_layers(self.model))
+        self.cache_format = check_cache_format(getattr(self.args, "cache_format", "native") or "native")
+        if self.cache_format != "native" and self.method != "ccft":
+            raise ConfigError(
+                f"cache_format={self.cache_format} applies to method=ccft only; method={self.method} reads "
+                "no C_base"
+            )
         self.train_path = resolve_train_path(
             getattr(self.args, "train_path", "auto"),
             method=self.method,
             decoder_kind=self._decoder_kind,
             model=self.model,
             share_from_layer=self.share_from_layer,
+            cache_format=self.cache_format,
         )
         self._gate = None  # the LoRA token gate of the running one-pass step
         self.frozen_embeddings: list[str] = []
@@ -246,10 +257,15 @@ class CacheConditionedTrainer(Trainer):
         if self.method == "ccft":
             cache = self._base_cache(inputs)
             self.last_base_cache = cache
-            if self.share_from_layer:  # the decoder's own prompt K/V (with gradient) below layer m
-                cache = depth_cache(
-                    model, cache, inputs["prefix_ids"], inputs["prefix_mask"], self.share_from_layer
-                )
+            # C_base in the recipe's format, then the decoder's own prompt K/V (with gradient) below layer m
+            cache = decoder_prefix(
+                model,
+                cache,
+                inputs["prefix_ids"],
+                inputs["prefix_mask"],
+                share_from_layer=self.share_from_layer,
+                cache_format=self.cache_format,
+            )
             return decoder_forward(
                 model,
                 cache,
