@@ -34,6 +34,8 @@ def test_memory_model_known_answers():
     assert session_kv_bytes(depth=2, **kw) == (100 * 30 + 4 * 100 * 2 + 4 * 10 * 30) * 1536
     # m = L keeps C_base and every agent's full prompt KV: more than no sharing by exactly C_base
     assert session_kv_bytes(depth=30, **kw) - session_kv_bytes(depth=None, **kw) == 100 * 30 * 1536
+    # a compact C_base (int8 codes + scales, about 1/3.93 of fp32) scales only C_base's term
+    assert session_kv_bytes(depth=0, cbase_ratio=0.25, **kw) == (100 * 30 * 0.25 + 4 * 10 * 30) * 1536
     with pytest.raises(ConfigError, match="depth m=31 outside 0..30"):
         session_kv_bytes(depth=31, **kw)
     p = dict(layers=30, agents=4, prompt_tokens=100)
@@ -95,7 +97,7 @@ def test_points_are_the_stats_of_the_items():
     }
     assert choose_depth(f, 0.9)["depth"] is None
     md = frontier_markdown({"math": [f]})
-    assert "| prefillshare m=2 | 2 | 62.5 |" in md and "KV MB (N=2)" in md
+    assert "| prefillshare m=2 | 2 | native | 62.5 |" in md and "KV MB (N=2)" in md
 
 
 @pytest.mark.parametrize(
@@ -108,6 +110,7 @@ def test_points_are_the_stats_of_the_items():
         ({"depths": [1], "specialists": ["chess"]}, r"\['chess'\] are not specialists of this study"),
         ({"depths": [1], "agents": [0]}, "agent counts ≥ 1"),
         ({"depths": [1], "target_retention": 1.5}, "target_retention=1.5"),
+        ({"depths": [1], "cache_formats": ["native"]}, r"frontier.cache_formats=\['native'\]"),
     ],
 )
 def test_config_errors_name_the_key(raw, match):
@@ -119,6 +122,7 @@ def test_config_defaults():
     assert (
         parse_frontier(None, "s", ["math"]) is None and parse_frontier({"depths": []}, "s", ["math"]) is None
     )
+    assert parse_frontier({"cache_formats": ["int8"]}, "s", ["math"]).cache_formats == ["int8"]
     fc = parse_frontier({"depths": [4, 1]}, "s", ["math", "code"])
     assert (fc.depths, fc.specialists, fc.agents, fc.target_retention) == (
         [1, 4],
@@ -154,7 +158,7 @@ out: {out}
 bootstrap: 200
 batch_size: 4
 sweep_limit: 0
-frontier: {{depths: [1], agents: [2, 4], target_retention: 0.5}}
+frontier: {{depths: [1], agents: [2, 4], target_retention: 0.5, cache_formats: [int8]}}
 specialists:
   math:
     recipe: {math}
@@ -180,7 +184,24 @@ def test_a_tiny_study_reports_the_frontier_and_resumes(tmp_path, tokenizer):
     assert meta["share_from_layer"] == 1 and meta["method"] == "ccft"
     (f,) = report["frontier"]["specialists"]["math"]
     by = {p["label"]: p for p in f["points"]}
-    assert set(by) == {"full-ft", "naive", "prefillshare m=0", "prefillshare m=1"} and f["n"] == 3
+    int8_labels = ("prefillshare int8 (native-trained)", "prefillshare int8 (int8-trained)")
+    assert set(by) == {"full-ft", "naive", "prefillshare m=0", "prefillshare m=1", *int8_labels}
+    assert f["n"] == 3
+    int8_meta = json.loads((tmp_path / "runs" / "math" / "ccft-int8" / "ccft.json").read_text())
+    assert int8_meta["cache_format"] == "int8" and int8_meta.get("share_from_layer", 0) == 0
+    served = json.loads((out / "math" / "frontier" / "int8-served" / "gsm8k" / "meta.json").read_text())
+    assert served["settings"]["cache_format"] == "int8"
+    # the compact points hold C_base in int8 codes + bf16 scales: its term of the KV just under 4x smaller
+    own, lay, n = f["own_tokens"], f["layers"], 4
+    per = by["full-ft"]["kv_bytes"]["4"] / (
+        n * (f["prompt_tokens"] + own["full-ft"]) * lay
+    )  # bytes/layer-token
+    for label in int8_labels:
+        assert by[label]["cache_format"] == "int8" and by[label]["depth"] == 0
+        assert by[label]["prefill_layer_tokens"] == by["prefillshare m=0"]["prefill_layer_tokens"]
+        c_base = by[label]["kv_bytes"]["4"] - n * own[label] * lay * per
+        native = by["prefillshare m=0"]["kv_bytes"]["4"] - n * own["prefillshare m=0"] * lay * per
+        assert 3.5 < native / c_base < 4.0
     # the m = 1 point is the mean of its own items file; the study's points are the study's numbers
     items = [
         json.loads(x)
@@ -195,7 +216,7 @@ def test_a_tiny_study_reports_the_frontier_and_resumes(tmp_path, tokenizer):
     assert by["prefillshare m=1"]["kv_bytes"]["4"] > by["prefillshare m=0"]["kv_bytes"]["4"]
     assert "frontier_math_train_m1" in report["phase_seconds"]
     readme = (out / "README.md").read_text()
-    assert "## Frontier" in readme and "| prefillshare m=1 | 1 |" in readme
+    assert "## Frontier" in readme and "| prefillshare m=1 | 1 | native |" in readme
     assert (out / "math" / "frontier" / "gsm8k.png").is_file()
     # a second run reuses the depth-1 decoder and its items: same numbers
     again = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -8,7 +8,10 @@ Points of one task (the same items, settings and seed as the study's evaluation 
 * ``naive``: the Full-FT decoder on ``C_base`` (m = 0);
 * ``prefillshare m=0``: the study's CCFT decoder on ``C_base``;
 * ``prefillshare m=k``: a CCFT decoder trained at sharing depth k (``share_from_layer: k``, its own K/V of the
-  prompt in layers ``0..k−1``, ``C_base`` above; ``ccft.core.depth``), evaluated on that hybrid cache.
+  prompt in layers ``0..k−1``, ``C_base`` above; ``ccft.core.depth``), evaluated on that hybrid cache;
+* ``prefillshare int8 (native-trained)`` / ``prefillshare int8 (int8-trained)``, for each compact format of
+  ``cache_formats``: the study's CCFT decoder served on the compact C_base (``ccft.core.compact``), and a CCFT
+  decoder trained on it (``cache_format: int8``) served on it.
 
 Each point has the task's primary and secondary metric and NLL/token with 95% bootstrap CIs, the paired
 bootstrap Δ against Full-FT on the same items (``ccft.evals.stats.paired_bootstrap_delta``), the KV bytes
@@ -20,9 +23,10 @@ of P tokens and each agent adds U tokens of its own (its response). Without shar
 KV of all P + U tokens in all L layers: ``N·(P + U)·L`` layer-tokens. With sharing at depth m the base's
 ``C_base`` is held once (``P·L``), every agent holds its own K/V of the prompt in its first m layers
 (``N·P·m``) and of its own tokens in every layer (``N·U·L``): ``P·L·(1 + N·m/L) + N·U·L``. m = 0 is the
-paper's Eq. 9. Bytes = layer-tokens × 2 (K and V) × KV heads × head dim × bytes per element. Prefill work
-counts the layer-tokens run over the prompt: ``N·P·L`` without sharing, ``P·(L + N·m)`` with it. Both are
-computed from the evaluated items' mean prompt and response lengths, not measured in a server.
+paper's Eq. 9. A compact C_base scales its term ``P·L`` by its bytes ÷ the native cache's (``kv_nbytes``).
+Bytes = layer-tokens × 2 (K and V) × KV heads × head dim × bytes per element. Prefill work counts the
+layer-tokens run over the prompt: ``N·P·L`` without sharing, ``P·(L + N·m)`` with it. Both are computed from
+the evaluated items' mean prompt and response lengths, not measured in a server.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import math
 from typing import Mapping, Sequence
 
 from ccft.core.errors import ConfigError
+
+#: the compact C_base formats a frontier may add (``ccft.core.compact.CACHE_FORMATS`` less ``native``)
+COMPACT_FORMATS = ("int8",)
 
 __all__ = [
     "FRONTIER_KEYS",
@@ -44,13 +51,14 @@ __all__ = [
     "choose_depth",
 ]
 
-FRONTIER_KEYS = {"depths", "specialists", "agents", "target_retention"}
+FRONTIER_KEYS = {"depths", "specialists", "agents", "target_retention", "cache_formats"}
 
 
 class FrontierConfig:
     """``frontier:`` of a study config: the sharing depths to train (each ≥ 1; m = 0 is the study's own CCFT
-    decoder), the specialists to run them for, the agent counts N of the memory columns, and the retention
-    target of ``choose_depth`` (prefillshare's primary metric ÷ Full-FT's)."""
+    decoder), the specialists to run them for, the agent counts N of the memory columns, the retention
+    target of ``choose_depth`` (prefillshare's primary metric ÷ Full-FT's), and the compact C_base formats
+    whose two points (served on it, trained on it) are added."""
 
     def __init__(
         self,
@@ -58,8 +66,10 @@ class FrontierConfig:
         specialists: Sequence[str] = (),
         agents: Sequence[int] = (4, 8),
         target_retention: float = 0.95,
+        cache_formats: Sequence[str] = (),
     ):
         self.depths = [int(m) for m in depths]
+        self.cache_formats = list(cache_formats)
         self.specialists = list(specialists)
         self.agents = [int(n) for n in agents]
         self.target_retention = float(target_retention)
@@ -70,6 +80,7 @@ class FrontierConfig:
             "specialists": self.specialists,
             "agents": self.agents,
             "target_retention": self.target_retention,
+            "cache_formats": self.cache_formats,
         }
 
 
@@ -117,9 +128,15 @@ def parse_frontier(raw, where: str, specialists: Sequence[str]) -> FrontierConfi
     target = raw.get("target_retention", 0.95)
     if not isinstance(target, (int, float)) or isinstance(target, bool) or not 0 < target <= 1:
         raise ConfigError(f"{where}: frontier.target_retention={target!r}: give a share in (0, 1], e.g. 0.95")
-    if not depths:
+    formats = raw.get("cache_formats") or []
+    if not isinstance(formats, list) or any(f not in COMPACT_FORMATS for f in formats):
+        raise ConfigError(
+            f"{where}: frontier.cache_formats={formats!r}: list compact C_base formats from "
+            f"{list(COMPACT_FORMATS)} (the native cache is every other point)"
+        )
+    if not depths and not formats:
         return None
-    return FrontierConfig(sorted(depths), names, agents, target)
+    return FrontierConfig(sorted(depths), names, agents, target, formats)
 
 
 def session_kv_bytes(
@@ -130,6 +147,7 @@ def session_kv_bytes(
     prompt_tokens: float,
     own_tokens: float,
     bytes_per_layer_token: int,
+    cbase_ratio: float = 1.0,
 ) -> float:
     """KV bytes one session of ``agents`` agents holds (module docstring, "Memory model").
 
@@ -138,6 +156,7 @@ def session_kv_bytes(
             full sharing); None = no sharing (every agent prefills the prompt itself, Full-FT).
         agents: N.  prompt_tokens: P, the shared prompt.  own_tokens: U, each agent's own tokens.
         bytes_per_layer_token: 2 · KV heads · head dim · bytes per element.
+        cbase_ratio: bytes of the stored C_base ÷ the native cache's (1: native; int8 ≈ 1/3.93 of fp32).
     Returns:
         bytes (float; means of token counts may be fractional).
     Raises:
@@ -149,7 +168,7 @@ def session_kv_bytes(
     else:
         if not 0 <= depth <= L:
             raise ConfigError(f"depth m={depth} outside 0..{L} (the model has {L} layers)")
-        layer_tokens = P * L * (1 + N * depth / L) + N * U * L
+        layer_tokens = P * L * float(cbase_ratio) + N * P * depth + N * U * L
     return layer_tokens * bytes_per_layer_token
 
 
@@ -184,6 +203,7 @@ def frontier_points(
     layers: int,
     bytes_per_layer_token: int,
     agents: Sequence[int],
+    cbase_ratio: Mapping[str, float] | None = None,
     n_resamples: int = 2000,
     seed: int = 0,
 ) -> dict:
@@ -195,6 +215,7 @@ def frontier_points(
             ``prefillshare m=0``, ``prefillshare m=K``. Every point is scored on the items every point has.
         layers: L of the base.  bytes_per_layer_token: 2 · KV heads · head dim · bytes per element.
         agents: the N of the memory columns.
+        cbase_ratio: label → the stored C_base's bytes ÷ the native cache's, for points on a compact C_base.
     Returns:
         ``{"task", "primary_metric", "secondary_metric", "n", "prompt_tokens", "own_tokens", "layers",
         "points": [{"label", "mode", "depth", "primary", "primary_ci", "secondary", "secondary_ci", "nll",
@@ -224,7 +245,8 @@ def frontier_points(
     for label, recs in records.items():
         mode = label.split(" ")[0]
         depth = None if mode == "full-ft" else int(label.split("m=")[1]) if "m=" in label else 0
-        point: dict = {"label": label, "mode": mode, "depth": depth}
+        fmt = next((f for f in COMPACT_FORMATS if f" {f} " in f"{label} "), "native")
+        point: dict = {"label": label, "mode": mode, "depth": depth, "cache_format": fmt}
         for key, metric in (("primary", primary), ("secondary", secondary), ("nll", "nll")):
             xs = _scores(recs, ids, metric)
             if xs is None:
@@ -253,6 +275,7 @@ def frontier_points(
                 prompt_tokens=prompt,
                 own_tokens=own_of[label],
                 bytes_per_layer_token=bytes_per_layer_token,
+                cbase_ratio=(cbase_ratio or {}).get(label, 1.0),
             )
             for n in agents
         }
@@ -281,7 +304,12 @@ def choose_depth(frontier: dict, target_retention: float) -> dict:
     full = next(p for p in frontier["points"] if p["mode"] == "full-ft")
     margin = -(1 - target_retention) * (full["primary"] or 0.0)
     for p in frontier["points"]:
-        if p["mode"] != "prefillshare" or p["retention"] is None or p["retention"] < target_retention:
+        if (
+            p["mode"] != "prefillshare"
+            or p.get("cache_format", "native") != "native"
+            or p["retention"] is None
+            or p["retention"] < target_retention
+        ):
             continue
         d = p["paired_vs_full_ft"].get("primary")
         sure = "resolved" if d and d["ci"][0] >= margin else "point estimate only"
@@ -320,12 +348,13 @@ def frontier_markdown(frontiers: Mapping[str, Sequence[dict]], plots: Mapping[st
                 "of one session and the layer-tokens prefilled for it at N agents, relative to Full-FT's "
                 "(module `ccft.evals.study.frontier`).",
                 "",
-                "| point | own prompt KV layers | primary | Δ primary vs Full-FT | NLL/token | Δ NLL | "
+                "| point | own prompt KV layers | C_base format | primary | Δ primary vs Full-FT | "
+                "NLL/token | Δ NLL | "
                 + " | ".join(f"KV MB (N={n})" for n in agents)
                 + " | "
                 + " | ".join(f"prefill × full (N={n})" for n in agents)
                 + " |",
-                "|" + "---|" * (6 + 2 * len(agents)),
+                "|" + "---|" * (7 + 2 * len(agents)),
             ]
             full = next(p for p in f["points"] if p["mode"] == "full-ft")
             for p in f["points"]:
@@ -335,6 +364,7 @@ def frontier_markdown(frontiers: Mapping[str, Sequence[dict]], plots: Mapping[st
                 cells = [
                     p["label"],
                     own,
+                    p.get("cache_format", "native") if p["mode"] != "full-ft" else "–",
                     _fmt(p["primary"], pct=True),
                     ""
                     if dp is None

@@ -269,11 +269,7 @@ class StudyRecipe:
         prefillshare on the specialist's tasks with the study's settings (into ``OUT/NAME/frontier/mM``;
         resumed item by item, recomputed when the decoder changed), then the frontier of every task
         (``ccft.evals.study.frontier``) beside the study's full-ft, naive and prefillshare (m = 0) points."""
-        from ccft.core.checkpoint import load_decoder
-        from ccft.evals.protocol import get_task
-        from ccft.evals.results import clear_task_folder
-        from ccft.evals.runner import EvalMemo, run_task
-        from ccft.evals.settings import mode_specs
+        from ccft.core.compact import kv_nbytes
         from ccft.evals.study.frontier import choose_depth, frontier_points
         from ccft.inference.engine import kv_bytes_per_token
         from ccft.train.run import method_config, train_or_reuse
@@ -296,36 +292,31 @@ class StudyRecipe:
             with self.phases(f"frontier_{name}_train_m{m}"):
                 train_or_reuse(m_cfg, m_raw, prefix="[ccft study]")
             gc.collect()
-            dec = load_decoder(str(folder), base=self.base)
-            res_dir = self.out / name / "frontier" / f"m{m}"
-            digests = {"ccft": run_digest(folder)}
-            stale = stamp_matches(res_dir, digests) is False
-            if stale:
-                for t in self.settings_of[name]:
-                    if (res_dir / t).is_dir():
-                        clear_task_folder(res_dir / t)
-            write_stamp(res_dir, digests)
-            specs = mode_specs(["prefillshare"], {"ccft": dec}, {"ccft": str(folder)})
-            depth_records[m] = {}
-            with self.phases(f"frontier_{name}_eval_m{m}"):
-                for task_name in self.cfg.specialists[name].tasks:  # the main tasks (not MultiPL-E)
-                    print(f"[ccft study] {name}: frontier m={m}, {task_name}", flush=True)
-                    res = run_task(
-                        get_task(task_name),
-                        self.base,
-                        specs,
-                        res_dir,
-                        settings=self.settings_of[name][task_name],
-                        batch_size=self.cfg.batch_size,
-                        n_resamples=self.cfg.bootstrap,
-                        overwrite=stale,
-                        memo=EvalMemo(),
-                    )
-                    depth_records[m][task_name] = {r["id"]: r for r in res.records["prefillshare"]}
-            del dec
+            depth_records[m] = self._frontier_eval(
+                name, f"m={m}", folder, self.out / name / "frontier" / f"m{m}", None
+            )
+        for (
+            fmt
+        ) in fc.cache_formats:  # the compact C_base: the study's decoder served on it, one trained on it
+            trained_dir = self.runs / name / f"ccft-{fmt}"
+            m_cfg, m_raw = method_config(tc, raw, "ccft", trained_dir)
+            m_cfg, m_raw = dataclasses.replace(m_cfg, cache_format=fmt), m_raw | {"cache_format": fmt}
+            with self.phases(f"frontier_{name}_train_{fmt}"):
+                train_or_reuse(m_cfg, m_raw, prefix="[ccft study]")
             gc.collect()
+            for label, folder, served_on in (
+                (f"prefillshare {fmt} (native-trained)", self.runs / name / "ccft", fmt),
+                (f"prefillshare {fmt} ({fmt}-trained)", trained_dir, None),  # its own format
+            ):
+                key = "served" if served_on else "trained"
+                depth_records[f"{fmt}-{key}"] = self._frontier_eval(
+                    name, label, folder, self.out / name / "frontier" / f"{fmt}-{key}", served_on
+                )
         layers = self.base.model.config.num_hidden_layers
         per_token = kv_bytes_per_token(self.base)  # all layers
+        lw = self.base.model.config
+        kv_heads = getattr(lw, "num_key_value_heads", None) or lw.num_attention_heads
+        head_dim = per_token // (2 * layers * kv_heads * self.base.dtype.itemsize)
         self.frontiers[name] = []
         for task_name in self.cfg.specialists[name].tasks:
             recs = records[task_name]
@@ -335,17 +326,76 @@ class StudyRecipe:
                 "prefillshare m=0": recs["prefillshare"],
                 **{f"prefillshare m={m}": depth_records[m][task_name] for m in fc.depths},
             }
+            ratio = {}
+            for fmt in fc.cache_formats:
+                points[f"prefillshare {fmt} (native-trained)"] = depth_records[f"{fmt}-served"][task_name]
+                points[f"prefillshare {fmt} ({fmt}-trained)"] = depth_records[f"{fmt}-trained"][task_name]
+                p_tokens = max(
+                    1,
+                    round(
+                        sum(r.get("prompt_tokens", 0) for r in recs["full-ft"].values())
+                        / max(1, len(recs["full-ft"]))
+                    ),
+                )
+                shape = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, tokens=p_tokens)
+                r = kv_nbytes(fmt, **shape) / kv_nbytes("native", **shape, dtype=self.base.dtype)
+                ratio[f"prefillshare {fmt} (native-trained)"] = ratio[
+                    f"prefillshare {fmt} ({fmt}-trained)"
+                ] = r
             f = frontier_points(
                 task_name,
                 points,
                 layers=layers,
                 bytes_per_layer_token=per_token // layers,
                 agents=fc.agents,
+                cbase_ratio=ratio,
                 n_resamples=self.cfg.bootstrap,
                 seed=self.cfg.seed,
             )
             f["choice"] = choose_depth(f, fc.target_retention)
             self.frontiers[name].append(f)
+
+    def _frontier_eval(self, name: str, label: str, folder, res_dir, cache_format: str | None) -> dict:
+        """Mode prefillshare of the decoder in ``folder`` on the specialist's main tasks (not MultiPL-E) with
+        the study's settings (``cache_format``: serve it on that C_base format; None: its own), into
+        ``res_dir``; results of another decoder (stamp) are recomputed. Returns task → item id → record."""
+        from ccft.core.checkpoint import load_decoder
+        from ccft.evals.protocol import get_task
+        from ccft.evals.results import clear_task_folder
+        from ccft.evals.runner import EvalMemo, run_task
+        from ccft.evals.settings import mode_specs
+
+        dec = load_decoder(str(folder), base=self.base)
+        digests = {"ccft": run_digest(folder)}
+        stale = stamp_matches(res_dir, digests) is False
+        if stale:
+            for t in self.settings_of[name]:
+                if (res_dir / t).is_dir():
+                    clear_task_folder(res_dir / t)
+        write_stamp(res_dir, digests)
+        specs = mode_specs(["prefillshare"], {"ccft": dec}, {"ccft": str(folder)})
+        out: dict = {}
+        with self.phases(f"frontier_{name}_eval_{res_dir.name}"):
+            for task_name in self.cfg.specialists[name].tasks:
+                print(f"[ccft study] {name}: frontier {label}, {task_name}", flush=True)
+                settings = self.settings_of[name][task_name]
+                if cache_format is not None:
+                    settings = dataclasses.replace(settings, cache_format=cache_format)
+                res = run_task(
+                    get_task(task_name),
+                    self.base,
+                    specs,
+                    res_dir,
+                    settings=settings,
+                    batch_size=self.cfg.batch_size,
+                    n_resamples=self.cfg.bootstrap,
+                    overwrite=stale,
+                    memo=EvalMemo(),
+                )
+                out[task_name] = {r["id"]: r for r in res.records["prefillshare"]}
+        del dec
+        gc.collect()
+        return out
 
     def describe(self, name: str, trained: dict, paths: dict, task_list: list) -> None:
         """The specialist's training facts for the report."""
