@@ -247,8 +247,9 @@ def test_blocks_beside_fp32_engine(tmp_path, tokenizer, monkeypatch):
 
 
 def test_llamacpp_failing_on_the_block_gguf_keeps_the_run(tmp_path, tokenizer, monkeypatch):
-    """llama.cpp crashing on the blocks' GGUF (as the pinned build does on the embedded Q4_1 file here) leaves
-    that comparison out with its error; the fp32 comparison and the block engine's rows stay."""
+    """llama.cpp crashing on the blocks' GGUF (as the pinned build did on the embedded Q4_1 file on the Intel
+    Xeon, before the AMX flags) leaves that comparison out with its error; the fp32 comparison and the block
+    engine's rows stay."""
     from ccft.inference.blocks import load_kernel
     from conftest import make_block_folder
 
