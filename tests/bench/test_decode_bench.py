@@ -4,6 +4,7 @@ llama.cpp rows and ratios (llama.cpp stubbed with known numbers), and the table 
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -246,8 +247,9 @@ def test_blocks_beside_fp32_engine(tmp_path, tokenizer, monkeypatch):
 
 
 def test_llamacpp_failing_on_the_block_gguf_keeps_the_run(tmp_path, tokenizer, monkeypatch):
-    """llama.cpp crashing on the blocks' GGUF (as the pinned build does on the embedded Q4_1 file here) leaves
-    that comparison out with its error; the fp32 comparison and the block engine's rows stay."""
+    """llama.cpp crashing on the blocks' GGUF (as the pinned build did on the embedded Q4_1 file on the Intel
+    Xeon, before the AMX flags) leaves that comparison out with its error; the fp32 comparison and the block
+    engine's rows stay."""
     from ccft.inference.blocks import load_kernel
     from conftest import make_block_folder
 
@@ -276,3 +278,39 @@ def test_llamacpp_failing_on_the_block_gguf_keeps_the_run(tmp_path, tokenizer, m
     assert result["llamacpp_q4_1_error"]["gguf"] == "model.gguf"
     assert "exit -11" in result["llamacpp_q4_1_error"]["error"]
     assert "llama.cpp on model.gguf: command failed (exit -11)" in decode.table(result)
+
+
+def test_llamacpp_on_the_block_gguf_names_it_without_its_folder(tmp_path, tokenizer, monkeypatch):
+    """The blocks' GGUF lies outside the cache (the embedded model's file, in the installed package): the
+    committed result names it, and the commands run on it, without the machine's folder."""
+    from ccft.inference.blocks import load_kernel
+    from conftest import make_block_folder
+
+    if load_kernel() is None:
+        pytest.skip("no C++ compiler builds the block kernel here")
+    folder = make_block_folder(tmp_path, tokenizer)
+
+    def batched(build, gguf, p_len, new, batch, threads, repeats, log):
+        return {"decode_tok_s": 10.0, "prefill_tok_s": 100.0, "commands": [f"llama-batched-bench -m {gguf}"]}
+
+    build = lc.LlamaCpp(root=lc.llamacpp_dir("9.9"), version="9.9", build_info={})
+    monkeypatch.setattr(lc, "ensure_built", lambda log: build)
+    monkeypatch.setattr(
+        lc, "convert_to_gguf", lambda build, path, fingerprint, log: build.root / "x.f32.gguf"
+    )
+    monkeypatch.setattr(lc, "bench_batched", batched)
+    monkeypatch.setattr(lc, "bench_llama_bench", lambda *a, **k: {"decode_tok_s": 12.0, "commands": []})
+    monkeypatch.setattr(
+        lc, "greedy_tokens", lambda build, gguf, prompts, n, threads, log: [[0]] * len(prompts)
+    )
+    args = _args(model=str(folder), device="cpu", blocks=True, llamacpp=True, batch_sizes=[2])
+    result = decode.run(_args(**{**vars(args), "new_tokens": 3, "repeats": 1}))
+    q41 = result["llamacpp_q4_1"]
+    assert q41["gguf"] == "model.gguf" and q41["batches"]["2"]["commands"] == [
+        "llama-batched-bench -m model.gguf"
+    ]
+    assert result["llamacpp"]["gguf"] == "$CCFT_CACHE/llama.cpp/9.9/x.f32.gguf"
+    assert str(tmp_path) not in json.dumps(q41)
+    assert (
+        result["llamacpp_q4_1_ratio_batch2"] == result["batches"]["2"]["engine_blocks"]["decode_tok_s"] / 10.0
+    )

@@ -49,7 +49,7 @@ def _finish(root: Path, version: str, *, marker: bool = True, tools=lc.TOOLS) ->
         p.write_text("#!/bin/sh\n")
         p.chmod(0o755)
     if marker:
-        (root / lc.MARKER).write_text(json.dumps({"version": version}))
+        (root / lc.MARKER).write_text(json.dumps({"version": version, "cmake_flags": list(lc.cmake_flags())}))
 
 
 def test_find_build_needs_marker_version_and_every_tool(clean_env, tmp_path):
@@ -60,11 +60,23 @@ def test_find_build_needs_marker_version_and_every_tool(clean_env, tmp_path):
     assert lc.find_build("9.9") is None  # tools without the marker: an interrupted build
     (root / lc.MARKER).write_text(json.dumps({"version": "9.8"}))
     assert lc.find_build("9.9") is None  # a marker of another version
-    (root / lc.MARKER).write_text(json.dumps({"version": "9.9"}))
+    (root / lc.MARKER).write_text(json.dumps({"version": "9.9", "cmake_flags": list(lc.CMAKE_FLAGS[:-1])}))
+    assert lc.find_build("9.9") is None  # built with other CMake flags (an older ccft's build)
+    (root / lc.MARKER).write_text(json.dumps({"version": "9.9", "cmake_flags": list(lc.cmake_flags())}))
     found = lc.find_build("9.9")
     assert found is not None and found.tool("llama-server") == root / "build" / "bin" / "llama-server"
     (root / "build" / "bin" / "llama-bench").unlink()
     assert lc.find_build("9.9") is None
+
+
+def test_cmake_flags_keep_amx_out_on_x86_only():
+    # ggml's AMX kernels (compiled in by -march=native on an Intel CPU with AMX) are left out on x86-64
+    for machine in ("x86_64", "AMD64"):
+        flags = lc.cmake_flags(machine)
+        assert flags[: len(lc.CMAKE_FLAGS)] == lc.CMAKE_FLAGS
+        assert f"-DCMAKE_C_FLAGS={lc.NO_AMX}" in flags and f"-DCMAKE_CXX_FLAGS={lc.NO_AMX}" in flags
+    assert set(lc.NO_AMX.split()) == {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"}
+    assert lc.cmake_flags("aarch64") == lc.CMAKE_FLAGS  # -mno-amx-* is an x86 option
 
 
 class FakeRunner:
@@ -106,9 +118,10 @@ def test_interrupted_build_is_discarded_and_redone(clean_env, tmp_path):
     # only the llama-cpp-python sdist from source: ":all:" would build every build backend from source too
     dl = [str(c) for c in run.calls[0]]
     assert dl[dl.index("--no-binary") + 1] == "llama-cpp-python" and ":all:" not in dl
-    assert all(t in run.calls[2] for t in lc.TOOLS) and all(f in run.calls[1] for f in lc.CMAKE_FLAGS)
+    assert all(t in run.calls[2] for t in lc.TOOLS) and all(f in run.calls[1] for f in lc.cmake_flags())
     info = json.loads((root / lc.MARKER).read_text())
     assert info["version"] == "9.9" and info["ggml_version"] == "0.25.3" and info == build.build_info
+    assert info["cmake_flags"] == list(lc.cmake_flags())
     assert (root / "source" / "convert_hf_to_gguf.py").is_file()
     # finished: nothing runs again
     again = FakeRunner(root)
@@ -118,6 +131,18 @@ def test_interrupted_build_is_discarded_and_redone(clean_env, tmp_path):
     redo = FakeRunner(root)
     lc.ensure_built("9.9", runner=redo, log=lambda m: None)
     assert [("-S" in c, "--build" in c) for c in redo.calls] == [(True, False), (False, True)]
+    # a finished build with other CMake flags (an older ccft's, e.g. with AMX): build/ redone, source/ reused
+    (root / lc.MARKER).write_text(json.dumps({**info, "cmake_flags": list(lc.CMAKE_FLAGS[:-1])}))
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text("junk")
+    logged, rebuilt = [], FakeRunner(root)
+    lc.ensure_built("9.9", runner=rebuilt, log=logged.append)
+    assert not stale.exists() and [("-S" in c, "--build" in c) for c in rebuilt.calls] == [
+        (True, False),
+        (False, True),
+    ]
+    assert any("other CMake flags" in m for m in logged)
+    assert json.loads((root / lc.MARKER).read_text())["cmake_flags"] == list(lc.cmake_flags())
 
 
 def _bin_without(tmp_path: Path, missing: str) -> str:

@@ -811,7 +811,23 @@ def run_llamacpp(
         "vs_engine": lc.agreement(engine_tokens[largest], tokens, n),
         "tokens": tokens,
     }
-    return lc.portable(block)  # the cache folder as $CCFT_CACHE: no machine path in a committed result
+    # no machine path in a committed result: the cache folder as $CCFT_CACHE; a GGUF outside it (the embedded
+    # model's own Q4_1 file, in the installed package) by its name alone, in the commands too
+    block = lc.portable(block)
+    if not block["gguf"].startswith("$CCFT_CACHE"):
+        block = _without_folder(block, f"{Path(gguf).absolute().parent}{os.sep}")
+    return block
+
+
+def _without_folder(obj, prefix: str):
+    """``obj`` (str / list / dict, nested) with every occurrence of the folder ``prefix`` removed."""
+    if isinstance(obj, str):
+        return obj.replace(prefix, "")
+    if isinstance(obj, list):
+        return [_without_folder(x, prefix) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _without_folder(v, prefix) for k, v in obj.items()}
+    return obj
 
 
 def _rss_bytes() -> int:

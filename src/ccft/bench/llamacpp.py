@@ -5,11 +5,12 @@ F32 GGUF, its speed at batch 1 and 16, and its greedy tokens.
   repository's ``constraints.txt``; a test keeps the two equal), which vendors one llama.cpp commit.
   ``pip download --no-binary llama-cpp-python --no-deps`` fetches it from the package registry; nothing else
   is downloaded.
-* **Build** (once, CPU only, cmake + ninja, ``-DGGML_NATIVE=ON``): the tools :data:`TOOLS` in
-  :func:`llamacpp_dir` = ``<cache>/llama.cpp/<version>/`` with ``<cache>`` = ``$CCFT_CACHE``, else
-  ``$CCFT_HOME``, else ``$XDG_CACHE_HOME/ccft``, else ``~/.cache/ccft``. The file :data:`MARKER` is written
-  last; a folder without it is a half-finished build and is rebuilt from scratch (its ``build/`` is
-  discarded, never trusted). ``make llamacpp`` or ``python -m ccft.bench.llamacpp build`` builds it
+* **Build** (once, CPU only, cmake + ninja, ``-DGGML_NATIVE=ON``; on x86-64 without ggml's AMX kernels,
+  :data:`NO_AMX`): the tools :data:`TOOLS` in :func:`llamacpp_dir` = ``<cache>/llama.cpp/<version>/`` with
+  ``<cache>`` = ``$CCFT_CACHE``, else ``$CCFT_HOME``, else ``$XDG_CACHE_HOME/ccft``, else ``~/.cache/ccft``.
+  The file :data:`MARKER` is written last; a folder without it is a half-finished build and is rebuilt from
+  scratch (its ``build/`` is discarded, never trusted), and so is one whose marker records other CMake flags
+  than :func:`cmake_flags`. ``make llamacpp`` or ``python -m ccft.bench.llamacpp build`` builds it
   explicitly; ``ccft bench decode --llamacpp`` builds it when missing.
 * **Weights**: llama.cpp's own ``convert_hf_to_gguf.py`` from the same source tree, ``--outtype f32``,
   from the HF folder ccft loads, cached as ``<version>/gguf/<fingerprint>.f32.gguf``.
@@ -73,12 +74,28 @@ CMAKE_FLAGS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
 )
+#: x86-64: compiler flags that keep ggml's AMX kernels out of the build. ``-DGGML_NATIVE=ON`` compiles with
+#: ``-march=native``, which on an Intel CPU with AMX (Sapphire Rapids and later) defines ``__AMX_INT8__``:
+#: ggml then registers its AMX buffer type and moves Q4_0 / Q4_1 / Q8_0 / K-quant weights (never F32)
+#: there. On this project's 2-core Intel Xeon VM the build without these flags ended with a segmentation
+#: fault on the embedded model's Q4_1 GGUF while the F32 GGUF ran; the same source on an AMD EPYC with
+#: AVX-512 and no AMX runs the Q4_1 file (docs/inference.md, "Block weights"). Explicit ``-mno-amx-*``
+#: flags win over ``-march=native`` (gcc), and on a CPU without AMX ``-march=native`` already implies them.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 #: KV cache in fp32 like the engine's (llama.cpp's default is f16), for every tool run
 KV_FLAGS = ("-ctk", "f32", "-ctv", "f32")
 INSTALL_HINT = (
     "install cmake and a C/C++ compiler, e.g. `apt-get install cmake ninja-build g++` "
     "(or `pip install cmake ninja` plus the distribution's g++)"
 )
+
+
+def cmake_flags(machine: str | None = None) -> tuple[str, ...]:
+    """:data:`CMAKE_FLAGS`, plus :data:`NO_AMX` as C and C++ flags on x86-64 (``machine``: default
+    ``platform.machine()``). Recorded in :data:`MARKER`; a build with other flags is not reused."""
+    if (machine or platform.machine()).lower() in ("x86_64", "amd64"):
+        return (*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
+    return CMAKE_FLAGS
 
 
 class LlamaCppError(ConfigError):
@@ -134,14 +151,17 @@ class LlamaCpp:
 
 def find_build(version: str = LLAMA_CPP_PYTHON_VERSION) -> LlamaCpp | None:
     """The finished build of ``version``, or None when :data:`MARKER` or any tool is missing (an
-    interrupted or foreign folder: :func:`ensure_built` redoes it)."""
+    interrupted or foreign folder) or the marker records other CMake flags than :func:`cmake_flags` (a build
+    of an older ccft): :func:`ensure_built` redoes it."""
     root = llamacpp_dir(version)
     try:
         info = json.loads((root / MARKER).read_text())
     except (OSError, ValueError):
         return None
     build = LlamaCpp(root, version, info)
-    if info.get("version") != version or not all(os.access(build.tool(t), os.X_OK) for t in TOOLS):
+    if info.get("version") != version or info.get("cmake_flags") != list(cmake_flags()):
+        return None
+    if not all(os.access(build.tool(t), os.X_OK) for t in TOOLS):
         return None
     return build
 
@@ -243,9 +263,10 @@ def ensure_built(
 ) -> LlamaCpp:
     """The finished build of ``version``; builds it first when :func:`find_build` finds none.
 
-    A folder without :data:`MARKER` is an interrupted build: its ``build/`` is removed and compiled
-    again (the unpacked ``source/`` is reused: it is moved into place only once complete). Checks the
-    toolchain (:func:`check_toolchain`) before downloading anything. ``jobs``: parallel compile jobs."""
+    A folder without :data:`MARKER` (an interrupted build) or whose marker records other CMake flags (an
+    older ccft's build): its ``build/`` is removed and compiled again (the unpacked ``source/`` is reused: it
+    is moved into place only once complete). Checks the toolchain (:func:`check_toolchain`) before
+    downloading anything. ``jobs``: parallel compile jobs."""
     found = find_build(version)
     if found is not None:
         return found
@@ -255,9 +276,18 @@ def ensure_built(
         f"[ccft] building llama.cpp (from llama-cpp-python=={version}'s sdist) CPU-only into {root}: "
         f"{', '.join(TOOLS)}; once, roughly 10-30 minutes on 2 cores (`make llamacpp` does it ahead)"
     )
+    try:
+        old_flags = json.loads((root / MARKER).read_text()).get("cmake_flags")
+    except (OSError, ValueError, AttributeError):
+        old_flags = None
     (root / MARKER).unlink(missing_ok=True)
     if (root / "build").exists():
-        log(f"[ccft] {root / 'build'} has no {MARKER} (an interrupted build): discarding it")
+        why = (
+            f"has no {MARKER} (an interrupted build)"
+            if old_flags is None or old_flags == list(cmake_flags())
+            else "was built with other CMake flags"
+        )
+        log(f"[ccft] {root / 'build'} {why}: discarding it")
         shutil.rmtree(root / "build")
     source = fetch_source(root, version, log=log, runner=runner)
     return _compile(root, source, version, tools, jobs=jobs, log=log, runner=runner)
@@ -269,7 +299,7 @@ def _compile(
     """Configure and build :data:`TOOLS` from ``source`` into ``root/build``, then write :data:`MARKER`."""
     env = {**os.environ, "CC": tools["c"], "CXX": tools["cxx"]}
     _run(
-        [tools["cmake"], "-S", source, "-B", root / "build", "-G", tools["generator"], *CMAKE_FLAGS],
+        [tools["cmake"], "-S", source, "-B", root / "build", "-G", tools["generator"], *cmake_flags()],
         log=log,
         runner=runner,
         env=env,
@@ -287,7 +317,7 @@ def _compile(
     build.build_info = {
         "version": version,
         "ggml_version": ggml_version(source),
-        "cmake_flags": list(CMAKE_FLAGS),
+        "cmake_flags": list(cmake_flags()),
         "generator": tools["generator"],
         "compiler": tools["cxx"],
         "machine": platform.machine(),
