@@ -68,7 +68,14 @@ def test_points_are_the_stats_of_the_items():
     }
     records["naive"]["extra"] = _rec(99, 1, 0.1)  # an item only one point has: left out of every point
     f = frontier_points(
-        "gsm8k", records, layers=4, bytes_per_layer_token=100, agents=[2], n_resamples=300, seed=1
+        "gsm8k",
+        records,
+        metrics=("exact_match_flexible", "answer_format"),
+        layers=4,
+        bytes_per_layer_token=100,
+        agents=[2],
+        n_resamples=300,
+        seed=1,
     )
     assert f["n"] == 8 and f["primary_metric"] == "exact_match_flexible" and f["prompt_tokens"] == 20
     assert [p["label"] for p in f["points"]] == ["naive", "prefillshare m=0", "prefillshare m=2", "full-ft"]

@@ -15,7 +15,7 @@ from ccft.train.config import EvalConfig, TrainConfig, load_recipe, parse_overri
 ROOT = Path(__file__).resolve().parents[2]
 #: training recipes (study.yaml is the study's config, not a training recipe: tests/evals/test_study.py parses
 #: it)
-#: the training recipes (study configs, ``ccft study`` files, are tested in tests/evals: test_study, test_frontier)
+#: the training recipes (the study configs are tested in tests/evals: test_study, test_frontier)
 STUDY_CONFIGS = {"study.yaml", "frontier.yaml"}
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.name not in STUDY_CONFIGS)
 

@@ -200,6 +200,7 @@ def frontier_points(
     task: str,
     records: Mapping[str, Mapping[str, dict]],
     *,
+    metrics: tuple[str, str | None],
     layers: int,
     bytes_per_layer_token: int,
     agents: Sequence[int],
@@ -210,7 +211,7 @@ def frontier_points(
     """The frontier of one task from its per-item records.
 
     Args:
-        task: the task's name (its metrics: ``ccft.evals.study.config.metrics_of``).
+        task: the task's name.  metrics: its (primary, secondary) metric keys (``config.metrics_of``).
         records: point label → item id → record (``items.MODE.jsonl`` rows); labels ``full-ft``, ``naive``,
             ``prefillshare m=0``, ``prefillshare m=K``. Every point is scored on the items every point has.
         layers: L of the base.  bytes_per_layer_token: 2 · KV heads · head dim · bytes per element.
@@ -225,7 +226,6 @@ def frontier_points(
         ConfigError: no full-ft point, or no item common to every point.
     """
     from ccft.evals.stats import mean_ci, paired_bootstrap_delta
-    from ccft.evals.study.config import metrics_of
 
     if "full-ft" not in records:
         raise ConfigError(f"{task}: the frontier needs the full-ft point (the accuracy reference)")
@@ -234,7 +234,7 @@ def frontier_points(
         raise ConfigError(f"{task}: no item is evaluated at every frontier point")
     ref = records["full-ft"]
     ids = sorted(common, key=lambda i: (ref[i].get("index", 0), i))
-    primary, secondary = metrics_of(task)
+    primary, secondary = metrics
     prompt = sum(ref[i].get("prompt_tokens", 0) for i in ids) / len(ids)
     # each agent's own tokens: its mean response length over the points that share (generation may differ)
     own_of = {

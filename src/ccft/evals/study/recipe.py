@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from ccft.core.errors import ConfigError
-from ccft.evals.study.config import StudyConfig, recipe_overrides
+from ccft.evals.study.config import StudyConfig, metrics_of, recipe_overrides
 from ccft.evals.study.resume import StudyPhases, run_digest, stamp_matches, write_stamp
 
 __all__ = ["StudyRecipe"]
@@ -345,6 +345,7 @@ class StudyRecipe:
             f = frontier_points(
                 task_name,
                 points,
+                metrics=metrics_of(task_name),
                 layers=layers,
                 bytes_per_layer_token=per_token // layers,
                 agents=fc.agents,
