@@ -331,3 +331,82 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--reverse"):
         items.reverse()
+
+
+# ------------------------------------------------- 4-layer bases for the depth and compact-cache tests
+
+DEEP_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory, tokenizer) -> Path:
+    """A 4-layer tiny Llama with clear logit margins (lm_head ×20): sharing depth, compact C_base."""
+    return make_tiny_folder(
+        tmp_path_factory.mktemp("deep"), tokenizer, seed=3, layers=DEEP_LAYERS, scale=20.0
+    )
+
+
+@pytest.fixture
+def deep_base(deep_dir):
+    import ccft
+
+    return ccft.load_base(str(deep_dir))
+
+
+@pytest.fixture(scope="module")
+def deep_train_dir(tmp_path_factory, tokenizer) -> Path:
+    """4 layers, lm_head scaled ×8 (a LoRA adapter can move the loss: see test_trainer.py's sharp_dir)."""
+    return make_tiny_folder(
+        tmp_path_factory.mktemp("deep_train"), tokenizer, seed=1, layers=DEEP_LAYERS, scale=8.0
+    )
+
+
+@pytest.fixture(scope="module")
+def short_data(tmp_path_factory) -> Path:
+    """Short summing rows without the done suffix (``short_sum_rows``)."""
+    return short_sum_rows(tmp_path_factory.mktemp("short_data") / "rows.jsonl", done_suffix=False)
+
+
+def two_step_config(base_dir, out, data, **kw):
+    """(TrainConfig, raw recipe) of a 2-step short run (``short_run_overrides``) with ``kw`` on top."""
+    from ccft.train.config import load_recipe
+
+    cfg, _, raw = load_recipe(None, short_run_overrides(base_dir, out, data, **{"max_steps": 2, **kw}))
+    return cfg, raw
+
+
+def perturb_lora(model, seed=123, std=0.05):
+    """Random ``lora_B`` weights (a fresh adapter's are zero, so it would not differ from the base)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def grads(model):
+    """Every parameter's gradient, cloned, by name."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+#: a tiny LoRA recipe for study runs (test_study, test_frontier): ``.format(base=, data=, chat=)``
+TINY_RECIPE = """base: {base}
+decoder_kind: lora
+lora_r: 4
+lora_alpha: 8
+handoff_tokens: 1
+train_data: {data}
+train_rows: 8
+max_steps: 6
+per_device_train_batch_size: 2
+learning_rate: 1.0e-2
+seed: 3
+logging_steps: 1
+save_steps: 2
+save_total_limit: 1
+use_cpu: true
+report_to: none
+disable_tqdm: true
+chat_template: {chat}
+max_length: 384
+"""

@@ -29,21 +29,11 @@ from ccft.core.depth import decoder_prefix
 from ccft.core.errors import ConfigError
 from ccft.core.generation import decode_on_cache
 from ccft.core.tokens import pad_token_id, right_pad
-from conftest import make_lora, make_tiny_folder, ragged_prompts
+from conftest import DEEP_LAYERS, make_lora, ragged_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-L = 4
-
-
-@pytest.fixture(scope="module")
-def deep_dir(tmp_path_factory, tokenizer):
-    return make_tiny_folder(tmp_path_factory.mktemp("deep"), tokenizer, seed=3, layers=L, scale=20.0)
-
-
-@pytest.fixture
-def deep_base(deep_dir):
-    return ccft.load_base(str(deep_dir))
+L = DEEP_LAYERS
 
 
 @pytest.fixture(scope="module")

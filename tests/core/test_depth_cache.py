@@ -19,22 +19,11 @@ from ccft.core.depth import MIXED, depth_cache, mix_layers, partial_prefill, pro
 from ccft.core.errors import ConfigError
 from ccft.core.generation import decode_on_cache
 from ccft.core.tokens import left_pad, pad_token_id, right_pad, tokenize_prompt
-from conftest import make_lora, make_tiny_folder
+from conftest import DEEP_LAYERS, make_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-L = 4
-
-
-@pytest.fixture(scope="module")
-def deep_dir(tmp_path_factory, tokenizer):
-    """A 4-layer tiny Llama with clear logit margins (lm_head scaled)."""
-    return make_tiny_folder(tmp_path_factory.mktemp("deep"), tokenizer, seed=3, layers=L, scale=20.0)
-
-
-@pytest.fixture
-def deep_base(deep_dir):
-    return ccft.load_base(str(deep_dir))
+L = DEEP_LAYERS
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from ccft.evals.study.frontier import (
     session_kv_bytes,
     session_prefill_layer_tokens,
 )
-from conftest import make_tiny_folder
+from conftest import TINY_RECIPE, make_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,27 +139,6 @@ def test_config_defaults():
     )
 
 
-RECIPE = """base: {base}
-decoder_kind: lora
-lora_r: 4
-lora_alpha: 8
-handoff_tokens: 1
-train_data: gsm8k:train
-train_rows: 8
-max_steps: 4
-per_device_train_batch_size: 2
-learning_rate: 1.0e-2
-seed: 3
-logging_steps: 1
-save_steps: 2
-save_total_limit: 1
-use_cpu: true
-report_to: none
-disable_tqdm: true
-chat_template: true
-max_length: 384
-"""
-
 STUDY = """runs: {runs}
 out: {out}
 bootstrap: 200
@@ -175,7 +154,7 @@ specialists:
 
 def test_a_tiny_study_reports_the_frontier_and_resumes(tmp_path, tokenizer):
     base = make_tiny_folder(tmp_path / "base", tokenizer, seed=5, scale=30.0)
-    (tmp_path / "math.yaml").write_text(RECIPE.format(base=base))
+    (tmp_path / "math.yaml").write_text(TINY_RECIPE.format(base=base, data="gsm8k:train", chat="true"))
     cfg = tmp_path / "study.yaml"
     cfg.write_text(STUDY.format(runs=tmp_path / "runs", out=tmp_path / "out", math=tmp_path / "math.yaml"))
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}

@@ -19,7 +19,7 @@ from ccft.evals.humaneval import defines_entry_point
 from ccft.evals.protocol import get_task
 from ccft.evals.study import full_ft_beats_base, load_study_config, task_entry
 from ccft.train.config import parse_overrides
-from conftest import make_tiny_folder
+from conftest import TINY_RECIPE, make_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -193,27 +193,6 @@ def test_task_entry_and_resolution_from_a_summary():
 
 # ---------------------------------------------------------------- the whole study on a tiny base
 
-RECIPE = """base: {base}
-decoder_kind: lora
-lora_r: 4
-lora_alpha: 8
-handoff_tokens: 1
-train_data: {data}
-train_rows: 8
-max_steps: 6
-per_device_train_batch_size: 2
-learning_rate: 1.0e-2
-seed: 3
-logging_steps: 1
-save_steps: 2
-save_total_limit: 1
-use_cpu: true
-report_to: none
-disable_tqdm: true
-chat_template: {chat}
-max_length: 384
-"""
-
 STUDY = """runs: {runs}
 out: {out}
 bootstrap: 200
@@ -234,8 +213,8 @@ specialists:
 
 
 def _study_files(root: Path, base: Path, name: str) -> Path:
-    math = _write(root / "math.yaml", RECIPE.format(base=base, data="gsm8k:train", chat="true"))
-    code = _write(root / "code.yaml", RECIPE.format(base=base, data="mbpp:train", chat="false"))
+    math = _write(root / "math.yaml", TINY_RECIPE.format(base=base, data="gsm8k:train", chat="true"))
+    code = _write(root / "code.yaml", TINY_RECIPE.format(base=base, data="mbpp:train", chat="false"))
     return _write(
         root / f"{name}.yaml",
         STUDY.format(runs=root / f"runs-{name}", out=root / f"out-{name}", math=math, code=code),

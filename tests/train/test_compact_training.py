@@ -22,40 +22,12 @@ from ccft.core.cache import BaseCache, compute_base_cache
 from ccft.core.compact import dequantize, quantize_keys, quantize_values
 from ccft.core.decoder import decoder_forward
 from ccft.core.errors import ConfigError
-from ccft.train.config import load_recipe
 from ccft.train.run import run_training, setup
-from conftest import make_tiny_folder, short_run_overrides, short_sum_rows
+from conftest import DEEP_LAYERS, grads, perturb_lora, two_step_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-L = 4
-
-
-@pytest.fixture(scope="module")
-def deep_dir(tmp_path_factory, tokenizer) -> Path:
-    return make_tiny_folder(tmp_path_factory.mktemp("deep"), tokenizer, seed=1, layers=L, scale=8.0)
-
-
-@pytest.fixture(scope="module")
-def short_data(tmp_path_factory) -> Path:
-    return short_sum_rows(tmp_path_factory.mktemp("short_data") / "rows.jsonl", done_suffix=False)
-
-
-def config(base_dir, out, data, **kw):
-    cfg, _, raw = load_recipe(None, short_run_overrides(base_dir, out, data, **{"max_steps": 2, **kw}))
-    return cfg, raw
-
-
-def perturb_lora(model, seed=123, std=0.05):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-
-
-def grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+L = DEEP_LAYERS
 
 
 def reference_loss(model, base, batch, *, compact: bool, m: int = 0):
@@ -95,15 +67,17 @@ def reference_loss(model, base, batch, *, compact: bool, m: int = 0):
 # ------------------------------------------------------------------ the recipe key
 
 
-def test_cache_format_is_validated_before_any_model_loads(tmp_path, deep_dir, short_data):
+def test_cache_format_is_validated_before_any_model_loads(tmp_path, deep_train_dir, short_data):
     with pytest.raises(ConfigError, match=r"cache_format='int4': use one of native, int8"):
-        config(deep_dir, tmp_path / "r", short_data, cache_format="int4")
+        two_step_config(deep_train_dir, tmp_path / "r", short_data, cache_format="int4")
     with pytest.raises(
         ConfigError, match="cache_format=int8 applies to method=ccft only.*cache_format: native"
     ):
-        config(deep_dir, tmp_path / "r", short_data, cache_format="int8", method="full-ft")
+        two_step_config(deep_train_dir, tmp_path / "r", short_data, cache_format="int8", method="full-ft")
     with pytest.raises(ConfigError, match="cache_format=int8 needs train_path two-pass.*train_path=auto"):
-        config(deep_dir, tmp_path / "r", short_data, cache_format="int8", train_path="one-pass")
+        two_step_config(
+            deep_train_dir, tmp_path / "r", short_data, cache_format="int8", train_path="one-pass"
+        )
     from ccft.train.fastpath import resolve_train_path
 
     with pytest.raises(ConfigError, match="train_path=one-pass cannot train on cache_format=int8"):
@@ -111,10 +85,12 @@ def test_cache_format_is_validated_before_any_model_loads(tmp_path, deep_dir, sh
     assert resolve_train_path("auto", method="ccft", decoder_kind="lora", cache_format="int8") == "two-pass"
 
 
-def test_a_two_method_recipe_keeps_the_cache_format_for_ccft_only(tmp_path, deep_dir, short_data):
+def test_a_two_method_recipe_keeps_the_cache_format_for_ccft_only(tmp_path, deep_train_dir, short_data):
     from ccft.train.run import method_config
 
-    cfg, raw = config(deep_dir, tmp_path / "r", short_data, cache_format="int8", share_from_layer=1)
+    cfg, raw = two_step_config(
+        deep_train_dir, tmp_path / "r", short_data, cache_format="int8", share_from_layer=1
+    )
     c_cfg, c_raw = method_config(cfg, raw, "ccft", tmp_path / "ccft")
     f_cfg, f_raw = method_config(cfg, raw, "full-ft", tmp_path / "ft")
     assert c_cfg.cache_format == "int8" and c_raw["cache_format"] == "int8"
@@ -124,10 +100,10 @@ def test_a_two_method_recipe_keeps_the_cache_format_for_ccft_only(tmp_path, deep
 # ------------------------------------------------------------------ equalities
 
 
-def test_native_is_todays_run_bit_for_bit(tmp_path, deep_dir, short_data):
+def test_native_is_todays_run_bit_for_bit(tmp_path, deep_train_dir, short_data):
     curves = {}
     for name, kw in (("default", {}), ("native", {"cache_format": "native"})):
-        cfg, _ = config(deep_dir, tmp_path / name, short_data, max_steps=3, **kw)
+        cfg, _ = two_step_config(deep_train_dir, tmp_path / name, short_data, max_steps=3, **kw)
         base, decoder, train_set, _, trainer = setup(cfg)
         assert trainer.cache_format == "native" == decoder.cache_format
         trainer.train()
@@ -141,11 +117,13 @@ def test_native_is_todays_run_bit_for_bit(tmp_path, deep_dir, short_data):
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
-def test_loss_and_gradients_equal_the_hand_dequantised_cache(tmp_path, deep_dir, short_data, kind):
+def test_loss_and_gradients_equal_the_hand_dequantised_cache(tmp_path, deep_train_dir, short_data, kind):
     """Both decoder kinds (full: C_base from the base's separate copy, inference tensors): loss and gradients
     equal those on the hand-dequantised C_base, C_base itself is unchanged (K1), and the native cache gives
     another loss (the test can fail)."""
-    cfg, _ = config(deep_dir, tmp_path / "run", short_data, cache_format="int8", decoder_kind=kind)
+    cfg, _ = two_step_config(
+        deep_train_dir, tmp_path / "run", short_data, cache_format="int8", decoder_kind=kind
+    )
     base, decoder, train_set, _, trainer = setup(cfg)
     assert trainer.train_path == "two-pass" and trainer.cache_format == "int8" == decoder.cache_format
     if kind == "lora":
@@ -171,7 +149,7 @@ def test_loss_and_gradients_equal_the_hand_dequantised_cache(tmp_path, deep_dir,
     assert 1e-6 < abs(native.item() - loss.item()) < 0.05
 
 
-def test_the_store_and_depth_two_read_the_compact_cache(tmp_path, deep_dir, short_data):
+def test_the_store_and_depth_two_read_the_compact_cache(tmp_path, deep_train_dir, short_data):
     """C_base from a store is quantised like a computed one; at m = 2 only C_base's layers 2..3 are compact
     (the decoder's own K/V below)."""
     results = {}
@@ -180,7 +158,7 @@ def test_the_store_and_depth_two_read_the_compact_cache(tmp_path, deep_dir, shor
         ("store", {"base_cache_store": str(tmp_path / "store")}),
         ("depth", {"share_from_layer": 2}),
     ):
-        cfg, _ = config(deep_dir, tmp_path / name, short_data, cache_format="int8", **kw)
+        cfg, _ = two_step_config(deep_train_dir, tmp_path / name, short_data, cache_format="int8", **kw)
         base, decoder, train_set, _, trainer = setup(cfg)
         perturb_lora(decoder.model)
         batch = trainer.data_collator([train_set[i] for i in (1, 4, 7)])
@@ -202,9 +180,9 @@ def test_the_store_and_depth_two_read_the_compact_cache(tmp_path, deep_dir, shor
         assert torch.allclose(results["store"][1][n], g, atol=1e-6, rtol=1e-5), n
 
 
-def test_loss_goes_down_on_the_compact_cache(tmp_path, deep_dir):
-    cfg, _ = config(
-        deep_dir,
+def test_loss_goes_down_on_the_compact_cache(tmp_path, deep_train_dir):
+    cfg, _ = two_step_config(
+        deep_train_dir,
         tmp_path / "run",
         "gsm8k:train",
         cache_format="int8",
@@ -224,17 +202,17 @@ def test_loss_goes_down_on_the_compact_cache(tmp_path, deep_dir):
 
 
 @pytest.fixture(scope="module")
-def compact_run(tmp_path_factory, deep_dir, short_data):
+def compact_run(tmp_path_factory, deep_train_dir, short_data):
     """A finished one-step run on the compact C_base: its folder and the trainer."""
     out = tmp_path_factory.mktemp("compact_run") / "run"
-    cfg, raw = config(deep_dir, out, short_data, cache_format="int8", max_steps=1)
+    cfg, raw = two_step_config(deep_train_dir, out, short_data, cache_format="int8", max_steps=1)
     return run_training(cfg, recipe=raw)
 
 
-def test_run_folder_records_the_cache_format_and_a_load_restores_it(compact_run, deep_dir):
+def test_run_folder_records_the_cache_format_and_a_load_restores_it(compact_run, deep_train_dir):
     meta = json.loads((compact_run.output_dir / "ccft.json").read_text())
     assert meta["cache_format"] == "int8" and meta["recipe"]["cache_format"] == "int8"
-    loaded = ccft.load_decoder(compact_run.output_dir, base=ccft.load_base(str(deep_dir)))
+    loaded = ccft.load_decoder(compact_run.output_dir, base=ccft.load_base(str(deep_train_dir)))
     assert loaded.cache_format == "int8"
     prompts = [list(compact_run.trainer.train_dataset[i].prompt_ids) for i in range(3)]
     trained = compact_run.decoder
@@ -247,17 +225,17 @@ def test_run_folder_records_the_cache_format_and_a_load_restores_it(compact_run,
 # ------------------------------------------------------------------ who refuses
 
 
-def test_engine_and_alora_exports_refuse_a_compact_trained_decoder(compact_run, deep_dir, tmp_path):
+def test_engine_and_alora_exports_refuse_a_compact_trained_decoder(compact_run, deep_train_dir, tmp_path):
     from ccft.inference import SharedPrefillEngine
     from ccft.train.export import export_decoder
 
-    base = ccft.load_base(str(deep_dir))
+    base = ccft.load_base(str(deep_train_dir))
     loaded = ccft.load_decoder(compact_run.output_dir, base=base)
     refusal = "cache_format=int8 .*not supported by SharedPrefillEngine yet; use the reference path"
     with pytest.raises(ConfigError, match=refusal):
         SharedPrefillEngine(base, decoders={"d": loaded})
     with pytest.raises(ConfigError, match=refusal):  # a folder: refused before its adapter loads
-        SharedPrefillEngine(ccft.load_base(str(deep_dir)), decoders={"d": str(compact_run.output_dir)})
+        SharedPrefillEngine(ccft.load_base(str(deep_train_dir)), decoders={"d": str(compact_run.output_dir)})
     # a live reload of a served (native) decoder from the compact-trained folder: refused, nothing changes
     import shutil
 
@@ -265,7 +243,7 @@ def test_engine_and_alora_exports_refuse_a_compact_trained_decoder(compact_run, 
     shutil.copytree(compact_run.output_dir, native)
     meta = json.loads((native / "ccft.json").read_text())
     (native / "ccft.json").write_text(json.dumps(dict(meta, cache_format="native")))
-    engine = SharedPrefillEngine(ccft.load_base(str(deep_dir)), decoders={"d": str(native)})
+    engine = SharedPrefillEngine(ccft.load_base(str(deep_train_dir)), decoders={"d": str(native)})
     with pytest.raises(ConfigError, match="reload of decoder 'd' .*" + refusal):
         engine.reload_decoder("d", compact_run.output_dir)
     with pytest.raises(ConfigError, match="cache_format=int8.*--to merged.*cache_format: native"):

@@ -20,41 +20,12 @@ import ccft
 from ccft.core.cache import BaseCache, compute_base_cache
 from ccft.core.decoder import decoder_forward, full_forward
 from ccft.core.errors import ConfigError
-from ccft.train.config import load_recipe
 from ccft.train.run import check_run, run_training, setup
-from conftest import make_tiny_folder, short_run_overrides, short_sum_rows
+from conftest import DEEP_LAYERS, grads, perturb_lora, two_step_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-L = 4
-
-
-@pytest.fixture(scope="module")
-def deep_dir(tmp_path_factory, tokenizer) -> Path:
-    """4 layers, lm_head scaled up (a LoRA adapter can move the loss: see test_trainer.py's sharp_dir)."""
-    return make_tiny_folder(tmp_path_factory.mktemp("deep"), tokenizer, seed=1, layers=L, scale=8.0)
-
-
-@pytest.fixture(scope="module")
-def short_data(tmp_path_factory) -> Path:
-    return short_sum_rows(tmp_path_factory.mktemp("short_data") / "rows.jsonl", done_suffix=False)
-
-
-def config(base_dir, out, data, **kw):
-    cfg, _, raw = load_recipe(None, short_run_overrides(base_dir, out, data, **{"max_steps": 2, **kw}))
-    return cfg, raw
-
-
-def perturb_lora(model, seed=123, std=0.05):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-
-
-def grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+L = DEEP_LAYERS
 
 
 def reference_loss(model, base, batch, m):
@@ -88,16 +59,20 @@ def reference_loss(model, base, batch, m):
 # ------------------------------------------------------------------ the recipe key
 
 
-def test_share_from_layer_is_validated_before_any_model_loads(tmp_path, deep_dir, short_data, monkeypatch):
+def test_share_from_layer_is_validated_before_any_model_loads(
+    tmp_path, deep_train_dir, short_data, monkeypatch
+):
     with pytest.raises(ConfigError, match="share_from_layer=-1; it must be ≥ 0"):
-        config(deep_dir, tmp_path / "r", short_data, share_from_layer=-1)
+        two_step_config(deep_train_dir, tmp_path / "r", short_data, share_from_layer=-1)
     with pytest.raises(ConfigError, match="share_from_layer=2 applies to method=ccft only"):
-        config(deep_dir, tmp_path / "r", short_data, share_from_layer=2, method="full-ft")
+        two_step_config(deep_train_dir, tmp_path / "r", short_data, share_from_layer=2, method="full-ft")
     with pytest.raises(ConfigError, match="share_from_layer=2 needs train_path two-pass"):
-        config(deep_dir, tmp_path / "r", short_data, share_from_layer=2, train_path="one-pass")
+        two_step_config(deep_train_dir, tmp_path / "r", short_data, share_from_layer=2, train_path="one-pass")
     with pytest.raises(ConfigError, match="expects int"):
-        config(deep_dir, tmp_path / "r", short_data, share_from_layer="two")
-    cfg, _ = config(deep_dir, tmp_path / "r", short_data, share_from_layer=L + 1)  # L is the base's
+        two_step_config(deep_train_dir, tmp_path / "r", short_data, share_from_layer="two")
+    cfg, _ = two_step_config(
+        deep_train_dir, tmp_path / "r", short_data, share_from_layer=L + 1
+    )  # L is the base's
 
     def no_weights(*a, **k):
         raise AssertionError("the base's weights were loaded before share_from_layer was checked")
@@ -109,12 +84,12 @@ def test_share_from_layer_is_validated_before_any_model_loads(tmp_path, deep_dir
     assert not (tmp_path / "r").exists()
 
 
-def test_a_two_method_recipe_keeps_the_depth_for_ccft_only(tmp_path, deep_dir, short_data):
+def test_a_two_method_recipe_keeps_the_depth_for_ccft_only(tmp_path, deep_train_dir, short_data):
     """``ccft demo`` / ``ccft study`` train both methods from one recipe: the Full-FT run leaves the CCFT key
     out (Full-FT prefills the whole prompt itself), the CCFT run keeps it."""
     from ccft.train.run import method_config
 
-    cfg, raw = config(deep_dir, tmp_path / "r", short_data, share_from_layer=2)
+    cfg, raw = two_step_config(deep_train_dir, tmp_path / "r", short_data, share_from_layer=2)
     c_cfg, c_raw = method_config(cfg, raw, "ccft", tmp_path / "ccft")
     f_cfg, f_raw = method_config(cfg, raw, "full-ft", tmp_path / "ft")
     assert c_cfg.share_from_layer == 2 and c_raw["share_from_layer"] == 2
@@ -124,10 +99,10 @@ def test_a_two_method_recipe_keeps_the_depth_for_ccft_only(tmp_path, deep_dir, s
 # ------------------------------------------------------------------ equalities
 
 
-def test_depth_zero_is_todays_run_bit_for_bit(tmp_path, deep_dir, short_data):
+def test_depth_zero_is_todays_run_bit_for_bit(tmp_path, deep_train_dir, short_data):
     curves = {}
     for name, kw in (("default", {}), ("zero", {"share_from_layer": 0})):
-        cfg, _ = config(deep_dir, tmp_path / name, short_data, max_steps=3, **kw)
+        cfg, _ = two_step_config(deep_train_dir, tmp_path / name, short_data, max_steps=3, **kw)
         base, decoder, train_set, _, trainer = setup(cfg)
         assert trainer.share_from_layer == 0 and decoder.share_from_layer == 0
         trainer.train()
@@ -140,8 +115,8 @@ def test_depth_zero_is_todays_run_bit_for_bit(tmp_path, deep_dir, short_data):
 
 
 @pytest.mark.parametrize("m", [2, L])
-def test_loss_and_gradients_equal_the_hand_built_hybrid(tmp_path, deep_dir, short_data, m):
-    cfg, _ = config(deep_dir, tmp_path / "run", short_data, share_from_layer=m)
+def test_loss_and_gradients_equal_the_hand_built_hybrid(tmp_path, deep_train_dir, short_data, m):
+    cfg, _ = two_step_config(deep_train_dir, tmp_path / "run", short_data, share_from_layer=m)
     base, decoder, train_set, _, trainer = setup(cfg)
     assert trainer.train_path == "two-pass" and trainer.share_from_layer == m == decoder.share_from_layer
     perturb_lora(decoder.model)
@@ -178,10 +153,12 @@ def test_loss_and_gradients_equal_the_hand_built_hybrid(tmp_path, deep_dir, shor
         assert abs(ft.item() - loss.item()) < 1e-5
 
 
-def test_a_full_weight_decoder_trains_on_the_hybrid_too(tmp_path, deep_dir, short_data):
+def test_a_full_weight_decoder_trains_on_the_hybrid_too(tmp_path, deep_train_dir, short_data):
     """decoder_kind=full at m = 2: C_base comes from the base's separate copy (inference tensors); loss and
     gradients equal the hand-built hybrid, and the own layers' gradients are not those of depth 0."""
-    cfg, _ = config(deep_dir, tmp_path / "run", short_data, share_from_layer=2, decoder_kind="full")
+    cfg, _ = two_step_config(
+        deep_train_dir, tmp_path / "run", short_data, share_from_layer=2, decoder_kind="full"
+    )
     base, decoder, train_set, _, trainer = setup(cfg)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():  # a decoder that differs from the base: its own K/V differ from C_base
@@ -207,7 +184,7 @@ def test_a_full_weight_decoder_trains_on_the_hybrid_too(tmp_path, deep_dir, shor
     assert (got[name] - model.get_parameter(name).grad).abs().max() > 1e-6
 
 
-def test_gradient_checkpointing_and_the_store_give_the_same_step(tmp_path, deep_dir, short_data):
+def test_gradient_checkpointing_and_the_store_give_the_same_step(tmp_path, deep_train_dir, short_data):
     """At m = 2: activation checkpointing (the partial prefill's cache is replayed in the backward) and a
     C_base store give the plain run's loss and gradients."""
     results = {}
@@ -216,7 +193,7 @@ def test_gradient_checkpointing_and_the_store_give_the_same_step(tmp_path, deep_
         ("ckpt", {"gradient_checkpointing": "true"}),
         ("store", {"base_cache_store": str(tmp_path / "store")}),
     ):
-        cfg, _ = config(deep_dir, tmp_path / name, short_data, share_from_layer=2, **kw)
+        cfg, _ = two_step_config(deep_train_dir, tmp_path / name, short_data, share_from_layer=2, **kw)
         base, decoder, train_set, _, trainer = setup(cfg)
         perturb_lora(decoder.model)
         if name == "ckpt":
@@ -244,9 +221,9 @@ def test_gradient_checkpointing_and_the_store_give_the_same_step(tmp_path, deep_
             assert torch.allclose(results[name][1][n], g, atol=1e-6, rtol=1e-5), (name, n)
 
 
-def test_loss_goes_down_at_depth_two(tmp_path, deep_dir):
-    cfg, _ = config(
-        deep_dir,
+def test_loss_goes_down_at_depth_two(tmp_path, deep_train_dir):
+    cfg, _ = two_step_config(
+        deep_train_dir,
         tmp_path / "run",
         "gsm8k:train",
         share_from_layer=2,
@@ -266,17 +243,17 @@ def test_loss_goes_down_at_depth_two(tmp_path, deep_dir):
 
 
 @pytest.fixture(scope="module")
-def depth_run(tmp_path_factory, deep_dir, short_data):
+def depth_run(tmp_path_factory, deep_train_dir, short_data):
     """A finished one-step run at share_from_layer=2: its folder and the trainer."""
     out = tmp_path_factory.mktemp("depth_run") / "run"
-    cfg, raw = config(deep_dir, out, short_data, share_from_layer=2, max_steps=1)
+    cfg, raw = two_step_config(deep_train_dir, out, short_data, share_from_layer=2, max_steps=1)
     return run_training(cfg, recipe=raw)
 
 
-def test_run_folder_records_the_depth_and_a_load_restores_it(depth_run, deep_dir):
+def test_run_folder_records_the_depth_and_a_load_restores_it(depth_run, deep_train_dir):
     meta = json.loads((depth_run.output_dir / "ccft.json").read_text())
     assert meta["share_from_layer"] == 2 and meta["recipe"]["share_from_layer"] == 2
-    base = ccft.load_base(str(deep_dir))
+    base = ccft.load_base(str(deep_train_dir))
     loaded = ccft.load_decoder(depth_run.output_dir, base=base)
     assert loaded.share_from_layer == 2
     prompts = [list(depth_run.trainer.train_dataset[i].prompt_ids) for i in range(3)]
@@ -290,17 +267,17 @@ def test_run_folder_records_the_depth_and_a_load_restores_it(depth_run, deep_dir
 # ------------------------------------------------------------------ who refuses or falls back
 
 
-def test_engine_and_alora_exports_refuse_a_depth_decoder(depth_run, deep_dir, tmp_path):
+def test_engine_and_alora_exports_refuse_a_depth_decoder(depth_run, deep_train_dir, tmp_path):
     from ccft.inference import SharedPrefillEngine
     from ccft.train.export import export_decoder
 
-    base = ccft.load_base(str(deep_dir))
+    base = ccft.load_base(str(deep_train_dir))
     loaded = ccft.load_decoder(depth_run.output_dir, base=base)
     refusal = "not supported by SharedPrefillEngine yet; use the reference path"
     with pytest.raises(ConfigError, match=refusal):
         SharedPrefillEngine(base, decoders={"d": loaded})
     with pytest.raises(ConfigError, match=refusal):  # a folder: refused before its adapter loads
-        SharedPrefillEngine(ccft.load_base(str(deep_dir)), decoders={"d": str(depth_run.output_dir)})
+        SharedPrefillEngine(ccft.load_base(str(deep_train_dir)), decoders={"d": str(depth_run.output_dir)})
     with pytest.raises(ConfigError, match="share_from_layer=2.*--to merged"):
         export_decoder(depth_run.output_dir, "peft-alora", tmp_path / "alora")
     assert not (tmp_path / "alora").exists()
@@ -308,13 +285,13 @@ def test_engine_and_alora_exports_refuse_a_depth_decoder(depth_run, deep_dir, tm
     assert json.loads((Path(merged.out) / "ccft.json").read_text())["share_from_layer"] == 2
 
 
-def test_eval_modes_name_the_depth_and_the_engine_is_skipped(deep_dir):
+def test_eval_modes_name_the_depth_and_the_engine_is_skipped(deep_train_dir):
     from ccft.evals.generation import engine_unsupported
     from ccft.evals.settings import ModeSpec
 
-    base = ccft.load_base(str(deep_dir))
+    base = ccft.load_base(str(deep_train_dir))
     dec = ccft.make_decoder(base, "lora", method="ccft", share_from_layer=2)
-    flat = ccft.make_decoder(ccft.load_base(str(deep_dir)), "lora", method="ccft")
+    flat = ccft.make_decoder(ccft.load_base(str(deep_train_dir)), "lora", method="ccft")
     assert engine_unsupported([ModeSpec("prefillshare", flat), ModeSpec("base")]) is None
     why = engine_unsupported([ModeSpec("base"), ModeSpec("prefillshare", dec)])
     assert "share_from_layer=2" in why and "SharedPrefillEngine" in why

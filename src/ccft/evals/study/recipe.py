@@ -272,7 +272,6 @@ class StudyRecipe:
         from ccft.core.compact import kv_nbytes
         from ccft.evals.study.frontier import choose_depth, frontier_points
         from ccft.inference.engine import kv_bytes_per_token
-        from ccft.train.run import method_config, train_or_reuse
 
         fc = self.cfg.frontier
         if fc is None or name not in fc.specialists:
@@ -283,27 +282,16 @@ class StudyRecipe:
                 f"{self.where}: frontier needs the modes full-ft, naive and prefillshare; "
                 f"modes lacks {missing}"
             )
-        tc, _, raw = self.parsed[name]
         depth_records: dict[int, dict] = {}
         for m in fc.depths:
-            folder = self.runs / name / f"ccft-m{m}"
-            m_cfg, m_raw = method_config(tc, raw, "ccft", folder)
-            m_cfg, m_raw = dataclasses.replace(m_cfg, share_from_layer=m), m_raw | {"share_from_layer": m}
-            with self.phases(f"frontier_{name}_train_m{m}"):
-                train_or_reuse(m_cfg, m_raw, prefix="[ccft study]")
-            gc.collect()
+            folder = self._train_ccft_variant(name, f"m{m}", share_from_layer=m)
             depth_records[m] = self._frontier_eval(
                 name, f"m={m}", folder, self.out / name / "frontier" / f"m{m}", None
             )
         for (
             fmt
         ) in fc.cache_formats:  # the compact C_base: the study's decoder served on it, one trained on it
-            trained_dir = self.runs / name / f"ccft-{fmt}"
-            m_cfg, m_raw = method_config(tc, raw, "ccft", trained_dir)
-            m_cfg, m_raw = dataclasses.replace(m_cfg, cache_format=fmt), m_raw | {"cache_format": fmt}
-            with self.phases(f"frontier_{name}_train_{fmt}"):
-                train_or_reuse(m_cfg, m_raw, prefix="[ccft study]")
-            gc.collect()
+            trained_dir = self._train_ccft_variant(name, fmt, cache_format=fmt)
             for label, folder, served_on in (
                 (f"prefillshare {fmt} (native-trained)", self.runs / name / "ccft", fmt),
                 (f"prefillshare {fmt} ({fmt}-trained)", trained_dir, None),  # its own format
@@ -355,6 +343,21 @@ class StudyRecipe:
             )
             f["choice"] = choose_depth(f, fc.target_retention)
             self.frontiers[name].append(f)
+
+    def _train_ccft_variant(self, name: str, tag: str, **changes) -> Path:
+        """The specialist's CCFT decoder from its recipe with ``changes`` (recipe keys) on top, into
+        ``RUNS/NAME/ccft-TAG`` (reused when finished; phase ``frontier_NAME_train_TAG``); returns the
+        folder."""
+        from ccft.train.run import method_config, train_or_reuse
+
+        tc, _, raw = self.parsed[name]
+        folder = self.runs / name / f"ccft-{tag}"
+        m_cfg, m_raw = method_config(tc, raw, "ccft", folder)
+        m_cfg, m_raw = dataclasses.replace(m_cfg, **changes), m_raw | changes
+        with self.phases(f"frontier_{name}_train_{tag}"):
+            train_or_reuse(m_cfg, m_raw, prefix="[ccft study]")
+        gc.collect()
+        return folder
 
     def _frontier_eval(self, name: str, label: str, folder, res_dir, cache_format: str | None) -> dict:
         """Mode prefillshare of the decoder in ``folder`` on the specialist's main tasks (not MultiPL-E) with
