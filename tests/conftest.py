@@ -410,3 +410,17 @@ disable_tqdm: true
 chat_template: {chat}
 max_length: 384
 """
+
+
+def reload_generates_the_same(run, base_dir):
+    """The decoder of a finished ``run`` (``run_training``'s result) loaded from its folder on a fresh base:
+    greedy prefillshare tokens on 3 training prompts equal the trained decoder's. Returns the loaded one."""
+    import ccft
+
+    loaded = ccft.load_decoder(run.output_dir, base=ccft.load_base(str(base_dir)))
+    prompts = [list(run.trainer.train_dataset[i].prompt_ids) for i in range(3)]
+    run.decoder.model.eval()
+    want = ccft.generate(prompts, mode="prefillshare", decoder=run.decoder, max_new_tokens=4)
+    got = ccft.generate(prompts, mode="prefillshare", decoder=loaded, max_new_tokens=4)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    return loaded

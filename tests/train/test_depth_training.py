@@ -21,7 +21,7 @@ from ccft.core.cache import BaseCache, compute_base_cache
 from ccft.core.decoder import decoder_forward, full_forward
 from ccft.core.errors import ConfigError
 from ccft.train.run import check_run, run_training, setup
-from conftest import DEEP_LAYERS, grads, perturb_lora, two_step_config
+from conftest import DEEP_LAYERS, grads, perturb_lora, reload_generates_the_same, two_step_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -253,15 +253,7 @@ def depth_run(tmp_path_factory, deep_train_dir, short_data):
 def test_run_folder_records_the_depth_and_a_load_restores_it(depth_run, deep_train_dir):
     meta = json.loads((depth_run.output_dir / "ccft.json").read_text())
     assert meta["share_from_layer"] == 2 and meta["recipe"]["share_from_layer"] == 2
-    base = ccft.load_base(str(deep_train_dir))
-    loaded = ccft.load_decoder(depth_run.output_dir, base=base)
-    assert loaded.share_from_layer == 2
-    prompts = [list(depth_run.trainer.train_dataset[i].prompt_ids) for i in range(3)]
-    trained = depth_run.decoder
-    trained.model.eval()
-    want = ccft.generate(prompts, mode="prefillshare", decoder=trained, max_new_tokens=4)
-    got = ccft.generate(prompts, mode="prefillshare", decoder=loaded, max_new_tokens=4)
-    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    assert reload_generates_the_same(depth_run, deep_train_dir).share_from_layer == 2
 
 
 # ------------------------------------------------------------------ who refuses or falls back
