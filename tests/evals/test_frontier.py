@@ -171,7 +171,17 @@ def test_a_tiny_study_reports_the_frontier_and_resumes(tmp_path, tokenizer):
     (f,) = report["frontier"]["specialists"]["math"]
     by = {p["label"]: p for p in f["points"]}
     int8_labels = ("prefillshare int8 (native-trained)", "prefillshare int8 (int8-trained)")
-    assert set(by) == {"full-ft", "naive", "prefillshare m=0", "prefillshare m=1", *int8_labels}
+    assert set(by) == {"full-ft", "naive", "naive m=1", "prefillshare m=0", "prefillshare m=1", *int8_labels}
+    # naive sharing at depth 1: the Full-FT decoder reading its own K/V in layer 0, C_base above (no training)
+    naive1 = [
+        json.loads(x)
+        for x in (out / "math" / "frontier" / "naive-m1" / "gsm8k" / "items.naive.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    assert by["naive m=1"]["nll"] == pytest.approx(sum(r["nll"] for r in naive1) / len(naive1))
+    assert by["naive m=1"]["depth"] == 1 and by["naive m=1"]["nll"] != by["naive"]["nll"]
+    assert not (tmp_path / "runs" / "math" / "full-ft-m1").exists()
     assert f["n"] == 3
     int8_meta = json.loads((tmp_path / "runs" / "math" / "ccft-int8" / "ccft.json").read_text())
     assert int8_meta["cache_format"] == "int8" and int8_meta.get("share_from_layer", 0) == 0

@@ -5,7 +5,8 @@ docs/study.md, "Frontier").
 Points of one task (the same items, settings and seed as the study's evaluation of it):
 
 * ``full-ft``: the Full-FT decoder on its own prefill (the accuracy reference; m = L);
-* ``naive``: the Full-FT decoder on ``C_base`` (m = 0);
+* ``naive``: the Full-FT decoder on ``C_base`` (m = 0); ``naive m=k``: the same decoder reading its own K/V
+  of the prompt in layers ``0..k−1`` and ``C_base`` above (no training);
 * ``prefillshare m=0``: the study's CCFT decoder on ``C_base``;
 * ``prefillshare m=k``: a CCFT decoder trained at sharing depth k (``share_from_layer: k``, its own K/V of the
   prompt in layers ``0..k−1``, ``C_base`` above; ``ccft.core.depth``), evaluated on that hybrid cache;

@@ -288,6 +288,16 @@ class StudyRecipe:
             depth_records[m] = self._frontier_eval(
                 name, f"m={m}", folder, self.out / name / "frontier" / f"m{m}", None
             )
+            # naive sharing at depth m: the study's Full-FT decoder, its own K/V below layer m (no training)
+            depth_records[f"naive-m{m}"] = self._frontier_eval(
+                name,
+                f"naive m={m}",
+                self.runs / name / "full-ft",
+                self.out / name / "frontier" / f"naive-m{m}",
+                None,
+                method="full-ft",
+                depth=m,
+            )
         for (
             fmt
         ) in fc.cache_formats:  # the compact C_base: the study's decoder served on it, one trained on it
@@ -312,6 +322,7 @@ class StudyRecipe:
                 "full-ft": recs["full-ft"],
                 "naive": recs["naive"],
                 "prefillshare m=0": recs["prefillshare"],
+                **{f"naive m={m}": depth_records[f"naive-m{m}"][task_name] for m in fc.depths},
                 **{f"prefillshare m={m}": depth_records[m][task_name] for m in fc.depths},
             }
             ratio = {}
@@ -359,10 +370,22 @@ class StudyRecipe:
         gc.collect()
         return folder
 
-    def _frontier_eval(self, name: str, label: str, folder, res_dir, cache_format: str | None) -> dict:
-        """Mode prefillshare of the decoder in ``folder`` on the specialist's main tasks (not MultiPL-E) with
-        the study's settings (``cache_format``: serve it on that C_base format; None: its own), into
-        ``res_dir``; results of another decoder (stamp) are recomputed. Returns task → item id → record."""
+    def _frontier_eval(
+        self,
+        name: str,
+        label: str,
+        folder,
+        res_dir,
+        cache_format: str | None,
+        *,
+        method: str = "ccft",
+        depth: int | None = None,
+    ) -> dict:
+        """The decoder in ``folder`` (``method`` ccft: mode prefillshare; full-ft: mode naive) on the
+        specialist's main tasks (not MultiPL-E) with the study's settings, into ``res_dir``; ``cache_format``
+        serves it on that C_base format (None: its own); ``depth`` reads it at that sharing depth instead of
+        the one it was trained at (naive sharing at depth m: the Full-FT decoder's own K/V below layer m).
+        Results of another decoder or depth (stamp) are recomputed. Returns task → item id → record."""
         from ccft.core.checkpoint import load_decoder
         from ccft.evals.protocol import get_task
         from ccft.evals.results import clear_task_folder
@@ -370,14 +393,17 @@ class StudyRecipe:
         from ccft.evals.settings import mode_specs
 
         dec = load_decoder(str(folder), base=self.base)
-        digests = {"ccft": run_digest(folder)}
+        if depth is not None:
+            dec = dataclasses.replace(dec, share_from_layer=depth)
+        digests = {method: run_digest(folder), **({"share_from_layer": str(depth)} if depth else {})}
         stale = stamp_matches(res_dir, digests) is False
         if stale:
             for t in self.settings_of[name]:
                 if (res_dir / t).is_dir():
                     clear_task_folder(res_dir / t)
         write_stamp(res_dir, digests)
-        specs = mode_specs(["prefillshare"], {"ccft": dec}, {"ccft": str(folder)})
+        mode = "prefillshare" if method == "ccft" else "naive"
+        specs = mode_specs([mode], {method: dec}, {method: str(folder)})
         out: dict = {}
         with self.phases(f"frontier_{name}_eval_{res_dir.name}"):
             for task_name in self.cfg.specialists[name].tasks:
@@ -396,7 +422,7 @@ class StudyRecipe:
                     overwrite=stale,
                     memo=EvalMemo(),
                 )
-                out[task_name] = {r["id"]: r for r in res.records["prefillshare"]}
+                out[task_name] = {r["id"]: r for r in res.records[mode]}
         del dec
         gc.collect()
         return out
