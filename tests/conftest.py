@@ -424,3 +424,27 @@ def reload_generates_the_same(run, base_dir):
     got = ccft.generate(prompts, mode="prefillshare", decoder=loaded, max_new_tokens=4)
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
     return loaded
+
+
+def sixteen_step_losses(base_dir, out, **kw) -> list[float]:
+    """The logged losses of a 16-step, batch-1, constant-LR run on 16 GSM8K rows with ``kw`` (recipe keys)
+    on top; each is checked finite and there are 16 (the "loss goes down" tests compare their ends)."""
+    import math
+
+    from ccft.train.run import setup
+
+    cfg, _ = two_step_config(
+        base_dir,
+        out,
+        "gsm8k:train",
+        train_rows=16,
+        max_steps=16,
+        per_device_train_batch_size=1,
+        lr_scheduler_type="constant",
+        **kw,
+    )
+    trainer = setup(cfg)[-1]
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 16 and all(math.isfinite(v) for v in losses)
+    return losses

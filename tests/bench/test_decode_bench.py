@@ -246,6 +246,21 @@ def test_blocks_beside_fp32_engine(tmp_path, tokenizer, monkeypatch):
     assert result["llamacpp_q4_1_ratio_batch3"] == blk / 10.0 and "llamacpp_ratio_batch3" not in result
 
 
+def _run_blocks_with_stub_llamacpp(monkeypatch, folder, batched, f32_gguf):
+    """``ccft bench decode --blocks --llamacpp`` on ``folder`` (batch 2, 3 tokens, 1 repeat) with llama.cpp
+    stubbed: ``batched`` stands for llama-batched-bench, ``f32_gguf(build)`` is the converted F32 file."""
+    build = lc.LlamaCpp(root=lc.llamacpp_dir("9.9"), version="9.9", build_info={})
+    monkeypatch.setattr(lc, "ensure_built", lambda log: build)
+    monkeypatch.setattr(lc, "convert_to_gguf", lambda build, path, fingerprint, log: f32_gguf(build))
+    monkeypatch.setattr(lc, "bench_batched", batched)
+    monkeypatch.setattr(lc, "bench_llama_bench", lambda *a, **k: {"decode_tok_s": 12.0, "commands": []})
+    monkeypatch.setattr(
+        lc, "greedy_tokens", lambda build, gguf, prompts, n, threads, log: [[0]] * len(prompts)
+    )
+    args = _args(model=str(folder), device="cpu", blocks=True, llamacpp=True, batch_sizes=[2])
+    return decode.run(_args(**{**vars(args), "new_tokens": 3, "repeats": 1}))
+
+
 def test_llamacpp_failing_on_the_block_gguf_keeps_the_run(tmp_path, tokenizer, monkeypatch):
     """llama.cpp crashing on the blocks' GGUF (as the pinned build did on the embedded Q4_1 file on the Intel
     Xeon, before the AMX flags) leaves that comparison out with its error; the fp32 comparison and the block
@@ -262,16 +277,9 @@ def test_llamacpp_failing_on_the_block_gguf_keeps_the_run(tmp_path, tokenizer, m
             raise lc.LlamaCppError("command failed (exit -11): llama-batched-bench -m model.gguf")
         return {"decode_tok_s": 10.0, "prefill_tok_s": 100.0, "commands": []}
 
-    build = lc.LlamaCpp(root=lc.llamacpp_dir("9.9"), version="9.9", build_info={})
-    monkeypatch.setattr(lc, "ensure_built", lambda log: build)
-    monkeypatch.setattr(lc, "convert_to_gguf", lambda build, path, fingerprint, log: tmp_path / "x.f32.gguf")
-    monkeypatch.setattr(lc, "bench_batched", batched)
-    monkeypatch.setattr(lc, "bench_llama_bench", lambda *a, **k: {"decode_tok_s": 12.0, "commands": []})
-    monkeypatch.setattr(
-        lc, "greedy_tokens", lambda build, gguf, prompts, n, threads, log: [[0]] * len(prompts)
+    result = _run_blocks_with_stub_llamacpp(
+        monkeypatch, folder, batched, lambda build: tmp_path / "x.f32.gguf"
     )
-    args = _args(model=str(folder), device="cpu", blocks=True, llamacpp=True, batch_sizes=[2])
-    result = decode.run(_args(**{**vars(args), "new_tokens": 3, "repeats": 1}))
     assert result["llamacpp_ratio_batch2"] == result["batches"]["2"]["engine"]["decode_tok_s"] / 10.0
     assert "llamacpp_q4_1" not in result and "llamacpp_q4_1" not in result["batches"]["2"]
     assert not [k for k in result if k.startswith("llamacpp_q4_1_ratio")]
@@ -293,18 +301,9 @@ def test_llamacpp_on_the_block_gguf_names_it_without_its_folder(tmp_path, tokeni
     def batched(build, gguf, p_len, new, batch, threads, repeats, log):
         return {"decode_tok_s": 10.0, "prefill_tok_s": 100.0, "commands": [f"llama-batched-bench -m {gguf}"]}
 
-    build = lc.LlamaCpp(root=lc.llamacpp_dir("9.9"), version="9.9", build_info={})
-    monkeypatch.setattr(lc, "ensure_built", lambda log: build)
-    monkeypatch.setattr(
-        lc, "convert_to_gguf", lambda build, path, fingerprint, log: build.root / "x.f32.gguf"
+    result = _run_blocks_with_stub_llamacpp(
+        monkeypatch, folder, batched, lambda build: build.root / "x.f32.gguf"
     )
-    monkeypatch.setattr(lc, "bench_batched", batched)
-    monkeypatch.setattr(lc, "bench_llama_bench", lambda *a, **k: {"decode_tok_s": 12.0, "commands": []})
-    monkeypatch.setattr(
-        lc, "greedy_tokens", lambda build, gguf, prompts, n, threads, log: [[0]] * len(prompts)
-    )
-    args = _args(model=str(folder), device="cpu", blocks=True, llamacpp=True, batch_sizes=[2])
-    result = decode.run(_args(**{**vars(args), "new_tokens": 3, "repeats": 1}))
     q41 = result["llamacpp_q4_1"]
     assert q41["gguf"] == "model.gguf" and q41["batches"]["2"]["commands"] == [
         "llama-batched-bench -m model.gguf"

@@ -10,7 +10,6 @@ A 4-layer tiny Llama (fp32), as tests/train/test_depth_training.py.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,14 @@ from ccft.core.compact import dequantize, quantize_keys, quantize_values
 from ccft.core.decoder import decoder_forward
 from ccft.core.errors import ConfigError
 from ccft.train.run import run_training, setup
-from conftest import DEEP_LAYERS, grads, perturb_lora, reload_generates_the_same, two_step_config
+from conftest import (
+    DEEP_LAYERS,
+    grads,
+    perturb_lora,
+    reload_generates_the_same,
+    sixteen_step_losses,
+    two_step_config,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -181,20 +187,7 @@ def test_the_store_and_depth_two_read_the_compact_cache(tmp_path, deep_train_dir
 
 
 def test_loss_goes_down_on_the_compact_cache(tmp_path, deep_train_dir):
-    cfg, _ = two_step_config(
-        deep_train_dir,
-        tmp_path / "run",
-        "gsm8k:train",
-        cache_format="int8",
-        train_rows=16,
-        max_steps=16,
-        per_device_train_batch_size=1,
-        lr_scheduler_type="constant",
-    )
-    base, decoder, train_set, _, trainer = setup(cfg)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 16 and all(math.isfinite(v) for v in losses)
+    losses = sixteen_step_losses(deep_train_dir, tmp_path / "run", cache_format="int8")
     assert sum(losses[-4:]) / 4 < losses[0] - 0.5, losses
 
 

@@ -9,7 +9,6 @@ A 4-layer tiny Llama (fp32) so that m = 2 is a proper middle.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,14 @@ from ccft.core.cache import BaseCache, compute_base_cache
 from ccft.core.decoder import decoder_forward, full_forward
 from ccft.core.errors import ConfigError
 from ccft.train.run import check_run, run_training, setup
-from conftest import DEEP_LAYERS, grads, perturb_lora, reload_generates_the_same, two_step_config
+from conftest import (
+    DEEP_LAYERS,
+    grads,
+    perturb_lora,
+    reload_generates_the_same,
+    sixteen_step_losses,
+    two_step_config,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -222,20 +228,7 @@ def test_gradient_checkpointing_and_the_store_give_the_same_step(tmp_path, deep_
 
 
 def test_loss_goes_down_at_depth_two(tmp_path, deep_train_dir):
-    cfg, _ = two_step_config(
-        deep_train_dir,
-        tmp_path / "run",
-        "gsm8k:train",
-        share_from_layer=2,
-        train_rows=16,
-        max_steps=16,
-        per_device_train_batch_size=1,
-        lr_scheduler_type="constant",
-    )
-    base, decoder, train_set, _, trainer = setup(cfg)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 16 and all(math.isfinite(v) for v in losses)
+    losses = sixteen_step_losses(deep_train_dir, tmp_path / "run", share_from_layer=2)
     assert sum(losses[-4:]) / 4 < losses[0] - 0.5, losses
 
 
