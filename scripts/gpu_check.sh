@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# GPU check of the inference engine: the `gpu`-marked tests (CUDA-graph decode, the compiled step
-# captured as CUDA graphs, Triton shared-prefix kernel) and the decode benchmark against HF generate
-# with the plain captured step (decode=cuda_graph) and the fused one (decode=compiled_graph) side by
-# side in the same interleaved runs, with each step's wall time against its GPU-busy time.
-# Random weights in SmolLM2-135M's shape, so no model weights travel. About 5-7 minutes on one H200
-# (most of it torch.compile compiling the 30-layer step once per batch bucket).
+# GPU check of the inference engine: the decode benchmark against HF generate with the fused captured
+# step (decode=compiled_graph) with its weights packed ([q;k;v], [gate;up]: the CUDA default) beside the
+# same step unpacked (the previous default), in the same interleaved runs, with each step's wall time
+# against its GPU-busy time; then the `gpu`-marked tests (CUDA-graph decode packed and unpacked, the
+# compiled step captured as CUDA graphs, Triton shared-prefix kernel).
+# Random weights in SmolLM2-135M's shape, so no model weights travel. About 8-9 minutes on one H200
+# (most of it torch.compile compiling the 30-layer step once per batch bucket and engine).
 #
 #   scripts/gpu_check.sh OUTDIR
 #
@@ -47,15 +48,15 @@ PYEOF
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 3
 
 status=0
-echo "== gpu tests" | tee "$OUT/gpu_tests.txt"
-timeout 240 $PY -m pytest -q -m gpu --durations=5 -p no:cacheprovider -o addopts="" tests/inference/test_inference_gpu.py \
-  2>&1 | tee -a "$OUT/gpu_tests.txt" || status=1
-
-echo "== decode benchmark (random weights, SmolLM2-135M shape, bf16): cuda_graph beside compiled_graph" \
+echo "== decode benchmark (random weights, SmolLM2-135M shape, bf16): compiled_graph packed beside unpacked" \
   | tee "$OUT/decode_bf16.txt"
-timeout 300 $PY -m benchmarks.decode --random-weights --device cuda --dtype bfloat16 --batch-sizes 1 16 \
-  --new-tokens 15 --repeats 5 --decode cuda_graph --also-decode compiled_graph --out "$OUT/decode_bf16.json" \
-  2>&1 | tee -a "$OUT/decode_bf16.txt" || status=1
+timeout 270 $PY -m benchmarks.decode --random-weights --device cuda --dtype bfloat16 --batch-sizes 1 16 \
+  --new-tokens 15 --repeats 5 --decode compiled_graph --also-decode compiled_graph --also-pack-weights off \
+  --out "$OUT/decode_bf16.json" 2>&1 | tee -a "$OUT/decode_bf16.txt" || status=1
+
+echo "== gpu tests" | tee "$OUT/gpu_tests.txt"
+timeout 280 $PY -m pytest -q -m gpu --durations=8 -p no:cacheprovider -o addopts="" tests/inference/test_inference_gpu.py \
+  2>&1 | tee -a "$OUT/gpu_tests.txt" || status=1
 
 if [ "${FP32:-0}" = 1 ]; then
   echo "== decode benchmark (random weights, SmolLM2-135M shape, fp32)" | tee "$OUT/decode.txt"

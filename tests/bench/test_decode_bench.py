@@ -313,3 +313,26 @@ def test_llamacpp_on_the_block_gguf_names_it_without_its_folder(tmp_path, tokeni
     assert (
         result["llamacpp_q4_1_ratio_batch2"] == result["batches"]["2"]["engine_blocks"]["decode_tok_s"] / 10.0
     )
+
+
+def test_also_decode_runs_a_second_engine_in_the_same_runs(tiny_dir):
+    """``--also-decode static --also-pack-weights off``: a second engine (the same static step, weights not
+    packed) measured in the same runs; its greedy rows equal the first's and the table names which is
+    packed."""
+    result = decode.run(
+        _args(
+            model=str(tiny_dir),
+            device="cpu",
+            decode="static",
+            also_decode="static",
+            also_pack_weights="off",
+            batch_sizes=[1, 3],
+            new_tokens=4,
+            repeats=1,
+        )
+    )
+    assert result["pack_weights"] is True and result["also_pack_weights"] is False
+    for b in ("1", "3"):
+        row = result["batches"][b]["engine_also"]
+        assert row["greedy_rows_equal_engine"] == 1.0 and row["decode_tok_s"] > 0
+    assert "| engine static unpacked tok/s | static unpacked / static packed |" in decode.table(result)

@@ -505,3 +505,28 @@ def test_compiled_decode_equals_eager_with_bounded_recompiles(world, refs, promp
         assert runner.captures == keys
     # batch buckets {8, 4, 2, 1} as rows finish (6 rows padded to 8) x one tail width x one prefix width
     assert keys <= 4
+
+
+
+def test_static_inputs_are_one_buffer_copied_in_one_copy():
+    """A static step's long inputs are views of one buffer (``StaticInputs.packed``, what
+    ``planner.static_inputs`` builds), so a captured graph's inputs receive a step in one copy:
+    ``copy_from`` overwrites every field (and the adapter masks) with the other step's values."""
+    from ccft.inference.model import StaticInputs
+
+    b = 3
+    sizes = [b] * 12 + [b + 1, b]  # tokens .. tail_len, then PrefixMeta's fields (row_ptr has b + 1)
+
+    def step(seed):
+        g = torch.Generator().manual_seed(seed)
+        longs = [torch.randint(0, 1000, (n,), generator=g) for n in sizes]
+        return longs, StaticInputs.packed(longs, torch.rand((2, b, 1), generator=g), max_len=seed)
+
+    longs, one = step(1)
+    _, graph_buffers = step(2)
+    assert one.to("cpu") is one and one.flat.numel() == sum(sizes)
+    buffer = one.flat.untyped_storage().data_ptr()
+    for t, want in zip(one.long_tensors(), longs, strict=True):
+        assert torch.equal(t, want) and t.untyped_storage().data_ptr() == buffer
+    graph_buffers.copy_from(one)
+    assert all(torch.equal(x, y) for x, y in zip(graph_buffers.tensors(), one.tensors(), strict=True))

@@ -113,7 +113,13 @@ def test_compiled_graph_greedy_equals_reference(attention):
     _greedy_equals_reference("compiled_graph", attention, 3)
 
 
-def _greedy_equals_reference(decode, attention, batch):
+def test_cuda_graph_unpacked_greedy_equals_reference():
+    """pack_weights=False (q/k/v and gate/up as separate matmuls, the CUDA default before packing) equals
+    the reference too."""
+    _greedy_equals_reference("cuda_graph", "triton", 3, pack_weights=False)
+
+
+def _greedy_equals_reference(decode, attention, batch, pack_weights=None):
     import ccft
     from ccft.inference import SharedPrefillEngine
 
@@ -122,7 +128,10 @@ def _greedy_equals_reference(decode, attention, batch):
     base = _base()
     decs = _decoders(base)
     prompts = _prompts(batch)
-    eng = SharedPrefillEngine(base, decoders=decs, decode=decode, attention=attention, fill=float("nan"))
+    eng = SharedPrefillEngine(
+        base, decoders=decs, decode=decode, attention=attention, fill=float("nan"), pack_weights=pack_weights
+    )
+    assert eng.pack_weights is (pack_weights is not False)  # packed by default on CUDA for captured steps
     with eng.prefill(prompts) as h:
         snap = h.snapshot()
         for name in ("base", "math", "code", "math", "full"):  # A, B, A on one handle

@@ -610,6 +610,7 @@ def run(args) -> dict:
             decode=also,
             max_tail_tokens=max(64, 2 * args.new_tokens),
             block_weights="off",
+            pack_weights={"auto": None, "on": True, "off": False}[getattr(args, "also_pack_weights", "auto")],
         )
     blocks_engine = None
     if getattr(args, "blocks", False):
@@ -632,6 +633,8 @@ def run(args) -> dict:
         "torch": torch.__version__,
         "decode_mode": engine.decode_mode,
         "also_decode_mode": also_engine.decode_mode if also_engine is not None else None,
+        "pack_weights": engine.pack_weights,
+        "also_pack_weights": also_engine.pack_weights if also_engine is not None else None,
         "attention": engine.attention,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
@@ -921,7 +924,12 @@ def table(result: dict) -> str:
     ]
     also = result.get("also_decode_mode")
     if also:
-        cols += [f"engine {also} tok/s", f"{also} / {result['decode_mode']}", f"{also} rows = engine"]
+        main = result["decode_mode"]
+        if result.get("also_pack_weights") != result.get("pack_weights"):  # one mode, packed against not
+            packing = {True: "packed", False: "unpacked"}
+            main = f"{main} {packing[result['pack_weights']]}"
+            also = f"{also} {packing[result['also_pack_weights']]}"
+        cols += [f"engine {also} tok/s", f"{also} / {main}", f"{also} rows = engine"]
     gpu = any("device_time" in r["engine"] for r in result["batches"].values())
     if gpu:
         cols += ["step ms (GPU busy ms)"] + ([f"{also} step ms (GPU busy ms)"] if also else [])
@@ -1040,6 +1048,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="also run the engine in this decode mode beside --decode's, in the same interleaved runs "
         "(e.g. --decode cuda_graph --also-decode compiled_graph: the fused step against the plain one)",
+    )
+    p.add_argument(
+        "--also-pack-weights",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="pack_weights of the --also-decode engine (auto: the engine's default for its device and mode; "
+        "e.g. --decode compiled_graph --also-decode compiled_graph --also-pack-weights off: packing)",
     )
     p.add_argument(
         "--llamacpp",

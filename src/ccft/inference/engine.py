@@ -67,6 +67,7 @@ from ccft.core.tokens import left_pad, pad_token_id
 from ccft.inference import model as M
 from ccft.inference import planner
 from ccft.inference.blocks import use_block_weights
+from ccft.inference.graphs import GRAPH_MODES
 from ccft.inference.handles import BASE, PrefixHandle
 from ccft.inference.kv import CapacityError, PrefixArena
 from ccft.inference.lanes import Lane, LaneRegistry
@@ -188,10 +189,12 @@ class SharedPrefillEngine:
             ``"cuda_graph"``, ``"compile"`` or ``"compiled_graph"`` (CUDA; the compiled step captured).
         attention: prefix attention of the static step: ``"auto"`` (Triton on CUDA when available,
             else ``"gather"``), ``"gather"`` or ``"triton"``.
-        pack_weights: keep each lane's weights packed ([q;k;v], [gate;up]) and prepacked for oneDNN
-            (about 2x faster CPU decode; one extra copy of the lane's weights, taken at registration,
-            so later in-place edits of the model's weights are not seen). Default: True on CPU
-            unless ``decode="compile"``.
+        pack_weights: keep each lane's weights packed ([q;k;v], [gate;up]) and, on the CPU, prepacked for
+            oneDNN (about 2x faster CPU decode; one extra copy of the lane's weights, taken at registration,
+            so later in-place edits of the model's weights are not seen). On CUDA the packed [q;k;v] and
+            [gate;up] are one extra copy of those five projections (about 2/3 of a layer's weights) and cut
+            a captured step's matmuls from 7 to 4 per layer. Default: True on CPU unless
+            ``decode="compile"``; on CUDA, True for ``cuda_graph`` and ``compiled_graph``.
         fill: value of never-written cache memory (0; tests use NaN to catch reads of it, K3 in
             docs/design.md).
         block_weights: compute the base lane's linear layers from the GGUF's own Q4_1 / Q8_0 blocks
@@ -232,7 +235,7 @@ class SharedPrefillEngine:
             decode = "cuda_graph" if device.type == "cuda" else "eager"
         if decode not in DECODE_MODES:
             raise ConfigError(f"decode={decode!r}; use one of auto, {', '.join(DECODE_MODES)}")
-        if decode in ("cuda_graph", "compiled_graph") and device.type != "cuda":
+        if decode in GRAPH_MODES and device.type != "cuda":
             raise ConfigError(
                 f"decode={decode!r} needs the model on a CUDA device; "
                 "use 'eager', 'static' or 'compile' on CPU"
@@ -255,11 +258,13 @@ class SharedPrefillEngine:
             )
         self.decode_mode, self.attention = decode, attention
         if pack_weights is None:
-            pack_weights = device.type == "cpu" and decode != "compile"
-        if pack_weights and decode in ("compile", "compiled_graph"):
+            # CPU: packed and oneDNN-prepacked (not under torch.compile); CUDA: [q;k;v] and [gate;up] packed
+            # for the captured steps (fewer, larger matmuls per replay)
+            pack_weights = decode != "compile" if device.type == "cpu" else decode in GRAPH_MODES
+        if pack_weights and device.type == "cpu" and decode == "compile":
             raise ConfigError(
-                f"pack_weights=True cannot be combined with decode={decode!r} (torch.compile does its own "
-                "weight handling); leave pack_weights unset"
+                "pack_weights=True cannot be combined with decode='compile' on the CPU (the oneDNN-prepacked "
+                "weights are opaque to torch.compile); leave pack_weights unset"
             )
         self.pack_weights = bool(pack_weights)
         #: the GGUF file whose blocks the base lane computes from (None: fp32 weights)

@@ -36,6 +36,8 @@ from ccft.inference.requests import Request
 from ccft.inference.weights import LaneWeights
 
 MIN_WIDTH = 16
+#: the decode modes whose steps are captured as CUDA graphs (the engine refuses them off CUDA)
+GRAPH_MODES = ("cuda_graph", "compiled_graph")
 
 
 class StaticRunner:
@@ -85,7 +87,8 @@ class StaticRunner:
         n = len(rows)
         key = self.key(n, max(write) + 1, max(r.prefix_len for r in rows))
         b, tail_width, prefix_width = key[:3]
-        inp = static_inputs(self.weights, rows, tokens, positions, write, b, self.device)
+        graphs = self.mode in GRAPH_MODES  # host-built inputs, copied into the graph's buffers in one copy
+        inp = static_inputs(self.weights, rows, tokens, positions, write, b, "cpu" if graphs else self.device)
         gens = key[4:]
         if gens != self._generations:  # buffers moved: graphs bound to the old addresses are stale
             self._graphs.clear()
@@ -93,7 +96,7 @@ class StaticRunner:
             # trips the caching allocator's use-count assertion, so the next capture takes a new one
             self._mempool = None
             self._generations = gens
-        if self.mode in ("cuda_graph", "compiled_graph"):
+        if graphs:
             return self._replay(key, inp, tail_width, prefix_width)[:n].clone()
         if self.mode == "compile":
             if key not in self._keys:
@@ -117,12 +120,12 @@ class StaticRunner:
     def _replay(self, key, inp, tail_width, prefix_width) -> torch.Tensor:
         entry = self._graphs.get(key)
         if entry is None:
+            inp = inp.to(self.device)
             graph, out, warm = self._capture(inp, tail_width, prefix_width)
             self._graphs[key] = (graph, inp, out)  # ``inp`` is now the graph's input buffer set
             return warm  # the warm-up ran this step for real; the graph replays from the next step on
         graph, static, out = entry
-        for dst, src in zip(static.tensors(), inp.tensors(), strict=True):
-            dst.copy_(src, non_blocking=True)
+        static.copy_from(inp)
         graph.replay()
         return out
 

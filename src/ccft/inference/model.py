@@ -430,16 +430,45 @@ class StaticInputs:
     tail_len: torch.Tensor
     lora_masks: torch.Tensor
     meta: PrefixMeta
+    #: the long tensors above (``long_tensors()``), as views of this one buffer, when built by ``packed``:
+    #: a step's inputs then reach a captured graph's buffers in one host-to-device copy (``copy_from``)
+    flat: torch.Tensor | None = None
+
+    def long_tensors(self) -> list[torch.Tensor]:
+        return [self.tokens, self.positions, self.write_pos, self.tail_len, *self.meta.tensors()]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [
-            self.tokens,
-            self.positions,
-            self.write_pos,
-            self.tail_len,
-            self.lora_masks,
-            *self.meta.tensors(),
-        ]
+        return [*self.long_tensors(), self.lora_masks]
+
+    @classmethod
+    def packed(cls, longs: list[torch.Tensor], lora_masks: torch.Tensor, max_len: int) -> StaticInputs:
+        """Inputs whose long tensors (in ``long_tensors()`` order: tokens, positions, write_pos, tail_len,
+        then ``PrefixMeta``'s ten) are views of one buffer, their concatenation."""
+        return cls._views(torch.cat(longs), [t.numel() for t in longs], lora_masks, max_len)
+
+    @classmethod
+    def _views(cls, flat, sizes, lora_masks, max_len) -> StaticInputs:
+        parts = list(torch.split(flat, sizes))
+        return cls(*parts[:4], lora_masks, PrefixMeta(*parts[4:], max_len=max_len), flat=flat)
+
+    def to(self, device) -> StaticInputs:
+        """A copy on ``device`` (one copy of ``flat``, one of the masks); ``self`` when already there."""
+        if self.flat is None or self.flat.device == torch.device(device):
+            return self
+        sizes = [t.numel() for t in self.long_tensors()]
+        masks = self.lora_masks.to(device)
+        return StaticInputs._views(self.flat.to(device), sizes, masks, self.meta.max_len)
+
+    def copy_from(self, other: StaticInputs) -> None:
+        """Overwrite these inputs (a captured graph's buffers) with ``other``'s values, same shapes, from any
+        device: one copy of ``flat`` (and one of the masks when the lane has adapters)."""
+        if self.flat is not None and other.flat is not None:
+            self.flat.copy_(other.flat, non_blocking=True)
+            if self.lora_masks.numel():
+                self.lora_masks.copy_(other.lora_masks, non_blocking=True)
+            return
+        for dst, src in zip(self.tensors(), other.tensors(), strict=True):
+            dst.copy_(src, non_blocking=True)
 
 
 def decode_step_static(

@@ -119,19 +119,19 @@ def static_inputs(
     """
     n = len(rows)
     pad = batch - n
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    tokens_t = t(list(tokens) + [0] * pad)
-    positions_t = t(list(positions) + [0] * pad)
-    write_pos = t(list(write) + [0] * pad)
-    tail_len = write_pos + 1
-    masks = torch.zeros((len(weights.adapters), batch, 1), dtype=weights.dtype, device=device)
+    # built on the host as one long buffer (StaticInputs.packed), then moved in one copy: a captured step's
+    # inputs are that buffer copied into the graph's (graphs.StaticRunner)
+    host = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    write_pos = host(list(write) + [0] * pad)
+    masks = torch.zeros((len(weights.adapters), batch, 1), dtype=weights.dtype)
     for i, r in enumerate(rows):
         if r.adapter_index is not None:
             masks[r.adapter_index, i] = 1
     meta = build_prefix_meta(
-        [(r.handle.start, r.row, r.handle.width, r.prefix_len) for r in rows], batch, weights.kv_heads, device
+        [(r.handle.start, r.row, r.handle.width, r.prefix_len) for r in rows], batch, weights.kv_heads, "cpu"
     )
-    return M.StaticInputs(tokens_t, positions_t, write_pos, tail_len, masks, meta)
+    longs = [host(list(tokens) + [0] * pad), host(list(positions) + [0] * pad), write_pos, write_pos + 1]
+    return M.StaticInputs.packed([*longs, *meta.tensors()], masks, meta.max_len).to(device)
 
 
 __all__ = ["prefix_groups", "lora_plan", "single_lora_plan", "static_inputs"]
