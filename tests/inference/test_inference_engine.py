@@ -507,7 +507,6 @@ def test_compiled_decode_equals_eager_with_bounded_recompiles(world, refs, promp
     assert keys <= 4
 
 
-
 def test_static_inputs_are_one_buffer_copied_in_one_copy():
     """A static step's long inputs are views of one buffer (``StaticInputs.packed``, what
     ``planner.static_inputs`` builds), so a captured graph's inputs receive a step in one copy:
