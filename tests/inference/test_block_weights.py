@@ -253,15 +253,24 @@ def test_kernel_file_is_built_once_and_reused(kernel, tmp_path, monkeypatch):
     assert B.BlockKernel(second).lib.ccft_blocks_abi() == B.ABI
 
 
-def test_plain_cpp_path_matches_torch(kernel, tmp_path, monkeypatch):
-    """The kernel built without ``-march=native`` (no AVX2: the plain C++ loops) computes the same
-    products."""
+@pytest.mark.parametrize("build", ["plain", "avx2"])
+def test_other_builds_match_torch(kernel, tmp_path, monkeypatch, build):
+    """The kernel built without ``-march=native`` (the plain C++ loops) and built without AVX-512 (the AVX2
+    path, on a CPU that has AVX-512; the same build as the default elsewhere) compute the same products."""
     import shutil
 
     monkeypatch.setenv("CCFT_CACHE", str(tmp_path))
-    flags = tuple(f for f in B.FLAGS if f != "-march=native")
+    if build == "plain":
+        flags = tuple(f for f in B.FLAGS if f != "-march=native")
+    else:
+        if not kernel.avx2:
+            pytest.skip("this CPU has no AVX2")
+        flags = (*B.FLAGS, "-mno-avx512f")
     plain = B.BlockKernel(B.build_kernel(shutil.which("g++") or shutil.which("c++"), flags))
-    assert plain.avx2 is False and kernel.avx2 is (kernel.lib.ccft_blocks_features() == 1)
+    features = kernel.lib.ccft_blocks_features()
+    assert kernel.avx2 is bool(features & 1) and kernel.avx512 is bool(features & 2)
+    assert plain.avx512 is False and plain.avx2 is (build == "avx2")
+    assert plain.isa == {"plain": "plain C++", "avx2": "AVX2+FMA"}[build]
     for fmt in ("Q4_1", "Q8_0"):
         bm, w = _random_blocks(fmt, 19, 96, plain, seed=9)
         assert torch.equal(bm.dequantize(), w)

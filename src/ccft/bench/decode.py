@@ -647,7 +647,7 @@ def run(args) -> dict:
     if blocks_engine is not None:
         result["block_weights"] = {
             "gguf": Path(blocks_engine.block_weights).name,
-            "kernel": "AVX2+FMA" if _kernel_avx2() else "plain C++",
+            "kernel": _kernel_isa(),
         }
         result["engine_memory"] = {
             "fp32_engine_extra_bytes": engine_extra_bytes(engine),
@@ -841,11 +841,11 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _kernel_avx2() -> bool:
+def _kernel_isa() -> str:
     from ccft.inference.blocks import load_kernel
 
     k = load_kernel()
-    return bool(k is not None and k.avx2)
+    return k.isa if k is not None else "none"
 
 
 def _linears(engine) -> list:

@@ -13,8 +13,8 @@ as its blocks (20 or 34 bytes per 32 weights instead of 128) computes with the s
   rows put back in HF's order, as transformers' GGUF loader does).
 * :func:`attach_blocks`: point a lane's ``Linear`` layers (``weights.Linear.blocks``) at their blocks, after
   checking that the dequantised blocks equal the fp32 weights bit for bit.
-* :func:`load_kernel`: the C++ kernel (``kernels/blocks.cpp``: AVX2 + FMA where the CPU has them, plain
-  C++ otherwise; OpenMP over output rows), compiled at first use with the system C++ compiler
+* :func:`load_kernel`: the C++ kernel (``kernels/blocks.cpp``: AVX-512 or AVX2 + FMA where the CPU has
+  them, plain C++ otherwise; OpenMP over output rows), compiled at first use with the system C++ compiler
   (``$CXX``, else ``g++``, ``c++``, ``clang++``; ``-O3 -march=native -fopenmp``) into
   ``<cache>/kernels/blocks-<hash of source, flags, compiler>.so`` (``<cache>``:
   ``ccft.core.models.cache_root``) through a temporary file renamed into place, so concurrent processes
@@ -59,7 +59,8 @@ _kernel: dict[str, object] = {}  # "lib": the loaded kernel (or None after a fai
 
 
 class BlockKernel:
-    """The loaded C++ kernel (``ctypes``): ``path`` of the ``.so`` and ``avx2`` (built with AVX2 + FMA)."""
+    """The loaded C++ kernel (``ctypes``): ``path`` of the ``.so``, ``avx2`` (built with AVX2 + FMA) and
+    ``avx512`` (built with AVX-512F: its products run 16 weights per vector)."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
@@ -73,6 +74,12 @@ class BlockKernel:
             fn.restype = None
         self.lib, self.path = lib, path
         self.avx2 = bool(lib.ccft_blocks_features() & 1)
+        self.avx512 = bool(lib.ccft_blocks_features() & 2)
+
+    @property
+    def isa(self) -> str:
+        """The vector instructions the products use: ``"AVX-512"``, ``"AVX2+FMA"`` or ``"plain C++"``."""
+        return "AVX-512" if self.avx512 else "AVX2+FMA" if self.avx2 else "plain C++"
 
 
 def _compiler() -> str | None:
@@ -431,9 +438,7 @@ def use_block_weights(base, lw, setting, *, decode_mode: str) -> Path | None:
             raise
         log.warning("ccft block weights not used, fp32 weights kept: %s", e)
         return None
-    log.info(
-        "ccft block weights: %d linear layers from %s (%s)", n, path.name, "AVX2" if kernel.avx2 else "C++"
-    )
+    log.info("ccft block weights: %d linear layers from %s (%s)", n, path.name, kernel.isa)
     return path
 
 

@@ -9,8 +9,9 @@
 // d · q + m rounds once, fused or not, and the dequantised weight equals the fp32 engine's weight.
 // Products and sums are fp32 (another order than oneDNN's: equal within fp32 rounding).
 //
-// Threads: OpenMP over output rows, `threads` of them per call. AVX2 + FMA when compiled with them
-// (-march=native on such a CPU), plain C++ otherwise. Built and loaded by ccft.inference.blocks.
+// Threads: OpenMP over output rows, `threads` of them per call. AVX-512 (16 weights per vector) when
+// compiled with AVX-512F, AVX2 + FMA (8) when compiled with those (-march=native on such a CPU), plain C++
+// otherwise. Built and loaded by ccft.inference.blocks.
 
 #include <cmath>
 #include <cstdint>
@@ -21,6 +22,11 @@
 #define CCFT_AVX2 1
 #else
 #define CCFT_AVX2 0
+#endif
+#if CCFT_AVX2 && defined(__AVX512F__)
+#define CCFT_AVX512 1
+#else
+#define CCFT_AVX512 0
 #endif
 
 namespace {
@@ -112,6 +118,47 @@ inline void dequant_avx2(int kind, const uint8_t* b, __m256& w0, __m256& w1, __m
     }
 }
 
+#if CCFT_AVX512
+// One block's 32 weights in two vectors (w0: weights 0-15, w1: 16-31): the same roundings as dequant_avx2.
+inline void dequant_avx512(int kind, const uint8_t* b, __m512& w0, __m512& w1) {
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(b)));
+    if (kind == KIND_Q8_0) {
+        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+        w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+        w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+    } else {
+        const __m512 m = _mm512_set1_ps(_cvtsh_ss(load_u16(b + 2)));
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+        const __m128i mask = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(q, mask);                     // weights 0-15
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);  // weights 16-31
+        w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m);
+        w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m);
+    }
+}
+
+// out[r] = x[r] · w for MT rows of x (stride ldx) and one weight row of nb blocks: two accumulators per row
+// (weights 0-15 and 16-31 of each block; up to 8 rows keep 16 accumulators and the two weight vectors in
+// the 32 vector registers).
+template <int MT>
+inline void dot_rows(int kind, const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* out) {
+    const int64_t bb = block_bytes(kind);
+    __m512 a0[MT], a1[MT];
+    for (int r = 0; r < MT; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 w0, w1;
+        dequant_avx512(kind, w + b * bb, w0, w1);
+        const float* xb = x + b * QK;
+        for (int r = 0; r < MT; ++r) {
+            const float* xr = xb + r * ldx;
+            a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a0[r]);
+            a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), a1[r]);
+        }
+    }
+    for (int r = 0; r < MT; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+}
+#else
 // out[r] = x[r] · w for MT rows of x (stride ldx) and one weight row of nb blocks. Up to 4 rows: two
 // accumulators per row (independent FMA chains); more rows: one each (the rows are the independent chains,
 // and the accumulators and the four weight vectors stay in registers).
@@ -142,6 +189,7 @@ inline void dot_rows(int kind, const uint8_t* w, int64_t nb, const float* x, int
     }
     for (int r = 0; r < MT; ++r) out[r] = hsum(two ? _mm256_add_ps(a0[r], a1[r]) : a0[r]);
 }
+#endif  // CCFT_AVX512
 #else
 template <int MT>
 inline void dot_rows(int kind, const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* out) {
@@ -185,9 +233,10 @@ inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
 extern "C" {
 
-// 2: the ABI version ccft.inference.blocks checks; 1 when built with AVX2 + FMA (bit 0 of the features).
+// 2: the ABI version ccft.inference.blocks checks. Features: bit 0 built with AVX2 + FMA, bit 1 with
+// AVX-512F (the products then run 16 weights per vector).
 int ccft_blocks_abi() { return 2; }
-int ccft_blocks_features() { return CCFT_AVX2; }
+int ccft_blocks_features() { return CCFT_AVX2 | (CCFT_AVX512 << 1); }
 
 // out (n, k) fp32 = the dequantised weights.
 void ccft_blocks_dequant(int kind, const uint8_t* w, int64_t n, int64_t k, float* out, int threads) {
