@@ -157,6 +157,26 @@ def test_engine_greedy_equals_fp32_path(proj_format_dir, decode, kernel, tokeniz
             assert _greedy(blocks, prompts, dec) == _greedy(fp32, prompts, dec), (n, dec)
 
 
+def test_compiled_step_calls_the_kernel_as_ops(proj_format_dir, kernel, tokenizer, gsm8k_rows, monkeypatch):
+    """decode='compile' with block weights: the compiled step runs the kernel as the ``ccft::block_matmul`` /
+    ``ccft::block_mlp`` ops (their implementations look the kernel up; eager code calls it directly) and its
+    greedy tokens equal the eager fp32 engine's."""
+    import ccft
+    from ccft.inference import blocks as B
+
+    torch._dynamo.reset()
+    base = ccft.load_base(str(proj_format_dir))
+    lora = make_lora(base, "math", seed=3, r=4)
+    compiled = SharedPrefillEngine(base, {"math": lora}, decode="compile", block_weights="on")
+    fp32 = SharedPrefillEngine(base, {"math": lora}, decode="eager", block_weights="off")
+    looked_up = []
+    monkeypatch.setattr(B, "load_kernel", lambda *, fresh=False: looked_up.append(1) or kernel)
+    prompts = _prompts(tokenizer, gsm8k_rows, 3)
+    for dec in ("base", "math"):
+        assert _greedy(compiled, prompts, dec) == _greedy(fp32, prompts, dec), dec
+    assert looked_up, "the compiled step never ran the kernel's ops"
+
+
 def test_engine_logits_close_to_fp32(block_dir, kernel, tokenizer, gsm8k_rows):
     import ccft
 
@@ -212,8 +232,8 @@ def test_settings(tiny_base, block_dir, kernel, monkeypatch):
     with pytest.raises(ConfigError, match="CCFT_BLOCK_WEIGHTS"):
         SharedPrefillEngine(base)
     monkeypatch.delenv("CCFT_BLOCK_WEIGHTS")
-    with pytest.raises(ConfigError, match="decode eager or static"):
-        SharedPrefillEngine(base, block_weights="on", decode="compile")
+    with pytest.raises(ConfigError, match="decode eager, static or compile"):
+        SharedPrefillEngine(ccft.load_base(str(block_dir), dtype="bfloat16"), block_weights="on")
 
 
 def test_compiler_failure_falls_back_to_fp32(block_dir, kernel, tmp_path, monkeypatch, caplog):

@@ -187,7 +187,7 @@ class BlockMatrix:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x · Wᵀ``: ``x (..., k)`` fp32 on the CPU -> ``(..., n)`` fp32. More than :data:`DEQUANT_ROWS`
         rows (prefill): the matrix is dequantised for the call and ``torch.matmul`` runs (faster at many
-        rows)."""
+        rows). Under ``torch.compile`` the kernel runs as the ``ccft::block_matmul`` op (same arithmetic)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k)
         if x2.stride(-1) != 1:
@@ -195,6 +195,8 @@ class BlockMatrix:
         m = x2.shape[0]
         if m > DEQUANT_ROWS:
             return torch.matmul(x2, self.dequantize().T).view(*lead, self.n)
+        if torch.compiler.is_compiling():
+            return block_matmul_op(x2.contiguous(), self.raw, self.kind, self.n, self.k).view(*lead, self.n)
         y = torch.empty(m, self.n, dtype=torch.float32)
         self.kernel.lib.ccft_blocks_matmul(
             self.kind, _ptr(self.raw), self.n, self.k, _ptr(x2), m, x2.stride(0), _ptr(y), self.n, _threads()
@@ -226,6 +228,9 @@ def fused_mlp(gate: BlockMatrix, up: BlockMatrix, x: torch.Tensor) -> torch.Tens
     m = x2.shape[0]
     if m > DEQUANT_ROWS:
         return (torch.nn.functional.silu(gate.matmul(x2)) * up.matmul(x2)).view(*lead, gate.n)
+    if torch.compiler.is_compiling():
+        out = block_mlp_op(x2.contiguous(), gate.raw, gate.kind, up.raw, up.kind, gate.n, gate.k)
+        return out.view(*lead, gate.n)
     y = torch.empty(m, gate.n, dtype=torch.float32)
     gate.kernel.lib.ccft_blocks_mlp(
         gate.kind,
@@ -242,6 +247,49 @@ def fused_mlp(gate: BlockMatrix, up: BlockMatrix, x: torch.Tensor) -> torch.Tens
         _threads(),
     )
     return y.view(*lead, gate.n)
+
+
+# The kernel as PyTorch ops, so that torch.compile (decode="compile") calls it inside a compiled step instead
+# of breaking the graph at each ctypes call. Eager code calls the kernel directly (no dispatcher overhead).
+
+
+@torch.library.custom_op("ccft::block_matmul", mutates_args=())
+def block_matmul_op(x: torch.Tensor, raw: torch.Tensor, kind: int, n: int, k: int) -> torch.Tensor:
+    """``x (m, k)`` contiguous fp32 · Wᵀ, W ``(n, k)`` the blocks ``raw`` of format ``kind`` -> ``(m, n)``
+    (:meth:`BlockMatrix.matmul` under ``torch.compile``)."""
+    kernel = load_kernel()
+    if kernel is None:
+        raise RuntimeError("ccft::block_matmul: the block kernel is not available")
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    kernel.lib.ccft_blocks_matmul(kind, _ptr(raw), n, k, _ptr(x), x.shape[0], k, _ptr(y), n, _threads())
+    return y
+
+
+@block_matmul_op.register_fake
+def _(x, raw, kind, n, k):
+    return x.new_empty(x.shape[0], n)
+
+
+@torch.library.custom_op("ccft::block_mlp", mutates_args=())
+def block_mlp_op(
+    x: torch.Tensor, gate: torch.Tensor, gate_kind: int, up: torch.Tensor, up_kind: int, n: int, k: int
+) -> torch.Tensor:
+    """``silu(x · Wgᵀ) * (x · Wuᵀ)``: ``x (m, k)`` contiguous fp32, gate, up ``(n, k)`` blocks -> ``(m, n)``
+    (:func:`fused_mlp` under ``torch.compile``)."""
+    kernel = load_kernel()
+    if kernel is None:
+        raise RuntimeError("ccft::block_mlp: the block kernel is not available")
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    m = x.shape[0]
+    kernel.lib.ccft_blocks_mlp(
+        gate_kind, _ptr(gate), up_kind, _ptr(up), n, k, _ptr(x), m, k, _ptr(y), n, _threads()
+    )
+    return y
+
+
+@block_mlp_op.register_fake
+def _(x, gate, gate_kind, up, up_kind, n, k):
+    return x.new_empty(x.shape[0], n)
 
 
 #: GGUF (llama.cpp) tensor name in a layer -> HF projection name
@@ -383,11 +431,12 @@ def use_block_weights(base, lw, setting, *, decode_mode: str) -> Path | None:
         base: the ``ccft.Base`` (its ``name`` / ``path`` locate the GGUF, ``ccft.core.models.source_gguf``).
         lw: its ``weights.LaneWeights`` (the base lane), before packing.
         setting: ``"auto"`` (on when the kernel builds, the base was dequantised from a Q4_1 / Q8_0 GGUF
-            whose blocks equal its fp32 weights, and the engine decodes fp32 on the CPU eagerly or
-            statically; otherwise off, with a log line when something was tried and failed), ``"on"``
+            whose blocks equal its fp32 weights, and the engine decodes fp32 on the CPU (eager, static or
+            compile); otherwise off, with a log line when something was tried and failed), ``"on"``
             (the same, but every failure raises), ``"off"``, or a path to the GGUF file (as ``"on"``),
             or None (:func:`default_setting`).
-        decode_mode: the engine's decode mode (``"compile"`` and ``"cuda_graph"`` keep fp32).
+        decode_mode: the engine's decode mode (the CUDA modes keep fp32; ``"compile"`` calls the kernel as
+            the ``ccft::block_matmul`` / ``ccft::block_mlp`` ops).
     Raises:
         ConfigError: an unknown setting; with ``"on"`` or a path: a device, dtype or decode mode the
             kernel does not run, no GGUF found, no kernel, or no Q4_1 / Q8_0 tensor in the file.
@@ -410,9 +459,13 @@ def use_block_weights(base, lw, setting, *, decode_mode: str) -> Path | None:
         if required:
             raise ConfigError(f"block_weights: {why}")
 
-    if lw.device.type != "cpu" or lw.dtype != torch.float32 or decode_mode not in ("eager", "static"):
+    if (
+        lw.device.type != "cpu"
+        or lw.dtype != torch.float32
+        or decode_mode not in ("eager", "static", "compile")
+    ):
         refuse(
-            f"the block kernel runs fp32 on the CPU with decode eager or static, not {lw.dtype} on "
+            f"the block kernel runs fp32 on the CPU with decode eager, static or compile, not {lw.dtype} on "
             f"{lw.device} with decode={decode_mode!r}; use block_weights='off'"
         )
         return None
