@@ -252,17 +252,24 @@ def test_run_folder_records_the_depth_and_a_load_restores_it(depth_run, deep_tra
 # ------------------------------------------------------------------ who refuses or falls back
 
 
-def test_engine_and_alora_exports_refuse_a_depth_decoder(depth_run, deep_train_dir, tmp_path):
+def test_engine_serves_a_depth_decoder_and_alora_exports_refuse_it(depth_run, deep_train_dir, tmp_path):
     from ccft.inference import SharedPrefillEngine
     from ccft.train.export import export_decoder
 
     base = ccft.load_base(str(deep_train_dir))
     loaded = ccft.load_decoder(depth_run.output_dir, base=base)
-    refusal = "not supported by SharedPrefillEngine yet; use the reference path"
-    with pytest.raises(ConfigError, match=refusal):
-        SharedPrefillEngine(base, decoders={"d": loaded})
-    with pytest.raises(ConfigError, match=refusal):  # a folder: refused before its adapter loads
-        SharedPrefillEngine(ccft.load_base(str(deep_train_dir)), decoders={"d": str(depth_run.output_dir)})
+    prompts = [list(depth_run.trainer.train_dataset[i].prompt_ids) for i in range(3)]
+    want = [
+        g.token_ids for g in ccft.generate(prompts, mode="prefillshare", decoder=loaded, max_new_tokens=4)
+    ]
+    # the engine serves it at its depth (its own K/V in layers 0..1), from the object or from the folder
+    for eng in (
+        SharedPrefillEngine(base, decoders={"d": loaded}),
+        SharedPrefillEngine(ccft.load_base(str(deep_train_dir)), decoders={"d": str(depth_run.output_dir)}),
+    ):
+        assert eng.decoders["d"].depth == 2
+        with eng.prefill(prompts) as h:
+            assert [g.token_ids for g in eng.generate(h, decoder="d", max_new_tokens=4)] == want
     with pytest.raises(ConfigError, match="share_from_layer=2.*--to merged"):
         export_decoder(depth_run.output_dir, "peft-alora", tmp_path / "alora")
     assert not (tmp_path / "alora").exists()

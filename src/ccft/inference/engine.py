@@ -67,7 +67,7 @@ from ccft.core.tokens import left_pad, pad_token_id
 from ccft.inference import model as M
 from ccft.inference import planner
 from ccft.inference.blocks import use_block_weights
-from ccft.inference.handles import BASE, PrefixHandle
+from ccft.inference.handles import BASE, OwnPrefix, PrefixHandle
 from ccft.inference.kv import CapacityError, PrefixArena
 from ccft.inference.lanes import Lane, LaneRegistry
 from ccft.inference.prefill import (
@@ -279,10 +279,23 @@ class SharedPrefillEngine:
             max_tokens=max_prefix_tokens,
             fill=self.fill,
         )
+        #: the decoders' own prefix K/V below their sharing depth m (``handles.OwnPrefix``): as many layers as
+        #: the deepest decoder registered (none until one with m > 0 is), regions allocated like the arena's
+        self.own_arena = PrefixArena(
+            0,
+            bw.kv_heads,
+            bw.head_dim,
+            bw.dtype,
+            device,
+            capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
+            max_tokens=max_prefix_tokens,
+            fill=self.fill,
+        )
         self._registry = LaneRegistry(
             base,
             bw,
             self.arena,
+            own_arena=self.own_arena,
             max_batch=self.max_batch,
             max_tail_tokens=self.max_tail_tokens,
             fill=self.fill,
@@ -417,7 +430,13 @@ class SharedPrefillEngine:
         prod = self._registry.producer(producer)
         ids, mask = left_pad([list(p[:-k]) for p in prompts], pad_token_id(self.tokenizer))
         handle = self._new_handle(
-            mask.sum(-1).tolist(), ids.shape[1], [list(p[-k:]) for p in prompts], k, prod.name, prod.key
+            mask.sum(-1).tolist(),
+            ids.shape[1],
+            [list(p[-k:]) for p in prompts],
+            k,
+            prod.name,
+            prod.key,
+            [[int(t) for t in p[:-k]] for p in prompts],
         )
         prefill_rows(prod, ids.to(self.device), mask.to(self.device), handle)
         return handle
@@ -522,7 +541,7 @@ class SharedPrefillEngine:
         return (
             prod,
             prefix,
-            self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key),
+            self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key, [prefix]),
         )
 
     def producer_key(self, producer: str | None = None) -> str:
@@ -565,6 +584,7 @@ class SharedPrefillEngine:
         k: int,
         producer: str = BASE,
         producer_key: str | None = None,
+        prefix_ids: list[list[int]] | None = None,
     ) -> PrefixHandle:
         start = self.arena.allocate(len(lengths) * width)
         return PrefixHandle(
@@ -577,7 +597,50 @@ class SharedPrefillEngine:
             self.base.fingerprint,
             producer,
             producer_key,
+            prefix_ids,
         )
+
+    def _own_prefix(self, handle: PrefixHandle, decoder: str) -> OwnPrefix | None:
+        """The own prefix K/V ``decoder`` reads on ``handle`` below its sharing depth m: None at m = 0 or on a
+        handle the decoder prefilled itself (its own K/V in every layer); else the handle's ``OwnPrefix`` for
+        the decoder's current producer key, computed now by a partial prefill (its first m layers, its own
+        weights) over the handle's prefixes when the handle has none yet (``handles``).
+
+        Raises:
+            ConfigError: the handle was imported from a ``BaseCache`` (``prefill_cache``): its prompt ids are
+                not known, so the partial prefill cannot run.
+            CapacityError: the own-layer arena is full (``max_prefix_tokens``).
+        """
+        entry = self.decoders[decoder]
+        if not entry.depth or handle.producer != BASE:
+            return None
+        prod = self._registry.producer(decoder)
+        own = handle.own.get(prod.key)
+        if own is not None:
+            return own
+        if handle.prefix_ids is None:
+            raise ConfigError(
+                f"decoder {decoder!r} was trained at share_from_layer={entry.depth}: it computes its own "
+                f"prompt K/V in layers 0..{entry.depth - 1} from the prompt ids, which PrefixHandle "
+                f"{handle.id} (imported from a BaseCache with prefill_cache) does not keep; prefill the "
+                "prompts with engine.prefill (or prefill_cached) instead"
+            )
+        own = OwnPrefix(
+            self.own_arena,
+            self.own_arena.allocate(handle.batch_size * handle.width),
+            handle,
+            entry.depth,
+            prod.name,
+            prod.key,
+        )
+        ids, mask = left_pad(handle.prefix_ids, pad_token_id(self.tokenizer))
+        try:
+            prefill_rows(prod, ids.to(self.device), mask.to(self.device), own, entry.depth)
+        except BaseException:
+            own.free()
+            raise
+        handle.own[prod.key] = own
+        return own
 
     # ------------------------------------------------------------------ step API
     def _check_reader(self, handle: PrefixHandle, decoder: str):
@@ -654,13 +717,14 @@ class SharedPrefillEngine:
         key_start = handle.key_start.index_select(0, index)
         prefix_real = torch.arange(handle.width, device=self.device)[None, :] >= key_start[:, None]
         prod = self._registry.producer(decoder)  # the decoder's weights and adapter, as it reads
+        own = self._own_prefix(handle, decoder)
         return M.tail_forward(
             prod.weights,
             tail_ids.to(self.device),
             tail_mask.to(self.device),
             starts,
-            lambda i: handle.keys(i).index_select(0, index),
-            lambda i: handle.values(i).index_select(0, index),
+            lambda i: handle.layer_keys(i, own).index_select(0, index),
+            lambda i: handle.layer_values(i, own).index_select(0, index),
             prefix_real,
             prod.lora,
         )
@@ -751,6 +815,7 @@ class SharedPrefillEngine:
                 f"{len(lane.rows)} rows are active on lane {lane.key!r} (max_batch={self.max_batch}); "
                 "step until some finish, abort some, or raise max_batch"
             )
+        own = self._own_prefix(handle, decoder)
         tail = list(handle.tail_ids[row]) + [int(t) for t in (suffix_ids or [])]
         lane.pool.ensure(len(lane.rows) + 1, len(tail) + max_new_tokens)
         slot = len(lane.rows)
@@ -776,6 +841,7 @@ class SharedPrefillEngine:
             next_token=int(tail[-1]),
             tail_written=len(tail) - 1,
             logprobs=None if logprobs is None else int(logprobs),
+            own=own,
         )
         # the handle's producer is the base or this decoder (checked above)
         prefill_tail(
@@ -787,6 +853,7 @@ class SharedPrefillEngine:
             entry.lora_plan(),
             lane.pool.k[:, slot],
             lane.pool.v[:, slot],
+            own,
         )
         handle.acquire()
         lane.rows.append(req)

@@ -8,6 +8,13 @@ by every reader (K5).
 
 The region lives while anyone references it: the user (until ``release()``) and each active
 request reading one of its rows (``acquire()`` on admission, ``unref()`` when the request leaves).
+
+A decoder trained at sharing depth m > 0 (``share_from_layer``; docs/design.md, "Terms") reads its own
+prompt K/V in layers ``0..m-1`` and C_base in ``m..L-1``. Its own K/V of a C_base handle's prefixes is an
+``OwnPrefix``: a region of the engine's own-layer arena (m layers, not L), computed by a partial prefill
+with the decoder's weights the first time the decoder reads the handle, kept per producer key (decoder and
+weights) beside the handle and freed with it. ``PrefixHandle.layer_keys`` / ``layer_values`` give what a
+reader attends to in a layer: its own K/V below its depth, C_base above.
 """
 
 from __future__ import annotations
@@ -53,13 +60,16 @@ class PrefixHandle:
         fingerprint: str,
         producer: str = BASE,
         producer_key: str | None = None,
+        prefix_ids: list[list[int]] | None = None,
     ):
         self.engine, self.start, self.width = engine, start, width
+        self.prefix_ids = prefix_ids
         self.lengths, self.tail_ids, self.handoff_tokens = lengths, tail_ids, handoff_tokens
         self.fingerprint = fingerprint
         self.producer = producer
         self.producer_key = producer_key if producer_key is not None else fingerprint
         self.held: tuple = ()  # (store, blocks) whose references this handle holds until it is freed
+        self.own: dict[str, OwnPrefix] = {}  # producer key -> a depth-m decoder's own K/V of these prefixes
         self.id = next(self._ids)
         self.refs = 1
         self.released = False
@@ -83,6 +93,15 @@ class PrefixHandle:
         """``(b, h, p, d)`` view of this handle's prefix values in ``layer`` (as ``keys``)."""
         self._check_alive()
         return self.engine.arena.view("v", layer, self.start, self.batch_size, self.width)
+
+    def layer_keys(self, layer: int, own: "OwnPrefix | None" = None) -> torch.Tensor:
+        """``(b, h, p, d)``: what a reader attends to in ``layer``: ``own``'s keys below its depth m (a
+        decoder at sharing depth m), this handle's above (and in every layer without ``own``)."""
+        return own.keys(layer) if own is not None and layer < own.depth else self.keys(layer)
+
+    def layer_values(self, layer: int, own: "OwnPrefix | None" = None) -> torch.Tensor:
+        """``(b, h, p, d)`` values as ``layer_keys``."""
+        return own.values(layer) if own is not None and layer < own.depth else self.values(layer)
 
     def snapshot(self) -> list[torch.Tensor]:
         """Clones of every layer's keys then values (tests compare them bit for bit, K1)."""
@@ -127,6 +146,9 @@ class PrefixHandle:
         if self.refs == 0 and not self.freed:
             self.engine.arena.free(self.start)
             self.freed = True
+            for own in self.own.values():
+                own.free()
+            self.own = {}
             if self.held:
                 store, blocks = self.held
                 self.held = ()
@@ -153,4 +175,44 @@ class PrefixHandle:
         )
 
 
-__all__ = ["BASE", "PrefixHandle"]
+class OwnPrefix:
+    """A decoder's own K/V of a handle's prefixes in its first m layers (sharing depth m; module docstring).
+
+    Attributes:
+        arena: the engine's own-layer arena (``kv.PrefixArena`` of at least m layers).
+        start: the region's first slot; the region has the handle's shape, ``(b, h, p, d)`` per layer,
+            left-padded like it (pad slots zero; the same ``key_start``).
+        handle: the C_base handle whose prefixes it covers.  depth: m.
+        producer, producer_key: the decoder's name and key (``lanes.LaneRegistry.producer``).
+    Freed with its handle (``PrefixHandle.unref``).
+    """
+
+    def __init__(self, arena, start: int, handle: PrefixHandle, depth: int, producer: str, producer_key: str):
+        self.arena, self.start, self.handle, self.depth = arena, start, handle, int(depth)
+        self.producer, self.producer_key = producer, producer_key
+        self.id = next(PrefixHandle._ids)
+        self.freed = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.handle.batch_size
+
+    @property
+    def width(self) -> int:
+        return self.handle.width
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """``(b, h, p, d)`` view of the own keys in ``layer`` (< m)."""
+        return self.arena.view("k", layer, self.start, self.batch_size, self.width)
+
+    def values(self, layer: int) -> torch.Tensor:
+        """``(b, h, p, d)`` view of the own values in ``layer`` (< m)."""
+        return self.arena.view("v", layer, self.start, self.batch_size, self.width)
+
+    def free(self) -> None:
+        if not self.freed:
+            self.arena.free(self.start)
+            self.freed = True
+
+
+__all__ = ["BASE", "OwnPrefix", "PrefixHandle"]

@@ -158,6 +158,20 @@ class PrefixArena:
         self._release_range(old_cap, new_cap - old_cap)
         self.generation += 1
 
+    def set_layers(self, num_layers: int) -> None:
+        """Hold ``num_layers`` layers from now on (only more: the regions' contents in the layers held so far
+        are kept, the new layers are ``fill``). Bumps ``generation`` (new buffers). For the arena of the
+        decoders' own prefix K/V, whose depth is the largest sharing depth registered (``lanes``)."""
+        num_layers = int(num_layers)
+        if num_layers <= self.num_layers:
+            return
+        k = _full((num_layers, self.capacity * self.unit), self.fill, self.dtype, self.device)
+        v = _full((num_layers, self.capacity * self.unit), self.fill, self.dtype, self.device)
+        k[: self.num_layers].copy_(self.k)
+        v[: self.num_layers].copy_(self.v)
+        self.k, self.v, self.num_layers = k, v, num_layers
+        self.generation += 1
+
     def free(self, start: int) -> None:
         """Return the region starting at ``start`` to the free list."""
         size = self.used.pop(start)

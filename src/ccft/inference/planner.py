@@ -33,20 +33,21 @@ SPAN_FACTOR = 2
 def prefix_groups(rows: Sequence[Request], device) -> list[PrefixGroup]:
     """The prefix groups covering ``rows`` (batch index i is ``rows[i]``).
 
-    Rows reading one handle form one group: a handle whose every row is present, in order and
+    Rows reading one handle with the same own K/V (``Request.own``: a decoder at sharing depth m reads its
+    own below layer m) form one group: a handle whose every row is present, in order and
     contiguous, reads its region directly (``rows=None``); otherwise a ``(prompt rows, m)`` table
     maps each prompt row read to the batch rows reading it (-1 padded), with ``used`` None (every
     prompt row), a slice (the span of the rows read, read in place: ``SPAN_FACTOR``) or the prompt
     rows gathered.
     """
-    by_handle: dict[int, list[tuple[int, Request]]] = {}
+    by_handle: dict[tuple[int, int], list[tuple[int, Request]]] = {}
     for i, r in enumerate(rows):
-        by_handle.setdefault(r.handle.id, []).append((i, r))
+        by_handle.setdefault((r.handle.id, -1 if r.own is None else r.own.id), []).append((i, r))
     groups = []
     for members in by_handle.values():
-        h = members[0][1].handle
-        kf = (lambda hh: lambda i: hh.keys(i))(h)
-        vf = (lambda hh: lambda i: hh.values(i))(h)
+        h, own = members[0][1].handle, members[0][1].own
+        kf = (lambda hh, oo: lambda i: hh.layer_keys(i, oo))(h, own)
+        vf = (lambda hh, oo: lambda i: hh.layer_values(i, oo))(h, own)
         first = members[0][0]
         if len(members) == h.batch_size and all(i == first + r.row for i, r in members):
             groups.append(PrefixGroup(kf, vf, h.key_start, None, first))
@@ -115,7 +116,9 @@ def static_inputs(
     Returns:
         ``StaticInputs``: ``(batch,)`` long tokens / positions / write_pos / tail_len (write_pos + 1),
         ``(adapters, batch, 1)`` row masks in the lane dtype, and the prefix placement
-        (``attention.build_prefix_meta``).
+        (``attention.build_prefix_meta``); when a row reads its own K/V below its sharing depth
+        (``Request.own``), their placement in the own-layer arena and the rows' depths (0: none; rows
+        without own K/V point at another row's, never selected).
     """
     n = len(rows)
     pad = batch - n
@@ -131,7 +134,23 @@ def static_inputs(
     meta = build_prefix_meta(
         [(r.handle.start, r.row, r.handle.width, r.prefix_len) for r in rows], batch, weights.kv_heads, device
     )
-    return M.StaticInputs(tokens_t, positions_t, write_pos, tail_len, masks, meta)
+    inp = M.StaticInputs(tokens_t, positions_t, write_pos, tail_len, masks, meta)
+    with_own = [r for r in rows if r.own is not None]
+    if with_own:
+        first = with_own[0]
+        inp.own_meta = build_prefix_meta(
+            [
+                (o.start, r.row, o.width, r.prefix_len)
+                if (o := r.own) is not None
+                else (first.own.start, first.row, first.own.width, first.prefix_len)
+                for r in rows
+            ],
+            batch,
+            weights.kv_heads,
+            device,
+        )
+        inp.depth = t([0 if r.own is None else r.own.depth for r in rows] + [0] * pad)
+    return inp
 
 
 __all__ = ["prefix_groups", "lora_plan", "single_lora_plan", "static_inputs"]
