@@ -58,6 +58,7 @@ from typing import Sequence
 import torch
 
 from ccft.core.cache import BaseCache
+from ccft.core.compact import dequantize, quantize_keys, quantize_values
 from ccft.core.decoder import Decoder
 from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.generation import Generation
@@ -317,8 +318,16 @@ class SharedPrefillEngine:
             self.add_decoder(name, dec)
 
     # ------------------------------------------------------------------ decoders
-    def add_decoder(self, name: str, decoder: Decoder | str | Path, *, tokenizer=None) -> None:
+    def add_decoder(
+        self, name: str, decoder: Decoder | str | Path, *, tokenizer=None, cache_format: str | None = None
+    ) -> None:
         """Register a decoder under ``name`` (a ``ccft.Decoder``, or a decoder folder loaded onto the base).
+
+        It reads C_base as it was trained to (``Decoder.share_from_layer``, ``Decoder.cache_format``): at
+        sharing depth m > 0 its own prompt K/V in layers ``0..m-1`` (a partial prefill with its weights, the
+        first time it reads a handle; ``handles.OwnPrefix``), C_base above; on ``int8`` the compact C_base's
+        values (``ccft.core.compact.read_cache``; ``handles.PrefixHandle.formats``). ``cache_format``
+        overrides the format (``int8``: a decoder trained on the native cache served on the compact one).
 
         A LoRA decoder joins the base's lane as one more adapter; a full-weight decoder gets its own.
         A LoRA adapter's weights are cast in place to the base dtype (PEFT keeps them in fp32 on a
@@ -331,9 +340,9 @@ class SharedPrefillEngine:
             IncompatibleModelError: its tokenizer, layer count, KV geometry or RoPE differ from the base's,
                 a full-weight decoder has weights in another dtype than the base, or it is a model /
                 LoRA variant the engine does not run.
-            ConfigError: ``name`` already used.
+            ConfigError: ``name`` already used; an unknown ``cache_format``.
         """
-        self._registry.add(name, decoder, tokenizer=tokenizer)
+        self._registry.add(name, decoder, tokenizer=tokenizer, cache_format=cache_format)
 
     def stage_reload(self, name: str, path: str | Path) -> StagedReload:
         """Read and validate the decoder folder ``path`` as new weights for LoRA decoder ``name``; the live
@@ -600,6 +609,38 @@ class SharedPrefillEngine:
             prefix_ids,
         )
 
+    def _read_handle(self, handle: PrefixHandle, decoder: str) -> PrefixHandle:
+        """The handle ``decoder`` reads for ``handle``: ``handle`` itself, or, for a decoder reading C_base in
+        ``int8``, the handle's ``int8`` format (``PrefixHandle.formats``), made now when it has none: every
+        layer of C_base quantised and dequantised by ``ccft.core.compact`` (``quantize_keys`` per channel,
+        ``quantize_values`` per token, ``dequantize`` to the base dtype), the values ``read_cache`` gives.
+
+        Raises:
+            CapacityError: the arena is full (``max_prefix_tokens``).
+        """
+        fmt = self.decoders[decoder].cache_format
+        if fmt == "native" or handle.producer != BASE:
+            return handle
+        derived = handle.formats.get(fmt)
+        if derived is not None:
+            return derived
+        derived = self._new_handle(
+            handle.lengths,
+            handle.width,
+            handle.tail_ids,
+            handle.handoff_tokens,
+            BASE,
+            handle.producer_key,
+            handle.prefix_ids,
+        )
+        derived.cache_format = fmt
+        dtype = self.arena.dtype
+        for i in range(self.num_layers):
+            derived.keys(i).copy_(dequantize(*quantize_keys(handle.keys(i)), dtype))
+            derived.values(i).copy_(dequantize(*quantize_values(handle.values(i)), dtype))
+        handle.formats[fmt] = derived
+        return derived
+
     def _own_prefix(self, handle: PrefixHandle, decoder: str) -> OwnPrefix | None:
         """The own prefix K/V ``decoder`` reads on ``handle`` below its sharing depth m: None at m = 0 or on a
         handle the decoder prefilled itself (its own K/V in every layer); else the handle's ``OwnPrefix`` for
@@ -704,6 +745,7 @@ class SharedPrefillEngine:
             read; a row out of range or tails not shaped ``(len(rows), t)``.
         """
         self._check_reader(handle, decoder)
+        handle = self._read_handle(handle, decoder)
         rows = [int(r) for r in rows]
         if any(not 0 <= r < handle.batch_size for r in rows):
             raise ConfigError(f"rows {rows} out of range: the handle has {handle.batch_size} prompts")
@@ -815,6 +857,13 @@ class SharedPrefillEngine:
                 f"{len(lane.rows)} rows are active on lane {lane.key!r} (max_batch={self.max_batch}); "
                 "step until some finish, abort some, or raise max_batch"
             )
+        if suffix_ids and entry.cache_format != "native" and handle.producer == BASE:
+            raise ConfigError(
+                f"decoder {decoder!r} reads C_base in cache_format={entry.cache_format}, whose key scales "
+                "cover a row's whole prefix, so a request's suffix_ids cannot extend it; prefill the whole "
+                "prompt (handle prompt + suffix) instead"
+            )
+        handle = self._read_handle(handle, decoder)
         own = self._own_prefix(handle, decoder)
         tail = list(handle.tail_ids[row]) + [int(t) for t in (suffix_ids or [])]
         lane.pool.ensure(len(lane.rows) + 1, len(tail) + max_new_tokens)

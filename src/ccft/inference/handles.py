@@ -15,6 +15,11 @@ prompt K/V in layers ``0..m-1`` and C_base in ``m..L-1``. Its own K/V of a C_bas
 with the decoder's weights the first time the decoder reads the handle, kept per producer key (decoder and
 weights) beside the handle and freed with it. ``PrefixHandle.layer_keys`` / ``layer_values`` give what a
 reader attends to in a layer: its own K/V below its depth, C_base above.
+
+A decoder served on the compact C_base (``cache_format`` ``int8``; ``ccft.core.compact``) reads a second
+handle derived from the C_base handle (``PrefixHandle.formats``): the same prefixes with the values
+``read_cache`` gives (int8 codes, keys per channel and values per token, times their bf16 scales), held in
+the arena in the base dtype (the engine does not keep the codes themselves yet: no memory is saved).
 """
 
 from __future__ import annotations
@@ -43,6 +48,13 @@ class PrefixHandle:
             read it).  producer_key: the producer's key (``engine.producer_key``).
         key_start: ``(b,)`` long, the first real key slot per row (``width - lengths``).
         refs: references held (the user's and one per active request).
+        prefix_ids: per row the ``prompt[:n-k]`` ids (None for an imported cache, ``prefill_cache``): what
+            the partial prefill of a decoder at sharing depth m > 0 runs over.
+        own: producer key -> ``OwnPrefix``, the own K/V of the depth-m decoders that read this handle.
+        formats: cache format -> a handle holding this C_base as a reader of that format sees it (``int8``:
+            ``ccft.core.compact.read_cache``'s values; made by the engine for a first such reader, released
+            when this handle is freed).  cache_format: the format of this handle's K/V (``native`` unless it
+            is one of another handle's ``formats``).
     The region is freed when ``refs`` reaches 0 (and then the handle drops its references on
     prefix-store blocks, ``hold``).
     """
@@ -70,6 +82,8 @@ class PrefixHandle:
         self.producer_key = producer_key if producer_key is not None else fingerprint
         self.held: tuple = ()  # (store, blocks) whose references this handle holds until it is freed
         self.own: dict[str, OwnPrefix] = {}  # producer key -> a depth-m decoder's own K/V of these prefixes
+        self.formats: dict[str, PrefixHandle] = {}  # cache format -> this C_base as a reader of it sees it
+        self.cache_format = "native"
         self.id = next(self._ids)
         self.refs = 1
         self.released = False
@@ -149,6 +163,9 @@ class PrefixHandle:
             for own in self.own.values():
                 own.free()
             self.own = {}
+            for derived in self.formats.values():  # freed once no request reads it either
+                derived.release()
+            self.formats = {}
             if self.held:
                 store, blocks = self.held
                 self.held = ()

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from ccft.core.compact import check_cache_format
 from ccft.core.decoder import Decoder, check_share_from_layer, resolve_handoff
 from ccft.core.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
 from ccft.core.fingerprint import check_compatible, tokenizer_digest, weights_digest_module
@@ -52,23 +53,6 @@ from ccft.inference.weights import (
     lora_adapter,
     pack,
 )
-
-
-def check_engine_cache_format(what: str, cache_format) -> None:
-    """Refuse a decoder trained on the compact C_base (``cache_format`` ``int8``; issue 35,
-    ``ccft.core.compact``): the engine's lanes read C_base as the base computed it, so serving it would
-    silently run it on another cache than the one it learned.
-
-    Raises:
-        ConfigError: naming the decoder, the format and the way out (the reference path).
-    """
-    fmt = cache_format or "native"
-    if fmt != "native":
-        raise ConfigError(
-            f"{what} was trained on cache_format={fmt} (the compact C_base): not supported by "
-            "SharedPrefillEngine yet; use the reference path (ccft.generate, or `ccft eval` with "
-            "eval.engine=false)"
-        )
 
 
 @dataclass
@@ -106,6 +90,8 @@ class DecoderEntry:
         stale_keys: its keys from before in-place edits, not yet forgotten by a prefix store.
         depth: its sharing depth m (``Decoder.share_from_layer``): on C_base it reads its own prompt K/V in
             layers ``0..m-1`` (``handles.OwnPrefix``), C_base above; 0 for the base and PrefillShare.
+        cache_format: the format it reads C_base in (``Decoder.cache_format``, or the one it was registered
+            with): ``native`` or ``int8`` (``handles.PrefixHandle.formats``).
     """
 
     name: str
@@ -120,6 +106,7 @@ class DecoderEntry:
     versions_at_registration: tuple[int, ...] | None = None
     stale_keys: list[str] = field(default_factory=list)
     depth: int = 0
+    cache_format: str = "native"
 
     def versions(self) -> tuple[int, ...]:
         """The version counters of ``watched`` (bumped by every in-place write outside ``.data``)."""
@@ -217,8 +204,12 @@ class LaneRegistry:
             )
         return lane
 
-    def add(self, name: str, decoder: Decoder | str | Path, *, tokenizer=None) -> DecoderEntry:
-        """Register ``decoder`` (a ``ccft.Decoder``, or a decoder folder loaded onto the base) as ``name``.
+    def add(
+        self, name: str, decoder: Decoder | str | Path, *, tokenizer=None, cache_format: str | None = None
+    ) -> DecoderEntry:
+        """Register ``decoder`` (a ``ccft.Decoder``, or a decoder folder loaded onto the base) as ``name``,
+        reading C_base in ``cache_format`` (default: the decoder's own, ``Decoder.cache_format``; ``int8``
+        serves a decoder trained on the native cache on the compact one).
 
         A LoRA decoder joins the base lane as one more adapter; a full-weight decoder gets its own lane.
 
@@ -226,20 +217,20 @@ class LaneRegistry:
             FingerprintMismatchError: the decoder was conditioned on another base.
             IncompatibleModelError: its tokenizer, layer count, KV geometry, RoPE or dtype differ from
                 the base's, or it is a model / LoRA variant the engine does not run.
-            ConfigError: ``name`` already used, or not a decoder; a decoder trained on the compact C_base
-                (``check_engine_cache_format``).
+            ConfigError: ``name`` already used, or not a decoder; an unknown ``cache_format``.
         A decoder trained at sharing depth m > 0 (``share_from_layer``) is registered with that depth, and the
         own-layer arena grows to m layers when it holds fewer.
         """
         if name in self.decoders:
             raise ConfigError(f"a decoder named {name!r} is already registered; pick another name")
+        if cache_format is not None:
+            check_cache_format(cache_format, where=f"decoder {name!r}: cache_format")
         if isinstance(decoder, (str, Path)):
             decoder, tokenizer = self._load(name, decoder, tokenizer)
         if not isinstance(decoder, Decoder):
             raise ConfigError(
                 f"decoder {name!r}: expected a ccft.Decoder or a decoder folder, got {type(decoder)}"
             )
-        check_engine_cache_format(f"decoder {name!r}", decoder.cache_format)
         depth = check_share_from_layer(int(decoder.share_from_layer or 0), self.arena.num_layers)
         base = self.base
         if decoder.fingerprint != base.fingerprint:
@@ -276,6 +267,7 @@ class LaneRegistry:
             entry = DecoderEntry(name, lane, None, eos, decoder, watched=watched, packed=self.pack_weights)
         entry.versions_at_registration = entry.versions()
         entry.depth = depth
+        entry.cache_format = check_cache_format(cache_format or decoder.cache_format or "native")
         if depth and self.own_arena is not None:
             self.own_arena.set_layers(depth)
         self.decoders[name] = entry
@@ -307,7 +299,6 @@ class LaneRegistry:
                 f"decoder {folder} was trained on base {want} but this engine's base is "
                 f"{self.base.fingerprint} ({self.base.name}); serve it with the base it was trained on"
             )
-        check_engine_cache_format(f"decoder {name!r} ({folder})", meta.get("cache_format"))
         if tokenizer is None and (Path(folder) / "tokenizer_config.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self._check_tokenizer(name, tokenizer)
