@@ -277,15 +277,17 @@ def test_engine_serves_a_depth_decoder_and_alora_exports_refuse_it(depth_run, de
     assert json.loads((Path(merged.out) / "ccft.json").read_text())["share_from_layer"] == 2
 
 
-def test_eval_modes_name_the_depth_and_the_engine_is_skipped(deep_train_dir):
-    from ccft.evals.generation import engine_unsupported
+def test_eval_modes_name_the_depth_and_the_engine_reads_it(deep_train_dir):
+    from ccft.evals.generation import make_engine
     from ccft.evals.settings import ModeSpec
 
     base = ccft.load_base(str(deep_train_dir))
     dec = ccft.make_decoder(base, "lora", method="ccft", share_from_layer=2)
     flat = ccft.make_decoder(ccft.load_base(str(deep_train_dir)), "lora", method="ccft")
-    assert engine_unsupported([ModeSpec("prefillshare", flat), ModeSpec("base")]) is None
-    why = engine_unsupported([ModeSpec("base"), ModeSpec("prefillshare", dec)])
-    assert "share_from_layer=2" in why and "SharedPrefillEngine" in why
+    engine = make_engine(base, [ModeSpec("base"), ModeSpec("prefillshare", dec)], cache_format="int8")
+    assert (engine.decoders["prefillshare"].depth, engine.decoders["prefillshare"].cache_format) == (
+        2,
+        "int8",
+    )
     assert ModeSpec("prefillshare", dec).describe()["share_from_layer"] == 2
     assert "share_from_layer" not in ModeSpec("prefillshare", flat).describe()  # old records still resume
