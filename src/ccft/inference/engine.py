@@ -609,6 +609,27 @@ class SharedPrefillEngine:
             prefix_ids,
         )
 
+    def reader_extras(self, decoder: str) -> list[tuple[str, int]]:
+        """What reading a C_base handle with ``decoder`` keeps beside the handle, as ``(key, layers)``: its
+        own prefix K/V (``"own:{producer key}"``, m layers; ``_own_prefix``) and the handle's int8 format
+        (``"format:int8"``, L layers in the base dtype; ``_read_handle``), each one region of the handle's
+        token slots per layer, made once per handle and key and freed with it. ``[]`` for a depth-0 decoder on
+        the native cache. A byte ledger counts ``layers × tokens × kv_bytes_per_token / L`` for each key a
+        context does not hold yet (``ccft.serving.Scheduler``).
+
+        Raises:
+            ConfigError: an unknown decoder, or a packed decoder edited in place (``producer_key``).
+        """
+        if decoder not in self.decoders:
+            raise ConfigError(f"unknown decoder {decoder!r}; registered: {', '.join(self.decoders)}")
+        entry = self.decoders[decoder]
+        extras = []
+        if entry.cache_format != "native":
+            extras.append((f"format:{entry.cache_format}", self.num_layers))
+        if entry.depth:
+            extras.append((f"own:{self._registry.producer(decoder).key}", entry.depth))
+        return extras
+
     def _read_handle(self, handle: PrefixHandle, decoder: str) -> PrefixHandle:
         """The handle ``decoder`` reads for ``handle``: ``handle`` itself, or, for a decoder reading C_base in
         ``int8``, the handle's ``int8`` format (``PrefixHandle.formats``), made now when it has none: every

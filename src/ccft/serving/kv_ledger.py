@@ -3,8 +3,10 @@ budget").
 
 Three kinds of bytes, at ``bytes_per_token = layers × 2 × kv_heads × head_dim × dtype bytes``:
 
-- **live**: every live context's prefix (its handle) and the tail slots each admitted request reserves
-  (its own prompt tokens + ``max_new_tokens``), from admission to its end;
+- **live**: every live context's prefix (its handle), what its readers keep beside it (a decoder at sharing
+  depth m: its own K/V in m layers; the int8 format of the C_base: L layers; ``SharedPrefillEngine
+  .reader_extras``), and the tail slots each admitted request reserves (its own prompt tokens +
+  ``max_new_tokens``), from admission to its end;
 - **pending store**: with chunked prefill, the full blocks an unfinished prefill will insert into the prefix
   store when it finishes (counted from its start, so requests admitted meanwhile cannot take that room);
 - **store**: the prefix store's blocks (``PrefixKVStore.bytes_in_use``), evicted LRU to make room.
@@ -25,10 +27,12 @@ class KVLedger:
         bytes_per_token: KV bytes per token of the engine (``SharedPrefillEngine.kv_bytes_per_token``).
         budget_bytes: the cap (None: unbounded).
         store: the ``PrefixKVStore`` (None: no store).
+        layers: the engine's layer count L (``bytes_per_token`` is L layers' worth; ``layer_bytes``).
     """
 
-    def __init__(self, bytes_per_token: int, budget_bytes: int | None = None, store=None):
+    def __init__(self, bytes_per_token: int, budget_bytes: int | None = None, store=None, layers: int = 1):
         self.bytes_per_token = int(bytes_per_token)
+        self.layers = int(layers)
         self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
         self.store = store
         self.live_bytes = 0
@@ -40,6 +44,11 @@ class KVLedger:
     def bytes(self, tokens: int) -> int:
         """KV bytes of ``tokens`` tokens."""
         return int(tokens) * self.bytes_per_token
+
+    def layer_bytes(self, tokens: int, layers: int) -> int:
+        """KV bytes of ``tokens`` tokens in ``layers`` of the engine's L layers (a reader's own K/V below its
+        sharing depth: ``layers`` = m)."""
+        return int(tokens) * int(layers) * (self.bytes_per_token // self.layers)
 
     def store_block_tokens(self, context_tokens: int) -> int:
         """Tokens of a context's full store blocks (what a prefill may copy into the store); 0 without a
@@ -63,10 +72,12 @@ class KVLedger:
             need += self.bytes(context_tokens) + self.bytes(self.store_block_tokens(context_tokens))
         return need
 
-    def never_fits(self, context_tokens: int, tail_tokens: int, max_new_tokens: int) -> int | None:
-        """The bytes a request needs alone when that exceeds the budget (it can never be admitted); else
-        None."""
-        need = self.bytes(context_tokens + tail_tokens + max_new_tokens)
+    def never_fits(
+        self, context_tokens: int, tail_tokens: int, max_new_tokens: int, extra_bytes: int = 0
+    ) -> int | None:
+        """The bytes a request needs alone (``extra_bytes``: what its decoder keeps beside the context) when
+        that exceeds the budget (it can never be admitted); else None."""
+        need = self.bytes(context_tokens + tail_tokens + max_new_tokens) + int(extra_bytes)
         return need if self.budget_bytes is not None and need > self.budget_bytes else None
 
     @property
