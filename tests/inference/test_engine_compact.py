@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ccft
-from ccft.core.compact import read_cache
+from ccft.core.compact import CompactCache, kv_nbytes, read_cache
 from ccft.core.depth import decoder_prefix, prompt_prefixes
 from ccft.core.errors import ConfigError
 from ccft.core.tokens import pad_token_id, right_pad
@@ -51,19 +51,41 @@ def _tokens(gens):
 
 
 def test_the_int8_format_holds_read_cache_values(deep_dir, prompts):
+    """The handle's int8 format stores ``CompactCache``'s codes and scales (int8 and bfloat16, at
+    ``kv_nbytes``'s size) and reads back ``read_cache``'s values."""
     base, decs = _world(deep_dir)
     eng = SharedPrefillEngine(base, decoders=decs, fill=NAN)
+    L = base.config.num_hidden_layers
     with eng.prefill(prompts) as h:
         eng.generate(h, decoder="full", max_new_tokens=1)
         derived = h.formats["int8"]
         assert derived.cache_format == "int8" and h.cache_format == "native"
-        want = read_cache(h.to_base_cache(), "int8")
+        native = h.to_base_cache()
+        want, codes = read_cache(native, "int8"), CompactCache.from_base(native)
         got = derived.to_base_cache()
-        for i in range(base.config.num_hidden_layers):
+        for i in range(L):
             assert torch.equal(got.keys[i], want.keys[i]) and torch.equal(got.values[i], want.values[i])
             assert not torch.equal(got.keys[i], h.keys(i))  # the test can fail: int8 changes the values
-        used = eng.arena.used_tokens
-    assert eng.arena.used_tokens == 0 and used == 2 * len(prompts) * h.width  # freed with the handle
+            assert derived.key_codes(i).dtype == torch.int8 and derived.key_scales(i).dtype == torch.bfloat16
+            assert torch.equal(derived.key_codes(i), codes.key_codes[i])
+            assert torch.equal(derived.key_scales(i), codes.key_scales[i])
+            assert torch.equal(derived.value_codes(i), codes.value_codes[i])
+            assert torch.equal(derived.value_scales(i), codes.value_scales[i])
+        a = eng.code_arena
+        nbytes = kv_nbytes(
+            "int8", layers=L, kv_heads=a.kv_heads, head_dim=a.head_dim, tokens=h.width, rows=len(prompts)
+        )
+        assert derived.nbytes == codes.nbytes == nbytes
+        assert nbytes * 3 < kv_nbytes(
+            "native", layers=L, kv_heads=a.kv_heads, head_dim=a.head_dim, tokens=h.width, rows=len(prompts)
+        )
+        assert (
+            eng.arena.used_tokens == len(prompts) * h.width
+        )  # C_base only: the int8 copy is in its own arenas
+        assert eng.code_arena.used_tokens == eng.vscale_arena.used_tokens == len(prompts) * h.width
+        assert eng.kscale_arena.used_tokens == len(prompts)
+    for arena in (eng.arena, eng.code_arena, eng.vscale_arena, eng.kscale_arena):
+        assert arena.used_tokens == 0  # freed with the handle
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
@@ -96,7 +118,7 @@ def test_greedy_on_int8_equals_reference(deep_dir, prompts, decode):
         for (n, i), r in rid.items():
             assert done[r] == refs[n][i], (n, i)
         assert all(torch.equal(a, b) for a, b in zip(snap, h.snapshot(), strict=True))  # C_base unchanged
-    assert eng.arena.used_tokens == 0 and eng.own_arena.used_tokens == 0
+    assert eng.arena.used_tokens == 0 and eng.own_arena.used_tokens == 0 and eng.code_arena.used_tokens == 0
 
 
 @pytest.mark.parametrize("handoff", [1, 2])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import ccft
+from ccft.core.compact import kv_nbytes
 from ccft.core.tokens import tokenize_prompt
 from ccft.inference import SharedPrefillEngine
 from ccft.serving.scheduler import Scheduler, ServeRequest
@@ -48,11 +49,14 @@ def test_depth_and_int8_agents_on_one_context(deep_dir, texts):
     assert [t.result.token_ids for t in tickets] == [g.token_ids for g in want]
     # flat and deep read one context of SHARED - 1 prefix tokens, deep adds its own K/V in 2 of the 4 layers;
     # compact takes its whole prompt as its context (an int8 cache cannot be extended by a suffix) and adds
-    # the int8 format of it (4 layers)
+    # the int8 codes and scales of it (kv_nbytes)
     bpt = sched.bytes_per_token
     prefix, compact_prefix = SHARED - 1, SHARED + unique["compact"] - 1
     tails = (unique["flat"] + 1 + N_NEW) + (unique["deep"] + 1 + N_NEW) + (1 + N_NEW)
-    want_peak = (prefix + 2 * compact_prefix + tails) * bpt + prefix * 2 * bpt // L
+    a = eng.code_arena
+    int8 = kv_nbytes("int8", layers=L, kv_heads=a.kv_heads, head_dim=a.head_dim, tokens=compact_prefix)
+    assert 3.5 * int8 < compact_prefix * bpt  # the compact copy costs under a quarter of the native (fp32)
+    want_peak = (prefix + compact_prefix + tails) * bpt + prefix * 2 * bpt // L + int8
     assert sched.peak_live_bytes == want_peak
     assert sched.counters["prefills"] == 2
     assert sched.live_bytes == 0 and eng.arena.used_tokens == 0 and eng.own_arena.used_tokens == 0

@@ -58,7 +58,7 @@ from typing import Sequence
 import torch
 
 from ccft.core.cache import BaseCache
-from ccft.core.compact import dequantize, quantize_keys, quantize_values
+from ccft.core.compact import SCALE_DTYPE, kv_nbytes, quantize_keys, quantize_values
 from ccft.core.decoder import Decoder
 from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.generation import Generation
@@ -68,7 +68,7 @@ from ccft.core.tokens import left_pad, pad_token_id
 from ccft.inference import model as M
 from ccft.inference import planner
 from ccft.inference.blocks import use_block_weights
-from ccft.inference.handles import BASE, OwnPrefix, PrefixHandle
+from ccft.inference.handles import BASE, CompactHandle, OwnPrefix, PrefixHandle
 from ccft.inference.kv import CapacityError, PrefixArena
 from ccft.inference.lanes import Lane, LaneRegistry
 from ccft.inference.prefill import (
@@ -292,11 +292,37 @@ class SharedPrefillEngine:
             max_tokens=max_prefix_tokens,
             fill=self.fill,
         )
+        #: the compact C_base (``handles.CompactHandle``): int8 codes of keys and values, bfloat16 value
+        #: scales (per token and head) and key scales (per row, head and channel); no layers until a
+        #: decoder reading the int8 format is registered
+        self.code_arena = PrefixArena(
+            0,
+            bw.kv_heads,
+            bw.head_dim,
+            torch.int8,
+            device,
+            capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
+            max_tokens=max_prefix_tokens,
+        )
+        self.vscale_arena = PrefixArena(
+            0,
+            bw.kv_heads,
+            1,
+            SCALE_DTYPE,
+            device,
+            capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
+            max_tokens=max_prefix_tokens,
+            pair=False,
+        )
+        self.kscale_arena = PrefixArena(
+            0, bw.kv_heads, bw.head_dim, SCALE_DTYPE, device, capacity_tokens=64, pair=False
+        )
         self._registry = LaneRegistry(
             base,
             bw,
             self.arena,
             own_arena=self.own_arena,
+            compact_arenas=(self.code_arena, self.vscale_arena, self.kscale_arena),
             max_batch=self.max_batch,
             max_tail_tokens=self.max_tail_tokens,
             fill=self.fill,
@@ -609,35 +635,47 @@ class SharedPrefillEngine:
             prefix_ids,
         )
 
-    def reader_extras(self, decoder: str) -> list[tuple[str, int]]:
-        """What reading a C_base handle with ``decoder`` keeps beside the handle, as ``(key, layers)``: its
-        own prefix K/V (``"own:{producer key}"``, m layers; ``_own_prefix``) and the handle's int8 format
-        (``"format:int8"``, L layers in the base dtype; ``_read_handle``), each one region of the handle's
-        token slots per layer, made once per handle and key and freed with it. ``[]`` for a depth-0 decoder on
-        the native cache. A byte ledger counts ``layers × tokens × kv_bytes_per_token / L`` for each key a
-        context does not hold yet (``ccft.serving.Scheduler``).
+    def reader_extras(self, decoder: str, tokens: int) -> list[tuple[str, int]]:
+        """What reading a C_base handle of ``tokens`` prefix tokens (one row) with ``decoder`` keeps beside
+        the handle, as ``(key, bytes)``: its own prefix K/V (``"own:{producer key}"``: K and V in the
+        own-layer arena, whose slots hold as many layers as the deepest decoder registered; ``_own_prefix``)
+        and the handle's int8 format (``"format:int8"``: codes and scales, ``ccft.core.compact.kv_nbytes``;
+        ``_read_handle``), each made once per handle and key and freed with it. ``[]`` for a depth-0 decoder
+        on the native cache. A byte ledger counts each key a context does not hold yet
+        (``ccft.serving.Scheduler``).
 
         Raises:
             ConfigError: an unknown decoder, or a packed decoder edited in place (``producer_key``).
         """
         if decoder not in self.decoders:
             raise ConfigError(f"unknown decoder {decoder!r}; registered: {', '.join(self.decoders)}")
-        entry = self.decoders[decoder]
+        entry, tokens = self.decoders[decoder], int(tokens)
         extras = []
         if entry.cache_format != "native":
-            extras.append((f"format:{entry.cache_format}", self.num_layers))
+            a = self.code_arena
+            nbytes = kv_nbytes(
+                entry.cache_format,
+                layers=self.num_layers,
+                kv_heads=a.kv_heads,
+                head_dim=a.head_dim,
+                tokens=tokens,
+            )
+            extras.append((f"format:{entry.cache_format}", nbytes))
         if entry.depth:
-            extras.append((f"own:{self._registry.producer(decoder).key}", entry.depth))
+            own = self.own_arena
+            nbytes = 2 * own.num_layers * tokens * own.unit * own.k.element_size()
+            extras.append((f"own:{self._registry.producer(decoder).key}", nbytes))
         return extras
 
     def _read_handle(self, handle: PrefixHandle, decoder: str) -> PrefixHandle:
         """The handle ``decoder`` reads for ``handle``: ``handle`` itself, or, for a decoder reading C_base in
-        ``int8``, the handle's ``int8`` format (``PrefixHandle.formats``), made now when it has none: every
-        layer of C_base quantised and dequantised by ``ccft.core.compact`` (``quantize_keys`` per channel,
-        ``quantize_values`` per token, ``dequantize`` to the base dtype), the values ``read_cache`` gives.
+        ``int8``, the handle's ``int8`` format (``PrefixHandle.formats``), made now when it has none: a
+        ``CompactHandle`` holding every layer of C_base as int8 codes and bfloat16 scales
+        (``ccft.core.compact``: ``quantize_keys`` per channel, ``quantize_values`` per token), read back
+        through ``dequantize``: the values ``read_cache`` gives.
 
         Raises:
-            CapacityError: the arena is full (``max_prefix_tokens``).
+            CapacityError: the code arena is full (``max_prefix_tokens`` slots, as the prefix arena).
         """
         fmt = self.decoders[decoder].cache_format
         if fmt == "native" or handle.producer != BASE:
@@ -645,20 +683,27 @@ class SharedPrefillEngine:
         derived = handle.formats.get(fmt)
         if derived is not None:
             return derived
-        derived = self._new_handle(
-            handle.lengths,
-            handle.width,
-            handle.tail_ids,
-            handle.handoff_tokens,
-            BASE,
-            handle.producer_key,
-            handle.prefix_ids,
-        )
-        derived.cache_format = fmt
-        dtype = self.arena.dtype
+        b, p = handle.batch_size, handle.width
+        starts = []
+        try:
+            for arena, slots in (
+                (self.code_arena, b * p),
+                (self.vscale_arena, b * p),
+                (self.kscale_arena, b),
+            ):
+                starts.append((arena, arena.allocate(slots)))
+        except BaseException:
+            for arena, start in starts:
+                arena.free(start)
+            raise
+        derived = CompactHandle(self, handle, *(start for _, start in starts))
         for i in range(self.num_layers):
-            derived.keys(i).copy_(dequantize(*quantize_keys(handle.keys(i)), dtype))
-            derived.values(i).copy_(dequantize(*quantize_values(handle.values(i)), dtype))
+            q, scale = quantize_keys(handle.keys(i))
+            derived.key_codes(i).copy_(q)
+            derived.key_scales(i).copy_(scale)
+            q, scale = quantize_values(handle.values(i))
+            derived.value_codes(i).copy_(q)
+            derived.value_scales(i).copy_(scale)
         handle.formats[fmt] = derived
         return derived
 

@@ -29,6 +29,7 @@ import itertools
 import torch
 
 from ccft.core.cache import BaseCache
+from ccft.core.compact import dequantize
 from ccft.core.errors import ConfigError
 
 BASE = "base"  #: decoder name of the base model itself (decodes on its own C_base: ``mode="base"``)
@@ -158,7 +159,7 @@ class PrefixHandle:
         """Drop one reference; at 0 the arena region is freed and held store blocks are released."""
         self.refs -= 1
         if self.refs == 0 and not self.freed:
-            self.engine.arena.free(self.start)
+            self._free_storage()
             self.freed = True
             for own in self.own.values():
                 own.free()
@@ -170,6 +171,9 @@ class PrefixHandle:
                 store, blocks = self.held
                 self.held = ()
                 store.release(blocks)
+
+    def _free_storage(self) -> None:
+        self.engine.arena.free(self.start)
 
     def release(self) -> None:
         """Drop the user's reference; the prefix is freed once no active request reads it."""
@@ -190,6 +194,80 @@ class PrefixHandle:
             f"PrefixHandle(id={self.id}, rows={self.batch_size}, width={self.width}, refs={self.refs}{who}, "
             f"{state})"
         )
+
+
+class CompactHandle(PrefixHandle):
+    """A C_base handle's prefixes in the ``int8`` format, stored compactly (``PrefixHandle.formats``;
+    ``ccft.core.compact``): per layer int8 codes of keys and values (the engine's code arena), bfloat16 key
+    scales per (row, head, channel) and value scales per (row, head, token) (its two scale arenas).
+
+    ``keys(i)`` / ``values(i)`` return the dequantised ``(b, h, p, d)`` tensors (``ccft.core.compact
+    .dequantize``, in the base dtype: a new tensor per call, what the eager attention and the tail prefill
+    read); the static step gathers codes and scales itself (``attention.prefix_attention_gathered_int8``).
+    Its regions are freed when its references reach 0 (its parent's is one, dropped when the parent is freed;
+    each request reading it holds one).
+
+    Attributes:
+        code_start: its region of the code arena (b·p token slots); vscale_start: of the value-scale arena
+            (b·p slots of h scales); kscale_start: of the key-scale arena (b slots of h·d scales).
+        dtype: the dtype dequantised values are returned in.
+    """
+
+    def __init__(self, engine, parent: PrefixHandle, code_start: int, vscale_start: int, kscale_start: int):
+        super().__init__(
+            engine,
+            -1,
+            parent.width,
+            list(parent.lengths),
+            parent.tail_ids,
+            parent.handoff_tokens,
+            parent.fingerprint,
+            parent.producer,
+            parent.producer_key,
+            parent.prefix_ids,
+        )
+        self.code_start, self.vscale_start, self.kscale_start = code_start, vscale_start, kscale_start
+        self.cache_format = "int8"
+        self.dtype = engine.arena.dtype
+
+    def key_codes(self, layer: int) -> torch.Tensor:
+        """``(b, h, p, d)`` int8 view."""
+        return self.engine.code_arena.view("k", layer, self.code_start, self.batch_size, self.width)
+
+    def value_codes(self, layer: int) -> torch.Tensor:
+        """``(b, h, p, d)`` int8 view."""
+        return self.engine.code_arena.view("v", layer, self.code_start, self.batch_size, self.width)
+
+    def key_scales(self, layer: int) -> torch.Tensor:
+        """``(b, h, 1, d)`` bfloat16 view (per channel)."""
+        return self.engine.kscale_arena.view("k", layer, self.kscale_start, self.batch_size, 1)
+
+    def value_scales(self, layer: int) -> torch.Tensor:
+        """``(b, h, p, 1)`` bfloat16 view (per token)."""
+        return self.engine.vscale_arena.view("k", layer, self.vscale_start, self.batch_size, self.width)
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """``(b, h, p, d)`` the dequantised keys of ``layer`` (a new tensor)."""
+        self._check_alive()
+        return dequantize(self.key_codes(layer), self.key_scales(layer), self.dtype)
+
+    def values(self, layer: int) -> torch.Tensor:
+        """``(b, h, p, d)`` the dequantised values of ``layer`` (a new tensor)."""
+        self._check_alive()
+        return dequantize(self.value_codes(layer), self.value_scales(layer), self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its codes and scales in every layer (``ccft.core.compact.kv_nbytes``)."""
+        e = self.engine
+        codes = 2 * self.width * e.code_arena.unit * e.code_arena.k.element_size()
+        scales = (self.width * e.vscale_arena.unit + e.kscale_arena.unit) * e.vscale_arena.k.element_size()
+        return e.num_layers * self.batch_size * (codes + scales)
+
+    def _free_storage(self) -> None:
+        self.engine.code_arena.free(self.code_start)
+        self.engine.vscale_arena.free(self.vscale_start)
+        self.engine.kscale_arena.free(self.kscale_start)
 
 
 class OwnPrefix:
@@ -232,4 +310,4 @@ class OwnPrefix:
             self.freed = True
 
 
-__all__ = ["BASE", "OwnPrefix", "PrefixHandle"]
+__all__ = ["BASE", "CompactHandle", "OwnPrefix", "PrefixHandle"]

@@ -148,6 +148,8 @@ class LaneRegistry:
         arena: the engine's prefix arena (read by static runners).
         own_arena: the engine's own-layer arena (``handles.OwnPrefix``); it holds as many layers as the
             deepest sharing depth registered (``add`` grows it).
+        compact_arenas: the engine's code, value-scale and key-scale arenas (``handles.CompactHandle``); given
+            every layer when the first decoder reading the int8 format is registered.
         max_batch: slots per tail pool.  max_tail_tokens: per-slot capacity limit.
         fill: value of never-written tail memory (K3).  pack_weights: pack each lane's weights.
         decode_mode: ``"eager"`` (no runner) or a static mode of ``graphs.StaticRunner``.
@@ -169,9 +171,10 @@ class LaneRegistry:
         decode_mode: str,
         attention: str,
         own_arena: PrefixArena | None = None,
+        compact_arenas: tuple = (),
     ):
         self.base, self.tokenizer, self.device, self.arena = base, base.tokenizer, base.device, arena
-        self.own_arena = own_arena
+        self.own_arena, self.compact_arenas = own_arena, tuple(compact_arenas)
         self.max_batch, self.max_tail_tokens, self.fill = max_batch, max_tail_tokens, fill
         self.pack_weights, self.decode_mode, self.attention = pack_weights, decode_mode, attention
         self.base_lane = self.new_lane(BASE, base_weights)
@@ -200,7 +203,14 @@ class LaneRegistry:
         lane = Lane(key, weights, pool)
         if self.decode_mode != "eager":
             lane.runner = StaticRunner(
-                weights, pool, self.arena, self.decode_mode, self.attention, self.device, self.own_arena
+                weights,
+                pool,
+                self.arena,
+                self.decode_mode,
+                self.attention,
+                self.device,
+                self.own_arena,
+                self.compact_arenas,
             )
         return lane
 
@@ -270,6 +280,9 @@ class LaneRegistry:
         entry.cache_format = check_cache_format(cache_format or decoder.cache_format or "native")
         if depth and self.own_arena is not None:
             self.own_arena.set_layers(depth)
+        if entry.cache_format != "native":
+            for arena in self.compact_arenas:
+                arena.set_layers(self.arena.num_layers)
         self.decoders[name] = entry
         return entry
 

@@ -23,12 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from ccft.inference.attention import (
+    CompactMeta,
     PrefixGroup,
     PrefixMeta,
     cascade_attention_rowwise,
     key_bias,
     merge,
     prefix_attention_gathered,
+    prefix_attention_gathered_int8,
     prefix_attention_grouped,
     tail_attention,
 )
@@ -437,6 +439,9 @@ class StaticInputs:
     own_meta, depth: None when no row reads its own prefix K/V; else the placement of each row's own K/V
     in the own-layer arena (rows without any point at a valid one, never selected) and ``(B,)`` long, the
     row's sharing depth m (0: C_base in every layer): row r reads its own K/V in layers ``i < depth[r]``.
+    compact_meta, compact: None when no row reads the compact C_base; else the placement of each row's codes
+    and scales (rows without point at another row's, never selected) and ``(B,)`` bool, the rows that read it
+    (``handles.CompactHandle``) instead of the prefix arena.
     """
 
     tokens: torch.Tensor
@@ -447,9 +452,13 @@ class StaticInputs:
     meta: PrefixMeta
     own_meta: PrefixMeta | None = None
     depth: torch.Tensor | None = None
+    compact_meta: CompactMeta | None = None
+    compact: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         own = [] if self.own_meta is None else [*self.own_meta.tensors(), self.depth]
+        if self.compact_meta is not None:
+            own += [*self.compact_meta.tensors(), self.compact]
         return [
             self.tokens,
             self.positions,
@@ -473,6 +482,7 @@ def decode_step_static(
     prefix_impl: str = "gather",
     own_k: torch.Tensor | None = None,
     own_v: torch.Tensor | None = None,
+    compact: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """``decode_one_token`` with static shapes and no host synchronisation; returns logits ``(B, V)``.
 
@@ -488,6 +498,10 @@ def decode_step_static(
         own_k, own_v: ``(L_own, elements)`` the own-layer arena, when ``inp.own_meta`` is set: in a layer
             i < L_own the prefix part is computed on it too and row r takes that result where
             ``i < inp.depth[r]`` (its own K/V below its sharing depth), C_base's elsewhere.
+        compact: ``(key codes, value codes, value scales, key scales)`` of the compact C_base's arenas, each
+            ``(L, elements)``, when ``inp.compact_meta`` is set: the rows in ``inp.compact`` take the prefix
+            part computed on them (``attention.prefix_attention_gathered_int8``; always gathered, at
+            ``prefix_width``) in every layer they read C_base in.
     """
 
     def prefix_part(q, ak, av, meta):
@@ -512,6 +526,22 @@ def decode_step_static(
             q, pool_k[i, :b, :, :tail_width], pool_v[i, :b, :, :tail_width], inp.tail_len, lw.scale
         )
         o_p, lse_p = prefix_part(q, arena_k[i].view(-1, d), arena_v[i].view(-1, d), inp.meta)
+        if compact is not None and inp.compact_meta is not None:
+            ck, cv, vs, ks = (t[i] for t in compact)
+            o_c, lse_c = prefix_attention_gathered_int8(
+                q,
+                ck.view(-1, d),
+                cv.view(-1, d),
+                vs.view(-1, 1),
+                ks.view(-1, d),
+                inp.compact_meta,
+                lw.kv_heads,
+                prefix_width,
+                lw.scale,
+                lw.dtype,
+            )
+            sel = inp.compact[:, None]
+            o_p, lse_p = torch.where(sel[..., None], o_c, o_p), torch.where(sel, lse_c, lse_p)
         if i < own_layers:  # rows below their sharing depth read their own K/V instead
             o_o, lse_o = prefix_part(q, own_k[i].view(-1, d), own_v[i].view(-1, d), inp.own_meta)
             sel = (inp.depth > i)[:, None]

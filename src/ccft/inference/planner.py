@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 
 from ccft.inference import model as M
-from ccft.inference.attention import PrefixGroup, build_prefix_meta
+from ccft.inference.attention import CompactMeta, PrefixGroup, build_prefix_meta
+from ccft.inference.handles import CompactHandle
 from ccft.inference.requests import Request
 from ccft.inference.weights import LaneWeights
 
@@ -118,7 +119,8 @@ def static_inputs(
         ``(adapters, batch, 1)`` row masks in the lane dtype, and the prefix placement
         (``attention.build_prefix_meta``); when a row reads its own K/V below its sharing depth
         (``Request.own``), their placement in the own-layer arena and the rows' depths (0: none; rows
-        without own K/V point at another row's, never selected).
+        without own K/V point at another row's, never selected); when a row reads the compact C_base
+        (``handles.CompactHandle``), the placement of its codes and scales and which rows read them.
     """
     n = len(rows)
     pad = batch - n
@@ -131,10 +133,35 @@ def static_inputs(
     for i, r in enumerate(rows):
         if r.adapter_index is not None:
             masks[r.adapter_index, i] = 1
+    compact = [r for r in rows if isinstance(r.handle, CompactHandle)]
+    # rows on the compact C_base read no region of the prefix arena: they point at its first slot (never
+    # selected)
     meta = build_prefix_meta(
-        [(r.handle.start, r.row, r.handle.width, r.prefix_len) for r in rows], batch, weights.kv_heads, device
+        [
+            (0, 0, 1, 1)
+            if isinstance(r.handle, CompactHandle)
+            else (r.handle.start, r.row, r.handle.width, r.prefix_len)
+            for r in rows
+        ],
+        batch,
+        weights.kv_heads,
+        device,
     )
     inp = M.StaticInputs(tokens_t, positions_t, write_pos, tail_len, masks, meta)
+    if compact:
+        first = compact[0]
+        placed = [r if isinstance(r.handle, CompactHandle) else first for r in rows]
+        h = weights.kv_heads
+        inp.compact_meta = CompactMeta(
+            build_prefix_meta(
+                [(r.handle.code_start, r.row, r.handle.width, r.prefix_len) for r in placed], batch, h, device
+            ),
+            t([(r.handle.vscale_start + r.row * r.handle.width) * h for r in placed] + [0] * pad),
+            t([(r.handle.kscale_start + r.row) * h for r in placed] + [0] * pad),
+        )
+        inp.compact = torch.tensor(
+            [isinstance(r.handle, CompactHandle) for r in rows] + [False] * pad, device=device
+        )
     with_own = [r for r in rows if r.own is not None]
     if with_own:
         first = with_own[0]

@@ -4,9 +4,9 @@ budget").
 Three kinds of bytes, at ``bytes_per_token = layers × 2 × kv_heads × head_dim × dtype bytes``:
 
 - **live**: every live context's prefix (its handle), what its readers keep beside it (a decoder at sharing
-  depth m: its own K/V in m layers; the int8 format of the C_base: L layers; ``SharedPrefillEngine
-  .reader_extras``), and the tail slots each admitted request reserves (its own prompt tokens +
-  ``max_new_tokens``), from admission to its end;
+  depth m: its own K/V in m layers; the compact int8 copy of the C_base: codes and scales;
+  ``SharedPrefillEngine.reader_extras``), and the tail slots each admitted request reserves (its own prompt
+  tokens + ``max_new_tokens``), from admission to its end;
 - **pending store**: with chunked prefill, the full blocks an unfinished prefill will insert into the prefix
   store when it finishes (counted from its start, so requests admitted meanwhile cannot take that room);
 - **store**: the prefix store's blocks (``PrefixKVStore.bytes_in_use``), evicted LRU to make room.
@@ -27,12 +27,10 @@ class KVLedger:
         bytes_per_token: KV bytes per token of the engine (``SharedPrefillEngine.kv_bytes_per_token``).
         budget_bytes: the cap (None: unbounded).
         store: the ``PrefixKVStore`` (None: no store).
-        layers: the engine's layer count L (``bytes_per_token`` is L layers' worth; ``layer_bytes``).
     """
 
-    def __init__(self, bytes_per_token: int, budget_bytes: int | None = None, store=None, layers: int = 1):
+    def __init__(self, bytes_per_token: int, budget_bytes: int | None = None, store=None):
         self.bytes_per_token = int(bytes_per_token)
-        self.layers = int(layers)
         self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
         self.store = store
         self.live_bytes = 0
@@ -44,11 +42,6 @@ class KVLedger:
     def bytes(self, tokens: int) -> int:
         """KV bytes of ``tokens`` tokens."""
         return int(tokens) * self.bytes_per_token
-
-    def layer_bytes(self, tokens: int, layers: int) -> int:
-        """KV bytes of ``tokens`` tokens in ``layers`` of the engine's L layers (a reader's own K/V below its
-        sharing depth: ``layers`` = m)."""
-        return int(tokens) * int(layers) * (self.bytes_per_token // self.layers)
 
     def store_block_tokens(self, context_tokens: int) -> int:
         """Tokens of a context's full store blocks (what a prefill may copy into the store); 0 without a

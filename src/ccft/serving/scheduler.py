@@ -37,10 +37,10 @@ prefills its own prompt with its own weights into its own handle and its own sto
 
 KV budget (``kv_budget_bytes``): live KV (handles + the tail slots reserved by active requests, at
 ``layers × 2 × kv_heads × head_dim × dtype bytes`` per token, + what a context's readers keep beside it:
-a decoder at sharing depth m its own K/V in m layers, a decoder on the compact C_base the handle's int8
-format; ``SharedPrefillEngine.reader_extras``) plus the store's blocks never exceed it. Admission first
-evicts unreferenced store blocks (LRU); a request that still does not fit waits in the queue (head of
-line: arrival order is kept), and one that could never fit alone is refused at ``submit``
+a decoder at sharing depth m its own K/V in m layers, a decoder on the compact C_base the int8 codes and
+scales of the context; ``SharedPrefillEngine.reader_extras``) plus the store's blocks never exceed it.
+Admission first evicts unreferenced store blocks (LRU); a request that still does not fit waits in the
+queue (head of line: arrival order is kept), and one that could never fit alone is refused at ``submit``
 (``PromptTooLongError``). A full queue refuses new requests (``QueueFullError``). An engine whose prefix
 arena has a fixed size (``max_prefix_tokens``) holds a new context only where the arena has a free range
 that long: the request waits the same way while live contexts hold the room (``counters["arena_waits"]``);
@@ -299,9 +299,7 @@ class Scheduler:
         self.prefill_chunk_tokens = None if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
         self.engine, self.share, self.store = engine, bool(share), store
         self.kv_budget_bytes = None if kv_budget_bytes is None else int(kv_budget_bytes)
-        self.kv = KVLedger(
-            engine.kv_bytes_per_token, self.kv_budget_bytes, store, layers=getattr(engine, "num_layers", 1)
-        )
+        self.kv = KVLedger(engine.kv_bytes_per_token, self.kv_budget_bytes, store)
         self.max_queue, self.max_prompt_tokens = int(max_queue), max_prompt_tokens
         self.bytes_per_token = engine.kv_bytes_per_token
         self._queue: collections.deque[Ticket] = collections.deque()
@@ -428,11 +426,11 @@ class Scheduler:
         if not self.share or extras is None:
             return []
         try:
-            wanted = extras(r.decoder)
+            wanted = extras(r.decoder, ctx_tokens)
         except CCFTError:  # e.g. a packed decoder edited in place: add_request refuses it, with the message
             return []
         held = ctx.extras if ctx is not None else {}
-        return [(key, self.kv.layer_bytes(ctx_tokens, layers)) for key, layers in wanted if key not in held]
+        return [(key, nbytes) for key, nbytes in wanted if key not in held]
 
     def _release_context(self, ctx: _Context) -> None:
         """Count a released context's bytes (its prefix and what its readers kept beside it) as free."""
