@@ -17,9 +17,9 @@ weights) beside the handle and freed with it. ``PrefixHandle.layer_keys`` / ``la
 reader attends to in a layer: its own K/V below its depth, C_base above.
 
 A decoder served on the compact C_base (``cache_format`` ``int8``; ``ccft.core.compact``) reads a second
-handle derived from the C_base handle (``PrefixHandle.formats``): the same prefixes with the values
-``read_cache`` gives (int8 codes, keys per channel and values per token, times their bf16 scales), held in
-the arena in the base dtype (the engine does not keep the codes themselves yet: no memory is saved).
+handle derived from the C_base handle (``PrefixHandle.formats``), a ``CompactHandle``: the same prefixes as
+int8 codes (keys per channel, values per token) and bfloat16 scales in the engine's code and scale arenas,
+read back as the values ``read_cache`` gives.
 """
 
 from __future__ import annotations

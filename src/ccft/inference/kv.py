@@ -8,7 +8,10 @@ bumps ``generation`` so captured decode graphs bound to the old addresses are dr
   one for values, ``(L, capacity_elements)``; a handle of b prompts with prefix length p owns one
   contiguous region viewed per layer as ``(b, h, p, d)`` (left-padded like ``BaseCache``, pad
   slots zero). Regions are allocated first-fit and freed when the handle's refcount drops to 0.
-  After the prefill writes it, a region is only ever read.
+  After the prefill writes it, a region is only ever read. The engine keeps three more of them, same
+  allocator: the own-layer arena (decoders at sharing depth m: their own K/V in the first layers,
+  ``handles.OwnPrefix``; ``set_layers`` grows its layer count) and the compact C_base's code arena
+  (int8) and scale arenas (bfloat16, keys only: ``pair=False``; ``handles.CompactHandle``).
 * ``TailPool``: the decoder's own K/V (handoff tokens + generated tokens) of every active row of
   one lane, ``(L, slots, h, capacity, d)``. Active rows occupy slots ``0..R-1`` (compacted on
   finish) so a decode step reads ``[:R]`` as a view; a row's slot is zeroed on admission, and
