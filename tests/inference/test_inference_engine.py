@@ -511,21 +511,28 @@ def test_static_inputs_are_one_buffer_copied_in_one_copy():
     """A static step's long inputs are views of one buffer (``StaticInputs.packed``, what
     ``planner.static_inputs`` builds), so a captured graph's inputs receive a step in one copy:
     ``copy_from`` overwrites every field (and the adapter masks) with the other step's values."""
+    from ccft.inference.attention import CompactMeta, PrefixMeta
     from ccft.inference.model import StaticInputs
 
     b = 3
     sizes = [b] * 12 + [b + 1, b]  # tokens .. tail_len, then PrefixMeta's fields (row_ptr has b + 1)
 
     def step(seed):
+        """Inputs with every optional part (own K/V rows at depth m, compact C_base rows)."""
         g = torch.Generator().manual_seed(seed)
-        longs = [torch.randint(0, 1000, (n,), generator=g) for n in sizes]
-        return longs, StaticInputs.packed(longs, torch.rand((2, b, 1), generator=g), max_len=seed)
+        longs = [torch.randint(0, 1000, (n,), generator=g) for n in sizes + sizes[4:] + [b] * 13]
+        masks = torch.rand((2, b, 1), generator=g)
+        meta = lambda ts: PrefixMeta(*ts, max_len=seed)  # noqa: E731
+        plain = StaticInputs(*longs[:4], masks, meta(longs[4:14]), meta(longs[14:24]), longs[24])
+        plain.compact_meta = CompactMeta(meta(longs[25:35]), longs[35], longs[36])
+        plain.compact = torch.rand(b, generator=g) > 0.5
+        return longs, plain.packed()
 
     longs, one = step(1)
     _, graph_buffers = step(2)
-    assert one.to("cpu") is one and one.flat.numel() == sum(sizes)
+    assert one.to("cpu") is one and one.flat.numel() == sum(t.numel() for t in longs)
     buffer = one.flat.untyped_storage().data_ptr()
-    for t, want in zip(one.long_tensors(), longs, strict=True):
+    for t, want in zip([t for t in one.tensors() if t.dtype == torch.long], longs, strict=True):
         assert torch.equal(t, want) and t.untyped_storage().data_ptr() == buffer
     graph_buffers.copy_from(one)
     assert all(torch.equal(x, y) for x, y in zip(graph_buffers.tensors(), one.tensors(), strict=True))

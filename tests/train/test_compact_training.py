@@ -211,17 +211,25 @@ def test_run_folder_records_the_cache_format_and_a_load_restores_it(compact_run,
 # ------------------------------------------------------------------ who refuses
 
 
-def test_engine_and_alora_exports_refuse_a_compact_trained_decoder(compact_run, deep_train_dir, tmp_path):
+def test_engine_serves_a_compact_trained_decoder_and_alora_exports_refuse_it(
+    compact_run, deep_train_dir, tmp_path
+):
     from ccft.inference import SharedPrefillEngine
     from ccft.train.export import export_decoder
 
     base = ccft.load_base(str(deep_train_dir))
     loaded = ccft.load_decoder(compact_run.output_dir, base=base)
-    refusal = "cache_format=int8 .*not supported by SharedPrefillEngine yet; use the reference path"
-    with pytest.raises(ConfigError, match=refusal):
-        SharedPrefillEngine(base, decoders={"d": loaded})
-    with pytest.raises(ConfigError, match=refusal):  # a folder: refused before its adapter loads
-        SharedPrefillEngine(ccft.load_base(str(deep_train_dir)), decoders={"d": str(compact_run.output_dir)})
+    prompts = [list(compact_run.trainer.train_dataset[i].prompt_ids) for i in range(3)]
+    want = ccft.generate(prompts, mode="prefillshare", decoder=loaded, max_new_tokens=4)
+    # the engine serves it on the compact C_base, from the object or from the folder
+    for eng in (
+        SharedPrefillEngine(base, decoders={"d": loaded}),
+        SharedPrefillEngine(ccft.load_base(str(deep_train_dir)), decoders={"d": str(compact_run.output_dir)}),
+    ):
+        assert eng.decoders["d"].cache_format == "int8"
+        with eng.prefill(prompts) as h:
+            got = eng.generate(h, decoder="d", max_new_tokens=4)
+        assert [g.token_ids for g in got] == [g.token_ids for g in want]
     # a live reload of a served (native) decoder from the compact-trained folder: refused, nothing changes
     import shutil
 
@@ -230,6 +238,7 @@ def test_engine_and_alora_exports_refuse_a_compact_trained_decoder(compact_run, 
     meta = json.loads((native / "ccft.json").read_text())
     (native / "ccft.json").write_text(json.dumps(dict(meta, cache_format="native")))
     engine = SharedPrefillEngine(ccft.load_base(str(deep_train_dir)), decoders={"d": str(native)})
+    refusal = "'cache_format' is int8 but the served decoder was trained on native"
     with pytest.raises(ConfigError, match="reload of decoder 'd' .*" + refusal):
         engine.reload_decoder("d", compact_run.output_dir)
     with pytest.raises(ConfigError, match="cache_format=int8.*--to merged.*cache_format: native"):

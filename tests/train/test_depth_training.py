@@ -252,17 +252,24 @@ def test_run_folder_records_the_depth_and_a_load_restores_it(depth_run, deep_tra
 # ------------------------------------------------------------------ who refuses or falls back
 
 
-def test_engine_and_alora_exports_refuse_a_depth_decoder(depth_run, deep_train_dir, tmp_path):
+def test_engine_serves_a_depth_decoder_and_alora_exports_refuse_it(depth_run, deep_train_dir, tmp_path):
     from ccft.inference import SharedPrefillEngine
     from ccft.train.export import export_decoder
 
     base = ccft.load_base(str(deep_train_dir))
     loaded = ccft.load_decoder(depth_run.output_dir, base=base)
-    refusal = "not supported by SharedPrefillEngine yet; use the reference path"
-    with pytest.raises(ConfigError, match=refusal):
-        SharedPrefillEngine(base, decoders={"d": loaded})
-    with pytest.raises(ConfigError, match=refusal):  # a folder: refused before its adapter loads
-        SharedPrefillEngine(ccft.load_base(str(deep_train_dir)), decoders={"d": str(depth_run.output_dir)})
+    prompts = [list(depth_run.trainer.train_dataset[i].prompt_ids) for i in range(3)]
+    want = [
+        g.token_ids for g in ccft.generate(prompts, mode="prefillshare", decoder=loaded, max_new_tokens=4)
+    ]
+    # the engine serves it at its depth (its own K/V in layers 0..1), from the object or from the folder
+    for eng in (
+        SharedPrefillEngine(base, decoders={"d": loaded}),
+        SharedPrefillEngine(ccft.load_base(str(deep_train_dir)), decoders={"d": str(depth_run.output_dir)}),
+    ):
+        assert eng.decoders["d"].depth == 2
+        with eng.prefill(prompts) as h:
+            assert [g.token_ids for g in eng.generate(h, decoder="d", max_new_tokens=4)] == want
     with pytest.raises(ConfigError, match="share_from_layer=2.*--to merged"):
         export_decoder(depth_run.output_dir, "peft-alora", tmp_path / "alora")
     assert not (tmp_path / "alora").exists()
@@ -270,15 +277,17 @@ def test_engine_and_alora_exports_refuse_a_depth_decoder(depth_run, deep_train_d
     assert json.loads((Path(merged.out) / "ccft.json").read_text())["share_from_layer"] == 2
 
 
-def test_eval_modes_name_the_depth_and_the_engine_is_skipped(deep_train_dir):
-    from ccft.evals.generation import engine_unsupported
+def test_eval_modes_name_the_depth_and_the_engine_reads_it(deep_train_dir):
+    from ccft.evals.generation import make_engine
     from ccft.evals.settings import ModeSpec
 
     base = ccft.load_base(str(deep_train_dir))
     dec = ccft.make_decoder(base, "lora", method="ccft", share_from_layer=2)
     flat = ccft.make_decoder(ccft.load_base(str(deep_train_dir)), "lora", method="ccft")
-    assert engine_unsupported([ModeSpec("prefillshare", flat), ModeSpec("base")]) is None
-    why = engine_unsupported([ModeSpec("base"), ModeSpec("prefillshare", dec)])
-    assert "share_from_layer=2" in why and "SharedPrefillEngine" in why
+    engine = make_engine(base, [ModeSpec("base"), ModeSpec("prefillshare", dec)], cache_format="int8")
+    assert (engine.decoders["prefillshare"].depth, engine.decoders["prefillshare"].cache_format) == (
+        2,
+        "int8",
+    )
     assert ModeSpec("prefillshare", dec).describe()["share_from_layer"] == 2
     assert "share_from_layer" not in ModeSpec("prefillshare", flat).describe()  # old records still resume

@@ -40,32 +40,11 @@ __all__ = [
 ]
 
 
-def engine_unsupported(modes: Sequence[ModeSpec], cache_format: str | None = None) -> str | None:
-    """Why ``SharedPrefillEngine`` cannot run ``modes``, or None: a decoder trained at sharing depth m > 0
-    (issue 35; the engine refuses it, ``ccft.inference.lanes.check_engine_depth``), or a mode that reads the
-    compact C_base (its decoder's ``cache_format``, or ``cache_format``, the eval's
-    ``EvalSettings.cache_format``; ``ccft.inference.lanes.check_engine_cache_format``). The eval runner then
-    takes the reference path (``ccft.generate``), which reads the decoder's own K/V below layer m and the
-    compact C_base."""
-    for spec in modes:
-        fmt = spec.cache_format(cache_format)
-        if fmt != "native":
-            return (
-                f"mode {spec.mode!r} reads C_base in cache_format={fmt}, not supported by "
-                "SharedPrefillEngine yet"
-            )
-        m = getattr(spec.decoder, "share_from_layer", 0) if spec.decoder is not None else 0
-        if m:
-            return (
-                f"mode {spec.mode!r}: its decoder was trained at share_from_layer={m}, not supported by "
-                "SharedPrefillEngine yet"
-            )
-    return None
-
-
-def make_engine(base, modes: Sequence[ModeSpec], max_batch: int = 16):
+def make_engine(base, modes: Sequence[ModeSpec], max_batch: int = 16, cache_format: str | None = None):
     """A ``SharedPrefillEngine`` on ``base`` holding every decoder the ``modes`` use, each once (named after
-    the first mode that uses it).
+    the first mode that uses it). A decoder reads C_base as the reference path would: at its sharing
+    depth (``Decoder.share_from_layer``) and in the format ``ModeSpec.cache_format(cache_format)``
+    (``cache_format``: the eval's ``EvalSettings.cache_format``, else the decoder's own; issue 35).
 
     Raises:
         ConfigError: ``ccft.inference`` cannot be imported in this installation.
@@ -77,7 +56,8 @@ def make_engine(base, modes: Sequence[ModeSpec], max_batch: int = 16):
     engine = SharedPrefillEngine(base, max_batch=max_batch)
     for spec in modes:
         if get_mode(spec.mode).needs_decoder and _registered_name(engine, spec.decoder) is None:
-            engine.add_decoder(spec.mode, spec.decoder)
+            fmt = spec.cache_format(cache_format) if get_mode(spec.mode).shared_prefill else None
+            engine.add_decoder(spec.mode, spec.decoder, cache_format=fmt)
     return engine
 
 

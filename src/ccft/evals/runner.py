@@ -21,7 +21,6 @@ The task interface is ``ccft.evals.protocol``'s.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -40,7 +39,6 @@ from ccft.evals.generation import (
     JointGroup,
     decode_group_jointly,
     decode_groups_jointly,
-    engine_unsupported,
     generate_samples,
     make_engine,
     merge_samples,
@@ -293,10 +291,11 @@ def decode_ahead(
         for task, st in tasks
         if st.engine and st.generate and not st.sampling(task)["do_sample"] and st.resolved_samples(task) == 1
     ]
-    # a run the engine cannot serve (sharing depth, compact C_base): run_task then takes the reference path
-    if not wanted or any(engine_unsupported(modes, st.cache_format) for _, st in wanted):
+    # one engine reads C_base in one format per decoder: tasks asking for different ones are not prefetched
+    formats = {st.cache_format for _, st in wanted}
+    if not wanted or len(formats) > 1:
         return 0
-    engine = make_engine(base, modes, max_batch=batch_size)
+    engine = make_engine(base, modes, max_batch=batch_size, cache_format=formats.pop())
     specs = sorted(modes, key=_mode_order)
     joint: list[JointGroup] = []
     prefills: dict[int, GroupPrefill] = {}
@@ -418,10 +417,6 @@ def run_task(
     settings = settings or EvalSettings()
     for spec in modes:
         check_mode(spec.mode, spec.decoder)
-    why = engine_unsupported(modes, settings.cache_format) if settings.engine else None
-    if why:  # the reference path, recorded as such in meta.json (decode_path)
-        print(f"[ccft] {why}: generating on the reference path (ccft.generate)", file=sys.stderr, flush=True)
-        settings = dataclasses.replace(settings, engine=False)
     name = task_name(task)
     folder = Path(out_dir) / name
     prep, meta, unavailable = _open_task_folder(task, base, modes, folder, settings, overwrite)
@@ -517,7 +512,7 @@ def _run_groups(
     name = task_name(task)
     engine = None
     if settings.engine:
-        engine = make_engine(base, specs, max_batch=batch_size)
+        engine = make_engine(base, specs, max_batch=batch_size, cache_format=settings.cache_format)
     # the engine decodes batch_size rows at a time and refills a row's slot as soon as it finishes, so it gets
     # several batches per call (records are written per call)
     group = batch_size * (ENGINE_BATCHES_PER_CALL if engine is not None else 1)

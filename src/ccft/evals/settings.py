@@ -41,8 +41,7 @@ class EvalSettings:
         cache_format: the format the modes that read C_base (``naive``, ``prefillshare``) read it in
             (issue 35; ``ccft.core.compact``): ``int8`` serves every such decoder on the compact C_base (one
             trained on the native cache too), ``native`` on C_base as computed; None = each decoder's own
-            (``Decoder.cache_format``). ``SharedPrefillEngine`` does not read the compact cache yet: a run
-            that needs it takes the reference path (``decode_path`` in ``meta.json``).
+            (``Decoder.cache_format``). With ``engine`` the engine reads it too (``make_engine``).
     """
 
     limit: int | None = None

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ccft.core.compact import dequantize
+
 NEG_INF = float("-inf")
 
 
@@ -340,21 +342,88 @@ def prefix_attention_gathered(
     """
     b, heads, d = q.shape
     h = kv_heads
-    rep = heads // h
-    j = torch.arange(width, device=q.device)
+    idx, valid = _gather_index(meta, meta.vec0, h, width)
+    kp = arena_k.index_select(0, idx.reshape(-1)).view(b, h, width, d)
+    vp = arena_v.index_select(0, idx.reshape(-1)).view(b, h, width, d)
+    return _gathered_part(q, kp, vp, valid, h, scale)
+
+
+def _gather_index(
+    meta: PrefixMeta, vec0: torch.Tensor, h: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, h, W)`` vector indices of each row's prefix keys from ``vec0`` (head stride and real positions of
+    ``meta``), and ``(B, W)`` which of them are real (ignored slots point at the first real one)."""
+    j = torch.arange(width, device=vec0.device)
     pos = meta.start[:, None] + j[None, :]  # (B, W)
     valid = pos < meta.end[:, None]
     pos = torch.where(valid, pos, meta.start[:, None])  # in-bounds index for ignored slots
     idx = (
-        meta.vec0[:, None, None]
-        + torch.arange(h, device=q.device)[None, :, None] * meta.head_stride[:, None, None]
+        vec0[:, None, None]
+        + torch.arange(h, device=vec0.device)[None, :, None] * meta.head_stride[:, None, None]
         + pos[:, None, :]
-    )  # (B, h, W)
-    kp = arena_k.index_select(0, idx.reshape(-1)).view(b, h, width, d)
-    vp = arena_v.index_select(0, idx.reshape(-1)).view(b, h, width, d)
+    )
+    return idx, valid
+
+
+def _gathered_part(q, kp, vp, valid, h: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    b, heads, d = q.shape
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=q.device).masked_fill_(~valid, NEG_INF)
-    out, lse = attend(q.view(b, h, rep, d), kp, vp, bias[:, None, None, :], scale)
+    out, lse = attend(q.view(b, h, heads // h, d), kp, vp, bias[:, None, None, :], scale)
     return out.reshape(b, heads, d), lse.reshape(b, heads)
+
+
+@dataclass
+class CompactMeta:
+    """Static-shape placement of each batch row's compact C_base (``handles.CompactHandle``).
+
+    meta: the rows' int8 codes in the code arena (as ``PrefixMeta`` places a prefix in the arena).
+    vscale_vec0 ``(B,)``: index of (head 0, position 0) of the row's value scales in the value-scale arena
+    viewed as ``(scales, 1)`` (head stride and positions as ``meta``); kscale_vec0 ``(B,)``: index of head 0's
+    key scales in the key-scale arena viewed as ``(vectors, d)`` (one vector per head).
+    """
+
+    meta: PrefixMeta
+    vscale_vec0: torch.Tensor
+    kscale_vec0: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.meta.tensors(), self.vscale_vec0, self.kscale_vec0]
+
+
+def prefix_attention_gathered_int8(
+    q: torch.Tensor,
+    codes_k: torch.Tensor,
+    codes_v: torch.Tensor,
+    vscales: torch.Tensor,
+    kscales: torch.Tensor,
+    cmeta: CompactMeta,
+    kv_heads: int,
+    width: int,
+    scale: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Part (a) with static shapes on the compact C_base: each row gathers its prefix's int8 codes and their
+    scales and dequantises them (``ccft.core.compact.dequantize``: codes × scale in fp32, cast to ``dtype``,
+    the values ``read_cache`` gives) before ``prefix_attention_gathered``'s attention.
+
+    Args:
+        q: ``(B, H, d)``.  codes_k, codes_v: one layer of the code arena viewed as ``(vectors, d)`` int8.
+        vscales: one layer of the value-scale arena viewed as ``(scales, 1)``; kscales: one layer of the
+            key-scale arena viewed as ``(vectors, d)``; bfloat16.
+        cmeta: the placement.  width: gather width (a bucket ≥ every row's real prefix length).
+    Returns:
+        out ``(B, H, d)`` fp32, lse ``(B, H)`` fp32.
+    """
+    b, heads, d = q.shape
+    h, meta = kv_heads, cmeta.meta
+    idx, valid = _gather_index(meta, meta.vec0, h, width)
+    vidx, _ = _gather_index(meta, cmeta.vscale_vec0, h, width)
+    kidx = cmeta.kscale_vec0[:, None] + torch.arange(h, device=q.device)[None, :]  # (B, h)
+    kc = codes_k.index_select(0, idx.reshape(-1)).view(b, h, width, d)
+    vc = codes_v.index_select(0, idx.reshape(-1)).view(b, h, width, d)
+    ks = kscales.index_select(0, kidx.reshape(-1)).view(b, h, 1, d)
+    vs = vscales.index_select(0, vidx.reshape(-1)).view(b, h, width, 1)
+    return _gathered_part(q, dequantize(kc, ks, dtype), dequantize(vc, vs, dtype), valid, h, scale)
 
 
 __all__ = [
@@ -368,4 +437,6 @@ __all__ = [
     "PrefixMeta",
     "build_prefix_meta",
     "prefix_attention_gathered",
+    "CompactMeta",
+    "prefix_attention_gathered_int8",
 ]

@@ -58,6 +58,7 @@ from typing import Sequence
 import torch
 
 from ccft.core.cache import BaseCache
+from ccft.core.compact import SCALE_DTYPE, kv_nbytes, quantize_keys, quantize_values
 from ccft.core.decoder import Decoder
 from ccft.core.errors import ConfigError, FingerprintMismatchError
 from ccft.core.generation import Generation
@@ -68,7 +69,7 @@ from ccft.inference import model as M
 from ccft.inference import planner
 from ccft.inference.blocks import use_block_weights
 from ccft.inference.graphs import GRAPH_MODES
-from ccft.inference.handles import BASE, PrefixHandle
+from ccft.inference.handles import BASE, CompactHandle, OwnPrefix, PrefixHandle
 from ccft.inference.kv import CapacityError, PrefixArena
 from ccft.inference.lanes import Lane, LaneRegistry
 from ccft.inference.prefill import (
@@ -284,10 +285,49 @@ class SharedPrefillEngine:
             max_tokens=max_prefix_tokens,
             fill=self.fill,
         )
+        #: the decoders' own prefix K/V below their sharing depth m (``handles.OwnPrefix``): as many layers as
+        #: the deepest decoder registered (none until one with m > 0 is), regions allocated like the arena's
+        self.own_arena = PrefixArena(
+            0,
+            bw.kv_heads,
+            bw.head_dim,
+            bw.dtype,
+            device,
+            capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
+            max_tokens=max_prefix_tokens,
+            fill=self.fill,
+        )
+        #: the compact C_base (``handles.CompactHandle``): int8 codes of keys and values, bfloat16 value
+        #: scales (per token and head) and key scales (per row, head and channel); no layers until a
+        #: decoder reading the int8 format is registered
+        self.code_arena = PrefixArena(
+            0,
+            bw.kv_heads,
+            bw.head_dim,
+            torch.int8,
+            device,
+            capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
+            max_tokens=max_prefix_tokens,
+        )
+        self.vscale_arena = PrefixArena(
+            0,
+            bw.kv_heads,
+            1,
+            SCALE_DTYPE,
+            device,
+            capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
+            max_tokens=max_prefix_tokens,
+            pair=False,
+        )
+        self.kscale_arena = PrefixArena(
+            0, bw.kv_heads, bw.head_dim, SCALE_DTYPE, device, capacity_tokens=64, pair=False
+        )
         self._registry = LaneRegistry(
             base,
             bw,
             self.arena,
+            own_arena=self.own_arena,
+            compact_arenas=(self.code_arena, self.vscale_arena, self.kscale_arena),
             max_batch=self.max_batch,
             max_tail_tokens=self.max_tail_tokens,
             fill=self.fill,
@@ -309,8 +349,16 @@ class SharedPrefillEngine:
             self.add_decoder(name, dec)
 
     # ------------------------------------------------------------------ decoders
-    def add_decoder(self, name: str, decoder: Decoder | str | Path, *, tokenizer=None) -> None:
+    def add_decoder(
+        self, name: str, decoder: Decoder | str | Path, *, tokenizer=None, cache_format: str | None = None
+    ) -> None:
         """Register a decoder under ``name`` (a ``ccft.Decoder``, or a decoder folder loaded onto the base).
+
+        It reads C_base as it was trained to (``Decoder.share_from_layer``, ``Decoder.cache_format``): at
+        sharing depth m > 0 its own prompt K/V in layers ``0..m-1`` (a partial prefill with its weights, the
+        first time it reads a handle; ``handles.OwnPrefix``), C_base above; on ``int8`` the compact C_base's
+        values (``ccft.core.compact.read_cache``; ``handles.PrefixHandle.formats``). ``cache_format``
+        overrides the format (``int8``: a decoder trained on the native cache served on the compact one).
 
         A LoRA decoder joins the base's lane as one more adapter; a full-weight decoder gets its own.
         A LoRA adapter's weights are cast in place to the base dtype (PEFT keeps them in fp32 on a
@@ -323,9 +371,9 @@ class SharedPrefillEngine:
             IncompatibleModelError: its tokenizer, layer count, KV geometry or RoPE differ from the base's,
                 a full-weight decoder has weights in another dtype than the base, or it is a model /
                 LoRA variant the engine does not run.
-            ConfigError: ``name`` already used.
+            ConfigError: ``name`` already used; an unknown ``cache_format``.
         """
-        self._registry.add(name, decoder, tokenizer=tokenizer)
+        self._registry.add(name, decoder, tokenizer=tokenizer, cache_format=cache_format)
 
     def stage_reload(self, name: str, path: str | Path) -> StagedReload:
         """Read and validate the decoder folder ``path`` as new weights for LoRA decoder ``name``; the live
@@ -422,7 +470,13 @@ class SharedPrefillEngine:
         prod = self._registry.producer(producer)
         ids, mask = left_pad([list(p[:-k]) for p in prompts], pad_token_id(self.tokenizer))
         handle = self._new_handle(
-            mask.sum(-1).tolist(), ids.shape[1], [list(p[-k:]) for p in prompts], k, prod.name, prod.key
+            mask.sum(-1).tolist(),
+            ids.shape[1],
+            [list(p[-k:]) for p in prompts],
+            k,
+            prod.name,
+            prod.key,
+            [[int(t) for t in p[:-k]] for p in prompts],
         )
         prefill_rows(prod, ids.to(self.device), mask.to(self.device), handle)
         return handle
@@ -527,7 +581,7 @@ class SharedPrefillEngine:
         return (
             prod,
             prefix,
-            self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key),
+            self._new_handle([len(prefix)], len(prefix), [prompt[-k:]], k, prod.name, prod.key, [prefix]),
         )
 
     def producer_key(self, producer: str | None = None) -> str:
@@ -570,6 +624,7 @@ class SharedPrefillEngine:
         k: int,
         producer: str = BASE,
         producer_key: str | None = None,
+        prefix_ids: list[list[int]] | None = None,
     ) -> PrefixHandle:
         start = self.arena.allocate(len(lengths) * width)
         return PrefixHandle(
@@ -582,7 +637,122 @@ class SharedPrefillEngine:
             self.base.fingerprint,
             producer,
             producer_key,
+            prefix_ids,
         )
+
+    def reader_extras(self, decoder: str, tokens: int) -> list[tuple[str, int]]:
+        """What reading a C_base handle of ``tokens`` prefix tokens (one row) with ``decoder`` keeps beside
+        the handle, as ``(key, bytes)``: its own prefix K/V (``"own:{producer key}"``: K and V in the
+        own-layer arena, whose slots hold as many layers as the deepest decoder registered; ``_own_prefix``)
+        and the handle's int8 format (``"format:int8"``: codes and scales, ``ccft.core.compact.kv_nbytes``;
+        ``_read_handle``), each made once per handle and key and freed with it. ``[]`` for a depth-0 decoder
+        on the native cache. A byte ledger counts each key a context does not hold yet
+        (``ccft.serving.Scheduler``).
+
+        Raises:
+            ConfigError: an unknown decoder, or a packed decoder edited in place (``producer_key``).
+        """
+        if decoder not in self.decoders:
+            raise ConfigError(f"unknown decoder {decoder!r}; registered: {', '.join(self.decoders)}")
+        entry, tokens = self.decoders[decoder], int(tokens)
+        extras = []
+        if entry.cache_format != "native":
+            a = self.code_arena
+            nbytes = kv_nbytes(
+                entry.cache_format,
+                layers=self.num_layers,
+                kv_heads=a.kv_heads,
+                head_dim=a.head_dim,
+                tokens=tokens,
+            )
+            extras.append((f"format:{entry.cache_format}", nbytes))
+        if entry.depth:
+            own = self.own_arena
+            nbytes = 2 * own.num_layers * tokens * own.unit * own.k.element_size()
+            extras.append((f"own:{self._registry.producer(decoder).key}", nbytes))
+        return extras
+
+    def _read_handle(self, handle: PrefixHandle, decoder: str) -> PrefixHandle:
+        """The handle ``decoder`` reads for ``handle``: ``handle`` itself, or, for a decoder reading C_base in
+        ``int8``, the handle's ``int8`` format (``PrefixHandle.formats``), made now when it has none: a
+        ``CompactHandle`` holding every layer of C_base as int8 codes and bfloat16 scales
+        (``ccft.core.compact``: ``quantize_keys`` per channel, ``quantize_values`` per token), read back
+        through ``dequantize``: the values ``read_cache`` gives.
+
+        Raises:
+            CapacityError: the code arena is full (``max_prefix_tokens`` slots, as the prefix arena).
+        """
+        fmt = self.decoders[decoder].cache_format
+        if fmt == "native" or handle.producer != BASE:
+            return handle
+        derived = handle.formats.get(fmt)
+        if derived is not None:
+            return derived
+        b, p = handle.batch_size, handle.width
+        starts = []
+        try:
+            for arena, slots in (
+                (self.code_arena, b * p),
+                (self.vscale_arena, b * p),
+                (self.kscale_arena, b),
+            ):
+                starts.append((arena, arena.allocate(slots)))
+        except BaseException:
+            for arena, start in starts:
+                arena.free(start)
+            raise
+        derived = CompactHandle(self, handle, *(start for _, start in starts))
+        for i in range(self.num_layers):
+            q, scale = quantize_keys(handle.keys(i))
+            derived.key_codes(i).copy_(q)
+            derived.key_scales(i).copy_(scale)
+            q, scale = quantize_values(handle.values(i))
+            derived.value_codes(i).copy_(q)
+            derived.value_scales(i).copy_(scale)
+        handle.formats[fmt] = derived
+        return derived
+
+    def _own_prefix(self, handle: PrefixHandle, decoder: str) -> OwnPrefix | None:
+        """The own prefix K/V ``decoder`` reads on ``handle`` below its sharing depth m: None at m = 0 or on a
+        handle the decoder prefilled itself (its own K/V in every layer); else the handle's ``OwnPrefix`` for
+        the decoder's current producer key, computed now by a partial prefill (its first m layers, its own
+        weights) over the handle's prefixes when the handle has none yet (``handles``).
+
+        Raises:
+            ConfigError: the handle was imported from a ``BaseCache`` (``prefill_cache``): its prompt ids are
+                not known, so the partial prefill cannot run.
+            CapacityError: the own-layer arena is full (``max_prefix_tokens``).
+        """
+        entry = self.decoders[decoder]
+        if not entry.depth or handle.producer != BASE:
+            return None
+        prod = self._registry.producer(decoder)
+        own = handle.own.get(prod.key)
+        if own is not None:
+            return own
+        if handle.prefix_ids is None:
+            raise ConfigError(
+                f"decoder {decoder!r} was trained at share_from_layer={entry.depth}: it computes its own "
+                f"prompt K/V in layers 0..{entry.depth - 1} from the prompt ids, which PrefixHandle "
+                f"{handle.id} (imported from a BaseCache with prefill_cache) does not keep; prefill the "
+                "prompts with engine.prefill (or prefill_cached) instead"
+            )
+        own = OwnPrefix(
+            self.own_arena,
+            self.own_arena.allocate(handle.batch_size * handle.width),
+            handle,
+            entry.depth,
+            prod.name,
+            prod.key,
+        )
+        ids, mask = left_pad(handle.prefix_ids, pad_token_id(self.tokenizer))
+        try:
+            prefill_rows(prod, ids.to(self.device), mask.to(self.device), own, entry.depth)
+        except BaseException:
+            own.free()
+            raise
+        handle.own[prod.key] = own
+        return own
 
     # ------------------------------------------------------------------ step API
     def _check_reader(self, handle: PrefixHandle, decoder: str):
@@ -646,6 +816,7 @@ class SharedPrefillEngine:
             read; a row out of range or tails not shaped ``(len(rows), t)``.
         """
         self._check_reader(handle, decoder)
+        handle = self._read_handle(handle, decoder)
         rows = [int(r) for r in rows]
         if any(not 0 <= r < handle.batch_size for r in rows):
             raise ConfigError(f"rows {rows} out of range: the handle has {handle.batch_size} prompts")
@@ -659,13 +830,14 @@ class SharedPrefillEngine:
         key_start = handle.key_start.index_select(0, index)
         prefix_real = torch.arange(handle.width, device=self.device)[None, :] >= key_start[:, None]
         prod = self._registry.producer(decoder)  # the decoder's weights and adapter, as it reads
+        own = self._own_prefix(handle, decoder)
         return M.tail_forward(
             prod.weights,
             tail_ids.to(self.device),
             tail_mask.to(self.device),
             starts,
-            lambda i: handle.keys(i).index_select(0, index),
-            lambda i: handle.values(i).index_select(0, index),
+            lambda i: handle.layer_keys(i, own).index_select(0, index),
+            lambda i: handle.layer_values(i, own).index_select(0, index),
             prefix_real,
             prod.lora,
         )
@@ -756,6 +928,14 @@ class SharedPrefillEngine:
                 f"{len(lane.rows)} rows are active on lane {lane.key!r} (max_batch={self.max_batch}); "
                 "step until some finish, abort some, or raise max_batch"
             )
+        if suffix_ids and entry.cache_format != "native" and handle.producer == BASE:
+            raise ConfigError(
+                f"decoder {decoder!r} reads C_base in cache_format={entry.cache_format}, whose key scales "
+                "cover a row's whole prefix, so a request's suffix_ids cannot extend it; prefill the whole "
+                "prompt (handle prompt + suffix) instead"
+            )
+        handle = self._read_handle(handle, decoder)
+        own = self._own_prefix(handle, decoder)
         tail = list(handle.tail_ids[row]) + [int(t) for t in (suffix_ids or [])]
         lane.pool.ensure(len(lane.rows) + 1, len(tail) + max_new_tokens)
         slot = len(lane.rows)
@@ -781,6 +961,7 @@ class SharedPrefillEngine:
             next_token=int(tail[-1]),
             tail_written=len(tail) - 1,
             logprobs=None if logprobs is None else int(logprobs),
+            own=own,
         )
         # the handle's producer is the base or this decoder (checked above)
         prefill_tail(
@@ -792,6 +973,7 @@ class SharedPrefillEngine:
             entry.lora_plan(),
             lane.pool.k[:, slot],
             lane.pool.v[:, slot],
+            own,
         )
         handle.acquire()
         lane.rows.append(req)

@@ -14,7 +14,8 @@ builds the fixed-shape ``StaticInputs`` (``planner.static_inputs``) and runs ``m
   logits are cloned out of the graph's output buffer before the next replay (fault class K1 in
   docs/design.md).
 
-Key = (batch bucket, tail width, prefix width, adapters on the lane, tail-pool and arena
+Key = (batch bucket, tail width, prefix width, adapters on the lane, own layers read (rows of decoders
+at sharing depth m > 0 read their own prefix K/V from the own-layer arena), tail-pool and arena
 generations). Widths are powers of two, so captures/compilations are bounded by
 log2(max_batch) · log2(max_tail_tokens) · log2(longest prefix) per lane and adapter count; a pool
 or arena that grew (new addresses) drops that lane's graphs. ``captures`` counts them (tests, K4).
@@ -45,15 +46,27 @@ class StaticRunner:
 
     Args:
         weights, pool: the lane's weights (adapters may be added later) and tail pool.
-        arena: the engine's prefix arena.
+        arena: the engine's prefix arena.  own_arena: its own-layer arena (the own prefix K/V of decoders at
+            sharing depth m > 0, ``handles.OwnPrefix``), read by the rows that have some.
+        compact_arenas: its code, value-scale and key-scale arenas (the compact C_base,
+            ``handles.CompactHandle``), read by the rows on it.
         mode: ``"static"``, ``"compile"``, ``"cuda_graph"`` or ``"compiled_graph"``.
         attention: prefix attention, ``"gather"`` or ``"triton"``.  device: where inputs are built.
     """
 
     def __init__(
-        self, weights: LaneWeights, pool: TailPool, arena: PrefixArena, mode: str, attention: str, device
+        self,
+        weights: LaneWeights,
+        pool: TailPool,
+        arena: PrefixArena,
+        mode: str,
+        attention: str,
+        device,
+        own_arena: PrefixArena | None = None,
+        compact_arenas: tuple = (),
     ):
-        self.weights, self.pool, self.arena = weights, pool, arena
+        self.weights, self.pool, self.arena, self.own_arena = weights, pool, arena, own_arena
+        self.compact_arenas = tuple(compact_arenas)
         self.mode, self.attention, self.device = mode, attention, device
         self.captures = 0  # graphs captured / compilations triggered (distinct keys)
         self._graphs: dict[tuple, tuple] = {}
@@ -62,19 +75,29 @@ class StaticRunner:
         self._keys: set[tuple] = set()
         self._mempool = None
 
-    def key(self, n_rows: int, max_tail: int, max_prefix: int) -> tuple:
-        """(batch bucket, tail width, prefix width, adapters, pool generation, arena generation)."""
+    def key(
+        self, n_rows: int, max_tail: int, max_prefix: int, own: bool = False, compact: bool = False
+    ) -> tuple:
+        """(batch bucket, tail width, prefix width, adapters, own layers read, compact read, pool generation,
+        arena generation, own arena generation, compact arenas' generations); own layers: 0 when no row reads
+        its own prefix K/V; the prefix width is also set under Triton when a row reads the compact C_base
+        (always gathered)."""
         pool = self.pool
         b = min(bucket(n_rows), pool.slots)
         tail_width = min(bucket(max_tail, MIN_WIDTH), pool.capacity)
-        prefix_width = bucket(max_prefix, MIN_WIDTH) if self.attention == "gather" else 0
+        prefix_width = bucket(max_prefix, MIN_WIDTH) if self.attention == "gather" or compact else 0
+        own_arena = self.own_arena
         return (
             b,
             tail_width,
             prefix_width,
             len(self.weights.adapters),
+            own_arena.num_layers if own and own_arena is not None else 0,
+            bool(compact),
             pool.generation,
             self.arena.generation,
+            own_arena.generation if own_arena is not None else 0,
+            *(a.generation for a in self.compact_arenas),
         )
 
     def run(
@@ -85,11 +108,13 @@ class StaticRunner:
         Args: per row its input token, RoPE position and tail write index.
         """
         n = len(rows)
-        key = self.key(n, max(write) + 1, max(r.prefix_len for r in rows))
+        compact = any(getattr(r.handle, "cache_format", "native") != "native" for r in rows)
+        own = any(r.own is not None for r in rows)
+        key = self.key(n, max(write) + 1, max(r.prefix_len for r in rows), own, compact)
         b, tail_width, prefix_width = key[:3]
         graphs = self.mode in GRAPH_MODES  # host-built inputs, copied into the graph's buffers in one copy
         inp = static_inputs(self.weights, rows, tokens, positions, write, b, "cpu" if graphs else self.device)
-        gens = key[4:]
+        gens = key[6:]
         if gens != self._generations:  # buffers moved: graphs bound to the old addresses are stale
             self._graphs.clear()
             # the memory pool dies with the last graph that used it: capturing into its old handle
@@ -109,7 +134,25 @@ class StaticRunner:
 
     def _args(self, inp, tail_width, prefix_width):
         arena, pool = self.arena, self.pool
-        return (self.weights, inp, arena.k, arena.v, pool.k, pool.v, tail_width, prefix_width, self.attention)
+        own = self.own_arena if inp.own_meta is not None else None
+        return (
+            self.weights,
+            inp,
+            arena.k,
+            arena.v,
+            pool.k,
+            pool.v,
+            tail_width,
+            prefix_width,
+            self.attention,
+            None if own is None else own.k,
+            None if own is None else own.v,
+            self._compact_buffers() if inp.compact_meta is not None else None,
+        )
+
+    def _compact_buffers(self) -> tuple[torch.Tensor, ...]:
+        codes, vscales, kscales = self.compact_arenas
+        return (codes.k, codes.v, vscales.k, kscales.k)
 
     def _compiled_fn(self):
         if self._compiled is None:

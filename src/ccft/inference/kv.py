@@ -8,7 +8,10 @@ bumps ``generation`` so captured decode graphs bound to the old addresses are dr
   one for values, ``(L, capacity_elements)``; a handle of b prompts with prefix length p owns one
   contiguous region viewed per layer as ``(b, h, p, d)`` (left-padded like ``BaseCache``, pad
   slots zero). Regions are allocated first-fit and freed when the handle's refcount drops to 0.
-  After the prefill writes it, a region is only ever read.
+  After the prefill writes it, a region is only ever read. The engine keeps three more of them, same
+  allocator: the own-layer arena (decoders at sharing depth m: their own K/V in the first layers,
+  ``handles.OwnPrefix``; ``set_layers`` grows its layer count) and the compact C_base's code arena
+  (int8) and scale arenas (bfloat16, keys only: ``pair=False``; ``handles.CompactHandle``).
 * ``TailPool``: the decoder's own K/V (handoff tokens + generated tokens) of every active row of
   one lane, ``(L, slots, h, capacity, d)``. Active rows occupy slots ``0..R-1`` (compacted on
   finish) so a decode step reads ``[:R]`` as a view; a row's slot is zeroed on admission, and
@@ -48,6 +51,8 @@ class PrefixArena:
         capacity_tokens: initial capacity in token slots (a region of b rows × p tokens uses b·p).
         max_tokens: hard cap; an allocation beyond it raises CapacityError (None: unbounded).
         fill: value of never-written memory (0; NaN in tests so a read of unwritten memory shows).
+        pair: hold a value buffer ``v`` beside the key buffer ``k`` (False: ``k`` only, ``v`` empty: the
+            scales of the compact C_base, ``handles.CompactHandle``).
     """
 
     def __init__(
@@ -61,7 +66,9 @@ class PrefixArena:
         capacity_tokens: int = 1024,
         max_tokens: int | None = None,
         fill: float = 0.0,
+        pair: bool = True,
     ):
+        self.pair = bool(pair)
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.unit = kv_heads * head_dim  # elements per token per layer
         self.dtype, self.device, self.fill = dtype, torch.device(device), float(fill)
@@ -69,12 +76,16 @@ class PrefixArena:
         cap = max(1, int(capacity_tokens))
         if max_tokens is not None:
             cap = min(cap, int(max_tokens))
-        self.k = _full((num_layers, cap * self.unit), self.fill, dtype, self.device)
-        self.v = _full((num_layers, cap * self.unit), self.fill, dtype, self.device)
+        self.k = self._buffer(num_layers, cap)
+        self.v = self._buffer(num_layers, cap if self.pair else 0)
         self.capacity = cap  # tokens
         self.free_ranges: list[tuple[int, int]] = [(0, cap)]  # (start token, size), sorted, merged
         self.used: dict[int, int] = {}  # start token -> size
         self.generation = 0
+
+    def _buffer(self, layers: int, tokens: int) -> torch.Tensor:
+        fill = 0 if not self.dtype.is_floating_point else self.fill  # int8 codes: no NaN
+        return _full((layers, tokens * self.unit), fill, self.dtype, self.device)
 
     @property
     def used_tokens(self) -> int:
@@ -150,12 +161,26 @@ class PrefixArena:
 
     def _resize(self, new_cap: int) -> None:
         old_cap = self.capacity
-        k = _full((self.num_layers, new_cap * self.unit), self.fill, self.dtype, self.device)
-        v = _full((self.num_layers, new_cap * self.unit), self.fill, self.dtype, self.device)
+        k = self._buffer(self.num_layers, new_cap)
+        v = self._buffer(self.num_layers, new_cap if self.pair else 0)
         k[:, : old_cap * self.unit].copy_(self.k)
         v[:, : old_cap * self.unit].copy_(self.v)
         self.k, self.v, self.capacity = k, v, new_cap
         self._release_range(old_cap, new_cap - old_cap)
+        self.generation += 1
+
+    def set_layers(self, num_layers: int) -> None:
+        """Hold ``num_layers`` layers from now on (only more: the regions' contents in the layers held so far
+        are kept, the new layers are ``fill``). Bumps ``generation`` (new buffers). For the arena of the
+        decoders' own prefix K/V, whose depth is the largest sharing depth registered (``lanes``)."""
+        num_layers = int(num_layers)
+        if num_layers <= self.num_layers:
+            return
+        k = self._buffer(num_layers, self.capacity)
+        v = self._buffer(num_layers, self.capacity if self.pair else 0)
+        k[: self.num_layers].copy_(self.k)
+        v[: self.num_layers].copy_(self.v)
+        self.k, self.v, self.num_layers = k, v, num_layers
         self.generation += 1
 
     def free(self, start: int) -> None:

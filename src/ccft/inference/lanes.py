@@ -33,7 +33,8 @@ from typing import NamedTuple
 
 import torch
 
-from ccft.core.decoder import Decoder, resolve_handoff
+from ccft.core.compact import check_cache_format
+from ccft.core.decoder import Decoder, check_share_from_layer, resolve_handoff
 from ccft.core.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
 from ccft.core.fingerprint import check_compatible, tokenizer_digest, weights_digest_module
 from ccft.core.tokens import eos_token_ids
@@ -52,40 +53,6 @@ from ccft.inference.weights import (
     lora_adapter,
     pack,
 )
-
-
-def check_engine_depth(what: str, share_from_layer) -> None:
-    """Refuse a decoder trained at sharing depth m > 0 (issue 35; ``ccft.core.depth``): the engine's lanes
-    read one C_base in every layer and keep no per-decoder K/V below layer m, so serving it would silently
-    run it at depth 0.
-
-    Raises:
-        ConfigError: naming the decoder, m and the way out (the reference path).
-    """
-    m = int(share_from_layer or 0)
-    if m:
-        raise ConfigError(
-            f"{what} was trained at share_from_layer={m} (its own prompt KV in layers 0..{m - 1}): not "
-            "supported by SharedPrefillEngine yet; use the reference path (ccft.generate, or `ccft eval` "
-            "with eval.engine=false)"
-        )
-
-
-def check_engine_cache_format(what: str, cache_format) -> None:
-    """Refuse a decoder trained on the compact C_base (``cache_format`` ``int8``; issue 35,
-    ``ccft.core.compact``): the engine's lanes read C_base as the base computed it, so serving it would
-    silently run it on another cache than the one it learned.
-
-    Raises:
-        ConfigError: naming the decoder, the format and the way out (the reference path).
-    """
-    fmt = cache_format or "native"
-    if fmt != "native":
-        raise ConfigError(
-            f"{what} was trained on cache_format={fmt} (the compact C_base): not supported by "
-            "SharedPrefillEngine yet; use the reference path (ccft.generate, or `ccft eval` with "
-            "eval.engine=false)"
-        )
 
 
 @dataclass
@@ -121,6 +88,10 @@ class DecoderEntry:
         packed: its lane decodes a copy of its weights taken at registration (packed full-weight lane).
         versions_at_registration: the version counters when registered (packed lanes refuse later edits).
         stale_keys: its keys from before in-place edits, not yet forgotten by a prefix store.
+        depth: its sharing depth m (``Decoder.share_from_layer``): on C_base it reads its own prompt K/V in
+            layers ``0..m-1`` (``handles.OwnPrefix``), C_base above; 0 for the base and PrefillShare.
+        cache_format: the format it reads C_base in (``Decoder.cache_format``, or the one it was registered
+            with): ``native`` or ``int8`` (``handles.PrefixHandle.formats``).
     """
 
     name: str
@@ -134,6 +105,8 @@ class DecoderEntry:
     packed: bool = False
     versions_at_registration: tuple[int, ...] | None = None
     stale_keys: list[str] = field(default_factory=list)
+    depth: int = 0
+    cache_format: str = "native"
 
     def versions(self) -> tuple[int, ...]:
         """The version counters of ``watched`` (bumped by every in-place write outside ``.data``)."""
@@ -173,6 +146,10 @@ class LaneRegistry:
     Args:
         base: the ``ccft.Base``.  base_weights: its ``LaneWeights`` (the base lane).
         arena: the engine's prefix arena (read by static runners).
+        own_arena: the engine's own-layer arena (``handles.OwnPrefix``); it holds as many layers as the
+            deepest sharing depth registered (``add`` grows it).
+        compact_arenas: the engine's code, value-scale and key-scale arenas (``handles.CompactHandle``); given
+            every layer when the first decoder reading the int8 format is registered.
         max_batch: slots per tail pool.  max_tail_tokens: per-slot capacity limit.
         fill: value of never-written tail memory (K3).  pack_weights: pack each lane's weights.
         decode_mode: ``"eager"`` (no runner) or a static mode of ``graphs.StaticRunner``.
@@ -193,8 +170,11 @@ class LaneRegistry:
         pack_weights: bool,
         decode_mode: str,
         attention: str,
+        own_arena: PrefixArena | None = None,
+        compact_arenas: tuple = (),
     ):
         self.base, self.tokenizer, self.device, self.arena = base, base.tokenizer, base.device, arena
+        self.own_arena, self.compact_arenas = own_arena, tuple(compact_arenas)
         self.max_batch, self.max_tail_tokens, self.fill = max_batch, max_tail_tokens, fill
         self.pack_weights, self.decode_mode, self.attention = pack_weights, decode_mode, attention
         self.base_lane = self.new_lane(BASE, base_weights)
@@ -223,12 +203,23 @@ class LaneRegistry:
         lane = Lane(key, weights, pool)
         if self.decode_mode != "eager":
             lane.runner = StaticRunner(
-                weights, pool, self.arena, self.decode_mode, self.attention, self.device
+                weights,
+                pool,
+                self.arena,
+                self.decode_mode,
+                self.attention,
+                self.device,
+                self.own_arena,
+                self.compact_arenas,
             )
         return lane
 
-    def add(self, name: str, decoder: Decoder | str | Path, *, tokenizer=None) -> DecoderEntry:
-        """Register ``decoder`` (a ``ccft.Decoder``, or a decoder folder loaded onto the base) as ``name``.
+    def add(
+        self, name: str, decoder: Decoder | str | Path, *, tokenizer=None, cache_format: str | None = None
+    ) -> DecoderEntry:
+        """Register ``decoder`` (a ``ccft.Decoder``, or a decoder folder loaded onto the base) as ``name``,
+        reading C_base in ``cache_format`` (default: the decoder's own, ``Decoder.cache_format``; ``int8``
+        serves a decoder trained on the native cache on the compact one).
 
         A LoRA decoder joins the base lane as one more adapter; a full-weight decoder gets its own lane.
 
@@ -236,19 +227,21 @@ class LaneRegistry:
             FingerprintMismatchError: the decoder was conditioned on another base.
             IncompatibleModelError: its tokenizer, layer count, KV geometry, RoPE or dtype differ from
                 the base's, or it is a model / LoRA variant the engine does not run.
-            ConfigError: ``name`` already used, or not a decoder; a decoder trained at sharing depth m > 0
-                (``check_engine_depth``) or on the compact C_base (``check_engine_cache_format``).
+            ConfigError: ``name`` already used, or not a decoder; an unknown ``cache_format``.
+        A decoder trained at sharing depth m > 0 (``share_from_layer``) is registered with that depth, and the
+        own-layer arena grows to m layers when it holds fewer.
         """
         if name in self.decoders:
             raise ConfigError(f"a decoder named {name!r} is already registered; pick another name")
+        if cache_format is not None:
+            check_cache_format(cache_format, where=f"decoder {name!r}: cache_format")
         if isinstance(decoder, (str, Path)):
             decoder, tokenizer = self._load(name, decoder, tokenizer)
         if not isinstance(decoder, Decoder):
             raise ConfigError(
                 f"decoder {name!r}: expected a ccft.Decoder or a decoder folder, got {type(decoder)}"
             )
-        check_engine_depth(f"decoder {name!r}", decoder.share_from_layer)
-        check_engine_cache_format(f"decoder {name!r}", decoder.cache_format)
+        depth = check_share_from_layer(int(decoder.share_from_layer or 0), self.arena.num_layers)
         base = self.base
         if decoder.fingerprint != base.fingerprint:
             raise FingerprintMismatchError(
@@ -283,6 +276,13 @@ class LaneRegistry:
             watched = [*decoder.model.parameters(), *decoder.model.buffers()]
             entry = DecoderEntry(name, lane, None, eos, decoder, watched=watched, packed=self.pack_weights)
         entry.versions_at_registration = entry.versions()
+        entry.depth = depth
+        entry.cache_format = check_cache_format(cache_format or decoder.cache_format or "native")
+        if depth and self.own_arena is not None:
+            self.own_arena.set_layers(depth)
+        if entry.cache_format != "native":
+            for arena in self.compact_arenas:
+                arena.set_layers(self.arena.num_layers)
         self.decoders[name] = entry
         return entry
 
@@ -312,8 +312,6 @@ class LaneRegistry:
                 f"decoder {folder} was trained on base {want} but this engine's base is "
                 f"{self.base.fingerprint} ({self.base.name}); serve it with the base it was trained on"
             )
-        check_engine_depth(f"decoder {name!r} ({folder})", meta.get("share_from_layer", 0))
-        check_engine_cache_format(f"decoder {name!r} ({folder})", meta.get("cache_format"))
         if tokenizer is None and (Path(folder) / "tokenizer_config.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self._check_tokenizer(name, tokenizer)

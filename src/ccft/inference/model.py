@@ -23,12 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from ccft.inference.attention import (
+    CompactMeta,
     PrefixGroup,
     PrefixMeta,
     cascade_attention_rowwise,
     key_bias,
     merge,
     prefix_attention_gathered,
+    prefix_attention_gathered_int8,
     prefix_attention_grouped,
     tail_attention,
 )
@@ -186,7 +188,13 @@ def logits_of(x: torch.Tensor, lw: LaneWeights) -> torch.Tensor:
 
 @torch.no_grad()
 def prefill(
-    lw: LaneWeights, ids: torch.Tensor, mask: torch.Tensor, write_k, write_v, lora: LoraPlan = NO_LORA
+    lw: LaneWeights,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    write_k,
+    write_v,
+    lora: LoraPlan = NO_LORA,
+    layers: int | None = None,
 ) -> None:
     """Run the lane (the base; with ``lora``, a LoRA decoder on it) over left-padded prefixes and write their
     K/V.
@@ -196,7 +204,10 @@ def prefill(
         write_k, write_v: ``layer -> (b, h, p, d)`` destination views (the handle's arena region).
         lora: adapters applied (default none: the base). The no-share baseline prefills with a LoRA
             decoder's own weights (``LoraPlan([(adapter, None)])``).
+        layers: run only the first ``layers`` layers (a partial prefill: a decoder's own K/V below its
+            sharing depth m, ``ccft.core.depth.partial_prefill``); default all L.
     """
+    n_layers = lw.num_layers if layers is None else int(layers)
     b, p = ids.shape
     real = mask.bool()
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -207,12 +218,12 @@ def prefill(
     x = F.embedding(ids, lw.embed)
     cos, sin = _cos_sin(lw, x, positions)
     pad = ~real[:, None, :, None]
-    for i in range(lw.num_layers):
+    for i in range(n_layers):
         q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, p, H|h, d)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         write_k(i).copy_(k.masked_fill(pad, 0.0))
         write_v(i).copy_(v.masked_fill(pad, 0.0))
-        if i == lw.num_layers - 1:
+        if i == n_layers - 1:
             break  # only the K/V are kept: the last layer's attention and MLP outputs are never read
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed[:, None], scale=lw.scale, enable_gqa=lw.heads != lw.kv_heads
@@ -283,6 +294,7 @@ def extend(
     lora: LoraPlan,
     *,
     logits: bool = True,
+    layers: int | None = None,
 ) -> torch.Tensor | None:
     """Process ``t`` tokens of one row (attending to its prefix and its tail so far); returns logits
     ``(t, V)``.
@@ -293,17 +305,19 @@ def extend(
         tail_k, tail_v: ``(L, h, capacity, d)`` the row's tail slot; the tokens are written at
             ``tail_start .. tail_start+t-1``.
         logits: False: only write the K/V (the last layer's attention and MLP are skipped); returns None.
+        layers: with ``logits=False``, run (and write) only the first ``layers`` layers (default all L).
     """
+    n_layers = lw.num_layers if layers is None or logits else int(layers)
     t = tokens.shape[0]
     positions = start_position + torch.arange(t, device=tokens.device)
     x = F.embedding(tokens, lw.embed)
     cos, sin = _cos_sin(lw, x, positions)
     end = tail_start + t
-    for i in range(lw.num_layers):
+    for i in range(n_layers):
         q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (t, H|h, d)
         tail_k[i, :, tail_start:end] = k.transpose(0, 1)
         tail_v[i, :, tail_start:end] = v.transpose(0, 1)
-        if not logits and i == lw.num_layers - 1:
+        if not logits and i == n_layers - 1:
             return None
         keys = torch.cat([prefix_k(i)[:, key_start:], tail_k[i, :, :end]], dim=1)[None]
         vals = torch.cat([prefix_v(i)[:, key_start:], tail_v[i, :, :end]], dim=1)[None]
@@ -422,6 +436,12 @@ class StaticInputs:
 
     tokens, positions, write_pos, tail_len: ``(B,)`` long.  lora_masks: ``(A, B, 1)`` in the model
     dtype, one 0/1 row mask per adapter of the lane (A may be 0).  meta: the prefix placement.
+    own_meta, depth: None when no row reads its own prefix K/V; else the placement of each row's own K/V
+    in the own-layer arena (rows without any point at a valid one, never selected) and ``(B,)`` long, the
+    row's sharing depth m (0: C_base in every layer): row r reads its own K/V in layers ``i < depth[r]``.
+    compact_meta, compact: None when no row reads the compact C_base; else the placement of each row's codes
+    and scales (rows without point at another row's, never selected) and ``(B,)`` bool, the rows that read it
+    (``handles.CompactHandle``) instead of the prefix arena.
     """
 
     tokens: torch.Tensor
@@ -430,45 +450,79 @@ class StaticInputs:
     tail_len: torch.Tensor
     lora_masks: torch.Tensor
     meta: PrefixMeta
-    #: the long tensors above (``long_tensors()``), as views of this one buffer, when built by ``packed``:
-    #: a step's inputs then reach a captured graph's buffers in one host-to-device copy (``copy_from``)
+    own_meta: PrefixMeta | None = None
+    depth: torch.Tensor | None = None
+    compact_meta: CompactMeta | None = None
+    compact: torch.Tensor | None = None
+    #: every long tensor above, as views of this one buffer, when built by ``packed``: a step's inputs then
+    #: reach a captured graph's buffers in one host-to-device copy (``copy_from``), plus the adapter masks
+    #: and the compact rows' flags
     flat: torch.Tensor | None = None
 
-    def long_tensors(self) -> list[torch.Tensor]:
-        return [self.tokens, self.positions, self.write_pos, self.tail_len, *self.meta.tensors()]
-
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.long_tensors(), self.lora_masks]
+        own = [] if self.own_meta is None else [*self.own_meta.tensors(), self.depth]
+        if self.compact_meta is not None:
+            own += [*self.compact_meta.tensors(), self.compact]
+        return [
+            self.tokens,
+            self.positions,
+            self.write_pos,
+            self.tail_len,
+            self.lora_masks,
+            *self.meta.tensors(),
+            *own,
+        ]
 
-    @classmethod
-    def packed(cls, longs: list[torch.Tensor], lora_masks: torch.Tensor, max_len: int) -> StaticInputs:
-        """Inputs whose long tensors (in ``long_tensors()`` order: tokens, positions, write_pos, tail_len,
-        then ``PrefixMeta``'s ten) are views of one buffer, their concatenation."""
-        return cls._views(torch.cat(longs), [t.numel() for t in longs], lora_masks, max_len)
+    def _with(self, ts: list[torch.Tensor], flat: torch.Tensor | None) -> StaticInputs:
+        """The same structure over ``ts`` (in ``tensors()`` order)."""
+        it = iter(ts)
 
-    @classmethod
-    def _views(cls, flat, sizes, lora_masks, max_len) -> StaticInputs:
-        parts = list(torch.split(flat, sizes))
-        return cls(*parts[:4], lora_masks, PrefixMeta(*parts[4:], max_len=max_len), flat=flat)
+        def take(n: int) -> list[torch.Tensor]:
+            return [next(it) for _ in range(n)]
+
+        n_meta = len(self.meta.tensors())
+        tokens, positions, write_pos, tail_len, masks = take(5)
+        meta = PrefixMeta(*take(n_meta), max_len=self.meta.max_len)
+        own_meta = depth = compact_meta = compact = None
+        if self.own_meta is not None:
+            own_meta = PrefixMeta(*take(n_meta), max_len=self.own_meta.max_len)
+            depth = next(it)
+        if self.compact_meta is not None:
+            codes = PrefixMeta(*take(n_meta), max_len=self.compact_meta.meta.max_len)
+            compact_meta = CompactMeta(codes, *take(2))
+            compact = next(it)
+        return StaticInputs(
+            tokens, positions, write_pos, tail_len, masks, meta, own_meta, depth, compact_meta, compact, flat
+        )
+
+    def packed(self) -> StaticInputs:
+        """These inputs with every long tensor a view of one buffer (``flat``), their concatenation."""
+        ts = self.tensors()
+        longs = [t for t in ts if t.dtype == torch.long]
+        flat = torch.cat(longs)
+        views = iter(torch.split(flat, [t.numel() for t in longs]))
+        return self._with([next(views) if t.dtype == torch.long else t for t in ts], flat)
 
     def to(self, device) -> StaticInputs:
-        """A copy on ``device`` (one copy of ``flat``, one of the masks); ``self`` when already there."""
+        """A copy on ``device`` (one copy of ``flat``; the masks and flags apart); ``self`` when already
+        there or not packed."""
         if self.flat is None or self.flat.device == torch.device(device):
             return self
-        sizes = [t.numel() for t in self.long_tensors()]
-        masks = self.lora_masks.to(device)
-        return StaticInputs._views(self.flat.to(device), sizes, masks, self.meta.max_len)
+        ts = self.tensors()
+        flat = self.flat.to(device)
+        views = iter(torch.split(flat, [t.numel() for t in ts if t.dtype == torch.long]))
+        return self._with([next(views) if t.dtype == torch.long else t.to(device) for t in ts], flat)
 
     def copy_from(self, other: StaticInputs) -> None:
-        """Overwrite these inputs (a captured graph's buffers) with ``other``'s values, same shapes, from any
-        device: one copy of ``flat`` (and one of the masks when the lane has adapters)."""
-        if self.flat is not None and other.flat is not None:
+        """Overwrite these inputs (a captured graph's buffers) with ``other``'s values, same structure and
+        shapes, from any device: one copy of ``flat`` and one per non-long tensor (masks, compact flags)."""
+        pairs = list(zip(self.tensors(), other.tensors(), strict=True))
+        whole = self.flat is not None and other.flat is not None
+        if whole:
             self.flat.copy_(other.flat, non_blocking=True)
-            if self.lora_masks.numel():
-                self.lora_masks.copy_(other.lora_masks, non_blocking=True)
-            return
-        for dst, src in zip(self.tensors(), other.tensors(), strict=True):
-            dst.copy_(src, non_blocking=True)
+        for dst, src in pairs:
+            if dst.numel() and not (whole and dst.dtype == torch.long):
+                dst.copy_(src, non_blocking=True)
 
 
 def decode_step_static(
@@ -481,6 +535,9 @@ def decode_step_static(
     tail_width: int,
     prefix_width: int,
     prefix_impl: str = "gather",
+    own_k: torch.Tensor | None = None,
+    own_v: torch.Tensor | None = None,
+    compact: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """``decode_one_token`` with static shapes and no host synchronisation; returns logits ``(B, V)``.
 
@@ -493,7 +550,23 @@ def decode_step_static(
         tail_width: tail keys read per row (bucket ≥ max tail_len).
         prefix_width: gather width for ``prefix_impl="gather"`` (bucket ≥ longest real prefix).
         prefix_impl: ``"gather"`` (torch) or ``"triton"`` (the shared-prefix kernel).
+        own_k, own_v: ``(L_own, elements)`` the own-layer arena, when ``inp.own_meta`` is set: in a layer
+            i < L_own the prefix part is computed on it too and row r takes that result where
+            ``i < inp.depth[r]`` (its own K/V below its sharing depth), C_base's elsewhere.
+        compact: ``(key codes, value codes, value scales, key scales)`` of the compact C_base's arenas, each
+            ``(L, elements)``, when ``inp.compact_meta`` is set: the rows in ``inp.compact`` take the prefix
+            part computed on them (``attention.prefix_attention_gathered_int8``; always gathered, at
+            ``prefix_width``) in every layer they read C_base in.
     """
+
+    def prefix_part(q, ak, av, meta):
+        if prefix_impl == "triton":
+            from ccft.inference.triton_kernels import prefix_attention_triton
+
+            return prefix_attention_triton(q, ak, av, meta, lw.kv_heads, lw.scale)
+        return prefix_attention_gathered(q, ak, av, meta, lw.kv_heads, prefix_width, lw.scale)
+
+    own_layers = 0 if inp.own_meta is None or own_k is None else own_k.shape[0]
     b = inp.tokens.shape[0]
     d = lw.head_dim
     rows = torch.arange(b, device=inp.tokens.device)
@@ -507,13 +580,27 @@ def decode_step_static(
         o_t, lse_t = tail_attention(
             q, pool_k[i, :b, :, :tail_width], pool_v[i, :b, :, :tail_width], inp.tail_len, lw.scale
         )
-        ak, av = arena_k[i].view(-1, d), arena_v[i].view(-1, d)
-        if prefix_impl == "triton":
-            from ccft.inference.triton_kernels import prefix_attention_triton
-
-            o_p, lse_p = prefix_attention_triton(q, ak, av, inp.meta, lw.kv_heads, lw.scale)
-        else:
-            o_p, lse_p = prefix_attention_gathered(q, ak, av, inp.meta, lw.kv_heads, prefix_width, lw.scale)
+        o_p, lse_p = prefix_part(q, arena_k[i].view(-1, d), arena_v[i].view(-1, d), inp.meta)
+        if compact is not None and inp.compact_meta is not None:
+            ck, cv, vs, ks = (t[i] for t in compact)
+            o_c, lse_c = prefix_attention_gathered_int8(
+                q,
+                ck.view(-1, d),
+                cv.view(-1, d),
+                vs.view(-1, 1),
+                ks.view(-1, d),
+                inp.compact_meta,
+                lw.kv_heads,
+                prefix_width,
+                lw.scale,
+                lw.dtype,
+            )
+            sel = inp.compact[:, None]
+            o_p, lse_p = torch.where(sel[..., None], o_c, o_p), torch.where(sel, lse_c, lse_p)
+        if i < own_layers:  # rows below their sharing depth read their own K/V instead
+            o_o, lse_o = prefix_part(q, own_k[i].view(-1, d), own_v[i].view(-1, d), inp.own_meta)
+            sel = (inp.depth > i)[:, None]
+            o_p, lse_p = torch.where(sel[..., None], o_o, o_p), torch.where(sel, lse_o, lse_p)
         o = merge(o_p, lse_p, o_t, lse_t).to(x.dtype).reshape(b, -1)
         x = _residual(x, o, lw.layers[i].proj["o_proj"], "o_proj", i, lora)
         x = _mlp(x, lw, i, lora)

@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 
 from ccft.inference import model as M
-from ccft.inference.attention import PrefixGroup, build_prefix_meta
+from ccft.inference.attention import CompactMeta, PrefixGroup, build_prefix_meta
+from ccft.inference.handles import CompactHandle
 from ccft.inference.requests import Request
 from ccft.inference.weights import LaneWeights
 
@@ -33,20 +34,21 @@ SPAN_FACTOR = 2
 def prefix_groups(rows: Sequence[Request], device) -> list[PrefixGroup]:
     """The prefix groups covering ``rows`` (batch index i is ``rows[i]``).
 
-    Rows reading one handle form one group: a handle whose every row is present, in order and
+    Rows reading one handle with the same own K/V (``Request.own``: a decoder at sharing depth m reads its
+    own below layer m) form one group: a handle whose every row is present, in order and
     contiguous, reads its region directly (``rows=None``); otherwise a ``(prompt rows, m)`` table
     maps each prompt row read to the batch rows reading it (-1 padded), with ``used`` None (every
     prompt row), a slice (the span of the rows read, read in place: ``SPAN_FACTOR``) or the prompt
     rows gathered.
     """
-    by_handle: dict[int, list[tuple[int, Request]]] = {}
+    by_handle: dict[tuple[int, int], list[tuple[int, Request]]] = {}
     for i, r in enumerate(rows):
-        by_handle.setdefault(r.handle.id, []).append((i, r))
+        by_handle.setdefault((r.handle.id, -1 if r.own is None else r.own.id), []).append((i, r))
     groups = []
     for members in by_handle.values():
-        h = members[0][1].handle
-        kf = (lambda hh: lambda i: hh.keys(i))(h)
-        vf = (lambda hh: lambda i: hh.values(i))(h)
+        h, own = members[0][1].handle, members[0][1].own
+        kf = (lambda hh, oo: lambda i: hh.layer_keys(i, oo))(h, own)
+        vf = (lambda hh, oo: lambda i: hh.layer_values(i, oo))(h, own)
         first = members[0][0]
         if len(members) == h.batch_size and all(i == first + r.row for i, r in members):
             groups.append(PrefixGroup(kf, vf, h.key_start, None, first))
@@ -115,23 +117,65 @@ def static_inputs(
     Returns:
         ``StaticInputs``: ``(batch,)`` long tokens / positions / write_pos / tail_len (write_pos + 1),
         ``(adapters, batch, 1)`` row masks in the lane dtype, and the prefix placement
-        (``attention.build_prefix_meta``).
+        (``attention.build_prefix_meta``); when a row reads its own K/V below its sharing depth
+        (``Request.own``), their placement in the own-layer arena and the rows' depths (0: none; rows
+        without own K/V point at another row's, never selected); when a row reads the compact C_base
+        (``handles.CompactHandle``), the placement of its codes and scales and which rows read them.
     """
     n = len(rows)
     pad = batch - n
-    # built on the host as one long buffer (StaticInputs.packed), then moved in one copy: a captured step's
-    # inputs are that buffer copied into the graph's (graphs.StaticRunner)
-    host = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    write_pos = host(list(write) + [0] * pad)
+    # built on the host, packed into one long buffer (StaticInputs.packed) and moved in one copy: a captured
+    # step's inputs are that buffer copied into the graph's (graphs.StaticRunner)
+    t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    write_pos = t(list(write) + [0] * pad)
     masks = torch.zeros((len(weights.adapters), batch, 1), dtype=weights.dtype)
     for i, r in enumerate(rows):
         if r.adapter_index is not None:
             masks[r.adapter_index, i] = 1
+    compact = [r for r in rows if isinstance(r.handle, CompactHandle)]
+    # rows on the compact C_base read no region of the prefix arena: they point at its first slot (never
+    # selected)
     meta = build_prefix_meta(
-        [(r.handle.start, r.row, r.handle.width, r.prefix_len) for r in rows], batch, weights.kv_heads, "cpu"
+        [
+            (0, 0, 1, 1)
+            if isinstance(r.handle, CompactHandle)
+            else (r.handle.start, r.row, r.handle.width, r.prefix_len)
+            for r in rows
+        ],
+        batch,
+        weights.kv_heads,
+        "cpu",
     )
-    longs = [host(list(tokens) + [0] * pad), host(list(positions) + [0] * pad), write_pos, write_pos + 1]
-    return M.StaticInputs.packed([*longs, *meta.tensors()], masks, meta.max_len).to(device)
+    tokens_t, positions_t = t(list(tokens) + [0] * pad), t(list(positions) + [0] * pad)
+    inp = M.StaticInputs(tokens_t, positions_t, write_pos, write_pos + 1, masks, meta)
+    if compact:
+        first = compact[0]
+        placed = [r if isinstance(r.handle, CompactHandle) else first for r in rows]
+        h = weights.kv_heads
+        inp.compact_meta = CompactMeta(
+            build_prefix_meta(
+                [(r.handle.code_start, r.row, r.handle.width, r.prefix_len) for r in placed], batch, h, "cpu"
+            ),
+            t([(r.handle.vscale_start + r.row * r.handle.width) * h for r in placed] + [0] * pad),
+            t([(r.handle.kscale_start + r.row) * h for r in placed] + [0] * pad),
+        )
+        inp.compact = torch.tensor([isinstance(r.handle, CompactHandle) for r in rows] + [False] * pad)
+    with_own = [r for r in rows if r.own is not None]
+    if with_own:
+        first = with_own[0]
+        inp.own_meta = build_prefix_meta(
+            [
+                (o.start, r.row, o.width, r.prefix_len)
+                if (o := r.own) is not None
+                else (first.own.start, first.row, first.own.width, first.prefix_len)
+                for r in rows
+            ],
+            batch,
+            weights.kv_heads,
+            "cpu",
+        )
+        inp.depth = t([0 if r.own is None else r.own.depth for r in rows] + [0] * pad)
+    return inp.packed().to(device)
 
 
 __all__ = ["prefix_groups", "lora_plan", "single_lora_plan", "static_inputs"]

@@ -17,7 +17,7 @@ import torch
 
 from ccft.core.cache import BaseCache
 from ccft.inference import model as M
-from ccft.inference.handles import PrefixHandle
+from ccft.inference.handles import OwnPrefix, PrefixHandle
 from ccft.inference.kv import PrefixArena
 from ccft.inference.lanes import Producer
 from ccft.inference.weights import LaneWeights
@@ -51,12 +51,21 @@ def row_chunks(lengths: Sequence[int], heads: int) -> list[tuple[int, int, int]]
     return chunks
 
 
-def prefill_rows(producer: Producer, ids: torch.Tensor, mask: torch.Tensor, handle: PrefixHandle) -> None:
+def prefill_rows(
+    producer: Producer,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    handle: PrefixHandle | OwnPrefix,
+    layers: int | None = None,
+) -> None:
     """Run the producer over left-padded prefixes and write their K/V into ``handle``'s region.
 
     Args:
         ids, mask: ``(b, p)`` left-padded ``prompt[:n-k]`` ids and attention mask, b = handle.batch_size,
             p = handle.width.
+        handle: a ``PrefixHandle``, or an ``OwnPrefix`` with ``layers`` = its depth m (the partial prefill of
+            a decoder at sharing depth m: its own K/V in layers ``0..m-1``).
+        layers: run and write only the first ``layers`` layers (default all L).
     Rows go in chunks (``row_chunks``), each computed at its own width w ≤ p (its longest row): its
     last w slots are written by the forward, the p - w slots before them are zeroed (pad slots).
     Per-row positions start at 0 at the first real token (``model.prefill``), so a row's K/V do not
@@ -64,10 +73,11 @@ def prefill_rows(producer: Producer, ids: torch.Tensor, mask: torch.Tensor, hand
     """
     w = producer.weights
     p = ids.shape[1]
+    n_layers = w.num_layers if layers is None else int(layers)
     for r0, r1, width in row_chunks(mask.sum(-1).tolist(), w.heads):
         rs, off = slice(r0, r1), p - width
         if off:
-            for i in range(w.num_layers):
+            for i in range(n_layers):
                 handle.keys(i)[rs, :, :off].zero_()
                 handle.values(i)[rs, :, :off].zero_()
         M.prefill(
@@ -77,6 +87,7 @@ def prefill_rows(producer: Producer, ids: torch.Tensor, mask: torch.Tensor, hand
             lambda i, rs=rs, off=off: handle.keys(i)[rs, :, off:],
             lambda i, rs=rs, off=off: handle.values(i)[rs, :, off:],
             producer.lora,
+            n_layers,
         )
 
 
@@ -252,6 +263,7 @@ def prefill_tail(
     lora: M.LoraPlan,
     slot_k: torch.Tensor,
     slot_v: torch.Tensor,
+    own: OwnPrefix | None = None,
 ) -> None:
     """Write a request's tail before its first decode step.
 
@@ -260,6 +272,11 @@ def prefill_tail(
     recompute (``tail[:-k]``, positions from the row's prefix length), the decoder (``weights``,
     ``lora``) the first k-1 of its k recomputed tokens; both attend to the row's prefix and to the
     slot so far, and are written into the slot ``slot_k, slot_v (L, h, capacity, d)`` from index 0.
+
+    ``own``: the decoder's own prefix K/V below its sharing depth m (``handles.OwnPrefix``): the decoder
+    reads it in layers ``0..m-1``, and the suffix part's K/V in those layers are the decoder's own too (a
+    partial forward of the decoder over the suffix, attending to its own prefix K/V, overwrites the
+    producer's there), as a hybrid prefix over the whole ``prompt + suffix`` holds them.
     """
     k = handle.handoff_tokens
     n_pre = len(tail) - k  # suffix tokens the producer computes (C_base of the suffix)
@@ -279,6 +296,24 @@ def prefill_tail(
             0,
             producer.lora,
         )
+    if own is not None:
+        kf = lambda i: handle.layer_keys(i, own)[row]  # noqa: E731
+        vf = lambda i: handle.layer_values(i, own)[row]  # noqa: E731
+        if n_pre > 0:  # the decoder's own K/V of the suffix below its depth
+            M.extend(
+                weights,
+                torch.tensor(tail[:n_pre], device=device),
+                prefix_len,
+                kf,
+                vf,
+                key_start,
+                slot_k,
+                slot_v,
+                0,
+                lora,
+                logits=False,
+                layers=own.depth,
+            )
     if k > 1:  # the first k-1 handoff tokens: one small forward for this row now
         M.extend(
             weights,

@@ -30,7 +30,7 @@ import torch
 
 from ccft.core.errors import ConfigError, FingerprintMismatchError, IncompatibleModelError
 from ccft.core.fingerprint import tokenizer_digest
-from ccft.inference.lanes import DecoderEntry, check_engine_cache_format, check_engine_depth
+from ccft.inference.lanes import DecoderEntry
 
 #: ``adapter_config.json`` fields that set the adapter's shapes and scaling; a reload keeps them
 SHAPE_FIELDS = (
@@ -91,8 +91,9 @@ def stage_reload(entry: DecoderEntry, base, path: str | Path, tokenizer=None) ->
     Raises:
         ConfigError: ``entry`` is the base or a full-weight decoder; ``path`` is not a LoRA decoder
             folder; its ``handoff_tokens`` or a shape field of ``adapter_config.json`` differs from
-            the live adapter's; it was trained at sharing depth m > 0 (``check_engine_depth``) or on the
-            compact C_base (``check_engine_cache_format``); its adapter
+            the live adapter's; its sharing depth ``share_from_layer`` differs from the served decoder's (the
+            own prefix K/V the engine keeps for it are of that depth) or its ``cache_format`` from the served
+            decoder's (it learned another cache); its adapter
             file is missing, unreadable, lacks or adds a tensor, has
             another shape or holds non-finite values. The message names the field and the fix.
         FingerprintMismatchError: the folder was trained on another base.
@@ -133,8 +134,22 @@ def stage_reload(entry: DecoderEntry, base, path: str | Path, tokenizer=None) ->
             f"'handoff_tokens' is {k_new} but the served decoder has {k_live}",
             "reload a decoder trained with the same handoff_tokens, or serve it under a new name",
         )
-    check_engine_depth(f"reload of decoder {name!r} from {path}", meta.get("share_from_layer", 0))
-    check_engine_cache_format(f"reload of decoder {name!r} from {path}", meta.get("cache_format"))
+    m_new, m_live = int(meta.get("share_from_layer") or 0), entry.depth
+    if m_new != m_live:
+        raise _refuse(
+            name,
+            path,
+            f"'share_from_layer' is {m_new} but the served decoder has {m_live}",
+            "reload a decoder trained at the same sharing depth, or serve it under a new name",
+        )
+    f_new, f_live = meta.get("cache_format") or "native", entry.decoder.cache_format or "native"
+    if f_new != f_live:
+        raise _refuse(
+            name,
+            path,
+            f"'cache_format' is {f_new} but the served decoder was trained on {f_live}",
+            "reload a decoder trained on the same cache format, or serve it under a new name",
+        )
     if tokenizer is not None and (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 

@@ -29,7 +29,7 @@ from ccft.core.errors import CCFTError
 from ccft.core.generation import Generation
 from ccft.core.sampling import SamplingParams, select_tokens
 from ccft.core.text import StopMatcher, TextStream
-from ccft.inference.handles import PrefixHandle
+from ccft.inference.handles import OwnPrefix, PrefixHandle
 
 
 @dataclass
@@ -84,6 +84,8 @@ class Request:
         next_token: the token fed at the next step.  tail_written: tokens in its tail slot.
         out_ids: the generated ids (EOS excluded).  reason: ``"eos"``, ``"stop"``, ``"length"`` once ended.
         logprobs: None, or how many top log-probabilities each step reports (``StepOutput.logprob``).
+        own: its decoder's own prefix K/V below the decoder's sharing depth m (``handles.OwnPrefix``; None at
+            m = 0 or on a handle the decoder prefilled itself).
     """
 
     id: int
@@ -106,6 +108,7 @@ class Request:
     text: str | None = None
     stream: TextStream | None = None
     logprobs: int | None = None
+    own: OwnPrefix | None = None
 
     def __post_init__(self) -> None:
         if self.stop and self.stream is None:

@@ -3,8 +3,10 @@ budget").
 
 Three kinds of bytes, at ``bytes_per_token = layers × 2 × kv_heads × head_dim × dtype bytes``:
 
-- **live**: every live context's prefix (its handle) and the tail slots each admitted request reserves
-  (its own prompt tokens + ``max_new_tokens``), from admission to its end;
+- **live**: every live context's prefix (its handle), what its readers keep beside it (a decoder at sharing
+  depth m: its own K/V in m layers; the compact int8 copy of the C_base: codes and scales;
+  ``SharedPrefillEngine.reader_extras``), and the tail slots each admitted request reserves (its own prompt
+  tokens + ``max_new_tokens``), from admission to its end;
 - **pending store**: with chunked prefill, the full blocks an unfinished prefill will insert into the prefix
   store when it finishes (counted from its start, so requests admitted meanwhile cannot take that room);
 - **store**: the prefix store's blocks (``PrefixKVStore.bytes_in_use``), evicted LRU to make room.
@@ -63,10 +65,12 @@ class KVLedger:
             need += self.bytes(context_tokens) + self.bytes(self.store_block_tokens(context_tokens))
         return need
 
-    def never_fits(self, context_tokens: int, tail_tokens: int, max_new_tokens: int) -> int | None:
-        """The bytes a request needs alone when that exceeds the budget (it can never be admitted); else
-        None."""
-        need = self.bytes(context_tokens + tail_tokens + max_new_tokens)
+    def never_fits(
+        self, context_tokens: int, tail_tokens: int, max_new_tokens: int, extra_bytes: int = 0
+    ) -> int | None:
+        """The bytes a request needs alone (``extra_bytes``: what its decoder keeps beside the context) when
+        that exceeds the budget (it can never be admitted); else None."""
+        need = self.bytes(context_tokens + tail_tokens + max_new_tokens) + int(extra_bytes)
         return need if self.budget_bytes is not None and need > self.budget_bytes else None
 
     @property

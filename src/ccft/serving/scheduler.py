@@ -36,13 +36,15 @@ prefills its own prompt with its own weights into its own handle and its own sto
 ``N·(L_shared + L_unique + generated)``.
 
 KV budget (``kv_budget_bytes``): live KV (handles + the tail slots reserved by active requests, at
-``layers × 2 × kv_heads × head_dim × dtype bytes`` per token) plus the store's blocks never exceed
-it. Admission first evicts unreferenced store blocks (LRU); a request that still does not fit waits
-in the queue (head of line: arrival order is kept), and one that could never fit alone is refused
-at ``submit`` (``PromptTooLongError``). A full queue refuses new requests (``QueueFullError``). An engine
-whose prefix arena has a fixed size (``max_prefix_tokens``) holds a new context only where the arena has a
-free range that long: the request waits the same way while live contexts hold the room
-(``counters["arena_waits"]``); one longer than the whole arena fails at its prefill (``CapacityError``).
+``layers × 2 × kv_heads × head_dim × dtype bytes`` per token, + what a context's readers keep beside it:
+a decoder at sharing depth m its own K/V in m layers, a decoder on the compact C_base the int8 codes and
+scales of the context; ``SharedPrefillEngine.reader_extras``) plus the store's blocks never exceed it.
+Admission first evicts unreferenced store blocks (LRU); a request that still does not fit waits in the
+queue (head of line: arrival order is kept), and one that could never fit alone is refused at ``submit``
+(``PromptTooLongError``). A full queue refuses new requests (``QueueFullError``). An engine whose prefix
+arena has a fixed size (``max_prefix_tokens``) holds a new context only where the arena has a free range
+that long: the request waits the same way while live contexts hold the room (``counters["arena_waits"]``);
+one longer than the whole arena fails at its prefill (``CapacityError``).
 
 Chunked prefill (``prefill_chunk_tokens=B``; as vLLM's chunked prefill / Sarathi-Serve): each step
 has a token budget of B shared by the decode rows and pending prefills. The decode rows come first
@@ -227,6 +229,7 @@ class _Context:
     job: object = None  # a ``PrefillJob`` while the context is being prefilled in pieces (chunked prefill)
     waiting: list = field(default_factory=list)  # tickets admitted onto it before it is complete
     store_reserve: int = 0  # bytes its unfinished job may still insert into the store (chunked prefill)
+    extras: dict = field(default_factory=dict)  # reader_extras key -> bytes reserved (own K/V, int8 format)
 
 
 @dataclass(eq=False)
@@ -407,12 +410,32 @@ class Scheduler:
                 f"engine's max_tail_tokens={self.engine.max_tail_tokens}; lower max_new_tokens or mark more "
                 "of the prompt as shared (shared_len)"
             )
-        need = self.kv.never_fits(ctx, tail, r.params.max_new_tokens)
+        extra = sum(b for _, b in self._reader_extras(r, None, ctx))
+        need = self.kv.never_fits(ctx, tail, r.params.max_new_tokens, extra)
         if need is not None:
             raise PromptTooLongError(
                 f"the request needs {need} bytes of KV but kv_budget_bytes="
                 f"{self.kv_budget_bytes}; shorten the prompt or raise the budget"
             )
+
+    def _reader_extras(self, r: ServeRequest, ctx: _Context | None, ctx_tokens: int) -> list[tuple[str, int]]:
+        """``(key, bytes)`` the request's decoder will keep beside its context that ``ctx`` (None: a new
+        context) does not hold yet: its own K/V below its sharing depth, the C_base's int8 format
+        (``SharedPrefillEngine.reader_extras``); none without sharing (the decoder prefills itself)."""
+        extras = getattr(self.engine, "reader_extras", None)
+        if not self.share or extras is None:
+            return []
+        try:
+            wanted = extras(r.decoder, ctx_tokens)
+        except CCFTError:  # e.g. a packed decoder edited in place: add_request refuses it, with the message
+            return []
+        held = ctx.extras if ctx is not None else {}
+        return [(key, nbytes) for key, nbytes in wanted if key not in held]
+
+    def _release_context(self, ctx: _Context) -> None:
+        """Count a released context's bytes (its prefix and what its readers kept beside it) as free."""
+        self.kv.release(self.kv.bytes(ctx.tokens) + sum(ctx.extras.values()))
+        ctx.extras = {}
 
     def _handoff(self, decoder: str) -> int:
         """The k this decoder's requests recompute (``resolve_handoff``: its own; the base's is 1)."""
@@ -420,9 +443,15 @@ class Scheduler:
         return resolve_handoff([d.handoff_tokens] if d is not None else [], what=f"decoder {decoder!r}")
 
     def _split(self, r: ServeRequest) -> tuple[int, int]:
-        """(tokens in the context handle's prefix, tokens in the request's tail before generation)."""
+        """(tokens in the context handle's prefix, tokens in the request's tail before generation). A decoder
+        reading the compact C_base (``cache_format`` int8) takes its whole prompt as the context: a key
+        channel's scale covers the prefix it quantises, so the cache of a context cannot be extended by an
+        agent's own tokens (``SharedPrefillEngine.add_request`` refuses ``suffix_ids`` for it)."""
         n, k = len(r.prompt_ids), self._handoff(r.decoder)
-        s = n if r.shared_len is None else max(int(r.shared_len), k + 1)
+        whole = r.shared_len is None or (
+            self.share and getattr(self.engine.decoders[r.decoder], "cache_format", "native") != "native"
+        )
+        s = n if whole else max(int(r.shared_len), k + 1)
         s = min(s, n)
         return s - k, n - s + k
 
@@ -706,6 +735,8 @@ class Scheduler:
                 self.counters["arena_waits"] += 1
                 return
             need = self.kv.admission_bytes(ctx_tokens, tail, r.params.max_new_tokens, new_context=ctx is None)
+            extras = self._reader_extras(r, ctx, ctx_tokens)
+            need += sum(b for _, b in extras)
             if not self.kv.make_room(need):
                 self.counters["admission_waits"] += 1
                 return
@@ -721,6 +752,9 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - the request fails, the scheduler goes on
                 self._end(t, "error", error=f"{type(e).__name__}: {e}")
                 continue
+            for key, nbytes in extras:  # held by the context from now on, released with it
+                if key not in ctx.extras:
+                    ctx.extras[key] = self.kv.reserve(nbytes)
             ctx.users += 1
             t._ctx = ctx
             t._reserved = self.kv.reserve(self.kv.request_bytes(tail, r.params.max_new_tokens))
@@ -813,7 +847,7 @@ class Scheduler:
         self._release_store_reserve(ctx)
         if self._contexts.get(ctx.key) is ctx:
             del self._contexts[ctx.key]
-            self.kv.release(self.kv.bytes(ctx.tokens))
+            self._release_context(ctx)
 
     def _prompt_logprobs(self, r: ServeRequest) -> list:
         t0 = time.perf_counter()
@@ -913,7 +947,7 @@ class Scheduler:
                 else:
                     ctx.handle.release()
                 del self._contexts[key]
-                self.kv.release(self.kv.bytes(ctx.tokens))
+                self._release_context(ctx)
 
     def _fail_all(self, message: str) -> None:
         for rid, t in list(self._running.items()):
