@@ -32,3 +32,13 @@ def test_cli_train_on_corrupt_weights_is_one_line(tmp_path, tokenizer, capsys):
         x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("ccft")
     ]  # not library warnings
     assert len(err) == 1 and err[0].startswith("ccft train: error:") and "corrupt or truncated" in err[0]
+
+
+def test_embedded_name_in_other_case_is_a_config_error_not_a_hub_lookup(tmp_path, monkeypatch):
+    """``SmolLM2-135M-Instruct`` (not a folder here) names the embedded model in other letter case: a
+    ConfigError with the right name, before transformers would try the Hub."""
+    from ccft.core.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="use 'smollm2-135m-instruct'"):
+        load_base("SmolLM2-135M-Instruct")

@@ -181,10 +181,21 @@ def convert_embedded(name: str, *, quiet: bool = False) -> Path:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """An embedded model name -> its converted folder; a local folder or HF id is returned unchanged."""
+    """An embedded model name -> its converted folder; a local folder or HF id is returned unchanged.
+
+    Raises:
+        ConfigError: an embedded model's name in other letter case (``"SmolLM2-135M-Instruct"``) that is no
+            local folder: it would otherwise be looked up on the Hub (retries, then a network error).
+    """
     if name_or_path in EMBEDDED_MODELS:
         return str(convert_embedded(name_or_path))
-    return str(name_or_path)
+    text = str(name_or_path)
+    if text.lower() in EMBEDDED_MODELS and not Path(text).exists():
+        raise ConfigError(
+            f"model {text!r} is not a local folder and embedded model names are lower case: use "
+            f"{text.lower()!r} (embedded: {', '.join(sorted(EMBEDDED_MODELS))})"
+        )
+    return text
 
 
 def describe_model(name_or_path: str) -> str:
