@@ -317,14 +317,49 @@ def test_metrics_show_the_pool(world, prompt):
 
 
 # -------------------------------------------------------------------------------------------- config
-def test_pool_spec_errors_name_the_option():
-    assert P.check_pool_spec(None) is None and P.check_pool_spec("") is None
-    assert P.check_pool_spec("redis://127.0.0.1:6379/0") == "redis" and P.check_pool_spec("ray") == "ray"
-    for bad in ("127.0.0.1:6379", "http://x", "rays"):
-        with pytest.raises(ConfigError, match="--prefix-pool .*redis://HOST:PORT"):
-            P.check_pool_spec(bad)
-    pool = P.pool_from_spec("memory", capacity_bytes=10)
-    assert pool.backend.name == "memory" and pool.backend.capacity_bytes == 10
+def _serve_args(*argv):
+    from ccft.cli.main import build_parser
+
+    return build_parser().parse_args(["serve", "--model", "no/such/model", *argv])
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--prefix-pool", "127.0.0.1:6379"], r"--prefix-pool '127.0.0.1:6379': use redis://HOST:PORT"),
+        (["--prefix-pool", "memory"], r"--prefix-pool 'memory': use redis://HOST:PORT\[/DB\] .* or ray"),
+        (["--prefix-pool", "redis://127.0.0.1:1", "--block-tokens", "0"], r"--block-tokens 0 turns off"),
+        (["--prefix-pool", "ray"], r"--prefix-pool ray shares blocks .*add --replicas N"),
+        (
+            ["--prefix-pool", "redis://127.0.0.1:1", "--prefix-pool-timeout-ms", "0"],
+            r"--prefix-pool-timeout-ms 0",
+        ),
+        (["--prefix-pool", "ray", "--replicas", "2", "--prefix-pool-mb", "0"], r"--prefix-pool-mb 0"),
+    ],
+)
+def test_serve_checks_the_pool_options_before_loading_the_model(argv, match):
+    """``ccft serve`` names the option and the fix before the model (a folder that does not exist) loads."""
+    from ccft.cli.serve import build_scheduler, check_prefix_pool
+
+    args = _serve_args(*argv)
+    with pytest.raises(ConfigError, match=match):
+        (check_prefix_pool if "--replicas" in argv else build_scheduler)(args)
+
+
+def test_serve_builds_a_redis_pool_under_the_store(monkeypatch, tiny_dir):
+    """``ccft serve --prefix-pool redis://...``: the scheduler's store has a Redis pool tier with the timeout
+    given (redis-py connects lazily, so nothing is reached here)."""
+    from ccft.cli.serve import build_scheduler, check_prefix_pool
+
+    args = _serve_args("--prefix-pool", "redis://127.0.0.1:1/0", "--prefix-pool-timeout-ms", "250")
+    args.model = str(tiny_dir)
+    assert check_prefix_pool(args) == "redis" and check_prefix_pool(_serve_args()) is None
+    sched, _ = build_scheduler(args)
+    backend = sched.store.pool.backend
+    assert isinstance(backend, P.RedisBlockPool) and sched.store.block_tokens == 16
+    kw = backend.client.connection_pool.connection_kwargs
+    assert kw["socket_timeout"] == 0.25 and kw["port"] == 1
+    assert build_scheduler(_serve_args("--model", str(tiny_dir)))[0].store.pool is None
 
 
 # ---------------------------------------------------------------------------------------------- slow

@@ -518,17 +518,23 @@ class PrefixPool:
 
 
 # ----------------------------------------------------------------------------------------- config
-def check_pool_spec(spec: str | None) -> str | None:
-    """Validate ``--prefix-pool`` without connecting: None / ``""`` (no pool), ``ray``, ``memory`` or a
-    ``redis://HOST:PORT[/DB]`` URL; returns the backend name (or None).
+def check_pool_spec(spec: str | None, timeout_s: float = 0.5) -> str | None:
+    """Validate ``--prefix-pool`` (and ``--prefix-pool-timeout-ms``) without connecting: None / ``""`` (no
+    pool), ``ray`` or a ``redis://HOST:PORT[/DB]`` URL; returns the backend name (or None).
 
     Raises:
-        ConfigError: anything else, or ``redis://`` without redis-py installed (names the extra).
+        ConfigError: anything else, a timeout ≤ 0, or ``redis://`` without redis-py installed (names the
+            extra).
     """
     if not spec:
         return None
     spec = str(spec).strip()
-    if spec in ("ray", "memory"):
+    if not float(timeout_s) > 0:
+        raise ConfigError(
+            f"--prefix-pool-timeout-ms {float(timeout_s) * 1000:g}: use a positive number of milliseconds "
+            "(a pool slower than that is skipped and the request prefills locally)"
+        )
+    if spec == "ray":
         return spec
     if spec.startswith(("redis://", "rediss://", "unix://")):
         try:
@@ -540,8 +546,8 @@ def check_pool_spec(spec: str | None) -> str | None:
             ) from e
         return "redis"
     raise ConfigError(
-        f"--prefix-pool {spec!r}: use redis://HOST:PORT[/DB] (a Redis server), ray (Ray's object store, with "
-        "--replicas N) or memory (this process only)"
+        f"--prefix-pool {spec!r}: use redis://HOST:PORT[/DB] (a Redis server) or ray (Ray's object store, "
+        "with --replicas N)"
     )
 
 
@@ -552,22 +558,21 @@ def pool_from_spec(
     capacity_bytes: int = 1 << 30,
     device: torch.device | str = "cpu",
 ) -> PrefixPool:
-    """The ``PrefixPool`` of a ``--prefix-pool`` value (``check_pool_spec``); connects lazily (the first
-    fetch or publish).
+    """The ``PrefixPool`` of a ``--prefix-pool`` value (``check_pool_spec``); redis-py connects at the first
+    fetch or publish, the Ray backend finds or creates its directory actor now.
 
     Args:
         timeout_s: a backend answer slower than this is a failure (the request prefills locally).
-        capacity_bytes: ``memory`` / ``ray``: bytes of blocks kept (LRU past it).
+        capacity_bytes: ``ray``: bytes of blocks the directory keeps (LRU past it).
+        device: where fetched blocks are put (the engine's device).
     Raises:
-        ConfigError: as ``check_pool_spec``.
+        ConfigError: as ``check_pool_spec``; no ``spec``.
     """
-    kind = check_pool_spec(spec)
+    kind = check_pool_spec(spec, timeout_s)
     if kind is None:
         raise ConfigError("no --prefix-pool given")
     if kind == "redis":
         backend: BlockPool = RedisBlockPool(spec, timeout_s=timeout_s)
-    elif kind == "ray":
-        backend = RayBlockPool(capacity_bytes, timeout_s=timeout_s)
     else:
-        backend = MemoryBlockPool(capacity_bytes)
+        backend = RayBlockPool(capacity_bytes, timeout_s=timeout_s)
     return PrefixPool(backend, device=device)
