@@ -280,8 +280,9 @@ class RedisBlockPool(BlockPool):
 
 class _RayDirectory:
     """The Ray actor behind ``RayBlockPool``: ``key → [ObjectRef]`` in LRU order, evicted past a byte
-    capacity. It owns every block (``ray.put(..., _owner=directory)``), so a block outlives the replica
-    that put it; dropping its entry drops the last reference the pool holds."""
+    capacity. It puts every block into the object store itself, so it owns them and a block outlives the
+    replica that published it (Ray ≥ 2.56 has no ``ray.put(_owner=)``); dropping an entry drops the
+    pool's reference, and Ray frees the object once no reader holds one."""
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = int(capacity_bytes)
@@ -296,11 +297,13 @@ class _RayDirectory:
         self.entries.move_to_end(key)
         return entry[0]  # [ref]: a list, so Ray hands the ref over instead of the value
 
-    def register(self, key: str, refs: list, nbytes: int) -> bool:
+    def register(self, key: str, value: bytes) -> bool:
+        import ray
+
         if key in self.entries:
             return False
-        self.entries[key] = (refs, int(nbytes))
-        self.bytes_in_use += int(nbytes)
+        self.entries[key] = ([ray.put(value)], len(value))  # this actor owns the object
+        self.bytes_in_use += len(value)
         while self.bytes_in_use > self.capacity_bytes and self.entries:
             _, (_, old) = self.entries.popitem(last=False)
             self.bytes_in_use -= old
@@ -325,11 +328,12 @@ class RayBlockPool(BlockPool):
     Args:
         capacity_bytes: bytes of blocks the directory keeps (LRU past it), used when it creates it.
         timeout_s: the longest wait for the directory or a block (``ray.get(timeout=)``).
+        ready_timeout_s: the longest wait, here, for the directory actor to start (a warning after it).
     """
 
     name = "ray"
 
-    def __init__(self, capacity_bytes: int = 1 << 30, timeout_s: float = 0.5):
+    def __init__(self, capacity_bytes: int = 1 << 30, timeout_s: float = 0.5, ready_timeout_s: float = 60.0):
         import ray
 
         self._ray = ray
@@ -345,6 +349,10 @@ class RayBlockPool(BlockPool):
             )
             .remote(int(capacity_bytes))
         )
+        try:  # the first replica starts the actor (seconds): wait here, not in a request's lookup
+            ray.get(self.directory.contains.remote(""), timeout=max(self.timeout_s, float(ready_timeout_s)))
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
+            log.warning("prefix pool (ray): the directory actor is not ready (%s); lookups may miss", e)
 
     def _get(self, ref):
         ray = self._ray
@@ -360,8 +368,7 @@ class RayBlockPool(BlockPool):
     def put(self, key: str, value: bytes) -> None:
         if self.contains(key):
             return
-        ref = self._ray.put(bytes(value), _owner=self.directory)
-        self._get(self.directory.register.remote(key, [ref], len(value)))
+        self._get(self.directory.register.remote(key, bytes(value)))
 
     def contains(self, key: str) -> bool:
         return bool(self._get(self.directory.contains.remote(key)))
