@@ -391,7 +391,8 @@ class PrefixPool:
         device: where fetched blocks are put (the engine's device).
     Counters (``stats()``): ``hit_blocks`` / ``miss_blocks`` (fetches that found / did not find a usable
     block), ``fetched_bytes``, ``fetch_seconds`` (sum over fetches, hits and misses) and ``fetches``,
-    ``published_blocks`` / ``published_bytes`` (blocks this tier put), ``present_blocks`` (publishes the pool
+    ``published_blocks`` / ``published_bytes`` (blocks this tier put), ``publish_seconds`` (sum over every
+    publish tried, the check for a present block included), ``present_blocks`` (publishes the pool
     already held), ``skipped`` (lookups and publishes not tried: the pool was down), ``errors`` by kind
     (``unavailable``, ``corrupt``, ``mismatch``), ``up``.
     """
@@ -403,7 +404,7 @@ class PrefixPool:
         self.down_until = 0.0
         self.hit_blocks = self.miss_blocks = self.fetched_bytes = self.fetches = 0
         self.published_blocks = self.published_bytes = self.present_blocks = self.skipped = 0
-        self.fetch_seconds = 0.0
+        self.fetch_seconds = self.publish_seconds = 0.0
         self.errors = {"unavailable": 0, "corrupt": 0, "mismatch": 0}
         self._warned = False
 
@@ -492,6 +493,7 @@ class PrefixPool:
             self.skipped += 1
             return False
         key = self.key(chain_key, producer, dtype)
+        t0 = time.perf_counter()
         try:
             if self.backend.contains(key):
                 self.present_blocks += 1
@@ -501,6 +503,8 @@ class PrefixPool:
         except PoolUnavailableError as e:
             self._failed(e)
             return False
+        finally:
+            self.publish_seconds += time.perf_counter() - t0
         self._recovered()
         self.published_blocks += 1
         self.published_bytes += len(value)
@@ -518,6 +522,7 @@ class PrefixPool:
             "fetched_bytes": self.fetched_bytes,
             "published_blocks": self.published_blocks,
             "published_bytes": self.published_bytes,
+            "publish_seconds": self.publish_seconds,
             "present_blocks": self.present_blocks,
             "skipped": self.skipped,
             "errors": dict(self.errors),

@@ -185,7 +185,11 @@ class PrefixKVStore:
             for i in range(len(found), len(keys)):
                 tokens = self._tokens(token_ids, i)
                 kv = self.pool.fetch(keys[i], str(producer), dtype, self.block_tokens, i, tokens)
-                blk = None if kv is None else self._add(keys[i], parent, i, tokens, producer, dtype, *kv)
+                blk = (
+                    None
+                    if kv is None
+                    else self._add(keys[i], parent, i, tokens, producer, dtype, *kv, copy=False)
+                )
                 if blk is None:
                     break
                 self.pool_hit_blocks += 1
@@ -285,8 +289,10 @@ class PrefixKVStore:
         dtype: torch.dtype,
         k: torch.Tensor,
         v: torch.Tensor,
+        copy: bool = True,
     ) -> Block | None:
-        """Store a new block (copies of ``k``/``v``: ``(L, h, B, d)``) under ``parent``; None when the key is
+        """Store a new block (copies of ``k``/``v``: ``(L, h, B, d)``; ``copy=False``: the tensors themselves,
+        which no one else holds) under ``parent``; None when the key is
         taken by another chain (a hash collision: the stored one is kept) or it does not fit the budget
         after evicting every evictable block."""
         if key in self._blocks:
@@ -296,7 +302,9 @@ class PrefixKVStore:
             self.evict(self.bytes_in_use + need - self.budget_bytes)
             if self.bytes_in_use + need > self.budget_bytes:
                 return None
-        blk = Block(key, parent, index, tokens, str(producer), dtype, k.clone(), v.clone())
+        if copy:
+            k, v = k.clone(), v.clone()
+        blk = Block(key, parent, index, tokens, str(producer), dtype, k, v)
         self._blocks[key] = blk
         if parent is not None:
             parent.children += 1
