@@ -13,11 +13,13 @@ tokens (EOS ignored).
     python benchmarks/prefix_pool.py --backend redis --out pool_redis.json
     python benchmarks/prefix_pool.py --backend ray --out pool_ray.json
 
-Reported: mean TTFT of the moved turn's first request (the one that waits for the context: prefill or
-fetch) and of all its requests on B and C, their ratio, the moved turns' prefix hit ratio on B (context
-tokens copied from its store, pool blocks included, ÷ context tokens), bytes fetched and published,
-seconds spent publishing on A, and the copies of the context's blocks: one in the pool, where each
-replica without a pool would hold its own.
+Blocks are published from a background thread, as ``ccft serve`` does (``--inline-publish``: before the
+prefill returns); the threads are flushed between measured turns. Reported: the median over sessions of
+the TTFT of the moved turn's first request (the one that waits for the context: prefill or fetch; also
+per session) and the mean over all its requests, on B, C and A, the ratios B / C, the moved turns'
+prefix hit ratio on B (context tokens copied from its store, pool blocks included, ÷ context tokens)
+and A's at home, bytes fetched and published, seconds spent publishing, the pool's errors, and the
+blocks each replica's store holds.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-tokens", type=int, default=16)
     ap.add_argument("--timeout-ms", type=float, default=2000.0, help="pool timeout (a loaded 2-core machine)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--inline-publish", action="store_true", help="publish before the prefill returns")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -140,7 +143,14 @@ def main(argv=None) -> int:
 
     spec, stop = _start_backend(args.backend)
     try:
-        pools = [pool_from_spec(spec, timeout_s=args.timeout_ms / 1000) for _ in range(2)]
+        pools = [
+            pool_from_spec(spec, timeout_s=args.timeout_ms / 1000, background=not args.inline_publish)
+            for _ in range(2)
+        ]
+
+        def quiet():  # the publisher threads done before the next measured turn
+            for pool in pools:
+                pool.flush()
 
         def replica(pool: PrefixPool | None) -> Scheduler:
             engine = ccft.SharedPrefillEngine(base, decoders=decoders)
@@ -160,7 +170,9 @@ def main(argv=None) -> int:
         for s in range(args.sessions):
             for t in range(last):
                 _turn(a, turns[(s, t)])
+                quiet()
             tb = _turn(b, turns[(s, last)])
+            quiet()
             tc = _turn(c, turns[(s, last)])
             moved["pool"].append([x.ttft for x in tb])
             moved["reprefill"].append([x.ttft for x in tc])
@@ -177,9 +189,11 @@ def main(argv=None) -> int:
         computed = b.counters["prefill_tokens"] - miss0
 
         def summary(rows):
+            first = [min(r) for r in rows]
             return {
-                "ttft_first_s": statistics.mean(min(r) for r in rows),
+                "ttft_first_s": statistics.median(first),
                 "ttft_mean_s": statistics.mean(x for r in rows for x in r),
+                "ttft_first_per_session_s": [round(x, 4) for x in first],
             }
 
         pool_stats, a_stats = pools[1].stats(), pools[0].stats()
@@ -189,6 +203,7 @@ def main(argv=None) -> int:
         )
         result = {
             "backend": args.backend,
+            "publish": "inline" if args.inline_publish else "background",
             "model": args.model,
             "dtype": str(base.dtype) if hasattr(base, "dtype") else "float32",
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch threads",

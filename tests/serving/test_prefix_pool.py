@@ -15,9 +15,11 @@ the binary is absent).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -110,6 +112,43 @@ def test_two_stores_share_blocks_through_the_pool(backend):
     got = a.match("fp", torch.float32, ext)
     assert len(got) == 4 and a.pool_hit_blocks == 1
     a.release(got)
+
+
+def test_background_publishing():
+    """``background=True``: insert returns before the pool has the blocks; ``flush`` waits; a queue past
+    ``max_pending_bytes`` drops blocks (counted); a pool that is down is skipped by the thread too."""
+    server = fakeredis.FakeServer()
+    a = PrefixKVStore(4, pool=_redis_pool(server, background=True))
+    toks = list(range(100, 112))
+    k, v = _put(a, "fp", toks)
+    a.pool.flush()
+    st = a.pool.stats()
+    assert st["published_blocks"] == 3 and st["pending_bytes"] == 0 and st["dropped_blocks"] == 0
+    b = PrefixKVStore(4, pool=_redis_pool(server))
+    got = b.match("fp", torch.float32, toks)
+    assert len(got) == 3 and torch.equal(got[2].v, v[:, :, 8:12])
+
+    class Gated(P.MemoryBlockPool):  # the publisher thread waits in its first call until the gate opens
+        gate = threading.Event()
+
+        def contains(self, key):
+            self.gate.wait()
+            return super().contains(key)
+
+    block = 2 * L * H * 4 * D * 4
+    small = PrefixKVStore(4, pool=P.PrefixPool(Gated(), background=True, max_pending_bytes=2 * block))
+    _put(small, "fp2", list(range(40)))  # 10 blocks while the thread is stuck: 2 fit the queue
+    st = small.pool.stats()
+    assert st["dropped_blocks"] == 8 and st["pending_bytes"] == 2 * block
+    Gated.gate.set()
+    small.pool.flush()
+    assert small.pool.published_blocks == 2 and small.pool.pending_bytes == 0
+    server.connected = False
+    down = PrefixKVStore(4, pool=_redis_pool(server, background=True, retry_after_s=3600.0))
+    _put(down, "fp3", list(range(12)))
+    down.pool.flush()
+    st = down.pool.stats()
+    assert st["errors"]["unavailable"] == 1 and st["published_blocks"] == 0 and st["skipped"] == 2
 
 
 def test_pool_keys_keep_producers_dtypes_block_sizes_and_formats_apart(monkeypatch):
@@ -450,3 +489,60 @@ def test_real_redis_server_pool_and_its_death(world, prompt):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.slow
+def test_ray_serve_replicas_share_a_context_through_the_pool(tmp_path, tokenizer, gsm8k_rows):
+    """``ccft serve --replicas 2 --router round-robin --prefix-pool ray`` on a local Ray: the same prompt sent
+    twice lands on both replicas; the second replica copies the context's blocks from the pool (its
+    ``/metrics`` pool hits = the first's published blocks, no block published twice) and both answers equal
+    an offline engine's."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    httpx = pytest.importorskip("httpx", reason="the serve extra is not installed")
+    from ray import serve
+
+    from ccft.cli.main import build_parser
+    from ccft.cli.serve import ray_app
+    from ccft.serving.ray_serve import REPLICA_HEADER
+
+    folder = make_tiny_folder(tmp_path / "base", tokenizer, seed=13, scale=8.0)
+    ccft.save_decoder(make_lora(ccft.load_base(str(folder)), "math", 31, 4), tmp_path / "math")
+    engine = ccft.SharedPrefillEngine(ccft.load_base(str(folder)), decoders={"math": str(tmp_path / "math")})
+    ids = tokenize_prompt(tokenizer, gsm8k_rows[3]["prompt"], chat_template=False)[:37]
+    with engine.prefill([ids]) as h:
+        (ref,) = engine.generate(h, decoder="math", max_new_tokens=8)
+    argv = ["serve", "--model", str(folder), "--threads", "1", "--replicas", "2", "--router", "round-robin"]
+    argv += ["--prefix-pool", "ray", "--block-tokens", "4", f"--decoder=math={tmp_path / 'math'}"]
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(ray_app(build_parser().parse_args(argv)), name="ccft", route_prefix="/")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300.0) as client:
+            answered = []
+            for _ in range(2):
+                body = {"model": "math", "prompt": ids, "max_tokens": 8, "return_token_ids": True}
+                r = client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["token_ids"] == ref.token_ids
+                answered.append(r.headers[REPLICA_HEADER])
+            assert answered[0] != answered[1]
+            metrics = {}
+            for _ in range(4):  # round-robin: each replica answers a scrape
+                r = client.get("/metrics")
+                metrics[r.headers[REPLICA_HEADER]] = {
+                    ln.split(" ")[0]: float(ln.split(" ")[1])
+                    for ln in r.text.splitlines()
+                    if ln.startswith("ccft_prefix_pool")
+                }
+        first, second = metrics[answered[0]], metrics[answered[1]]
+        blocks = (len(ids) - 1) // 4  # the context (handoff k = 1) in full blocks of 4
+        assert first["ccft_prefix_pool_published_blocks_total"] == blocks
+        assert first["ccft_prefix_pool_hit_blocks_total"] == 0
+        assert second["ccft_prefix_pool_hit_blocks_total"] == blocks
+        assert second["ccft_prefix_pool_published_blocks_total"] == 0
+        assert first["ccft_prefix_pool_up"] == second["ccft_prefix_pool_up"] == 1
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -364,6 +364,7 @@ def build_scheduler(args):
                 timeout_s=args.prefix_pool_timeout_ms / 1000,
                 capacity_bytes=int(args.prefix_pool_mb * 2**20),
                 device=device,
+                background=True,  # a prefill does not wait for the pool to take its blocks
             )
         store = PrefixKVStore(
             block_tokens=args.block_tokens, budget_bytes=None, pool=pool

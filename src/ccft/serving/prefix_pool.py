@@ -32,7 +32,9 @@ skipped for ``retry_after_s`` seconds (every lookup is a local prefill, no reque
 warning is logged per outage and ``errors["unavailable"]`` counts it. Nothing in the pool can change an
 answer: a hit carries the K/V a local prefill would have computed (within fp32 rounding, as a store hit).
 
-Not thread-safe: one scheduler thread calls the tier (``/metrics`` only reads its counters).
+One scheduler thread calls the tier (``/metrics`` only reads its counters); with ``background=True``
+(what ``ccft serve`` uses) blocks are published by a thread of the tier, so a prefill does not wait for
+the pool, and the counters are updated under a lock.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -389,24 +392,45 @@ class PrefixPool:
         retry_after_s: after a backend failure, seconds during which the pool is skipped (no request
             waits on a pool known to be down).
         device: where fetched blocks are put (the engine's device).
+        background: publish from a thread of this tier (the prefill that computed the blocks does not
+            wait for the pool; ``flush`` waits); False: ``publish`` puts the block before it returns.
+        max_pending_bytes: ``background``: the most bytes of blocks queued (more are dropped).
     Counters (``stats()``): ``hit_blocks`` / ``miss_blocks`` (fetches that found / did not find a usable
     block), ``fetched_bytes``, ``fetch_seconds`` (sum over fetches, hits and misses) and ``fetches``,
     ``published_blocks`` / ``published_bytes`` (blocks this tier put), ``publish_seconds`` (sum over every
     publish tried, the check for a present block included), ``present_blocks`` (publishes the pool
-    already held), ``skipped`` (lookups and publishes not tried: the pool was down), ``errors`` by kind
+    already held), ``dropped_blocks`` / ``pending_bytes`` (background: blocks dropped, the queue full;
+    bytes queued), ``skipped`` (lookups and publishes not tried: the pool was down), ``errors`` by kind
     (``unavailable``, ``corrupt``, ``mismatch``), ``up``.
     """
 
-    def __init__(self, backend: BlockPool, *, retry_after_s: float = 5.0, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        backend: BlockPool,
+        *,
+        retry_after_s: float = 5.0,
+        device: torch.device | str = "cpu",
+        background: bool = False,
+        max_pending_bytes: int = 256 << 20,
+    ):
         self.backend = backend
         self.retry_after_s = float(retry_after_s)
         self.device = torch.device(device)
         self.down_until = 0.0
         self.hit_blocks = self.miss_blocks = self.fetched_bytes = self.fetches = 0
         self.published_blocks = self.published_bytes = self.present_blocks = self.skipped = 0
+        self.dropped_blocks = self.pending_bytes = 0
         self.fetch_seconds = self.publish_seconds = 0.0
         self.errors = {"unavailable": 0, "corrupt": 0, "mismatch": 0}
+        self.max_pending_bytes = int(max_pending_bytes)
         self._warned = False
+        self._lock = threading.Lock()  # counters and the down state, shared with the publisher thread
+        self._queue: queue.Queue | None = queue.Queue() if background else None
+        self._thread: threading.Thread | None = None
+
+    def _add(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
 
     @staticmethod
     def key(chain_key: bytes, producer: str, dtype: torch.dtype) -> str:
@@ -420,10 +444,11 @@ class PrefixPool:
         return time.monotonic() >= self.down_until
 
     def _failed(self, e: Exception) -> None:
-        self.errors["unavailable"] += 1
-        self.down_until = time.monotonic() + self.retry_after_s
-        if not self._warned:
-            self._warned = True
+        with self._lock:
+            self.errors["unavailable"] += 1
+            self.down_until = time.monotonic() + self.retry_after_s
+            first, self._warned = not self._warned, True
+        if first:
             log.warning(
                 "prefix pool (%s) unavailable, serving with local prefill; retried every %.0f s: %s",
                 self.backend.name,
@@ -432,8 +457,9 @@ class PrefixPool:
             )
 
     def _recovered(self) -> None:
-        if self._warned:
-            self._warned = False
+        with self._lock:
+            was, self._warned = self._warned, False
+        if was:
             log.warning("prefix pool (%s) reachable again", self.backend.name)
 
     def fetch(
@@ -448,7 +474,7 @@ class PrefixPool:
         """``(k, v)`` of a block from the pool, ``(L, h, block_tokens, d)`` on ``device``; None on a miss, a
         bad value (counted as an error) or a pool that is down."""
         if not self.up:
-            self.skipped += 1
+            self._add("skipped")
             return None
         t0 = time.perf_counter()
         try:
@@ -487,16 +513,56 @@ class PrefixPool:
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> bool:
-        """Put a block into the pool unless it holds it already; False when it was not put (present, or
-        the pool is down: never raises)."""
+        """Put a block into the pool unless it holds it already (never raises).
+
+        With ``background`` the block is queued for this tier's publisher thread (``k``/``v`` must not be
+        written afterwards: a store's blocks never are) and True is returned; a block that would take the
+        queue past ``max_pending_bytes`` is dropped (``dropped_blocks``; the next prefill of it publishes
+        it). Inline, False when it was not put (present, or the pool is down).
+        """
         if not self.up:
-            self.skipped += 1
+            self._add("skipped")
             return False
+        item = (chain_key, producer, dtype, block_tokens, index, tuple(tokens), k, v)
+        if self._queue is None:
+            return self._publish(*item)
+        nbytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+        with self._lock:
+            if self.pending_bytes + nbytes > self.max_pending_bytes:
+                self.dropped_blocks += 1
+                return False
+            self.pending_bytes += nbytes
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._publisher, name="ccft-prefix-pool", daemon=True)
+            self._thread.start()
+        self._queue.put((nbytes, item))
+        return True
+
+    def _publisher(self) -> None:
+        while True:
+            nbytes, item = self._queue.get()
+            try:
+                if self.up:
+                    self._publish(*item)
+                else:
+                    self._add("skipped")
+            except Exception as e:  # noqa: BLE001 - a publish must never take the thread down
+                log.warning("prefix pool: a block was not published: %s: %s", type(e).__name__, e)
+            finally:
+                self._add("pending_bytes", -nbytes)
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued block is published (or given up); no-op inline."""
+        if self._queue is not None:
+            self._queue.join()
+
+    def _publish(self, chain_key, producer, dtype, block_tokens, index, tokens, k, v) -> bool:
         key = self.key(chain_key, producer, dtype)
         t0 = time.perf_counter()
         try:
             if self.backend.contains(key):
-                self.present_blocks += 1
+                self._add("present_blocks")
                 return False
             value = encode_block(producer, dtype, block_tokens, index, tokens, k, v)
             self.backend.put(key, value)
@@ -504,10 +570,11 @@ class PrefixPool:
             self._failed(e)
             return False
         finally:
-            self.publish_seconds += time.perf_counter() - t0
+            self._add("publish_seconds", time.perf_counter() - t0)
         self._recovered()
-        self.published_blocks += 1
-        self.published_bytes += len(value)
+        with self._lock:
+            self.published_blocks += 1
+            self.published_bytes += len(value)
         return True
 
     def stats(self) -> dict:
@@ -524,6 +591,8 @@ class PrefixPool:
             "published_bytes": self.published_bytes,
             "publish_seconds": self.publish_seconds,
             "present_blocks": self.present_blocks,
+            "dropped_blocks": self.dropped_blocks,
+            "pending_bytes": self.pending_bytes,
             "skipped": self.skipped,
             "errors": dict(self.errors),
         }
@@ -569,6 +638,7 @@ def pool_from_spec(
     timeout_s: float = 0.5,
     capacity_bytes: int = 1 << 30,
     device: torch.device | str = "cpu",
+    background: bool = False,
 ) -> PrefixPool:
     """The ``PrefixPool`` of a ``--prefix-pool`` value (``check_pool_spec``); redis-py connects at the first
     fetch or publish, the Ray backend finds or creates its directory actor now.
@@ -577,6 +647,7 @@ def pool_from_spec(
         timeout_s: a backend answer slower than this is a failure (the request prefills locally).
         capacity_bytes: ``ray``: bytes of blocks the directory keeps (LRU past it).
         device: where fetched blocks are put (the engine's device).
+        background: publish from a thread (``PrefixPool``).
     Raises:
         ConfigError: as ``check_pool_spec``; no ``spec``.
     """
@@ -587,4 +658,4 @@ def pool_from_spec(
         backend: BlockPool = RedisBlockPool(spec, timeout_s=timeout_s)
     else:
         backend = RayBlockPool(capacity_bytes, timeout_s=timeout_s)
-    return PrefixPool(backend, device=device)
+    return PrefixPool(backend, device=device, background=background)
