@@ -503,7 +503,7 @@ def test_ray_serve_replicas_share_a_context_through_the_pool(tmp_path, tokenizer
 
     from ccft.cli.main import build_parser
     from ccft.cli.serve import ray_app
-    from ccft.serving.ray_serve import REPLICA_HEADER
+    from ccft.serving.ray_serve import REPLICA_HEADER, SESSION_HEADER
 
     folder = make_tiny_folder(tmp_path / "base", tokenizer, seed=13, scale=8.0)
     ccft.save_decoder(make_lora(ccft.load_base(str(folder)), "math", 31, 4), tmp_path / "math")
@@ -521,16 +521,24 @@ def test_ray_serve_replicas_share_a_context_through_the_pool(tmp_path, tokenizer
         serve.run(ray_app(build_parser().parse_args(argv)), name="ccft", route_prefix="/")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300.0) as client:
             answered = []
-            for _ in range(2):
+            for i in range(2):  # round-robin places requests that name a session; two sessions, one context
                 body = {"model": "math", "prompt": ids, "max_tokens": 8, "return_token_ids": True}
+                body["session_id"] = f"moved-{i}"
                 r = client.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["token_ids"] == ref.token_ids
                 answered.append(r.headers[REPLICA_HEADER])
+                directory = (
+                    P.RayBlockPool()
+                )  # the replicas' pool (a named actor): wait for the publisher thread
+                for _ in range(3000):  # (against hangs only; nothing asserts on time)
+                    if directory.stats().get("blocks") == (len(ids) - 1) // 4:
+                        break
+                    time.sleep(0.1)
             assert answered[0] != answered[1]
             metrics = {}
-            for _ in range(4):  # round-robin: each replica answers a scrape
-                r = client.get("/metrics")
+            for i in range(4):  # round-robin: each replica answers a scrape
+                r = client.get("/metrics", headers={SESSION_HEADER: f"scrape-{i}"})
                 metrics[r.headers[REPLICA_HEADER]] = {
                     ln.split(" ")[0]: float(ln.split(" ")[1])
                     for ln in r.text.splitlines()
