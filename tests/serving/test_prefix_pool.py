@@ -114,6 +114,21 @@ def test_two_stores_share_blocks_through_the_pool(backend):
     a.release(got)
 
 
+def test_pool_blocks_fit_the_budget_without_evicting_the_chain():
+    """A store whose budget holds 3 blocks, 2 of a chain local and 2 more in the pool: the third comes from
+    the pool, the fourth does not fit (the chain's own blocks, referenced, are never evicted for it)."""
+    shared = P.MemoryBlockPool()
+    toks = list(range(16))
+    _put(PrefixKVStore(4, pool=P.PrefixPool(shared)), "fp", toks)  # all 4 blocks in the pool
+    b = PrefixKVStore(4, budget_bytes=3 * 2 * L * H * 4 * D * 4, pool=P.PrefixPool(P.MemoryBlockPool()))
+    _put(b, "fp", toks[:8])  # blocks 0-1 local (its own pool is another one)
+    b.pool = P.PrefixPool(shared)
+    got = b.match("fp", torch.float32, toks)
+    assert [blk.index for blk in got] == [0, 1, 2] and all(blk.stored for blk in got)
+    assert b.pool_hit_blocks == 1 and b.evicted_blocks == 0 and len(b) == 3
+    b.release(got)
+
+
 def test_background_publishing():
     """``background=True``: insert returns before the pool has the blocks; ``flush`` waits; a queue past
     ``max_pending_bytes`` drops blocks (counted); a pool that is down is skipped by the thread too."""

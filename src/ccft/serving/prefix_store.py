@@ -181,6 +181,8 @@ class PrefixKVStore:
                 break
             found.append(blk)
             parent = blk
+        for blk in found:  # referenced before the pool's blocks take room: making it never evicts them
+            blk.refs += 1
         if self.pool is not None:  # the local chain ends: continue it from the pool, block by block
             for i in range(len(found), len(keys)):
                 tokens = self._tokens(token_ids, i)
@@ -193,10 +195,9 @@ class PrefixKVStore:
                 if blk is None:
                     break
                 self.pool_hit_blocks += 1
+                blk.refs += 1
                 found.append(blk)
                 parent = blk
-        for blk in found:
-            blk.refs += 1
         if found:
             self._touch(found[-1])
         self.lookups += 1
