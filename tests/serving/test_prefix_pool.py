@@ -347,6 +347,34 @@ def test_two_schedulers_share_a_context_through_the_pool(world, prompt):
     assert b.store.pool_hit_blocks == 8 and b.store.pool.stats()["hit_blocks"] == 8
 
 
+def test_pool_killed_mid_run_every_request_is_answered(world, prompt):
+    """The pool of two schedulers (published in the background, as ``ccft serve`` does) goes down between
+    two turns of a session: the next turn's requests on both are answered with the tokens of a scheduler
+    without a pool, and the pool's failure is counted, not raised."""
+    base, decs = world
+    server = fakeredis.FakeServer()
+    pools = [_redis_pool(server, background=True, retry_after_s=3600.0) for _ in range(2)]
+    a = Scheduler(_engine(base, decs), store=PrefixKVStore(4, pool=pools[0]))
+    b = Scheduler(_engine(base, decs), store=PrefixKVStore(4, pool=pools[1]))
+    plain = Scheduler(_engine(base, decs), store=None)
+    turn1 = _requests(prompt)
+    ctx2 = prompt[:33] + prompt[5:20]  # the context grows by 15 tokens
+    turn2 = [
+        ServeRequest(d, ctx2 + prompt[33 : 35 + j], shared_len=48, max_new_tokens=N_NEW, session_id="s")
+        for j, d in enumerate(("base", "math"))
+    ]
+    assert _run(a, turn1) == _run(plain, turn1)
+    pools[0].flush()
+    server.connected = False  # the pool dies
+    want = _run(plain, turn2)
+    assert _run(a, turn2) == want and _run(b, turn2) == want
+    for pool in pools:
+        pool.flush()
+    assert pools[1].errors["unavailable"] == 1 and not pools[1].up and pools[1].hit_blocks == 0
+    assert pools[0].errors["unavailable"] == 1 and pools[0].published_blocks == 8
+    assert b.counters["prefix_hit_tokens"] == 0 and a.counters["prefix_hit_tokens"] == 32  # A's own store
+
+
 def test_metrics_show_the_pool(world, prompt):
     pytest.importorskip("prometheus_client", reason="the serve extra is not installed")
     from ccft.serving.metrics import ServerMetrics
