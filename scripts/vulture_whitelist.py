@@ -86,3 +86,4 @@ _.on_step_end  # unused method (tests/test_trainer.py:687)
 control  # unused variable (tests/test_trainer.py:687)
 one_thread  # unused function (tests/train/test_chunked_loss.py:23)
 prompt_token_ids  # a response field (ccft.serving.schemas._Choice) set through **kwargs
+_.connected  # fakeredis.FakeServer switch that takes the server down (tests/serving/test_prefix_pool.py)

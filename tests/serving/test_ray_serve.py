@@ -116,6 +116,8 @@ def test_cli_errors_before_ray_starts():
         ray_app(parse(["serve", "--replicas", "2", "--max-prefix-tokens", "many"]))
     with pytest.raises(ConfigError, match="--max-prefix-tokens budget sizes the prefix arena"):
         ray_app(parse(["serve", "--replicas", "2", "--max-prefix-tokens", "budget"]))
+    with pytest.raises(ConfigError, match="--prefix-pool 'redis:/x': use redis://HOST:PORT"):
+        ray_app(parse(["serve", "--replicas", "2", "--prefix-pool", "redis:/x"]))
 
 
 # --------------------------------------------------------------------------------- slow: a local Ray instance

@@ -75,6 +75,27 @@ def add_parser(sub) -> None:
         "--block-tokens", type=int, default=16, help="prefix store block size in tokens (0: no prefix store)"
     )
     p.add_argument(
+        "--prefix-pool",
+        default=None,
+        metavar="redis://HOST:PORT[/DB] | ray",
+        help="a prefix K/V pool under the prefix store, shared by every replica: a local miss is fetched "
+        "from it before prefilling, a prefill publishes its blocks (the `pool` extra for redis; ray: with "
+        "--replicas N; docs/deploy.md)",
+    )
+    p.add_argument(
+        "--prefix-pool-timeout-ms",
+        type=float,
+        default=500.0,
+        help="a pool answer slower than this is a failure: the request prefills locally and the pool is "
+        "skipped for 5 s",
+    )
+    p.add_argument(
+        "--prefix-pool-mb",
+        type=float,
+        default=1024.0,
+        help="--prefix-pool ray: MiB of blocks the pool's directory keeps (least recently used evicted)",
+    )
+    p.add_argument(
         "--max-queue", type=int, default=4096, help="queued requests beyond which the server answers 503"
     )
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted")
@@ -277,6 +298,35 @@ def prefix_arena_tokens(args, kv_bytes_per_token: int | None) -> int | None:
     return tokens or None
 
 
+def check_prefix_pool(args) -> str | None:
+    """Check ``--prefix-pool`` and its options before anything loads; returns the backend name (or None).
+
+    Raises:
+        ConfigError: a bad value (``ccft.serving.prefix_pool.check_pool_spec``), a pool without a prefix
+            store (``--block-tokens 0``), ``ray`` without ``--replicas N``, or ``--prefix-pool-mb`` ≤ 0.
+    """
+    from ccft.core.errors import ConfigError
+    from ccft.serving.prefix_pool import check_pool_spec
+
+    spec = getattr(args, "prefix_pool", None)
+    kind = check_pool_spec(spec, getattr(args, "prefix_pool_timeout_ms", 500.0) / 1000)
+    if kind is None:
+        return None
+    if not args.block_tokens:
+        raise ConfigError(
+            f"--prefix-pool {spec} sits under the prefix store, which --block-tokens 0 turns off; "
+            "give --block-tokens N (N ≥ 1) or drop --prefix-pool"
+        )
+    if kind == "ray" and not getattr(args, "replicas", 0):
+        raise ConfigError(
+            "--prefix-pool ray shares blocks between the replicas of one Ray cluster; add --replicas N, "
+            "or use --prefix-pool redis://HOST:PORT"
+        )
+    if kind == "ray" and not getattr(args, "prefix_pool_mb", 1.0) > 0:
+        raise ConfigError(f"--prefix-pool-mb {args.prefix_pool_mb:g}: use a positive size in MiB")
+    return kind
+
+
 def build_scheduler(args):
     """(scheduler, tokenizer) from ``ccft serve`` arguments."""
     import torch
@@ -286,6 +336,7 @@ def build_scheduler(args):
     from ccft.serving.scheduler import Scheduler
 
     prefix_arena_tokens(args, None)  # a bad value fails before the model is loaded
+    check_prefix_pool(args)  # so does a bad --prefix-pool
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device
@@ -304,8 +355,19 @@ def build_scheduler(args):
     if args.block_tokens:
         from ccft.serving.prefix_store import PrefixKVStore
 
+        pool = None
+        if getattr(args, "prefix_pool", None):
+            from ccft.serving.prefix_pool import pool_from_spec
+
+            pool = pool_from_spec(
+                args.prefix_pool,
+                timeout_s=args.prefix_pool_timeout_ms / 1000,
+                capacity_bytes=int(args.prefix_pool_mb * 2**20),
+                device=device,
+                background=True,  # a prefill does not wait for the pool to take its blocks
+            )
         store = PrefixKVStore(
-            block_tokens=args.block_tokens, budget_bytes=None
+            block_tokens=args.block_tokens, budget_bytes=None, pool=pool
         )  # the scheduler's budget covers it
     budget = None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20)
     scheduler = Scheduler(
@@ -351,7 +413,8 @@ def run(args) -> int:
     print(
         f"ccft serve: models {names} on http://{args.host}:{args.port} "
         f"({'shared prefill' if scheduler.share else 'no sharing'}, "
-        f"{'prefix store' if scheduler.store is not None else 'no prefix store'}{fixed})",
+        f"{'prefix store' if scheduler.store is not None else 'no prefix store'}{fixed}"
+        f"{f', prefix pool {args.prefix_pool}' if getattr(args, 'prefix_pool', None) else ''})",
         file=sys.stderr,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -374,6 +437,7 @@ def ray_app(args):
         )
     _decoders(args.decoder)  # bad --decoder specs fail before Ray starts
     prefix_arena_tokens(args, None)  # so does a bad --max-prefix-tokens (each replica sizes its arena by it)
+    check_prefix_pool(args)  # and a bad --prefix-pool
     options = (
         {"max_load_ratio": args.max_load_ratio, "min_load_gap": args.min_load_gap}
         if args.router == "session"

@@ -13,7 +13,7 @@ from ccft.serving.extra import serve_extra_missing
 
 try:
     import prometheus_client as prom
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise serve_extra_missing(e) from e
 
@@ -46,7 +46,13 @@ class ServerMetrics:
     ``ccft_prefix_hit_ratio`` (context tokens copied from the prefix store / context tokens of
     every prefill; a context already live is not prefilled again and is not counted),
     ``ccft_kv_budget_bytes`` (when set) and counters ``ccft_scheduler_<name>_total`` for the
-    scheduler's counters (prefills, prefill_tokens, prefix_hit_tokens, decode_steps, ...).
+    scheduler's counters (prefills, prefill_tokens, prefix_hit_tokens, decode_steps, ...). With a prefix
+    pool (``ccft serve --prefix-pool``; ``ccft.serving.prefix_pool``): counters
+    ``ccft_prefix_pool_hit_blocks_total`` / ``_miss_blocks_total`` (blocks looked up in the pool),
+    ``_fetched_bytes_total``, ``_published_blocks_total``, ``_published_bytes_total``, ``_skipped_total``
+    (lookups and publishes not tried while the pool was down), ``ccft_prefix_pool_errors_total{kind}``
+    (``unavailable``, ``corrupt``, ``mismatch``), the summary ``ccft_prefix_pool_fetch_seconds`` (count and
+    sum over fetches) and the gauge ``ccft_prefix_pool_up`` (0 while the pool is skipped after a failure).
     """
 
     SCHEDULER_COUNTERS = (
@@ -131,6 +137,33 @@ class ServerMetrics:
         return prom.generate_latest(self.registry)
 
 
+def _pool_metrics(pool):
+    """The prefix pool tier's counters (``PrefixPool.stats``) as metric families."""
+    st = pool.stats()
+    for name, doc in (
+        ("hit_blocks", "Blocks found in the prefix pool"),
+        ("miss_blocks", "Blocks looked up in the prefix pool and not found (or unusable)"),
+        ("fetched_bytes", "Bytes fetched from the prefix pool"),
+        ("published_blocks", "Blocks this replica put into the prefix pool"),
+        ("published_bytes", "Bytes this replica put into the prefix pool"),
+        ("skipped", "Pool lookups and publishes not tried: the pool was down"),
+    ):
+        c = CounterMetricFamily(f"ccft_prefix_pool_{name}", doc)
+        c.add_metric([], float(st[name]))
+        yield c
+    errors = CounterMetricFamily("ccft_prefix_pool_errors", "Prefix pool errors by kind", labels=["kind"])
+    for kind, n in sorted(st["errors"].items()):
+        errors.add_metric([kind], float(n))
+    yield errors
+    yield SummaryMetricFamily(
+        "ccft_prefix_pool_fetch_seconds",
+        "Seconds per prefix pool fetch (hits and misses)",
+        count_value=st["fetches"],
+        sum_value=st["fetch_seconds"],
+    )
+    yield GaugeMetricFamily("ccft_prefix_pool_up", "1 while the prefix pool is used", value=float(st["up"]))
+
+
 class _SchedulerCollector:
     """Scheduler gauges and counters, read when /metrics is scraped."""
 
@@ -168,6 +201,9 @@ class _SchedulerCollector:
         )
         if s.kv_budget_bytes is not None:
             yield gauge("ccft_kv_budget_bytes", "KV byte budget (live KV + prefix store)", s.kv_budget_bytes)
+        pool = getattr(s.store, "pool", None) if s.store is not None else None
+        if pool is not None:
+            yield from _pool_metrics(pool)
         for name in self.names:
             c = CounterMetricFamily(f"ccft_scheduler_{name}", f"Scheduler counter {name!r}")
             c.add_metric([], float(counters.get(name, 0)))

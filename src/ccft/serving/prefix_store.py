@@ -36,6 +36,13 @@ hit_tokens / (hit_tokens + miss_tokens) (0.0 before any full block was looked up
 the chain's parent was missing), ``evicted_blocks`` / ``evicted_bytes``, ``blocks``,
 ``bytes_in_use``, ``referenced_blocks``, ``budget_bytes``.
 
+Pool. With a ``pool`` (``ccft.serving.prefix_pool.PrefixPool``, issue 36) a lookup that runs out of
+local blocks asks the pool for the next ones of the chain, in order, and stores each block it gets
+here before it is served (the chain stops at the first block the pool lacks, or that does not fit
+the budget); every block ``insert`` stores is published to the pool. ``hit_blocks`` counts blocks
+served from either place, ``pool_hit_blocks`` those that came from the pool (``stats()["pool"]``
+holds the pool tier's own counters).
+
 Not thread-safe: one scheduler thread calls it.
 """
 
@@ -104,11 +111,14 @@ class PrefixKVStore:
             to where two prompts diverge) but cost more bookkeeping and copies.
         budget_bytes: the most bytes of K/V kept (None: unbounded). Inserting past it evicts
             unreferenced blocks (LRU leaves first); blocks that still do not fit are not stored.
+        pool: a ``ccft.serving.prefix_pool.PrefixPool`` shared with other stores (None: none). ``match``
+            continues a local chain with blocks fetched from it (stored here like inserted ones) and
+            ``insert`` publishes the blocks it stores (module docstring, "Pool").
     Raises:
         ConfigError: ``block_tokens < 1`` or a negative budget.
     """
 
-    def __init__(self, block_tokens: int = 16, budget_bytes: int | None = None):
+    def __init__(self, block_tokens: int = 16, budget_bytes: int | None = None, pool=None):
         if int(block_tokens) < 1:
             raise ConfigError(f"block_tokens={block_tokens}; it must be ≥ 1")
         if budget_bytes is not None and int(budget_bytes) < 0:
@@ -117,6 +127,7 @@ class PrefixKVStore:
         self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()  # LRU first, MRU last
         self.bytes_in_use = 0
+        self.pool = pool
         self.reset_stats()
 
     # ------------------------------------------------------------------ keys
@@ -170,8 +181,23 @@ class PrefixKVStore:
                 break
             found.append(blk)
             parent = blk
-        for blk in found:
+        for blk in found:  # referenced before the pool's blocks take room: making it never evicts them
             blk.refs += 1
+        if self.pool is not None:  # the local chain ends: continue it from the pool, block by block
+            for i in range(len(found), len(keys)):
+                tokens = self._tokens(token_ids, i)
+                kv = self.pool.fetch(keys[i], str(producer), dtype, self.block_tokens, i, tokens)
+                blk = (
+                    None
+                    if kv is None
+                    else self._add(keys[i], parent, i, tokens, producer, dtype, *kv, copy=False)
+                )
+                if blk is None:
+                    break
+                self.pool_hit_blocks += 1
+                blk.refs += 1
+                found.append(blk)
+                parent = blk
         if found:
             self._touch(found[-1])
         self.lookups += 1
@@ -230,41 +256,61 @@ class PrefixKVStore:
                 self.skipped_blocks += len(keys) - start_block
                 return []
         out: list[Block] = []
+        created: list[Block] = []
         for i in range(start_block, len(keys)):
             tokens = self._tokens(token_ids, i)
             blk = self._lookup(keys[i], parent, tokens, producer, dtype)
             if blk is None:
-                if keys[i] in self._blocks:  # a hash collision with another chain: keep the stored one
+                s = i * b
+                blk = self._add(
+                    keys[i], parent, i, tokens, producer, dtype, k[:, :, s : s + b], v[:, :, s : s + b]
+                )
+                if blk is None:
                     self.skipped_blocks += len(keys) - i
                     break
-                need = 2 * k[:, :, :b].numel() * k.element_size()
-                if self.budget_bytes is not None and self.bytes_in_use + need > self.budget_bytes:
-                    self.evict(self.bytes_in_use + need - self.budget_bytes)
-                    if self.bytes_in_use + need > self.budget_bytes:
-                        self.skipped_blocks += len(keys) - i
-                        break
-                s = i * b
-                blk = Block(
-                    keys[i],
-                    parent,
-                    i,
-                    tokens,
-                    str(producer),
-                    dtype,
-                    k[:, :, s : s + b].clone(),
-                    v[:, :, s : s + b].clone(),
-                )
-                self._blocks[keys[i]] = blk
-                if parent is not None:
-                    parent.children += 1
-                self.bytes_in_use += blk.nbytes
                 self.inserted_blocks += 1
+                created.append(blk)
             blk.refs += 1
             out.append(blk)
             parent = blk
         if out:
             self._touch(out[-1])
+        if self.pool is not None:  # publish what this prefill computed (a pool that is down is skipped)
+            for blk in created:
+                self.pool.publish(blk.key, blk.producer, dtype, b, blk.index, blk.tokens, blk.k, blk.v)
         return out
+
+    def _add(
+        self,
+        key: bytes,
+        parent: Block | None,
+        index: int,
+        tokens: tuple[int, ...],
+        producer: str,
+        dtype: torch.dtype,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        copy: bool = True,
+    ) -> Block | None:
+        """Store a new block (copies of ``k``/``v``: ``(L, h, B, d)``; ``copy=False``: the tensors themselves,
+        which no one else holds) under ``parent``; None when the key is
+        taken by another chain (a hash collision: the stored one is kept) or it does not fit the budget
+        after evicting every evictable block."""
+        if key in self._blocks:
+            return None
+        need = k.numel() * k.element_size() + v.numel() * v.element_size()
+        if self.budget_bytes is not None and self.bytes_in_use + need > self.budget_bytes:
+            self.evict(self.bytes_in_use + need - self.budget_bytes)
+            if self.bytes_in_use + need > self.budget_bytes:
+                return None
+        if copy:
+            k, v = k.clone(), v.clone()
+        blk = Block(key, parent, index, tokens, str(producer), dtype, k, v)
+        self._blocks[key] = blk
+        if parent is not None:
+            parent.children += 1
+        self.bytes_in_use += blk.nbytes
+        return blk
 
     def release(self, blocks: Iterable[Block]) -> None:
         """Drop one reference on each block (blocks dropped by ``clear`` are ignored).
@@ -322,6 +368,7 @@ class PrefixKVStore:
         """Zero the hit / miss / insert / eviction counters."""
         self.lookups = self.hit_blocks = self.miss_blocks = self.hit_tokens = self.miss_tokens = 0
         self.inserted_blocks = self.skipped_blocks = self.evicted_blocks = self.evicted_bytes = 0
+        self.pool_hit_blocks = 0
 
     # ------------------------------------------------------------------ internals
     def _drop(self, blk: Block) -> int:
@@ -374,6 +421,8 @@ class PrefixKVStore:
             "skipped_blocks": self.skipped_blocks,
             "evicted_blocks": self.evicted_blocks,
             "evicted_bytes": self.evicted_bytes,
+            "pool_hit_blocks": self.pool_hit_blocks,
+            **({"pool": self.pool.stats()} if self.pool is not None else {}),
         }
 
     def __repr__(self) -> str:

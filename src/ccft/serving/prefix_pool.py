@@ -1,0 +1,661 @@
+"""``PrefixPool``: a pool tier under each replica's ``PrefixKVStore``, shared by every replica (issue 36).
+
+A replica whose prefix store misses a block looks in the pool before prefilling it, and a finished
+prefill publishes the blocks it computed, so a session that moves to another replica (load, a dead
+replica) costs a fetch instead of a prefill, and N replicas hold one pooled copy of a context every
+session shares (docs/serving.md, "Prefix pool"; docs/deploy.md, "A prefix pool across replicas").
+
+Two layers:
+
+- a **backend** (``BlockPool``) stores opaque values by string key on an existing engine:
+  ``RedisBlockPool`` (redis-py; a Redis server that outlives the serving cluster, evicted by its own
+  ``maxmemory-policy``), ``RayBlockPool`` (Ray's object store inside one Ray cluster: each block is
+  put once, owned by a small named directory actor that maps ``key → ObjectRef`` and evicts least
+  recently used entries past ``capacity_bytes``; Ray's reference counting frees an evicted block once no
+  reader holds it) and ``MemoryBlockPool`` (a dict in this process, for tests and single-process use);
+- the **tier** (``PrefixPool``) turns blocks into values and back, and owns every fault rule.
+
+Identity (K5). The key of a block is the store's own identity: ``FORMAT``, the dtype, a hash of the
+producer (the base fingerprint in shared mode, a decoder's key in the no-share baseline) and the
+block's chain hash (which already covers the producer, the dtype, the block size and every token up
+to the block's end). The value repeats producer, dtype, block size, index and token ids in its header
+and a fetch compares all of them with what the reader asked for, so one producer's K/V is never
+served to another and K/V of a stale base (another fingerprint) never hits.
+
+Integrity. A value is ``MAGIC | blake2b-256(body) | body`` with ``body = header length (4 bytes,
+little-endian) | JSON header | k bytes | v bytes``. A value whose digest, length or header does not
+match is a miss (the block is prefilled again) and counts as an error (``corrupt`` / ``mismatch``).
+
+Faults. A backend that is down or slow (a connection error, or no answer within ``timeout_s``: the
+backends pass it to redis-py's socket timeouts and ``ray.get``) makes the call a miss; the pool is then
+skipped for ``retry_after_s`` seconds (every lookup is a local prefill, no request waits on it), one
+warning is logged per outage and ``errors["unavailable"]`` counts it. Nothing in the pool can change an
+answer: a hit carries the K/V a local prefill would have computed (within fp32 rounding, as a store hit).
+
+One scheduler thread calls the tier (``/metrics`` only reads its counters); with ``background=True``
+(what ``ccft serve`` uses) blocks are published by a thread of the tier, so a prefill does not wait for
+the pool, and the counters are updated under a lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from ccft.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FORMAT",
+    "BlockPool",
+    "MemoryBlockPool",
+    "RedisBlockPool",
+    "RayBlockPool",
+    "PoolUnavailableError",
+    "PrefixPool",
+    "encode_block",
+    "decode_block",
+    "pool_from_spec",
+    "check_pool_spec",
+]
+
+#: wire format of a pooled block (part of every key: another format never hits)
+FORMAT = "ccft-kv1-native"
+MAGIC = b"CCFTKV1\n"
+_DIGEST = 32
+#: the Ray directory actor's name and namespace (one per Ray cluster)
+RAY_DIRECTORY = "ccft-prefix-pool"
+RAY_NAMESPACE = "ccft"
+
+
+class PoolUnavailableError(RuntimeError):
+    """A backend could not answer (down, unreachable, or slower than its timeout)."""
+
+
+# ------------------------------------------------------------------------------------------ values
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def encode_block(
+    producer: str,
+    dtype: torch.dtype,
+    block_tokens: int,
+    index: int,
+    tokens: Sequence[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> bytes:
+    """One block as a pool value (module docstring, "Integrity").
+
+    Args:
+        producer, dtype, block_tokens, index, tokens: the block's identity (as in ``PrefixKVStore``).
+        k, v: ``(L, h, block_tokens, d)`` in ``dtype``, any device.
+    Returns:
+        ``MAGIC | blake2b-256(body) | body``; ``2 * k.numel() * k.element_size()`` payload bytes.
+    """
+    header = json.dumps(
+        {
+            "format": FORMAT,
+            "producer": str(producer),
+            "dtype": str(dtype),
+            "block_tokens": int(block_tokens),
+            "index": int(index),
+            "tokens": [int(t) for t in tokens],
+            "shape": list(k.shape),
+        },
+        separators=(",", ":"),
+    ).encode()
+    body = len(header).to_bytes(4, "little") + header + _tensor_bytes(k) + _tensor_bytes(v)
+    return MAGIC + hashlib.blake2b(body, digest_size=_DIGEST).digest() + body
+
+
+def decode_block(
+    value: bytes,
+    producer: str,
+    dtype: torch.dtype,
+    block_tokens: int,
+    index: int,
+    tokens: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, v)`` of a pool value, checked against the identity the reader asks for.
+
+    Returns:
+        ``k, v``: ``(L, h, block_tokens, d)`` in ``dtype`` on ``device``.
+    Raises:
+        ValueError: the value is truncated or its digest does not match (message starts ``corrupt``), or
+            its header names another producer, dtype, block size, index, tokens or format (``mismatch``).
+    """
+    head = len(MAGIC) + _DIGEST
+    if len(value) < head + 4 or value[: len(MAGIC)] != MAGIC:
+        raise ValueError("corrupt: no ccft block header")
+    body = memoryview(value)[head:]
+    if hashlib.blake2b(body, digest_size=_DIGEST).digest() != value[len(MAGIC) : head]:
+        raise ValueError("corrupt: checksum mismatch")
+    hlen = int.from_bytes(body[:4], "little")
+    try:
+        h = json.loads(bytes(body[4 : 4 + hlen]))
+    except ValueError as e:
+        raise ValueError(f"corrupt: unreadable header ({e})") from e
+    want = {
+        "format": FORMAT,
+        "producer": str(producer),
+        "dtype": str(dtype),
+        "block_tokens": int(block_tokens),
+        "index": int(index),
+        "tokens": [int(t) for t in tokens],
+    }
+    for name, expected in want.items():
+        if h.get(name) != expected:
+            raise ValueError(f"mismatch: the block's {name} differs from the reader's")
+    shape = [int(x) for x in h["shape"]]
+    if len(shape) != 4 or shape[2] != int(block_tokens):
+        raise ValueError(f"mismatch: block shape {shape}")
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    payload = body[4 + hlen :]
+    if len(payload) != 2 * n:
+        raise ValueError(f"corrupt: {len(payload)} payload bytes, expected {2 * n}")
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    k = raw[:n].view(dtype).reshape(shape).to(device)
+    v = raw[n:].view(dtype).reshape(shape).to(device)
+    return k, v
+
+
+# ---------------------------------------------------------------------------------------- backends
+class BlockPool:
+    """A backend: values (bytes) by key (str). ``get`` of an absent key is None; ``put`` of a present key
+    keeps the stored value. Every method raises ``PoolUnavailableError`` when the backend cannot answer."""
+
+    name = "pool"
+
+    def get(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    def put(self, key: str, value: bytes) -> None:
+        raise NotImplementedError
+
+    def contains(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        """Backend-side figures (what this backend can tell cheaply); a plain dict."""
+        return {"backend": self.name}
+
+
+class MemoryBlockPool(BlockPool):
+    """A dict in this process, least recently used values evicted past ``capacity_bytes`` (None: unbounded).
+    Thread-safe (several stores of one process may share it)."""
+
+    name = "memory"
+
+    def __init__(self, capacity_bytes: int | None = None):
+        self.capacity_bytes = None if capacity_bytes is None else int(capacity_bytes)
+        self._values: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes_in_use = 0
+        self.evicted = 0
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+            return value
+
+    def put(self, key: str, value: bytes) -> None:
+        with self._lock:
+            if key in self._values:
+                return
+            self._values[key] = bytes(value)
+            self.bytes_in_use += len(value)
+            cap = self.capacity_bytes
+            while cap is not None and self.bytes_in_use > cap and self._values:
+                _, old = self._values.popitem(last=False)
+                self.bytes_in_use -= len(old)
+                self.evicted += 1
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._values
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "backend": self.name,
+                "blocks": len(self._values),
+                "bytes_in_use": self.bytes_in_use,
+                "evicted_blocks": self.evicted,
+            }
+
+
+class RedisBlockPool(BlockPool):
+    """A Redis server (redis-py) at ``url`` (``redis://HOST:PORT[/DB]``); values under ``ccft:`` keys.
+
+    Eviction is the server's (run it with ``--maxmemory`` and ``--maxmemory-policy allkeys-lru``).
+
+    Args:
+        url: the server's URL. timeout_s: socket connect / read timeout (a slower answer is a failure).
+        client: a ready ``redis.Redis`` (e.g. ``fakeredis.FakeRedis`` in tests) instead of ``url``.
+    Raises:
+        ConfigError: redis-py is not installed (the ``pool`` extra).
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str = "redis://127.0.0.1:6379", timeout_s: float = 0.5, client=None):
+        try:
+            import redis
+        except ImportError as e:
+            raise ConfigError(
+                "--prefix-pool redis://... needs redis-py (the `pool` extra): pip install 'ccft[pool]'"
+            ) from e
+        self._errors = (redis.exceptions.RedisError, OSError)
+        self.url = url
+        self.client = client or redis.Redis.from_url(
+            url, socket_timeout=float(timeout_s), socket_connect_timeout=float(timeout_s)
+        )
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except self._errors as e:
+            raise PoolUnavailableError(f"redis at {self.url}: {type(e).__name__}: {e}") from e
+
+    def get(self, key: str) -> bytes | None:
+        return self._call(self.client.get, "ccft:" + key)
+
+    def put(self, key: str, value: bytes) -> None:
+        self._call(lambda: self.client.set("ccft:" + key, value, nx=True))
+
+    def contains(self, key: str) -> bool:
+        return bool(self._call(self.client.exists, "ccft:" + key))
+
+
+class _RayDirectory:
+    """The Ray actor behind ``RayBlockPool``: ``key → [ObjectRef]`` in LRU order, evicted past a byte
+    capacity. It puts every block into the object store itself, so it owns them and a block outlives the
+    replica that published it (Ray ≥ 2.56 has no ``ray.put(_owner=)``); dropping an entry drops the
+    pool's reference, and Ray frees the object once no reader holds one."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = int(capacity_bytes)
+        self.entries: OrderedDict[str, tuple[list, int]] = OrderedDict()
+        self.bytes_in_use = 0
+        self.evicted = 0
+
+    def lookup(self, key: str):
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        self.entries.move_to_end(key)
+        return entry[0]  # [ref]: a list, so Ray hands the ref over instead of the value
+
+    def register(self, key: str, value: bytes) -> bool:
+        import ray
+
+        if key in self.entries:
+            return False
+        self.entries[key] = ([ray.put(value)], len(value))  # this actor owns the object
+        self.bytes_in_use += len(value)
+        while self.bytes_in_use > self.capacity_bytes and self.entries:
+            _, (_, old) = self.entries.popitem(last=False)
+            self.bytes_in_use -= old
+            self.evicted += 1
+        return True
+
+    def contains(self, key: str) -> bool:
+        return key in self.entries
+
+    def stats(self) -> dict:
+        return {
+            "blocks": len(self.entries),
+            "bytes_in_use": self.bytes_in_use,
+            "evicted_blocks": self.evicted,
+        }
+
+
+class RayBlockPool(BlockPool):
+    """Ray's object store in the Ray cluster this process is connected to (``ray.init`` done), through the
+    named directory actor ``RAY_DIRECTORY`` (created by the first replica, detached, ``num_cpus=0``).
+
+    Args:
+        capacity_bytes: bytes of blocks the directory keeps (LRU past it), used when it creates it.
+        timeout_s: the longest wait for the directory or a block (``ray.get(timeout=)``).
+        ready_timeout_s: the longest wait, here, for the directory actor to start (a warning after it).
+    """
+
+    name = "ray"
+
+    def __init__(self, capacity_bytes: int = 1 << 30, timeout_s: float = 0.5, ready_timeout_s: float = 60.0):
+        import ray
+
+        self._ray = ray
+        self.timeout_s = float(timeout_s)
+        self.directory = (
+            ray.remote(_RayDirectory)
+            .options(
+                name=RAY_DIRECTORY,
+                namespace=RAY_NAMESPACE,
+                get_if_exists=True,
+                lifetime="detached",
+                num_cpus=0,
+            )
+            .remote(int(capacity_bytes))
+        )
+        try:  # the first replica starts the actor (seconds): wait here, not in a request's lookup
+            ray.get(self.directory.contains.remote(""), timeout=max(self.timeout_s, float(ready_timeout_s)))
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
+            log.warning("prefix pool (ray): the directory actor is not ready (%s); lookups may miss", e)
+
+    def _get(self, ref):
+        ray = self._ray
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
+            raise PoolUnavailableError(f"ray pool: {type(e).__name__}: {e}") from e
+
+    def get(self, key: str) -> bytes | None:
+        refs = self._get(self.directory.lookup.remote(key))
+        return None if refs is None else self._get(refs[0])
+
+    def put(self, key: str, value: bytes) -> None:
+        if self.contains(key):
+            return
+        self._get(self.directory.register.remote(key, bytes(value)))
+
+    def contains(self, key: str) -> bool:
+        return bool(self._get(self.directory.contains.remote(key)))
+
+    def stats(self) -> dict:
+        try:
+            return {"backend": self.name, **self._get(self.directory.stats.remote())}
+        except PoolUnavailableError:
+            return {"backend": self.name}
+
+
+# ---------------------------------------------------------------------------------------------- tier
+class PrefixPool:
+    """The pool tier of a ``PrefixKVStore`` (``PrefixKVStore(pool=...)``): keys, values, faults, counters.
+
+    Args:
+        backend: a ``BlockPool``.
+        retry_after_s: after a backend failure, seconds during which the pool is skipped (no request
+            waits on a pool known to be down).
+        device: where fetched blocks are put (the engine's device).
+        background: publish from a thread of this tier (the prefill that computed the blocks does not
+            wait for the pool; ``flush`` waits); False: ``publish`` puts the block before it returns.
+        max_pending_bytes: ``background``: the most bytes of blocks queued (more are dropped).
+    Counters (``stats()``): ``hit_blocks`` / ``miss_blocks`` (fetches that found / did not find a usable
+    block), ``fetched_bytes``, ``fetch_seconds`` (sum over fetches, hits and misses) and ``fetches``,
+    ``published_blocks`` / ``published_bytes`` (blocks this tier put), ``publish_seconds`` (sum over every
+    publish tried, the check for a present block included), ``present_blocks`` (publishes the pool
+    already held), ``dropped_blocks`` / ``pending_bytes`` (background: blocks dropped, the queue full;
+    bytes queued), ``skipped`` (lookups and publishes not tried: the pool was down), ``errors`` by kind
+    (``unavailable``, ``corrupt``, ``mismatch``), ``up``.
+    """
+
+    def __init__(
+        self,
+        backend: BlockPool,
+        *,
+        retry_after_s: float = 5.0,
+        device: torch.device | str = "cpu",
+        background: bool = False,
+        max_pending_bytes: int = 256 << 20,
+    ):
+        self.backend = backend
+        self.retry_after_s = float(retry_after_s)
+        self.device = torch.device(device)
+        self.down_until = 0.0
+        self.hit_blocks = self.miss_blocks = self.fetched_bytes = self.fetches = 0
+        self.published_blocks = self.published_bytes = self.present_blocks = self.skipped = 0
+        self.dropped_blocks = self.pending_bytes = 0
+        self.fetch_seconds = self.publish_seconds = 0.0
+        self.errors = {"unavailable": 0, "corrupt": 0, "mismatch": 0}
+        self.max_pending_bytes = int(max_pending_bytes)
+        self._warned = False
+        self._lock = threading.Lock()  # counters and the down state, shared with the publisher thread
+        self._queue: queue.Queue | None = queue.Queue() if background else None
+        self._thread: threading.Thread | None = None
+
+    def _add(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    @staticmethod
+    def key(chain_key: bytes, producer: str, dtype: torch.dtype) -> str:
+        """The pool key of a block: format, dtype, producer hash, chain hash (module docstring)."""
+        who = hashlib.blake2b(str(producer).encode(), digest_size=16).hexdigest()
+        return f"{FORMAT}:{str(dtype).removeprefix('torch.')}:{who}:{chain_key.hex()}"
+
+    @property
+    def up(self) -> bool:
+        """False while the pool is skipped after a failure."""
+        return time.monotonic() >= self.down_until
+
+    def _failed(self, e: Exception) -> None:
+        with self._lock:
+            self.errors["unavailable"] += 1
+            self.down_until = time.monotonic() + self.retry_after_s
+            first, self._warned = not self._warned, True
+        if first:
+            log.warning(
+                "prefix pool (%s) unavailable, serving with local prefill; retried every %.0f s: %s",
+                self.backend.name,
+                self.retry_after_s,
+                e,
+            )
+
+    def _recovered(self) -> None:
+        with self._lock:
+            was, self._warned = self._warned, False
+        if was:
+            log.warning("prefix pool (%s) reachable again", self.backend.name)
+
+    def fetch(
+        self,
+        chain_key: bytes,
+        producer: str,
+        dtype: torch.dtype,
+        block_tokens: int,
+        index: int,
+        tokens: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(k, v)`` of a block from the pool, ``(L, h, block_tokens, d)`` on ``device``; None on a miss, a
+        bad value (counted as an error) or a pool that is down."""
+        if not self.up:
+            self._add("skipped")
+            return None
+        t0 = time.perf_counter()
+        try:
+            value = self.backend.get(self.key(chain_key, producer, dtype))
+        except PoolUnavailableError as e:
+            self.fetch_seconds += time.perf_counter() - t0
+            self.fetches += 1
+            self._failed(e)
+            return None
+        self._recovered()
+        out = None
+        if value is not None:
+            try:
+                out = decode_block(value, producer, dtype, block_tokens, index, tokens, self.device)
+            except ValueError as e:
+                kind = "mismatch" if str(e).startswith("mismatch") else "corrupt"
+                self.errors[kind] += 1
+                log.warning("prefix pool: block %s ignored (%s); it is prefilled again", chain_key.hex(), e)
+        self.fetch_seconds += time.perf_counter() - t0
+        self.fetches += 1
+        if out is None:
+            self.miss_blocks += 1
+        else:
+            self.hit_blocks += 1
+            self.fetched_bytes += len(value)
+        return out
+
+    def publish(
+        self,
+        chain_key: bytes,
+        producer: str,
+        dtype: torch.dtype,
+        block_tokens: int,
+        index: int,
+        tokens: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> bool:
+        """Put a block into the pool unless it holds it already (never raises).
+
+        With ``background`` the block is queued for this tier's publisher thread (``k``/``v`` must not be
+        written afterwards: a store's blocks never are) and True is returned; a block that would take the
+        queue past ``max_pending_bytes`` is dropped (``dropped_blocks``; the next prefill of it publishes
+        it). Inline, False when it was not put (present, or the pool is down).
+        """
+        if not self.up:
+            self._add("skipped")
+            return False
+        item = (chain_key, producer, dtype, block_tokens, index, tuple(tokens), k, v)
+        if self._queue is None:
+            return self._publish(*item)
+        nbytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+        with self._lock:
+            if self.pending_bytes + nbytes > self.max_pending_bytes:
+                self.dropped_blocks += 1
+                return False
+            self.pending_bytes += nbytes
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._publisher, name="ccft-prefix-pool", daemon=True)
+            self._thread.start()
+        self._queue.put((nbytes, item))
+        return True
+
+    def _publisher(self) -> None:
+        while True:
+            nbytes, item = self._queue.get()
+            try:
+                if self.up:
+                    self._publish(*item)
+                else:
+                    self._add("skipped")
+            except Exception as e:  # noqa: BLE001 - a publish must never take the thread down
+                log.warning("prefix pool: a block was not published: %s: %s", type(e).__name__, e)
+            finally:
+                self._add("pending_bytes", -nbytes)
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued block is published (or given up); no-op inline."""
+        if self._queue is not None:
+            self._queue.join()
+
+    def _publish(self, chain_key, producer, dtype, block_tokens, index, tokens, k, v) -> bool:
+        key = self.key(chain_key, producer, dtype)
+        t0 = time.perf_counter()
+        try:
+            if self.backend.contains(key):
+                self._add("present_blocks")
+                return False
+            value = encode_block(producer, dtype, block_tokens, index, tokens, k, v)
+            self.backend.put(key, value)
+        except PoolUnavailableError as e:
+            self._failed(e)
+            return False
+        finally:
+            self._add("publish_seconds", time.perf_counter() - t0)
+        self._recovered()
+        with self._lock:
+            self.published_blocks += 1
+            self.published_bytes += len(value)
+        return True
+
+    def stats(self) -> dict:
+        """The counters (class docstring) and the backend's name; a plain dict (JSON-ready)."""
+        return {
+            "backend": self.backend.name,
+            "up": self.up,
+            "hit_blocks": self.hit_blocks,
+            "miss_blocks": self.miss_blocks,
+            "fetches": self.fetches,
+            "fetch_seconds": self.fetch_seconds,
+            "fetched_bytes": self.fetched_bytes,
+            "published_blocks": self.published_blocks,
+            "published_bytes": self.published_bytes,
+            "publish_seconds": self.publish_seconds,
+            "present_blocks": self.present_blocks,
+            "dropped_blocks": self.dropped_blocks,
+            "pending_bytes": self.pending_bytes,
+            "skipped": self.skipped,
+            "errors": dict(self.errors),
+        }
+
+
+# ----------------------------------------------------------------------------------------- config
+def check_pool_spec(spec: str | None, timeout_s: float = 0.5) -> str | None:
+    """Validate ``--prefix-pool`` (and ``--prefix-pool-timeout-ms``) without connecting: None / ``""`` (no
+    pool), ``ray`` or a ``redis://HOST:PORT[/DB]`` URL; returns the backend name (or None).
+
+    Raises:
+        ConfigError: anything else, a timeout ≤ 0, or ``redis://`` without redis-py installed (names the
+            extra).
+    """
+    if not spec:
+        return None
+    spec = str(spec).strip()
+    if not float(timeout_s) > 0:
+        raise ConfigError(
+            f"--prefix-pool-timeout-ms {float(timeout_s) * 1000:g}: use a positive number of milliseconds "
+            "(a pool slower than that is skipped and the request prefills locally)"
+        )
+    if spec == "ray":
+        return spec
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        try:
+            import redis  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(
+                f"--prefix-pool {spec}: redis-py is not installed; pip install 'ccft[pool]' "
+                "(or drop the option)"
+            ) from e
+        return "redis"
+    raise ConfigError(
+        f"--prefix-pool {spec!r}: use redis://HOST:PORT[/DB] (a Redis server) or ray (Ray's object store, "
+        "with --replicas N)"
+    )
+
+
+def pool_from_spec(
+    spec: str,
+    *,
+    timeout_s: float = 0.5,
+    capacity_bytes: int = 1 << 30,
+    device: torch.device | str = "cpu",
+    background: bool = False,
+) -> PrefixPool:
+    """The ``PrefixPool`` of a ``--prefix-pool`` value (``check_pool_spec``); redis-py connects at the first
+    fetch or publish, the Ray backend finds or creates its directory actor now.
+
+    Args:
+        timeout_s: a backend answer slower than this is a failure (the request prefills locally).
+        capacity_bytes: ``ray``: bytes of blocks the directory keeps (LRU past it).
+        device: where fetched blocks are put (the engine's device).
+        background: publish from a thread (``PrefixPool``).
+    Raises:
+        ConfigError: as ``check_pool_spec``; no ``spec``.
+    """
+    kind = check_pool_spec(spec, timeout_s)
+    if kind is None:
+        raise ConfigError("no --prefix-pool given")
+    if kind == "redis":
+        backend: BlockPool = RedisBlockPool(spec, timeout_s=timeout_s)
+    else:
+        backend = RayBlockPool(capacity_bytes, timeout_s=timeout_s)
+    return PrefixPool(backend, device=device, background=background)
