@@ -146,6 +146,48 @@ def _greedy_equals_reference(decode, attention, batch, pack_weights=None):
     assert 0 < runner.captures <= 8
 
 
+@pytest.mark.parametrize("attention", ["triton", "gather"])
+def test_cuda_graph_depth_and_compact_equal_reference(attention):
+    """Decoders at sharing depth m (own prompt K/V below layer m) and on the compact (int8) C_base, captured
+    as CUDA graphs, each alone and all in one step: greedy tokens equal the reference path's."""
+    import ccft
+    from ccft.inference import SharedPrefillEngine
+
+    if attention == "triton":
+        pytest.importorskip("triton")
+    base = _base()
+    decs = _decoders(base)
+    decs["math"].share_from_layer = 1
+    decs["full"].share_from_layer = 2
+    decs["code"].cache_format = "int8"
+    prompts = _prompts(3)
+    refs = {
+        name: [
+            g.token_ids for g in ccft.generate(prompts, mode="prefillshare", decoder=d, max_new_tokens=N_NEW)
+        ]
+        for name, d in decs.items()
+    }
+    eng = SharedPrefillEngine(
+        base, decoders=decs, decode="cuda_graph", attention=attention, fill=float("nan")
+    )
+    with eng.prefill(prompts) as h:
+        for name in decs:
+            assert [g.token_ids for g in eng.generate(h, decoder=name, max_new_tokens=N_NEW)] == refs[name], (
+                name
+            )
+        ids = {
+            (name, i): eng.add_request(h, i, decoder=name, max_new_tokens=N_NEW)
+            for name in decs
+            for i in range(3)
+        }
+        done = {}
+        while eng.active:
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.generation.token_ids
+        assert all(done[rid] == refs[name][i] for (name, i), rid in ids.items())
+
+
 def test_cuda_graph_teacher_forced_logits_mixed_batch():
     """Rows of base + two adapters in one captured step, plus the full lane; logits == decoder_forward."""
     import ccft
