@@ -24,7 +24,8 @@ shared arena (read once for all rows and decoders sharing it) and its own tail (
 
 The parts, one concept per module of ``ccft.inference``:
 
-* ``handles``: ``PrefixHandle``, a refcounted arena region holding a batch of prefixes;
+* ``handles``: ``PrefixHandle``, a refcounted arena region holding a batch of prefixes; ``OwnPrefix``, a
+  decoder's own K/V of them below its sharing depth m; ``CompactHandle``, them in the int8 format;
 * ``lanes``: the decoder / lane registry and producers (who wrote a prefix, and its key);
 * ``prefill``: the computations behind the prefill entry points and a request's tail;
 * ``requests``: an admitted row (token bookkeeping, EOS / stop strings / length) and ``StepOutput``;
