@@ -179,3 +179,23 @@ def test_clear_errors_on_int8(deep_dir, prompts, tmp_path):
         ConfigError, match="'cache_format' is native but the served decoder was trained on int8"
     ):
         eng.reload_decoder("deep", folder)
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_compact_handle_outlives_its_native_one(deep_dir, prompts, decode):
+    """``engine.compact(handle)`` then ``handle.release()``: only the codes and scales stay, int8 readers
+    decode on them as on the native handle's format; native readers refuse them."""
+    base, decs = _world(deep_dir)
+    want = _tokens(ccft.generate(prompts, mode="prefillshare", decoder=decs["deep"], max_new_tokens=N_NEW))
+    eng = SharedPrefillEngine(base, decoders=decs, decode=decode, fill=NAN)
+    native = eng.prefill(prompts)
+    compact = eng.compact(native)
+    native.release()
+    assert eng.arena.used_tokens == 0 and compact.cache_format == "int8"
+    with compact:
+        assert _tokens(eng.generate(compact, decoder="deep", max_new_tokens=N_NEW)) == want
+        with pytest.raises(ConfigError, match="reads C_base in cache_format=native.*give it a native handle"):
+            eng.add_request(compact, 0, decoder="flat")
+        with pytest.raises(ConfigError, match="compact takes a native C_base handle"):
+            eng.compact(compact)
+    assert eng.code_arena.used_tokens == eng.own_arena.used_tokens == 0

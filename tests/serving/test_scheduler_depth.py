@@ -1,6 +1,7 @@
-"""The scheduler with decoders at sharing depth m and on the compact C_base (issue 35, item 2): outputs equal
-the reference path, and the KV ledger counts what the engine keeps beside a context for them (a depth-m
-decoder's own K/V in m of the L layers; the int8 format of the C_base, L layers) at known byte counts."""
+"""The scheduler with decoders at sharing depth m and on the compact C_base (issue 35, items 2 and 3): outputs
+equal the reference path, and the KV ledger counts what the engine keeps for them (a depth-m decoder's own
+K/V in m of the L layers beside the context; a context read only on the compact C_base held as its int8
+codes and scales) at known byte counts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import ccft
 from ccft.core.compact import kv_nbytes
 from ccft.core.tokens import tokenize_prompt
 from ccft.inference import SharedPrefillEngine
+from ccft.serving import PrefixKVStore
 from ccft.serving.scheduler import Scheduler, ServeRequest
 from conftest import DEEP_LAYERS, make_lora
 
@@ -25,7 +27,10 @@ def texts(gsm8k_rows, tokenizer):
     return [tokenize_prompt(tokenizer, r["prompt"], chat_template=False) for r in gsm8k_rows[:8]]
 
 
-def test_depth_and_int8_agents_on_one_context(deep_dir, texts):
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_depth_and_int8_agents_on_one_context(deep_dir, texts, chunk):
+    """Whole prefills (peak bytes known) and chunked ones with a prefix store (a context is compacted when its
+    last piece is done; while it is prefilled its native bytes are reserved)."""
     base = ccft.load_base(str(deep_dir))
     deep = make_lora(base, "deep", 21, 4)
     deep.share_from_layer = 2
@@ -38,7 +43,8 @@ def test_depth_and_int8_agents_on_one_context(deep_dir, texts):
         ServeRequest(a, ctx + texts[4 + j][:u], shared_len=SHARED, max_new_tokens=N_NEW)
         for j, (a, u) in enumerate(unique.items())
     ]
-    sched = Scheduler(eng, share=True)
+    store = PrefixKVStore(block_tokens=8) if chunk else None
+    sched = Scheduler(eng, share=True, store=store, prefill_chunk_tokens=chunk)
     tickets = [sched.submit(r) for r in reqs]
     sched.run_until_idle()
     assert [t.state for t in tickets] == ["done"] * 3
@@ -48,16 +54,20 @@ def test_depth_and_int8_agents_on_one_context(deep_dir, texts):
     ]
     assert [t.result.token_ids for t in tickets] == [g.token_ids for g in want]
     # flat and deep read one context of SHARED - 1 prefix tokens, deep adds its own K/V in 2 of the 4 layers;
-    # compact takes its whole prompt as its context (an int8 cache cannot be extended by a suffix) and adds
-    # the int8 codes and scales of it (kv_nbytes)
+    # compact takes its whole prompt as its context (an int8 cache cannot be extended by a suffix), held only
+    # as its int8 codes and scales (kv_nbytes; the native handle is released once they are made)
     bpt = sched.bytes_per_token
     prefix, compact_prefix = SHARED - 1, SHARED + unique["compact"] - 1
     tails = (unique["flat"] + 1 + N_NEW) + (unique["deep"] + 1 + N_NEW) + (1 + N_NEW)
     a = eng.code_arena
     int8 = kv_nbytes("int8", layers=L, kv_heads=a.kv_heads, head_dim=a.head_dim, tokens=compact_prefix)
     assert 3.5 * int8 < compact_prefix * bpt  # the compact copy costs under a quarter of the native (fp32)
-    want_peak = (prefix + compact_prefix + tails) * bpt + prefix * 2 * bpt // L + int8
-    assert sched.peak_live_bytes == want_peak
+    want_peak = (prefix + tails) * bpt + prefix * 2 * bpt // L + int8
+    if chunk is None:
+        assert sched.peak_live_bytes == want_peak
+    else:  # the compact context's native bytes were reserved while it was prefilled in pieces
+        assert sched.peak_live_bytes > want_peak
     assert sched.counters["prefills"] == 2
     assert sched.live_bytes == 0 and eng.arena.used_tokens == 0 and eng.own_arena.used_tokens == 0
+    assert eng.code_arena.used_tokens == 0 and eng.kscale_arena.used_tokens == 0
     assert eng.own_arena.nbytes // eng.own_arena.capacity == 2 * bpt // L  # 2 layers of K and V per slot

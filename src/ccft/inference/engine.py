@@ -24,7 +24,8 @@ shared arena (read once for all rows and decoders sharing it) and its own tail (
 
 The parts, one concept per module of ``ccft.inference``:
 
-* ``handles``: ``PrefixHandle``, a refcounted arena region holding a batch of prefixes;
+* ``handles``: ``PrefixHandle``, a refcounted arena region holding a batch of prefixes; ``OwnPrefix``, a
+  decoder's own K/V of them below its sharing depth m; ``CompactHandle``, them in the int8 format;
 * ``lanes``: the decoder / lane registry and producers (who wrote a prefix, and its key);
 * ``prefill``: the computations behind the prefill entry points and a request's tail;
 * ``requests``: an admitted row (token bookkeeping, EOS / stop strings / length) and ``StepOutput``;
@@ -679,15 +680,53 @@ class SharedPrefillEngine:
         (``ccft.core.compact``: ``quantize_keys`` per channel, ``quantize_values`` per token), read back
         through ``dequantize``: the values ``read_cache`` gives.
 
+        A handle already in the decoder's format (``compact``) is read as it is.
+
         Raises:
+            ConfigError: a decoder reading the native C_base given a compact handle.
             CapacityError: the code arena is full (``max_prefix_tokens`` slots, as the prefix arena).
         """
         fmt = self.decoders[decoder].cache_format
+        if handle.cache_format != "native":
+            if fmt != handle.cache_format:
+                raise ConfigError(
+                    f"decoder {decoder!r} reads C_base in cache_format={fmt}, but PrefixHandle {handle.id} "
+                    f"holds it only in {handle.cache_format} (engine.compact); give it a native handle"
+                )
+            return handle
         if fmt == "native" or handle.producer != BASE:
             return handle
         derived = handle.formats.get(fmt)
-        if derived is not None:
-            return derived
+        if derived is None:
+            derived = handle.formats[fmt] = self._compact(handle)
+        return derived
+
+    @_inference
+    def compact(self, handle: PrefixHandle) -> CompactHandle:
+        """A new handle holding ``handle``'s C_base in the ``int8`` format (``handles.CompactHandle``: int8
+        codes and bfloat16 scales, ``kv_nbytes`` bytes), yours to release; ``handle`` is not changed. Release
+        ``handle`` afterwards when only decoders reading int8 will read these prompts: the native K/V are
+        freed and only the compact copy (3.9× fewer bytes than fp32) stays. Decoders reading the native
+        C_base refuse the compact handle (``add_request``).
+
+        Raises:
+            ConfigError: ``handle`` is not a C_base handle (a decoder's own prefill, or already compact), or
+                was released.
+            CapacityError: the code arena is full (``max_prefix_tokens`` slots).
+        """
+        if handle.engine is not self or handle.released or handle.freed:
+            raise ConfigError("compact needs a live PrefixHandle of this engine; prefill the prompts again")
+        if handle.producer != BASE or handle.cache_format != "native":
+            raise ConfigError(
+                f"PrefixHandle {handle.id} holds {handle.cache_format} K/V written by {handle.producer!r}; "
+                "compact takes a native C_base handle (engine.prefill with the base as producer)"
+            )
+        for arena in (self.code_arena, self.vscale_arena, self.kscale_arena):
+            arena.set_layers(self.num_layers)
+        return self._compact(handle)
+
+    def _compact(self, handle: PrefixHandle) -> CompactHandle:
+        """A ``CompactHandle`` of ``handle``'s C_base (one reference, the caller's)."""
         b, p = handle.batch_size, handle.width
         starts = []
         try:
@@ -709,7 +748,6 @@ class SharedPrefillEngine:
             q, scale = quantize_values(handle.values(i))
             derived.value_codes(i).copy_(q)
             derived.value_scales(i).copy_(scale)
-        handle.formats[fmt] = derived
         return derived
 
     def _own_prefix(self, handle: PrefixHandle, decoder: str) -> OwnPrefix | None:

@@ -230,6 +230,10 @@ class _Context:
     waiting: list = field(default_factory=list)  # tickets admitted onto it before it is complete
     store_reserve: int = 0  # bytes its unfinished job may still insert into the store (chunked prefill)
     extras: dict = field(default_factory=dict)  # reader_extras key -> bytes reserved (own K/V, int8 format)
+    nbytes: int = (
+        0  # bytes of its handle reserved in the ledger (native, or its codes and scales when compact)
+    )
+    compact: bool = False  # read only by decoders on the compact C_base: held as int8 codes and scales
 
 
 @dataclass(eq=False)
@@ -430,11 +434,30 @@ class Scheduler:
         except CCFTError:  # e.g. a packed decoder edited in place: add_request refuses it, with the message
             return []
         held = ctx.extras if ctx is not None else {}
-        return [(key, nbytes) for key, nbytes in wanted if key not in held]
+        # a compact reader's context is itself the int8 copy (``_compact_context``): no format beside it
+        compact = self._reads_compact(r)
+        return [(k, b) for k, b in wanted if k not in held and not (compact and k.startswith("format:"))]
+
+    def _reads_compact(self, r: ServeRequest) -> bool:
+        """Whether the request's decoder reads the compact C_base on a shared context (its context is then
+        held only as int8 codes and scales)."""
+        return self.share and getattr(self.engine.decoders[r.decoder], "cache_format", "native") != "native"
+
+    def _compact_context(self, ctx: _Context) -> None:
+        """Replace a complete context's native handle by its compact copy (``SharedPrefillEngine.compact``)
+        when only decoders on the compact C_base read it: the native K/V are freed, the ledger then holds
+        the codes' and scales' bytes instead."""
+        if not ctx.compact or ctx.handle.cache_format != "native":
+            return
+        compact = self.engine.compact(ctx.handle)
+        ctx.handle.release()
+        ctx.handle = compact
+        self.kv.release(ctx.nbytes)
+        ctx.nbytes = self.kv.reserve(compact.nbytes)
 
     def _release_context(self, ctx: _Context) -> None:
         """Count a released context's bytes (its prefix and what its readers kept beside it) as free."""
-        self.kv.release(self.kv.bytes(ctx.tokens) + sum(ctx.extras.values()))
+        self.kv.release(ctx.nbytes + sum(ctx.extras.values()))
         ctx.extras = {}
 
     def _handoff(self, decoder: str) -> int:
@@ -448,9 +471,7 @@ class Scheduler:
         channel's scale covers the prefix it quantises, so the cache of a context cannot be extended by an
         agent's own tokens (``SharedPrefillEngine.add_request`` refuses ``suffix_ids`` for it)."""
         n, k = len(r.prompt_ids), self._handoff(r.decoder)
-        whole = r.shared_len is None or (
-            self.share and getattr(self.engine.decoders[r.decoder], "cache_format", "native") != "native"
-        )
+        whole = r.shared_len is None or self._reads_compact(r)
         s = n if whole else max(int(r.shared_len), k + 1)
         s = min(s, n)
         return s - k, n - s + k
@@ -697,7 +718,8 @@ class Scheduler:
             pkey = self.engine.producer_key(producer)
         except CCFTError:  # e.g. a packed decoder edited in place: add_request refuses it, with the message
             pkey = None
-        return (producer, pkey, k, tuple(r.prompt_ids[: ctx_tokens + k]))
+        compact = ("int8",) if self._reads_compact(r) else ()  # held in another format: another context
+        return (producer, pkey, k, tuple(r.prompt_ids[: ctx_tokens + k]), *compact)
 
     def _next_queued(self) -> Ticket | None:
         """The queued request admission considers next (``RequestQueuePolicy.next_to_admit``)."""
@@ -824,6 +846,7 @@ class Scheduler:
                     handle, hit = ctx.job.finish()
                     ctx.handle, ctx.job = handle, None
                     self._release_store_reserve(ctx)  # its blocks are in the store now (store_bytes)
+                    self._compact_context(ctx)
             except Exception as e:  # noqa: BLE001 - the context's requests fail, the scheduler goes on
                 self._fail_context(ctx, f"{type(e).__name__}: {e}")
                 continue
@@ -890,12 +913,12 @@ class Scheduler:
             self.counters["prefills"] += 1
             self.counters["prefix_hit_tokens"] += job.hit
             t.prefix_hit_tokens = job.hit
-            ctx = _Context(key, job.handle, ctx_tokens, job=job)
+            ctx = _Context(key, job.handle, ctx_tokens, job=job, compact=self._reads_compact(r))
             # the full blocks it does not find in the store are inserted at finish
             blocks = self.kv.store_block_tokens(ctx_tokens)
             ctx.store_reserve = self.kv.reserve_store(self.kv.bytes(max(0, blocks - job.hit)))
             self._contexts[key] = ctx
-            self.kv.reserve(self.kv.bytes(ctx_tokens))
+            ctx.nbytes = self.kv.reserve(self.kv.bytes(ctx_tokens))
             return ctx
         if self.store is not None:
             handle, hit = self.engine.prefill_cached(prompt, self.store, producer=producer, handoff_tokens=k)
@@ -906,9 +929,10 @@ class Scheduler:
         self.counters["prefill_tokens"] += ctx_tokens - hit
         self.counters["prefix_hit_tokens"] += hit
         t.prefix_hit_tokens = hit
-        ctx = _Context(key, handle, ctx_tokens)
+        ctx = _Context(key, handle, ctx_tokens, compact=self._reads_compact(r))
         self._contexts[key] = ctx
-        self.kv.reserve(self.kv.bytes(ctx_tokens))
+        ctx.nbytes = self.kv.reserve(self.kv.bytes(ctx_tokens))
+        self._compact_context(ctx)
         return ctx
 
     def _end(
