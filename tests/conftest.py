@@ -448,3 +448,19 @@ def sixteen_step_losses(base_dir, out, **kw) -> list[float]:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 16 and all(math.isfinite(v) for v in losses)
     return losses
+
+
+def forced_step_logits(eng, handle, decoders, n_rows: int, n_new: int, seed: int = 0):
+    """Teacher-force ``n_new`` random tokens through every decoder on every row of ``handle`` in one engine
+    run -> (forced tokens per row, request id per (decoder, row), per step ``{request id: logits}``)."""
+    g = torch.Generator().manual_seed(seed)
+    forced = torch.randint(3, 200, (n_rows, n_new), generator=g).tolist()
+    rid = {
+        (n, i): eng.add_request(handle, i, decoder=n, forced_tokens=forced[i])
+        for n in decoders
+        for i in range(n_rows)
+    }
+    steps = []
+    while eng.active:
+        steps.append({o.request_id: o.logits for o in eng.step(return_logits=True)})
+    return forced, rid, steps

@@ -20,7 +20,7 @@ from ccft.core.depth import decoder_prefix, prompt_prefixes
 from ccft.core.errors import ConfigError
 from ccft.core.tokens import pad_token_id, right_pad
 from ccft.inference import SharedPrefillEngine
-from conftest import DEEP_LAYERS, make_full, make_lora, ragged_prompts
+from conftest import DEEP_LAYERS, forced_step_logits, make_full, make_lora, ragged_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -99,18 +99,9 @@ def test_step_and_teacher_forced_logits_at_depth(deep_dir, prompts, decode, hand
     pad = pad_token_id(base.tokenizer)
     cache = ccft.compute_base_cache(base, prompts, handoff_tokens=handoff)
     ids, mask = prompt_prefixes(prompts, handoff, pad)
-    g = torch.Generator().manual_seed(0)
-    forced = torch.randint(3, 200, (len(prompts), N_NEW), generator=g).tolist()
     eng = SharedPrefillEngine(base, decoders=decs, decode=decode, fill=NAN, max_batch=32)
     h = eng.prefill(prompts)
-    rid = {
-        (n, i): eng.add_request(h, i, decoder=n, forced_tokens=forced[i])
-        for n in decs
-        for i in range(len(prompts))
-    }
-    steps = []
-    while eng.active:
-        steps.append({o.request_id: o.logits for o in eng.step(return_logits=True)})
+    forced, rid, steps = forced_step_logits(eng, h, decs, len(prompts), N_NEW)
     tails = [cache.tail_ids[i].tolist() + forced[i] for i in range(len(prompts))]
     tail_ids, tail_mask = right_pad(tails, pad)
     for n, dec in decs.items():

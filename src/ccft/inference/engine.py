@@ -276,52 +276,24 @@ class SharedPrefillEngine:
         self.num_layers = bw.num_layers
         #: bytes of K and V per token over all layers: layers × 2 × kv_heads × head_dim × dtype bytes
         self.kv_bytes_per_token = _kv_bytes_per_token(bw)
-        self.arena = PrefixArena(
-            bw.num_layers,
-            bw.kv_heads,
-            bw.head_dim,
-            bw.dtype,
-            device,
-            capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
-            max_tokens=max_prefix_tokens,
-            fill=self.fill,
-        )
+
+        def arena(layers: int, dim: int, dtype: torch.dtype, **kw) -> PrefixArena:
+            """A prefix-shaped arena sized like the prefix arena (``max_prefix_tokens``)."""
+            kw.setdefault("capacity_tokens", 1024 if max_prefix_tokens is None else max_prefix_tokens)
+            kw.setdefault("max_tokens", max_prefix_tokens)
+            return PrefixArena(layers, bw.kv_heads, dim, dtype, device, **kw)
+
+        self.arena = arena(bw.num_layers, bw.head_dim, bw.dtype, fill=self.fill)
         #: the decoders' own prefix K/V below their sharing depth m (``handles.OwnPrefix``): as many layers as
         #: the deepest decoder registered (none until one with m > 0 is), regions allocated like the arena's
-        self.own_arena = PrefixArena(
-            0,
-            bw.kv_heads,
-            bw.head_dim,
-            bw.dtype,
-            device,
-            capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
-            max_tokens=max_prefix_tokens,
-            fill=self.fill,
-        )
+        self.own_arena = arena(0, bw.head_dim, bw.dtype, fill=self.fill)
         #: the compact C_base (``handles.CompactHandle``): int8 codes of keys and values, bfloat16 value
         #: scales (per token and head) and key scales (per row, head and channel); no layers until a
         #: decoder reading the int8 format is registered
-        self.code_arena = PrefixArena(
-            0,
-            bw.kv_heads,
-            bw.head_dim,
-            torch.int8,
-            device,
-            capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
-            max_tokens=max_prefix_tokens,
-        )
-        self.vscale_arena = PrefixArena(
-            0,
-            bw.kv_heads,
-            1,
-            SCALE_DTYPE,
-            device,
-            capacity_tokens=1024 if max_prefix_tokens is None else max_prefix_tokens,
-            max_tokens=max_prefix_tokens,
-            pair=False,
-        )
-        self.kscale_arena = PrefixArena(
-            0, bw.kv_heads, bw.head_dim, SCALE_DTYPE, device, capacity_tokens=64, pair=False
+        self.code_arena = arena(0, bw.head_dim, torch.int8)
+        self.vscale_arena = arena(0, 1, SCALE_DTYPE, pair=False)
+        self.kscale_arena = arena(
+            0, bw.head_dim, SCALE_DTYPE, capacity_tokens=64, max_tokens=None, pair=False
         )
         self._registry = LaneRegistry(
             base,
