@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ccft-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-slow lint demo study frontier clean toolchains setup-times soak
+.PHONY: venv test test-slow lint demo study frontier multipl-e clean toolchains setup-times soak
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,6 +39,9 @@ study: venv  ## the specialists study: math, code, tools x (CCFT, Full-FT), four
 
 frontier: venv  ## the sharing-depth frontier (tools, code; m = 0,1,2,4,8): reports/frontier/ (resumable, hours on CPU)
 	$(VENV)/bin/ccft study recipes/frontier.yaml $(STUDY_ARGS)
+
+multipl-e: venv  ## the study's code decoders on every MultiPL-E item of cpp, go, java (four modes): reports/multipl-e/
+	$(VENV)/bin/ccft study recipes/multipl-e.yaml $(STUDY_ARGS)
 
 # Debian/Ubuntu packages for the MultiPL-E / MBXP languages ccft.evals.execution checks (check_language
 # names the package of anything missing): go, php, ruby, lua, R, node + lodash + typescript, Java +

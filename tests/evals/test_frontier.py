@@ -234,3 +234,21 @@ def test_shipped_frontier_config_parses():
     for name in ("tools", "code"):
         assert cfg.specialists[name].recipe == study.specialists[name].recipe
         assert cfg.specialists[name].train == study.specialists[name].train
+
+
+def test_shipped_multipl_e_config_parses():
+    """recipes/multipl-e.yaml evaluates the study's own code decoders (same runs, recipe and training) on
+    every bundled item of its languages, in the four modes, with nothing else (no sweep, no serving)."""
+    from ccft.evals.protocol import get_task
+    from ccft.evals.study import load_study_config
+
+    cfg = load_study_config(ROOT / "recipes" / "multipl-e.yaml")
+    study = load_study_config(ROOT / "recipes" / "study.yaml")
+    assert list(cfg.specialists) == ["code"] and cfg.runs == study.runs and cfg.out == "reports/multipl-e"
+    assert cfg.specialists["code"].recipe == study.specialists["code"].recipe
+    assert cfg.specialists["code"].train == study.specialists["code"].train
+    assert cfg.modes == study.modes and cfg.sweep_limit == 0 and cfg.serving == {"enabled": False}
+    tasks = cfg.specialists["code"].task_list()
+    assert [t for t, _, _ in tasks] == ["multipl-e-cpp", "multipl-e-go", "multipl-e-java"]
+    for task, limit, _ in tasks:  # every bundled item: the limit is at least the task's size
+        assert len(get_task(task).load(limit)) == len(get_task(task).load(None))

@@ -13,10 +13,8 @@ from ccft import ConfigError
 from ccft.train.config import EvalConfig, TrainConfig, load_recipe, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
-#: training recipes (study.yaml is the study's config, not a training recipe: tests/evals/test_study.py parses
-#: it)
-#: the training recipes (the study configs are tested in tests/evals: test_study, test_frontier)
-STUDY_CONFIGS = {"study.yaml", "frontier.yaml"}
+#: the training recipes (the study configs are tested in tests/evals: test_suite, test_frontier)
+STUDY_CONFIGS = {"study.yaml", "frontier.yaml", "multipl-e.yaml"}
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.name not in STUDY_CONFIGS)
 
 
