@@ -13,7 +13,8 @@ sessions of a point start at t=0 and each turn starts when the previous one fini
 * no-share: every agent's model prefills its whole prompt with its own weights into its own KV and
   its own store namespace (the per-model deployment the paper compares against).
 
-Budget: by default the peak KV bytes (live + store) of the shared system at the sweep's top point,
+Budget: by default the peak KV bytes (live + store) of the shared system at the sweep's top point (with
+``--share-from-layer`` / ``--cache-format``: the larger of the variant's and its m = 0 native reference's),
 measured in a calibration run without a budget (the no-share system is calibrated the same way to
 measure its unconstrained peak). Under the budget, admission control queues requests (nothing is
 dropped).
@@ -44,6 +45,19 @@ Scheduler options (both systems, same values): ``--prefill-chunk-tokens`` (chunk
 under ``point["policies"]``), ``--max-running`` (rows decoded per step); ``--agents N`` (8 =
 planner, math, code, tools, critic, search, writer, verifier) and ``--new-tokens-spread`` (varied
 output lengths, ``workloads.generate``).
+
+Sharing depth m and the compact C_base (issue 35; ``--share-from-layer M``, ``--cache-format int8``): the
+agents' random LoRA decoders are registered at depth M (each keeps its own K/V of a context in layers
+``0..M−1``, C_base above) and/or reading the C_base stored as int8 codes and scales (the *variant*). The same
+adapters are also registered at m = 0 on the native cache (``NAME_ref``, same seeds): the no-share system runs
+those (it prefills every prompt itself, so depth and format do not apply), and every point runs the shared
+system a second time with them (``point["shared_ref"]``), so the cost of the partial prefills and of the
+quantisation is measured in the same run (``point["variant_cost"]``: throughput, p95 latency and prefill
+seconds against that reference). ``kv`` at the top level compares the measured peak KV by part (the ledger's
+kinds, ``ccft.serving.kv_ledger``: ``context`` = the C_base, native or int8; ``own:NAME`` = an agent's own K/V
+below depth M; ``tail`` = the agents' own tokens and generation) of the unbudgeted calibration runs with
+Eq. 9 generalised to depth m and the format (``eq9_depth``). ``--check-outputs`` checks the variant's tokens
+against offline ``ccft.generate`` at the same depth and format.
 """
 
 from __future__ import annotations
@@ -131,6 +145,20 @@ def add_arguments(p) -> None:
         default=None,
         help="rows decoded per step (mlfq: the best, others paused; fcfs: admitted cap); default all",
     )
+    p.add_argument(
+        "--share-from-layer",
+        type=int,
+        default=0,
+        metavar="M",
+        help="sharing depth m of the agents' random decoders: each keeps its own K/V of a context in layers "
+        "0..M-1 and reads C_base above (0: PrefillShare; the m=0 decoders are run beside them as reference)",
+    )
+    p.add_argument(
+        "--cache-format",
+        default="native",
+        choices=["native", "int8"],
+        help="the C_base format the agents read: int8 = the compact C_base (int8 codes, bfloat16 scales)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
@@ -149,10 +177,20 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="write the JSON here")
 
 
-def random_agent_decoder(base, name: str, seed: int, *, lora_alpha: int = 16, handoff_tokens: int = 1):
+def random_agent_decoder(
+    base,
+    name: str,
+    seed: int,
+    *,
+    lora_alpha: int = 16,
+    handoff_tokens: int = 1,
+    share_from_layer: int = 0,
+    cache_format: str = "native",
+):
     """A benchmark agent's stand-in decoder: a CCFT LoRA decoder (r = 8, ``lora_alpha``) on ``base`` with
     random A and B drawn after ``torch.manual_seed(seed)`` (``init_lora_weights=False``: the adapter changes
-    the outputs, so a decoder that is ignored shows), adapter ``name``, in eval mode."""
+    the outputs, so a decoder that is ignored shows), adapter ``name``, in eval mode, reading C_base at
+    sharing depth ``share_from_layer`` in ``cache_format`` (``ccft.make_decoder``)."""
     import ccft
 
     torch.manual_seed(seed)
@@ -163,36 +201,93 @@ def random_agent_decoder(base, name: str, seed: int, *, lora_alpha: int = 16, ha
         method="ccft",
         handoff_tokens=handoff_tokens,
         adapter_name=name,
+        share_from_layer=share_from_layer,
+        cache_format=cache_format,
     )
     d.model.eval()
     return d
 
 
+#: the suffix of the reference decoders (m = 0, native) registered beside a depth-m or int8 variant
+REF_SUFFIX = "_ref"
+
+
+def variant_of(args) -> tuple[int, str]:
+    """``(m, cache_format)`` of ``--share-from-layer`` / ``--cache-format`` after the checks that need no
+    model; ``(0, "native")`` is plain PrefillShare (no variant).
+
+    Raises:
+        ConfigError: ``--share-from-layer`` negative or not an integer, an unknown ``--cache-format``, or
+            either given with ``--decoder`` folders (a decoder folder is served at the depth and format it
+            records).
+    """
+    from ccft.core.compact import check_cache_format
+    from ccft.core.errors import ConfigError
+
+    m = getattr(args, "share_from_layer", 0)
+    fmt = check_cache_format(getattr(args, "cache_format", "native"), where="--cache-format")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        raise ConfigError(f"--share-from-layer {m!r}: give a layer index 0..L (0: PrefillShare)")
+    if (m or fmt != "native") and getattr(args, "decoder", None):
+        raise ConfigError(
+            "--share-from-layer / --cache-format apply to the benchmark's random agents; a --decoder folder "
+            "is served at the depth and format it was trained at: drop --decoder, or drop these options"
+        )
+    return int(m), fmt
+
+
 def build(args):
-    """The base, an engine with one decoder per agent, and a description."""
+    """The base, an engine with one decoder per agent, and a description. With a variant (``variant_of``) the
+    agents' decoders read C_base at its depth and format, and the same adapters are registered again as
+    ``NAME_ref`` at m = 0 on the native cache (the reference; module docstring).
+
+    Raises:
+        ConfigError: as ``variant_of``, and ``--share-from-layer`` above the model's layer count (checked from
+            its config, before the weights load).
+    """
     import ccft
+    from ccft.core.decoder import check_share_from_layer
     from ccft.inference import SharedPrefillEngine
 
+    depth, fmt = variant_of(args)
+    if depth:
+        from transformers import AutoConfig
+
+        from ccft.core.models import resolve_model_path
+
+        config = AutoConfig.from_pretrained(resolve_model_path(args.model))
+        check_share_from_layer(depth, int(config.num_hidden_layers), where="--share-from-layer")
     base = ccft.load_base(args.model)
     decoders = {}
     given = dict(d.split("=", 1) for d in args.decoder)
     agents = agent_names(getattr(args, "agents", len(AGENTS)))
+    variant = bool(depth) or fmt != "native"
     for i, name in enumerate(agents):
         if name in given:
             decoders[name] = given[name]
             continue
-        decoders[name] = random_agent_decoder(base, name, 100 + i)
+        decoders[name] = random_agent_decoder(base, name, 100 + i, share_from_layer=depth, cache_format=fmt)
+        if variant:
+            decoders[name + REF_SUFFIX] = random_agent_decoder(base, name + REF_SUFFIX, 100 + i)
     engine = SharedPrefillEngine(base, decoders=decoders, max_batch=args.max_batch)
-    kinds = {n: ("folder " + given[n]) if n in given else "random LoRA r=8" for n in agents}
+    kind = "random LoRA r=8" + (f", m={depth}" if depth else "") + (f", {fmt}" if fmt != "native" else "")
+    kinds = {n: ("folder " + given[n]) if n in given else kind for n in agents}
     from ccft.core.models import describe_model
 
     return base, engine, {"model": describe_model(args.model), "decoders": kinds}
 
 
-def replay(scheduler, trace) -> dict:
-    """Replay ``trace`` on ``scheduler`` in this thread (arrivals and turn dependencies on the wall clock)."""
+def reference_map(agents) -> dict[str, str]:
+    """Agent name -> its reference decoder's name (``NAME_ref``: m = 0, native; ``build``)."""
+    return {a: a + REF_SUFFIX for a in agents}
+
+
+def replay(scheduler, trace, decoders: dict[str, str] | None = None) -> dict:
+    """Replay ``trace`` on ``scheduler`` in this thread (arrivals and turn dependencies on the wall clock).
+    ``decoders``: agent name -> the decoder that serves it (default: the decoder of the agent's name)."""
     from ccft.serving.scheduler import ServeRequest
 
+    decoders = decoders or {}
     rep = trace.replay()
     finished: list = []
     tickets = {}
@@ -201,7 +296,7 @@ def replay(scheduler, trace) -> dict:
         now = time.perf_counter() - t0
         for r in rep.ready(now):
             req = ServeRequest(
-                r.agent,
+                decoders.get(r.agent, r.agent),
                 r.prompt_ids,
                 shared_len=r.shared_len,
                 max_new_tokens=r.max_new_tokens,
@@ -328,7 +423,17 @@ def run_point(
     prefill_chunk_tokens=None,
     policy: str = "fcfs",
     max_running: int | None = None,
+    decoders: dict[str, str] | None = None,
 ) -> dict:
+    """Replay ``trace`` on a fresh ``Scheduler`` (``share``, ``budget`` bytes or None, a ``PrefixKVStore`` of
+    ``block_tokens`` blocks, the scheduler options) with ``decoders`` (agent -> decoder name; ``replay``) and
+    return its measurements: latencies and TTFT/TPOT in seconds, throughput in generated tokens/s, peak KV in
+    bytes (``peak_live_kv_bytes``, ``peak_total_kv_bytes`` with the store, ``peak_kv_bytes_by_kind``: the
+    ledger's kinds, ``ccft.serving.kv_ledger``), prefill and decode seconds and the scheduler's counters.
+
+    Raises:
+        RuntimeError: a request did not finish, or KV or requests were left over after the replay.
+    """
     from ccft.serving.client import quantile
     from ccft.serving.prefix_store import PrefixKVStore
     from ccft.serving.scheduler import Scheduler
@@ -343,7 +448,7 @@ def run_point(
         policy=policy,
         max_running=max_running,
     )
-    out = replay(sched, trace)
+    out = replay(sched, trace, decoders)
     ts = out["tickets"]
     lat = [t.latency for t in ts]
     ttft = [t.ttft for t in ts]
@@ -374,6 +479,7 @@ def run_point(
         "store_hit_ratio": store.stats()["hit_ratio"],
         "peak_live_kv_bytes": stats["peak_live_kv_bytes"],
         "peak_total_kv_bytes": stats["peak_total_kv_bytes"],
+        "peak_kv_bytes_by_kind": stats["peak_kv_bytes_by_kind"],
         "kv_budget_bytes": budget,
         "prefills": stats.get("prefills", 0),
         "prefill_tokens": stats.get("prefill_tokens", 0),
@@ -391,7 +497,8 @@ def offline_equality(engine, trace, *, block_tokens: int, **options) -> dict:
 
     Replays ``trace`` with ``Scheduler(share=True)`` (EOS ignored, as in the benchmark) and generates every
     request's prompt offline with its agent's decoder in mode ``prefillshare`` (the reference path,
-    ``ccft.core.generation``; EOS honoured). A request matches when the scheduler's tokens start with the
+    ``ccft.core.generation``; EOS honoured), at the sharing depth and C_base format the engine serves it at
+    (``share_from_layer``, ``cache_format``). A request matches when the scheduler's tokens start with the
     offline tokens (the offline row may stop at EOS; the replay goes on to ``max_new_tokens``).
 
     ``options``: further ``Scheduler`` keywords (chunked prefill, policy).
@@ -405,12 +512,14 @@ def offline_equality(engine, trace, *, block_tokens: int, **options) -> dict:
     tickets = replay(sched, trace)["tickets"]
     equal, mismatches = 0, []
     for t in tickets:
-        dec = engine.decoders[t.request.decoder].decoder
+        entry = engine.decoders[t.request.decoder]
         ref = generate(
             [list(t.request.prompt_ids)],
             mode="prefillshare",
-            decoder=dec,
+            decoder=entry.decoder,
             max_new_tokens=t.request.max_new_tokens,
+            share_from_layer=entry.depth,  # as the engine serves it (issue 35)
+            cache_format=entry.cache_format,
         )[0]
         want = list(ref.token_ids)
         if list(t.tokens[: len(want)]) == want:
@@ -440,6 +549,133 @@ def eq9(trace, n_agents: int, gen_tokens: int) -> dict:
     }
 
 
+def eq9_depth(
+    trace,
+    *,
+    n_agents: int,
+    gen_tokens: int,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    depth: int = 0,
+    cache_format: str = "native",
+) -> dict:
+    """Eq. 9 generalised to sharing depth m and the C_base format, in bytes, for one session's largest turn.
+
+    In words: N agents read one shared prompt of P tokens, each adds U tokens of its own and G generated
+    ones. Per layer, the shared system holds the prompt once (C_base) and, in the m layers below the sharing
+    depth, once more per agent (each agent's own K/V); every agent holds its own and generated tokens in all
+    L layers:
+    ``P·L·r + N·P·m + N·(U + G)·L`` layer-tokens, r = C_base's bytes in its format ÷ the native cache's
+    (``ccft.core.compact.kv_nbytes``: int8 codes and bfloat16 scales against fp32/bf16 elements). m = 0 and
+    r = 1 is the paper's Eq. 9 (with the generation), no sharing is ``N·(P + U + G)·L``. The engine keeps
+    C_base in all L layers (the base prefills them all, and depth-0 readers and the prefix store use them);
+    ``bytes_if_cbase_only_above_m`` is what holding only its layers m..L−1 would take,
+    ``P·((L−m) + N·m)·r' + N·(U + G)·L`` (not implemented). An agent reading the int8 C_base takes its whole
+    prompt as its context (a key channel's scale covers the whole prefix it quantises,
+    ``ccft.serving.Scheduler``): agents whose prompts are equal share one int8 context of P + U tokens, and
+    each distinct prompt is a context of its own (``int8_contexts``; with N distinct prompts N sessions of one
+    agent, ``N·((P + U)·L·r + (P + U)·m + G·L)``).
+
+    Args:
+        trace: the workload (``ccft.serving.workloads.Trace``); its request with the longest shared context is
+            the turn counted (P = its ``shared_len``, U = its ``unique_len``).
+        n_agents: N.  gen_tokens: G.  layers: L.  kv_heads, head_dim, dtype: the KV geometry of the base.
+        depth: m.  cache_format: the C_base format (``native``, ``int8``).
+    Returns:
+        ``{"shared_bytes", "cbase_bytes" (the C_base part), "own_bytes_per_agent" (the K/V below m),
+        "no_share_bytes", "ratio_with_generation" (no-share ÷ shared), "bytes_if_cbase_only_above_m",
+        "cbase_bytes_ratio" (r), "int8_contexts" (the int8 contexts of the turn; None on the native cache),
+        and the counts P, U, G, N, L, m}``; bytes per
+        session (float).
+    Raises:
+        ConfigError: m outside 0..L, or an unknown format.
+    """
+    from ccft.core.compact import kv_nbytes
+    from ccft.evals.study.frontier import session_kv_bytes
+
+    r = max(trace, key=lambda r: r.shared_len)
+    P, U, G, N, L, m = r.shared_len, r.unique_len, int(gen_tokens), int(n_agents), int(layers), int(depth)
+    geo = {"kv_heads": kv_heads, "head_dim": head_dim}
+    per_layer_token = kv_nbytes("native", layers=1, tokens=1, dtype=dtype, **geo)  # 2 · h · d · bytes
+
+    def cbase(tokens: int, n_layers: int = L) -> int:  # C_base's bytes in its format
+        return kv_nbytes(cache_format, layers=n_layers, tokens=tokens, dtype=dtype, **geo)
+
+    def ratio(tokens: int) -> float:
+        return cbase(tokens) / kv_nbytes("native", layers=L, tokens=tokens, dtype=dtype, **geo)
+
+    if cache_format == "native":  # one context of the shared P tokens; each agent's U + G in its tail
+        ctx, own, groups = P, U + G, [N]
+    else:  # one context per distinct whole prompt of the turn, read by the agents that send it
+        turn = [q for q in trace if (q.session, q.turn) == (r.session, r.turn)]
+        prompts: dict[tuple, int] = {}
+        for q in turn:
+            prompts[tuple(q.prompt_ids)] = prompts.get(tuple(q.prompt_ids), 0) + 1
+        ctx, own, groups = P + U, G, list(prompts.values())
+    shared = sum(
+        session_kv_bytes(
+            layers=L,
+            depth=m,
+            agents=n,
+            prompt_tokens=ctx,
+            own_tokens=own,
+            bytes_per_layer_token=per_layer_token,
+            cbase_ratio=ratio(ctx),
+        )
+        for n in groups
+    )
+    contexts = len(groups)
+    no_share = session_kv_bytes(
+        layers=L,
+        depth=None,
+        agents=N,
+        prompt_tokens=P,
+        own_tokens=U + G,
+        bytes_per_layer_token=per_layer_token,
+    )
+    return {
+        "shared_len": P,
+        "unique_len": U,
+        "generated_tokens": G,
+        "agents": N,
+        "layers": L,
+        "depth": m,
+        "cache_format": cache_format,
+        "cbase_bytes_ratio": ratio(ctx),
+        "int8_contexts": None if cache_format == "native" else contexts,
+        "cbase_bytes": contexts * cbase(ctx),
+        "own_bytes_per_agent": ctx * m * per_layer_token,
+        "shared_bytes": shared,
+        "no_share_bytes": no_share,
+        "ratio_with_generation": no_share / shared,
+        # the same without C_base's layers 0..m-1 (no reader of these agents needs them)
+        "bytes_if_cbase_only_above_m": shared - contexts * (cbase(ctx) - cbase(ctx, L - m)),
+    }
+
+
+def kv_parts(point: dict, agents, sessions: int, predicted: dict) -> dict:
+    """The measured peak KV of one (unbudgeted) run by part (``peak_kv_bytes_by_kind``) beside ``predicted``
+    (``eq9_depth``) × ``sessions``: ``cbase`` (kind ``context``), ``own`` per agent (``own:NAME``), ``tail``,
+    all bytes, and the measured ÷ predicted ratios of the C_base part and of the own parts' mean."""
+    kinds = point["peak_kv_bytes_by_kind"]
+    own = {a: kinds.get(f"own:{a}", 0) for a in agents}
+    want_own = sessions * predicted["own_bytes_per_agent"]
+    return {
+        "cbase_bytes": kinds.get("context", 0),
+        "own_bytes": own,
+        "tail_bytes": kinds.get("tail", 0),
+        "live_bytes": point["peak_live_kv_bytes"],
+        "predicted_cbase_bytes": sessions * predicted["cbase_bytes"],
+        "predicted_own_bytes_per_agent": want_own,
+        "predicted_live_bytes": sessions * predicted["shared_bytes"],
+        "cbase_vs_predicted": kinds.get("context", 0) / (sessions * predicted["cbase_bytes"]),
+        "own_vs_predicted": (sum(own.values()) / len(own) / want_own) if want_own else None,
+        "live_vs_predicted": point["peak_live_kv_bytes"] / (sessions * predicted["shared_bytes"]),
+    }
+
+
 def run(args) -> dict:
     from ccft.evals.results import hardware  # the CPU's vector instructions (docs/study.md, "Time")
 
@@ -451,6 +687,10 @@ def run(args) -> dict:
 
     torch.set_num_threads(args.threads)
     agents = agent_names(getattr(args, "agents", len(AGENTS)))
+    depth, fmt = variant_of(args)  # before the model loads
+    variant = bool(depth) or fmt != "native"
+    ref = reference_map(agents) if variant else None  # m = 0, native: the no-share system and shared_ref
+    modes = {"shared": None, "no_share": ref, **({"shared_ref": ref} if variant else {})}
     base, engine, desc = build(args)
     bpt = engine.kv_bytes_per_token
     opts = scheduler_options(args)
@@ -474,22 +714,34 @@ def run(args) -> dict:
 
     top = max(args.sessions)
     # warm-up (first-call allocations), not reported
-    run_point(engine, trace_for(1), share=True, budget=None, block_tokens=args.block_tokens, **opts)
+    for dec in (None, ref) if variant else (None,):
+        run_point(
+            engine,
+            trace_for(1),
+            share=True,
+            budget=None,
+            block_tokens=args.block_tokens,
+            decoders=dec,
+            **opts,
+        )
     calib = {
         mode: run_point(
             engine,
             trace_for(top),
-            share=mode == "shared",
+            share=mode != "no_share",
             budget=None,
             block_tokens=args.block_tokens,
+            decoders=dec,
             **opts,
         )
-        for mode in ("shared", "no_share")
+        for mode, dec in modes.items()
     }
+    # the shared system's peak; with a variant the larger of its and the reference's (a budget below what
+    # the m = 0 native reference needs for one context and its store blocks would leave it waiting forever)
     budget = (
         int(args.kv_budget_mb * 2**20)
         if args.kv_budget_mb is not None
-        else calib["shared"]["peak_total_kv_bytes"]
+        else max(calib[m]["peak_total_kv_bytes"] for m in modes if m != "no_share")
     )
     points = []
     for n in sorted(args.sessions):
@@ -497,13 +749,14 @@ def run(args) -> dict:
         row = {"sessions": n, **work(tr)}
         for policy in policies:
             into = row if policy == policies[0] else row.setdefault("policies", {}).setdefault(policy, {})
-            for mode in ("shared", "no_share"):  # same trace, same budget
+            for mode, dec in modes.items():  # same trace, same budget
                 into[mode] = run_point(
                     engine,
                     tr,
-                    share=mode == "shared",
+                    share=mode != "no_share",
                     budget=budget,
                     block_tokens=args.block_tokens,
+                    decoders=dec,
                     **{**opts, "policy": policy},
                 )
                 print(
@@ -516,10 +769,38 @@ def run(args) -> dict:
             )
             into["p95_latency_ratio"] = into["no_share"]["latency_p95_s"] / into["shared"]["latency_p95_s"]
             into["throughput_vs_work"] = into["throughput_ratio"] / row["work_ratio"]
+            if variant:  # what the partial prefills / the quantisation cost, against m = 0 native
+                v, r0 = into["shared"], into["shared_ref"]
+                into["variant_cost"] = {
+                    "throughput_vs_ref": v["throughput_tok_s"] / r0["throughput_tok_s"],
+                    "latency_p95_vs_ref": v["latency_p95_s"] / r0["latency_p95_s"],
+                    "prefill_s": v["prefill_s"],
+                    "prefill_s_ref": r0["prefill_s"],
+                }
         points.append(row)
     best = max(p["no_share"]["throughput_tok_s"] for p in points)
     sat = next(p for p in points if p["no_share"]["throughput_tok_s"] >= 0.95 * best)
     e9 = eq9(trace_for(top), len(agents), args.max_new_tokens)
+    from ccft.train.cache_store import kv_shape
+
+    layers, kv_heads, head_dim = kv_shape(base.model.config)
+    geometry = {
+        "n_agents": len(agents),
+        "gen_tokens": args.max_new_tokens,
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "dtype": base.dtype,
+    }
+    e9d = eq9_depth(trace_for(top), depth=depth, cache_format=fmt, **geometry)
+    kv = {"shared": kv_parts(calib["shared"], agents, top, e9d)}
+    if variant:
+        e9_ref = eq9_depth(trace_for(top), **geometry)
+        kv["shared_ref"] = kv_parts(calib["shared_ref"], [ref[a] for a in agents], top, e9_ref)
+        kv["cbase_ref_vs_variant"] = {  # how many times fewer C_base bytes the variant holds
+            "measured": kv["shared_ref"]["cbase_bytes"] / kv["shared"]["cbase_bytes"],
+            "predicted": e9_ref["cbase_bytes"] / e9d["cbase_bytes"],
+        }
     measured_kv_ratio = calib["no_share"]["peak_live_kv_bytes"] / calib["shared"]["peak_live_kv_bytes"]
     result = {
         "benchmark": "serve",
@@ -554,6 +835,10 @@ def run(args) -> dict:
         "points": points,
         "saturation_sessions": sat["sessions"],
         "eq9": e9,
+        "share_from_layer": depth,
+        "cache_format": fmt,
+        "eq9_depth": e9d,
+        "kv": kv,
         "p95_latency_ratio": sat["no_share"]["latency_p95_s"] / sat["shared"]["latency_p95_s"],
         "throughput_ratio": sat["throughput_ratio"],
         "work_ratio_at_saturation": sat["work_ratio"],
@@ -561,8 +846,10 @@ def run(args) -> dict:
         "throughput_vs_work_at_saturation": sat["throughput_vs_work"],
         "hit_ratio_min": min(p["shared"]["prefix_hit_ratio"] for p in points),
         "kv_peak_ratio_measured": measured_kv_ratio,
-        "kv_bytes_vs_eq9": measured_kv_ratio / e9["ratio_with_generation"],
     }
+    result["kv_bytes_vs_eq9"] = measured_kv_ratio / eq9_ratio(result)
+    if variant:
+        result["variant_cost_at_saturation"] = sat["variant_cost"]
     if getattr(args, "check_outputs", False):
         checks = {
             policy: offline_equality(
@@ -624,6 +911,14 @@ def plots(result: dict, folder: str | None) -> list[str]:
     return [path]
 
 
+def eq9_ratio(result: dict) -> float:
+    """The Eq. 9 ratio (no-share ÷ shared, generation included) ``kv_bytes_vs_eq9`` divides by: the paper's
+    (``eq9``), or at a sharing depth / compact format its generalisation (``eq9_depth``)."""
+    if result.get("share_from_layer", 0) or result.get("cache_format", "native") != "native":
+        return result["eq9_depth"]["ratio_with_generation"]
+    return result["eq9"]["ratio_with_generation"]
+
+
 def table(result: dict) -> str:
     lines = [
         f"serve benchmark: {result['model']} ({result['dtype']}) on {result['device']}, {result['threads']} "
@@ -639,7 +934,9 @@ def table(result: dict) -> str:
     for p in result["points"]:
         for policy in pols:
             into = p if policy == pols[0] else p["policies"][policy]
-            for mode in ("shared", "no_share"):
+            for mode in ("shared", "no_share", "shared_ref"):
+                if mode not in into:  # shared_ref: only with --share-from-layer / --cache-format
+                    continue
                 r = into[mode]
                 tpot = "-" if r.get("tpot_p95_s") is None else f"{1000 * r['tpot_p95_s']:.1f}"
                 ratios = " | "
@@ -669,9 +966,30 @@ def table(result: dict) -> str:
         )
         + "; "
         f"shared hit ratio min {result['hit_ratio_min']:.2f}; peak KV no-share/shared "
-        f"{result['kv_peak_ratio_measured']:.2f} vs Eq. 9 {result['eq9']['ratio_with_generation']:.2f} "
+        f"{result['kv_peak_ratio_measured']:.2f} vs Eq. 9 {eq9_ratio(result):.2f} "
         f"({result['kv_bytes_vs_eq9']:.2f})"
     )
+    if "kv" in result:  # older result files lack the parts
+        e9d = result["eq9_depth"]
+        for mode, parts in result["kv"].items():
+            if mode == "cbase_ref_vs_variant":
+                continue
+            own = sum(parts["own_bytes"].values())
+            lines.append(
+                f"peak KV by part, {mode.replace('_', '-')} (m={e9d['depth'] if mode == 'shared' else 0}, "
+                f"{e9d['cache_format'] if mode == 'shared' else 'native'}): C_base "
+                f"{parts['cbase_bytes'] / 2**20:.2f} MiB ({parts['cbase_vs_predicted']:.3f} of Eq. 9), own "
+                f"{own / 2**20:.2f} MiB over {len(parts['own_bytes'])} agents, tails "
+                f"{parts['tail_bytes'] / 2**20:.2f} MiB; live {parts['live_vs_predicted']:.3f} of Eq. 9"
+            )
+        if "cbase_ref_vs_variant" in result["kv"]:
+            c = result["kv"]["cbase_ref_vs_variant"]
+            cost = result["variant_cost_at_saturation"]
+            lines.append(
+                f"C_base bytes m=0 native / variant: measured {c['measured']:.3f}x, predicted "
+                f"{c['predicted']:.3f}x; variant throughput {cost['throughput_vs_ref']:.2f}x and p95 latency "
+                f"{cost['latency_p95_vs_ref']:.2f}x the reference's at saturation"
+            )
     return "\n".join(lines)
 
 

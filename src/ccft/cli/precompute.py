@@ -1,8 +1,11 @@
-"""``ccft precompute RECIPE.yaml [key=value ...] [--out DIR]``: write C_base for a recipe's data to a store.
+"""``ccft precompute RECIPE.yaml [key=value ...] [--out DIR] [--cache-format int8]``: write C_base for a
+recipe's data to a store.
 
-Prints the size estimate (layers × 2 × kv_heads × head_dim × prefix tokens × dtype bytes) before the base
+Prints the size estimate (layers × 2 × kv_heads × head_dim × prefix tokens × dtype bytes; with
+``--cache-format int8`` the int8 codes and bfloat16 scales, ``ccft.core.compact.kv_nbytes``) before the base
 is loaded, refuses when the store would not fit the free disk space, reuses valid shards and recomputes
-stale or corrupt ones. Train on it with ``ccft train RECIPE.yaml base_cache_store=DIR``.
+stale or corrupt ones (a store in another format is stale). Train on it with ``ccft train RECIPE.yaml
+base_cache_store=DIR`` (an int8 store needs ``cache_format: int8``; ``ccft.train.cache_store``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ def add_parser(sub) -> None:
         help="how existing shards are checked (default: full sha256)",
     )
     p.add_argument("--batch-size", type=int, default=8, help="rows per prefill batch")
+    p.add_argument(
+        "--cache-format",
+        default=None,
+        help="how C_base is stored: native (as computed) or int8 (codes + bfloat16 scales, about 1/4 of "
+        "fp32); default: the recipe's cache_format",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -43,20 +52,22 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from transformers import AutoConfig
 
+    from ccft.core.compact import check_cache_format
     from ccft.core.io import check_output_folder
     from ccft.core.models import load_base, parse_dtype, resolve_model_path
     from ccft.train.cache_store import (
         bytes_per_token,
         check_free_space,
-        estimate_bytes,
         human,
         precompute,
         prefixes_of,
+        store_bytes,
     )
     from ccft.train.config import load_recipe
     from ccft.train.run import check_run
 
     cfg, _, _ = load_recipe(args.recipe, args.overrides)
+    fmt = check_cache_format(args.cache_format or cfg.cache_format, where="--cache-format")
     out = check_output_folder(args.out or cfg.base_cache_store or Path(cfg.output_dir) / "c_base", "--out")
     train, ev = check_run(cfg, store=False)
     examples = list(train.examples) + (list(ev.examples) if ev is not None else [])
@@ -65,14 +76,16 @@ def run(args) -> int:
     dtype = parse_dtype(cfg.dtype)
     prefixes = prefixes_of(examples, cfg.handoff_tokens)
     tokens = sum(len(p) for p in prefixes)
-    need = estimate_bytes(config, dtype, tokens)
+    need = store_bytes(config, dtype, map(len, prefixes), fmt)
     existing = out
     while not existing.exists():  # --estimate-only creates nothing; the store's folder is made by precompute
         existing = existing.parent
     free = shutil.disk_usage(existing).free
     print(
         f"[ccft] estimate: {len(prefixes)} prefixes, {tokens} prefix tokens × "
-        f"{bytes_per_token(config, dtype)} B = {human(need)} for C_base ({cfg.dtype}); "
+        f"{bytes_per_token(config, dtype)} B"
+        + ("" if fmt == "native" else f", stored as {fmt} codes and scales,")
+        + f" = {human(need)} for C_base ({cfg.dtype}); "
         f"{human(free)} free at {out}",
         flush=True,
     )
@@ -88,11 +101,12 @@ def run(args) -> int:
         batch_size=args.batch_size,
         verify=args.verify,
         log=lambda m: print(m, file=sys.stderr, flush=True),
+        cache_format=fmt,
     )
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     print(
         f"[ccft] C_base store at {out}; train with `ccft train {args.recipe or 'RECIPE'} "
-        f"base_cache_store={out}`"
+        f"base_cache_store={out}" + ("" if fmt == "native" else f" cache_format={fmt}") + "`"
     )
     return 0

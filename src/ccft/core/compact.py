@@ -207,17 +207,29 @@ def kv_nbytes(
     return elements + scales * scale
 
 
-def read_cache(cache: BaseCache, cache_format: str) -> BaseCache:
+def read_cache(cache: BaseCache | CompactCache, cache_format: str) -> BaseCache:
     """C_base as a reader of ``cache_format`` sees it: the one rule every reference reader applies.
 
     Args:
-        cache: C_base (or any prefix cache) with keys/values ``(b, h, p, d)`` per layer.
+        cache: C_base (or any prefix cache) with keys/values ``(b, h, p, d)`` per layer, or C_base already in
+            the ``int8`` format (a ``CompactCache``: a C_base store written with ``cache_format: int8``,
+            ``ccft.train.cache_store``), which is dequantised as it is (its codes and scales are those
+            ``CompactCache.from_base`` makes of the native C_base).
         cache_format: ``native``: ``cache`` itself (today's path, bit for bit); ``int8``:
             ``CompactCache.from_base(cache).dequantize()`` (same dtype, mask, fingerprint and producer).
     Raises:
-        ConfigError: an unknown format (``check_cache_format``).
+        ConfigError: an unknown format (``check_cache_format``), or a ``CompactCache`` read as ``native`` (its
+            native values are gone).
     """
-    if check_cache_format(cache_format) == "native":
+    fmt = check_cache_format(cache_format)
+    if isinstance(cache, CompactCache):
+        if fmt != "int8":
+            raise ConfigError(
+                f"a C_base held as int8 codes and scales was read with cache_format={fmt}; its native values "
+                "are not kept: read it with cache_format=int8, or give the native C_base"
+            )
+        return cache.dequantize()
+    if fmt == "native":
         return cache
     return CompactCache.from_base(cache).dequantize()
 

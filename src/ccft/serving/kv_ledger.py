@@ -13,6 +13,12 @@ Three kinds of bytes, at ``bytes_per_token = layers × 2 × kv_heads × head_dim
 
 Invariant: live + pending + store ≤ budget at every admission (tested with the budget set to the bytes
 the requests need).
+
+Live bytes are also kept by *kind* (``live_by_kind``, ``peak_by_kind``): ``context`` (a context's prefix: the
+C_base, native or held as int8 codes and scales, or a decoder's own prefill without sharing), ``tail`` (the
+requests' tail slots), ``own:NAME`` (decoder NAME's own K/V below its sharing depth) and ``format:FMT`` (a
+C_base's copy in format FMT kept beside its native handle), so a benchmark can report the shared part and each
+decoder's own part of the peak (``ccft bench serve``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class KVLedger:
         self.pending_store_bytes = 0
         self.peak_live_bytes = 0
         self.peak_total_bytes = 0
+        self.live_by_kind: dict[str, int] = {}  # kind -> live bytes (module docstring)
+        self.peak_by_kind: dict[str, int] = {}  # kind -> the most live bytes of that kind at a ``note_peak``
 
     # -- sizes
     def bytes(self, tokens: int) -> int:
@@ -89,13 +97,16 @@ class KVLedger:
             self.store.evict(over)
         return used + self.store_bytes + need <= self.budget_bytes
 
-    def reserve(self, nbytes: int) -> int:
-        """Count ``nbytes`` as live; returns them (to release later)."""
+    def reserve(self, nbytes: int, kind: str = "context") -> int:
+        """Count ``nbytes`` as live, of ``kind`` (module docstring); returns them (to release later)."""
         self.live_bytes += int(nbytes)
+        self.live_by_kind[kind] = self.live_by_kind.get(kind, 0) + int(nbytes)
         return int(nbytes)
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, kind: str = "context") -> None:
+        """Count ``nbytes`` of ``kind`` (as they were reserved) as free."""
         self.live_bytes -= int(nbytes)
+        self.live_by_kind[kind] = self.live_by_kind.get(kind, 0) - int(nbytes)
 
     def reserve_store(self, nbytes: int) -> int:
         """Count ``nbytes`` a running prefill will insert into the store; returns them."""
@@ -108,3 +119,5 @@ class KVLedger:
     def note_peak(self) -> None:
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         self.peak_total_bytes = max(self.peak_total_bytes, self.live_bytes + self.store_bytes)
+        for kind, n in self.live_by_kind.items():
+            self.peak_by_kind[kind] = max(self.peak_by_kind.get(kind, 0), n)

@@ -230,6 +230,7 @@ class _Context:
     waiting: list = field(default_factory=list)  # tickets admitted onto it before it is complete
     store_reserve: int = 0  # bytes its unfinished job may still insert into the store (chunked prefill)
     extras: dict = field(default_factory=dict)  # reader_extras key -> bytes reserved (own K/V, int8 format)
+    extra_kinds: dict = field(default_factory=dict)  # reader_extras key -> its ledger kind (``KVLedger``)
     nbytes: int = (
         0  # bytes of its handle reserved in the ledger (native, or its codes and scales when compact)
     )
@@ -457,8 +458,10 @@ class Scheduler:
 
     def _release_context(self, ctx: _Context) -> None:
         """Count a released context's bytes (its prefix and what its readers kept beside it) as free."""
-        self.kv.release(ctx.nbytes + sum(ctx.extras.values()))
-        ctx.extras = {}
+        self.kv.release(ctx.nbytes)
+        for key, nbytes in ctx.extras.items():
+            self.kv.release(nbytes, ctx.extra_kinds[key])
+        ctx.extras, ctx.extra_kinds = {}, {}
 
     def _handoff(self, decoder: str) -> int:
         """The k this decoder's requests recompute (``resolve_handoff``: its own; the base's is 1)."""
@@ -776,10 +779,13 @@ class Scheduler:
                 continue
             for key, nbytes in extras:  # held by the context from now on, released with it
                 if key not in ctx.extras:
-                    ctx.extras[key] = self.kv.reserve(nbytes)
+                    # by decoder name in the ledger: its own K/V ("own:NAME"), or the format kept beside
+                    kind = f"own:{r.decoder}" if key.startswith("own:") else key
+                    ctx.extras[key] = self.kv.reserve(nbytes, kind)
+                    ctx.extra_kinds[key] = kind
             ctx.users += 1
             t._ctx = ctx
-            t._reserved = self.kv.reserve(self.kv.request_bytes(tail, r.params.max_new_tokens))
+            t._reserved = self.kv.reserve(self.kv.request_bytes(tail, r.params.max_new_tokens), "tail")
             self.counters["admitted"] += 1
             self.counters["prompt_tokens"] += len(r.prompt_ids)
             self.kv.note_peak()
@@ -942,7 +948,7 @@ class Scheduler:
         if t._rid is not None:
             self._running.pop(t._rid, None)
         if t._ctx is not None:  # admitted: its reservation and its use of the context end
-            self.kv.release(t._reserved)
+            self.kv.release(t._reserved, "tail")
             t._reserved = 0
             t._ctx.users -= 1
             if t in t._ctx.waiting:
@@ -995,6 +1001,8 @@ class Scheduler:
             store_bytes=self.store_bytes,
             peak_live_kv_bytes=self.peak_live_bytes,
             peak_total_kv_bytes=self.peak_total_bytes,
+            # by kind: "context" (C_base, native or int8), "tail", "own:NAME", "format:FMT" (``KVLedger``)
+            peak_kv_bytes_by_kind=dict(self.kv.peak_by_kind),
             kv_budget_bytes=self.kv_budget_bytes,
             prefill_seconds=self.prefill_seconds,
             decode_seconds=self.decode_seconds,

@@ -3,8 +3,20 @@
 ``ccft precompute RECIPE`` (or ``base_cache_store: DIR`` in a recipe) writes, for every distinct prefix
 ``prompt[:n-k]`` of the data, its per-layer K/V to sharded safetensors::
 
-    DIR/manifest.json            format, base fingerprint, dtype, shapes, and per shard: bytes, sha256, keys
+    DIR/manifest.json            format, base fingerprint, dtype, shapes, cache_format, and per shard: bytes,
+                                 sha256, keys
     DIR/shard-00000.safetensors  "<key>.k", "<key>.v": (layers, kv_heads, n - k, head_dim) per prefix
+
+With ``cache_format: int8`` (``ccft precompute --cache-format int8``) the store holds the compact C_base
+(``ccft.core.compact``, issue 35): ``"<key>.k"`` and ``"<key>.v"`` are int8 codes (same shape),
+``"<key>.ks"`` the bfloat16 key scales ``(layers, kv_heads, 1, head_dim)`` (per channel), ``"<key>.vs"``
+the value scales ``(layers, kv_heads, n - k, 1)`` (per token), made by ``quantize_keys`` and
+``quantize_values`` of the prefix's native K/V: the codes and scales ``CompactCache.from_base`` makes of the
+same C_base (a row's scales do not depend on the left padding of the batch it is read in). About a quarter
+of the native fp32 bytes (``kv_nbytes``). The format is in the manifest, in every shard's metadata and in
+every entry's key, so a store answers only readers of its format: a CCFT run on the int8 C_base reads int8
+shards (or a native store, quantising on the fly as without a store), a run on the native C_base refuses an
+int8 store (``CacheStore.check_format``, a ``ConfigError`` naming the manifest and the fix).
 
 An entry's key is a hash of the base fingerprint, the dtype and the prefix token ids, so a store can
 only ever answer for the base and the exact ids it was computed from (K5). Training opens the shards
@@ -39,7 +51,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ccft.core.errors import CacheMutatedError, CCFTError, FingerprintMismatchError
+from ccft.core.compact import CompactCache, check_cache_format, kv_nbytes, quantize_keys, quantize_values
+from ccft.core.errors import CacheMutatedError, CCFTError, ConfigError, FingerprintMismatchError
 from ccft.core.io import atomic_write_file, atomic_write_text
 from ccft.core.tokens import pad_token_id
 
@@ -75,10 +88,30 @@ def estimate_bytes(config, dtype: torch.dtype, tokens: int) -> int:
     return bytes_per_token(config, dtype) * int(tokens)
 
 
-def entry_key(fingerprint: str, dtype: torch.dtype, prefix_ids: Sequence[int]) -> str:
-    """Store key of one prefix: hash of base fingerprint, dtype and the exact token ids."""
+def store_bytes(config, dtype: torch.dtype, lengths: Iterable[int], cache_format: str = "native") -> int:
+    """Tensor bytes of C_base for prefixes of ``lengths`` tokens in ``cache_format``: ``estimate_bytes`` for
+    ``native``; for ``int8`` the codes and the scales of each prefix (``ccft.core.compact.kv_nbytes``: its key
+    scales are per prefix, its value scales per token). Headers and manifest are extra.
+
+    Raises:
+        ConfigError: an unknown ``cache_format``.
+    """
+    lengths = [int(n) for n in lengths]
+    if check_cache_format(cache_format) == "native":
+        return estimate_bytes(config, dtype, sum(lengths))
+    layers, kv, head_dim = kv_shape(config)
+    geo = {"layers": layers, "kv_heads": kv, "head_dim": head_dim, "dtype": dtype}
+    return sum(kv_nbytes(cache_format, tokens=n, **geo) for n in lengths)
+
+
+def entry_key(
+    fingerprint: str, dtype: torch.dtype, prefix_ids: Sequence[int], cache_format: str = "native"
+) -> str:
+    """Store key of one prefix: hash of base fingerprint, dtype, the C_base format (only when not ``native``,
+    so native keys are those of stores written before formats existed) and the exact token ids."""
     h = hashlib.sha256()
-    h.update(f"{fingerprint}|{DTYPE_NAMES.get(dtype, str(dtype))}|".encode())
+    fmt = "" if cache_format == "native" else f"{cache_format}|"
+    h.update(f"{fingerprint}|{DTYPE_NAMES.get(dtype, str(dtype))}|{fmt}".encode())
     h.update(torch.as_tensor(list(prefix_ids), dtype=torch.int64).numpy().tobytes())
     return h.hexdigest()[:40]
 
@@ -172,6 +205,8 @@ class CacheStore:
             raise StoreError(f"{mf}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
         self.fingerprint = self.manifest["fingerprint"]
         self.dtype = getattr(torch, self.manifest["dtype"])
+        #: the format of its entries: ``native`` (C_base as computed) or ``int8`` (codes and scales)
+        self.cache_format = self.manifest.get("cache_format", "native")
         self.index = {key: name for name, info in self.manifest["shards"].items() for key in info["keys"]}
         self._handles: dict[str, object] = {}
         self.hits = 0
@@ -189,6 +224,22 @@ class CacheStore:
             raise FingerprintMismatchError(
                 f"C_base store {self.path} holds {self.dtype} K/V but the run's base computes in "
                 f"{base.dtype}; run `ccft precompute RECIPE` with the run's dtype (it rebuilds the store)"
+            )
+
+    def check_format(self, cache_format: str) -> None:
+        """Refuse a reader of ``cache_format`` that this store cannot answer exactly: an ``int8`` store read
+        by a run on the native C_base (its native values are not stored). An ``int8`` reader of a native store
+        is served: its C_base is quantised as it would be without a store.
+
+        Raises:
+            ConfigError: naming the manifest, the two formats and the fix.
+        """
+        fmt = check_cache_format(cache_format)
+        if self.cache_format != "native" and fmt != self.cache_format:
+            raise ConfigError(
+                f"C_base store {self.path / MANIFEST} holds C_base in cache_format={self.cache_format} but "
+                f"the run reads cache_format={fmt}; set cache_format={self.cache_format} in the recipe, or "
+                f"give base_cache_store a folder written by `ccft precompute RECIPE --cache-format {fmt}`"
             )
 
     def __contains__(self, key: str) -> bool:
@@ -212,14 +263,18 @@ class CacheStore:
             self._handles[name] = handle
         return handle
 
-    def get(self, prefix_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(keys, values)`` of one prefix, each ``(l, h, n, d)``, or None when the store lacks it."""
-        key = entry_key(self.fingerprint, self.dtype, prefix_ids)
+    def get(self, prefix_ids: Sequence[int]) -> tuple[torch.Tensor, ...] | None:
+        """One prefix's entry, or None when the store lacks it: ``(keys, values)``, each ``(l, h, n, d)``; in
+        an ``int8`` store ``(key codes, key scales, value codes, value scales)``, codes int8 ``(l, h, n, d)``,
+        scales bfloat16 ``(l, h, 1, d)`` and ``(l, h, n, 1)``."""
+        key = entry_key(self.fingerprint, self.dtype, prefix_ids, self.cache_format)
         name = self.index.get(key)
         if name is None:
             return None
         f = self._open(name)
-        return f.get_tensor(f"{key}.k"), f.get_tensor(f"{key}.v")
+        if self.cache_format == "native":
+            return f.get_tensor(f"{key}.k"), f.get_tensor(f"{key}.v")
+        return tuple(f.get_tensor(f"{key}.{part}") for part in ("k", "ks", "v", "vs"))
 
     def batch_cache(
         self, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, tail_ids: torch.Tensor, *, base
@@ -231,7 +286,10 @@ class CacheStore:
             tail_ids: ``(b, k)`` the handoff tokens.
             base: the ``ccft.Base`` the trainer uses; its fingerprint and dtype must match the store's.
         Returns:
-            ``BaseCache`` with keys/values ``(b, h, p, d)`` per layer (producer ``base``), or None.
+            ``BaseCache`` with keys/values ``(b, h, p, d)`` per layer (producer ``base``), or None. An
+            ``int8`` store returns a ``ccft.core.compact.CompactCache`` instead (codes ``(b, h, p, d)``, key
+            scales ``(b, h, 1, d)``, value scales ``(b, h, p, 1)`` per layer; pad slots code 0, scale 1, as
+            ``CompactCache.from_base`` gives them), which ``read_cache(cache, "int8")`` dequantises.
         Raises:
             FingerprintMismatchError: the store was computed by another base or in another dtype (K5).
             CacheMutatedError: a shard the batch reads changed on disk since it was written.
@@ -250,6 +308,8 @@ class CacheStore:
                 return None
             rows.append(kv)
         self.hits += 1
+        if self.cache_format != "native":
+            return self._compact_batch(rows, lengths, p, prefix_mask, tail_ids)
         layers, heads, _, dim = rows[0][0].shape
         device = prefix_ids.device
         ks = torch.zeros((layers, b, heads, p, dim), dtype=self.dtype, device=device)
@@ -266,6 +326,34 @@ class CacheStore:
             tail_ids.shape[1],
             self.fingerprint,
             "base",
+        )
+
+    def _compact_batch(self, rows, lengths, p: int, prefix_mask, tail_ids) -> CompactCache:
+        """A left-padded ``CompactCache`` of stored int8 entries (``batch_cache``)."""
+        b = len(rows)
+        layers, heads, _, dim = rows[0][0].shape
+        device = prefix_mask.device
+        kq = torch.zeros((layers, b, heads, p, dim), dtype=torch.int8, device=device)
+        vq = torch.zeros_like(kq)
+        ks = torch.ones((layers, b, heads, 1, dim), dtype=rows[0][1].dtype, device=device)
+        vs = torch.ones((layers, b, heads, p, 1), dtype=rows[0][3].dtype, device=device)
+        for i, (k_codes, k_scales, v_codes, v_scales) in enumerate(rows):
+            n = lengths[i]
+            kq[:, i, :, p - n :] = k_codes
+            ks[:, i] = k_scales
+            vq[:, i, :, p - n :] = v_codes
+            vs[:, i, :, p - n :] = v_scales
+        return CompactCache(
+            tuple(kq.unbind(0)),
+            tuple(ks.unbind(0)),
+            tuple(vq.unbind(0)),
+            tuple(vs.unbind(0)),
+            prefix_mask,
+            tail_ids,
+            tail_ids.shape[1],
+            self.fingerprint,
+            "base",
+            self.dtype,
         )
 
     def close(self) -> None:
@@ -311,7 +399,7 @@ def check_shards(path: Path, manifest: dict, *, verify: str = "sha256") -> list[
     return bad
 
 
-def _stale_reason(manifest: dict, base) -> str | None:
+def _stale_reason(manifest: dict, base, cache_format: str = "native") -> str | None:
     layers, kv, head_dim = kv_shape(base.config)
     want = {
         "fingerprint": base.fingerprint,
@@ -319,10 +407,12 @@ def _stale_reason(manifest: dict, base) -> str | None:
         "layers": layers,
         "kv_heads": kv,
         "head_dim": head_dim,
+        "cache_format": cache_format,
     }
+    have = {"cache_format": "native", **manifest}  # a manifest from before formats existed: native
     for k, v in want.items():
-        if manifest.get(k) != v:
-            return f"{k} {manifest.get(k)!r} != {v!r}"
+        if have.get(k) != v:
+            return f"{k} {have.get(k)!r} != {v!r}"
     return None
 
 
@@ -337,14 +427,22 @@ def precompute(
     verify: str = "sha256",
     check_disk: bool = True,
     log=print,
+    cache_format: str = "native",
 ) -> StoreReport:
     """Make ``path`` hold C_base for every prefix of ``examples`` (tokenised rows); return what was done.
 
     Prints the size estimate first; refuses with StoreError when the missing entries would not fit the
-    free disk space. Reuses valid entries; rebuilds a stale store; recomputes corrupt shards' entries.
+    free disk space. Reuses valid entries; rebuilds a stale store (another base, dtype, shape or
+    ``cache_format``); recomputes corrupt shards' entries. ``cache_format="int8"`` stores the compact C_base
+    (int8 codes and bfloat16 scales of each prefix; module docstring), ``store_bytes`` bytes of tensors.
+
+    Raises:
+        ConfigError: an unknown ``cache_format`` (before anything is read or written).
+        StoreError: not enough free disk space.
     """
     from ccft.core.cache import prefill
 
+    check_cache_format(cache_format)
     start = time.time()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -352,18 +450,19 @@ def precompute(
     prefixes = prefixes_of(examples, handoff_tokens)
     report.prefixes = len(prefixes)
     report.tokens = sum(len(p) for p in prefixes)
-    report.estimate_bytes = estimate_bytes(base.config, base.dtype, report.tokens)
+    report.estimate_bytes = store_bytes(base.config, base.dtype, map(len, prefixes), cache_format)
     layers, kv, head_dim = kv_shape(base.config)
+    int8 = "" if cache_format == "native" else f", stored as {cache_format} codes and scales"
     log(
         f"[ccft] C_base store {path}: {len(prefixes)} prefixes, {report.tokens} tokens × "
         f"{bytes_per_token(base.config, base.dtype)} B/token ({layers} layers × 2 × {kv} kv heads × "
-        f"{head_dim} head dim × {torch.empty((), dtype=base.dtype).element_size()} B) ≈ "
+        f"{head_dim} head dim × {torch.empty((), dtype=base.dtype).element_size()} B){int8} ≈ "
         f"{human(report.estimate_bytes)}"
     )
 
     manifest = _read_manifest(path)
     if manifest is not None:
-        report.stale = _stale_reason(manifest, base)
+        report.stale = _stale_reason(manifest, base, cache_format)
         if report.stale:
             log(f"[ccft] C_base store is stale ({report.stale}); rebuilding it")
             for name in manifest.get("shards", {}):
@@ -377,6 +476,7 @@ def precompute(
             "layers": layers,
             "kv_heads": kv,
             "head_dim": head_dim,
+            "cache_format": cache_format,
             "shards": {},
         }
     else:
@@ -387,9 +487,9 @@ def precompute(
             del manifest["shards"][name]
 
     have = {k for info in manifest["shards"].values() for k in info["keys"]}
-    todo = [p for p in prefixes if entry_key(base.fingerprint, base.dtype, p) not in have]
+    todo = [p for p in prefixes if entry_key(base.fingerprint, base.dtype, p, cache_format) not in have]
     report.reused = len(prefixes) - len(todo)
-    need = estimate_bytes(base.config, base.dtype, sum(len(p) for p in todo))
+    need = store_bytes(base.config, base.dtype, map(len, todo), cache_format)
     if check_disk and todo:
         check_free_space(path, need, f"C_base for {len(todo)} prefixes")
     if todo:
@@ -411,7 +511,11 @@ def precompute(
         next_id += 1
         atomic_write_file(
             path / name,
-            lambda tmp: save_file(pending, tmp, metadata={"format": FORMAT, "fingerprint": base.fingerprint}),
+            lambda tmp: save_file(
+                pending,
+                tmp,
+                metadata={"format": FORMAT, "fingerprint": base.fingerprint, "cache_format": cache_format},
+            ),
         )
         manifest["shards"][name] = {
             "bytes": (path / name).stat().st_size,
@@ -438,12 +542,18 @@ def precompute(
         width = cache.attention_mask.shape[1]
         for i, c in enumerate(chunk):
             n = len(c)
-            key = entry_key(base.fingerprint, base.dtype, c)
+            key = entry_key(base.fingerprint, base.dtype, c, cache_format)
             k = torch.stack([t[i, :, width - n :] for t in cache.keys]).contiguous().cpu()
             v = torch.stack([t[i, :, width - n :] for t in cache.values]).contiguous().cpu()
-            pending[f"{key}.k"], pending[f"{key}.v"] = k, v
+            if cache_format == "native":
+                entry = {"k": k, "v": v}
+            else:  # (l, h, n, d) as a batch of l rows: scales per layer-head-channel / layer-head-token
+                (kq, ks), (vq, vs) = quantize_keys(k), quantize_values(v)
+                entry = {"k": kq, "ks": ks, "v": vq, "vs": vs}
+            for part, t in entry.items():
+                pending[f"{key}.{part}"] = t.contiguous()
+                pending_bytes += t.numel() * t.element_size()
             pending_keys.append(key)
-            pending_bytes += 2 * k.numel() * k.element_size()
         report.computed += len(chunk)
         if pending_bytes >= shard_bytes:
             flush()
@@ -459,18 +569,46 @@ def precompute(
     return report
 
 
+def existing_format(path: str | Path) -> str | None:
+    """The ``cache_format`` of the store at ``path`` (``native`` for a manifest from before formats existed),
+    or None when ``path`` holds no readable manifest."""
+    manifest = _read_manifest(Path(path))
+    return None if manifest is None else manifest.get("cache_format", "native")
+
+
 def open_store_for_training(
-    path: str | Path, base, train_set, *, handoff_tokens: int, eval_set=None, verify: str = "sha256"
+    path: str | Path,
+    base,
+    train_set,
+    *,
+    handoff_tokens: int,
+    eval_set=None,
+    verify: str = "sha256",
+    cache_format: str = "native",
 ) -> CacheStore:
-    """Bring the store at ``path`` up to date for the run's rows (``precompute``) and open it."""
+    """Bring the store at ``path`` up to date for the run's rows (``precompute``) and open it.
+
+    ``cache_format`` is the format the run reads C_base in: a new store is written in it; an existing native
+    store stays native (an ``int8`` run quantises its entries as it would a computed C_base); an existing
+    ``int8`` store is refused by a native run (``CacheStore.check_format``) before anything is computed.
+
+    Raises:
+        ConfigError: the store's format cannot serve ``cache_format``.
+        StoreError, FingerprintMismatchError: as ``precompute`` and ``CacheStore.check_reader``.
+    """
     examples = list(train_set.examples) + (list(eval_set.examples) if eval_set is not None else [])
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    precompute(base, examples, path, handoff_tokens=handoff_tokens, verify=verify, log=log)
+    have = existing_format(path)
+    if have is not None:
+        CacheStore(path, verify="size").check_format(cache_format)  # before any shard is rebuilt
+    fmt = have or check_cache_format(cache_format)
+    precompute(base, examples, path, handoff_tokens=handoff_tokens, verify=verify, log=log, cache_format=fmt)
     store = CacheStore(path, verify=verify)
     store.check_reader(base)
+    store.check_format(cache_format)
     return store
 
 
@@ -481,6 +619,8 @@ __all__ = [
     "precompute",
     "open_store_for_training",
     "estimate_bytes",
+    "existing_format",
+    "store_bytes",
     "bytes_per_token",
     "entry_key",
     "kv_shape",

@@ -124,7 +124,9 @@ def check_run(cfg: TrainConfig, *, store: bool = True) -> tuple[TokenizedDataset
     eval_set = load_split(cfg.eval_data, tokenizer, cfg, cfg.eval_rows) if cfg.eval_data else None
     folder = Path(cfg.base_cache_store) if cfg.base_cache_store and store else None
     if folder is not None and (folder / MANIFEST).exists():
-        CacheStore(folder)  # a manifest that does not parse is a StoreError here, not a traceback in training
+        # a manifest that does not parse is a StoreError here, not a traceback in training; an int8 store
+        # given to a run on the native C_base a ConfigError
+        CacheStore(folder).check_format(cfg.cache_format)
     return train_set, eval_set
 
 
@@ -178,7 +180,12 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
 
         with cfg.main_process_first(desc="C_base store"):  # one writer; the other processes then reuse it
             store = open_store_for_training(
-                cfg.base_cache_store, base, train_set, handoff_tokens=cfg.handoff_tokens, eval_set=eval_set
+                cfg.base_cache_store,
+                base,
+                train_set,
+                handoff_tokens=cfg.handoff_tokens,
+                eval_set=eval_set,
+                cache_format=cfg.cache_format,
             )
     collator = Collator(pad_token_id(base.tokenizer), cfg.handoff_tokens)
     trainer = CacheConditionedTrainer(

@@ -176,6 +176,8 @@ class CacheConditionedTrainer(Trainer):
                 f"cache_format={self.cache_format} applies to method=ccft only; method={self.method} reads "
                 "no C_base"
             )
+        if cache_store is not None:  # an int8 store cannot serve a run on the native C_base (ConfigError)
+            cache_store.check_format(self.cache_format)
         self.train_path = resolve_train_path(
             getattr(self.args, "train_path", "auto"),
             method=self.method,
