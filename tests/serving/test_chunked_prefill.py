@@ -13,7 +13,7 @@ from ccft.core.errors import ConfigError
 from ccft.core.tokens import tokenize_prompt
 from ccft.inference import SharedPrefillEngine
 from ccft.serving import PrefixKVStore
-from ccft.serving.scheduler import Scheduler, ServeRequest
+from ccft.serving.scheduler import PromptTooLongError, Scheduler, ServeRequest
 from conftest import make_lora, make_tiny_folder
 
 BLOCK = 16
@@ -260,3 +260,33 @@ def test_serve_cli_flags(world):
         ["bench", "serve", "--prefill-chunk-tokens", "32", "--policy", "both", "--agents", "8"]
     )
     assert (bench.prefill_chunk_tokens, bench.policy, bench.agents) == (32, "both", 8)
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_a_request_whose_store_blocks_never_fit_is_refused_at_submit(world, long_ids, texts_short, chunk):
+    """With a prefix store, admitting a new context also counts the store blocks its prefill inserts. A
+    request that fits the budget only without those blocks could never be admitted: it is refused at submit
+    (before, it passed that check and then waited in the queue for ever with nothing running). One that fits
+    with them is served."""
+    base, decs = world
+    eng = SharedPrefillEngine(base, decoders=decs)
+    bpt = eng.kv_bytes_per_token
+    req = ServeRequest("math", long_ids[:400] + texts_short[0][:4], shared_len=400, max_new_tokens=4)
+    k = eng.decoders["math"].decoder.handoff_tokens  # the context holds the shared tokens before the handoff
+    alone = (400 + 4 + 4) * bpt  # context + tail (its k handoff tokens included) + generated tokens
+    blocks = (400 - k) // BLOCK * BLOCK * bpt  # the full blocks the prefill copies to the store
+    tight = Scheduler(
+        eng, store=PrefixKVStore(block_tokens=BLOCK), prefill_chunk_tokens=chunk, kv_budget_bytes=alone
+    )
+    with pytest.raises(PromptTooLongError, match=rf"needs {alone + blocks} bytes.*kv_budget_bytes={alone}"):
+        tight.submit(req)
+    assert tight.queue_depth == 0
+    enough = Scheduler(
+        eng,
+        store=PrefixKVStore(block_tokens=BLOCK),
+        prefill_chunk_tokens=chunk,
+        kv_budget_bytes=alone + blocks,
+    )
+    t = enough.submit(req)
+    enough.run_until_idle()
+    assert t.state == "done" and t.tokens == list(_reference(world, req).token_ids)

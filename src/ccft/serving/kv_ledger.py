@@ -77,8 +77,11 @@ class KVLedger:
         self, context_tokens: int, tail_tokens: int, max_new_tokens: int, extra_bytes: int = 0
     ) -> int | None:
         """The bytes a request needs alone (``extra_bytes``: what its decoder keeps beside the context) when
-        that exceeds the budget (it can never be admitted); else None."""
-        need = self.bytes(context_tokens + tail_tokens + max_new_tokens) + int(extra_bytes)
+        that exceeds the budget (it can never be admitted); else None. The same sum as admitting it on a new
+        context (``admission_bytes``: with a store, the blocks its prefill inserts too), so a request that
+        passes here is admitted once the others have ended instead of waiting for ever."""
+        need = self.admission_bytes(context_tokens, tail_tokens, max_new_tokens, new_context=True)
+        need += int(extra_bytes)
         return need if self.budget_bytes is not None and need > self.budget_bytes else None
 
     @property

@@ -419,8 +419,9 @@ class Scheduler:
         need = self.kv.never_fits(ctx, tail, r.params.max_new_tokens, extra)
         if need is not None:
             raise PromptTooLongError(
-                f"the request needs {need} bytes of KV but kv_budget_bytes="
-                f"{self.kv_budget_bytes}; shorten the prompt or raise the budget"
+                f"the request needs {need} bytes of KV (its context, tail and generated tokens, and the "
+                f"prefix-store blocks its prefill inserts) but kv_budget_bytes={self.kv_budget_bytes}; "
+                "shorten the prompt or raise the budget"
             )
 
     def _reader_extras(self, r: ServeRequest, ctx: _Context | None, ctx_tokens: int) -> list[tuple[str, int]]:
