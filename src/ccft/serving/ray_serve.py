@@ -106,7 +106,8 @@ class ForwardedRequest:
     ``headers``: (name, value) pairs, lower-case names; ``body``: the raw request body;
     ``session_id``: the body's ``session_id`` (``None`` when absent or the body is not JSON);
     ``prompt``: the routing hint of the ``prefix`` policy (:func:`prompt_of`; ``None`` under the
-    other policies, which do not read it).
+    other policies, which do not read it). It travels to the replica with the request (a second copy
+    of the prompt's ids or text; the replica reads the body).
     """
 
     method: str
