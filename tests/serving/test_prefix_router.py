@@ -138,3 +138,18 @@ def test_option_errors_name_the_option_and_the_fix():
         make_router("prefix", min_load_gap=0)
     with pytest.raises(ConfigError, match="does not take options"):
         make_router("prefix", keys=3)
+
+
+def test_a_shared_system_prompt_draws_new_sessions_until_the_overload_rule():
+    """The documented trade-off: one block in common is a match, so new sessions that share only a system
+    prompt go to the worker holding it until it is overloaded (gap 4 here); once both workers hold it,
+    ties go to the less loaded."""
+    r = PrefixRouter(block_tokens=B)
+    system = blocks(1)
+    load = [0, 0]
+    chosen = []
+    for i in range(8):
+        w = r.place(f"s{i}", system + blocks(100 + 10 * i), load)
+        load[w] += 1  # every session keeps running
+        chosen.append(w)
+    assert chosen == [0, 0, 0, 0, 1, 1, 1, 1]
