@@ -92,6 +92,17 @@ def test_insert_extends_a_chain_and_reuses_stored_blocks():
     assert s.stats()["skipped_blocks"] == 2 and len(s) == 3
 
 
+def test_chain_keys_are_the_shared_block_identity():
+    """The store keys blocks with ccft.serving.block_keys.chain_keys (the prefix router uses it too); the
+    values are those the store computed before the function moved there."""
+    from ccft.serving.block_keys import chain_keys
+
+    ids = list(range(9))  # two full blocks and one token
+    keys = PrefixKVStore(block_tokens=4).chain_keys("fp", torch.float32, ids)
+    assert keys == chain_keys("fp", torch.float32, 4, ids) == chain_keys("fp", "torch.float32", 4, ids)
+    assert [k.hex() for k in keys] == ["05ad50169712ad846e6b7addfcc98c2d", "73d96ba017e502a6303f1d8699052d52"]
+
+
 def test_keys_separate_producers_and_dtypes():
     """K5: K/V written by another base / decoder, or in another dtype, is never matched."""
     s = PrefixKVStore(block_tokens=4)

@@ -1,7 +1,9 @@
 """Scale-out on Ray Serve (``ccft serve --replicas N``, ``ccft.serving.ray_serve``).
 
 Fast (no Ray instance): the router's placement over replica ids (affinity, overload fallback, a dead
-home, requests without a session), the body's session hint, and config errors before any deploy.
+home, requests without a session; the ``prefix`` policy picks the replica holding a prompt's blocks, from
+the prompt the ingress reads off the body), the body's session and prompt hints, and config errors
+before any deploy.
 
 Slow (a local Ray instance, ``ray.init(num_cpus=2, include_dashboard=False)`` on 127.0.0.1, about a
 minute to start here): the app ``ccft serve --replicas 2`` builds, over a tiny Llama and a LoRA
@@ -33,9 +35,12 @@ from ccft.serving.ray_serve import (  # noqa: E402
     ATTEMPTS_HEADER,
     REPLICA_HEADER,
     SESSION_HEADER,
+    ForwardedRequest,
     SessionRequestRouter,
     build_app,
+    prompt_of,
     replica_actor,
+    request_hints,
     session_of,
 )
 from conftest import make_lora, make_tiny_folder, ragged_prompts  # noqa: E402
@@ -79,6 +84,74 @@ def test_router_without_session_is_least_loaded():
     assert [rr.place("s", ["a", "b"], [0, 0]) for _ in range(3)] == [0, 1, 0]
 
 
+def test_prefix_policy_prefers_the_replica_holding_the_blocks():
+    r = _router(policy="prefix", block_tokens=4)
+    ctx = list(range(100, 116))  # 4 blocks
+    assert r.place("a", ["r1", "r2"], [1, 0], ctx) == 1  # nothing placed: least loaded
+    # a new session over the same context goes to r2, which holds its blocks (session would pick r1)
+    assert r.place("b", ["r1", "r2"], [0, 1], ctx + [7, 8, 9, 10]) == 1
+    assert r.place(None, ["r1", "r2"], [0, 2], ctx) == 1  # no session: by its blocks too
+    assert r.homes == {"a": "r2", "b": "r2"}
+    assert r.place("b", ["r1", "r2"], [0, 4], ctx) == 0  # r2 overloaded: moved to r1, which records it
+    assert r.homes["b"] == "r1" and r.policy.matched_blocks(r.policy.keys(ctx), "r1") == 4
+    # r2 gone, r3 new: r1 still holds the context, r3 nothing
+    assert r.place(None, ["r1", "r3"], [1, 0], ctx) == 0
+    assert set(r.policy.held) == {"r1"}
+    # a text prompt (no ids in the body) is placed by its text's blocks
+    text = "You are a careful planner. " * 4
+    assert r.place(None, ["r1", "r3"], [0, 1], text) == 0  # no text placed yet: least loaded
+    assert r.place(None, ["r1", "r3"], [2, 0], text + "Plan the trip.") == 0
+    assert r.policy.stats()["prefix"] == 4
+
+
+def test_choose_replicas_reads_the_prompt_of_the_forwarded_request():
+    import asyncio
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    Rid = namedtuple("Rid", "unique_id")
+    replicas = [SimpleNamespace(replica_id=Rid(u)) for u in ("b", "a")]  # ordered by id: a, b
+    r = _router(policy="prefix", block_tokens=4)
+    loads = {Rid("a"): 1, Rid("b"): 0}
+    r.load = lambda replica: loads[replica.replica_id]
+    ctx = list(range(16))
+
+    def choose(body: dict):
+        raw = json.dumps(body).encode()
+        sid, stream, prompt = request_hints(raw)
+        fwd = ForwardedRequest(
+            "POST", "/v1/completions", body=raw, session_id=sid, stream=stream, prompt=prompt
+        )
+        pending = SimpleNamespace(args=[fwd], routing_context=SimpleNamespace(should_backoff=False))
+        ((chosen,),) = asyncio.run(r.choose_replicas(replicas, pending))
+        return chosen.replica_id.unique_id
+
+    assert choose({"model": "m", "prompt": ctx, "session_id": "s"}) == "b"  # least loaded
+    loads.update({Rid("a"): 0, Rid("b"): 2})
+    assert choose({"model": "m", "prompt": ctx + [1, 2, 3, 4]}) == "b"  # where the context is
+    assert choose({"model": "m", "prompt": [5] * 16}) == "a"  # another prompt: least loaded
+
+
+def test_prompt_hint_of_body():
+    assert prompt_of({"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert prompt_of({"prompt": [[1, 2, 3]]}) == [1, 2, 3]  # a batch of one
+    assert prompt_of({"prompt": "Hello"}) == prompt_of({"prompt": ["Hello"]}) == "Hello"
+    for junk in ({"prompt": []}, {"prompt": [True]}, {"prompt": 3}, {"prompt": ""}, {"messages": []}, {}):
+        assert prompt_of(junk) is None
+    turn1 = [{"role": "system", "content": "Plan."}, {"role": "user", "content": "Go"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "Done"}, {"content": "Next", "role": "user"}]
+    t1, t2 = prompt_of({"messages": turn1}), prompt_of({"messages": turn2})
+    assert (
+        t2.startswith(t1) and t1 == '{"content": "Plan.", "role": "system"}{"content": "Go", "role": "user"}'
+    )
+    assert prompt_of({"messages": turn1, "tools": [{"type": "function"}]}).startswith(
+        '[{"type": "function"}]'
+    )
+    assert request_hints(b'{"session_id": "s", "stream": true, "prompt": [4, 5]}') == ("s", True, [4, 5])
+    assert request_hints(b'{"prompt": [4, 5]}', with_prompt=False) == (None, False, None)
+    assert request_hints(b"not json") == (None, False, None)
+
+
 def test_session_hint_of_body():
     assert session_of(b'{"session_id": "s1", "stream": true}') == ("s1", True)
     assert session_of(b'{"session_id": 7}') == ("7", False)
@@ -90,12 +163,14 @@ def test_session_hint_of_body():
 def test_config_errors_before_deploy():
     with pytest.raises(ConfigError, match="replicas"):
         build_app(lambda: None, replicas=0)
-    with pytest.raises(ConfigError, match="choices: least-loaded, round-robin, session"):
+    with pytest.raises(ConfigError, match="choices: least-loaded, prefix, round-robin, session"):
         build_app(lambda: None, policy="sticky")
     with pytest.raises(ConfigError, match="min_load_gap"):
         build_app(lambda: None, policy_options={"min_load_gap": 0})
     with pytest.raises(ConfigError, match="retries"):
         build_app(lambda: None, retries=-1)
+    with pytest.raises(ConfigError, match="max_keys_per_worker: must be an int >= 1"):
+        build_app(lambda: None, policy="prefix", policy_options={"max_keys_per_worker": 0})
 
 
 def test_cli_errors_before_ray_starts():
@@ -118,6 +193,28 @@ def test_cli_errors_before_ray_starts():
         ray_app(parse(["serve", "--replicas", "2", "--max-prefix-tokens", "budget"]))
     with pytest.raises(ConfigError, match="--prefix-pool 'redis:/x': use redis://HOST:PORT"):
         ray_app(parse(["serve", "--replicas", "2", "--prefix-pool", "redis:/x"]))
+    with pytest.raises(
+        ConfigError, match="--block-tokens 0 turns the prefix store off; give --block-tokens N"
+    ):
+        ray_app(parse(["serve", "--replicas", "2", "--router", "prefix", "--block-tokens", "0"]))
+    with pytest.raises(ConfigError, match="max_keys_per_worker: must be an int >= 1 .*--router-keys"):
+        ray_app(parse(["serve", "--replicas", "2", "--router", "prefix", "--router-keys", "0"]))
+
+
+def test_cli_router_options():
+    from ccft.cli.main import build_parser
+    from ccft.cli.serve import router_options
+
+    parse = build_parser().parse_args
+    assert router_options(parse(["serve", "--replicas", "2"])) == {"max_load_ratio": 2.0, "min_load_gap": 4}
+    assert router_options(parse(["serve", "--replicas", "2", "--router", "round-robin"])) == {}
+    argv = ["serve", "--replicas", "2", "--router", "prefix", "--block-tokens", "8", "--router-keys", "100"]
+    assert router_options(parse(argv)) == {
+        "max_load_ratio": 2.0,
+        "min_load_gap": 4,
+        "block_tokens": 8,
+        "max_keys_per_worker": 100,
+    }
 
 
 # --------------------------------------------------------------------------------- slow: a local Ray instance

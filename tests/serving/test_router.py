@@ -1,5 +1,6 @@
-"""Routers (ccft.serving.router): session affinity with a load-aware fallback, least-loaded, round-robin,
-the registry and its errors. Pure Python."""
+"""Routers (ccft.serving.router): session affinity with a load-aware fallback (the ``session`` router, and the
+``prefix`` router, which keeps its guarantees), least-loaded, round-robin, the registry and its errors. Pure
+Python. The ``prefix`` router's own placement by blocks: test_prefix_router.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ccft.core.errors import ConfigError
 from ccft.serving.router import (
     ROUTERS,
     LeastLoadedRouter,
+    PrefixRouter,
     RoundRobinRouter,
     Router,
     SessionAffinityRouter,
@@ -64,9 +66,10 @@ THRESHOLDS = [
 ]
 
 
+@pytest.mark.parametrize("cls", [SessionAffinityRouter, PrefixRouter])
 @pytest.mark.parametrize("home,least,moves", THRESHOLDS)
-def test_fallback_triggers_at_the_threshold(home, least, moves):
-    r = SessionAffinityRouter()
+def test_fallback_triggers_at_the_threshold(home, least, moves, cls):
+    r = cls()
     assert r.place("s", PROMPT, loads(0, 0, 0)) == 0
     state = loads(home, least + 1, least)  # worker 2 is the least loaded
     assert r.place("s", PROMPT, state) == (2 if moves else 0)
@@ -86,8 +89,9 @@ def test_custom_thresholds():
         SessionAffinityRouter(min_load_gap=0)
 
 
-def test_sessions_are_independent_and_forgotten_when_done():
-    r = SessionAffinityRouter()
+@pytest.mark.parametrize("cls", [SessionAffinityRouter, PrefixRouter])
+def test_sessions_are_independent_and_forgotten_when_done(cls):
+    r = cls()
     assert r.place("a", PROMPT, loads(0, 0)) == 0
     assert r.place("b", PROMPT, loads(1, 0)) == 1
     assert r.place("a", PROMPT, loads(1, 1)) == 0
@@ -116,14 +120,15 @@ def test_round_robin_router():
 
 
 def test_registry_and_unknown_name():
-    assert set(ROUTERS) == {"session", "round-robin", "least-loaded"}
+    assert set(ROUTERS) == {"session", "prefix", "round-robin", "least-loaded"}
+    assert isinstance(make_router("prefix", block_tokens=8), PrefixRouter)
     assert isinstance(make_router("session", min_load_gap=2), SessionAffinityRouter)
     assert all(isinstance(make_router(name), Router) for name in ROUTERS)
     with pytest.raises(ConfigError) as err:
         make_router("random")
     msg = str(err.value)
     assert "router" in msg and "'random'" in msg
-    assert all(name in msg for name in ("session", "round-robin", "least-loaded"))
+    assert all(name in msg for name in ("session", "prefix", "round-robin", "least-loaded"))
     with pytest.raises(ConfigError, match="router"):
         ROUTERS["sticky"]
     with pytest.raises(ConfigError, match="does not take options"):

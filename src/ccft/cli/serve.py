@@ -214,11 +214,20 @@ def add_ray_options(p) -> None:
     g.add_argument(
         "--router",
         default="session",
-        choices=["session", "least-loaded", "round-robin"],
-        help="how requests are placed on replicas (ccft.serving.router)",
+        choices=["session", "prefix", "least-loaded", "round-robin"],
+        help="how requests are placed on replicas (ccft.serving.router); prefix: where the prompt's "
+        "prefix blocks were placed (blocks of --block-tokens), sessions kept home as with session",
     )
-    g.add_argument("--max-load-ratio", type=float, default=2.0, help="session router: overload ratio")
-    g.add_argument("--min-load-gap", type=int, default=4, help="session router: overload gap (requests)")
+    g.add_argument("--max-load-ratio", type=float, default=2.0, help="session/prefix router: overload ratio")
+    g.add_argument(
+        "--min-load-gap", type=int, default=4, help="session/prefix router: overload gap (requests)"
+    )
+    g.add_argument(
+        "--router-keys",
+        type=int,
+        default=16384,
+        help="prefix router: chain keys (prompt blocks) remembered per replica",
+    )
     g.add_argument(
         "--ray-address",
         default=None,
@@ -421,6 +430,30 @@ def run(args) -> int:
     return 0
 
 
+def router_options(args) -> dict:
+    """The options of the ``--router`` policy from ``ccft serve --replicas`` arguments.
+
+    Returns:
+        keyword arguments of ``ccft.serving.router.make_router(args.router, ...)``.
+    Raises:
+        ConfigError: ``--router prefix`` with ``--block-tokens 0`` (no prefix store to route to).
+    """
+    from ccft.core.errors import ConfigError
+
+    if args.router not in ("session", "prefix"):
+        return {}
+    options = {"max_load_ratio": args.max_load_ratio, "min_load_gap": args.min_load_gap}
+    if args.router == "prefix":
+        if not args.block_tokens:
+            raise ConfigError(
+                "--router prefix places requests where their prompt's prefix blocks are cached, and "
+                "--block-tokens 0 turns the prefix store off; give --block-tokens N (N >= 1) or use "
+                "--router session"
+            )
+        options.update(block_tokens=args.block_tokens, max_keys_per_worker=args.router_keys)
+    return options
+
+
 def ray_app(args):
     """The Ray Serve application of ``ccft serve --replicas N`` (validated before anything starts)."""
     import functools
@@ -438,11 +471,7 @@ def ray_app(args):
     _decoders(args.decoder)  # bad --decoder specs fail before Ray starts
     prefix_arena_tokens(args, None)  # so does a bad --max-prefix-tokens (each replica sizes its arena by it)
     check_prefix_pool(args)  # and a bad --prefix-pool
-    options = (
-        {"max_load_ratio": args.max_load_ratio, "min_load_gap": args.min_load_gap}
-        if args.router == "session"
-        else {}
-    )
+    options = router_options(args)
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb else None
     return build_app(
         functools.partial(build_scheduler, args),

@@ -9,7 +9,14 @@ OpenAI-compatible HTTP server (``server``: ``schemas``, ``metrics``, ``streaming
 """
 
 from ccft.serving.prefix_store import Block, PrefixKVStore  # noqa: F401
-from ccft.serving.router import ROUTERS, Router, SessionAffinityRouter, WorkerState, make_router  # noqa: F401
+from ccft.serving.router import (  # noqa: F401
+    ROUTERS,
+    PrefixRouter,
+    Router,
+    SessionAffinityRouter,
+    WorkerState,
+    make_router,
+)
 from ccft.serving.scheduler import (  # noqa: F401
     PromptTooLongError,
     QueueFullError,

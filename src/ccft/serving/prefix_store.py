@@ -13,7 +13,8 @@ Keys (K5). Block ``i`` of a token list is identified by a hash chain::
 so a block's key depends on every token before it and on the *producer* (the fingerprint of the
 model that wrote the K/V: the base's fingerprint in shared mode, a decoder's own key in the
 no-share baseline) and the dtype. K/V written by another model or in another dtype is therefore
-never served. ``H`` is BLAKE2b-128; a match also compares the stored token ids and parent block,
+never served. ``H`` is BLAKE2b-128 (``ccft.serving.block_keys.chain_keys``, which the ``prefix`` router of
+``ccft.serving.router`` uses too); a match also compares the stored token ids and parent block,
 so a hash collision cannot serve wrong K/V either.
 
 Blocks. Only full blocks of ``block_tokens`` tokens are stored; a block holds a copy of its K/V
@@ -48,8 +49,6 @@ Not thread-safe: one scheduler thread calls it.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -57,6 +56,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ccft.core.errors import ConfigError
+from ccft.serving.block_keys import chain_keys
 
 
 @dataclass(eq=False)
@@ -95,14 +95,6 @@ class Block:
         )
 
 
-def _digest(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    for p in parts:
-        h.update(len(p).to_bytes(8, "little"))
-        h.update(p)
-    return h.digest()
-
-
 class PrefixKVStore:
     """Content-addressed K/V of full prompt blocks with refcounts and LRU eviction (module docstring).
 
@@ -132,16 +124,9 @@ class PrefixKVStore:
 
     # ------------------------------------------------------------------ keys
     def chain_keys(self, producer: str, dtype: torch.dtype, token_ids: Sequence[int]) -> list[bytes]:
-        """The chain hash of every full block of ``token_ids`` (``len(token_ids) // block_tokens`` keys)."""
-        key = _digest(
-            b"ccft-prefix-kv", str(producer).encode(), str(dtype).encode(), str(self.block_tokens).encode()
-        )
-        keys = []
-        b = self.block_tokens
-        for i in range(len(token_ids) // b):
-            key = _digest(key, array("q", [int(t) for t in token_ids[i * b : (i + 1) * b]]).tobytes())
-            keys.append(key)
-        return keys
+        """The chain hash of every full block of ``token_ids`` (``len(token_ids) // block_tokens`` keys of
+        16 bytes; ``ccft.serving.block_keys.chain_keys`` with this store's block size)."""
+        return chain_keys(producer, dtype, self.block_tokens, token_ids)
 
     def _lookup(
         self, key: bytes, parent: Block | None, tokens: tuple[int, ...], producer: str, dtype: torch.dtype

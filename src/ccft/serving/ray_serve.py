@@ -22,8 +22,12 @@ policy is a ``ccft.serving.router`` router (``session`` by default), fed with th
 replicas in a stable order (by replica id) and their loads (Ray's per-replica count of ongoing
 requests: queued + decoding in the replica's scheduler, plus in flight). A session's requests go
 to the replica the policy placed it on, and fall back to the least-loaded replica on the policy's
-overload rule; a request without ``session_id`` goes to the least-loaded replica. When the
-session's replica is gone (died, scaled down) the session is placed as new. Only the chosen
+overload rule; a request without ``session_id`` goes to the least-loaded replica. Under the
+``prefix`` policy (``--router prefix``) every request that is not sent home by its session goes to
+the replica the router placed the longest prefix of its prompt's blocks on (unless overloaded): the
+ingress hands the router the prompt's token ids when the body carries them, else the prompt's text
+(:func:`prompt_of`; the ingress has no tokenizer), and the blocks are remembered per replica id.
+When the session's replica is gone (died, scaled down) the session is placed as new. Only the chosen
 replica is offered to Ray: when it cannot take the request now (at ``max_ongoing_requests``, or
 its queue-length probe times out) Ray backs off and asks the router again, which then sees the
 new loads (and falls back by the policy's rule, or places the session anew when the replica died).
@@ -43,11 +47,11 @@ import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional, Union
 
 from ccft.core.errors import ConfigError
 from ccft.serving.extra import serve_extra_missing
-from ccft.serving.router import ROUTERS, LeastLoadedRouter, SessionAffinityRouter, make_router
+from ccft.serving.router import ROUTERS, LeastLoadedRouter, PrefixRouter, SessionAffinityRouter, make_router
 
 try:
     import ray
@@ -77,6 +81,8 @@ __all__ = [
     "Ingress",
     "build_app",
     "session_of",
+    "request_hints",
+    "prompt_of",
     "replica_actor",
 ]
 
@@ -98,7 +104,10 @@ class ForwardedRequest:
     """One HTTP request as the ingress hands it to an engine replica (and the router sees it).
 
     ``headers``: (name, value) pairs, lower-case names; ``body``: the raw request body;
-    ``session_id``: the body's ``session_id`` (``None`` when absent or the body is not JSON).
+    ``session_id``: the body's ``session_id`` (``None`` when absent or the body is not JSON);
+    ``prompt``: the routing hint of the ``prefix`` policy (:func:`prompt_of`; ``None`` under the
+    other policies, which do not read it). It travels to the replica with the request (a second copy
+    of the prompt's ids or text; the replica reads the body).
     """
 
     method: str
@@ -108,24 +117,65 @@ class ForwardedRequest:
     body: bytes = b""
     session_id: Optional[str] = None
     stream: bool = False
+    prompt: Union[str, list[int], None] = None
 
 
-def session_of(body: bytes) -> tuple[Optional[str], bool]:
-    """(``session_id``, ``stream``) of a JSON request body; ``(None, False)`` for anything else.
+def request_hints(body: bytes, *, with_prompt: bool = True) -> tuple[Optional[str], bool, Any]:
+    """(``session_id``, ``stream``, prompt hint) of a JSON request body; ``(None, False, None)`` for
+    anything else (one parse of the body).
 
-    Only a routing hint: the engine replica validates the body (and answers 400 for a bad one).
-    A non-string ``session_id`` is used as its JSON text.
+    Only routing hints: the engine replica validates the body (and answers 400 for a bad one).
+    A non-string ``session_id`` is used as its JSON text. The prompt hint is :func:`prompt_of` of the
+    body (``None`` when ``with_prompt`` is false).
     """
     try:
         obj = json.loads(body) if body else None
     except (ValueError, UnicodeDecodeError):
-        return None, False
+        return None, False, None
     if not isinstance(obj, dict):
-        return None, False
+        return None, False, None
     sid = obj.get("session_id")
     if sid is not None and not isinstance(sid, str):
         sid = json.dumps(sid, sort_keys=True)
-    return sid, obj.get("stream") is True
+    return sid, obj.get("stream") is True, prompt_of(obj) if with_prompt else None
+
+
+def session_of(body: bytes) -> tuple[Optional[str], bool]:
+    """(``session_id``, ``stream``) of a JSON request body; ``(None, False)`` for anything else."""
+    sid, stream, _ = request_hints(body, with_prompt=False)
+    return sid, stream
+
+
+def prompt_of(obj: dict) -> Union[str, list[int], None]:
+    """What the ``prefix`` router keys a request by, read from its parsed JSON body without a tokenizer.
+
+    Returns:
+        the token ids of a completion whose ``prompt`` is token ids (or a batch of one such list):
+        exactly the ids the replica prefills; the text of a completion whose ``prompt`` is a string
+        (or a batch of one); for a chat request, a canonical text of its ``tools`` and ``messages``
+        (each message's JSON with sorted keys, concatenated), which grows by appending as a
+        conversation does; ``None`` for anything else (the router then sees no blocks). Text is
+        keyed by character blocks (``ccft.serving.router.PrefixRouter.keys``): the ingress holds no
+        tokenizer, and tokenizing here would repeat every replica's work for a routing hint.
+    """
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return prompt
+    messages = obj.get("messages")
+    if isinstance(messages, list) and messages:
+        tools = obj.get("tools")
+        parts = [json.dumps(tools, sort_keys=True, ensure_ascii=False)] if tools else []
+        parts += [json.dumps(m, sort_keys=True, ensure_ascii=False) for m in messages]
+        return "".join(parts)
+    return None
 
 
 # ---------------------------------------------------------------------------------------- routing
@@ -133,7 +183,8 @@ class SessionRequestRouter(FIFOMixin, RequestRouter):
     """Ray Serve request router that places requests with a ``ccft.serving.router`` policy.
 
     ``request_router_kwargs``: ``policy`` (a ``ccft.serving.router.ROUTERS`` name; default
-    ``"session"``) and that router's options (``max_load_ratio``, ``min_load_gap``). See the module
+    ``"session"``) and that router's options (``max_load_ratio``, ``min_load_gap``; ``prefix`` also
+    ``block_tokens``, ``max_keys_per_worker``). See the module
     docstring; :meth:`place` is the pure decision (testable without Ray). When Ray backs off and asks
     again for the same request, it is placed again (the policy's counters count each placement).
     """
@@ -144,22 +195,36 @@ class SessionRequestRouter(FIFOMixin, RequestRouter):
         #: session id -> replica id of its home (the policy itself keeps indices into the current list)
         self.homes: dict[Hashable, Any] = {}
 
-    def place(self, session_id: Optional[Hashable], replica_ids: list[Any], loads: list[int]) -> int:
+    def place(
+        self,
+        session_id: Optional[Hashable],
+        replica_ids: list[Any],
+        loads: list[int],
+        prompt: Union[str, list[int], None] = None,
+    ) -> int:
         """Index into ``replica_ids`` (stable order) of the replica for a request of ``session_id``.
 
         The session's home (if still among ``replica_ids``) is handed to the policy as its index;
-        a session whose home is gone is placed as new. ``session_id=None``: least-loaded.
+        a session whose home is gone is placed as new. ``session_id=None``: least-loaded, except
+        under the ``prefix`` policy, which places every request by its ``prompt`` (token ids, or
+        text: :func:`prompt_of`; ``None``: no blocks) over the replica ids.
         """
-        if session_id is None or not isinstance(self.policy, SessionAffinityRouter):
+        prefix = isinstance(self.policy, PrefixRouter)
+        if not isinstance(self.policy, SessionAffinityRouter) or (session_id is None and not prefix):
             router = self.spread if session_id is None else self.policy
             return router.place(session_id, (), loads)
-        home = self.homes.get(session_id)
-        if home in replica_ids:
-            self.policy.placement[session_id] = replica_ids.index(home)
+        if session_id is not None:
+            home = self.homes.get(session_id)
+            if home in replica_ids:
+                self.policy.placement[session_id] = replica_ids.index(home)
+            else:
+                self.policy.forget(session_id)
+        if prefix:
+            choice = self.policy.place(session_id, prompt or (), loads, worker_ids=replica_ids)
         else:
-            self.policy.forget(session_id)
-        choice = self.policy.place(session_id, (), loads)
-        self.homes[session_id] = replica_ids[choice]
+            choice = self.policy.place(session_id, (), loads)
+        if session_id is not None:
+            self.homes[session_id] = replica_ids[choice]
         return choice
 
     def load(self, replica: RunningReplica) -> int:
@@ -175,25 +240,28 @@ class SessionRequestRouter(FIFOMixin, RequestRouter):
             pending_request.routing_context.should_backoff = True  # no busy retry loop when all are full
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         loads = [self.load(r) for r in ordered]
-        sid = _session_of_pending(pending_request)
-        choice = self.place(sid, [r.replica_id for r in ordered], loads)
+        sid, prompt = _hints_of_pending(pending_request)
+        choice = self.place(sid, [r.replica_id for r in ordered], loads, prompt)
         return [[ordered[choice]]]
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
         for sid in [s for s, h in self.homes.items() if h == replica_id]:
             self.homes.pop(sid)
+        if isinstance(self.policy, PrefixRouter):
+            self.policy.forget_worker(replica_id)
 
 
-def _session_of_pending(pending_request: Optional[PendingRequest]) -> Optional[str]:
+def _hints_of_pending(pending_request: Optional[PendingRequest]) -> tuple[Optional[str], Any]:
+    """(session id, prompt hint) of the ForwardedRequest among the pending request's arguments."""
     if pending_request is None:
-        return None
+        return None, None
     # by its fields, not isinstance: Ray Serve pickles the ingress by value (serve.ingress), so the
     # ingress's ForwardedRequest may be a copy of this module's class
     for arg in pending_request.args:
         if hasattr(arg, "session_id") and hasattr(arg, "body"):
-            return arg.session_id
-    return None
+            return arg.session_id, getattr(arg, "prompt", None)
+    return None, None
 
 
 # ---------------------------------------------------------------------------------------- engine replica
@@ -315,13 +383,15 @@ class Ingress:
     Args:
         engine: the ``Engine`` deployment's handle (Ray Serve passes it for the bound deployment).
         retries: how many times a request whose replica died before any response byte is re-sent.
+        route_by_prompt: read each body's prompt hint (:func:`prompt_of`) for the ``prefix`` policy.
     """
 
-    def __init__(self, engine, retries: int = 2):
+    def __init__(self, engine, retries: int = 2, route_by_prompt: bool = False):
         # one handle for every request: its request router (and so the session placements) lives as long
         # as the handle; a handle made per call by ``options()`` would get a fresh router each time
         self.engine = engine.options(stream=True)
         self.retries = int(retries)
+        self.route_by_prompt = bool(route_by_prompt)
         self.counts: Counter = Counter()
         self.by_replica: Counter = Counter()
 
@@ -337,7 +407,10 @@ class Ingress:
     @_ingress_api.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request):
         body = await request.body()
-        sid, stream = session_of(body) if request.method == "POST" else (None, False)
+        post = request.method == "POST"
+        sid, stream, prompt = (
+            request_hints(body, with_prompt=self.route_by_prompt) if post else (None, False, None)
+        )
         sid = sid if sid is not None else request.headers.get(SESSION_HEADER)
         fwd = ForwardedRequest(
             request.method,
@@ -347,6 +420,7 @@ class Ingress:
             body,
             sid,
             stream,
+            prompt,
         )
         self.counts["requests"] += 1
         for attempt in range(self.retries + 1):
@@ -427,8 +501,9 @@ def build_app(
     Args:
         factory: builds one replica's scheduler (see :class:`EngineReplica`); picklable.
         replicas: number of engine replicas (≥ 1).
-        policy: the ``ccft.serving.router`` router that places requests (``session``,
-            ``least-loaded``, ``round-robin``); ``policy_options``: its options.
+        policy: the ``ccft.serving.router`` router that places requests (``session``, ``prefix``,
+            ``least-loaded``, ``round-robin``); ``policy_options``: its options (``prefix``: set its
+            ``block_tokens`` to the replicas' prefix store block size).
         max_ongoing_requests: requests one replica takes at a time (its scheduler queues and batches
             them); beyond, Ray Serve holds them back or sends them to another replica.
         replica_cpus: CPUs Ray reserves for each engine replica (the ingress reserves none).
@@ -467,7 +542,7 @@ def build_app(
             ray_actor_options={"num_cpus": 0},
             max_ongoing_requests=4096,
         )
-        .bind(engine, int(retries))
+        .bind(engine, int(retries), policy == PrefixRouter.name)
     )
 
 
