@@ -40,7 +40,7 @@ from ccft.bench.serve import agent_names, random_agent_decoder
 from ccft.serving import PrefixKVStore
 from ccft.serving.router import LeastLoadedRouter, PrefixRouter, WorkerState, make_router
 from ccft.serving.scheduler import Scheduler, ServeRequest
-from ccft.serving.workloads import generate
+from ccft.serving.workloads import generate_from_options
 
 
 def replay(args, base, decoders, trace, router_name: str, with_sessions: bool) -> dict:
@@ -127,18 +127,7 @@ def main(argv=None) -> int:
     base = ccft.load_base(args.model)
     agents = agent_names(args.agents)
     decoders = {n: random_agent_decoder(base, n, 100 + i) for i, n in enumerate(agents)}
-    trace = generate(
-        "react",
-        sessions=args.sessions,
-        turns=args.turns,
-        agents=agents,
-        shared_tokens=args.shared_tokens,
-        unique_tokens=args.unique_tokens,
-        growth_tokens=args.growth_tokens,
-        max_new_tokens=args.max_new_tokens,
-        rate=None,
-        tokenizer=base.tokenizer,
-    )
+    trace = generate_from_options(args, sessions=args.sessions, agents=agents, tokenizer=base.tokenizer)
     runs = []
     for with_sessions in (True, False):
         for name in args.routers.split(","):

@@ -628,19 +628,7 @@ def run(args, *, log: Callable[[str], None] | None = None) -> dict:
             # every use its own seed, so no trace finds another's prompts in a server's cache: the servers
             # keep their caches across points (each point's hits are its own sessions' reuse only)
             seed = args.seed + {"check": 1, "warmup": 2, "point": 1000 + n}[role]
-            return workloads.generate(
-                args.workload,
-                sessions=n,
-                turns=args.turns,
-                agents=agents,
-                shared_tokens=args.shared_tokens,
-                unique_tokens=args.unique_tokens,
-                growth_tokens=args.growth_tokens,
-                max_new_tokens=args.max_new_tokens,
-                rate=None,
-                seed=seed,
-                tokenizer=tok,
-            )
+            return workloads.generate_from_options(args, sessions=n, agents=agents, tokenizer=tok, seed=seed)
 
         adapters = make_adapters(
             args.model, agents, work / "adapters" / f"seed{args.seed}", seed=args.seed, given=given, log=log

@@ -697,20 +697,7 @@ def run(args) -> dict:
     policies = ["fcfs", "mlfq"] if getattr(args, "policy", "fcfs") == "both" else [opts["policy"]]
 
     def trace_for(n):
-        return workloads.generate(
-            args.workload,
-            sessions=n,
-            turns=args.turns,
-            agents=agents,
-            shared_tokens=args.shared_tokens,
-            unique_tokens=args.unique_tokens,
-            growth_tokens=args.growth_tokens,
-            max_new_tokens=args.max_new_tokens,
-            rate=None,
-            seed=args.seed,
-            tokenizer=base.tokenizer,
-            new_tokens_spread=getattr(args, "new_tokens_spread", 0.0),
-        )
+        return workloads.generate_from_options(args, sessions=n, agents=agents, tokenizer=base.tokenizer)
 
     top = max(args.sessions)
     # warm-up (first-call allocations), not reported

@@ -3,7 +3,8 @@
 Split along its concepts; every public name is importable from ``ccft.serving.workloads``:
 
 * ``patterns``: ``generate`` (ReAct / Reflexion traces; the patterns, lengths and arrivals are
-  described there), ``describe``, ``KINDS``, ``DEFAULT_AGENTS``, ``EIGHT_AGENTS``;
+  described there), ``generate_from_options`` (the same from a benchmark's parsed options), ``describe``,
+  ``KINDS``, ``DEFAULT_AGENTS``, ``EIGHT_AGENTS``;
 * ``trace``: ``Request``, ``Trace`` (the JSONL file format, ``save`` / ``load``), ``TraceReplay``;
 * ``kv``: Eq. 9 of PrefillShare, ``KVTokens`` and ``kv_tokens``;
 * ``pools``: the bundled text pools and exact-length token pieces (tokenizer helpers).
@@ -30,6 +31,7 @@ from ccft.serving.workloads.patterns import (  # noqa: F401 - the constants are 
     SYSTEM_TEXT,
     describe,
     generate,
+    generate_from_options,
 )
 from ccft.serving.workloads.pools import DOMAINS, RESOURCES  # noqa: F401
 from ccft.serving.workloads.trace import FORMAT, FORMAT_VERSION, Request, Trace, TraceReplay  # noqa: F401
@@ -45,5 +47,6 @@ __all__ = [
     "TraceReplay",
     "describe",
     "generate",
+    "generate_from_options",
     "kv_tokens",
 ]

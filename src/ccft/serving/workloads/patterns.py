@@ -153,6 +153,35 @@ def _check_int(name: str, value: int, minimum: int) -> int:
     return value
 
 
+def generate_from_options(options, *, sessions: int, agents, tokenizer, seed: int | None = None) -> Trace:
+    """``generate`` with the trace fields of a benchmark's parsed options (``ccft bench serve``'s flags and
+    the scripts under benchmarks/ use the same names): ``turns``, ``shared_tokens``, ``unique_tokens``,
+    ``growth_tokens``, ``max_new_tokens``, and when present ``workload`` (default ``"react"``), ``seed``
+    (default 0) and ``new_tokens_spread`` (default 0). Every session arrives at t = 0 (``rate=None``).
+
+    Args:
+        options: an ``argparse.Namespace`` (or any object with those attributes).
+        sessions, agents, tokenizer: as for ``generate``.
+        seed: overrides ``options.seed`` (a benchmark giving each use of a trace its own prompts).
+    Raises:
+        ConfigError: as ``generate``.
+    """
+    return generate(
+        getattr(options, "workload", "react"),
+        sessions=sessions,
+        turns=options.turns,
+        agents=agents,
+        shared_tokens=options.shared_tokens,
+        unique_tokens=options.unique_tokens,
+        growth_tokens=options.growth_tokens,
+        max_new_tokens=options.max_new_tokens,
+        rate=None,
+        seed=getattr(options, "seed", 0) if seed is None else seed,
+        tokenizer=tokenizer,
+        new_tokens_spread=getattr(options, "new_tokens_spread", 0.0),
+    )
+
+
 def generate(
     kind: str,
     *,
