@@ -42,7 +42,7 @@ from ccft.bench.serve import agent_names, random_agent_decoder
 from ccft.serving import PrefixKVStore
 from ccft.serving.prefix_pool import PrefixPool, pool_from_spec
 from ccft.serving.scheduler import Scheduler, ServeRequest
-from ccft.serving.workloads import generate_from_options
+from ccft.serving.workloads import add_trace_options, generate_from_options, trace_options
 
 
 def _free_port() -> int:
@@ -106,14 +106,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="redis", choices=["redis", "ray"])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--sessions", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--agents", type=int, default=4)
-    ap.add_argument("--shared-tokens", type=int, default=1024)
-    ap.add_argument("--growth-tokens", type=int, default=128)
-    ap.add_argument("--unique-tokens", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--block-tokens", type=int, default=16)
+    add_trace_options(ap)
     ap.add_argument("--timeout-ms", type=float, default=2000.0, help="pool timeout (a loaded 2-core machine)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--inline-publish", action="store_true", help="publish before the prefill returns")
@@ -196,19 +189,7 @@ def main(argv=None) -> int:
             "model": args.model,
             "dtype": str(base.dtype) if hasattr(base, "dtype") else "float32",
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch threads",
-            "trace": {
-                k: getattr(args, k)
-                for k in (
-                    "sessions",
-                    "turns",
-                    "agents",
-                    "shared_tokens",
-                    "growth_tokens",
-                    "unique_tokens",
-                    "max_new_tokens",
-                    "block_tokens",
-                )
-            },
+            "trace": trace_options(args),
             "moved_pool": summary(moved["pool"]),
             "moved_reprefill": summary(moved["reprefill"]),
             "home": summary(moved["home"]),

@@ -40,7 +40,7 @@ from ccft.bench.serve import agent_names, random_agent_decoder
 from ccft.serving import PrefixKVStore
 from ccft.serving.router import LeastLoadedRouter, PrefixRouter, WorkerState, make_router
 from ccft.serving.scheduler import Scheduler, ServeRequest
-from ccft.serving.workloads import generate_from_options
+from ccft.serving.workloads import add_trace_options, generate_from_options, trace_options
 
 
 def replay(args, base, decoders, trace, router_name: str, with_sessions: bool) -> dict:
@@ -111,14 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--routers", default="session,prefix", help="comma-separated ccft.serving.router names")
-    ap.add_argument("--sessions", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--agents", type=int, default=4)
-    ap.add_argument("--shared-tokens", type=int, default=1024)
-    ap.add_argument("--growth-tokens", type=int, default=128)
-    ap.add_argument("--unique-tokens", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--block-tokens", type=int, default=16)
+    add_trace_options(ap)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -144,19 +137,7 @@ def main(argv=None) -> int:
         "command": "python benchmarks/prefix_routing.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "workers": args.workers,
-        "trace": {
-            k: getattr(args, k)
-            for k in (
-                "sessions",
-                "turns",
-                "agents",
-                "shared_tokens",
-                "growth_tokens",
-                "unique_tokens",
-                "max_new_tokens",
-                "block_tokens",
-            )
-        },
+        "trace": trace_options(args),
         "requests": len(trace.requests),
         "runs": runs,
     }

@@ -25,13 +25,16 @@ from ccft.serving.workloads.patterns import (  # noqa: F401 - the constants are 
     DEFAULT_AGENTS,
     EIGHT_AGENTS,
     KINDS,
+    LONG_CONTEXT_TRACE,
     MORE_AGENTS,
     REFLECT_TEXT,
     ROLE_TEXT,
     SYSTEM_TEXT,
+    add_trace_options,
     describe,
     generate,
     generate_from_options,
+    trace_options,
 )
 from ccft.serving.workloads.pools import DOMAINS, RESOURCES  # noqa: F401
 from ccft.serving.workloads.trace import FORMAT, FORMAT_VERSION, Request, Trace, TraceReplay  # noqa: F401
@@ -48,5 +51,8 @@ __all__ = [
     "describe",
     "generate",
     "generate_from_options",
+    "add_trace_options",
+    "trace_options",
+    "LONG_CONTEXT_TRACE",
     "kv_tokens",
 ]

@@ -153,6 +153,31 @@ def _check_int(name: str, value: int, minimum: int) -> int:
     return value
 
 
+#: the trace options of the long-context benchmarks (benchmarks/prefix_pool.py, benchmarks/prefix_routing.py):
+#: option name -> default (ints; ``block_tokens`` is the prefix store's block size, recorded with the trace)
+LONG_CONTEXT_TRACE = {
+    "sessions": 4,
+    "turns": 3,
+    "agents": 4,
+    "shared_tokens": 1024,
+    "growth_tokens": 128,
+    "unique_tokens": 32,
+    "max_new_tokens": 16,
+    "block_tokens": 16,
+}
+
+
+def add_trace_options(parser, defaults: Mapping[str, int] = LONG_CONTEXT_TRACE) -> None:
+    """Add ``--NAME`` (``_`` as ``-``, type int) for each of ``defaults`` to an ``argparse`` parser."""
+    for name, default in defaults.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+
+
+def trace_options(options, names=LONG_CONTEXT_TRACE) -> dict:
+    """``{name: value}`` of the trace options in ``names`` (a benchmark's result records them)."""
+    return {name: getattr(options, name) for name in names}
+
+
 def generate_from_options(options, *, sessions: int, agents, tokenizer, seed: int | None = None) -> Trace:
     """``generate`` with the trace fields of a benchmark's parsed options (``ccft bench serve``'s flags and
     the scripts under benchmarks/ use the same names): ``turns``, ``shared_tokens``, ``unique_tokens``,
