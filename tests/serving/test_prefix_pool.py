@@ -22,6 +22,7 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,34 @@ def test_block_value_round_trip_and_checks(dtype):
     for broken in (bytes(flipped), value[:-5], value[:20], b"", b"x" * 100):
         with pytest.raises(ValueError, match="^corrupt"):
             P.decode_block(broken, *ident)
+    # a read-only buffer (Ray hands back uint8 numpy arrays over shared memory): copied once, equal
+    ro = np.frombuffer(value, dtype=np.uint8)
+    assert not ro.flags.writeable
+    k3, v3 = P.decode_block(ro, *ident)
+    assert torch.equal(k3, k) and torch.equal(v3, v)
+    k3.add_(1)  # the tensors own their memory: the value is unchanged
+    assert torch.equal(P.decode_block(ro, *ident)[0], k)
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_get_chain_returns_the_longest_present_prefix(backend, monkeypatch):
+    """``get_chain`` answers in order up to the first absent key (Redis: pipelined in chunks; a chunk size of
+    2 makes the chain cross chunk boundaries), and a store's lookup reaches the pool in one call."""
+    monkeypatch.setattr(P, "FETCH_CHUNK", 2)
+    pool = P.MemoryBlockPool() if backend == "memory" else P.RedisBlockPool(client=fakeredis.FakeRedis())
+    for i in (0, 1, 2, 3, 5):
+        pool.put(f"key{i}", bytes([i]) * 10)
+    assert pool.get_chain([f"key{i}" for i in range(7)]) == [bytes([i]) * 10 for i in range(4)]
+    assert pool.get_chain(["key4", "key5"]) == [] and pool.get_chain([]) == []
+    assert pool.get_chain(["key5"]) == [bytes([5]) * 10]
+    shared = P.MemoryBlockPool()
+    a, b = PrefixKVStore(4, pool=P.PrefixPool(shared)), PrefixKVStore(4, pool=P.PrefixPool(shared))
+    toks = list(range(40))  # 10 blocks
+    k, v = _put(a, "fp", toks)
+    got = b.match("fp", torch.float32, toks + [1, 2, 3, 4])  # 10 blocks in the pool, the 11th nowhere
+    assert len(got) == 10 and b.pool.fetches == 1 and b.pool.hit_blocks == 10 and b.pool.miss_blocks == 1
+    assert torch.equal(torch.cat([blk.k for blk in got], dim=2), k)
+    assert torch.equal(torch.cat([blk.v for blk in got], dim=2), v)
 
 
 # --------------------------------------------------------------------------------------- two stores
@@ -187,11 +216,12 @@ def test_pool_keys_keep_producers_dtypes_block_sizes_and_formats_apart(monkeypat
     assert len(b.match("base-fp", torch.bfloat16, toks)) == 2  # the same identity does hit
     assert b.blocks()[0].k.dtype == torch.bfloat16
     # another value format: its key differs, so nothing published under it is found now
+    current = P.FORMAT
     monkeypatch.setattr(P, "FORMAT", "ccft-kv0-other")
     c = PrefixKVStore(4, pool=P.PrefixPool(shared))
     assert c.match("base-fp", torch.float32, toks) == [] and c.pool.miss_blocks == 1
     # a value whose header names another producer than its key (a forged or mixed-up entry): a mismatch
-    monkeypatch.setattr(P, "FORMAT", "ccft-kv1-native")
+    monkeypatch.setattr(P, "FORMAT", current)
     k, v = _kv(4, 9)
     d = PrefixKVStore(4, pool=P.PrefixPool(P.MemoryBlockPool()))
     key = d.chain_keys("victim", torch.float32, [1, 2, 3, 4])[0]
@@ -390,7 +420,8 @@ def test_metrics_show_the_pool(world, prompt):
     assert lines["ccft_prefix_pool_hit_blocks_total"] == 8
     assert lines["ccft_prefix_pool_miss_blocks_total"] == 0
     assert (
-        lines["ccft_prefix_pool_fetch_seconds_count"] == 8 and lines["ccft_prefix_pool_fetch_seconds_sum"] > 0
+        lines["ccft_prefix_pool_fetch_seconds_count"] == 1  # one fetch: the 8 blocks of the chain at once
+        and lines["ccft_prefix_pool_fetch_seconds_sum"] > 0
     )
     assert lines['ccft_prefix_pool_errors_total{kind="corrupt"}'] == 0
     assert lines["ccft_prefix_pool_fetched_bytes_total"] == b.store.pool.fetched_bytes > 0

@@ -48,11 +48,13 @@ class ServerMetrics:
     ``ccft_kv_budget_bytes`` (when set) and counters ``ccft_scheduler_<name>_total`` for the
     scheduler's counters (prefills, prefill_tokens, prefix_hit_tokens, decode_steps, ...). With a prefix
     pool (``ccft serve --prefix-pool``; ``ccft.serving.prefix_pool``): counters
-    ``ccft_prefix_pool_hit_blocks_total`` / ``_miss_blocks_total`` (blocks looked up in the pool),
+    ``ccft_prefix_pool_hit_blocks_total`` (blocks fetched) / ``_miss_blocks_total`` (fetches that ended
+    before the chain did),
     ``_fetched_bytes_total``, ``_published_blocks_total``, ``_published_bytes_total``, ``_skipped_total``
     (lookups and publishes not tried while the pool was down), ``ccft_prefix_pool_errors_total{kind}``
     (``unavailable``, ``corrupt``, ``mismatch``), the summary ``ccft_prefix_pool_fetch_seconds`` (count and
-    sum over fetches) and the gauge ``ccft_prefix_pool_up`` (0 while the pool is skipped after a failure).
+    sum over fetches: one per lookup that reached the pool, however many blocks it fetched) and the gauge
+    ``ccft_prefix_pool_up`` (0 while the pool is skipped after a failure).
     """
 
     SCHEDULER_COUNTERS = (

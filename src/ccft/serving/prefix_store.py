@@ -38,7 +38,7 @@ the chain's parent was missing), ``evicted_blocks`` / ``evicted_bytes``, ``block
 ``bytes_in_use``, ``referenced_blocks``, ``budget_bytes``.
 
 Pool. With a ``pool`` (``ccft.serving.prefix_pool.PrefixPool``, issue 36) a lookup that runs out of
-local blocks asks the pool for the next ones of the chain, in order, and stores each block it gets
+local blocks asks the pool for the rest of the chain (one ``fetch_chain`` call), and stores each block it gets
 here before it is served (the chain stops at the first block the pool lacks, or that does not fit
 the budget); every block ``insert`` stores is published to the pool. ``hit_blocks`` counts blocks
 served from either place, ``pool_hit_blocks`` those that came from the pool (``stats()["pool"]``
@@ -168,15 +168,17 @@ class PrefixKVStore:
             parent = blk
         for blk in found:  # referenced before the pool's blocks take room: making it never evicts them
             blk.refs += 1
-        if self.pool is not None:  # the local chain ends: continue it from the pool, block by block
-            for i in range(len(found), len(keys)):
-                tokens = self._tokens(token_ids, i)
-                kv = self.pool.fetch(keys[i], str(producer), dtype, self.block_tokens, i, tokens)
-                blk = (
-                    None
-                    if kv is None
-                    else self._add(keys[i], parent, i, tokens, producer, dtype, *kv, copy=False)
-                )
+        if self.pool is not None and len(found) < len(
+            keys
+        ):  # the local chain ends: continue it from the pool
+            first = len(found)
+            tokens = [self._tokens(token_ids, i) for i in range(first, len(keys))]
+            fetched = self.pool.fetch_chain(
+                keys[first:], str(producer), dtype, self.block_tokens, first, tokens
+            )
+            for j, kv in enumerate(fetched):
+                i = first + j
+                blk = self._add(keys[i], parent, i, tokens[j], producer, dtype, *kv, copy=False)
                 if blk is None:
                     break
                 self.pool_hit_blocks += 1
