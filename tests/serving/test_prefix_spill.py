@@ -245,15 +245,17 @@ def _run(sched, reqs):
     return [t.result.token_ids for t in tickets]
 
 
-def test_scheduler_with_a_spilling_store_answers_like_one_without_a_budget(world, prompt, tmp_path):
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole", "chunked"])
+def test_scheduler_with_a_spilling_store_answers_like_one_without_a_budget(world, prompt, tmp_path, chunk):
     """Session A's context, then B's (which pushes A's blocks out of a store that holds one context, onto
     disk), then A's again: its 8 blocks are read back from disk (no context token prefilled), and every
-    answer equals the one of a scheduler whose store has no budget."""
+    answer equals the one of a scheduler whose store has no budget (whole and chunked prefills)."""
     base, decs = world
     per_block = bytes_per_token(base.config, F32) * 4
     spill = DiskSpill(tmp_path, 1 << 30)
-    tight = Scheduler(_engine(base, decs), store=PrefixKVStore(4, budget_bytes=8 * per_block, spill=spill))
-    roomy = Scheduler(_engine(base, decs), store=PrefixKVStore(4))
+    store = PrefixKVStore(4, budget_bytes=8 * per_block, spill=spill)
+    tight = Scheduler(_engine(base, decs), store=store, prefill_chunk_tokens=chunk)
+    roomy = Scheduler(_engine(base, decs), store=PrefixKVStore(4), prefill_chunk_tokens=chunk)
     turns = [_turn(prompt, 0, "a"), _turn(prompt, 3, "b"), _turn(prompt, 0, "a2")]
     for i, reqs in enumerate(turns):
         before = tight.counters["prefill_tokens"]
@@ -265,6 +267,14 @@ def test_scheduler_with_a_spilling_store_answers_like_one_without_a_budget(world
     assert tight.counters["prefix_hit_tokens"] == roomy.counters["prefix_hit_tokens"] == 32
     assert roomy.store.evicted_blocks == 0 and st["evicted_blocks"] >= 8
     assert st["spill"]["errors"] == {"corrupt": 0, "mismatch": 0, "io": 0}
+    # the blocks read back from disk hold, bit for bit, the K/V the roomy store computed and kept
+    ctx = prompt[:32]
+    back, kept = tight.store.match(base.fingerprint, F32, ctx), roomy.store.match(base.fingerprint, F32, ctx)
+    assert len(back) == len(kept) == 8 and tight.store.spill_hit_blocks == 8  # in memory again, no new read
+    for x, y in zip(back, kept):
+        assert torch.equal(x.k, y.k) and torch.equal(x.v, y.v)
+    tight.store.release(back)
+    roomy.store.release(kept)
     spill.close()
 
 
