@@ -96,6 +96,20 @@ def add_parser(sub) -> None:
         help="--prefix-pool ray: MiB of blocks the pool's directory keeps (least recently used evicted)",
     )
     p.add_argument(
+        "--prefix-spill-dir",
+        default=None,
+        metavar="DIR",
+        help="spill prefix store blocks evicted from memory to files in DIR (the `ccft precompute` shard "
+        "format) and read them back before prefilling or asking the pool; one folder per server (with "
+        "--replicas N each replica takes DIR/replica-<i>; docs/serving.md)",
+    )
+    p.add_argument(
+        "--prefix-spill-mb",
+        type=float,
+        default=4096.0,
+        help="--prefix-spill-dir: MiB of block files kept (per replica; least recently used deleted)",
+    )
+    p.add_argument(
         "--max-queue", type=int, default=4096, help="queued requests beyond which the server answers 503"
     )
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted")
@@ -336,6 +350,35 @@ def check_prefix_pool(args) -> str | None:
     return kind
 
 
+def check_prefix_spill(args) -> str | None:
+    """Check ``--prefix-spill-dir`` and ``--prefix-spill-mb`` before anything loads (nothing is created);
+    returns the folder (or None).
+
+    Raises:
+        ConfigError: a spill without a prefix store (``--block-tokens 0``), ``--prefix-spill-mb`` ≤ 0, or a
+            folder that is a file, lies under a file or under a folder this user cannot write.
+    """
+    from ccft.core.errors import ConfigError
+    from ccft.core.io import check_output_folder
+
+    folder = getattr(args, "prefix_spill_dir", None)
+    if not folder:
+        return None
+    if not args.block_tokens:
+        raise ConfigError(
+            f"--prefix-spill-dir {folder} holds blocks the prefix store evicts, and --block-tokens 0 turns "
+            "the store off; give --block-tokens N (N ≥ 1) or drop --prefix-spill-dir"
+        )
+    mb = getattr(args, "prefix_spill_mb", 4096.0)
+    if not mb > 0:
+        raise ConfigError(
+            f"--prefix-spill-mb {mb:g}: use a positive size in MiB (the block files kept in "
+            "--prefix-spill-dir), or drop --prefix-spill-dir"
+        )
+    check_output_folder(folder, "--prefix-spill-dir")
+    return folder
+
+
 def build_scheduler(args):
     """(scheduler, tokenizer) from ``ccft serve`` arguments."""
     import torch
@@ -346,6 +389,7 @@ def build_scheduler(args):
 
     prefix_arena_tokens(args, None)  # a bad value fails before the model is loaded
     check_prefix_pool(args)  # so does a bad --prefix-pool
+    check_prefix_spill(args)  # and a bad --prefix-spill-dir
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device
@@ -375,8 +419,14 @@ def build_scheduler(args):
                 device=device,
                 background=True,  # a prefill does not wait for the pool to take its blocks
             )
+        spill = None
+        if getattr(args, "prefix_spill_dir", None):
+            from ccft.serving.prefix_spill import DiskSpill
+
+            new = DiskSpill.claim if getattr(args, "replicas", 0) else DiskSpill
+            spill = new(args.prefix_spill_dir, int(args.prefix_spill_mb * 2**20), device=device)
         store = PrefixKVStore(
-            block_tokens=args.block_tokens, budget_bytes=None, pool=pool
+            block_tokens=args.block_tokens, budget_bytes=None, pool=pool, spill=spill
         )  # the scheduler's budget covers it
     budget = None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20)
     scheduler = Scheduler(
@@ -423,7 +473,8 @@ def run(args) -> int:
         f"ccft serve: models {names} on http://{args.host}:{args.port} "
         f"({'shared prefill' if scheduler.share else 'no sharing'}, "
         f"{'prefix store' if scheduler.store is not None else 'no prefix store'}{fixed}"
-        f"{f', prefix pool {args.prefix_pool}' if getattr(args, 'prefix_pool', None) else ''})",
+        f"{f', prefix pool {args.prefix_pool}' if getattr(args, 'prefix_pool', None) else ''}"
+        f"{f', prefix spill {args.prefix_spill_dir}' if getattr(args, 'prefix_spill_dir', None) else ''})",
         file=sys.stderr,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -471,6 +522,7 @@ def ray_app(args):
     _decoders(args.decoder)  # bad --decoder specs fail before Ray starts
     prefix_arena_tokens(args, None)  # so does a bad --max-prefix-tokens (each replica sizes its arena by it)
     check_prefix_pool(args)  # and a bad --prefix-pool
+    check_prefix_spill(args)  # and a bad --prefix-spill-dir
     options = router_options(args)
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb else None
     return build_app(

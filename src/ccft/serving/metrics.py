@@ -55,6 +55,13 @@ class ServerMetrics:
     (``unavailable``, ``corrupt``, ``mismatch``), the summary ``ccft_prefix_pool_fetch_seconds`` (count and
     sum over fetches: one per lookup that reached the pool, however many blocks it fetched) and the gauge
     ``ccft_prefix_pool_up`` (0 while the pool is skipped after a failure).
+    With a disk spill (``ccft serve --prefix-spill-dir``; ``ccft.serving.prefix_spill``): counters
+    ``ccft_prefix_spill_spilled_blocks_total`` / ``_spilled_bytes_total`` (evicted blocks written),
+    ``_hit_blocks_total`` / ``_miss_blocks_total`` (blocks looked up on disk), ``_read_bytes_total``,
+    ``_evicted_blocks_total`` (files deleted past the capacity), ``ccft_prefix_spill_errors_total{kind}``
+    (``corrupt``, ``mismatch``, ``io``), the summaries ``ccft_prefix_spill_write_seconds`` and
+    ``_read_seconds`` (count and sum) and the gauges ``ccft_prefix_spill_bytes`` (bytes of block files on
+    disk) and ``ccft_prefix_spill_blocks``.
     """
 
     SCHEDULER_COUNTERS = (
@@ -166,6 +173,37 @@ def _pool_metrics(pool):
     yield GaugeMetricFamily("ccft_prefix_pool_up", "1 while the prefix pool is used", value=float(st["up"]))
 
 
+def _spill_metrics(spill):
+    """The disk spill tier's counters (``DiskSpill.stats``) as metric families."""
+    st = spill.stats()
+    for name, doc in (
+        ("spilled_blocks", "Blocks evicted from the prefix store and written to disk"),
+        ("spilled_bytes", "Bytes of block files written to disk"),
+        ("hit_blocks", "Blocks read back from the disk spill"),
+        ("miss_blocks", "Blocks looked up on the disk spill and not found (or unusable)"),
+        ("read_bytes", "Bytes of block files read from disk"),
+        ("evicted_blocks", "Block files deleted past the disk spill's capacity"),
+    ):
+        c = CounterMetricFamily(f"ccft_prefix_spill_{name}", doc)
+        c.add_metric([], float(st[name]))
+        yield c
+    errors = CounterMetricFamily("ccft_prefix_spill_errors", "Disk spill errors by kind", labels=["kind"])
+    for kind, n in sorted(st["errors"].items()):
+        errors.add_metric([kind], float(n))
+    yield errors
+    for op in ("write", "read"):
+        yield SummaryMetricFamily(
+            f"ccft_prefix_spill_{op}_seconds",
+            f"Seconds per disk spill {op}",
+            count_value=st[f"{op}s"],
+            sum_value=st[f"{op}_seconds"],
+        )
+    yield GaugeMetricFamily(
+        "ccft_prefix_spill_bytes", "Bytes of block files on disk", value=st["bytes_on_disk"]
+    )
+    yield GaugeMetricFamily("ccft_prefix_spill_blocks", "Block files on disk", value=st["blocks"])
+
+
 class _SchedulerCollector:
     """Scheduler gauges and counters, read when /metrics is scraped."""
 
@@ -206,6 +244,9 @@ class _SchedulerCollector:
         pool = getattr(s.store, "pool", None) if s.store is not None else None
         if pool is not None:
             yield from _pool_metrics(pool)
+        spill = getattr(s.store, "spill", None) if s.store is not None else None
+        if spill is not None:
+            yield from _spill_metrics(spill)
         for name in self.names:
             c = CounterMetricFamily(f"ccft_scheduler_{name}", f"Scheduler counter {name!r}")
             c.add_metric([], float(counters.get(name, 0)))

@@ -44,6 +44,14 @@ the budget); every block ``insert`` stores is published to the pool. ``hit_block
 served from either place, ``pool_hit_blocks`` those that came from the pool (``stats()["pool"]``
 holds the pool tier's own counters).
 
+Spill. With a ``spill`` (``ccft.serving.prefix_spill.DiskSpill``: local disk, the ``ccft precompute`` shard
+format) every block ``evict`` drops is written there first (unless it is there already), and a lookup
+whose local chain ends reads the next blocks of the chain from disk, in order, storing each here like a
+pool block, before it asks the pool. ``spilled_blocks`` counts the evicted blocks written,
+``spill_hit_blocks`` the blocks served from disk (also in ``hit_blocks``); ``stats()["spill"]`` holds the
+disk tier's own counters (errors, bytes on disk). ``forget`` deletes the producer's files too; ``clear``
+leaves the disk alone.
+
 Not thread-safe: one scheduler thread calls it.
 """
 
@@ -106,11 +114,13 @@ class PrefixKVStore:
         pool: a ``ccft.serving.prefix_pool.PrefixPool`` shared with other stores (None: none). ``match``
             continues a local chain with blocks fetched from it (stored here like inserted ones) and
             ``insert`` publishes the blocks it stores (module docstring, "Pool").
+        spill: a ``ccft.serving.prefix_spill.DiskSpill`` (None: none). ``evict`` writes the blocks it drops
+            there and ``match`` continues a local chain from it before the pool (module docstring, "Spill").
     Raises:
         ConfigError: ``block_tokens < 1`` or a negative budget.
     """
 
-    def __init__(self, block_tokens: int = 16, budget_bytes: int | None = None, pool=None):
+    def __init__(self, block_tokens: int = 16, budget_bytes: int | None = None, pool=None, spill=None):
         if int(block_tokens) < 1:
             raise ConfigError(f"block_tokens={block_tokens}; it must be ≥ 1")
         if budget_bytes is not None and int(budget_bytes) < 0:
@@ -120,6 +130,7 @@ class PrefixKVStore:
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()  # LRU first, MRU last
         self.bytes_in_use = 0
         self.pool = pool
+        self.spill = spill
         self.reset_stats()
 
     # ------------------------------------------------------------------ keys
@@ -168,9 +179,9 @@ class PrefixKVStore:
             parent = blk
         for blk in found:  # referenced before the pool's blocks take room: making it never evicts them
             blk.refs += 1
-        if self.pool is not None and len(found) < len(
-            keys
-        ):  # the local chain ends: continue it from the pool
+        if self.spill is not None:  # the DRAM chain ends: continue it from local disk, then the pool
+            parent = self._from_spill(keys, token_ids, producer, dtype, found, parent)
+        if self.pool is not None and len(found) < len(keys):  # then from the pool, in one call
             first = len(found)
             tokens = [self._tokens(token_ids, i) for i in range(first, len(keys))]
             fetched = self.pool.fetch_chain(
@@ -193,6 +204,34 @@ class PrefixKVStore:
         self.hit_tokens += len(found) * self.block_tokens
         self.miss_tokens += (len(keys) - len(found)) * self.block_tokens
         return found
+
+    def _from_spill(
+        self,
+        keys: list[bytes],
+        token_ids: Sequence[int],
+        producer: str,
+        dtype: torch.dtype,
+        found: list[Block],
+        parent: Block | None,
+    ) -> Block | None:
+        """Extend ``found`` (blocks ``0..len(found)-1``, referenced) with the next blocks of the chain read
+        from ``spill``, each stored here (``copy=False``) and referenced; stops at the first block the disk
+        lacks, refuses (a bad file) or that does not fit the budget. Returns the chain's last block."""
+        for i in range(len(found), len(keys)):
+            tokens = self._tokens(token_ids, i)
+            kv = self.spill.get(keys[i], str(producer), dtype, self.block_tokens, i, tokens)
+            blk = (
+                None
+                if kv is None
+                else self._add(keys[i], parent, i, tokens, producer, dtype, *kv, copy=False)
+            )
+            if blk is None:
+                break
+            self.spill_hit_blocks += 1
+            blk.refs += 1
+            found.append(blk)
+            parent = blk
+        return parent
 
     def insert(
         self,
@@ -311,7 +350,8 @@ class PrefixKVStore:
             blk.refs -= 1
 
     def evict(self, bytes_needed: int) -> int:
-        """Evict unreferenced leaf blocks, least recently used first, until ``bytes_needed`` are freed.
+        """Evict unreferenced leaf blocks, least recently used first, until ``bytes_needed`` are freed; with a
+        ``spill`` each one is written to disk first (unless it is there; module docstring, "Spill").
 
         Returns:
             bytes freed (less than asked when every remaining block is referenced or has a
@@ -322,6 +362,8 @@ class PrefixKVStore:
             victim = next((blk for blk in self._blocks.values() if blk.refs == 0 and blk.children == 0), None)
             if victim is None:
                 break
+            if self.spill is not None:  # to local disk instead of lost (unless it is there already)
+                self._spill(victim)
             freed += self._drop(victim)
             self.evicted_blocks += 1
             self.evicted_bytes += victim.nbytes
@@ -341,6 +383,8 @@ class PrefixKVStore:
             blk.stored = False
             self.bytes_in_use -= blk.nbytes
             freed += blk.nbytes
+        if self.spill is not None:  # its files would never hit again either
+            self.spill.forget(str(producer))
         return freed
 
     def clear(self) -> None:
@@ -355,7 +399,7 @@ class PrefixKVStore:
         """Zero the hit / miss / insert / eviction counters."""
         self.lookups = self.hit_blocks = self.miss_blocks = self.hit_tokens = self.miss_tokens = 0
         self.inserted_blocks = self.skipped_blocks = self.evicted_blocks = self.evicted_bytes = 0
-        self.pool_hit_blocks = 0
+        self.pool_hit_blocks = self.spill_hit_blocks = self.spilled_blocks = 0
 
     # ------------------------------------------------------------------ internals
     def _drop(self, blk: Block) -> int:
@@ -365,6 +409,11 @@ class PrefixKVStore:
             blk.parent.children -= 1
         self.bytes_in_use -= blk.nbytes
         return blk.nbytes
+
+    def _spill(self, blk: Block) -> None:
+        b = self.block_tokens
+        if self.spill.put(blk.key, blk.producer, blk.dtype, b, blk.index, blk.tokens, blk.k, blk.v):
+            self.spilled_blocks += 1
 
     def _touch(self, blk: Block | None) -> None:
         """Mark ``blk`` and its ancestors most recently used (ancestors after, so never older)."""
@@ -409,7 +458,10 @@ class PrefixKVStore:
             "evicted_blocks": self.evicted_blocks,
             "evicted_bytes": self.evicted_bytes,
             "pool_hit_blocks": self.pool_hit_blocks,
+            "spilled_blocks": self.spilled_blocks,
+            "spill_hit_blocks": self.spill_hit_blocks,
             **({"pool": self.pool.stats()} if self.pool is not None else {}),
+            **({"spill": self.spill.stats()} if self.spill is not None else {}),
         }
 
     def __repr__(self) -> str:

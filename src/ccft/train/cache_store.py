@@ -375,6 +375,24 @@ def _write_manifest(path: Path, manifest: dict) -> None:
     atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=1))
 
 
+def write_shard(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Write one shard of this format atomically (``ccft.core.io.atomic_write_file``): the safetensors file
+    of ``tensors`` (``"<key>.k"``, ``"<key>.v"``, ...: contiguous CPU tensors) with ``metadata`` (str → str)
+    and ``"format": FORMAT``. Also the file format of the prefix store's disk tier
+    (``ccft.serving.prefix_spill``).
+
+    Returns:
+        the file's size in bytes.
+    Raises:
+        OSError: the folder cannot be written (no space, permissions).
+    """
+    from safetensors.torch import save_file
+
+    meta = {"format": FORMAT, **{str(k): str(v) for k, v in metadata.items()}}
+    path = atomic_write_file(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    return path.stat().st_size
+
+
 def check_shards(path: Path, manifest: dict, *, verify: str = "sha256") -> list[str]:
     """Names of shards that are missing, of the wrong size, fail their sha256 (``verify="sha256"``) or
     cannot be opened."""
@@ -505,18 +523,9 @@ def precompute(
         nonlocal next_id, pending, pending_keys, pending_bytes
         if not pending:
             return
-        from safetensors.torch import save_file
-
         name = f"shard-{next_id:05d}.safetensors"
         next_id += 1
-        atomic_write_file(
-            path / name,
-            lambda tmp: save_file(
-                pending,
-                tmp,
-                metadata={"format": FORMAT, "fingerprint": base.fingerprint, "cache_format": cache_format},
-            ),
-        )
+        write_shard(path / name, pending, {"fingerprint": base.fingerprint, "cache_format": cache_format})
         manifest["shards"][name] = {
             "bytes": (path / name).stat().st_size,
             "sha256": _sha256(path / name),
@@ -626,4 +635,7 @@ __all__ = [
     "kv_shape",
     "check_shards",
     "check_free_space",
+    "write_shard",
+    "DTYPE_NAMES",
+    "FORMAT",
 ]
