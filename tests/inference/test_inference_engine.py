@@ -156,6 +156,10 @@ def test_tail_logits_equal_decoder_forward(tiny_dir, prompts, handoff):
             ref = _forced_logits(base, None if name == "base" else decs[name], cache, tails)
             real = mask.bool()
             torch.testing.assert_close(got[real], ref[real], atol=ATOL, rtol=0)
+            keep = real & (torch.rand(real.shape, generator=g) < 0.6)  # some real positions only
+            kept = eng.tail_logits(h, rows, ids, mask, decoder=name, keep=keep)
+            assert 0 < keep.sum() < real.sum() and kept.shape == (int(keep.sum()), got.shape[-1])
+            torch.testing.assert_close(kept, got[keep], atol=1e-5, rtol=0)  # row-major, the same logits
         got = eng.tail_logits(own, rows, ids, mask, decoder="full")
         with torch.no_grad():
             ref = ccft.decoder_forward(full, own.to_base_cache().select(rows), ids, mask, allow_self=True)

@@ -27,7 +27,7 @@ from ccft.core.modes import check_mode
 from ccft.core.tokens import pad_token_id, tokenize_response
 from ccft.evals.prompting import PromptFormat, prompt_ids
 from ccft.evals.protocol import item_id, task_name
-from ccft.evals.sharing import row_nlls
+from ccft.evals.sharing import kept_row_nlls, row_nlls, scored_positions
 from ccft.train.data import Collator, Example
 
 __all__ = ["Prepared", "batch_nll", "prepare", "prompt_hash"]
@@ -221,5 +221,8 @@ def handle_nll(
     batch = Collator(pad_token_id(engine.tokenizer), k)(
         [Example(tuple(p), tuple(r)) for p, r in zip(prompts, responses, strict=True)]
     )
-    logits = engine.tail_logits(handle, rows, batch["tail_ids"], batch["tail_mask"], decoder=decoder)
-    return row_nlls(logits, batch["labels"].to(logits.device))
+    labels = batch["labels"]
+    logits = engine.tail_logits(  # the scored positions' logits only (not the padding's vocabulary softmax)
+        handle, rows, batch["tail_ids"], batch["tail_mask"], decoder=decoder, keep=scored_positions(labels)
+    )
+    return kept_row_nlls(logits, labels.to(logits.device))

@@ -219,6 +219,26 @@ def row_nlls(logits: torch.Tensor, labels: torch.Tensor) -> list[tuple[float, in
     return [(float(nll[i].sum()), int(count[i])) for i in range(tgt.shape[0])]
 
 
+def scored_positions(labels: torch.Tensor) -> torch.Tensor:
+    """``(b, t)`` bool: the positions whose logits predict a scored label (``labels[:, j + 1]`` is not
+    ``IGNORE_INDEX``); the ``keep`` of ``SharedPrefillEngine.tail_logits`` for ``kept_row_nlls``."""
+    keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return keep
+
+
+def kept_row_nlls(kept_logits: torch.Tensor, labels: torch.Tensor) -> list[tuple[float, int]]:
+    """``row_nlls`` from the logits of the ``scored_positions(labels)`` only (``(n_kept, V)``, row-major):
+    the same per-position NLLs, summed per row in the same order, without a log-softmax over the vocabulary
+    at the padded and prompt positions."""
+    tgt = labels[:, 1:]
+    scored = tgt != IGNORE_INDEX
+    nll = torch.zeros(tgt.shape, dtype=torch.float32, device=kept_logits.device)
+    nll[scored] = torch.nn.functional.cross_entropy(kept_logits.float(), tgt[scored], reduction="none")
+    count = scored.sum(-1)
+    return [(float(nll[i].sum()), int(count[i])) for i in range(tgt.shape[0])]
+
+
 @torch.no_grad()
 def shared_generate(
     base,
@@ -274,6 +294,8 @@ __all__ = [
     "ragged_prefill",
     "recompute_tokens",
     "row_nlls",
+    "scored_positions",
+    "kept_row_nlls",
     "shared_forward",
     "shared_generate",
     "shared_layer_list",

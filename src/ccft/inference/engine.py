@@ -806,6 +806,7 @@ class SharedPrefillEngine:
         tail_mask: torch.Tensor,
         *,
         decoder: str = BASE,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Teacher-forced logits of ``decoder`` over given tails on ``rows`` of ``handle`` (one batched
         forward).
@@ -819,8 +820,9 @@ class SharedPrefillEngine:
         Args:
             rows: b row indices of the handle.  tail_ids, tail_mask: ``(b, t)`` right-padded tails.
             decoder: a registered decoder (``"base"``: the base) allowed to read the handle.
+            keep: ``(b, t)`` bool: return only these positions' logits (e.g. the scored ones of a reference).
         Returns:
-            logits ``(b, t, V)`` in the lane's dtype.
+            logits ``(b, t, V)`` in the lane's dtype; with ``keep``, ``(keep.sum(), V)`` in row-major order.
         Raises:
             ConfigError / FingerprintMismatchError: as ``add_request`` for a handle the decoder may not
             read; a row out of range or tails not shaped ``(len(rows), t)``.
@@ -850,6 +852,7 @@ class SharedPrefillEngine:
             lambda i: handle.layer_values(i, own).index_select(0, index),
             prefix_real,
             prod.lora,
+            keep=None if keep is None else keep.to(self.device),
         )
 
     @_inference

@@ -242,9 +242,12 @@ def tail_forward(
     prefix_v,
     prefix_real: torch.Tensor,
     lora: LoraPlan = NO_LORA,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits ``(b, t, V)`` of the lane over right-padded tails that follow prefixes already in K/V form
-    (teacher forcing; the decoder-side forward of ``ccft.core.decoder.decoder_forward``, batched).
+    (teacher forcing; the decoder-side forward of ``ccft.core.decoder.decoder_forward``, batched); with
+    ``keep`` (``(b, t)`` bool), only the logits of the kept positions, ``(n_kept, V)`` in row-major order
+    (the LM head and what reads its output, e.g. a cross-entropy over a 49k vocabulary, skip the rest).
 
     Args:
         tail_ids, tail_mask: ``(b, t)`` right-padded tail ids and mask.  starts: ``(b,)`` RoPE position of
@@ -277,6 +280,8 @@ def tail_forward(
         )
         x = _residual(x, o.transpose(1, 2).reshape(b, t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
         x = _mlp(x, lw, i, lora)
+    if keep is not None:
+        return logits_of(x[keep][None], lw)[0]
     return logits_of(x, lw)
 
 
