@@ -628,3 +628,76 @@ def test_ray_serve_replicas_share_a_context_through_the_pool(tmp_path, tokenizer
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_serve_prefix_router_moves_a_session_to_a_pool_fetch(tmp_path, tokenizer, gsm8k_rows):
+    """``ccft serve --replicas 2 --router prefix --prefix-pool ray``: a session's replica is killed (Ray Serve
+    starts a replacement); the session's next request lands on a replica whose store never saw the context
+    (the other one, or the replacement): it copies every full block of the context from the pool instead of
+    prefilling it (its ``/metrics``: pool hits = the context's blocks), and answers an offline engine's
+    tokens, before and after the move."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    httpx = pytest.importorskip("httpx", reason="the serve extra is not installed")
+    from ray import serve
+
+    from ccft.cli.main import build_parser
+    from ccft.cli.serve import ray_app
+    from ccft.serving.ray_serve import REPLICA_HEADER, SESSION_HEADER, replica_actor
+
+    folder = make_tiny_folder(tmp_path / "base", tokenizer, seed=17, scale=8.0)
+    ccft.save_decoder(make_lora(ccft.load_base(str(folder)), "math", 37, 4), tmp_path / "math")
+    engine = ccft.SharedPrefillEngine(ccft.load_base(str(folder)), decoders={"math": str(tmp_path / "math")})
+    ids = tokenize_prompt(tokenizer, gsm8k_rows[5]["prompt"], chat_template=False)[:41]
+    with engine.prefill([ids]) as h:
+        (ref,) = engine.generate(h, decoder="math", max_new_tokens=8)
+    blocks = (len(ids) - 1) // 4  # the context (handoff k = 1) in full blocks of 4
+    argv = ["serve", "--model", str(folder), "--threads", "1", "--replicas", "2", "--router", "prefix"]
+    argv += ["--prefix-pool", "ray", "--block-tokens", "4", f"--decoder=math={tmp_path / 'math'}"]
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(ray_app(build_parser().parse_args(argv)), name="ccft", route_prefix="/")
+        body = {"model": "math", "prompt": ids, "max_tokens": 8, "return_token_ids": True, "session_id": "s"}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300.0) as client:
+
+            def pool_lines():  # the /metrics of the replica the session "s" is routed to
+                r = client.get("/metrics", headers={SESSION_HEADER: "s"})
+                assert r.status_code == 200, r.text
+                return r.headers[REPLICA_HEADER], {
+                    ln.split(" ")[0]: float(ln.split(" ")[1])
+                    for ln in r.text.splitlines()
+                    if ln.startswith("ccft_prefix_pool")
+                }
+
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == ref.token_ids
+            home = r.headers[REPLICA_HEADER]
+            directory = P.RayBlockPool()  # the replicas' pool (a named actor): wait for the publisher thread
+            for _ in range(3000):  # (against hangs only; nothing asserts on time)
+                if directory.stats().get("blocks") == blocks:
+                    break
+                time.sleep(0.1)
+            assert directory.stats().get("blocks") == blocks
+            replica, lines = pool_lines()
+            assert replica == home and lines["ccft_prefix_pool_published_blocks_total"] == blocks
+            ray.kill(replica_actor(home), no_restart=True)  # Ray Serve starts a replacement
+            for _ in range(3000):  # the next request of the session, once a live replica answers it
+                r = client.post("/v1/completions", json=body)
+                if r.status_code == 200:
+                    break
+                time.sleep(0.1)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == ref.token_ids
+            moved = r.headers[REPLICA_HEADER]
+            assert moved != home
+            replica, lines = pool_lines()
+            assert replica == moved  # the session is pinned on its new replica
+            assert lines["ccft_prefix_pool_hit_blocks_total"] == blocks  # fetched, not prefilled
+            assert lines["ccft_prefix_pool_published_blocks_total"] == 0  # nothing of it was computed there
+    finally:
+        serve.shutdown()
+        ray.shutdown()
