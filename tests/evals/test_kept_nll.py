@@ -1,11 +1,11 @@
-"""NLL from the scored positions' logits only (``ccft.evals.sharing.scored_positions`` / ``kept_row_nlls``, what
-``ccft.evals.scoring.handle_nll`` reads from ``SharedPrefillEngine.tail_logits(keep=...)``) == ``row_nlls`` over
-the whole ``(b, t, V)`` logits: the same per-row sums and token counts."""
+"""NLL from the scored positions' logits only (``ccft.evals.sharing.scored_positions`` / ``kept_row_nlls``,
+what ``ccft.evals.scoring.handle_nll`` reads from ``SharedPrefillEngine.tail_logits(keep=...)``) ==
+``row_nlls`` over the whole ``(b, t, V)`` logits: the same per-row sums and token counts."""
 
 import torch
 
-from ccft.evals.sharing import kept_row_nlls, row_nlls, scored_positions
 from ccft.core.tokens import IGNORE_INDEX
+from ccft.evals.sharing import kept_row_nlls, row_nlls, scored_positions
 
 
 def test_kept_row_nlls_equal_row_nlls():

@@ -533,20 +533,6 @@ class PrefixPool:
         if was:
             log.warning("prefix pool (%s) reachable again", self.backend.name)
 
-    def fetch(
-        self,
-        chain_key: bytes,
-        producer: str,
-        dtype: torch.dtype,
-        block_tokens: int,
-        index: int,
-        tokens: Sequence[int],
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(k, v)`` of one block from the pool, ``(L, h, block_tokens, d)`` on ``device``; None on a miss, a
-        bad value (counted as an error) or a pool that is down (``fetch_chain`` of one block)."""
-        got = self.fetch_chain([chain_key], producer, dtype, block_tokens, index, [tokens])
-        return got[0] if got else None
-
     def fetch_chain(
         self,
         chain_keys: Sequence[bytes],
