@@ -179,23 +179,24 @@ class PrefixKVStore:
             parent = blk
         for blk in found:  # referenced before the pool's blocks take room: making it never evicts them
             blk.refs += 1
-        if self.spill is not None:  # the DRAM chain ends: continue it from local disk, then the pool
-            parent = self._from_spill(keys, token_ids, producer, dtype, found, parent)
+        if self.spill is not None:  # the DRAM chain ends: continue it from local disk, block by block
+            first = len(found)
+            from_disk = (
+                self.spill.get(
+                    keys[i], str(producer), dtype, self.block_tokens, i, self._tokens(token_ids, i)
+                )
+                for i in range(first, len(keys))
+            )
+            parent = self._extend(keys, token_ids, producer, dtype, found, parent, from_disk)
+            self.spill_hit_blocks += len(found) - first
         if self.pool is not None and len(found) < len(keys):  # then from the pool, in one call
             first = len(found)
             tokens = [self._tokens(token_ids, i) for i in range(first, len(keys))]
             fetched = self.pool.fetch_chain(
                 keys[first:], str(producer), dtype, self.block_tokens, first, tokens
             )
-            for j, kv in enumerate(fetched):
-                i = first + j
-                blk = self._add(keys[i], parent, i, tokens[j], producer, dtype, *kv, copy=False)
-                if blk is None:
-                    break
-                self.pool_hit_blocks += 1
-                blk.refs += 1
-                found.append(blk)
-                parent = blk
+            parent = self._extend(keys, token_ids, producer, dtype, found, parent, fetched)
+            self.pool_hit_blocks += len(found) - first
         if found:
             self._touch(found[-1])
         self.lookups += 1
@@ -205,7 +206,7 @@ class PrefixKVStore:
         self.miss_tokens += (len(keys) - len(found)) * self.block_tokens
         return found
 
-    def _from_spill(
+    def _extend(
         self,
         keys: list[bytes],
         token_ids: Sequence[int],
@@ -213,13 +214,14 @@ class PrefixKVStore:
         dtype: torch.dtype,
         found: list[Block],
         parent: Block | None,
+        kvs: Iterable[tuple[torch.Tensor, torch.Tensor] | None],
     ) -> Block | None:
-        """Extend ``found`` (blocks ``0..len(found)-1``, referenced) with the next blocks of the chain read
-        from ``spill``, each stored here (``copy=False``) and referenced; stops at the first block the disk
-        lacks, refuses (a bad file) or that does not fit the budget. Returns the chain's last block."""
-        for i in range(len(found), len(keys)):
+        """Extend ``found`` (blocks ``0..len(found)-1``, referenced) with the next blocks of the chain, whose
+        ``(k, v)`` a lower tier gives in order (``kvs``: disk or pool; None: it lacks the block), each stored
+        here (``copy=False``) and referenced; stops at the first block the tier lacks or that does not fit
+        the budget (``kvs`` is not read further). Returns the chain's last block."""
+        for i, kv in zip(range(len(found), len(keys)), kvs):
             tokens = self._tokens(token_ids, i)
-            kv = self.spill.get(keys[i], str(producer), dtype, self.block_tokens, i, tokens)
             blk = (
                 None
                 if kv is None
@@ -227,7 +229,6 @@ class PrefixKVStore:
             )
             if blk is None:
                 break
-            self.spill_hit_blocks += 1
             blk.refs += 1
             found.append(blk)
             parent = blk
