@@ -98,6 +98,9 @@ def test_get_chain_returns_the_longest_present_prefix(backend, monkeypatch):
     assert pool.get_chain([f"key{i}" for i in range(7)]) == [bytes([i]) * 10 for i in range(4)]
     assert pool.get_chain(["key4", "key5"]) == [] and pool.get_chain([]) == []
     assert pool.get_chain(["key5"]) == [bytes([5]) * 10]
+    assert pool.contains_many(["key0", "key4", "key5"]) == [True, False, True]
+    pool.put_many([("key4", b"four"), ("key5", b"not kept")])  # a present key keeps its value
+    assert pool.get_chain(["key4", "key5"]) == [b"four", bytes([5]) * 10]
     shared = P.MemoryBlockPool()
     a, b = PrefixKVStore(4, pool=P.PrefixPool(shared)), PrefixKVStore(4, pool=P.PrefixPool(shared))
     toks = list(range(40))  # 10 blocks
@@ -158,7 +161,7 @@ def test_pool_blocks_fit_the_budget_without_evicting_the_chain():
     b.release(got)
 
 
-def test_background_publishing():
+def test_background_publishing(monkeypatch):
     """``background=True``: insert returns before the pool has the blocks; ``flush`` waits; a queue past
     ``max_pending_bytes`` drops blocks (counted); a pool that is down is skipped by the thread too."""
     server = fakeredis.FakeServer()
@@ -188,6 +191,7 @@ def test_background_publishing():
     small.pool.flush()
     assert small.pool.published_blocks == 2 and small.pool.pending_bytes == 0
     server.connected = False
+    monkeypatch.setattr(P, "PUBLISH_BATCH", 1)  # one block per put: the first fails, the next two are skipped
     down = PrefixKVStore(4, pool=_redis_pool(server, background=True, retry_after_s=3600.0))
     _put(down, "fp3", list(range(12)))
     down.pool.flush()

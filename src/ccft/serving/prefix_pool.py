@@ -32,7 +32,8 @@ ms per 720 KiB block on a 2-core CPU, more than the fetch itself; XXH3-128 takes
 Fetching a chain. A lookup asks for the rest of a chain at once (``BlockPool.get_chain``: Redis, pipelined
 GETs, ``FETCH_CHUNK`` keys per round trip; Ray, one directory call for the refs and one ``ray.get`` of the
 blocks, read from the object store's shared memory without a copy), so a moved session's context costs a
-few round trips, not one per block.
+few round trips, not one per block. The background publisher likewise puts what is queued (up to
+``PUBLISH_BATCH`` blocks) with one ``contains_many`` and one ``put_many``.
 
 Faults. A backend that is down or slow (a connection error, or no answer within ``timeout_s``: the
 backends pass it to redis-py's socket timeouts and ``ray.get``) makes the call a miss; the pool is then
@@ -67,6 +68,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "FORMAT",
     "FETCH_CHUNK",
+    "PUBLISH_BATCH",
     "BlockPool",
     "MemoryBlockPool",
     "RedisBlockPool",
@@ -85,6 +87,8 @@ MAGIC = b"CCFTKV2\n"
 _DIGEST = 16
 #: keys per round trip when a lookup fetches the rest of a chain (``BlockPool.get_chain``)
 FETCH_CHUNK = 16
+#: the most queued blocks the background publisher puts in one ``contains_many`` + ``put_many``
+PUBLISH_BATCH = 16
 #: the Ray directory actor's name and namespace (one per Ray cluster)
 RAY_DIRECTORY = "ccft-prefix-pool"
 RAY_NAMESPACE = "ccft"
@@ -222,6 +226,15 @@ class BlockPool:
     def contains(self, key: str) -> bool:
         raise NotImplementedError
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``contains`` of each key (backends override it to ask in one round trip)."""
+        return [self.contains(key) for key in keys]
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """``put`` of each ``(key, value)`` (backends override it to write in one round trip)."""
+        for key, value in items:
+            self.put(key, value)
+
     def stats(self) -> dict:
         """Backend-side figures (what this backend can tell cheaply); a plain dict."""
         return {"backend": self.name}
@@ -333,6 +346,23 @@ class RedisBlockPool(BlockPool):
     def contains(self, key: str) -> bool:
         return bool(self._call(self.client.exists, "ccft:" + key))
 
+    def _pipelined(self, calls) -> list:
+        def run():
+            pipe = self.client.pipeline(transaction=False)
+            for fn, args, kwargs in calls(pipe):
+                fn(*args, **kwargs)
+            return pipe.execute()
+
+        return self._call(run)
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Pipelined EXISTS (one round trip)."""
+        return [bool(x) for x in self._pipelined(lambda p: [(p.exists, ("ccft:" + k,), {}) for k in keys])]
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Pipelined ``SET NX`` (one round trip)."""
+        self._pipelined(lambda p: [(p.set, ("ccft:" + k, v), {"nx": True}) for k, v in items])
+
 
 class _RayDirectory:
     """The Ray actor behind ``RayBlockPool``: ``key → [ObjectRef]`` in LRU order, evicted past a byte
@@ -380,6 +410,13 @@ class _RayDirectory:
 
     def contains(self, key: str) -> bool:
         return key in self.entries
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        return [key in self.entries for key in keys]
+
+    def register_many(self, items: list) -> int:
+        """``register`` of each ``(key, value)``; the number put."""
+        return sum(self.register(key, value) for key, value in items)
 
     def stats(self) -> dict:
         return {
@@ -445,6 +482,15 @@ class RayBlockPool(BlockPool):
 
     def contains(self, key: str) -> bool:
         return bool(self._get(self.directory.contains.remote(key)))
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """One directory call."""
+        return [bool(x) for x in self._get(self.directory.contains_many.remote(list(keys)))]
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """One directory call (present keys keep their value)."""
+        if items:
+            self._get(self.directory.register_many.remote([(k, bytes(v)) for k, v in items]))
 
     def stats(self) -> dict:
         try:
@@ -628,43 +674,57 @@ class PrefixPool:
         return True
 
     def _publisher(self) -> None:
-        while True:
-            nbytes, item = self._queue.get()
+        while True:  # a block, then whatever else is queued (up to PUBLISH_BATCH): one round trip or two
+            batch = [self._queue.get()]
+            while len(batch) < PUBLISH_BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             try:
                 if self.up:
-                    self._publish(*item)
+                    self._publish_many([item for _, item in batch])
                 else:
-                    self._add("skipped")
+                    self._add("skipped", len(batch))
             except Exception as e:  # noqa: BLE001 - a publish must never take the thread down
-                log.warning("prefix pool: a block was not published: %s: %s", type(e).__name__, e)
+                log.warning("prefix pool: blocks were not published: %s: %s", type(e).__name__, e)
             finally:
-                self._add("pending_bytes", -nbytes)
-                self._queue.task_done()
+                for nbytes, _ in batch:
+                    self._add("pending_bytes", -nbytes)
+                    self._queue.task_done()
 
     def flush(self) -> None:
         """Wait until every queued block is published (or given up); no-op inline."""
         if self._queue is not None:
             self._queue.join()
 
-    def _publish(self, chain_key, producer, dtype, block_tokens, index, tokens, k, v) -> bool:
-        key = self.key(chain_key, producer, dtype)
+    def _publish(self, *item) -> bool:
+        return self._publish_many([item]) == 1
+
+    def _publish_many(self, items) -> int:
+        """Put the blocks the pool lacks (one ``contains_many`` and one ``put_many``); the number put."""
+        keys = [self.key(chain_key, producer, dtype) for chain_key, producer, dtype, *_ in items]
         t0 = time.perf_counter()
         try:
-            if self.backend.contains(key):
-                self._add("present_blocks")
-                return False
-            value = encode_block(producer, dtype, block_tokens, index, tokens, k, v)
-            self.backend.put(key, value)
+            present = self.backend.contains_many(keys)
+            values = [
+                (key, encode_block(*item[1:]))
+                for key, item, there in zip(keys, items, present, strict=True)
+                if not there
+            ]
+            if values:
+                self.backend.put_many(values)
         except PoolUnavailableError as e:
             self._failed(e)
-            return False
+            return 0
         finally:
             self._add("publish_seconds", time.perf_counter() - t0)
         self._recovered()
         with self._lock:
-            self.published_blocks += 1
-            self.published_bytes += len(value)
-        return True
+            self.present_blocks += len(items) - len(values)
+            self.published_blocks += len(values)
+            self.published_bytes += sum(len(v) for _, v in values)
+        return len(values)
 
     def stats(self) -> dict:
         """The counters (class docstring) and the backend's name; a plain dict (JSON-ready)."""
