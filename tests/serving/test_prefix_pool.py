@@ -14,6 +14,7 @@ the binary is absent).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -569,27 +570,26 @@ def test_real_redis_server_pool_and_its_death(world, prompt):
         proc.wait()
 
 
-@pytest.mark.slow
-def test_ray_serve_replicas_share_a_context_through_the_pool(tmp_path, tokenizer, gsm8k_rows):
-    """``ccft serve --replicas 2 --router round-robin --prefix-pool ray`` on a local Ray: the same prompt sent
-    twice lands on both replicas; the second replica copies the context's blocks from the pool (its
-    ``/metrics`` pool hits = the first's published blocks, no block published twice) and both answers equal
-    an offline engine's."""
+@contextlib.contextmanager
+def _served(tmp_path, tokenizer, prompt_text, n_ids, router, seed, lora_seed):
+    """``ccft serve --replicas 2 --router ROUTER --prefix-pool ray --block-tokens 4`` on a local Ray instance
+    over a tiny base and a LoRA decoder ``math`` saved to folders: yields ``(client, ids, ref)``, an HTTP
+    client of Ray Serve's proxy on 127.0.0.1, a prompt's ids and the offline engine's greedy ``Generation``
+    of 8 tokens for it (the first ``n_ids`` tokens of ``prompt_text``)."""
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     httpx = pytest.importorskip("httpx", reason="the serve extra is not installed")
     from ray import serve
 
     from ccft.cli.main import build_parser
     from ccft.cli.serve import ray_app
-    from ccft.serving.ray_serve import REPLICA_HEADER, SESSION_HEADER
 
-    folder = make_tiny_folder(tmp_path / "base", tokenizer, seed=13, scale=8.0)
-    ccft.save_decoder(make_lora(ccft.load_base(str(folder)), "math", 31, 4), tmp_path / "math")
+    folder = make_tiny_folder(tmp_path / "base", tokenizer, seed=seed, scale=8.0)
+    ccft.save_decoder(make_lora(ccft.load_base(str(folder)), "math", lora_seed, 4), tmp_path / "math")
     engine = ccft.SharedPrefillEngine(ccft.load_base(str(folder)), decoders={"math": str(tmp_path / "math")})
-    ids = tokenize_prompt(tokenizer, gsm8k_rows[3]["prompt"], chat_template=False)[:37]
+    ids = tokenize_prompt(tokenizer, prompt_text, chat_template=False)[:n_ids]
     with engine.prefill([ids]) as h:
         (ref,) = engine.generate(h, decoder="math", max_new_tokens=8)
-    argv = ["serve", "--model", str(folder), "--threads", "1", "--replicas", "2", "--router", "round-robin"]
+    argv = ["serve", "--model", str(folder), "--threads", "1", "--replicas", "2", "--router", router]
     argv += ["--prefix-pool", "ray", "--block-tokens", "4", f"--decoder=math={tmp_path / 'math'}"]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -598,40 +598,66 @@ def test_ray_serve_replicas_share_a_context_through_the_pool(tmp_path, tokenizer
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(ray_app(build_parser().parse_args(argv)), name="ccft", route_prefix="/")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300.0) as client:
-            answered = []
-            for i in range(2):  # round-robin places requests that name a session; two sessions, one context
-                body = {"model": "math", "prompt": ids, "max_tokens": 8, "return_token_ids": True}
-                body["session_id"] = f"moved-{i}"
-                r = client.post("/v1/completions", json=body)
-                assert r.status_code == 200, r.text
-                assert r.json()["choices"][0]["token_ids"] == ref.token_ids
-                answered.append(r.headers[REPLICA_HEADER])
-                directory = (
-                    P.RayBlockPool()
-                )  # the replicas' pool (a named actor): wait for the publisher thread
-                for _ in range(3000):  # (against hangs only; nothing asserts on time)
-                    if directory.stats().get("blocks") == (len(ids) - 1) // 4:
-                        break
-                    time.sleep(0.1)
-            assert answered[0] != answered[1]
-            metrics = {}
-            for i in range(4):  # round-robin: each replica answers a scrape
-                r = client.get("/metrics", headers={SESSION_HEADER: f"scrape-{i}"})
-                metrics[r.headers[REPLICA_HEADER]] = {
-                    ln.split(" ")[0]: float(ln.split(" ")[1])
-                    for ln in r.text.splitlines()
-                    if ln.startswith("ccft_prefix_pool")
-                }
-        first, second = metrics[answered[0]], metrics[answered[1]]
-        blocks = (len(ids) - 1) // 4  # the context (handoff k = 1) in full blocks of 4
-        assert first["ccft_prefix_pool_published_blocks_total"] == blocks
-        assert first["ccft_prefix_pool_hit_blocks_total"] == 0
-        assert second["ccft_prefix_pool_hit_blocks_total"] == blocks
-        assert second["ccft_prefix_pool_published_blocks_total"] == 0
-        assert first["ccft_prefix_pool_up"] == second["ccft_prefix_pool_up"] == 1
+            yield client, ids, ref
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _pool_metrics(client, session):
+    """``(replica, {name: value})``: the ``ccft_prefix_pool*`` lines of the replica of ``session``."""
+    from ccft.serving.ray_serve import REPLICA_HEADER, SESSION_HEADER
+
+    r = client.get("/metrics", headers={SESSION_HEADER: session})
+    assert r.status_code == 200, r.text
+    lines = {
+        ln.split(" ")[0]: float(ln.split(" ")[1])
+        for ln in r.text.splitlines()
+        if ln.startswith("ccft_prefix_pool")
+    }
+    return r.headers[REPLICA_HEADER], lines
+
+
+def _wait_for_pool_blocks(n):
+    """Until the replicas' pool (the named Ray directory) holds n blocks: their publisher threads are done."""
+    directory = P.RayBlockPool()
+    for _ in range(3000):  # (against hangs only; nothing asserts on time)
+        if directory.stats().get("blocks") == n:
+            break
+        time.sleep(0.1)
+    assert directory.stats().get("blocks") == n
+
+
+@pytest.mark.slow
+def test_ray_serve_replicas_share_a_context_through_the_pool(tmp_path, tokenizer, gsm8k_rows):
+    """``ccft serve --replicas 2 --router round-robin --prefix-pool ray`` on a local Ray: the same prompt sent
+    twice lands on both replicas; the second replica copies the context's blocks from the pool (its
+    ``/metrics`` pool hits = the first's published blocks, no block published twice) and both answers equal
+    an offline engine's."""
+    from ccft.serving.ray_serve import REPLICA_HEADER
+
+    with _served(tmp_path, tokenizer, gsm8k_rows[3]["prompt"], 37, "round-robin", 13, 31) as (
+        client,
+        ids,
+        ref,
+    ):
+        blocks = (len(ids) - 1) // 4  # the context (handoff k = 1) in full blocks of 4
+        answered = []
+        for i in range(2):  # round-robin places requests that name a session; two sessions, one context
+            body = {"model": "math", "prompt": ids, "max_tokens": 8, "return_token_ids": True}
+            r = client.post("/v1/completions", json={**body, "session_id": f"moved-{i}"})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == ref.token_ids
+            answered.append(r.headers[REPLICA_HEADER])
+            _wait_for_pool_blocks(blocks)
+        assert answered[0] != answered[1]
+        metrics = dict(_pool_metrics(client, f"scrape-{i}") for i in range(4))  # round-robin: both replicas
+    first, second = metrics[answered[0]], metrics[answered[1]]
+    assert first["ccft_prefix_pool_published_blocks_total"] == blocks
+    assert first["ccft_prefix_pool_hit_blocks_total"] == 0
+    assert second["ccft_prefix_pool_hit_blocks_total"] == blocks
+    assert second["ccft_prefix_pool_published_blocks_total"] == 0
+    assert first["ccft_prefix_pool_up"] == second["ccft_prefix_pool_up"] == 1
 
 
 @pytest.mark.slow
@@ -641,67 +667,31 @@ def test_ray_serve_prefix_router_moves_a_session_to_a_pool_fetch(tmp_path, token
     (the other one, or the replacement): it copies every full block of the context from the pool instead of
     prefilling it (its ``/metrics``: pool hits = the context's blocks), and answers an offline engine's
     tokens, before and after the move."""
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-    httpx = pytest.importorskip("httpx", reason="the serve extra is not installed")
-    from ray import serve
+    import ray
 
-    from ccft.cli.main import build_parser
-    from ccft.cli.serve import ray_app
-    from ccft.serving.ray_serve import REPLICA_HEADER, SESSION_HEADER, replica_actor
+    from ccft.serving.ray_serve import REPLICA_HEADER, replica_actor
 
-    folder = make_tiny_folder(tmp_path / "base", tokenizer, seed=17, scale=8.0)
-    ccft.save_decoder(make_lora(ccft.load_base(str(folder)), "math", 37, 4), tmp_path / "math")
-    engine = ccft.SharedPrefillEngine(ccft.load_base(str(folder)), decoders={"math": str(tmp_path / "math")})
-    ids = tokenize_prompt(tokenizer, gsm8k_rows[5]["prompt"], chat_template=False)[:41]
-    with engine.prefill([ids]) as h:
-        (ref,) = engine.generate(h, decoder="math", max_new_tokens=8)
-    blocks = (len(ids) - 1) // 4  # the context (handoff k = 1) in full blocks of 4
-    argv = ["serve", "--model", str(folder), "--threads", "1", "--replicas", "2", "--router", "prefix"]
-    argv += ["--prefix-pool", "ray", "--block-tokens", "4", f"--decoder=math={tmp_path / 'math'}"]
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(ray_app(build_parser().parse_args(argv)), name="ccft", route_prefix="/")
+    with _served(tmp_path, tokenizer, gsm8k_rows[5]["prompt"], 41, "prefix", 17, 37) as (client, ids, ref):
+        blocks = (len(ids) - 1) // 4  # the context (handoff k = 1) in full blocks of 4
         body = {"model": "math", "prompt": ids, "max_tokens": 8, "return_token_ids": True, "session_id": "s"}
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300.0) as client:
-
-            def pool_lines():  # the /metrics of the replica the session "s" is routed to
-                r = client.get("/metrics", headers={SESSION_HEADER: "s"})
-                assert r.status_code == 200, r.text
-                return r.headers[REPLICA_HEADER], {
-                    ln.split(" ")[0]: float(ln.split(" ")[1])
-                    for ln in r.text.splitlines()
-                    if ln.startswith("ccft_prefix_pool")
-                }
-
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == ref.token_ids
+        home = r.headers[REPLICA_HEADER]
+        _wait_for_pool_blocks(blocks)
+        replica, lines = _pool_metrics(client, "s")
+        assert replica == home and lines["ccft_prefix_pool_published_blocks_total"] == blocks
+        ray.kill(replica_actor(home), no_restart=True)  # Ray Serve starts a replacement
+        for _ in range(3000):  # the next request of the session, once a live replica answers it
             r = client.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["token_ids"] == ref.token_ids
-            home = r.headers[REPLICA_HEADER]
-            directory = P.RayBlockPool()  # the replicas' pool (a named actor): wait for the publisher thread
-            for _ in range(3000):  # (against hangs only; nothing asserts on time)
-                if directory.stats().get("blocks") == blocks:
-                    break
-                time.sleep(0.1)
-            assert directory.stats().get("blocks") == blocks
-            replica, lines = pool_lines()
-            assert replica == home and lines["ccft_prefix_pool_published_blocks_total"] == blocks
-            ray.kill(replica_actor(home), no_restart=True)  # Ray Serve starts a replacement
-            for _ in range(3000):  # the next request of the session, once a live replica answers it
-                r = client.post("/v1/completions", json=body)
-                if r.status_code == 200:
-                    break
-                time.sleep(0.1)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["token_ids"] == ref.token_ids
-            moved = r.headers[REPLICA_HEADER]
-            assert moved != home
-            replica, lines = pool_lines()
-            assert replica == moved  # the session is pinned on its new replica
-            assert lines["ccft_prefix_pool_hit_blocks_total"] == blocks  # fetched, not prefilled
-            assert lines["ccft_prefix_pool_published_blocks_total"] == 0  # nothing of it was computed there
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+            if r.status_code == 200:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == ref.token_ids
+        moved = r.headers[REPLICA_HEADER]
+        assert moved != home
+        replica, lines = _pool_metrics(client, "s")
+        assert replica == moved  # the session is pinned on its new replica
+        assert lines["ccft_prefix_pool_hit_blocks_total"] == blocks  # fetched, not prefilled
+        assert lines["ccft_prefix_pool_published_blocks_total"] == 0  # nothing of it was computed there
