@@ -110,6 +110,12 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-ms", type=float, default=2000.0, help="pool timeout (a loaded 2-core machine)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--inline-publish", action="store_true", help="publish before the prefill returns")
+    ap.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=None,
+        help="the schedulers' per-step token budget (chunked prefill, as ccft serve --prefill-chunk-tokens)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -136,7 +142,12 @@ def main(argv=None) -> int:
 
         def replica(pool: PrefixPool | None) -> Scheduler:
             engine = ccft.SharedPrefillEngine(base, decoders=decoders)
-            return Scheduler(engine, share=True, store=PrefixKVStore(args.block_tokens, pool=pool))
+            return Scheduler(
+                engine,
+                share=True,
+                store=PrefixKVStore(args.block_tokens, pool=pool),
+                prefill_chunk_tokens=args.prefill_chunk_tokens,
+            )
 
         a, b, c = replica(pools[0]), replica(pools[1]), replica(None)
         for sched in (a, b, c):  # warm-up: a short prompt of its own on each engine (first-call overheads)
@@ -190,6 +201,7 @@ def main(argv=None) -> int:
             "dtype": str(base.dtype) if hasattr(base, "dtype") else "float32",
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch threads",
             "trace": trace_options(args),
+            "prefill_chunk_tokens": args.prefill_chunk_tokens,
             "moved_pool": summary(moved["pool"]),
             "moved_reprefill": summary(moved["reprefill"]),
             "home": summary(moved["home"]),
