@@ -79,3 +79,28 @@ def test_missing_task_data_fails_before_the_model_loads(tmp_path, capsys, no_mod
         capsys,
     )
     assert rc == 2 and "no-data" in one_line(err) and not no_model, err
+
+
+@pytest.mark.parametrize(
+    "base_meta,loaded",
+    [
+        ({"name": "smollm2-135m-instruct", "path": "/machine/cache/smollm2"}, "smollm2-135m-instruct"),
+        ({"name": "tiny-local", "path": "/data/tiny-local"}, "/data/tiny-local"),
+        ({"name": "tiny-local"}, "tiny-local"),
+    ],
+)
+def test_eval_loads_an_embedded_base_by_name(monkeypatch, base_meta, loaded):
+    """``ccft eval --decoder DIR`` without ``--base``: a decoder trained on an embedded model loads it by its
+    name (so results record the name, not the trainer's machine path); any other base by its recorded folder."""
+    from types import SimpleNamespace
+
+    import ccft.core.checkpoint as checkpoint
+    import ccft.core.models as models
+    from ccft.cli.eval import load_models
+
+    monkeypatch.setattr(checkpoint, "read_meta", lambda d: {"method": "ccft", "base": base_meta})
+    seen = []
+    monkeypatch.setattr(models, "load_base", lambda name, **kw: seen.append(name) or "BASE")
+    monkeypatch.setattr(checkpoint, "load_decoder", lambda d, base: SimpleNamespace(method="ccft"))
+    base, decoders = load_models(["dec"])
+    assert seen == [loaded] and base == "BASE" and list(decoders) == ["ccft"]

@@ -117,7 +117,7 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
     folder is not a decoder or a mode in ``modes`` has no decoder of its method."""
     from ccft.core.checkpoint import load_decoder, read_meta
     from ccft.core.errors import ConfigError
-    from ccft.core.models import DEFAULT_BASE, load_base
+    from ccft.core.models import DEFAULT_BASE, EMBEDDED_MODELS, load_base
 
     metas = {d: read_meta(d) for d in decoder_dirs}  # fails fast on a non-decoder folder
     methods = {m.get("method") for m in metas.values()}
@@ -127,9 +127,11 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
             raise ConfigError(
                 f"mode {mode!r} needs a decoder trained with method={key!r}; pass it with --decoder"
             )
-    base_name = base_name or next(
-        (m["base"].get("path") or m["base"]["name"] for m in metas.values()), DEFAULT_BASE
-    )
+    def recorded(m):  # an embedded base by its name (what results record: no machine path), else its folder
+        name = m["base"]["name"]
+        return name if name in EMBEDDED_MODELS else (m["base"].get("path") or name)
+
+    base_name = base_name or next((recorded(m) for m in metas.values()), DEFAULT_BASE)
     dtypes = {m.get("dtype", "float32") for m in metas.values()}
     base = load_base(base_name, dtype=next(iter(dtypes)) if len(dtypes) == 1 else "float32", device=device)
     decoders = {}
