@@ -91,7 +91,7 @@ def test_missing_task_data_fails_before_the_model_loads(tmp_path, capsys, no_mod
 )
 def test_eval_loads_an_embedded_base_by_name(monkeypatch, base_meta, loaded):
     """``ccft eval --decoder DIR`` without ``--base``: a decoder trained on an embedded model loads it by its
-    name (so results record the name, not the trainer's machine path); any other base by its recorded folder."""
+    name (results record the name, not the trainer's machine path); any other base by its recorded folder."""
     from types import SimpleNamespace
 
     import ccft.core.checkpoint as checkpoint

@@ -127,6 +127,7 @@ def load_models(decoder_dirs, base_name=None, modes=None, device="cpu"):
             raise ConfigError(
                 f"mode {mode!r} needs a decoder trained with method={key!r}; pass it with --decoder"
             )
+
     def recorded(m):  # an embedded base by its name (what results record: no machine path), else its folder
         name = m["base"]["name"]
         return name if name in EMBEDDED_MODELS else (m["base"].get("path") or name)
