@@ -1,6 +1,7 @@
 """NLL from the scored positions' logits only (``ccft.evals.sharing.scored_positions`` / ``kept_row_nlls``,
 what ``ccft.evals.scoring.handle_nll`` reads from ``SharedPrefillEngine.tail_logits(keep=...)``) ==
-``row_nlls`` over the whole ``(b, t, V)`` logits: the same per-row sums and token counts."""
+the cross-entropy over the whole ``(b, t, V)`` logits: the same per-row sums and token counts; ``row_nlls``
+is the same rule."""
 
 import torch
 
@@ -21,7 +22,11 @@ def test_kept_row_nlls_equal_row_nlls():
     keep = scored_positions(labels)
     assert keep[:, -1].sum() == 0 and keep.sum() == sum(e - s for s, e in zip(starts, ends))
     assert torch.equal(keep[:, :-1], labels[:, 1:] != IGNORE_INDEX)
-    want = row_nlls(logits, labels)
+    full = torch.nn.functional.cross_entropy(  # the reference: the log-softmax at every position
+        logits[:, :-1].reshape(-1, v), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(b, t - 1)
+    want = [(float(full[i].sum()), int((labels[i, 1:] != IGNORE_INDEX).sum())) for i in range(b)]
+    assert row_nlls(logits, labels) == kept_row_nlls(logits[keep], labels)
     got = kept_row_nlls(logits[keep], labels)
     assert [n for _, n in got] == [n for _, n in want] == [e - s for s, e in zip(starts, ends)]
     for (a, _), (w, _) in zip(got, want):

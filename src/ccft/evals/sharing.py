@@ -209,14 +209,10 @@ def shared_forward(
 
 
 def row_nlls(logits: torch.Tensor, labels: torch.Tensor) -> list[tuple[float, int]]:
-    """Per row (summed NLL, token count) of ``labels[:, 1:]`` under ``logits[:, :-1]``."""
-    lg = logits[:, :-1].float()
-    tgt = labels[:, 1:]
-    nll = torch.nn.functional.cross_entropy(
-        lg.reshape(-1, lg.shape[-1]), tgt.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view(tgt.shape)
-    count = (tgt != IGNORE_INDEX).sum(-1)
-    return [(float(nll[i].sum()), int(count[i])) for i in range(tgt.shape[0])]
+    """Per row (summed NLL, token count) of ``labels[:, 1:]`` under ``logits[:, :-1]`` (``kept_row_nlls`` of
+    the scored positions' logits)."""
+    labels = labels.to(logits.device)
+    return kept_row_nlls(logits[scored_positions(labels)], labels)
 
 
 def scored_positions(labels: torch.Tensor) -> torch.Tensor:
