@@ -10,15 +10,25 @@ end, the producer (the fingerprint of the model that wrote the K/V), the dtype a
 ``ccft.serving.prefix_store.PrefixKVStore`` keys its K/V blocks with it; ``ccft.serving.router``'s
 ``prefix`` router keys the blocks it placed on each worker with it. Pure Python (no torch): the dtype
 is only its text (``str(dtype)``).
+
+``BlockId`` is one K/V block's full identity (its chain key and what the key was built from), the
+argument of every tier under the store: ``ccft.serving.prefix_spill.DiskSpill`` and
+``ccft.serving.prefix_pool.PrefixPool`` (and its ``encode_block`` / ``decode_block``) name their files,
+keys and headers after it and compare it with what they read back. ``producer_hash`` is the producer's
+part of those names.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
-__all__ = ["chain_keys"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["chain_keys", "BlockId", "producer_hash"]
 
 
 def _digest(*parts: bytes) -> bytes:
@@ -49,3 +59,45 @@ def chain_keys(producer: str, dtype: object, block_tokens: int, token_ids: Seque
         key = _digest(key, array("q", [int(t) for t in token_ids[i * b : (i + 1) * b]]).tobytes())
         keys.append(key)
     return keys
+
+
+def producer_hash(producer: str, digest_size: int) -> str:
+    """BLAKE2b of ``str(producer)`` in hex (``2 * digest_size`` characters): the producer's part of a pool
+    key (16 bytes) and of a spill file name (8 bytes)."""
+    return hashlib.blake2b(str(producer).encode(), digest_size=int(digest_size)).hexdigest()
+
+
+@dataclass(frozen=True)
+class BlockId:
+    """One full K/V block's identity in the prefix store, as its disk and pool tiers name and check it.
+
+    A tier keys a block by ``chain_key``, ``producer`` and ``dtype`` and stores every field next to the
+    K/V; a read compares each stored field with the ``BlockId`` the reader asks for and treats a
+    difference as a miss, so a disk or a pool can never hand one producer's K/V (or another dtype's,
+    block size's, position's or tokens') to another reader.
+
+    Attributes:
+        chain_key: the block's chain hash (``chain_keys``: 16 bytes covering the producer, the dtype, the
+            block size and every token up to the block's end).
+        producer: who wrote the K/V: the base's fingerprint in shared mode, a decoder's own key in the
+            no-share baseline (``str`` of what was given).
+        dtype: the K/V dtype (a ``torch.dtype``).
+        block_tokens: tokens per block (``int``); the K/V of the block are ``(L, h, block_tokens, d)``.
+        index: the block's position in its prompt (it covers tokens ``index * block_tokens ..
+            (index + 1) * block_tokens - 1``; ``int``).
+        tokens: the block's token ids, a tuple of ints (any sequence of ints is converted).
+    """
+
+    chain_key: bytes
+    producer: str
+    dtype: torch.dtype
+    block_tokens: int
+    index: int
+    tokens: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "chain_key", bytes(self.chain_key))
+        object.__setattr__(self, "producer", str(self.producer))
+        object.__setattr__(self, "block_tokens", int(self.block_tokens))
+        object.__setattr__(self, "index", int(self.index))
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
