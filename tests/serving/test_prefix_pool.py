@@ -32,6 +32,7 @@ from ccft.core.errors import ConfigError
 from ccft.core.tokens import tokenize_prompt
 from ccft.serving import PrefixKVStore
 from ccft.serving import prefix_pool as P
+from ccft.serving.block_keys import BlockId
 from ccft.serving.scheduler import Scheduler, ServeRequest
 from conftest import make_lora, make_tiny_folder
 
@@ -53,6 +54,11 @@ def _put(store, producer, tokens, seed=0, dtype=torch.float32):
     return k, v
 
 
+def _bid(producer, dtype, block_tokens, index, tokens, chain_key=bytes(16)) -> BlockId:
+    """A block's identity (the value format does not carry ``chain_key``: the key does)."""
+    return BlockId(chain_key, producer, dtype, block_tokens, index, tokens)
+
+
 def _redis_pool(server=None, **kw) -> P.PrefixPool:
     return P.PrefixPool(P.RedisBlockPool(client=fakeredis.FakeRedis(server=server)), **kw)
 
@@ -61,31 +67,31 @@ def _redis_pool(server=None, **kw) -> P.PrefixPool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_block_value_round_trip_and_checks(dtype):
     k, v = _kv(4, 1, dtype)
-    ident = ("base-fp", dtype, 4, 2, [5, 6, 7, 8])
-    value = P.encode_block(*ident, k, v)
-    k2, v2 = P.decode_block(value, *ident)
+    ident = _bid("base-fp", dtype, 4, 2, [5, 6, 7, 8])
+    value = P.encode_block(ident, k, v)
+    k2, v2 = P.decode_block(value, ident)
     assert k2.dtype == dtype and torch.equal(k2, k) and torch.equal(v2, v)  # bit for bit
     assert len(value) > 2 * k.numel() * k.element_size()
-    for bad in (("other-fp", dtype, 4, 2, [5, 6, 7, 8]), ("base-fp", dtype, 4, 3, [5, 6, 7, 8])):
+    for bad in (_bid("other-fp", dtype, 4, 2, [5, 6, 7, 8]), _bid("base-fp", dtype, 4, 3, [5, 6, 7, 8])):
         with pytest.raises(ValueError, match="^mismatch"):
-            P.decode_block(value, *bad)
+            P.decode_block(value, bad)
     with pytest.raises(ValueError, match="^mismatch: the block's tokens"):
-        P.decode_block(value, "base-fp", dtype, 4, 2, [5, 6, 7, 9])
+        P.decode_block(value, _bid("base-fp", dtype, 4, 2, [5, 6, 7, 9]))
     other = torch.float16 if dtype != torch.float16 else torch.float32
     with pytest.raises(ValueError, match="^mismatch: the block's dtype"):
-        P.decode_block(value, "base-fp", other, 4, 2, [5, 6, 7, 8])
+        P.decode_block(value, _bid("base-fp", other, 4, 2, [5, 6, 7, 8]))
     flipped = bytearray(value)
     flipped[-3] ^= 0x01
     for broken in (bytes(flipped), value[:-5], value[:20], b"", b"x" * 100):
         with pytest.raises(ValueError, match="^corrupt"):
-            P.decode_block(broken, *ident)
+            P.decode_block(broken, ident)
     # a read-only buffer (Ray hands back uint8 numpy arrays over shared memory): copied once, equal
     ro = np.frombuffer(value, dtype=np.uint8)
     assert not ro.flags.writeable
-    k3, v3 = P.decode_block(ro, *ident)
+    k3, v3 = P.decode_block(ro, ident)
     assert torch.equal(k3, k) and torch.equal(v3, v)
     k3.add_(1)  # the tensors own their memory: the value is unchanged
-    assert torch.equal(P.decode_block(ro, *ident)[0], k)
+    assert torch.equal(P.decode_block(ro, ident)[0], k)
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])
@@ -231,8 +237,8 @@ def test_pool_keys_keep_producers_dtypes_block_sizes_and_formats_apart(monkeypat
     d = PrefixKVStore(4, pool=P.PrefixPool(P.MemoryBlockPool()))
     key = d.chain_keys("victim", torch.float32, [1, 2, 3, 4])[0]
     d.pool.backend.put(
-        P.PrefixPool.key(key, "victim", torch.float32),
-        P.encode_block("thief", torch.float32, 4, 0, [1, 2, 3, 4], k, v),
+        P.PrefixPool.key(_bid("victim", torch.float32, 4, 0, [1, 2, 3, 4], key)),
+        P.encode_block(_bid("thief", torch.float32, 4, 0, [1, 2, 3, 4], key), k, v),
     )
     assert d.match("victim", torch.float32, [1, 2, 3, 4]) == [] and d.pool.errors["mismatch"] == 1
 
@@ -244,7 +250,10 @@ def test_corrupt_and_truncated_blocks_are_misses_counted_as_errors(caplog):
     k, v = _put(a, "fp", toks)
     client = fakeredis.FakeRedis(server=server)
     keys = a.chain_keys("fp", torch.float32, toks)
-    names = ["ccft:" + P.PrefixPool.key(key, "fp", torch.float32) for key in keys]
+    names = [
+        "ccft:" + P.PrefixPool.key(_bid("fp", torch.float32, 4, i, toks[4 * i : 4 * i + 4], key))
+        for i, key in enumerate(keys)
+    ]
     value = client.get(names[1])
     flipped = bytearray(value)
     flipped[len(value) // 2] ^= 0x40
@@ -498,7 +507,7 @@ def test_ray_object_store_pool():
         got = b.match("fp", torch.float32, list(range(8)))
         assert len(got) == 2 and torch.equal(got[1].k, k[:, :, 4:]) and torch.equal(got[1].v, v[:, :, 4:])
         b.release(got)
-        size = len(P.encode_block("fp", torch.float32, 4, 0, range(4), k[:, :, :4], v[:, :, :4]))
+        size = len(P.encode_block(_bid("fp", torch.float32, 4, 0, range(4)), k[:, :, :4], v[:, :, :4]))
         assert size * 3 + 30 <= 1800 < size * 4  # three blocks fit, four do not
         _put(a, "fp", list(range(100, 108)), seed=1)  # two more blocks: the LRU one is evicted
         st = one.backend.stats()

@@ -21,6 +21,7 @@ import ccft
 from ccft.core.errors import ConfigError
 from ccft.core.tokens import tokenize_prompt
 from ccft.serving import PrefixKVStore
+from ccft.serving.block_keys import BlockId
 from ccft.serving.prefix_pool import MemoryBlockPool, PrefixPool
 from ccft.serving.prefix_spill import ENTRY, DiskSpill
 from ccft.serving.scheduler import Scheduler, ServeRequest
@@ -48,9 +49,16 @@ def _put(store, producer, tokens, seed=0, dtype=F32):
     return k, v
 
 
+def _id(store, producer, tokens, i, dtype=F32) -> BlockId:
+    """Block ``i`` of ``tokens`` as ``store`` names it."""
+    b = store.block_tokens
+    return BlockId(
+        store.chain_keys(producer, dtype, tokens)[i], producer, dtype, b, i, tokens[i * b : (i + 1) * b]
+    )
+
+
 def _file(spill, store, producer, tokens, i, dtype=F32):
-    key = store.chain_keys(producer, dtype, tokens)[i]
-    return spill.directory / DiskSpill.file_name(key, producer, dtype)
+    return spill.directory / DiskSpill.file_name(_id(store, producer, tokens, i, dtype))
 
 
 # ---------------------------------------------------------------------------------------------- store
@@ -112,14 +120,14 @@ def test_other_producers_dtypes_and_tokens_never_hit(tmp_path, caplog):
     store = PrefixKVStore(4, budget_bytes=0, spill=spill)  # a budget of 0: every block goes to disk
     a = list(range(8))
     k, v = _kv(8)
-    store.spill.put(store.chain_keys("fp", F32, a)[0], "fp", F32, 4, 0, a[:4], k[:, :, :4], v[:, :, :4])
-    store.spill.put(store.chain_keys("fp", F32, a)[1], "fp", F32, 4, 1, a[4:], k[:, :, 4:], v[:, :, 4:])
+    store.spill.put(_id(store, "fp", a, 0), k[:, :, :4], v[:, :, :4])
+    store.spill.put(_id(store, "fp", a, 1), k[:, :, 4:], v[:, :, 4:])
     fresh = PrefixKVStore(4, spill=spill)
     assert fresh.match("decoder-key", F32, a) == [] and fresh.match("fp", torch.bfloat16, a) == []
     assert fresh.match("fp", F32, [1] + a[1:]) == [] and fresh.match("fp", F32, a[:4] + [0] * 4) != []
     assert fresh.spill_hit_blocks == 1 and spill.miss_blocks == 4  # three chains missed, a1 ≠ [0]*4
     # a file that claims another producer's name is refused by its metadata
-    thief = DiskSpill.file_name(store.chain_keys("thief", F32, a)[0], "thief", F32)
+    thief = DiskSpill.file_name(_id(store, "thief", a, 0))
     (tmp_path / thief).write_bytes(_file(spill, store, "fp", a, 0).read_bytes())
     spill.close()
     reopened = DiskSpill(tmp_path, 1 << 20)  # a new process reuses the folder's files
@@ -172,26 +180,29 @@ def test_corrupt_or_truncated_file_is_counted_deleted_and_recomputed(tmp_path, c
 
 def test_disk_capacity_deletes_least_recently_used_files(tmp_path):
     probe = DiskSpill(tmp_path / "probe", 1 << 20)
-    probe.put(b"\x00" * 16, "fp", F32, 4, 0, [0, 1, 2, 3], *_kv(4))
+    probe.put(BlockId(b"\x00" * 16, "fp", F32, 4, 0, [0, 1, 2, 3]), *_kv(4))
     size = probe.bytes_on_disk  # one block file: K/V bytes and the safetensors header
     assert size > _block_bytes(4)
     spill = DiskSpill(tmp_path / "spill", int(2.5 * size))
     store = PrefixKVStore(4, budget_bytes=0, spill=spill)
     chains = [[c] * 4 for c in range(4)]
     for i, tokens in enumerate(chains[:3]):
-        store.spill.put(store.chain_keys("fp", F32, tokens)[0], "fp", F32, 4, 0, tokens, *_kv(4, i))
+        store.spill.put(_id(store, "fp", tokens, 0), *_kv(4, i))
     assert len(spill) == 2 and spill.evicted_blocks == 1 and spill.bytes_on_disk == 2 * size
     assert not _file(spill, store, "fp", chains[0], 0).exists()  # the oldest went
     big = PrefixKVStore(4, spill=spill)
     big.release(big.match("fp", F32, chains[1]))  # read: chain 1 is now the most recently used
     big.clear()
-    store.spill.put(store.chain_keys("fp", F32, chains[3])[0], "fp", F32, 4, 0, chains[3], *_kv(4, 3))
+    store.spill.put(_id(store, "fp", chains[3], 0), *_kv(4, 3))
     assert sorted(p.name for p in spill.directory.glob("blk-*")) == sorted(
         _file(spill, store, "fp", chains[i], 0).name for i in (1, 3)
     )
     assert spill.stats()["evicted_blocks"] == 2 and spill.stats()["bytes_on_disk"] == 2 * size
     small = DiskSpill(tmp_path / "small", size // 4)  # a block larger than the whole capacity
-    assert not small.put(b"\x01" * 16, "fp", F32, 4, 0, [0] * 4, *_kv(4)) and small.too_large_blocks == 1
+    assert (
+        not small.put(BlockId(b"\x01" * 16, "fp", F32, 4, 0, [0] * 4), *_kv(4))
+        and small.too_large_blocks == 1
+    )
     spill.close()
     assert len(DiskSpill(tmp_path / "spill", size)) == 1  # reopened with less room: trimmed to fit
     with pytest.raises(ConfigError, match="capacity_bytes=0"):
@@ -203,9 +214,9 @@ def test_forget_deletes_one_producers_files(tmp_path):
     store = PrefixKVStore(4, budget_bytes=0, spill=spill)
     for who in ("fp", "old-decoder"):
         tokens = list(range(4))
-        store.spill.put(store.chain_keys(who, F32, tokens)[0], who, F32, 4, 0, tokens, *_kv(4))
+        store.spill.put(_id(store, who, tokens, 0), *_kv(4))
     store.forget("old-decoder")
-    assert len(spill) == 1 and store.spill.contains(store.chain_keys("fp", F32, [0, 1, 2, 3])[0], "fp", F32)
+    assert len(spill) == 1 and store.spill.contains(_id(store, "fp", [0, 1, 2, 3], 0))
 
 
 # --------------------------------------------------------------------------------------------- engine

@@ -15,12 +15,13 @@ Two layers:
   reader holds it) and ``MemoryBlockPool`` (a dict in this process, for tests and single-process use);
 - the **tier** (``PrefixPool``) turns blocks into values and back, and owns every fault rule.
 
-Identity (K5). The key of a block is the store's own identity: ``FORMAT``, the dtype, a hash of the
-producer (the base fingerprint in shared mode, a decoder's key in the no-share baseline) and the
-block's chain hash (which already covers the producer, the dtype, the block size and every token up
-to the block's end). The value repeats producer, dtype, block size, index and token ids in its header
-and a fetch compares all of them with what the reader asked for, so one producer's K/V is never
-served to another and K/V of a stale base (another fingerprint) never hits.
+Identity (K5). A block is named by its ``ccft.serving.block_keys.BlockId``, the store's own identity. The
+key of a block is ``FORMAT``, the dtype, a hash of the producer (the base fingerprint in shared mode, a
+decoder's key in the no-share baseline) and the block's chain hash (which already covers the producer,
+the dtype, the block size and every token up to the block's end). The value repeats producer, dtype,
+block size, index and token ids in its header and a fetch compares all of them with what the reader
+asked for, so one producer's K/V is never served to another and K/V of a stale base (another
+fingerprint) never hits.
 
 Integrity. A value is ``MAGIC | XXH3-128(body) | body`` with ``body = header length (4 bytes,
 little-endian) | JSON header | k bytes | v bytes``. A value whose digest, length or header does not
@@ -48,7 +49,6 @@ the pool, and the counters are updated under a lock.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import queue
@@ -62,6 +62,7 @@ import torch
 import xxhash
 
 from ccft.core.errors import ConfigError
+from ccft.serving.block_keys import BlockId, producer_hash
 
 log = logging.getLogger(__name__)
 
@@ -107,55 +108,45 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def encode_block(
-    producer: str,
-    dtype: torch.dtype,
-    block_tokens: int,
-    index: int,
-    tokens: Sequence[int],
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> bytes:
+def _header(block: BlockId) -> dict:
+    """The identity fields of a value's JSON header, in header order (``encode_block`` writes them and then
+    ``shape``; ``decode_block`` compares each with the reader's)."""
+    return {
+        "format": FORMAT,
+        "producer": block.producer,
+        "dtype": str(block.dtype),
+        "block_tokens": block.block_tokens,
+        "index": block.index,
+        "tokens": list(block.tokens),
+    }
+
+
+def encode_block(block: BlockId, k: torch.Tensor, v: torch.Tensor) -> bytes:
     """One block as a pool value (module docstring, "Integrity").
 
     Args:
-        producer, dtype, block_tokens, index, tokens: the block's identity (as in ``PrefixKVStore``).
-        k, v: ``(L, h, block_tokens, d)`` in ``dtype``, any device.
+        block: the block's identity (its fields but ``chain_key`` go into the header).
+        k, v: ``(L, h, block_tokens, d)`` in ``block.dtype``, any device.
     Returns:
         ``MAGIC | XXH3-128(body) | body``; ``2 * k.numel() * k.element_size()`` payload bytes.
     """
-    header = json.dumps(
-        {
-            "format": FORMAT,
-            "producer": str(producer),
-            "dtype": str(dtype),
-            "block_tokens": int(block_tokens),
-            "index": int(index),
-            "tokens": [int(t) for t in tokens],
-            "shape": list(k.shape),
-        },
-        separators=(",", ":"),
-    ).encode()
+    header = json.dumps({**_header(block), "shape": list(k.shape)}, separators=(",", ":")).encode()
     body = len(header).to_bytes(4, "little") + header + _tensor_bytes(k) + _tensor_bytes(v)
     return MAGIC + _digest(body) + body
 
 
 def decode_block(
-    value,
-    producer: str,
-    dtype: torch.dtype,
-    block_tokens: int,
-    index: int,
-    tokens: Sequence[int],
-    device: torch.device | str = "cpu",
+    value, block: BlockId, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k, v)`` of a pool value, checked against the identity the reader asks for.
 
     Args:
         value: the value, any bytes-like object (``bytes``, a ``memoryview``, a uint8 numpy array read from
             shared memory); it is copied once, into the returned tensors.
+        block: the block the reader asks for (every field but ``chain_key`` is compared with the header).
+        device: where the tensors are put.
     Returns:
-        ``k, v``: ``(L, h, block_tokens, d)`` in ``dtype`` on ``device``, views of one new buffer.
+        ``k, v``: ``(L, h, block_tokens, d)`` in ``block.dtype`` on ``device``, views of one new buffer.
     Raises:
         ValueError: the value is truncated or its digest does not match (message starts ``corrupt``), or
             its header names another producer, dtype, block size, index, tokens or format (``mismatch``).
@@ -172,19 +163,12 @@ def decode_block(
         h = json.loads(bytes(body[4 : 4 + hlen]))
     except ValueError as e:
         raise ValueError(f"corrupt: unreadable header ({e})") from e
-    want = {
-        "format": FORMAT,
-        "producer": str(producer),
-        "dtype": str(dtype),
-        "block_tokens": int(block_tokens),
-        "index": int(index),
-        "tokens": [int(t) for t in tokens],
-    }
-    for name, expected in want.items():
+    for name, expected in _header(block).items():
         if h.get(name) != expected:
             raise ValueError(f"mismatch: the block's {name} differs from the reader's")
+    dtype = block.dtype
     shape = [int(x) for x in h["shape"]]
-    if len(shape) != 4 or shape[2] != int(block_tokens):
+    if len(shape) != 4 or shape[2] != block.block_tokens:
         raise ValueError(f"mismatch: block shape {shape}")
     n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     payload = body[4 + hlen :]
@@ -550,10 +534,10 @@ class PrefixPool:
             setattr(self, name, getattr(self, name) + n)
 
     @staticmethod
-    def key(chain_key: bytes, producer: str, dtype: torch.dtype) -> str:
+    def key(block: BlockId) -> str:
         """The pool key of a block: format, dtype, producer hash, chain hash (module docstring)."""
-        who = hashlib.blake2b(str(producer).encode(), digest_size=16).hexdigest()
-        return f"{FORMAT}:{str(dtype).removeprefix('torch.')}:{who}:{chain_key.hex()}"
+        who = producer_hash(block.producer, 16)
+        return f"{FORMAT}:{str(block.dtype).removeprefix('torch.')}:{who}:{block.chain_key.hex()}"
 
     @property
     def up(self) -> bool:
@@ -579,20 +563,12 @@ class PrefixPool:
         if was:
             log.warning("prefix pool (%s) reachable again", self.backend.name)
 
-    def fetch_chain(
-        self,
-        chain_keys: Sequence[bytes],
-        producer: str,
-        dtype: torch.dtype,
-        block_tokens: int,
-        first_index: int,
-        tokens: Sequence[Sequence[int]],
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The blocks ``first_index, first_index + 1, ..`` of a chain from the pool, as far as the pool holds
-        them, in one backend call (``BlockPool.get_chain``).
+    def fetch_chain(self, blocks: Sequence[BlockId]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Consecutive blocks of a chain from the pool, as far as the pool holds them, in one backend call
+        (``BlockPool.get_chain``).
 
         Args:
-            chain_keys: the chain hashes of the blocks wanted, in chain order. tokens: each block's ids.
+            blocks: the blocks wanted, in chain order (indices ``i, i + 1, ..``).
         Returns:
             ``[(k, v), ...]``, each ``(L, h, block_tokens, d)`` on ``device``: the longest usable prefix of
             the blocks asked for (empty: a miss, a pool that is down, or a bad first value). A value that
@@ -600,13 +576,13 @@ class PrefixPool:
         Counters: one ``fetches`` per call; ``hit_blocks`` per block returned; one ``miss_blocks`` when the
         chain ends before the last block asked for.
         """
-        if not chain_keys:
+        if not blocks:
             return []
         if not self.up:
             self._add("skipped")
             return []
         t0 = time.perf_counter()
-        keys = [self.key(c, producer, dtype) for c in chain_keys]
+        keys = [self.key(b) for b in blocks]
         try:
             values = self.backend.get_chain(keys)
         except PoolUnavailableError as e:
@@ -618,14 +594,12 @@ class PrefixPool:
         out = []
         for j, value in enumerate(values):
             try:
-                kv = decode_block(
-                    value, producer, dtype, block_tokens, first_index + j, tokens[j], self.device
-                )
+                kv = decode_block(value, blocks[j], self.device)
             except ValueError as e:
                 kind = "mismatch" if str(e).startswith("mismatch") else "corrupt"
                 self.errors[kind] += 1
                 log.warning(
-                    "prefix pool: block %s ignored (%s); it is prefilled again", chain_keys[j].hex(), e
+                    "prefix pool: block %s ignored (%s); it is prefilled again", blocks[j].chain_key.hex(), e
                 )
                 break
             out.append(kv)
@@ -633,22 +607,14 @@ class PrefixPool:
         self.fetch_seconds += time.perf_counter() - t0
         self.fetches += 1
         self.hit_blocks += len(out)
-        if len(out) < len(chain_keys):
+        if len(out) < len(blocks):
             self.miss_blocks += 1
         return out
 
-    def publish(
-        self,
-        chain_key: bytes,
-        producer: str,
-        dtype: torch.dtype,
-        block_tokens: int,
-        index: int,
-        tokens: Sequence[int],
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> bool:
+    def publish(self, block: BlockId, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Put a block into the pool unless it holds it already (never raises).
+
+        ``k``, ``v``: ``(L, h, block_tokens, d)`` in ``block.dtype``, any device.
 
         With ``background`` the block is queued for this tier's publisher thread (``k``/``v`` must not be
         written afterwards: a store's blocks never are) and True is returned; a block that would take the
@@ -658,7 +624,7 @@ class PrefixPool:
         if not self.up:
             self._add("skipped")
             return False
-        item = (chain_key, producer, dtype, block_tokens, index, tuple(tokens), k, v)
+        item = (block, k, v)
         if self._queue is None:
             return self._publish(*item)
         nbytes = k.numel() * k.element_size() + v.numel() * v.element_size()
@@ -698,17 +664,18 @@ class PrefixPool:
         if self._queue is not None:
             self._queue.join()
 
-    def _publish(self, *item) -> bool:
-        return self._publish_many([item]) == 1
+    def _publish(self, block: BlockId, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return self._publish_many([(block, k, v)]) == 1
 
-    def _publish_many(self, items) -> int:
-        """Put the blocks the pool lacks (one ``contains_many`` and one ``put_many``); the number put."""
-        keys = [self.key(chain_key, producer, dtype) for chain_key, producer, dtype, *_ in items]
+    def _publish_many(self, items: Sequence[tuple[BlockId, torch.Tensor, torch.Tensor]]) -> int:
+        """Put the blocks ``(block, k, v)`` the pool lacks (one ``contains_many`` and one ``put_many``); the
+        number put."""
+        keys = [self.key(block) for block, _, _ in items]
         t0 = time.perf_counter()
         try:
             present = self.backend.contains_many(keys)
             values = [
-                (key, encode_block(*item[1:]))
+                (key, encode_block(*item))
                 for key, item, there in zip(keys, items, present, strict=True)
                 if not there
             ]

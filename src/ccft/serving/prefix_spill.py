@@ -15,10 +15,11 @@ fingerprint in shared mode, a decoder's key in the no-share baseline), ``cache_f
 V bytes). There is no manifest: the folder is the index, and the files a previous process left are
 reused (oldest first by modification time).
 
-Identity (K5). A block's file name and metadata carry the store's identity of the block: the chain key
-(which covers the producer, the dtype, the block size and every token up to the block's end), the
-producer and the dtype; a read compares every field of the metadata with what the reader asks for, so
-one producer's K/V is never served for another and a base with another fingerprint never hits.
+Identity (K5). Every call names a block by the store's identity of it (``ccft.serving.block_keys.BlockId``).
+The file name carries its chain key (which covers the producer, the dtype, the block size and every token
+up to the block's end), the producer and the dtype, and the metadata every field of it; a read compares
+every field of the metadata with the ``BlockId`` the reader asks for, so one producer's K/V is never
+served for another and a base with another fingerprint never hits.
 
 Integrity. A file that cannot be read (truncated: safetensors refuses it), whose checksum or shape
 differs, or whose metadata names another block is ignored with a warning, counted (``errors["corrupt"]``
@@ -45,11 +46,11 @@ import os
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from ccft.core.errors import ConfigError
+from ccft.serving.block_keys import BlockId, producer_hash
 from ccft.train.cache_store import DTYPE_NAMES, FORMAT, write_shard
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,20 @@ _PREFIX, _SUFFIX = "blk-", ".safetensors"
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _metadata(block: BlockId) -> dict[str, str]:
+    """The metadata fields of a block's file that name the block (all but ``format``, ``cache_format`` and
+    ``sha256``), in the order a read checks them (after ``format``)."""
+    return {
+        "entry": ENTRY,
+        "fingerprint": block.producer,
+        "dtype": _dtype_name(block.dtype),
+        "block_tokens": str(block.block_tokens),
+        "index": str(block.index),
+        "tokens": json.dumps(list(block.tokens)),
+        "key": block.chain_key.hex(),
+    }
 
 
 def _digest(k: torch.Tensor, v: torch.Tensor) -> str:
@@ -146,10 +161,10 @@ class DiskSpill:
 
     # ------------------------------------------------------------------ names
     @staticmethod
-    def file_name(chain_key: bytes, producer: str, dtype: torch.dtype) -> str:
+    def file_name(block: BlockId) -> str:
         """``blk-<dtype>-<producer hash>-<chain key>.safetensors``: the file of a block (module docstring)."""
-        who = hashlib.blake2b(str(producer).encode(), digest_size=8).hexdigest()
-        return f"{_PREFIX}{_dtype_name(dtype)}-{who}-{chain_key.hex()}{_SUFFIX}"
+        who = producer_hash(block.producer, 8)
+        return f"{_PREFIX}{_dtype_name(block.dtype)}-{who}-{block.chain_key.hex()}{_SUFFIX}"
 
     def _reopen(self) -> None:
         """Index the block files a previous process left (oldest first) and delete its temporaries."""
@@ -177,31 +192,22 @@ class DiskSpill:
             self.evicted_blocks += 1
 
     # ------------------------------------------------------------------ API
-    def contains(self, chain_key: bytes, producer: str, dtype: torch.dtype) -> bool:
+    def contains(self, block: BlockId) -> bool:
         """Whether a file for this block is indexed (it is checked only when read)."""
-        return self.file_name(chain_key, producer, dtype) in self._files
+        return self.file_name(block) in self._files
 
-    def put(
-        self,
-        chain_key: bytes,
-        producer: str,
-        dtype: torch.dtype,
-        block_tokens: int,
-        index: int,
-        tokens: Sequence[int],
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> bool:
+    def put(self, block: BlockId, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Write a block unless it is on disk already (then it is only marked recently used); never raises.
 
         Args:
-            chain_key, producer, dtype, block_tokens, index, tokens: the block's identity (``PrefixKVStore``).
-            k, v: ``(L, h, block_tokens, d)`` in ``dtype``, any device (copied to the CPU to be written).
+            block: the block's identity (its file name and metadata).
+            k, v: ``(L, h, block_tokens, d)`` in ``block.dtype``, any device (copied to the CPU to be
+                written).
         Returns:
             True when a file was written; False when it was present, larger than the capacity, or the write
             failed (``errors["io"]``, with a warning).
         """
-        name = self.file_name(chain_key, producer, dtype)
+        name = self.file_name(block)
         if name in self._files:
             self._files.move_to_end(name)
             self.present_blocks += 1
@@ -209,19 +215,9 @@ class DiskSpill:
         if k.numel() * k.element_size() + v.numel() * v.element_size() > self.capacity_bytes:
             self.too_large_blocks += 1
             return False
-        key = chain_key.hex()
+        key = block.chain_key.hex()
         k, v = k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
-        meta = {
-            "fingerprint": str(producer),
-            "cache_format": "native",
-            "entry": ENTRY,
-            "dtype": _dtype_name(dtype),
-            "block_tokens": str(int(block_tokens)),
-            "index": str(int(index)),
-            "tokens": json.dumps([int(t) for t in tokens]),
-            "key": key,
-            "sha256": _digest(k, v),
-        }
+        meta = {**_metadata(block), "cache_format": "native", "sha256": _digest(k, v)}
         t0 = time.perf_counter()
         try:
             size = write_shard(self.directory / name, {f"{key}.k": k, f"{key}.v": v}, meta)
@@ -241,24 +237,17 @@ class DiskSpill:
         self._trim()
         return True
 
-    def get(
-        self,
-        chain_key: bytes,
-        producer: str,
-        dtype: torch.dtype,
-        block_tokens: int,
-        index: int,
-        tokens: Sequence[int],
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(k, v)`` of a block from disk, ``(L, h, block_tokens, d)`` in ``dtype`` on ``device``; None when
-        absent, or when its file is bad (counted, warned, deleted) or cannot be read (``errors["io"]``)."""
-        name = self.file_name(chain_key, producer, dtype)
+    def get(self, block: BlockId) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(k, v)`` of a block from disk, ``(L, h, block_tokens, d)`` in ``block.dtype`` on ``device``;
+        None when absent, or when its file is bad (counted, warned, deleted) or cannot be read
+        (``errors["io"]``)."""
+        name = self.file_name(block)
         if name not in self._files:
             self.miss_blocks += 1
             return None
         t0 = time.perf_counter()
         try:
-            k, v = self._read(self.directory / name, chain_key, producer, dtype, block_tokens, index, tokens)
+            k, v = self._read(self.directory / name, block)
         except (ValueError, OSError) as e:
             kind = (
                 "io" if isinstance(e, OSError) else "mismatch" if str(e).startswith("mismatch") else "corrupt"
@@ -277,27 +266,17 @@ class DiskSpill:
         return k.to(self.device), v.to(self.device)
 
     @staticmethod
-    def _read(path: Path, chain_key, producer, dtype, block_tokens, index, tokens):
+    def _read(path: Path, block: BlockId) -> tuple[torch.Tensor, torch.Tensor]:
         """The checked tensors of one block file (``ValueError`` ``corrupt: ...`` / ``mismatch: ...``)."""
         from safetensors import safe_open
 
-        key = chain_key.hex()
+        key, dtype = block.chain_key.hex(), block.dtype
         if not path.is_file():
             raise FileNotFoundError(f"{path} is gone")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 meta = f.metadata() or {}
-                want = {
-                    "format": FORMAT,
-                    "entry": ENTRY,
-                    "fingerprint": str(producer),
-                    "dtype": _dtype_name(dtype),
-                    "block_tokens": str(int(block_tokens)),
-                    "index": str(int(index)),
-                    "tokens": json.dumps([int(t) for t in tokens]),
-                    "key": key,
-                }
-                for field, expected in want.items():
+                for field, expected in {"format": FORMAT, **_metadata(block)}.items():
                     if meta.get(field) != expected:
                         raise ValueError(f"mismatch: the block's {field} differs from the reader's")
                 if {f"{key}.k", f"{key}.v"} - set(f.keys()):
@@ -310,7 +289,7 @@ class DiskSpill:
             raise ValueError(f"corrupt: unreadable ({type(e).__name__}: {e})") from e
         if k.dtype != dtype or v.dtype != dtype or k.dim() != 4 or k.shape != v.shape:
             raise ValueError(f"mismatch: tensors {k.dtype} {tuple(k.shape)} / {v.dtype} {tuple(v.shape)}")
-        if k.shape[2] != int(block_tokens):
+        if k.shape[2] != block.block_tokens:
             raise ValueError(f"mismatch: block shape {tuple(k.shape)}")
         if _digest(k, v) != meta.get("sha256"):
             raise ValueError("corrupt: checksum mismatch")
@@ -318,7 +297,7 @@ class DiskSpill:
 
     def forget(self, producer: str) -> int:
         """Delete every file written for ``producer`` (``PrefixKVStore.forget``); returns the bytes freed."""
-        who = hashlib.blake2b(str(producer).encode(), digest_size=8).hexdigest()
+        who = producer_hash(producer, 8)
         freed = 0
         for name in [n for n in self._files if n.split("-")[2:3] == [who]]:
             freed += self._files[name]

@@ -64,7 +64,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ccft.core.errors import ConfigError
-from ccft.serving.block_keys import chain_keys
+from ccft.serving.block_keys import BlockId, chain_keys
 
 
 @dataclass(eq=False)
@@ -157,6 +157,12 @@ class PrefixKVStore:
         b = self.block_tokens
         return tuple(int(t) for t in token_ids[i * b : (i + 1) * b])
 
+    def _id(
+        self, key: bytes, producer: str, dtype: torch.dtype, index: int, tokens: tuple[int, ...]
+    ) -> BlockId:
+        """A block's identity with this store's ``block_tokens``, as the spill and the pool take it."""
+        return BlockId(key, producer, dtype, self.block_tokens, index, tokens)
+
     # ------------------------------------------------------------------ API
     def match(self, producer: str, dtype: torch.dtype, token_ids: Sequence[int]) -> list[Block]:
         """The longest cached chain of full blocks that prefixes ``token_ids``; acquires one ref on each.
@@ -182,18 +188,18 @@ class PrefixKVStore:
         if self.spill is not None:  # the DRAM chain ends: continue it from local disk, block by block
             first = len(found)
             from_disk = (
-                self.spill.get(
-                    keys[i], str(producer), dtype, self.block_tokens, i, self._tokens(token_ids, i)
-                )
+                self.spill.get(self._id(keys[i], producer, dtype, i, self._tokens(token_ids, i)))
                 for i in range(first, len(keys))
             )
             parent = self._extend(keys, token_ids, producer, dtype, found, parent, from_disk)
             self.spill_hit_blocks += len(found) - first
         if self.pool is not None and len(found) < len(keys):  # then from the pool, in one call
             first = len(found)
-            tokens = [self._tokens(token_ids, i) for i in range(first, len(keys))]
             fetched = self.pool.fetch_chain(
-                keys[first:], str(producer), dtype, self.block_tokens, first, tokens
+                [
+                    self._id(keys[i], producer, dtype, i, self._tokens(token_ids, i))
+                    for i in range(first, len(keys))
+                ]
             )
             parent = self._extend(keys, token_ids, producer, dtype, found, parent, fetched)
             self.pool_hit_blocks += len(found) - first
@@ -304,7 +310,7 @@ class PrefixKVStore:
             self._touch(out[-1])
         if self.pool is not None:  # publish what this prefill computed (a pool that is down is skipped)
             for blk in created:
-                self.pool.publish(blk.key, blk.producer, dtype, b, blk.index, blk.tokens, blk.k, blk.v)
+                self.pool.publish(self._id(blk.key, blk.producer, dtype, blk.index, blk.tokens), blk.k, blk.v)
         return out
 
     def _add(
@@ -412,8 +418,7 @@ class PrefixKVStore:
         return blk.nbytes
 
     def _spill(self, blk: Block) -> None:
-        b = self.block_tokens
-        if self.spill.put(blk.key, blk.producer, blk.dtype, b, blk.index, blk.tokens, blk.k, blk.v):
+        if self.spill.put(self._id(blk.key, blk.producer, blk.dtype, blk.index, blk.tokens), blk.k, blk.v):
             self.spilled_blocks += 1
 
     def _touch(self, blk: Block | None) -> None:
