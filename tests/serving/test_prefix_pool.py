@@ -15,6 +15,8 @@ the binary is absent).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import logging
 import os
 import shutil
@@ -92,6 +94,28 @@ def test_block_value_round_trip_and_checks(dtype):
     assert torch.equal(k3, k) and torch.equal(v3, v)
     k3.add_(1)  # the tensors own their memory: the value is unchanged
     assert torch.equal(P.decode_block(ro, ident)[0], k)
+
+
+def test_block_id_keys_and_values_are_unchanged():
+    """A ``BlockId`` names a block as the six separate arguments it replaced did: the pool key and the value
+    of a fixed block are the ones ``PrefixPool.key(chain_key, producer, dtype)`` and ``encode_block(producer,
+    dtype, block_tokens, index, tokens, k, v)`` gave (commit 20eb885), so a pool filled before still hits."""
+    block = BlockId(bytearray(range(16)), "base-fp", torch.float32, 4, 2, [5, 6, 7, 8])
+    assert block.chain_key == bytes(range(16)) and block.tokens == (5, 6, 7, 8)  # normalised
+    assert block == BlockId(bytes(range(16)), "base-fp", torch.float32, 4, 2, (5, 6, 7, 8))
+    assert hash(block) == hash(BlockId(bytes(range(16)), "base-fp", torch.float32, 4, 2, range(5, 9)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        block.index = 3
+    assert P.PrefixPool.key(block) == (
+        "ccft-kv2-native:float32:c3535cd6986b5e7e4501f15fbeb8ea20:000102030405060708090a0b0c0d0e0f"
+    )
+    k = torch.arange(2 * 2 * 4 * 3, dtype=torch.float32).reshape(2, 2, 4, 3)
+    value = P.encode_block(block, k, -k)
+    assert len(value) == 549
+    assert (
+        hashlib.sha256(value).hexdigest()
+        == "41d16289e887c915de97e1edcc984f420bbe05bc8484d20d139738067e87f365"
+    )
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])

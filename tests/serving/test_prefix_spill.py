@@ -115,6 +115,38 @@ def test_disk_is_asked_before_the_pool(tmp_path):
     store.release(got)
 
 
+def test_block_file_names_and_metadata_are_unchanged(tmp_path):
+    """A ``BlockId`` names a block file as the six separate arguments it replaced did: the file name and the
+    metadata of a fixed block are the ones ``DiskSpill.file_name(chain_key, producer, dtype)`` and
+    ``DiskSpill.put(chain_key, producer, dtype, block_tokens, index, tokens, k, v)`` wrote (commit 20eb885),
+    so a folder a previous version filled is still read."""
+    from safetensors import safe_open
+
+    block = BlockId(bytes(range(16)), "base-fp", F32, 4, 2, [5, 6, 7, 8])
+    name = DiskSpill.file_name(block)
+    assert name == "blk-float32-b23815d329563e65-000102030405060708090a0b0c0d0e0f.safetensors"
+    spill = DiskSpill(tmp_path, 1 << 20)
+    k = torch.arange(2 * 2 * 4 * 3, dtype=F32).reshape(2, 2, 4, 3)
+    assert spill.put(block, k, -k) and spill.contains(block)
+    key = "000102030405060708090a0b0c0d0e0f"
+    with safe_open(str(tmp_path / name), framework="pt") as f:
+        assert f.metadata() == {
+            "format": FORMAT,
+            "fingerprint": "base-fp",
+            "cache_format": "native",
+            "entry": ENTRY,
+            "dtype": "float32",
+            "block_tokens": "4",
+            "index": "2",
+            "tokens": "[5, 6, 7, 8]",
+            "key": key,
+            "sha256": "ab202aa3b7d273b9783dc62474e75909b57055d8a509633a95e163d235ee0ab5",
+        }
+        assert sorted(f.keys()) == [f"{key}.k", f"{key}.v"]
+    got = spill.get(block)
+    assert got is not None and torch.equal(got[0], k) and torch.equal(got[1], -k)
+
+
 def test_other_producers_dtypes_and_tokens_never_hit(tmp_path, caplog):
     spill = DiskSpill(tmp_path, 1 << 20)
     store = PrefixKVStore(4, budget_bytes=0, spill=spill)  # a budget of 0: every block goes to disk
