@@ -244,11 +244,13 @@ def test_compiler_failure_falls_back_to_fp32(block_dir, kernel, tmp_path, monkey
     try:
         with caplog.at_level(logging.WARNING, logger="ccft.inference.blocks"):
             assert B.load_kernel(fresh=True) is None
-        assert caplog.text.count("block weights unavailable, using fp32 weights") == 1
+        assert caplog.text.count("block kernel unavailable (block weights, the fused decode step)") == 1
         assert "failed on blocks.cpp" in caplog.text
         assert not list((tmp_path / "cache").rglob("*.so"))  # no half-written kernel left behind
         base = ccft.load_base(str(block_dir))
-        assert SharedPrefillEngine(base, block_weights="auto").block_weights is None  # auto: fp32
+        engine = SharedPrefillEngine(base, block_weights="auto")
+        assert engine.block_weights is None  # auto: fp32
+        assert engine.lanes["base"].weights.block_step is None  # and the layer loop of PyTorch ops
         with pytest.raises(ConfigError, match="could not be built"):
             SharedPrefillEngine(base, block_weights="on")
     finally:
@@ -302,3 +304,107 @@ def test_other_builds_match_torch(kernel, tmp_path, monkeypatch, build):
         up, wu = _random_blocks(fmt, 19, 96, plain, seed=10)
         ref = torch.nn.functional.silu(x.double() @ w.double().T) * (x.double() @ wu.double().T)
         torch.testing.assert_close(B.fused_mlp(bm, up, x), ref.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def other_kernels(kernel, tmp_path_factory):
+    """The kernel built without ``-march=native`` (plain C++) and, on an AVX-512 CPU, without AVX-512
+    (AVX2)."""
+    import os
+    import shutil
+
+    cache = tmp_path_factory.mktemp("kernels")
+    old = os.environ.get("CCFT_CACHE")
+    os.environ["CCFT_CACHE"] = str(cache)
+    try:
+        cxx = shutil.which("g++") or shutil.which("c++")
+        out = {"plain": B.BlockKernel(B.build_kernel(cxx, tuple(f for f in B.FLAGS if f != "-march=native")))}
+        if kernel.avx512:
+            out["avx2"] = B.BlockKernel(B.build_kernel(cxx, (*B.FLAGS, "-mno-avx512f")))
+    finally:
+        if old is None:
+            os.environ.pop("CCFT_CACHE")
+        else:
+            os.environ["CCFT_CACHE"] = old
+    return out
+
+
+def _stepped(engine, prompts, decoders, new=8):
+    """Per step, each row's (token, top-5 log-probabilities), and the tail pool's K/V of the rows after it."""
+    with engine.prefill(prompts) as h:
+        ids = [
+            engine.add_request(h, i, decoder=d, max_new_tokens=new, logprobs=5, ignore_eos=True)
+            for i, d in enumerate(decoders)
+        ]
+        out = []
+        while engine.active:
+            by_id = {o.request_id: o for o in engine.step()}
+            out.append([(by_id[r].token_id, by_id[r].top_logprobs) for r in ids if r in by_id])
+        kv = {
+            lane: (e.pool.k[:, : len(prompts), :, :new].clone(), e.pool.v[:, : len(prompts), :, :new].clone())
+            for lane, e in engine.lanes.items()
+        }
+    return out, kv
+
+
+def _assert_steps_close(a, b):
+    assert [[t for t, _ in s] for s in a] == [[t for t, _ in s] for s in b]  # greedy tokens
+    for sa, sb in zip(a, b, strict=True):
+        for (_, la), (_, lb) in zip(sa, sb, strict=True):
+            assert [t for t, _ in la] == [t for t, _ in lb]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(la, lb, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("build", ["native", "plain", "avx2"])
+def test_fused_decode_step_equals_the_layer_loop(
+    proj_format_dir, build, kernel, other_kernels, tokenizer, gsm8k_rows, monkeypatch
+):
+    """The fused step (``blocks.decode_step_layers``: every layer in one kernel call) against the eager layer
+    loop on the same blocks: per-step log-probabilities within fp32 rounding, the same greedy tokens, the
+    same K/V written into the tail pool; rows of different prompt lengths (left padding), the base, one LoRA
+    decoder on every row, and a batch mixing the base and two LoRA decoders (each row its own adapter)."""
+    import ccft
+    from ccft.inference import model as M
+
+    if build != "native" and build not in other_kernels:
+        pytest.skip(f"no {build} build on this CPU")
+    base = ccft.load_base(str(proj_format_dir))
+    loras = {"math": make_lora(base, "math", seed=3, r=4), "code": make_lora(base, "code", seed=5, r=8)}
+    fused = SharedPrefillEngine(base, loras, decode="eager", block_weights="on")
+    loop = SharedPrefillEngine(base, loras, decode="eager", block_weights="on")
+    plan = fused.lanes["base"].weights.block_step
+    assert plan is not None and plan.dims[0] == len(base.model.model.layers)
+    if build != "native":
+        plan.kernel = other_kernels[build]
+    loop.lanes["base"].weights.block_step = None
+    calls = []
+    real = M.decode_step_layers
+    monkeypatch.setattr(M, "decode_step_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cases = [["base"], ["math"], ["base", "base", "base"], ["math", "math", "math"], ["code", "base", "math"]]
+    for decoders in cases:
+        prompts = _prompts(tokenizer, gsm8k_rows, len(decoders))
+        before = len(calls)
+        a, kv_a = _stepped(fused, prompts, decoders)
+        assert len(calls) > before, decoders  # the fused step ran
+        b, kv_b = _stepped(loop, prompts, decoders)
+        _assert_steps_close(a, b)
+        for lane in kv_a:
+            torch.testing.assert_close(kv_a[lane], kv_b[lane], rtol=1e-4, atol=1e-5)
+
+
+def test_fused_decode_step_of_an_fp32_lane_equals_the_layer_loop(block_dir, kernel, tokenizer, gsm8k_rows):
+    """An fp32 lane (no block weights) runs the fused step from its fp32 weights read in place (``"F32"``
+    matrices) up to ``F32_FUSED_ROWS`` rows: greedy tokens and log-probabilities equal the oneDNN layer loop's
+    within fp32 rounding, for the base and for a batch mixing it with a LoRA decoder."""
+    import ccft
+
+    base = ccft.load_base(str(block_dir))
+    lora = {"math": make_lora(base, "math", seed=3, r=4)}
+    fused = SharedPrefillEngine(base, lora, decode="eager", block_weights="off")
+    loop = SharedPrefillEngine(base, lora, decode="eager", block_weights="off")
+    plan = fused.lanes["base"].weights.block_step
+    assert plan is not None and set(plan.kinds) == {B.KINDS["F32"]} and plan.max_rows == B.F32_FUSED_ROWS
+    loop.lanes["base"].weights.block_step = None
+    for decoders in (["base", "base", "base"], ["math", "base", "math"]):
+        prompts = _prompts(tokenizer, gsm8k_rows, len(decoders))
+        _assert_steps_close(_stepped(fused, prompts, decoders)[0], _stepped(loop, prompts, decoders)[0])

@@ -47,8 +47,13 @@ log = logging.getLogger(__name__)
 BLOCK = 32
 #: format name -> (kernel kind id, bytes per block)
 FORMATS = {"Q8_0": (0, 34), "Q4_1": (1, 20)}
+#: the kernel's kind id of each matrix format: the GGUF block formats, and ``"F32"`` (an fp32 matrix read in
+#: place as blocks of 32 floats: the fused decode step of an fp32 lane, :func:`decode_step_plan`)
+KINDS = {**{name: kind for name, (kind, _) in FORMATS.items()}, "F32": 2}
+#: fp32 lanes run the fused decode step up to this many rows (above it the oneDNN layer loop is faster)
+F32_FUSED_ROWS = 16
 #: the kernel's ABI version (``ccft_blocks_abi`` in blocks.cpp)
-ABI = 2
+ABI = 4
 SOURCE = Path(__file__).resolve().parent / "kernels" / "blocks.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 #: above this many activation rows (prefill), ``matmul`` dequantises the matrix and calls ``torch.matmul``
@@ -70,7 +75,14 @@ class BlockKernel:
         lib.ccft_blocks_dequant.argtypes = [i32, ptr, i64, i64, ptr, i32]
         lib.ccft_blocks_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
         lib.ccft_blocks_mlp.argtypes = [i32, ptr, i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
-        for fn in (lib.ccft_blocks_dequant, lib.ccft_blocks_matmul, lib.ccft_blocks_mlp):
+        f32 = ctypes.c_float
+        lib.ccft_blocks_decode_step.argtypes = [i64] * 8 + [f32, f32] + [ptr] * 14 + [i64, ptr, ptr, i32]
+        for fn in (
+            lib.ccft_blocks_dequant,
+            lib.ccft_blocks_matmul,
+            lib.ccft_blocks_mlp,
+            lib.ccft_blocks_decode_step,
+        ):
             fn.restype = None
         self.lib, self.path = lib, path
         self.avx2 = bool(lib.ccft_blocks_features() & 1)
@@ -139,7 +151,11 @@ def load_kernel(*, fresh: bool = False) -> BlockKernel | None:
                     return _kernel["lib"]
                 except OSError as e:
                     why = str(e)
-            log.warning("ccft block weights unavailable, using fp32 weights: %s", why)
+            log.warning(
+                "ccft block kernel unavailable (block weights, the fused decode step): using fp32 "
+                "weights and PyTorch's ops: %s",
+                why,
+            )
             _kernel["lib"] = None
         return _kernel["lib"]
 
@@ -157,7 +173,7 @@ class BlockMatrix:
     """A weight ``W (n, k)`` kept as its GGUF blocks.
 
     Attributes:
-        fmt: ``"Q4_1"`` or ``"Q8_0"``.
+        fmt: ``"Q4_1"`` or ``"Q8_0"`` (GGUF blocks), or ``"F32"`` (fp32 rows read in place: :func:`f32_view`).
         raw: ``uint8 (n, k / 32 · bytes per block)``, row i = the blocks of W's row i, in ggml's layout.
         n, k: W's shape (``k`` a multiple of 32).
         kernel: the loaded :class:`BlockKernel`.
@@ -171,7 +187,7 @@ class BlockMatrix:
 
     @property
     def kind(self) -> int:
-        return FORMATS[self.fmt][0]
+        return KINDS[self.fmt]
 
     @property
     def nbytes(self) -> int:
@@ -247,6 +263,241 @@ def fused_mlp(gate: BlockMatrix, up: BlockMatrix, x: torch.Tensor) -> torch.Tens
         _threads(),
     )
     return y.view(*lead, gate.n)
+
+
+#: the fused decode step's largest head dimension (``MAX_HEAD_DIM`` in blocks.cpp)
+MAX_HEAD_DIM = 512
+
+
+def f32_view(weight: torch.Tensor, kernel: BlockKernel) -> BlockMatrix:
+    """An fp32 matrix ``(n, k)`` (contiguous, ``k`` a multiple of 32) as a ``"F32"`` :class:`BlockMatrix` that
+    reads it in place (no copy; it must outlive the view)."""
+    n, k = weight.shape
+    return BlockMatrix("F32", weight.detach().view(torch.uint8).view(n, 4 * k), n, k, kernel)
+
+
+@dataclass(eq=False)
+class DecodeStepPlan:
+    """A lane's decoder layers as the fused decode step reads them (:func:`decode_step_plan`): per layer the
+    two RMSNorm weights and the matrices of [q; k; v], o, gate, up and down, as pointer arrays built once.
+
+    Attributes:
+        kernel: the loaded :class:`BlockKernel`.  dims: ``(L, D, H, h, d, I)``.  eps: RMSNorm epsilon.
+        scale: the attention's softmax scale.
+        norms, weights, kinds: ``ctypes`` arrays (2L, 5L pointers; 5L kernel kinds, :data:`KINDS`).
+        max_rows: the most rows a step runs fused (more: the layer loop).
+        keep: the tensors the pointers point into (held so they stay alive).
+    """
+
+    kernel: BlockKernel
+    dims: tuple[int, int, int, int, int, int]
+    eps: float
+    scale: float
+    norms: object
+    weights: object
+    kinds: object
+    max_rows: int
+    keep: list
+
+
+def decode_step_plan(lw, kernel: BlockKernel | None = None) -> DecodeStepPlan | None:
+    """The fused decode step's plan of lane ``lw`` (``weights.LaneWeights``, packed), or None when it cannot
+    run it: not fp32 on the CPU, a layer without [q; k; v] packed (``layer.qkv``), a bias, a dimension that is
+    not a multiple of 32, or a head dimension above :data:`MAX_HEAD_DIM`. Each matrix is read from its blocks
+    (``Linear.blocks``) or, without them, in place from its fp32 weight (:func:`f32_view`). ``max_rows``:
+    :data:`DEQUANT_ROWS` when some matrix is in blocks, :data:`F32_FUSED_ROWS` for an all-fp32 lane.
+    ``kernel``: the kernel to run (default :func:`load_kernel`; None when it cannot be built)."""
+    if lw.device.type != "cpu" or lw.dtype != torch.float32 or lw.head_dim > MAX_HEAD_DIM:
+        return None
+    if not lw.layers or lw.heads % lw.kv_heads:
+        return None
+    kernel = kernel or next((lin.blocks.kernel for lin in _lane_linears(lw) if lin.blocks is not None), None)
+    kernel = kernel or load_kernel()
+    if kernel is None:
+        return None
+    norms, weights, kinds, keep = [], [], [], []
+    quantised = False
+    for layer in lw.layers:
+        p = layer.proj
+        mats = []
+        for lin in (layer.qkv, p["o_proj"], p["gate_proj"], p["up_proj"], p["down_proj"]):
+            if lin is None or lin.bias is not None:
+                return None
+            if lin.blocks is not None:
+                mats.append(lin.blocks)
+                quantised = True
+            elif lin.weight is not None and lin.weight.dtype == torch.float32 and lin.weight.is_contiguous():
+                if lin.weight.shape[1] % BLOCK:
+                    return None
+                mats.append(f32_view(lin.weight, kernel))
+            else:
+                return None
+        for t in (layer.attn_norm, layer.mlp_norm):
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                return None
+            norms.append(t.data_ptr())
+            keep.append(t)
+        for m in mats:
+            weights.append(m.raw.data_ptr())
+            kinds.append(m.kind)
+            keep.append(m.raw)
+    i64 = ctypes.c_int64
+    return DecodeStepPlan(
+        kernel=kernel,
+        dims=(lw.num_layers, lw.hidden, lw.heads, lw.kv_heads, lw.head_dim, mats[2].n),
+        eps=float(lw.eps),
+        scale=float(lw.scale),
+        norms=(i64 * len(norms))(*norms),
+        weights=(i64 * len(weights))(*weights),
+        kinds=(ctypes.c_int32 * len(kinds))(*kinds),
+        max_rows=DEQUANT_ROWS if quantised else F32_FUSED_ROWS,
+        keep=keep,
+    )
+
+
+#: the order of an adapter's projections in its table (``Proj`` in blocks.cpp)
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_table(adapter) -> tuple:
+    """A LoRA adapter (``weights.Adapter``) as the fused step reads it: ``(ptrs, ranks, scales, keep)``, per
+    layer and projection (:data:`LORA_PROJECTIONS`) the pointers of A ``(r, in)`` and B ``(out, r)`` (0 when
+    not adapted), the rank and the scaling; None when a matrix is not contiguous fp32 on the CPU. Built once
+    per adapter (kept as ``adapter.step_table``); in-place edits of the weights are seen, new tensors are not
+    (``weights.cast_adapter`` drops the table)."""
+    table = getattr(adapter, "step_table", None)
+    if table is not None:
+        return table
+    ptrs, ranks, scales, keep = [], [], [], []
+    for per in adapter.layers:
+        for name in LORA_PROJECTIONS:
+            lw = per.get(name)
+            if lw is None:
+                ptrs += [0, 0]
+                ranks.append(0)
+                scales.append(0.0)
+                continue
+            for t in (lw.a, lw.b):
+                if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                    return None
+            ptrs += [lw.a.data_ptr(), lw.b.data_ptr()]
+            ranks.append(int(lw.a.shape[0]))
+            scales.append(float(lw.scaling))
+            keep += [lw.a, lw.b]
+    i64 = ctypes.c_int64
+    table = (
+        (i64 * len(ptrs))(*ptrs),
+        (i64 * len(ranks))(*ranks),
+        (ctypes.c_float * len(scales))(*scales),
+        keep,
+    )
+    adapter.step_table = table
+    return table
+
+
+def _lane_linears(lw):
+    for layer in lw.layers:
+        yield from (lin for lin in (layer.qkv, *layer.proj.values()) if lin is not None)
+
+
+def decode_step_layers(
+    plan: DecodeStepPlan,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    prefix_k: list[torch.Tensor],
+    prefix_v: list[torch.Tensor],
+    key_start: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    write_pos: torch.Tensor,
+    tail_len: torch.Tensor,
+    lora: list | None = None,
+) -> torch.Tensor | None:
+    """Every decoder layer of one decode step in one kernel call (``ccft_blocks_decode_step``), for ``B``
+    rows each reading its own prefix row: the layer loop of ``model.decode_step_eager`` (rowwise) with the
+    same fp32 arithmetic in another summation order, LoRA deltas included.
+
+    Args:
+        x: ``(B, D)`` fp32 embeddings of the step's tokens; returned updated (the last layer's output).
+        cos, sin: ``(B, d)`` RoPE of each row's position, ``sin`` with its first half negated
+            (``model.rope``).
+        prefix_k, prefix_v: per layer ``(B, h, p, d)`` fp32 views of each row's prefix K/V (``d`` contiguous).
+        key_start: ``(B,)`` long, each row's first real prefix key.
+        pool_k, pool_v: ``(L, slots, h, capacity, d)`` fp32 tail pool (row r = slot r; same strides).
+        write_pos: ``(B,)`` long, where each row's new K/V is written; tail_len: ``(B,)`` long, write_pos + 1.
+        lora: ``model.LoraPlan.entries``: ``(adapter, rows)`` with rows None (every row) or a long tensor of
+            rows (eager); each row applies at most one adapter.
+    Returns:
+        ``x``, or None (nothing computed) when an adapter cannot be read in place (:func:`lora_table`).
+    Raises:
+        ValueError: a tensor that is not fp32 / long on the CPU or whose last dimension is not contiguous.
+    """
+    n_layers, hidden, heads, kv_heads, head_dim, inter = plan.dims
+    b = x.shape[0]
+    i64 = ctypes.c_int64
+    tables, row_lora = [], None
+    if lora:
+        row_lora = [-1] * b
+        for a, (adapter, sel) in enumerate(lora):
+            table = lora_table(adapter)
+            if table is None:
+                return None
+            tables += [ctypes.addressof(table[0]), ctypes.addressof(table[1]), ctypes.addressof(table[2])]
+            for r in range(b) if sel is None else sel.tolist():
+                row_lora[r] = a
+        row_lora = (i64 * b)(*row_lora)
+    lora_tables = (i64 * max(1, len(tables)))(*tables)
+    x = x.contiguous()
+    cos = cos.reshape(b, head_dim).contiguous()
+    sin = sin.reshape(b, head_dim).contiguous()
+    key_start, write_pos, tail_len = (t.contiguous() for t in (key_start, write_pos, tail_len))
+    if pool_k.stride() != pool_v.stride() or pool_k.stride(-1) != 1:
+        raise ValueError("decode_step_layers: the tail pool's keys and values need one layout, d contiguous")
+    width = prefix_k[0].shape[2]
+    ptrs, strides = [], []
+    for k, v in zip(prefix_k, prefix_v, strict=True):
+        if k.dtype != torch.float32 or v.dtype != torch.float32 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("decode_step_layers: prefix K/V must be fp32 with d contiguous")
+        if k.shape[2] != width or v.shape[2] != width:
+            raise ValueError("decode_step_layers: every layer's prefix must have one width")
+        ptrs += [k.data_ptr(), v.data_ptr()]
+        strides += [k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)]
+    # the pointer arrays are held in locals for the call (a temporary's buffer could be freed before it)
+    prefix = (i64 * len(ptrs))(*ptrs)
+    prefix_strides = (i64 * len(strides))(*strides)
+    pool_strides = (i64 * 4)(*pool_k.stride()[:4])
+    plan.kernel.lib.ccft_blocks_decode_step(
+        n_layers,
+        b,
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        inter,
+        width,
+        plan.eps,
+        plan.scale,
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        ctypes.addressof(plan.norms),
+        ctypes.addressof(plan.weights),
+        ctypes.addressof(plan.kinds),
+        ctypes.addressof(prefix),
+        ctypes.addressof(prefix_strides),
+        key_start.data_ptr(),
+        pool_k.data_ptr(),
+        pool_v.data_ptr(),
+        ctypes.addressof(pool_strides),
+        write_pos.data_ptr(),
+        tail_len.data_ptr(),
+        len(tables) // 3,
+        ctypes.addressof(lora_tables),
+        ctypes.addressof(row_lora) if row_lora is not None else None,
+        _threads(),
+    )
+    return x
 
 
 # The kernel as PyTorch ops, so that torch.compile (decode="compile") calls it inside a compiled step instead
@@ -501,9 +752,14 @@ __all__ = [
     "BlockKernel",
     "BlockMatrix",
     "BlockMismatchError",
+    "DecodeStepPlan",
     "attach_blocks",
     "build_kernel",
     "concat",
+    "decode_step_layers",
+    "decode_step_plan",
+    "f32_view",
+    "lora_table",
     "fused_mlp",
     "kernel_path",
     "load_kernel",

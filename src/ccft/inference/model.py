@@ -34,7 +34,7 @@ from ccft.inference.attention import (
     prefix_attention_grouped,
     tail_attention,
 )
-from ccft.inference.blocks import fused_mlp
+from ccft.inference.blocks import decode_step_layers, fused_mlp
 from ccft.inference.weights import Adapter, LaneWeights, Linear
 
 
@@ -409,6 +409,24 @@ def decode_step_eager(
     cos, sin = _cos_sin(lw, x, positions)
     g = groups[0]
     rowwise = len(groups) == 1 and g.rows is None and g.offset == 0 and g.key_start.shape[0] == b
+    step = lw.block_step
+    if rowwise and step is not None and b <= step.max_rows:  # every layer in one kernel call
+        out = decode_step_layers(
+            step,
+            x,
+            cos,
+            sin,
+            [g.k(i) for i in range(lw.num_layers)],
+            [g.v(i) for i in range(lw.num_layers)],
+            g.key_start,
+            pool_k,
+            pool_v,
+            write_pos,
+            tail_len,
+            lora.entries,
+        )
+        if out is not None:
+            return logits_of(out, lw)
     if rowwise:  # every row reads its own prefix row, in order: the masks are built once per step
         width = g.k(0).shape[2]
         bias = torch.cat(

@@ -125,6 +125,8 @@ class Adapter:
 
     name: str
     layers: list[dict[str, LoraWeights]]
+    #: the fused decode step's pointer table of these weights (``blocks.lora_table``), built on first use
+    step_table: object | None = None
 
 
 @dataclass
@@ -138,6 +140,8 @@ class LaneWeights:
             so every RoPE variant the model supports is reproduced exactly.
         eps: RMSNorm epsilon.  heads, kv_heads, head_dim, hidden: attention geometry.
         adapters: LoRA adapters on this lane, in registration order (index = adapter id).
+        block_step: the fused decode step's plan (``blocks.decode_step_plan``: every layer in one kernel call,
+            from the blocks or the fp32 weights) of an fp32 CPU lane (set by ``pack``), else None.
     """
 
     embed: torch.Tensor
@@ -152,6 +156,7 @@ class LaneWeights:
     hidden: int
     owner: torch.nn.Module
     adapters: list[Adapter] = field(default_factory=list)
+    block_step: object | None = None
 
     @property
     def num_layers(self) -> int:
@@ -220,6 +225,10 @@ def pack(lw: LaneWeights) -> LaneWeights:
         for name in ("o_proj", "down_proj"):
             p[name] = prepack(p[name])
     lw.lm_head = prepack(lw.lm_head)
+    if lw.device.type == "cpu" and lw.dtype == torch.float32:
+        from ccft.inference.blocks import decode_step_plan
+
+        lw.block_step = decode_step_plan(lw)
     return lw
 
 
@@ -386,6 +395,7 @@ def cast_adapter(adapter: Adapter, dtype: torch.dtype) -> Adapter:
                 for t in (lw.a, lw.b):
                     if t.dtype != dtype:
                         t.data = t.data.to(dtype)
+    adapter.step_table = None  # new tensors: the fused step's pointers are built again
     return adapter
 
 

@@ -4,6 +4,7 @@
 //   Q8_0: fp16 d, int8 q[32]                       (34 bytes)   w[j] = d · q[j]
 //   Q4_1: fp16 d, fp16 m, uint8 q[16] (two nibbles) (20 bytes)  w[j] = d · q[j] + m,
 //         q[j] = q[j] & 15 for j < 16 and q[j - 16] >> 4 for j ≥ 16.
+//   F32:  32 fp32 weights                          (128 bytes)  (an fp32 matrix read in place)
 // Activations x and outputs y are fp32, row-major with leading dimensions ldx / ldy. Each weight is
 // dequantised exactly as gguf-py (and so transformers) dequantises it: d · q is exact in fp32, so
 // d · q + m rounds once, fused or not, and the dequantised weight equals the fp32 engine's weight.
@@ -13,6 +14,7 @@
 // compiled with AVX-512F, AVX2 + FMA (8) when compiled with those (-march=native on such a CPU), plain C++
 // otherwise. Built and loaded by ccft.inference.blocks.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -34,8 +36,9 @@ namespace {
 constexpr int64_t QK = 32;
 constexpr int KIND_Q8_0 = 0;
 constexpr int KIND_Q4_1 = 1;
+constexpr int KIND_F32 = 2;  // plain fp32 rows seen as blocks of 32 floats (the fp32 engine's fused step)
 
-inline int64_t block_bytes(int kind) { return kind == KIND_Q8_0 ? 34 : 20; }
+inline int64_t block_bytes(int kind) { return kind == KIND_Q8_0 ? 34 : kind == KIND_Q4_1 ? 20 : 128; }
 
 inline float fp16_to_fp32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -72,6 +75,10 @@ inline uint16_t load_u16(const uint8_t* p) {
 
 // The 32 weights of one block, as fp32.
 inline void dequant_block(int kind, const uint8_t* b, float* out) {
+    if (kind == KIND_F32) {
+        std::memcpy(out, b, QK * sizeof(float));
+        return;
+    }
     const float d = fp16_to_fp32(load_u16(b));
     if (kind == KIND_Q8_0) {
         const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
@@ -96,6 +103,12 @@ inline float hsum(__m256 v) {
 
 // One block's 32 weights in four vectors (w0: weights 0-7, ..., w3: 24-31).
 inline void dequant_avx2(int kind, const uint8_t* b, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
+    if (kind == KIND_F32) {
+        const float* f = reinterpret_cast<const float*>(b);
+        w0 = _mm256_loadu_ps(f), w1 = _mm256_loadu_ps(f + 8), w2 = _mm256_loadu_ps(f + 16);
+        w3 = _mm256_loadu_ps(f + 24);
+        return;
+    }
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
     if (kind == KIND_Q8_0) {
         const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
@@ -121,6 +134,11 @@ inline void dequant_avx2(int kind, const uint8_t* b, __m256& w0, __m256& w1, __m
 #if CCFT_AVX512
 // One block's 32 weights in two vectors (w0: weights 0-15, w1: 16-31): the same roundings as dequant_avx2.
 inline void dequant_avx512(int kind, const uint8_t* b, __m512& w0, __m512& w1) {
+    if (kind == KIND_F32) {
+        w0 = _mm512_loadu_ps(reinterpret_cast<const float*>(b));
+        w1 = _mm512_loadu_ps(reinterpret_cast<const float*>(b) + 16);
+        return;
+    }
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(b)));
     if (kind == KIND_Q8_0) {
         const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
@@ -226,16 +244,126 @@ inline void dot_tile(int kind, const uint8_t* w, int64_t nb, const float* x, int
 
 constexpr int64_t ROWS_PER_TASK = 16;  // output rows one thread takes at a time (their blocks stay in L1)
 constexpr int MT_MAX = 8;              // activation rows per pass over a weight row
+constexpr int64_t MAX_HEAD_DIM = 512;  // the fused decode step's largest head dimension
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// What a product does with each output: store it, add it to what y holds (a residual), or (the MLP) store
+// silu(gate) * up.
+enum Out { STORE = 0, ADD = 1 };
+
+// The share of y (m, n) = x (m, k) · Wᵀ of the calling thread: an orphaned `omp for` over tasks of output rows,
+// so it runs in a parallel region of the caller (one region per call below, one per decode step in
+// ccft_blocks_decode_step) or alone. x rows ldx floats apart, y rows ldy floats apart.
+inline void matmul_for(int kind, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m,
+                       int64_t ldx, float* y, int64_t ldy, Out mode) {
+    const int64_t nb = k / QK, rb = nb * block_bytes(kind);
+    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < n ? n0 + ROWS_PER_TASK : n;
+        float out[MT_MAX];
+        for (int64_t m0 = 0; m0 < m; m0 += MT_MAX) {
+            const int rows = (int)(m - m0 < MT_MAX ? m - m0 : MT_MAX);
+            for (int64_t i = n0; i < n1; ++i) {
+                dot_tile(kind, w + i * rb, nb, x + m0 * ldx, ldx, rows, out);
+                for (int r = 0; r < rows; ++r) {
+                    float* o = y + (m0 + r) * ldy + i;
+                    *o = mode == ADD ? *o + out[r] : out[r];
+                }
+            }
+        }
+    }
+}
+
+// The calling thread's share of y (m, n) = silu(x · Wgᵀ) * (x · Wuᵀ) (orphaned `omp for`, as matmul_for).
+inline void mlp_for(int kind_gate, const uint8_t* wg, int kind_up, const uint8_t* wu, int64_t n, int64_t k,
+                    const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy) {
+    const int64_t nb = k / QK, rbg = nb * block_bytes(kind_gate), rbu = nb * block_bytes(kind_up);
+    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < n ? n0 + ROWS_PER_TASK : n;
+        float g[MT_MAX], u[MT_MAX];
+        for (int64_t m0 = 0; m0 < m; m0 += MT_MAX) {
+            const int rows = (int)(m - m0 < MT_MAX ? m - m0 : MT_MAX);
+            for (int64_t i = n0; i < n1; ++i) {
+                dot_tile(kind_gate, wg + i * rbg, nb, x + m0 * ldx, ldx, rows, g);
+                dot_tile(kind_up, wu + i * rbu, nb, x + m0 * ldx, ldx, rows, u);
+                for (int r = 0; r < rows; ++r) y[(m0 + r) * ldy + i] = silu(g[r]) * u[r];
+            }
+        }
+    }
+}
+
+// a · b over n fp32 values (vectorised where the build has AVX2 / AVX-512).
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+    int64_t j = 0;
+    float s = 0.0f;
+#if CCFT_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
+    s = _mm512_reduce_add_ps(acc);
+#elif CCFT_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+    s = hsum(acc);
+#endif
+    for (; j < n; ++j) s += a[j] * b[j];
+    return s;
+}
+
+// out = RMSNorm(x) = w * (x * rsqrt(mean(x²) + eps)) over n values (torch.rms_norm's arithmetic, another
+// summation order).
+inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
+    const float r = 1.0f / std::sqrt(dot_f32(x, x, n) / (float)n + eps);
+    for (int64_t j = 0; j < n; ++j) out[j] = (x[j] * r) * w[j];
+}
+
+// RoPE of one head in place: x[j] * cos[j] + x[(j + d/2) % d] * sin[j], sin with its first half negated
+// (ccft.inference.model.rope).
+inline void rope(float* x, const float* cos, const float* sin, int64_t d, float* tmp) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < d; ++j) tmp[j] = x[j] * cos[j] + x[(j + half) % d] * sin[j];
+    std::memcpy(x, tmp, d * sizeof(float));
+}
+
+// y (out) += (B (A x)) * s, a LoRA delta (PEFT: W x + B (A x) · scaling): A (r, in), B (out, r) fp32; t: r floats.
+inline void lora_add(const float* A, const float* Bm, int64_t r, int64_t in, int64_t out, float s, const float* x,
+                     float* y, float* t) {
+    for (int64_t j = 0; j < r; ++j) t[j] = dot_f32(A + j * in, x, in);
+    for (int64_t o = 0; o < out; ++o) y[o] += dot_f32(Bm + o * r, t, r) * s;
+}
+
+// One adapter's table for the fused step (ccft.inference.blocks.lora_table): per layer i and projection j (q, k, v,
+// o, gate, up, down) ptrs[2 (7 i + j)] = A, ptrs[2 (7 i + j) + 1] = B (0: not adapted), ranks[7 i + j],
+// scales[7 i + j].
+struct LoraTable {
+    const int64_t* ptrs;
+    const int64_t* ranks;
+    const float* scales;
+};
+
+enum Proj { Q = 0, K = 1, V = 2, O = 3, GATE = 4, UP = 5, DOWN = 6 };
+
+// Row r's delta of projection j in layer i, added into y (out floats), or nothing when r has no adapter there.
+inline void add_row_lora(const LoraTable* tables, const int64_t* row_lora, int64_t r, int64_t i, int j, int64_t in,
+                     int64_t out, const float* x, float* y, float* t) {
+    if (row_lora == nullptr || row_lora[r] < 0) return;
+    const LoraTable& tb = tables[row_lora[r]];
+    const int64_t at = 7 * i + j;
+    if (tb.ptrs[2 * at] == 0) return;
+    lora_add(reinterpret_cast<const float*>(tb.ptrs[2 * at]), reinterpret_cast<const float*>(tb.ptrs[2 * at + 1]),
+             tb.ranks[at], in, out, tb.scales[at], x, y, t);
+}
 
 }  // namespace
 
 extern "C" {
 
-// 2: the ABI version ccft.inference.blocks checks. Features: bit 0 built with AVX2 + FMA, bit 1 with
+// 4: the ABI version ccft.inference.blocks checks. Features: bit 0 built with AVX2 + FMA, bit 1 with
 // AVX-512F (the products then run 16 weights per vector).
-int ccft_blocks_abi() { return 2; }
+int ccft_blocks_abi() { return 4; }
 int ccft_blocks_features() { return CCFT_AVX2 | (CCFT_AVX512 << 1); }
 
 // out (n, k) fp32 = the dequantised weights.
@@ -250,40 +378,165 @@ void ccft_blocks_dequant(int kind, const uint8_t* w, int64_t n, int64_t k, float
 // y (m, n) = x (m, k) · Wᵀ, W (n, k) in blocks; x rows ldx floats apart, y rows ldy floats apart.
 void ccft_blocks_matmul(int kind, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m,
                         int64_t ldx, float* y, int64_t ldy, int threads) {
-    const int64_t nb = k / QK, rb = nb * block_bytes(kind);
-    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < n ? n0 + ROWS_PER_TASK : n;
-        float out[MT_MAX];
-        for (int64_t m0 = 0; m0 < m; m0 += MT_MAX) {
-            const int rows = (int)(m - m0 < MT_MAX ? m - m0 : MT_MAX);
-            for (int64_t i = n0; i < n1; ++i) {
-                dot_tile(kind, w + i * rb, nb, x + m0 * ldx, ldx, rows, out);
-                for (int r = 0; r < rows; ++r) y[(m0 + r) * ldy + i] = out[r];
-            }
-        }
-    }
+#pragma omp parallel num_threads(threads)
+    matmul_for(kind, w, n, k, x, m, ldx, y, ldy, STORE);
 }
 
 // y (m, n) = silu(x · Wgᵀ) * (x · Wuᵀ): Llama's gated MLP activation, gate and up (n, k) in blocks.
 void ccft_blocks_mlp(int kind_gate, const uint8_t* wg, int kind_up, const uint8_t* wu, int64_t n, int64_t k,
                      const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, int threads) {
-    const int64_t nb = k / QK, rbg = nb * block_bytes(kind_gate), rbu = nb * block_bytes(kind_up);
-    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < n ? n0 + ROWS_PER_TASK : n;
-        float g[MT_MAX], u[MT_MAX];
-        for (int64_t m0 = 0; m0 < m; m0 += MT_MAX) {
-            const int rows = (int)(m - m0 < MT_MAX ? m - m0 : MT_MAX);
-            for (int64_t i = n0; i < n1; ++i) {
-                dot_tile(kind_gate, wg + i * rbg, nb, x + m0 * ldx, ldx, rows, g);
-                dot_tile(kind_up, wu + i * rbu, nb, x + m0 * ldx, ldx, rows, u);
-                for (int r = 0; r < rows; ++r) y[(m0 + r) * ldy + i] = silu(g[r]) * u[r];
+#pragma omp parallel num_threads(threads)
+    mlp_for(kind_gate, wg, kind_up, wu, n, k, x, m, ldx, y, ldy);
+}
+
+// The L decoder layers of one decode step of B rows, every row reading its own prefix row (a Llama block:
+// RMSNorm, [q; k; v] from blocks, RoPE, the new K/V written into the tail pool, attention over the row's
+// prefix keys key_start[r] .. p - 1 and its tail keys 0 .. tail_len[r] - 1 under one softmax, o_proj and
+// the residual, RMSNorm, the gated MLP from blocks and the residual), in one parallel region: the eager
+// step's per-layer ops (ccft.inference.model.decode_step_eager, rowwise, no adapter) without a Python or
+// dispatcher call per op. Every product and activation is fp32, as in that step (another summation order).
+//
+// dims: L, B, D (hidden), H (query heads), h (KV heads), d (head dim), I (MLP width), p (prefix width).
+// x (B, D): the residual stream, updated in place. cos, sin (B, d): RoPE of each row's position (sin signed).
+// norms (2L pointers): attention and MLP RMSNorm weights of each layer. weights (5L pointers) and kinds (5L):
+// each layer's [q; k; v] ((H + 2h) d, D), o (D, H d), gate (I, D), up (I, D), down (D, I) blocks.
+// prefix (2L pointers: keys, values of layer i, (B, h, p, d) fp32, d contiguous), prefix_strides (6L: keys'
+// row, head, position strides, then values', in floats). key_start (B,). pool_k, pool_v: the tail pool
+// (L, slots, h, capacity, d) fp32 with pool_strides (4: layer, slot, head, position, in floats); row r is
+// slot r, its new K/V written at write_pos[r], tail_len[r] = write_pos[r] + 1 keys read. d <= MAX_HEAD_DIM.
+// LoRA: n_lora adapters, lora_tables 3 pointers each (a LoraTable: ptrs, ranks, scales), row_lora (B,) the
+// adapter of each row (-1: none; unread when n_lora is 0); each adapted projection adds B (A x) · scaling to
+// its output, as ccft.inference.model.project does (gate and up before the SiLU).
+void ccft_blocks_decode_step(int64_t L, int64_t B, int64_t D, int64_t H, int64_t h, int64_t d, int64_t I,
+                             int64_t p, float eps, float scale, float* x, const float* cos, const float* sin,
+                             const int64_t* norms, const int64_t* weights, const int32_t* kinds,
+                             const int64_t* prefix, const int64_t* prefix_strides, const int64_t* key_start,
+                             float* pool_k, float* pool_v, const int64_t* pool_strides,
+                             const int64_t* write_pos, const int64_t* tail_len, int64_t n_lora,
+                             const int64_t* lora_tables, const int64_t* row_lora, int threads) {
+    const int64_t nq = H * d, nkv = h * d, nqkv = nq + 2 * nkv, group = H / h;
+    // the adapters' tables (lora_tables: 3 pointers per adapter) and what a delta needs: the largest rank, and
+    // per layer whether some row adapts gate or up (its MLP then keeps them apart, to add the deltas before SiLU)
+    LoraTable* tables = new LoraTable[n_lora > 0 ? n_lora : 1];
+    int64_t max_rank = 1;
+    char* mlp_lora = new char[L];
+    for (int64_t i = 0; i < L; ++i) mlp_lora[i] = 0;
+    for (int64_t a = 0; a < n_lora; ++a) {
+        tables[a] = {reinterpret_cast<const int64_t*>(lora_tables[3 * a]),
+                     reinterpret_cast<const int64_t*>(lora_tables[3 * a + 1]),
+                     reinterpret_cast<const float*>(lora_tables[3 * a + 2])};
+        for (int64_t at = 0; at < 7 * L; ++at) max_rank = std::max(max_rank, tables[a].ranks[at]);
+    }
+    if (n_lora > 0)
+        for (int64_t r = 0; r < B; ++r)
+            if (row_lora[r] >= 0)
+                for (int64_t i = 0; i < L; ++i)
+                    if (tables[row_lora[r]].ptrs[2 * (7 * i + GATE)] || tables[row_lora[r]].ptrs[2 * (7 * i + UP)])
+                        mlp_lora[i] = 1;
+    const int64_t* rl = n_lora > 0 ? row_lora : nullptr;
+    int64_t width = 0;  // keys a row reads at most
+    for (int64_t r = 0; r < B; ++r) width = std::max(width, p - key_start[r] + tail_len[r]);
+    float* hn = new float[B * (D + nqkv + nq + 2 * I + max_rank) + B * H * width];
+    float* qkv = hn + B * D;   // (B, (H + 2h) d)
+    float* att = qkv + B * nqkv;  // (B, H d): attention outputs
+    float* act = att + B * nq;    // (B, I): the MLP's activation
+    float* up = act + B * I;      // (B, I): the up projection, in a layer whose MLP has an adapter
+    float* lt = up + B * I;       // (B, max_rank): each row's A x of a LoRA delta
+    float* scores = lt + B * max_rank;  // (B H, width)
+    const int64_t ls = pool_strides[0], ss = pool_strides[1], hs = pool_strides[2], ps = pool_strides[3];
+#pragma omp parallel num_threads(threads)
+    for (int64_t i = 0; i < L; ++i) {
+        const float* attn_norm = reinterpret_cast<const float*>(norms[2 * i]);
+        const float* mlp_norm = reinterpret_cast<const float*>(norms[2 * i + 1]);
+        const int64_t* wt = weights + 5 * i;
+        const int32_t* kd = kinds + 5 * i;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < B; ++r) rms_norm(x + r * D, attn_norm, D, eps, hn + r * D);
+        matmul_for(kd[0], reinterpret_cast<const uint8_t*>(wt[0]), nqkv, D, hn, B, D, qkv, nqkv, STORE);
+        if (rl != nullptr) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < B; ++r) {
+                float* y = qkv + r * nqkv;
+                add_row_lora(tables, rl, r, i, Q, D, nq, hn + r * D, y, lt + r * max_rank);
+                add_row_lora(tables, rl, r, i, K, D, nkv, hn + r * D, y + nq, lt + r * max_rank);
+                add_row_lora(tables, rl, r, i, V, D, nkv, hn + r * D, y + nq + nkv, lt + r * max_rank);
             }
         }
+        // RoPE on q and k; the row's K/V into its tail slot
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < B * (H + h); ++t) {
+            const int64_t r = t / (H + h), head = t % (H + h);
+            float* v = qkv + r * nqkv + head * d;
+            float tmp[MAX_HEAD_DIM];
+            rope(v, cos + r * d, sin + r * d, d, tmp);
+            if (head >= H) {
+                const int64_t g = head - H, at = i * ls + r * ss + g * hs + write_pos[r] * ps;
+                std::memcpy(pool_k + at, v, d * sizeof(float));
+                std::memcpy(pool_v + at, v + nkv, d * sizeof(float));
+            }
+        }
+        // attention of each (row, query head) over its prefix keys and its tail keys, one softmax
+        const float* kp = reinterpret_cast<const float*>(prefix[2 * i]);
+        const float* vp = reinterpret_cast<const float*>(prefix[2 * i + 1]);
+        const int64_t* st = prefix_strides + 6 * i;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < B * H; ++t) {
+            const int64_t r = t / H, head = t % H, g = head / group;
+            const float* q = qkv + r * nqkv + head * d;
+            float* s = scores + t * width;
+            const int64_t p0 = key_start[r], np = p - p0, nt = tail_len[r];
+            const float* kr = kp + r * st[0] + g * st[1];
+            const float* vr = vp + r * st[3] + g * st[4];
+            const float* kt = pool_k + i * ls + r * ss + g * hs;
+            const float* vt = pool_v + i * ls + r * ss + g * hs;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < np; ++j) mx = std::max(mx, s[j] = dot_f32(q, kr + (p0 + j) * st[2], d) * scale);
+            for (int64_t j = 0; j < nt; ++j) mx = std::max(mx, s[np + j] = dot_f32(q, kt + j * ps, d) * scale);
+            float sum = 0.0f;
+            for (int64_t j = 0; j < np + nt; ++j) sum += (s[j] = std::exp(s[j] - mx));
+            const float inv = 1.0f / sum;
+            float* o = att + r * nq + head * d;
+            for (int64_t c = 0; c < d; ++c) o[c] = 0.0f;
+            for (int64_t j = 0; j < np; ++j) {
+                const float w = s[j] * inv;
+                const float* vv = vr + (p0 + j) * st[5];
+                for (int64_t c = 0; c < d; ++c) o[c] += w * vv[c];
+            }
+            for (int64_t j = 0; j < nt; ++j) {
+                const float w = s[np + j] * inv;
+                const float* vv = vt + j * ps;
+                for (int64_t c = 0; c < d; ++c) o[c] += w * vv[c];
+            }
+        }
+        matmul_for(kd[1], reinterpret_cast<const uint8_t*>(wt[1]), D, nq, att, B, nq, x, D, ADD);
+        if (rl != nullptr) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < B; ++r) add_row_lora(tables, rl, r, i, O, nq, D, att + r * nq, x + r * D, lt + r * max_rank);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < B; ++r) rms_norm(x + r * D, mlp_norm, D, eps, hn + r * D);
+        if (!mlp_lora[i]) {
+            mlp_for(kd[2], reinterpret_cast<const uint8_t*>(wt[2]), kd[3], reinterpret_cast<const uint8_t*>(wt[3]),
+                    I, D, hn, B, D, act, I);
+        } else {  // silu(gate h + δ_gate) * (up h + δ_up): the deltas go in before the SiLU
+            matmul_for(kd[2], reinterpret_cast<const uint8_t*>(wt[2]), I, D, hn, B, D, act, I, STORE);
+            matmul_for(kd[3], reinterpret_cast<const uint8_t*>(wt[3]), I, D, hn, B, D, up, I, STORE);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < B; ++r) {
+                add_row_lora(tables, rl, r, i, GATE, D, I, hn + r * D, act + r * I, lt + r * max_rank);
+                add_row_lora(tables, rl, r, i, UP, D, I, hn + r * D, up + r * I, lt + r * max_rank);
+                for (int64_t c = 0; c < I; ++c) act[r * I + c] = silu(act[r * I + c]) * up[r * I + c];
+            }
+        }
+        matmul_for(kd[4], reinterpret_cast<const uint8_t*>(wt[4]), D, I, act, B, I, x, D, ADD);
+        if (rl != nullptr) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < B; ++r) add_row_lora(tables, rl, r, i, DOWN, I, D, act + r * I, x + r * D, lt + r * max_rank);
+        }
     }
+    delete[] hn;
+    delete[] tables;
+    delete[] mlp_lora;
 }
 
 }  // extern "C"
