@@ -636,6 +636,8 @@ def run(args) -> dict:
         "pack_weights": engine.pack_weights,
         "also_pack_weights": also_engine.pack_weights if also_engine is not None else None,
         "attention": engine.attention,
+        # the most rows of a step the fused CPU step runs (blocks.decode_step_layers); None: the layer loop
+        "fused_step_max_rows": _fused_rows(engine),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "bandwidth_GBps": bw["bandwidth_Bps"] / 1e9,
@@ -648,6 +650,7 @@ def run(args) -> dict:
         result["block_weights"] = {
             "gguf": Path(blocks_engine.block_weights).name,
             "kernel": _kernel_isa(),
+            "fused_step_max_rows": _fused_rows(blocks_engine),
         }
         result["engine_memory"] = {
             "fp32_engine_extra_bytes": engine_extra_bytes(engine),
@@ -839,6 +842,11 @@ def _rss_bytes() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _fused_rows(engine) -> int | None:
+    step = engine.lanes["base"].weights.block_step
+    return None if step is None else step.max_rows
 
 
 def _kernel_isa() -> str:
