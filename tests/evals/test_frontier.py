@@ -226,7 +226,7 @@ def test_shipped_frontier_config_parses():
     from ccft.evals.study import load_study_config
 
     cfg = load_study_config(ROOT / "recipes" / "frontier.yaml")
-    assert cfg.frontier.depths == [1, 2, 4, 8] and cfg.frontier.specialists == ["tools", "code"]
+    assert cfg.frontier.depths == [1, 2, 4, 8] and cfg.frontier.specialists == ["code", "tools"]
     assert cfg.modes == ["full-ft", "naive", "prefillshare"] and cfg.out == "reports/frontier"
     # the study's decoders are reused: same runs folder and training overrides as recipes/study.yaml
     study = load_study_config(ROOT / "recipes" / "study.yaml")

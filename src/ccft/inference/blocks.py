@@ -359,15 +359,34 @@ def decode_step_plan(lw, kernel: BlockKernel | None = None) -> DecodeStepPlan | 
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def lora_table(adapter) -> tuple:
+def lora_table(adapter, dims: tuple[int, int, int, int, int, int]) -> tuple | None:
     """A LoRA adapter (``weights.Adapter``) as the fused step reads it: ``(ptrs, ranks, scales, keep)``, per
     layer and projection (:data:`LORA_PROJECTIONS`) the pointers of A ``(r, in)`` and B ``(out, r)`` (0 when
-    not adapted), the rank and the scaling; None when a matrix is not contiguous fp32 on the CPU. Built once
-    per adapter (kept as ``adapter.step_table``); in-place edits of the weights are seen, new tensors are not
-    (``weights.cast_adapter`` drops the table)."""
+    not adapted), the rank and the scaling; None when a matrix is not contiguous fp32 on the CPU. ``dims``:
+    the lane's ``DecodeStepPlan.dims``, which fix each projection's ``in`` and ``out``. Built once per adapter
+    (kept as ``adapter.step_table``); in-place edits of the weights are seen, new tensors are not
+    (``weights.cast_adapter`` drops the table).
+
+    Raises:
+        RuntimeError: an A or B whose shape does not fit its projection (as the layer loop's matmul raises;
+            the kernel would read past them).
+    """
     table = getattr(adapter, "step_table", None)
     if table is not None:
         return table
+    n_layers, hidden, heads, kv_heads, head_dim, inter = dims
+    nq, nkv = heads * head_dim, kv_heads * head_dim
+    io = {
+        "q_proj": (hidden, nq),
+        "k_proj": (hidden, nkv),
+        "v_proj": (hidden, nkv),
+        "o_proj": (nq, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    if len(adapter.layers) != n_layers:
+        raise RuntimeError(f"adapter {adapter.name!r} has {len(adapter.layers)} layers, the lane {n_layers}")
     ptrs, ranks, scales, keep = [], [], [], []
     for per in adapter.layers:
         for name in LORA_PROJECTIONS:
@@ -380,6 +399,13 @@ def lora_table(adapter) -> tuple:
             for t in (lw.a, lw.b):
                 if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
                     return None
+            fan_in, fan_out = io[name]
+            r = lw.a.shape[0] if lw.a.dim() == 2 else -1
+            if tuple(lw.a.shape) != (r, fan_in) or tuple(lw.b.shape) != (fan_out, r) or r < 1:
+                raise RuntimeError(
+                    f"adapter {adapter.name!r} {name}: lora_A {tuple(lw.a.shape)} and lora_B "
+                    f"{tuple(lw.b.shape)} do not fit the projection ({fan_in} -> {fan_out})"
+                )
             ptrs += [lw.a.data_ptr(), lw.b.data_ptr()]
             ranks.append(int(lw.a.shape[0]))
             scales.append(float(lw.scaling))
@@ -440,7 +466,7 @@ def decode_step_layers(
     if lora:
         row_lora = [-1] * b
         for a, (adapter, sel) in enumerate(lora):
-            table = lora_table(adapter)
+            table = lora_table(adapter, plan.dims)
             if table is None:
                 return None
             tables += [ctypes.addressof(table[0]), ctypes.addressof(table[1]), ctypes.addressof(table[2])]
