@@ -82,7 +82,9 @@ def main() -> None:
     if args.decoder == "lora":
         torch.manual_seed(0)
         lora = {"r": 16, "lora_alpha": 32, "init_lora_weights": False, "target_modules": "all-linear"}
-        dec = ccft.make_decoder(base, "lora", lora=lora, method="ccft", adapter_name="decoder", handoff_tokens=1)
+        dec = ccft.make_decoder(
+            base, "lora", lora=lora, method="ccft", adapter_name="decoder", handoff_tokens=1
+        )
         dec.model.eval()
         decoders, decoder = {"decoder": dec}, "decoder"
     engines = {}
