@@ -300,19 +300,18 @@ class DecodeStepPlan:
     keep: list
 
 
-def decode_step_plan(lw, kernel: BlockKernel | None = None) -> DecodeStepPlan | None:
+def decode_step_plan(lw) -> DecodeStepPlan | None:
     """The fused decode step's plan of lane ``lw`` (``weights.LaneWeights``, packed), or None when it cannot
     run it: not fp32 on the CPU, a layer without [q; k; v] packed (``layer.qkv``), a bias, a dimension that is
     not a multiple of 32, or a head dimension above :data:`MAX_HEAD_DIM`. Each matrix is read from its blocks
     (``Linear.blocks``) or, without them, in place from its fp32 weight (:func:`f32_view`). ``max_rows``:
     :data:`DEQUANT_ROWS` when some matrix is in blocks, :data:`F32_FUSED_ROWS` for an all-fp32 lane.
-    ``kernel``: the kernel to run (default :func:`load_kernel`; None when it cannot be built)."""
+    The kernel is :func:`load_kernel`'s (the one the blocks were read with); None when it cannot be built."""
     if lw.device.type != "cpu" or lw.dtype != torch.float32 or lw.head_dim > MAX_HEAD_DIM:
         return None
     if not lw.layers or lw.heads % lw.kv_heads:
         return None
-    kernel = kernel or next((lin.blocks.kernel for lin in _lane_linears(lw) if lin.blocks is not None), None)
-    kernel = kernel or load_kernel()
+    kernel = load_kernel()
     if kernel is None:
         return None
     norms, weights, kinds, keep = [], [], [], []
@@ -371,7 +370,7 @@ def lora_table(adapter, dims: tuple[int, int, int, int, int, int]) -> tuple | No
         RuntimeError: an A or B whose shape does not fit its projection (as the layer loop's matmul raises;
             the kernel would read past them).
     """
-    table = getattr(adapter, "step_table", None)
+    table = adapter.step_table
     if table is not None:
         return table
     n_layers, hidden, heads, kv_heads, head_dim, inter = dims
@@ -419,11 +418,6 @@ def lora_table(adapter, dims: tuple[int, int, int, int, int, int]) -> tuple | No
     )
     adapter.step_table = table
     return table
-
-
-def _lane_linears(lw):
-    for layer in lw.layers:
-        yield from (lin for lin in (layer.qkv, *layer.proj.values()) if lin is not None)
 
 
 def decode_step_layers(
