@@ -198,6 +198,24 @@ def test_humaneval_canonical_solutions_pass_in_this_environment():
     assert report["known_bad_passed"] == []
 
 
+
+def test_humaneval_environment_check_names_the_failing_canonical_solution(monkeypatch):
+    """A canonical solution that fails here raises the check's own error naming it (not a crash while
+    reporting it: the known-bad run that follows must not replace the canonical results)."""
+    from ccft.evals.humaneval import HumanEvalTask
+    from ccft.evals.task_base import EnvironmentCheckError
+
+    task = get_task("humaneval")
+    real = HumanEvalTask._canonical_pairs
+
+    def broken_first(self, items):
+        pairs = real(self, items)
+        return [(pairs[0][0], "    return None\n")] + pairs[1:]
+
+    monkeypatch.setattr(HumanEvalTask, "_canonical_pairs", broken_first)
+    with pytest.raises(EnvironmentCheckError, match=r"canonical solutions failed.*\['HumanEval/0'\]"):
+        task.check_environment(limit=6)
+
 def test_humaneval_plus_canonical_and_extended_tests():
     task = get_task("humaneval-plus")
     report = task.check_environment(limit=3)

@@ -177,6 +177,7 @@ class HumanEvalTask(CodeTask):
         items = self.load(limit)
         canon = self._canonical_pairs(items)
         scores = self.score_many(canon)
+        canon_results = list(self.last_results)  # the known-bad run below replaces last_results
         failed = [it.id for it, s in zip(items, scores, strict=True) if s["passed"] != 1.0]
         bad = self.score_many([(it, "    raise NotImplementedError\n") for it in items[:5]])
         passing_bad = [it.id for it, s in zip(items[:5], bad, strict=True) if s["passed"] != 0.0]
@@ -194,7 +195,7 @@ class HumanEvalTask(CodeTask):
         if not report["ok"]:
             details = [
                 r.detail[-300:]
-                for r, s in zip(self.last_results, scores, strict=True)
+                for r, s in zip(canon_results, scores, strict=True)
                 if s.get("passed") != 1.0
             ][:3]
             raise EnvironmentCheckError(
