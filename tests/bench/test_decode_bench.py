@@ -221,12 +221,16 @@ def test_blocks_beside_fp32_engine(tmp_path, tokenizer, monkeypatch):
             == row["decode_tok_s"] / result["batches"][b]["engine"]["decode_tok_s"]
         )
         assert row["bytes_per_step"] < result["batches"][b]["roofline"]["bytes_per_step"]
+        bw = result["bandwidth_GBps"] * 1e9
+        frac = row["bytes_per_step"] * row["decode_tok_s"] / int(b) / bw
+        assert result[f"blocks_bandwidth_fraction_batch{b}"] == row["bandwidth_fraction"] == pytest.approx(frac)
     mem = result["engine_memory"]
     # Q4_1 projections (20 bytes per 32 weights) and a Q8_0 LM head (34 per 32) instead of fp32 (128 per 32)
     assert mem["blocks_linear_bytes_per_step"] * 3 < mem["fp32_linear_bytes_per_step"]
     assert 0 < mem["blocks_engine_extra_bytes"] < mem["fp32_engine_extra_bytes"]
     text = decode.table(result)
-    assert "| engine blocks tok/s | blocks / fp32 | blocks rows = fp32 |" in text and "100% |" in text
+    assert "| engine blocks tok/s | blocks / fp32 | blocks rows = fp32 | blocks / bandwidth |" in text
+    assert "100% |" in text
 
     monkeypatch.setattr(
         lc, "bench_batched", lambda *a, **k: {"decode_tok_s": 10.0, "prefill_tok_s": 100.0, "commands": []}

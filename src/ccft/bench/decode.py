@@ -32,7 +32,7 @@ With ``--blocks``: a second engine whose base lane computes from the GGUF's own 
 (``block_weights="off"``, the ``engine`` of every row), interleaved; each row gets ``engine_blocks``
 (decode tok/s, TTFT, greedy rows equal to the fp32 engine's, weight bytes read per step and their share of the
 measured bandwidth) and the top level ``blocks_speedup_batch<B>`` (blocks ÷ fp32 decode tok/s),
-``blocks_greedy_rows_equal_batch<B>`` and ``engine_memory`` (bytes the engines hold beside the model's own
+``blocks_greedy_rows_equal_batch<B>``, ``blocks_bandwidth_fraction_batch<B>`` and ``engine_memory`` (bytes the engines hold beside the model's own
 parameters, and the process's RSS growth as each engine was built). With ``--llamacpp`` too, llama.cpp also
 runs the GGUF the blocks came from (the embedded model's Q4_1 file) as it is: per row ``llamacpp_q4_1`` and
 the top-level ``llamacpp_q4_1_ratio_batch<B>`` (block engine ÷ llama.cpp on that file), beside
@@ -722,6 +722,7 @@ def run(args) -> dict:
             result["batches"][str(batch)]["engine_blocks"] = blk
             result[f"blocks_speedup_batch{batch}"] = blk["speedup_vs_fp32"]
             result[f"blocks_greedy_rows_equal_batch{batch}"] = blk["greedy_rows_equal_fp32"]
+            result[f"blocks_bandwidth_fraction_batch{batch}"] = blk["bandwidth_fraction"]
         if also_engine is not None:
             other = summary(also_runs)
             other.update(
@@ -916,7 +917,7 @@ def table(result: dict) -> str:
     q41 = "llamacpp_q4_1" in result
     cols = ["batch", "HF tok/s", "engine tok/s"]
     if blk:
-        cols += ["engine blocks tok/s", "blocks / fp32", "blocks rows = fp32"]
+        cols += ["engine blocks tok/s", "blocks / fp32", "blocks rows = fp32", "blocks / bandwidth"]
     if lc:
         cols += ["llama.cpp tok/s", "engine / llama.cpp", "llama.cpp prefill tok/s"]
     if q41:
@@ -950,6 +951,7 @@ def table(result: dict) -> str:
                 f"{e['decode_tok_s']:.1f}",
                 f"{e['speedup_vs_fp32']:.2f}x",
                 f"{100 * e['greedy_rows_equal_fp32']:.0f}%",
+                f"{100 * e['bandwidth_fraction']:.0f}%",
             ]
         if lc:
             cells += [
