@@ -295,6 +295,7 @@ def prefill_tail(
             slot_v,
             0,
             producer.lora,
+            logits=False,  # only the K/V: the suffix's logits are never read
         )
     if own is not None:
         kf = lambda i: handle.layer_keys(i, own)[row]  # noqa: E731
@@ -326,6 +327,7 @@ def prefill_tail(
             slot_v,
             n_pre,
             lora,
+            logits=False,
         )
 
 
