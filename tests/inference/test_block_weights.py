@@ -408,3 +408,67 @@ def test_fused_decode_step_of_an_fp32_lane_equals_the_layer_loop(block_dir, kern
     for decoders in (["base", "base", "base"], ["math", "base", "math"]):
         prompts = _prompts(tokenizer, gsm8k_rows, len(decoders))
         _assert_steps_close(_stepped(fused, prompts, decoders)[0], _stepped(loop, prompts, decoders)[0])
+
+
+def _stepped_reads(engine, prompts, reads, new=6):
+    """As ``_stepped``, for requests ``reads = [(prompt row, decoder, suffix ids)]`` on one handle: several
+    requests may read one prompt row (agents sharing a context)."""
+    with engine.prefill(prompts) as h:
+        ids = [
+            engine.add_request(
+                h, row, decoder=d, max_new_tokens=new, logprobs=5, ignore_eos=True, suffix_ids=suffix
+            )
+            for row, d, suffix in reads
+        ]
+        out = []
+        while engine.active:
+            by_id = {o.request_id: o for o in engine.step()}
+            out.append([(by_id[r].token_id, by_id[r].top_logprobs) for r in ids if r in by_id])
+        n = len(reads)
+        kv = {lane: (e.pool.k[:, :n].clone(), e.pool.v[:, :n].clone()) for lane, e in engine.lanes.items()}
+    return out, kv
+
+
+@pytest.mark.parametrize("weights", ["blocks", "fp32"])
+def test_fused_decode_step_with_shared_prefix_rows_equals_the_layer_loop(
+    proj_format_dir, weights, kernel, tokenizer, gsm8k_rows, monkeypatch
+):
+    """Several requests reading one prompt row of a handle (agents on one context: the prefix group's table of
+    readers, ``model._prefix_rows``) run the fused step with a prefix row per batch row: per step the top-5
+    log-probabilities within 1e-4, the greedy tokens and the tail pool's K/V equal the layer loop's. Covered:
+    four decoders on one context row (one with its own suffix tokens), readers of rows 2 and 0 of three
+    (the rows read in place), and of rows 0 and 5 of six (the rows gathered)."""
+    import ccft
+    from ccft.inference import model as M
+
+    base = ccft.load_base(str(proj_format_dir))
+    loras = {"math": make_lora(base, "math", seed=3, r=4), "code": make_lora(base, "code", seed=5, r=8)}
+    setting = "on" if weights == "blocks" else "off"
+    fused = SharedPrefillEngine(base, loras, decode="eager", block_weights=setting)
+    loop = SharedPrefillEngine(base, loras, decode="eager", block_weights=setting)
+    assert fused.lanes["base"].weights.block_step is not None
+    loop.lanes["base"].weights.block_step = None
+    rows_seen = []
+    real = M.decode_step_layers
+
+    def spy(*a, **k):
+        rows_seen.append(k.get("prefix_row"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(M, "decode_step_layers", spy)
+    suffix = tokenizer.encode(" Answer briefly.", add_special_tokens=False)
+    cases = [
+        (1, [(0, "base", None), (0, "math", None), (0, "code", suffix), (0, "math", None)], [0, 0, 0, 0]),
+        (3, [(2, "math", None), (0, "base", None), (2, "code", None)], [2, 0, 2]),
+        (6, [(0, "code", None), (5, "math", None)], [0, 5]),
+    ]
+    for n_prompts, reads, expect in cases:
+        prompts = _prompts(tokenizer, gsm8k_rows, n_prompts)
+        rows_seen.clear()
+        a, kv_a = _stepped_reads(fused, prompts, reads)
+        assert rows_seen and rows_seen[0] is not None  # the fused step ran, with a prefix row per batch row
+        assert rows_seen[0].tolist() == expect
+        b, kv_b = _stepped_reads(loop, prompts, reads)
+        _assert_steps_close(a, b)
+        for lane in kv_a:
+            torch.testing.assert_close(kv_a[lane], kv_b[lane], rtol=1e-4, atol=1e-5)

@@ -30,13 +30,13 @@ llama.cpp's greedy tokens on the largest batch's prompts compared with the engin
 With ``--blocks``: a second engine whose base lane computes from the GGUF's own Q4_1 / Q8_0 blocks
 (``SharedPrefillEngine(block_weights="on")``, ``ccft.inference.blocks``) runs beside the fp32 engine
 (``block_weights="off"``, the ``engine`` of every row), interleaved; each row gets ``engine_blocks``
-(decode tok/s, TTFT, greedy rows equal to the fp32 engine's, weight bytes read per step and their share of the
-measured bandwidth) and the top level ``blocks_speedup_batch<B>`` (blocks ÷ fp32 decode tok/s),
-``blocks_greedy_rows_equal_batch<B>``, ``blocks_bandwidth_fraction_batch<B>`` and ``engine_memory`` (bytes the engines hold beside the model's own
-parameters, and the process's RSS growth as each engine was built). With ``--llamacpp`` too, llama.cpp also
-runs the GGUF the blocks came from (the embedded model's Q4_1 file) as it is: per row ``llamacpp_q4_1`` and
-the top-level ``llamacpp_q4_1_ratio_batch<B>`` (block engine ÷ llama.cpp on that file), beside
-``llamacpp_ratio_batch<B>`` (fp32 engine ÷ llama.cpp on the F32 GGUF).
+(decode tok/s, TTFT, greedy rows equal to the fp32 engine's, weight bytes read per step and their share of
+the measured bandwidth) and the top level ``blocks_speedup_batch<B>`` (blocks ÷ fp32 decode tok/s),
+``blocks_greedy_rows_equal_batch<B>``, ``blocks_bandwidth_fraction_batch<B>`` and ``engine_memory`` (bytes
+the engines hold beside the model's own parameters, and the process's RSS growth as each engine was built).
+With ``--llamacpp`` too, llama.cpp also runs the GGUF the blocks came from (the embedded model's Q4_1 file)
+as it is: per row ``llamacpp_q4_1`` and the top-level ``llamacpp_q4_1_ratio_batch<B>`` (block engine ÷
+llama.cpp on that file), beside ``llamacpp_ratio_batch<B>`` (fp32 engine ÷ llama.cpp on the F32 GGUF).
 
 Every row runs exactly ``--new-tokens`` tokens on both sides (HF: ``min_new_tokens``; engine:
 ``ignore_eos``). ``--random-weights`` builds a random model in SmolLM2-135M's shape, so nothing is

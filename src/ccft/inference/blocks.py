@@ -53,7 +53,7 @@ KINDS = {**{name: kind for name, (kind, _) in FORMATS.items()}, "F32": 2}
 #: fp32 lanes run the fused decode step up to this many rows (above it the oneDNN layer loop is faster)
 F32_FUSED_ROWS = 16
 #: the kernel's ABI version (``ccft_blocks_abi`` in blocks.cpp)
-ABI = 4
+ABI = 5
 SOURCE = Path(__file__).resolve().parent / "kernels" / "blocks.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 #: above this many activation rows (prefill), ``matmul`` dequantises the matrix and calls ``torch.matmul``
@@ -76,7 +76,7 @@ class BlockKernel:
         lib.ccft_blocks_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
         lib.ccft_blocks_mlp.argtypes = [i32, ptr, i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
         f32 = ctypes.c_float
-        lib.ccft_blocks_decode_step.argtypes = [i64] * 8 + [f32, f32] + [ptr] * 14 + [i64, ptr, ptr, i32]
+        lib.ccft_blocks_decode_step.argtypes = [i64] * 8 + [f32, f32] + [ptr] * 15 + [i64, ptr, ptr, i32]
         for fn in (
             lib.ccft_blocks_dequant,
             lib.ccft_blocks_matmul,
@@ -433,17 +433,20 @@ def decode_step_layers(
     write_pos: torch.Tensor,
     tail_len: torch.Tensor,
     lora: list | None = None,
+    prefix_row: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Every decoder layer of one decode step in one kernel call (``ccft_blocks_decode_step``), for ``B``
-    rows each reading its own prefix row: the layer loop of ``model.decode_step_eager`` (rowwise) with the
-    same fp32 arithmetic in another summation order, LoRA deltas included.
+    rows each reading one prefix row: the layer loop of ``model.decode_step_eager`` with the same fp32
+    arithmetic in another summation order, LoRA deltas included.
 
     Args:
         x: ``(B, D)`` fp32 embeddings of the step's tokens; returned updated (the last layer's output).
         cos, sin: ``(B, d)`` RoPE of each row's position, ``sin`` with its first half negated
             (``model.rope``).
-        prefix_k, prefix_v: per layer ``(B, h, p, d)`` fp32 views of each row's prefix K/V (``d`` contiguous).
-        key_start: ``(B,)`` long, each row's first real prefix key.
+        prefix_k, prefix_v: per layer ``(P, h, p, d)`` fp32 views of the prefix rows' K/V (``d`` contiguous).
+        key_start: ``(B,)`` long, the first real prefix key of the prefix row each batch row reads.
+        prefix_row: ``(B,)`` long, the prefix row each batch row reads (several rows may read one: agents
+            sharing a context); None: row r reads prefix row r (``P = B``).
         pool_k, pool_v: ``(L, slots, h, capacity, d)`` fp32 tail pool (row r = slot r; same strides).
         write_pos: ``(B,)`` long, where each row's new K/V is written; tail_len: ``(B,)`` long, write_pos + 1.
         lora: ``model.LoraPlan.entries``: ``(adapter, rows)`` with rows None (every row) or a long tensor of
@@ -471,7 +474,14 @@ def decode_step_layers(
     x = x.contiguous()
     cos = cos.reshape(b, head_dim).contiguous()
     sin = sin.reshape(b, head_dim).contiguous()
+    longs = [key_start, write_pos, tail_len] + ([] if prefix_row is None else [prefix_row])
+    if any(t.dtype != torch.long or t.shape != (b,) for t in longs):
+        raise ValueError("decode_step_layers: key_start, write_pos, tail_len, prefix_row must be long (B,)")
     key_start, write_pos, tail_len = (t.contiguous() for t in (key_start, write_pos, tail_len))
+    if prefix_row is not None:
+        prefix_row = prefix_row.contiguous()
+        if b and not 0 <= int(prefix_row.min()) <= int(prefix_row.max()) < prefix_k[0].shape[0]:
+            raise ValueError(f"decode_step_layers: prefix_row outside the {prefix_k[0].shape[0]} prefix rows")
     if pool_k.stride() != pool_v.stride() or pool_k.stride(-1) != 1:
         raise ValueError("decode_step_layers: the tail pool's keys and values need one layout, d contiguous")
     width = prefix_k[0].shape[2]
@@ -506,6 +516,7 @@ def decode_step_layers(
         ctypes.addressof(plan.kinds),
         ctypes.addressof(prefix),
         ctypes.addressof(prefix_strides),
+        None if prefix_row is None else prefix_row.data_ptr(),
         key_start.data_ptr(),
         pool_k.data_ptr(),
         pool_v.data_ptr(),

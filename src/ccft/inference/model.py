@@ -381,6 +381,25 @@ def prefill_chunk(
     )
 
 
+def _prefix_rows(groups: list[PrefixGroup], b: int) -> torch.Tensor | None:
+    """``(B,)`` long: the prefix row each batch row reads, when one group (one handle, one own K/V) covers the
+    batch through its table of readers (e.g. several agents on one context row); None for several groups."""
+    if len(groups) != 1 or groups[0].rows is None:
+        return None
+    g = groups[0]
+    table = g.rows  # (span rows, m): the batch rows reading each prefix row of the span, -1 padded
+    if g.used is None:
+        index = torch.arange(table.shape[0], device=table.device)
+    elif isinstance(g.used, slice):
+        index = torch.arange(g.used.start, g.used.start + table.shape[0], device=table.device)
+    else:
+        index = g.used
+    readers = table >= 0
+    out = torch.empty(b, dtype=torch.long, device=table.device)
+    out[table[readers]] = index[:, None].expand_as(table)[readers]
+    return out
+
+
 @torch.no_grad()
 def decode_step_eager(
     lw: LaneWeights,
@@ -410,23 +429,26 @@ def decode_step_eager(
     g = groups[0]
     rowwise = len(groups) == 1 and g.rows is None and g.offset == 0 and g.key_start.shape[0] == b
     step = lw.block_step
-    if rowwise and step is not None and b <= step.max_rows:  # every layer in one kernel call
-        out = decode_step_layers(
-            step,
-            x,
-            cos,
-            sin,
-            [g.k(i) for i in range(lw.num_layers)],
-            [g.v(i) for i in range(lw.num_layers)],
-            g.key_start,
-            pool_k,
-            pool_v,
-            write_pos,
-            tail_len,
-            lora.entries,
-        )
-        if out is not None:
-            return logits_of(out, lw)
+    if step is not None and b <= step.max_rows:  # every layer in one kernel call
+        prefix_row = None if rowwise else _prefix_rows(groups, b)
+        if rowwise or prefix_row is not None:
+            out = decode_step_layers(
+                step,
+                x,
+                cos,
+                sin,
+                [g.k(i) for i in range(lw.num_layers)],
+                [g.v(i) for i in range(lw.num_layers)],
+                g.key_start if rowwise else g.key_start.index_select(0, prefix_row),
+                pool_k,
+                pool_v,
+                write_pos,
+                tail_len,
+                lora.entries,
+                prefix_row=prefix_row,
+            )
+            if out is not None:
+                return logits_of(out, lw)
     if rowwise:  # every row reads its own prefix row, in order: the masks are built once per step
         width = g.k(0).shape[2]
         bias = torch.cat(

@@ -378,9 +378,9 @@ inline void add_row_lora(const LoraTable* tables, const int64_t* row_lora, int64
 
 extern "C" {
 
-// 4: the ABI version ccft.inference.blocks checks. Features: bit 0 built with AVX2 + FMA, bit 1 with
+// 5: the ABI version ccft.inference.blocks checks. Features: bit 0 built with AVX2 + FMA, bit 1 with
 // AVX-512F (the products then run 16 weights per vector).
-int ccft_blocks_abi() { return 4; }
+int ccft_blocks_abi() { return 5; }
 int ccft_blocks_features() { return CCFT_AVX2 | (CCFT_AVX512 << 1); }
 
 // out (n, k) fp32 = the dequantised weights.
@@ -406,7 +406,7 @@ void ccft_blocks_mlp(int kind_gate, const uint8_t* wg, int kind_up, const uint8_
     mlp_for(kind_gate, wg, kind_up, wu, n, k, x, m, ldx, y, ldy);
 }
 
-// The L decoder layers of one decode step of B rows, every row reading its own prefix row (a Llama block:
+// The L decoder layers of one decode step of B rows, each row reading one prefix row (a Llama block:
 // RMSNorm, [q; k; v] from blocks, RoPE, the new K/V written into the tail pool, attention over the row's
 // prefix keys key_start[r] .. p - 1 and its tail keys 0 .. tail_len[r] - 1 under one softmax, o_proj and
 // the residual, RMSNorm, the gated MLP from blocks and the residual), in one parallel region: the eager
@@ -418,7 +418,9 @@ void ccft_blocks_mlp(int kind_gate, const uint8_t* wg, int kind_up, const uint8_
 // norms (2L pointers): attention and MLP RMSNorm weights of each layer. weights (5L pointers) and kinds (5L):
 // each layer's [q; k; v] ((H + 2h) d, D), o (D, H d), gate (I, D), up (I, D), down (D, I) blocks.
 // prefix (2L pointers: keys, values of layer i, (B, h, p, d) fp32, d contiguous), prefix_strides (6L: keys'
-// row, head, position strides, then values', in floats). key_start (B,). pool_k, pool_v: the tail pool
+// row, head, position strides, then values', in floats). prefix_row (B,): the prefix row batch row r reads
+// (several rows may read one: agents sharing a context), or null: row r reads prefix row r. key_start (B,): the
+// first real key of the prefix row batch row r reads. pool_k, pool_v: the tail pool
 // (L, slots, h, capacity, d) fp32 with pool_strides (4: layer, slot, head, position, in floats); row r is
 // slot r, its new K/V written at write_pos[r], tail_len[r] = write_pos[r] + 1 keys read. d <= MAX_HEAD_DIM.
 // LoRA: n_lora adapters, lora_tables 3 pointers each (a LoraTable: ptrs, ranks, scales), row_lora (B,) the
@@ -427,7 +429,8 @@ void ccft_blocks_mlp(int kind_gate, const uint8_t* wg, int kind_up, const uint8_
 void ccft_blocks_decode_step(int64_t L, int64_t B, int64_t D, int64_t H, int64_t h, int64_t d, int64_t I,
                              int64_t p, float eps, float scale, float* x, const float* cos, const float* sin,
                              const int64_t* norms, const int64_t* weights, const int32_t* kinds,
-                             const int64_t* prefix, const int64_t* prefix_strides, const int64_t* key_start,
+                             const int64_t* prefix, const int64_t* prefix_strides, const int64_t* prefix_row,
+                             const int64_t* key_start,
                              float* pool_k, float* pool_v, const int64_t* pool_strides,
                              const int64_t* write_pos, const int64_t* tail_len, int64_t n_lora,
                              const int64_t* lora_tables, const int64_t* row_lora, int threads) {
@@ -502,8 +505,9 @@ void ccft_blocks_decode_step(int64_t L, int64_t B, int64_t D, int64_t H, int64_t
             const float* q = qkv + r * nqkv + head * d;
             float* s = scores + t * width;
             const int64_t p0 = key_start[r], np = p - p0, nt = tail_len[r];
-            const float* kr = kp + r * st[0] + g * st[1];
-            const float* vr = vp + r * st[3] + g * st[4];
+            const int64_t pr = prefix_row ? prefix_row[r] : r;
+            const float* kr = kp + pr * st[0] + g * st[1];
+            const float* vr = vp + pr * st[3] + g * st[4];
             const float* kt = pool_k + i * ls + r * ss + g * hs;
             const float* vt = pool_v + i * ls + r * ss + g * hs;
             float mx = -INFINITY;
