@@ -198,7 +198,6 @@ def test_humaneval_canonical_solutions_pass_in_this_environment():
     assert report["known_bad_passed"] == []
 
 
-
 def test_humaneval_environment_check_names_the_failing_canonical_solution(monkeypatch):
     """A canonical solution that fails here raises the check's own error naming it (not a crash while
     reporting it: the known-bad run that follows must not replace the canonical results)."""
@@ -215,6 +214,7 @@ def test_humaneval_environment_check_names_the_failing_canonical_solution(monkey
     monkeypatch.setattr(HumanEvalTask, "_canonical_pairs", broken_first)
     with pytest.raises(EnvironmentCheckError, match=r"canonical solutions failed.*\['HumanEval/0'\]"):
         task.check_environment(limit=6)
+
 
 def test_humaneval_plus_canonical_and_extended_tests():
     task = get_task("humaneval-plus")

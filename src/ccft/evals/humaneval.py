@@ -194,9 +194,7 @@ class HumanEvalTask(CodeTask):
         }
         if not report["ok"]:
             details = [
-                r.detail[-300:]
-                for r, s in zip(canon_results, scores, strict=True)
-                if s.get("passed") != 1.0
+                r.detail[-300:] for r, s in zip(canon_results, scores, strict=True) if s.get("passed") != 1.0
             ][:3]
             raise EnvironmentCheckError(
                 f"{self.name}: canonical solutions failed in this environment: {failed[:10]} "
