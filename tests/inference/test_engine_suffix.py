@@ -76,3 +76,94 @@ def test_suffix_greedy_equals_reference(tmp_path, tokenizer, gsm8k_rows, handoff
                     0
                 ]
                 assert gen.token_ids == want.token_ids, (name, len(suf))
+
+
+def _admit_all(eng, admits, forced):
+    """Admit every ``(handle, row, decoder, suffix)`` before the first step; each request's step logits."""
+    ids = [eng.add_request(h, row, decoder=d, suffix_ids=s, forced_tokens=forced) for h, row, d, s in admits]
+    got: dict[int, list] = {i: [] for i in ids}
+    while eng.active:
+        for o in eng.step(return_logits=True):
+            got[o.request_id].append(o.logits.clone())
+    return [torch.stack(got[i]) for i in ids]
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+@pytest.mark.parametrize("handoff", [1, 2])
+def test_requests_admitted_together_batch_their_suffixes(
+    tmp_path, tokenizer, gsm8k_rows, decode, handoff, monkeypatch
+):
+    """Requests admitted before one step write their tails together: the base's part of the suffixes of the
+    requests on one handle is one forward (``model.extend_rows``); every request's step logits equal its
+    logits when admitted alone (``prefill_tail`` row by row). Covered: agents of several decoders on one
+    context row with suffixes of 9, 3 and 1 tokens and none, a full-weight decoder (its own lane), and a
+    second handle read at two rows."""
+    from ccft.inference import model as M
+
+    base, decs = _world(tmp_path, tokenizer, 1.0, handoff)
+    eng = SharedPrefillEngine(base, decoders=decs, decode=decode, fill=float("nan"))
+    shared, suffixes = _prompts(gsm8k_rows, tokenizer)
+    h = eng.prefill([shared], handoff_tokens=handoff)
+    h2 = eng.prefill([shared[:12], shared[:17]], handoff_tokens=handoff)
+    admits = [
+        (h, 0, "base", suffixes[2]),
+        (h, 0, "math", suffixes[1]),
+        (h, 0, "full", suffixes[0]),
+        (h, 0, "math", None),
+        (h2, 1, "math", suffixes[2]),
+        (h2, 0, "base", suffixes[1]),
+    ]
+    forced = torch.randint(3, 200, (N_NEW,), generator=torch.Generator().manual_seed(0)).tolist()
+    batched = []
+    real = M.extend_rows
+    monkeypatch.setattr(M, "extend_rows", lambda *a, **k: batched.append(list(a[2])) or real(*a, **k))
+    together = _admit_all(eng, admits, forced)
+    assert sorted(batched) == [[9, 3], [9, 3]]  # one forward per handle on the base lane
+    batched.clear()
+    for (hh, row, d, s), got in zip(admits, together, strict=True):
+        alone, _ = _run(eng, eng.add_request(hh, row, decoder=d, suffix_ids=s, forced_tokens=forced), True)
+        torch.testing.assert_close(got, torch.stack(alone), atol=1e-5, rtol=0)
+    assert batched == []  # alone: row by row
+    h.release()
+    h2.release()
+    assert eng.arena.used_tokens == 0
+
+
+def test_a_tail_that_fails_fails_its_request_alone(tmp_path, tokenizer, gsm8k_rows, monkeypatch):
+    """A request whose tail cannot be written at the step after its admission fails alone (``StepError``
+    naming it); the requests admitted with it decode as if admitted alone; a request aborted before that
+    step is dropped without its tail being computed."""
+    from ccft.inference import prefill as P
+    from ccft.inference.requests import StepError
+
+    base, decs = _world(tmp_path, tokenizer, 30.0, 1)
+    eng = SharedPrefillEngine(base, decoders=decs, fill=float("nan"))
+    shared, suffixes = _prompts(gsm8k_rows, tokenizer)
+    with eng.prefill([shared]) as h:
+        want = {}
+        for name in ("base", "math"):
+            _, gen = _run(
+                eng, eng.add_request(h, 0, decoder=name, suffix_ids=suffixes[2], max_new_tokens=N_NEW)
+            )
+            want[name] = gen.token_ids
+        real = P.prefill_tail
+
+        def fail_full(handle, row, tail, producer, weights, *a, **k):
+            if weights is eng.decoders["full"].lane.weights:
+                raise RuntimeError("tail write failed")
+            return real(handle, row, tail, producer, weights, *a, **k)
+
+        monkeypatch.setattr(P, "prefill_tail", fail_full)
+        ok = {n: eng.add_request(h, 0, decoder=n, suffix_ids=suffixes[2], max_new_tokens=N_NEW) for n in want}
+        dropped = eng.add_request(h, 0, decoder="math", suffix_ids=suffixes[1], max_new_tokens=N_NEW)
+        bad = eng.add_request(h, 0, decoder="full", suffix_ids=suffixes[2], max_new_tokens=N_NEW)
+        eng.abort(dropped)
+        with pytest.raises(StepError) as err:
+            eng.step()
+        assert set(err.value.failed) == {bad} and "tail write failed" in str(err.value.failed[bad])
+        tokens = {rid: [o.token_id] for o in err.value.outputs for rid in [o.request_id]}
+        assert set(tokens) == set(ok.values())
+        while eng.active:
+            for o in eng.step():
+                tokens[o.request_id].append(o.token_id)
+        assert {n: tokens[r] for n, r in ok.items()} == want

@@ -75,10 +75,11 @@ from ccft.inference.kv import CapacityError, PrefixArena
 from ccft.inference.lanes import Lane, LaneRegistry
 from ccft.inference.prefill import (
     ChunkedPrefill,
+    PendingTail,
     import_cache,
     prefill_from_store,
     prefill_rows,
-    prefill_tail,
+    write_tails,
 )
 from ccft.inference.reload import StagedReload, apply_reload, stage_reload
 from ccft.inference.requests import Request, StepError, StepOutput, choose_tokens, token_logprobs
@@ -873,6 +874,11 @@ class SharedPrefillEngine:
     ) -> int:
         """Admit one prompt row of ``handle`` for ``decoder``; it decodes from the next ``step()``.
 
+        The next ``step()`` first writes the request's tail (its suffix's K/V and the handoff), batched with
+        the other requests admitted since: the suffixes of requests on one handle (agents admitted together
+        on one context) take one forward (``prefill.write_tails``). A tail that cannot be written fails that
+        request alone (``StepError``).
+
         Args:
             params: the decoding settings whole (``ccft.core.sampling.DecodeParams``: max_new_tokens, stop,
                 ignore_eos, sampling, logprobs), as the scheduler passes them; or the same settings as the
@@ -976,17 +982,19 @@ class SharedPrefillEngine:
             logprobs=None if logprobs is None else int(logprobs),
             own=own,
         )
-        # the handle's producer is the base or this decoder (checked above)
-        prefill_tail(
-            handle,
-            row,
-            tail,
-            self._registry.producer(handle.producer),
-            lane.weights,
-            entry.lora_plan(),
-            lane.pool.k[:, slot],
-            lane.pool.v[:, slot],
-            own,
+        # the handle's producer is the base or this decoder (checked above); the tail is written by the next
+        # step, batched with the other requests admitted until then (prefill.write_tails)
+        lane.pending.append(
+            PendingTail(
+                req,
+                handle,
+                row,
+                tail,
+                self._registry.producer(handle.producer),
+                lane.weights,
+                entry.lora_plan(),
+                own,
+            )
         )
         handle.acquire()
         lane.rows.append(req)
@@ -1031,6 +1039,8 @@ class SharedPrefillEngine:
         failed: dict[int, BaseException] = {}
         only = None if request_ids is None else {int(r) for r in request_ids}
         for lane in list(self.lanes.values()):
+            if lane.pending:
+                self._write_pending(lane, failed)
             if not lane.rows:
                 continue
             if only is None or all(r.id in only for r in lane.rows):
@@ -1043,6 +1053,17 @@ class SharedPrefillEngine:
         if failed:
             raise StepError(outputs, failed)
         return outputs
+
+    def _write_pending(self, lane: Lane, failed: dict[int, BaseException]) -> None:
+        """Write the tails of the lane's newly admitted requests (``prefill.write_tails``: one forward per
+        handle for their suffixes); a request whose tail cannot be written is removed, into ``failed``."""
+        pending, lane.pending = lane.pending, []
+        errors = write_tails(pending, lane.rows, lane.pool.k, lane.pool.v)
+        for p in pending:
+            error = errors.get(id(p.request))
+            if error is not None:
+                failed[p.request.id] = error
+                self._remove(p.request)
 
     def _forward(self, lane: Lane, n: int, eager: bool = False) -> torch.Tensor:
         """Logits ``(n, V)`` of one decode step of the lane's first ``n`` rows (slots 0..n-1)."""
@@ -1179,6 +1200,7 @@ class SharedPrefillEngine:
 
     def _remove(self, req: Request) -> None:
         lane = self.decoders[req.decoder].lane
+        lane.pending = [p for p in lane.pending if p.request is not req]  # never stepped: nothing to write
         slot = lane.rows.index(req)
         last = len(lane.rows) - 1
         if slot != last:  # compaction: the last row moves into the freed slot

@@ -64,6 +64,8 @@ class Lane:
         weights: what the forward reads (the base lane also holds every LoRA adapter on the base).
         pool: the tail pool; ``rows[i]`` is in slot i (compacted when a request leaves).
         rows: the active requests, in slot order.  runner: the static-step runner (None: eager decode).
+        pending: requests admitted since the last step whose tails are not written yet
+            (``prefill.PendingTail``; ``SharedPrefillEngine.step`` writes them first, batched).
     """
 
     key: str
@@ -71,6 +73,7 @@ class Lane:
     pool: TailPool
     rows: list[Request] = field(default_factory=list)
     runner: StaticRunner | None = None
+    pending: list = field(default_factory=list)
 
 
 @dataclass

@@ -346,6 +346,66 @@ def extend(
 
 
 @torch.no_grad()
+def extend_rows(
+    lw: LaneWeights,
+    tokens: torch.Tensor,
+    lengths: list[int],
+    starts: torch.Tensor,
+    prefix_k,
+    prefix_v,
+    key_start: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    slots: list[int],
+    lora: LoraPlan,
+) -> None:
+    """``extend`` of several rows in one batched forward, K/V only (``logits=False``): row r's first
+    ``lengths[r]`` tokens attend to its prefix and causally to each other, and their K/V are written into tail
+    slot ``slots[r]`` of the pool from index 0 (the requests admitted together by ``add_request``, each
+    with its own suffix after a shared or separate prompt row).
+
+    Args:
+        tokens: ``(b, t)`` right-padded token ids.  lengths: each row's real token count (≥ 1).
+        starts: ``(b,)`` long RoPE position of each row's first token (its real prefix length).
+        prefix_k, prefix_v: ``layer -> (b, h, p, d)`` each row's left-padded prefix; keys ≥ ``key_start[r]``
+            are real.
+        pool_k, pool_v: ``(L, slots, h, capacity, d)`` the lane's tail pool.
+        lora: the adapters applied (the producer's; None rows: every row).
+    Equal within fp32 rounding to ``extend(..., logits=False)`` row by row (tested); padded positions are
+    computed and never written or attended to by a real token.
+    """
+    b, t = tokens.shape
+    positions = starts[:, None] + torch.arange(t, device=tokens.device)[None, :]
+    x = F.embedding(tokens, lw.embed)
+    cos, sin = _cos_sin(lw, x, positions)
+    width = prefix_k(0).shape[2]
+    prefix_real = torch.arange(width, device=tokens.device)[None, :] >= key_start[:, None]
+    causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+    allowed = torch.cat([prefix_real[:, None, :].expand(b, t, width), causal[None].expand(b, t, t)], dim=-1)[
+        :, None
+    ]
+    for i in range(lw.num_layers):
+        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, t, H|h, d)
+        for r, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
+            pool_k[i, slot, :, :n] = k[r, :n].transpose(0, 1)
+            pool_v[i, slot, :, :n] = v[r, :n].transpose(0, 1)
+        if i == lw.num_layers - 1:
+            return
+        keys = torch.cat([prefix_k(i), k.transpose(1, 2)], dim=2)
+        vals = torch.cat([prefix_v(i), v.transpose(1, 2)], dim=2)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys,
+            vals,
+            attn_mask=allowed,
+            scale=lw.scale,
+            enable_gqa=lw.heads != lw.kv_heads,
+        )
+        x = _residual(x, o.transpose(1, 2).reshape(b, t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _mlp(x, lw, i, lora)
+
+
+@torch.no_grad()
 def prefill_chunk(
     lw: LaneWeights,
     tokens: torch.Tensor,
@@ -659,6 +719,7 @@ __all__ = [
     "project",
     "prefill",
     "extend",
+    "extend_rows",
     "prefill_chunk",
     "decode_step_eager",
     "StaticInputs",

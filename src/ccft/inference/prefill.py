@@ -11,6 +11,7 @@ Shape notation: L layers, b rows, h KV heads, p prefix width, d head dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -264,6 +265,8 @@ def prefill_tail(
     slot_k: torch.Tensor,
     slot_v: torch.Tensor,
     own: OwnPrefix | None = None,
+    *,
+    producer_done: bool = False,
 ) -> None:
     """Write a request's tail before its first decode step.
 
@@ -277,13 +280,16 @@ def prefill_tail(
     reads it in layers ``0..m-1``, and the suffix part's K/V in those layers are the decoder's own too (a
     partial forward of the decoder over the suffix, attending to its own prefix K/V, overwrites the
     producer's there), as a hybrid prefix over the whole ``prompt + suffix`` holds them.
+
+    ``producer_done``: the producer's part is in the slot already (``write_tails`` computed it batched with
+    other requests'); only the decoder's parts run.
     """
     k = handle.handoff_tokens
     n_pre = len(tail) - k  # suffix tokens the producer computes (C_base of the suffix)
     prefix_len, key_start = handle.lengths[row], int(handle.key_start[row])
     kf, vf = (lambda i: handle.keys(i)[row]), (lambda i: handle.values(i)[row])
     device = slot_k.device
-    if n_pre > 0:
+    if n_pre > 0 and not producer_done:
         M.extend(
             producer.weights,
             torch.tensor(tail[:n_pre], device=device),
@@ -331,6 +337,91 @@ def prefill_tail(
         )
 
 
+@dataclass(eq=False)
+class PendingTail:
+    """A request admitted by ``SharedPrefillEngine.add_request`` whose tail is written before the lane's next
+    step (``write_tails``), together with the others admitted since: the arguments of ``prefill_tail``."""
+
+    request: object
+    handle: PrefixHandle
+    row: int
+    tail: list[int]
+    producer: Producer
+    weights: LaneWeights
+    lora: M.LoraPlan
+    own: OwnPrefix | None
+
+
+def write_tails(
+    pending: list[PendingTail], rows: Sequence[object], pool_k: torch.Tensor, pool_v: torch.Tensor
+) -> dict[int, BaseException]:
+    """Write the tails of requests admitted together (``prefill_tail`` for each), the producer's part of
+    those reading one handle batched into one forward (``model.extend_rows``): agents admitted on one
+    context, each with its own suffix, cost one forward over their suffixes instead of one per agent.
+
+    Args:
+        pending: the admitted requests, in admission order.  rows: the lane's active requests in slot
+            order (each pending request's slot is its index there).  pool_k, pool_v: the lane's tail pool.
+    Returns:
+        ``id(request) -> exception`` for the requests whose tail could not be written (a batched forward
+        that fails is retried request by request, so a failure is confined to the requests that cause it).
+    """
+    slot = {id(r): i for i, r in enumerate(rows)}
+    groups: dict[tuple[str, int, int], list[PendingTail]] = {}
+    for p in pending:
+        if len(p.tail) > p.handle.handoff_tokens:  # a suffix part the producer computes
+            groups.setdefault((p.producer.key, id(p.producer.weights), id(p.handle)), []).append(p)
+    done: set[int] = set()
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        first = group[0]
+        k = first.handle.handoff_tokens
+        lengths = [len(p.tail) - k for p in group]
+        device = pool_k.device
+        tokens = torch.zeros(len(group), max(lengths), dtype=torch.long, device=device)
+        for r, p in enumerate(group):
+            tokens[r, : lengths[r]] = torch.tensor(p.tail[: lengths[r]], device=device)
+        index = torch.tensor([p.row for p in group], dtype=torch.long, device=device)
+        starts = torch.tensor([p.handle.lengths[p.row] for p in group], dtype=torch.long, device=device)
+        try:
+            M.extend_rows(
+                first.producer.weights,
+                tokens,
+                lengths,
+                starts,
+                lambda i: first.handle.keys(i).index_select(0, index),  # noqa: B023  (called in the loop)
+                lambda i: first.handle.values(i).index_select(0, index),  # noqa: B023
+                first.handle.key_start.index_select(0, index),
+                pool_k,
+                pool_v,
+                [slot[id(p.request)] for p in group],
+                first.producer.lora,
+            )
+        except Exception:  # noqa: BLE001  (retried request by request below, where the error is confined)
+            continue
+        done.update(id(p) for p in group)
+    failed: dict[int, BaseException] = {}
+    for p in pending:
+        s = slot[id(p.request)]
+        try:
+            prefill_tail(
+                p.handle,
+                p.row,
+                p.tail,
+                p.producer,
+                p.weights,
+                p.lora,
+                pool_k[:, s],
+                pool_v[:, s],
+                p.own,
+                producer_done=id(p) in done,
+            )
+        except Exception as e:  # noqa: BLE001  (reported per request: the engine fails that request alone)
+            failed[id(p.request)] = e
+    return failed
+
+
 __all__ = [
     "SCORE_ELEMENTS",
     "ChunkedPrefill",
@@ -338,4 +429,6 @@ __all__ = [
     "prefill_from_store",
     "import_cache",
     "prefill_tail",
+    "PendingTail",
+    "write_tails",
 ]
