@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,19 +34,12 @@ import torch
 
 from ccft.inference import blocks as B
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fused_step import cpu_model  # noqa: E402  (the CPU's model name, as the fused-step benchmark records it)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (1536, 576)
 STREAM_BYTES = 600e6  # more than the last-level cache a core can reach (480 MB on the Xeon measured)
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def baseline_kernel(rev: str, tmp: str) -> B.BlockKernel:

@@ -27,13 +27,12 @@ from pathlib import Path
 import torch
 
 import ccft
-from ccft.bench.serve import agent_names, random_agent_decoder
 from ccft.serving import PrefixKVStore
 from ccft.serving.scheduler import Scheduler, ServeRequest
-from ccft.serving.workloads import add_trace_options, generate_from_options, trace_options
+from ccft.serving.workloads import add_trace_options, trace_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefix_pool import _turn  # noqa: E402  (the same turn driver as the pool benchmark)
+from prefix_pool import run_turn, trace_world  # noqa: E402  (the pool benchmark's trace and turn driver)
 
 CALLS = ("prefill_cached", "add_request", "step")
 
@@ -46,14 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    base = ccft.load_base(args.model)
-    agents = agent_names(args.agents)
-    decoders = {n: random_agent_decoder(base, n, 100 + i) for i, n in enumerate(agents)}
-    trace = generate_from_options(args, sessions=args.sessions, agents=agents, tokenizer=base.tokenizer)
-    turns: dict[tuple[int, int], list] = {}
-    for r in trace.requests:
-        turns.setdefault((r.session, r.turn), []).append(r)
-    last = max(t for _, t in turns)
+    base, agents, decoders, turns, last = trace_world(args)
     engine = ccft.SharedPrefillEngine(base, decoders=decoders)
     log: list[tuple[str, float, float]] = []
 
@@ -77,11 +69,11 @@ def main(argv=None) -> int:
     sessions = []
     for s in range(args.sessions):
         for t in range(last):
-            _turn(sched, turns[(s, t)])
+            run_turn(sched, turns[(s, t)])
         h0, m0 = sched.counters["prefix_hit_tokens"], sched.counters["prefill_tokens"]
         log.clear()
         t0 = time.perf_counter()
-        tickets = _turn(sched, turns[(s, last)])
+        tickets = run_turn(sched, turns[(s, last)])
         wall = time.perf_counter() - t0
         ttft = min(x.ttft for x in tickets)
         first_step = next(i for i, (name, _, _) in enumerate(log) if name == "step")

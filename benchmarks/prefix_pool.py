@@ -81,7 +81,7 @@ def _start_backend(kind: str):
     return "ray", ray.shutdown
 
 
-def _turn(sched: Scheduler, reqs) -> list:
+def run_turn(sched: Scheduler, reqs) -> list:
     tickets = [
         sched.submit(
             ServeRequest(
@@ -102,6 +102,19 @@ def _turn(sched: Scheduler, reqs) -> list:
     return tickets
 
 
+def trace_world(args):
+    """``(base, agents, decoders, turns, last)`` for the trace options in ``args``: the base, the agent names,
+    their random LoRA decoders, the trace's requests by ``(session, turn)`` and the last turn's index."""
+    base = ccft.load_base(args.model)
+    agents = agent_names(args.agents)
+    decoders = {n: random_agent_decoder(base, n, 100 + i) for i, n in enumerate(agents)}
+    trace = generate_from_options(args, sessions=args.sessions, agents=agents, tokenizer=base.tokenizer)
+    turns: dict[tuple[int, int], list] = {}
+    for r in trace.requests:
+        turns.setdefault((r.session, r.turn), []).append(r)
+    return base, agents, decoders, turns, max(t for _, t in turns)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="redis", choices=["redis", "ray"])
@@ -120,14 +133,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    base = ccft.load_base(args.model)
-    agents = agent_names(args.agents)
-    decoders = {n: random_agent_decoder(base, n, 100 + i) for i, n in enumerate(agents)}
-    trace = generate_from_options(args, sessions=args.sessions, agents=agents, tokenizer=base.tokenizer)
-    turns: dict[tuple[int, int], list] = {}
-    for r in trace.requests:
-        turns.setdefault((r.session, r.turn), []).append(r)
-    last = max(t for _, t in turns)
+    base, agents, decoders, turns, last = trace_world(args)
 
     spec, stop = _start_backend(args.backend)
     try:
@@ -162,16 +168,16 @@ def main(argv=None) -> int:
         miss0 = b.counters["prefill_tokens"]
         for s in range(args.sessions):
             for t in range(last):
-                _turn(a, turns[(s, t)])
+                run_turn(a, turns[(s, t)])
                 quiet()
-            tb = _turn(b, turns[(s, last)])
+            tb = run_turn(b, turns[(s, last)])
             quiet()
-            tc = _turn(c, turns[(s, last)])
+            tc = run_turn(c, turns[(s, last)])
             moved["pool"].append([x.ttft for x in tb])
             moved["reprefill"].append([x.ttft for x in tc])
             h0, m0 = a.counters["prefix_hit_tokens"], a.counters["prefill_tokens"]
             pool, a.store.pool = a.store.pool, None  # the same turn at home (not moved; B's blocks unseen)
-            ta = _turn(a, turns[(s, last)])
+            ta = run_turn(a, turns[(s, last)])
             a.store.pool = pool
             home_hits += a.counters["prefix_hit_tokens"] - h0
             home_computed += a.counters["prefill_tokens"] - m0

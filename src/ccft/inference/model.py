@@ -232,6 +232,50 @@ def prefill(
         x = _mlp(x, lw, i, lora)
 
 
+def _tail_layers(
+    lw: LaneWeights,
+    tail_ids: torch.Tensor,
+    starts: torch.Tensor,
+    prefix_k,
+    prefix_v,
+    prefix_real: torch.Tensor,
+    lora: LoraPlan,
+    on_kv=None,
+) -> torch.Tensor | None:
+    """The layer stack over right-padded tails ``(b, t)`` that follow K/V prefixes (``tail_forward``,
+    ``extend_rows``): a tail token attends to its row's real prefix slots (``prefix_real (b, p)``) and
+    causally to the tail up to itself, at RoPE positions ``starts[r] + j``. Returns the last layer's output
+    ``(b, t, D)``; with ``on_kv(i, k, v)`` (each layer's new K/V, ``(b, t, h, d)``), only the K/V: the last
+    layer's attention and MLP are skipped and None is returned."""
+    b, t = tail_ids.shape
+    positions = starts[:, None] + torch.arange(t, device=tail_ids.device)[None, :]
+    causal = torch.ones(t, t, dtype=torch.bool, device=tail_ids.device).tril()
+    allowed = torch.cat(
+        [prefix_real[:, None, :].expand(b, t, prefix_real.shape[1]), causal[None].expand(b, t, t)], dim=-1
+    )[:, None]
+    x = F.embedding(tail_ids, lw.embed)
+    cos, sin = _cos_sin(lw, x, positions)
+    for i in range(lw.num_layers):
+        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, t, H|h, d)
+        if on_kv is not None:
+            on_kv(i, k, v)
+            if i == lw.num_layers - 1:
+                return None
+        keys = torch.cat([prefix_k(i), k.transpose(1, 2)], dim=2)
+        vals = torch.cat([prefix_v(i), v.transpose(1, 2)], dim=2)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys,
+            vals,
+            attn_mask=allowed,
+            scale=lw.scale,
+            enable_gqa=lw.heads != lw.kv_heads,
+        )
+        x = _residual(x, o.transpose(1, 2).reshape(b, t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _mlp(x, lw, i, lora)
+    return x
+
+
 @torch.no_grad()
 def tail_forward(
     lw: LaneWeights,
@@ -258,28 +302,7 @@ def tail_forward(
     A tail token attends to its row's real prefix slots and causally to the tail up to itself; padded
     tail positions give logits that are not meant to be read.
     """
-    b, t = tail_ids.shape
-    positions = starts[:, None] + torch.arange(t, device=tail_ids.device)[None, :]
-    causal = torch.ones(t, t, dtype=torch.bool, device=tail_ids.device).tril()
-    allowed = torch.cat(
-        [prefix_real[:, None, :].expand(b, t, prefix_real.shape[1]), causal[None].expand(b, t, t)], dim=-1
-    )[:, None]
-    x = F.embedding(tail_ids, lw.embed)
-    cos, sin = _cos_sin(lw, x, positions)
-    for i in range(lw.num_layers):
-        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, t, H|h, d)
-        keys = torch.cat([prefix_k(i), k.transpose(1, 2)], dim=2)
-        vals = torch.cat([prefix_v(i), v.transpose(1, 2)], dim=2)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            keys,
-            vals,
-            attn_mask=allowed,
-            scale=lw.scale,
-            enable_gqa=lw.heads != lw.kv_heads,
-        )
-        x = _residual(x, o.transpose(1, 2).reshape(b, t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
-        x = _mlp(x, lw, i, lora)
+    x = _tail_layers(lw, tail_ids, starts, prefix_k, prefix_v, prefix_real, lora)
     if keep is not None:
         return logits_of(x[keep][None], lw)[0]
     return logits_of(x, lw)
@@ -374,35 +397,15 @@ def extend_rows(
     Equal within fp32 rounding to ``extend(..., logits=False)`` row by row (tested); padded positions are
     computed and never written or attended to by a real token.
     """
-    b, t = tokens.shape
-    positions = starts[:, None] + torch.arange(t, device=tokens.device)[None, :]
-    x = F.embedding(tokens, lw.embed)
-    cos, sin = _cos_sin(lw, x, positions)
     width = prefix_k(0).shape[2]
     prefix_real = torch.arange(width, device=tokens.device)[None, :] >= key_start[:, None]
-    causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
-    allowed = torch.cat([prefix_real[:, None, :].expand(b, t, width), causal[None].expand(b, t, t)], dim=-1)[
-        :, None
-    ]
-    for i in range(lw.num_layers):
-        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, t, H|h, d)
+
+    def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for r, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
             pool_k[i, slot, :, :n] = k[r, :n].transpose(0, 1)
             pool_v[i, slot, :, :n] = v[r, :n].transpose(0, 1)
-        if i == lw.num_layers - 1:
-            return
-        keys = torch.cat([prefix_k(i), k.transpose(1, 2)], dim=2)
-        vals = torch.cat([prefix_v(i), v.transpose(1, 2)], dim=2)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            keys,
-            vals,
-            attn_mask=allowed,
-            scale=lw.scale,
-            enable_gqa=lw.heads != lw.kv_heads,
-        )
-        x = _residual(x, o.transpose(1, 2).reshape(b, t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
-        x = _mlp(x, lw, i, lora)
+
+    _tail_layers(lw, tokens, starts, prefix_k, prefix_v, prefix_real, lora, on_kv=write)
 
 
 @torch.no_grad()
