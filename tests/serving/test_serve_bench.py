@@ -123,6 +123,8 @@ def test_bench_run_eight_agents_both_policies_chunked(tmp_path, tokenizer):
     )
     result = serve_bench.run(args)
     assert f"({torch.backends.cpu.get_cpu_capability()})" in result["hardware"]  # e.g. "(AVX2)"
+    assert result["weights"] == "fp32"  # the base lane's weight path (a tiny HF folder: no GGUF blocks)
+    assert "base weights fp32)" in serve_bench.table(result)
     assert result["agents"] == 8 and result["workload"]["agents"][4:] == [
         "critic",
         "search",

@@ -274,7 +274,9 @@ def build(args):
     kinds = {n: ("folder " + given[n]) if n in given else kind for n in agents}
     from ccft.core.models import describe_model
 
-    return base, engine, {"model": describe_model(args.model), "decoders": kinds}
+    # the base lane's weight path: the GGUF's blocks ($CCFT_BLOCK_WEIGHTS; docs/inference.md) or fp32
+    weights = "fp32" if engine.block_weights is None else f"blocks of {Path(engine.block_weights).name}"
+    return base, engine, {"model": describe_model(args.model), "decoders": kinds, "weights": weights}
 
 
 def reference_map(agents) -> dict[str, str]:
@@ -793,6 +795,7 @@ def run(args) -> dict:
         "benchmark": "serve",
         "model": desc["model"],
         "decoders": desc["decoders"],
+        "weights": desc["weights"],
         "dtype": str(base.dtype),
         "device": f"{platform.processor() or platform.machine()} CPU"
         if base.device.type == "cpu"
@@ -908,7 +911,8 @@ def eq9_ratio(result: dict) -> float:
 
 def table(result: dict) -> str:
     lines = [
-        f"serve benchmark: {result['model']} ({result['dtype']}) on {result['device']}, {result['threads']} "
+        f"serve benchmark: {result['model']} ({result['dtype']}, base weights "
+        f"{result.get('weights', 'fp32')}) on {result['device']}, {result['threads']} "
         f"threads; {result['workload']['kind']}, {len(result['workload']['agents'])} agents, shared "
         f"{result['workload']['shared_tokens']}+{result['workload']['growth_tokens']}/turn, unique "
         f"{result['workload']['unique_tokens']}, {result['workload']['max_new_tokens']} new tokens; KV "
