@@ -991,7 +991,6 @@ class SharedPrefillEngine:
                 row,
                 tail,
                 self._registry.producer(handle.producer),
-                lane.weights,
                 entry.lora_plan(),
                 own,
             )
@@ -1058,7 +1057,7 @@ class SharedPrefillEngine:
         """Write the tails of the lane's newly admitted requests (``prefill.write_tails``: one forward per
         handle for their suffixes); a request whose tail cannot be written is removed, into ``failed``."""
         pending, lane.pending = lane.pending, []
-        errors = write_tails(pending, lane.rows, lane.pool.k, lane.pool.v)
+        errors = write_tails(pending, lane.weights, lane.rows, lane.pool.k, lane.pool.v)
         for p in pending:
             error = errors.get(id(p.request))
             if error is not None:

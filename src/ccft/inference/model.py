@@ -376,7 +376,7 @@ def extend_rows(
     starts: torch.Tensor,
     prefix_k,
     prefix_v,
-    key_start: torch.Tensor,
+    prefix_real: torch.Tensor,
     pool_k: torch.Tensor,
     pool_v: torch.Tensor,
     slots: list[int],
@@ -390,15 +390,13 @@ def extend_rows(
     Args:
         tokens: ``(b, t)`` right-padded token ids.  lengths: each row's real token count (≥ 1).
         starts: ``(b,)`` long RoPE position of each row's first token (its real prefix length).
-        prefix_k, prefix_v: ``layer -> (b, h, p, d)`` each row's left-padded prefix; keys ≥ ``key_start[r]``
-            are real.
+        prefix_k, prefix_v: ``layer -> (b, h, p, d)`` each row's left-padded prefix.
+        prefix_real: ``(b, p)`` bool, the real prefix slots (as ``tail_forward``).
         pool_k, pool_v: ``(L, slots, h, capacity, d)`` the lane's tail pool.
         lora: the adapters applied (the producer's; None rows: every row).
     Equal within fp32 rounding to ``extend(..., logits=False)`` row by row (tested); padded positions are
     computed and never written or attended to by a real token.
     """
-    width = prefix_k(0).shape[2]
-    prefix_real = torch.arange(width, device=tokens.device)[None, :] >= key_start[:, None]
 
     def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for r, (slot, n) in enumerate(zip(slots, lengths, strict=True)):

@@ -11,6 +11,7 @@ Shape notation: L layers, b rows, h KV heads, p prefix width, d head dim.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,6 +23,8 @@ from ccft.inference.handles import OwnPrefix, PrefixHandle
 from ccft.inference.kv import PrefixArena
 from ccft.inference.lanes import Producer
 from ccft.inference.weights import LaneWeights
+
+log = logging.getLogger(__name__)
 
 #: attention scores of one prefill pass are kept below this many elements (~256 MB in fp32)
 SCORE_ELEMENTS = 2**26
@@ -340,28 +343,33 @@ def prefill_tail(
 @dataclass(eq=False)
 class PendingTail:
     """A request admitted by ``SharedPrefillEngine.add_request`` whose tail is written before the lane's next
-    step (``write_tails``), together with the others admitted since: the arguments of ``prefill_tail``."""
+    step (``write_tails``), together with the others admitted since: the arguments of ``prefill_tail``
+    (the decoder's weights are its lane's)."""
 
     request: object
     handle: PrefixHandle
     row: int
     tail: list[int]
     producer: Producer
-    weights: LaneWeights
     lora: M.LoraPlan
     own: OwnPrefix | None
 
 
 def write_tails(
-    pending: list[PendingTail], rows: Sequence[object], pool_k: torch.Tensor, pool_v: torch.Tensor
+    pending: list[PendingTail],
+    weights: LaneWeights,
+    rows: Sequence[object],
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
 ) -> dict[int, BaseException]:
     """Write the tails of requests admitted together (``prefill_tail`` for each), the producer's part of
     those reading one handle batched into one forward (``model.extend_rows``): agents admitted on one
     context, each with its own suffix, cost one forward over their suffixes instead of one per agent.
 
     Args:
-        pending: the admitted requests, in admission order.  rows: the lane's active requests in slot
-            order (each pending request's slot is its index there).  pool_k, pool_v: the lane's tail pool.
+        pending: the admitted requests, in admission order.  weights: their lane's (the decoders').
+        rows: the lane's active requests in slot order (each pending request's slot is its index there).
+        pool_k, pool_v: the lane's tail pool.
     Returns:
         ``id(request) -> exception`` for the requests whose tail could not be written (a batched forward
         that fails is retried request by request, so a failure is confined to the requests that cause it).
@@ -392,13 +400,17 @@ def write_tails(
                 starts,
                 lambda i: first.handle.keys(i).index_select(0, index),  # noqa: B023  (called in the loop)
                 lambda i: first.handle.values(i).index_select(0, index),  # noqa: B023
-                first.handle.key_start.index_select(0, index),
+                torch.arange(first.handle.width, device=device)[None, :]
+                >= first.handle.key_start.index_select(0, index)[:, None],  # the real prefix slots
                 pool_k,
                 pool_v,
                 [slot[id(p.request)] for p in group],
                 first.producer.lora,
             )
-        except Exception:  # noqa: BLE001  (retried request by request below, where the error is confined)
+        except Exception as e:  # noqa: BLE001  (retried request by request below, where the error is confined)
+            log.warning(
+                "batched tail write of %d requests failed (%s); writing them one by one", len(group), e
+            )
             continue
         done.update(id(p) for p in group)
     failed: dict[int, BaseException] = {}
@@ -410,7 +422,7 @@ def write_tails(
                 p.row,
                 p.tail,
                 p.producer,
-                p.weights,
+                weights,
                 p.lora,
                 pool_k[:, s],
                 pool_v[:, s],
