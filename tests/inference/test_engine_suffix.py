@@ -105,6 +105,7 @@ def test_requests_admitted_together_batch_their_suffixes(
     shared, suffixes = _prompts(gsm8k_rows, tokenizer)
     h = eng.prefill([shared], handoff_tokens=handoff)
     h2 = eng.prefill([shared[:12], shared[:17]], handoff_tokens=handoff)
+    snaps = [h.snapshot(), h2.snapshot()]
     admits = [
         (h, 0, "base", suffixes[2]),
         (h, 0, "math", suffixes[1]),
@@ -124,6 +125,10 @@ def test_requests_admitted_together_batch_their_suffixes(
         alone, _ = _run(eng, eng.add_request(hh, row, decoder=d, suffix_ids=s, forced_tokens=forced), True)
         torch.testing.assert_close(got, torch.stack(alone), atol=1e-5, rtol=0)
     assert batched == []  # alone: row by row
+    for handle, snap in zip(
+        (h, h2), snaps, strict=True
+    ):  # K1: the batched write left the shared K/V as it was
+        assert all(torch.equal(a, b) for a, b in zip(snap, handle.snapshot(), strict=True))
     h.release()
     h2.release()
     assert eng.arena.used_tokens == 0
