@@ -131,13 +131,20 @@ def run(args) -> int:
     return 0
 
 
-def _decode_path_line(path: str | None) -> str:
-    """The report's line for the evaluation's decode path (``EvalSettings.as_dict``'s ``decode_path``)."""
+def _decode_path_line(path: str | None, block_weights: str | None = None) -> str:
+    """The report's line for the evaluation's decode path (``EvalSettings.as_dict``'s ``decode_path`` and,
+    when set, ``block_weights``)."""
     if path is not None and path.startswith("SharedPrefillEngine"):
+        weights = (
+            f"; the base's linear layers from the GGUF's Q4_1 / Q8_0 blocks (block_weights={block_weights}, "
+            'docs/inference.md, "Block weights")'
+            if block_weights not in (None, "off")
+            else ""
+        )
         return (
             "every mode on `ccft.SharedPrefillEngine`: each group of items prefilled once per producer "
             "(C_base for base, naive and prefillshare; the Full-FT decoder's own prefix for full-ft), read "
-            'by the reference NLL and the greedy generation (docs/evaluation.md, "Decode path")'
+            f'by the reference NLL and the greedy generation (docs/evaluation.md, "Decode path"){weights}'
         )
     return f"{path or 'reference (ccft.generate)'}: per mode, one prompt pass for the NLL, one for generation"
 
@@ -177,7 +184,7 @@ steps and seed.
 - **Evaluation data**: {meta["data"]}. NLL on the first {meta["n_items"]} items; generations scored on \
 the first
   {min(n_gen, meta["n_items"])} of them (greedy, max {es["max_new_tokens"]} new tokens).
-- **Decode path**: {_decode_path_line(es.get("decode_path"))}.
+- **Decode path**: {_decode_path_line(es.get("decode_path"), es.get("block_weights"))}.
 - **Prompts** (training and evaluation): {es.get("prompting")}.
 - **Hardware**: {result["hardware"]}.
 - **Wall time per phase (s)**: {", ".join(f"{k} {v:.0f}" for k, v in t.items())}.

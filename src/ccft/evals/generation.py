@@ -40,20 +40,28 @@ __all__ = [
 ]
 
 
-def make_engine(base, modes: Sequence[ModeSpec], max_batch: int = 16, cache_format: str | None = None):
+def make_engine(
+    base,
+    modes: Sequence[ModeSpec],
+    max_batch: int = 16,
+    cache_format: str | None = None,
+    block_weights: str | None = "off",
+):
     """A ``SharedPrefillEngine`` on ``base`` holding every decoder the ``modes`` use, each once (named after
     the first mode that uses it). A decoder reads C_base as the reference path would: at its sharing
     depth (``Decoder.share_from_layer``) and in the format ``ModeSpec.cache_format(cache_format)``
     (``cache_format``: the eval's ``EvalSettings.cache_format``, else the decoder's own; issue 35).
+    ``block_weights``: the base lane's weights (``EvalSettings.block_weights``; ``"off"``: fp32).
 
     Raises:
-        ConfigError: ``ccft.inference`` cannot be imported in this installation.
+        ConfigError: ``ccft.inference`` cannot be imported in this installation; ``block_weights="on"`` where
+            the block kernel or the GGUF's blocks cannot be used.
     """
     try:
         from ccft.inference import SharedPrefillEngine
     except ImportError as e:  # pragma: no cover - depends on the installation
         raise ConfigError(f"--engine needs ccft.inference.SharedPrefillEngine ({e})") from e
-    engine = SharedPrefillEngine(base, max_batch=max_batch)
+    engine = SharedPrefillEngine(base, max_batch=max_batch, block_weights=block_weights)
     for spec in modes:
         if get_mode(spec.mode).needs_decoder and _registered_name(engine, spec.decoder) is None:
             fmt = spec.cache_format(cache_format) if get_mode(spec.mode).shared_prefill else None

@@ -292,10 +292,13 @@ def decode_ahead(
         if st.engine and st.generate and not st.sampling(task)["do_sample"] and st.resolved_samples(task) == 1
     ]
     # one engine reads C_base in one format per decoder: tasks asking for different ones are not prefetched
-    formats = {st.cache_format for _, st in wanted}
+    formats = {(st.cache_format, st.block_weights) for _, st in wanted}
     if not wanted or len(formats) > 1:
         return 0
-    engine = make_engine(base, modes, max_batch=batch_size, cache_format=formats.pop())
+    cache_format, block_weights = formats.pop()
+    engine = make_engine(
+        base, modes, max_batch=batch_size, cache_format=cache_format, block_weights=block_weights
+    )
     specs = sorted(modes, key=_mode_order)
     joint: list[JointGroup] = []
     prefills: dict[int, GroupPrefill] = {}
@@ -419,13 +422,27 @@ def run_task(
         check_mode(spec.mode, spec.decoder)
     name = task_name(task)
     folder = Path(out_dir) / name
-    prep, meta, unavailable = _open_task_folder(task, base, modes, folder, settings, overwrite)
     specs = sorted(modes, key=_mode_order)
+    # the engine before the folder is touched: one it cannot build (e.g. block_weights="on" without the GGUF's
+    # blocks) leaves the folder as it was
+    engine = (
+        make_engine(
+            base,
+            specs,
+            max_batch=batch_size,
+            cache_format=settings.cache_format,
+            block_weights=settings.block_weights,
+        )
+        if settings.engine
+        else None
+    )
+    prep, meta, unavailable = _open_task_folder(task, base, modes, folder, settings, overwrite)
     index_of = {x: i for i, x in enumerate(prep.ids)}
     done = _done_records(folder, prep, specs)
     computed, specs = _run_groups(
         task,
         base,
+        engine,
         specs,
         prep,
         folder,
@@ -494,6 +511,7 @@ def _open_task_folder(
 def _run_groups(
     task,
     base,
+    engine,
     specs: list[ModeSpec],
     prep,
     folder: Path,
@@ -508,11 +526,9 @@ def _run_groups(
 ) -> tuple[dict[str, int], list[ModeSpec]]:
     """The group loop of ``run_task``: the items not in ``done`` in groups, every mode per group (each
     producer prefills a group once with the engine), records appended to ``items.MODE.jsonl`` and added to
-    ``done``. Returns the items computed per mode and the modes in the order they ran."""
+    ``done``. ``engine``: run_task's (None: the reference path). Returns the items computed per mode and the
+    modes in the order they ran."""
     name = task_name(task)
-    engine = None
-    if settings.engine:
-        engine = make_engine(base, specs, max_batch=batch_size, cache_format=settings.cache_format)
     # the engine decodes batch_size rows at a time and refills a row's slot as soon as it finishes, so it gets
     # several batches per call (records are written per call)
     group = batch_size * (ENGINE_BATCHES_PER_CALL if engine is not None else 1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ccft.core.compact import check_cache_format
 from ccft.core.decoder import Decoder, resolve_handoff
+from ccft.core.errors import ConfigError
 from ccft.core.modes import MODES, check_mode, decoder_for_mode, get_mode
 from ccft.evals.prompting import PromptFormat
 from ccft.evals.protocol import stop_setting, task_name
@@ -42,6 +43,12 @@ class EvalSettings:
             (issue 35; ``ccft.core.compact``): ``int8`` serves every such decoder on the compact C_base (one
             trained on the native cache too), ``native`` on C_base as computed; None = each decoder's own
             (``Decoder.cache_format``). With ``engine`` the engine reads it too (``make_engine``).
+        block_weights: the engine's base weights (``SharedPrefillEngine(block_weights=...)``): ``"off"`` its
+            fp32 weights, ``"auto"`` / ``"on"`` the linear layers computed from the GGUF's own Q4_1 / Q8_0
+            blocks (docs/inference.md, "Block weights"; the same weights, other fp32 rounding). None
+            (default): ``$CCFT_BLOCK_WEIGHTS``, else ``"off"``, read when the settings are made. Used with
+            ``engine`` only; part of the resume key whenever it is not ``"off"``, so one folder never mixes
+            records of the two paths.
     """
 
     limit: int | None = None
@@ -56,10 +63,21 @@ class EvalSettings:
     generate_limit: int | None = None
     prompt_format: PromptFormat | None = None
     cache_format: str | None = None
+    block_weights: str | None = None
 
     def __post_init__(self):
         if self.cache_format is not None:
             check_cache_format(self.cache_format, where="eval cache_format")
+        if self.engine:  # the engine's module only when an engine runs (as make_engine imports it)
+            from ccft.inference.blocks import SETTINGS, default_setting
+
+            if self.block_weights is None:
+                self.block_weights = default_setting()  # $CCFT_BLOCK_WEIGHTS (a bad value raises here)
+            elif self.block_weights not in SETTINGS:
+                raise ConfigError(
+                    f"eval block_weights={self.block_weights!r}: use one of {', '.join(SETTINGS)} "
+                    "(or leave it unset for $CCFT_BLOCK_WEIGHTS)"
+                )
 
     def resolved_samples(self, task) -> int:
         return int(self.samples or getattr(task, "samples", 1) or 1)
@@ -109,6 +127,8 @@ class EvalSettings:
             out["generate_limit"] = self.generate_limit
         if self.cache_format is not None:  # likewise
             out["cache_format"] = self.cache_format
+        if self.engine and self.block_weights not in (None, "off"):  # likewise (folders without it used fp32)
+            out["block_weights"] = self.block_weights
         return out
 
 

@@ -779,6 +779,8 @@ def use_block_weights(base, lw, setting, *, decode_mode: str) -> Path | None:
 
 __all__ = [
     "BLOCK",
+    "ENV",
+    "SETTINGS",
     "FORMATS",
     "BlockKernel",
     "BlockMatrix",

@@ -98,7 +98,8 @@ def task_entry(summary: dict, specialist: str) -> dict:
         "n": n,
         "settings": {
             k: (meta.get("settings") or {}).get(k)
-            for k in ("limit", "max_new_tokens", "prompting", "decode_path")
+            for k in ("limit", "max_new_tokens", "prompting", "decode_path", "block_weights")
+            if k in (meta.get("settings") or {}) or k != "block_weights"  # block_weights only when recorded
         },
         "data": meta.get("data"),
         "modes": modes,
