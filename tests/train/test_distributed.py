@@ -21,6 +21,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from ccft.bench.process import stop_process_group
 from ccft.core.errors import ConfigError
 from ccft.train.config import load_recipe
 from ccft.train.distributed import accelerate_command, inside_launcher
@@ -98,9 +99,23 @@ def two_processes(recipe: Path, out: Path, config: str | None = None, **kw) -> t
         cmd += ["--accelerate-config", str(ACCEL / config)]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK")}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("[ccft] trained") == 1, proc.stdout  # one process reports, one writes
+    # its own session: a failure, a timeout or an interrupted run stops the launcher's workers too, instead of
+    # leaving them (and DeepSpeed's op-build lock) behind
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        stop_process_group(proc)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert stdout.count("[ccft] trained") == 1, stdout  # one process reports, one writes
     history = json.loads((out / "log_history.json").read_text())
     meta = json.loads((out / "ccft.json").read_text())
     return [h["loss"] for h in history if "loss" in h], meta
