@@ -18,6 +18,11 @@
 # Writes OUT_ROOT/{old,new}/ (ccft eval output), OUT_ROOT/{old,new}.phases.json (in-process phase timers),
 # OUT_ROOT/{old,new}.time-v.txt (/usr/bin/time -v), OUT_ROOT/{old,new}.log, OUT_ROOT/{old,new}.wall.txt,
 # OUT_ROOT/compare.txt (the table and the record check).
+#
+# The same command on one code with the base's fp32 weights and with the GGUF's Q4_1 / Q8_0 blocks (issue 32:
+# time, peak memory and records of the evaluation on the block path; CCFT_BLOCK_WEIGHTS per run):
+#   OLD_SRC=$PWD/src OLD_BLOCKS=off NEW_BLOCKS=auto LABELS=fp32,blocks NLL_TOL=1e-4 NICE= \
+#     OUT_ROOT=runs/eval-blocks benchmarks/eval_phase_timing.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -33,6 +38,11 @@ DEC_CCFT=${DEC_CCFT:-$REPO/runs/phase-timing/tools-ccft}
 DEC_FULL=${DEC_FULL:-$REPO/runs/phase-timing/tools-full-ft}
 PY=${PY:-$REPO/.venv/bin/python}
 NICE=${NICE-nice -n 19}   # NICE= (empty) on a machine that is the timing's alone
+OLD_BLOCKS=${OLD_BLOCKS-}  # CCFT_BLOCK_WEIGHTS of each run (empty: as in the environment)
+NEW_BLOCKS=${NEW_BLOCKS-}
+ENV_BLOCKS=${CCFT_BLOCK_WEIGHTS-}
+LABELS=${LABELS:-old,new}
+NLL_TOL=${NLL_TOL:-1e-5}
 export CCFT_BFCL_PYTHON=${CCFT_BFCL_PYTHON:-$REPO/.venv-bfcl/bin/python}
 export PYTHONHASHSEED=0
 
@@ -41,8 +51,9 @@ for d in "$DEC_CCFT" "$DEC_FULL"; do [ -f "$d/ccft.json" ] || { echo "no decoder
 [ -d "$OLD_SRC/ccft" ] || { echo "no old code at $OLD_SRC (git worktree add --detach ../ccft-old 2668a93)"; exit 2; }
 mkdir -p "$OUT_ROOT"
 
-run_one() {  # label src batch
-  local label=$1 src=$2 batch=$3 out="$OUT_ROOT/$1"
+run_one() {  # label src batch blocks
+  local label=$1 src=$2 batch=$3 blocks=$4 out="$OUT_ROOT/$1"
+  export CCFT_BLOCK_WEIGHTS=${blocks:-$ENV_BLOCKS}
   rm -rf "$out"
   # the same ccft command line for both codes (every flag exists in both; --engine is the old code's opt-in
   # and the new code's default)
@@ -54,7 +65,8 @@ run_one() {  # label src batch
   which=$(PYTHONPATH="$src" "$PY" -c 'import ccft; print(ccft.__file__)')
   case "$which" in "$src"/*) ;; *) echo "$label: ccft comes from $which, not $src"; exit 2;; esac
   {
-    echo "label=$label ccft=$which git=$(git -C "$src/.." rev-parse --short HEAD) batch=$batch limit=$LIMIT"
+    echo "label=$label ccft=$which git=$(git -C "$src/.." rev-parse --short HEAD) batch=$batch limit=$LIMIT" \
+      "CCFT_BLOCK_WEIGHTS=${CCFT_BLOCK_WEIGHTS-}"
     echo "start=$(date -u +%FT%TZ) loadavg_before=$(cut -d' ' -f1-3 /proc/loadavg)"
   } > "$OUT_ROOT/$label.wall.txt"
   local t0 t1
@@ -77,10 +89,11 @@ if [ "$(echo "$load1 > 0.5" | bc)" = 1 ]; then
 fi
 for label in ${ORDER:-old new}; do  # ORDER="new old" to check the order does not matter
   case $label in
-    old) run_one old "$OLD_SRC" "$OLD_BATCH";;
-    new) run_one new "$NEW_SRC" "$NEW_BATCH";;
+    old) run_one old "$OLD_SRC" "$OLD_BATCH" "$OLD_BLOCKS";;
+    new) run_one new "$NEW_SRC" "$NEW_BATCH" "$NEW_BLOCKS";;
   esac
 done
 
 PYTHONPATH="$NEW_SRC" $NICE "$PY" "$REPO/benchmarks/eval_phase_timing.py" compare "$OUT_ROOT/old" "$OUT_ROOT/new" \
-  --old-phases "$OUT_ROOT/old.phases.json" --new-phases "$OUT_ROOT/new.phases.json" | tee "$OUT_ROOT/compare.txt"
+  --old-phases "$OUT_ROOT/old.phases.json" --new-phases "$OUT_ROOT/new.phases.json" --labels "$LABELS" \
+  --nll-tol "$NLL_TOL" | tee "$OUT_ROOT/compare.txt"
