@@ -410,6 +410,53 @@ def test_fused_decode_step_of_an_fp32_lane_equals_the_layer_loop(block_dir, kern
         _assert_steps_close(_stepped(fused, prompts, decoders)[0], _stepped(loop, prompts, decoders)[0])
 
 
+def test_fused_step_reads_every_layer_from_one_view(block_dir, kernel, tokenizer, gsm8k_rows, monkeypatch):
+    """The fused step takes a handle's prefix as one ``(L, P, h, p, d)`` view of keys and one of values
+    (``PrefixHandle.every_layer``: the kernel's per-layer addresses computed from the first) instead of 2·L
+    per-layer views; its steps are bit-identical to the per-layer form's (same addresses, same kernel)."""
+    import ccft
+    from ccft.inference import model as M
+    from ccft.inference.handles import PrefixHandle
+
+    base = ccft.load_base(str(block_dir))
+    lora = {"math": make_lora(base, "math", seed=3, r=4)}
+    engine = SharedPrefillEngine(base, lora, decode="eager", block_weights="on")
+    forms = []
+    real = M.decode_step_layers
+    monkeypatch.setattr(
+        M,
+        "decode_step_layers",
+        lambda p, x, c, s, k, *a, **kw: forms.append(type(k)) or real(p, x, c, s, k, *a, **kw),
+    )
+    decoders = ["math", "base", "math"]
+    prompts = _prompts(tokenizer, gsm8k_rows, len(decoders))
+    layered, kv_layered = _stepped(engine, prompts, decoders)
+    assert forms and set(forms) == {torch.Tensor}
+    with pytest.raises(ValueError, match="layers"):  # a view of too few layers is refused, not read past
+        with engine.prefill(prompts[:1]) as h:
+            k, v = h.every_layer()
+            B.decode_step_layers(
+                engine.lanes["base"].weights.block_step,
+                torch.zeros(1, k.shape[-1] * base.model.config.num_attention_heads),
+                torch.zeros(1, k.shape[-1]),
+                torch.zeros(1, k.shape[-1]),
+                k[:-1],
+                v[:-1],
+                h.key_start,
+                engine.lanes["base"].pool.k,
+                engine.lanes["base"].pool.v,
+                torch.zeros(1, dtype=torch.long),
+                torch.ones(1, dtype=torch.long),
+            )
+    monkeypatch.setattr(PrefixHandle, "every_layer", lambda self: None)  # the per-layer form
+    forms.clear()
+    per_layer, kv_per_layer = _stepped(engine, prompts, decoders)
+    assert forms and set(forms) == {list}
+    assert layered == per_layer  # tokens and log-probabilities, exactly
+    for lane in kv_layered:
+        assert all(torch.equal(a, b) for a, b in zip(kv_layered[lane], kv_per_layer[lane], strict=True))
+
+
 def _stepped_reads(engine, prompts, reads, new=6):
     """As ``_stepped``, for requests ``reads = [(prompt row, decoder, suffix ids)]`` on one handle: several
     requests may read one prompt row (agents sharing a context)."""

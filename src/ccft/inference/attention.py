@@ -157,6 +157,9 @@ class PrefixGroup:
         offset: first batch row of this group when ``rows`` is None.
         used: when not every prefix row is read: a slice of them (read in place; ``rows`` has a line per
             row of the slice) or ``(U,)`` the prefix rows read (their K/V are index-selected).
+        every_layer: a callable giving ``(L, P, h, p, d)`` views of the keys and values in every layer at
+            once, or None (``PrefixHandle.every_layer``: what the fused decode step reads, one view each
+            instead of one per layer); None when the layers are not one arena region.
     """
 
     k: object
@@ -165,6 +168,7 @@ class PrefixGroup:
     rows: torch.Tensor | None = None
     offset: int = 0
     used: torch.Tensor | slice | None = None
+    every_layer: object = None
 
 
 def _grouped_part(

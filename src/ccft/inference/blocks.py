@@ -443,7 +443,8 @@ def decode_step_layers(
         x: ``(B, D)`` fp32 embeddings of the step's tokens; returned updated (the last layer's output).
         cos, sin: ``(B, d)`` RoPE of each row's position, ``sin`` with its first half negated
             (``model.rope``).
-        prefix_k, prefix_v: per layer ``(P, h, p, d)`` fp32 views of the prefix rows' K/V (``d`` contiguous).
+        prefix_k, prefix_v: per layer ``(P, h, p, d)`` fp32 views of the prefix rows' K/V (``d`` contiguous),
+            or each one ``(L, P, h, p, d)`` view of every layer (``PrefixHandle.every_layer``).
         key_start: ``(B,)`` long, the first real prefix key of the prefix row each batch row reads.
         prefix_row: ``(B,)`` long, the prefix row each batch row reads (several rows may read one: agents
             sharing a context); None: row r reads prefix row r (``P = B``).
@@ -478,21 +479,13 @@ def decode_step_layers(
     if any(t.dtype != torch.long or t.shape != (b,) for t in longs):
         raise ValueError("decode_step_layers: key_start, write_pos, tail_len, prefix_row must be long (B,)")
     key_start, write_pos, tail_len = (t.contiguous() for t in (key_start, write_pos, tail_len))
+    ptrs, strides, width, rows = _prefix_pointers(prefix_k, prefix_v, n_layers)
     if prefix_row is not None:
         prefix_row = prefix_row.contiguous()
-        if b and not 0 <= int(prefix_row.min()) <= int(prefix_row.max()) < prefix_k[0].shape[0]:
-            raise ValueError(f"decode_step_layers: prefix_row outside the {prefix_k[0].shape[0]} prefix rows")
+        if b and not 0 <= int(prefix_row.min()) <= int(prefix_row.max()) < rows:
+            raise ValueError(f"decode_step_layers: prefix_row outside the {rows} prefix rows")
     if pool_k.stride() != pool_v.stride() or pool_k.stride(-1) != 1:
         raise ValueError("decode_step_layers: the tail pool's keys and values need one layout, d contiguous")
-    width = prefix_k[0].shape[2]
-    ptrs, strides = [], []
-    for k, v in zip(prefix_k, prefix_v, strict=True):
-        if k.dtype != torch.float32 or v.dtype != torch.float32 or k.stride(-1) != 1 or v.stride(-1) != 1:
-            raise ValueError("decode_step_layers: prefix K/V must be fp32 with d contiguous")
-        if k.shape[2] != width or v.shape[2] != width:
-            raise ValueError("decode_step_layers: every layer's prefix must have one width")
-        ptrs += [k.data_ptr(), v.data_ptr()]
-        strides += [k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)]
     # the pointer arrays are held in locals for the call (a temporary's buffer could be freed before it)
     prefix = (i64 * len(ptrs))(*ptrs)
     prefix_strides = (i64 * len(strides))(*strides)
@@ -529,6 +522,37 @@ def decode_step_layers(
         _threads(),
     )
     return x
+
+
+def _prefix_pointers(prefix_k, prefix_v, n_layers: int) -> tuple[list[int], list[int], int, int]:
+    """``decode_step_layers``' prefix arguments as the kernel reads them: per layer the keys' and values'
+    addresses, their three outer strides (elements), and the width and number of prefix rows. One
+    ``(L, P, h, p, d)`` view each gives every layer's address from its first (``stride(0)`` apart).
+
+    Raises:
+        ValueError: not fp32, ``d`` not contiguous, layers of different widths, or not ``n_layers`` layers.
+    """
+    layered = isinstance(prefix_k, torch.Tensor)
+    parts = [(prefix_k, prefix_v)] if layered else list(zip(prefix_k, prefix_v, strict=True))
+    width = parts[0][0].shape[-2]
+    for k, v in parts:
+        if k.dtype != torch.float32 or v.dtype != torch.float32 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("decode_step_layers: prefix K/V must be fp32 with d contiguous")
+        if k.shape[-2] != width or v.shape[-2] != width:
+            raise ValueError("decode_step_layers: every layer's prefix must have one width")
+    if (prefix_k.shape[0] if layered else len(parts)) != n_layers:
+        raise ValueError(f"decode_step_layers: the prefix K/V need {n_layers} layers")
+    if layered:
+        k, v = prefix_k, prefix_v
+        kp, vp, ks, vs = k.data_ptr(), v.data_ptr(), k.stride(0) * 4, v.stride(0) * 4  # 4 bytes per fp32
+        ptrs = [p for i in range(n_layers) for p in (kp + i * ks, vp + i * vs)]
+        strides = [k.stride(1), k.stride(2), k.stride(3), v.stride(1), v.stride(2), v.stride(3)] * n_layers
+        return ptrs, strides, width, k.shape[1]
+    ptrs, strides = [], []
+    for k, v in parts:
+        ptrs += [k.data_ptr(), v.data_ptr()]
+        strides += [k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)]
+    return ptrs, strides, width, parts[0][0].shape[0]
 
 
 # The kernel as PyTorch ops, so that torch.compile (decode="compile") calls it inside a compiled step instead

@@ -109,6 +109,20 @@ class PrefixHandle:
         self._check_alive()
         return self.engine.arena.view("v", layer, self.start, self.batch_size, self.width)
 
+    def every_layer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(L, b, h, p, d)`` views of this handle's keys and values in every layer at once (one view each,
+        what the fused decode step reads), or None where the layers are not one arena region.
+
+        Raises:
+            ConfigError: the handle was freed.
+        """
+        self._check_alive()
+        arena = self.engine.arena
+        return (
+            arena.view_layers("k", self.start, self.batch_size, self.width),
+            arena.view_layers("v", self.start, self.batch_size, self.width),
+        )
+
     def layer_keys(self, layer: int, own: "OwnPrefix | None" = None) -> torch.Tensor:
         """``(b, h, p, d)``: what a reader attends to in ``layer``: ``own``'s keys below its depth m (a
         decoder at sharing depth m), this handle's above (and in every layer without ``own``)."""
@@ -245,6 +259,10 @@ class CompactHandle(PrefixHandle):
     def value_scales(self, layer: int) -> torch.Tensor:
         """``(b, h, p, 1)`` bfloat16 view (per token)."""
         return self.engine.vscale_arena.view("k", layer, self.vscale_start, self.batch_size, self.width)
+
+    def every_layer(self) -> None:
+        """None: the codes are dequantised per layer (``keys`` / ``values``)."""
+        return None
 
     def keys(self, layer: int) -> torch.Tensor:
         """``(b, h, p, d)`` the dequantised keys of ``layer`` (a new tensor)."""

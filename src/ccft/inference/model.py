@@ -493,13 +493,18 @@ def decode_step_eager(
     if step is not None and b <= step.max_rows:  # every layer in one kernel call
         prefix_row = None if rowwise else _prefix_rows(groups, b)
         if rowwise or prefix_row is not None:
+            every = g.every_layer() if g.every_layer is not None else None  # one view each, not L
+            prefix_k, prefix_v = every or (
+                [g.k(i) for i in range(lw.num_layers)],
+                [g.v(i) for i in range(lw.num_layers)],
+            )
             out = decode_step_layers(
                 step,
                 x,
                 cos,
                 sin,
-                [g.k(i) for i in range(lw.num_layers)],
-                [g.v(i) for i in range(lw.num_layers)],
+                prefix_k,
+                prefix_v,
                 g.key_start if rowwise else g.key_start.index_select(0, prefix_row),
                 pool_k,
                 pool_v,

@@ -49,9 +49,10 @@ def prefix_groups(rows: Sequence[Request], device) -> list[PrefixGroup]:
         h, own = members[0][1].handle, members[0][1].own
         kf = (lambda hh, oo: lambda i: hh.layer_keys(i, oo))(h, own)
         vf = (lambda hh, oo: lambda i: hh.layer_values(i, oo))(h, own)
+        every = h.every_layer if own is None else None  # a depth-m reader's layers are in two regions
         first = members[0][0]
         if len(members) == h.batch_size and all(i == first + r.row for i, r in members):
-            groups.append(PrefixGroup(kf, vf, h.key_start, None, first))
+            groups.append(PrefixGroup(kf, vf, h.key_start, None, first, every_layer=every))
             continue
         per: dict[int, list[int]] = {}
         for i, r in members:
@@ -71,7 +72,7 @@ def prefix_groups(rows: Sequence[Request], device) -> list[PrefixGroup]:
         for j, u in enumerate(span):
             if u in per:
                 table[j, : len(per[u])] = torch.tensor(per[u])
-        groups.append(PrefixGroup(kf, vf, h.key_start, table.to(device), 0, used_t))
+        groups.append(PrefixGroup(kf, vf, h.key_start, table.to(device), 0, used_t, every_layer=every))
     return groups
 
 
