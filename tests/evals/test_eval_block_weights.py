@@ -52,41 +52,31 @@ def tiny(tmp_path_factory, tokenizer):
     return base, _specs(base)
 
 
-def test_an_fp32_folder_is_not_resumed_on_the_block_path(tiny, tmp_path):
-    base, specs = tiny
-    run_task(
+def _evaluate(base, specs, out, block_weights: str):
+    return run_task(
         ToyTask(4),
         base,
         specs,
-        tmp_path,
-        settings=EvalSettings(engine=True, block_weights="off"),
+        out,
+        settings=EvalSettings(engine=True, block_weights=block_weights),
         progress=False,
     )
+
+
+def test_an_fp32_folder_is_not_resumed_on_the_block_path(tiny, tmp_path):
+    base, specs = tiny
+    _evaluate(base, specs, tmp_path, "off")
     folder = tmp_path / "toy"
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     with pytest.raises(FolderConflictError, match="block_weights"):
-        run_task(
-            ToyTask(4),
-            base,
-            specs,
-            tmp_path,
-            settings=EvalSettings(engine=True, block_weights="auto"),
-            progress=False,
-        )
+        _evaluate(base, specs, tmp_path, "auto")
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 def test_an_engine_that_cannot_be_built_leaves_the_folder_untouched(tiny, tmp_path):
     base, specs = tiny  # not dequantised from a GGUF file: "on" cannot be honoured
     with pytest.raises(ConfigError, match="block_weights"):
-        run_task(
-            ToyTask(4),
-            base,
-            specs,
-            tmp_path,
-            settings=EvalSettings(engine=True, block_weights="on"),
-            progress=False,
-        )
+        _evaluate(base, specs, tmp_path, "on")
     assert not (tmp_path / "toy").exists()
 
 
