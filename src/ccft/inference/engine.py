@@ -840,8 +840,7 @@ class SharedPrefillEngine:
             )
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         starts = torch.tensor([handle.lengths[r] for r in rows], dtype=torch.long, device=self.device)
-        key_start = handle.key_start.index_select(0, index)
-        prefix_real = torch.arange(handle.width, device=self.device)[None, :] >= key_start[:, None]
+        prefix_real = handle.real_slots(index)
         prod = self._registry.producer(decoder)  # the decoder's weights and adapter, as it reads
         own = self._own_prefix(handle, decoder)
         return M.tail_forward(

@@ -109,6 +109,12 @@ class PrefixHandle:
         self._check_alive()
         return self.engine.arena.view("v", layer, self.start, self.batch_size, self.width)
 
+    def real_slots(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """``(b, p)`` bool: the real (not left-padding) prefix slots of every row, or of the rows ``index``
+        (``(n,)`` long) in that order (``key_start`` onwards; docs/design.md, "C_base")."""
+        key_start = self.key_start if index is None else self.key_start.index_select(0, index)
+        return torch.arange(self.width, device=key_start.device)[None, :] >= key_start[:, None]
+
     def every_layer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(L, b, h, p, d)`` views of this handle's keys and values in every layer at once (one view each,
         what the fused decode step reads), or None where the layers are not one arena region.
@@ -140,9 +146,7 @@ class PrefixHandle:
     def to_base_cache(self) -> BaseCache:
         """A ``BaseCache`` copy of this prefix (for the reference path ``ccft.generate(cache=...)``)."""
         n = self.engine.num_layers
-        mask = (
-            torch.arange(self.width, device=self.key_start.device)[None, :] >= self.key_start[:, None]
-        ).long()
+        mask = self.real_slots().long()
         tail = torch.tensor(self.tail_ids, dtype=torch.long, device=self.key_start.device)
         return BaseCache.from_tensors(
             [self.keys(i).clone() for i in range(n)],

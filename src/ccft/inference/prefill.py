@@ -400,8 +400,7 @@ def write_tails(
                 starts,
                 lambda i: first.handle.keys(i).index_select(0, index),  # noqa: B023  (called in the loop)
                 lambda i: first.handle.values(i).index_select(0, index),  # noqa: B023
-                torch.arange(first.handle.width, device=device)[None, :]
-                >= first.handle.key_start.index_select(0, index)[:, None],  # the real prefix slots
+                first.handle.real_slots(index),
                 pool_k,
                 pool_v,
                 [slot[id(p.request)] for p in group],

@@ -90,6 +90,7 @@ def task_entry(summary: dict, specialist: str) -> dict:
             }
     n = max((b["n"] or 0) for b in modes.values()) if modes else 0
     meta = summary.get("meta") or {}
+    settings = meta.get("settings") or {}
     return {
         "task": task,
         "specialist": specialist,
@@ -97,9 +98,9 @@ def task_entry(summary: dict, specialist: str) -> dict:
         "secondary_metric": secondary,
         "n": n,
         "settings": {
-            k: (meta.get("settings") or {}).get(k)
-            for k in ("limit", "max_new_tokens", "prompting", "decode_path", "block_weights")
-            if k in (meta.get("settings") or {}) or k != "block_weights"  # block_weights only when recorded
+            k: settings.get(k)
+            for k in ("limit", "max_new_tokens", "prompting", "decode_path")
+            + (("block_weights",) if "block_weights" in settings else ())  # only when recorded
         },
         "data": meta.get("data"),
         "modes": modes,
