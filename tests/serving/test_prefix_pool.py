@@ -28,6 +28,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 import ccft
 from ccft.core.errors import ConfigError
@@ -87,13 +88,27 @@ def test_block_value_round_trip_and_checks(dtype):
     for broken in (bytes(flipped), value[:-5], value[:20], b"", b"x" * 100):
         with pytest.raises(ValueError, match="^corrupt"):
             P.decode_block(broken, ident)
-    # a read-only buffer (Ray hands back uint8 numpy arrays over shared memory): copied once, equal
-    ro = np.frombuffer(value, dtype=np.uint8)
+    # the payload starts at a multiple of PAYLOAD_ALIGN, so the tensors view the value: no copy
+    ro = np.frombuffer(value, dtype=np.uint8)  # read-only (Ray hands back uint8 arrays over shared memory)
     assert not ro.flags.writeable
-    k3, v3 = P.decode_block(ro, ident)
-    assert torch.equal(k3, k) and torch.equal(v3, v)
-    k3.add_(1)  # the tensors own their memory: the value is unchanged
-    assert torch.equal(P.decode_block(ro, ident)[0], k)
+    head = len(P.MAGIC) + 16
+    payload_at = head + 4 + int.from_bytes(value[head : head + 4], "little")
+    assert payload_at % P.PAYLOAD_ALIGN == 0
+    for buf in (value, ro):
+        k3, v3 = P.decode_block(buf, ident)
+        assert torch.equal(k3, k) and torch.equal(v3, v)
+        base = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        assert k3.data_ptr() == base + payload_at  # a view of the value itself
+        assert v3.data_ptr() == base + payload_at + k.numel() * k.element_size()
+    # a payload at an address that is not a multiple of the dtype's size: copied once, equal
+    if k.element_size() > 1:
+        shifted = np.empty(len(value) + 1, dtype=np.uint8)[1:]
+        shifted[:] = np.frombuffer(value, dtype=np.uint8)
+        k4, v4 = P.decode_block(shifted, ident)
+        assert torch.equal(k4, k) and torch.equal(v4, v)
+        assert k4.data_ptr() != shifted.ctypes.data + payload_at
+        k4.add_(1)  # its own memory: the value is unchanged
+        assert torch.equal(P.decode_block(shifted, ident)[0], k)
 
 
 def test_block_id_keys_and_values_are_unchanged():
@@ -111,11 +126,23 @@ def test_block_id_keys_and_values_are_unchanged():
     )
     k = torch.arange(2 * 2 * 4 * 3, dtype=torch.float32).reshape(2, 2, 4, 3)
     value = P.encode_block(block, k, -k)
-    assert len(value) == 549
+    assert len(value) == 576 and (len(value) - 2 * k.numel() * 4) % P.PAYLOAD_ALIGN == 0
+    # the value without the header's alignment spaces (and its digest) is the one written before them
+    # (sha256 pinned then): the same format, so values already in a pool still decode
+    head = len(P.MAGIC) + 16
+    hlen = int.from_bytes(value[head : head + 4], "little")
+    header = value[head + 4 : head + 4 + hlen]
+    assert header.rstrip(b" ") != header
+    body = len(header.rstrip(b" ")).to_bytes(4, "little") + header.rstrip(b" ") + value[head + 4 + hlen :]
+    before = P.MAGIC + xxhash.xxh3_128_digest(body) + body
+    assert len(before) == 549
     assert (
-        hashlib.sha256(value).hexdigest()
+        hashlib.sha256(before).hexdigest()
         == "41d16289e887c915de97e1edcc984f420bbe05bc8484d20d139738067e87f365"
     )
+    for old_value in (before, value):
+        k2, v2 = P.decode_block(old_value, block)
+        assert torch.equal(k2, k) and torch.equal(v2, -k)
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])
@@ -413,6 +440,43 @@ def test_two_schedulers_share_a_context_through_the_pool(world, prompt):
     assert _run(b, _requests(prompt)) == want
     assert b.counters["prefix_hit_tokens"] == 32 and b.counters["prefill_tokens"] == 0
     assert b.store.pool_hit_blocks == 8 and b.store.pool.stats()["hit_blocks"] == 8
+
+
+def test_publishing_is_deferred_to_the_end_of_the_scheduler_step(world, prompt):
+    """A scheduler step's prefill hands its blocks to the publisher thread only when the step returns:
+    while the same step decodes the first tokens, none is queued or put (all are held), then all are; B
+    fetches them and answers as an engine with no pool. ``deferred()`` nests and is a no-op inline."""
+    base, decs = world
+    server = fakeredis.FakeServer()
+    a = Scheduler(_engine(base, decs), store=PrefixKVStore(4, pool=_redis_pool(server, background=True)))
+    pool, seen, decode = a.store.pool, [], a.engine.step
+
+    def watched(*args, **kw):  # the pool's state while the step decodes
+        seen.append((len(pool._held), pool._queue.unfinished_tasks, pool.published_blocks))
+        return decode(*args, **kw)
+
+    a.engine.step = watched
+    tickets = [a.submit(r) for r in _requests(prompt)]
+    a.step()  # prefill of the context (8 full blocks) and the first decode step
+    assert seen == [(8, 0, 0)] and not pool._held
+    a.run_until_idle()
+    pool.flush()
+    assert pool.published_blocks == 8 and [t.state for t in tickets] == ["done", "done"]
+    b = Scheduler(_engine(base, decs), store=PrefixKVStore(4, pool=_redis_pool(server)))
+    want = _run(Scheduler(_engine(base, decs), store=None), _requests(prompt))
+    assert [t.result.token_ids for t in tickets] == want == _run(b, _requests(prompt))
+    assert b.counters["prefill_tokens"] == 0 and b.store.pool_hit_blocks == 8
+
+    k, v = _kv(4)
+    for background in (True, False):
+        p = _redis_pool(fakeredis.FakeServer(), background=background)
+        with p.deferred():
+            with p.deferred():
+                p.publish(_bid("fp", torch.float32, 4, 0, [1, 2, 3, 4]), k, v)
+            p.flush()
+            assert p.published_blocks == (0 if background else 1)
+        p.flush()
+        assert p.published_blocks == 1 and not p._held
 
 
 def test_pool_killed_mid_run_every_request_is_answered(world, prompt):

@@ -49,11 +49,13 @@ the pool, and the counters are updated under a lock.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from typing import Sequence
 
@@ -69,6 +71,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "FORMAT",
     "FETCH_CHUNK",
+    "PAYLOAD_ALIGN",
     "PUBLISH_BATCH",
     "BlockPool",
     "MemoryBlockPool",
@@ -86,6 +89,8 @@ __all__ = [
 FORMAT = "ccft-kv2-native"
 MAGIC = b"CCFTKV2\n"
 _DIGEST = 16
+#: the payload of a value starts at a multiple of this many bytes (``encode_block``), so it can be viewed in place
+PAYLOAD_ALIGN = 64
 #: keys per round trip when a lookup fetches the rest of a chain (``BlockPool.get_chain``)
 FETCH_CHUNK = 16
 #: the most queued blocks the background publisher puts in one ``contains_many`` + ``put_many``
@@ -128,9 +133,12 @@ def encode_block(block: BlockId, k: torch.Tensor, v: torch.Tensor) -> bytes:
         block: the block's identity (its fields but ``chain_key`` go into the header).
         k, v: ``(L, h, block_tokens, d)`` in ``block.dtype``, any device.
     Returns:
-        ``MAGIC | XXH3-128(body) | body``; ``2 * k.numel() * k.element_size()`` payload bytes.
+        ``MAGIC | XXH3-128(body) | body``; ``2 * k.numel() * k.element_size()`` payload bytes, starting at an
+        offset that is a multiple of ``PAYLOAD_ALIGN`` (the JSON header is padded with spaces), so a reader
+        can view them in place.
     """
     header = json.dumps({**_header(block), "shape": list(k.shape)}, separators=(",", ":")).encode()
+    header += b" " * (-(len(MAGIC) + _DIGEST + 4 + len(header)) % PAYLOAD_ALIGN)  # JSON allows the spaces
     body = len(header).to_bytes(4, "little") + header + _tensor_bytes(k) + _tensor_bytes(v)
     return MAGIC + _digest(body) + body
 
@@ -142,11 +150,15 @@ def decode_block(
 
     Args:
         value: the value, any bytes-like object (``bytes``, a ``memoryview``, a uint8 numpy array read from
-            shared memory); it is copied once, into the returned tensors.
+            shared memory).
         block: the block the reader asks for (every field but ``chain_key`` is compared with the header).
         device: where the tensors are put.
     Returns:
-        ``k, v``: ``(L, h, block_tokens, d)`` in ``block.dtype`` on ``device``, views of one new buffer.
+        ``k, v``: ``(L, h, block_tokens, d)`` in ``block.dtype`` on ``device``. On the CPU, when the payload's
+        address is a multiple of the dtype's size (always for values ``encode_block`` wrote, read as
+        ``bytes`` or from Ray's object store), they are views of ``value`` itself: no copy, and ``value``
+        stays alive while they do. They must not be written in place (the store only reads its blocks).
+        Otherwise (another device, a misaligned value) they are views of one new buffer, copied once.
     Raises:
         ValueError: the value is truncated or its digest does not match (message starts ``corrupt``), or
             its header names another producer, dtype, block size, index, tokens or format (``mismatch``).
@@ -170,12 +182,19 @@ def decode_block(
     shape = [int(x) for x in h["shape"]]
     if len(shape) != 4 or shape[2] != block.block_tokens:
         raise ValueError(f"mismatch: block shape {shape}")
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = torch.Size(shape).numel() * itemsize
     payload = body[4 + hlen :]
     if len(payload) != 2 * n:
         raise ValueError(f"corrupt: {len(payload)} payload bytes, expected {2 * n}")
-    raw = torch.empty(2 * n, dtype=torch.uint8)
-    raw.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)  # the one copy (the value may be read-only)
+    arr = np.frombuffer(payload, dtype=np.uint8)
+    if torch.device(device).type == "cpu" and arr.ctypes.data % itemsize == 0:
+        with warnings.catch_warnings():  # torch warns once that the (read-only) value is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(arr)  # a view: the value is never copied (nor written)
+    else:
+        raw = torch.empty(2 * n, dtype=torch.uint8)
+        raw.numpy()[:] = arr  # the one copy (the value may be read-only)
     k = raw[:n].view(dtype).reshape(shape).to(device)
     v = raw[n:].view(dtype).reshape(shape).to(device)
     return k, v
@@ -528,6 +547,8 @@ class PrefixPool:
         self._lock = threading.Lock()  # counters and the down state, shared with the publisher thread
         self._queue: queue.Queue | None = queue.Queue() if background else None
         self._thread: threading.Thread | None = None
+        self._deferring = 0  # depth of ``deferred()`` blocks (the scheduler's thread)
+        self._held: list = []  # ``(nbytes, item)`` published inside them, queued when the outermost exits
 
     def _add(self, name: str, n: float = 1) -> None:
         with self._lock:
@@ -633,11 +654,43 @@ class PrefixPool:
                 self.dropped_blocks += 1
                 return False
             self.pending_bytes += nbytes
+        with self._lock:
+            if self._deferring:
+                self._held.append((nbytes, item))
+                return True
+        self._enqueue([(nbytes, item)])
+        return True
+
+    def _enqueue(self, entries: list) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._publisher, name="ccft-prefix-pool", daemon=True)
             self._thread.start()
-        self._queue.put((nbytes, item))
-        return True
+        for entry in entries:
+            self._queue.put(entry)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Blocks published inside this block reach the publisher thread when it exits (the outermost one,
+        when nested), not at once: the work they computed for finishes first, with the cores to itself.
+
+        ``ccft.serving.Scheduler.step`` runs inside one, so a step's prefill publishes its blocks after
+        the step has delivered its tokens (the first tokens of the requests it prefilled included), while
+        the next step runs (docs/serving.md, "Prefix pool"). The queue's byte limit applies at ``publish``.
+        No effect inline (``background=False``: ``publish`` puts before it returns).
+        """
+        if self._queue is None:
+            yield
+            return
+        with self._lock:
+            self._deferring += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._deferring -= 1
+                held, self._held = (self._held, []) if not self._deferring else ([], self._held)
+            if held:
+                self._enqueue(held)
 
     def _publisher(self) -> None:
         while True:  # a block, then whatever else is queued (up to PUBLISH_BATCH): one round trip or two
@@ -660,7 +713,8 @@ class PrefixPool:
                     self._queue.task_done()
 
     def flush(self) -> None:
-        """Wait until every queued block is published (or given up); no-op inline."""
+        """Wait until every queued block is published (or given up); no-op inline. Blocks held by a
+        ``deferred()`` block that has not exited yet are not queued, so not waited for."""
         if self._queue is not None:
             self._queue.join()
 

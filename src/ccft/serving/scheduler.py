@@ -587,7 +587,15 @@ class Scheduler:
 
     def step(self) -> int:
         """One scheduling iteration: (pending decoder reloads →) admit → prefill (pieces) → decode → deliver;
-        returns the rows decoded."""
+        returns the rows decoded. A prefix pool publishes the blocks the step computed after it
+        (``PrefixPool.deferred``), so publishing never delays the step's own first tokens."""
+        pool = getattr(self.store, "pool", None)
+        if pool is None:
+            return self._step()
+        with pool.deferred():
+            return self._step()
+
+    def _step(self) -> int:
         self._run_reloads()
         self._reap_cancelled()
         self._budget = self._step_token_budget()
