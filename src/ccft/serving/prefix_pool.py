@@ -89,7 +89,7 @@ __all__ = [
 FORMAT = "ccft-kv2-native"
 MAGIC = b"CCFTKV2\n"
 _DIGEST = 16
-#: the payload of a value starts at a multiple of this many bytes (``encode_block``), so it can be viewed in place
+#: a value's payload starts at a multiple of this many bytes (``encode_block``): it can be viewed in place
 PAYLOAD_ALIGN = 64
 #: keys per round trip when a lookup fetches the rest of a chain (``BlockPool.get_chain``)
 FETCH_CHUNK = 16
