@@ -33,8 +33,9 @@ ms per 720 KiB block on a 2-core CPU, more than the fetch itself; XXH3-128 takes
 Fetching a chain. A lookup asks for the rest of a chain at once (``BlockPool.get_chain``: Redis, pipelined
 GETs, ``FETCH_CHUNK`` keys per round trip; Ray, one directory call for the refs and one ``ray.get`` of the
 blocks, read from the object store's shared memory without a copy), so a moved session's context costs a
-few round trips, not one per block. The background publisher likewise puts what is queued (up to
-``PUBLISH_BATCH`` blocks) with one ``contains_many`` and one ``put_many``.
+few round trips, not one per block. A fetched value is not copied: its payload starts at a multiple of
+``PAYLOAD_ALIGN`` bytes and the block's tensors view it (``decode_block``). The background publisher likewise
+puts what is queued (up to ``PUBLISH_BATCH`` blocks) with one ``contains_many`` and one ``put_many``.
 
 Faults. A backend that is down or slow (a connection error, or no answer within ``timeout_s``: the
 backends pass it to redis-py's socket timeouts and ``ray.get``) makes the call a miss; the pool is then
@@ -44,7 +45,8 @@ answer: a hit carries the K/V a local prefill would have computed (within fp32 r
 
 One scheduler thread calls the tier (``/metrics`` only reads its counters); with ``background=True``
 (what ``ccft serve`` uses) blocks are published by a thread of the tier, so a prefill does not wait for
-the pool, and the counters are updated under a lock.
+the pool, and the counters are updated under a lock; a scheduler step hands its blocks to that thread when
+it returns (``PrefixPool.deferred``), so publishing does not compete with the step's own first tokens.
 """
 
 from __future__ import annotations
