@@ -16,29 +16,14 @@ import json
 import sys
 from pathlib import Path
 
+from ccft.evals.results import folder_records
+
 MAIN_TASKS = ("gsm8k", "gsm-plus", "humaneval", "humaneval-plus", "bfcl-multiple")
 
 
 def records(folder: Path) -> dict[str, dict[str, dict]]:
-    """mode -> item id -> record, from ``items.<mode>.jsonl`` (a torn last line is skipped)."""
-    out: dict[str, dict[str, dict]] = {}
-    for p in sorted(folder.glob("items.*.jsonl")):
-        recs = {}
-        for line in p.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            recs[r["id"]] = r
-        out[p.name[len("items.") : -len(".jsonl")]] = recs
-    return out
-
-
-def text(r: dict):
-    for key in ("text", "generation", "completion", "output"):
-        if key in r:
-            return r[key]
-    return None
+    """mode -> item id -> record of a task folder (``ccft.evals.results.folder_records``)."""
+    return {mode: {r["id"]: r for r in recs} for mode, recs in folder_records(folder).items()}
 
 
 def metrics(folder: Path) -> dict:
@@ -69,7 +54,7 @@ def compare(a: Path, b: Path) -> list[dict]:
                         "mode": mode,
                         "items": len(x),
                         "items_compared": len(ids),
-                        "texts_equal": sum(text(x[i]) == text(y[i]) for i in ids),
+                        "texts_equal": sum(x[i].get("text") == y[i].get("text") for i in ids),
                         "max_item_dnll": max((abs(x[i]["nll"] - y[i]["nll"]) for i in nll), default=None),
                         "task_dnll": abs(sum(x[i]["nll_sum"] - y[i]["nll_sum"] for i in sums)) / tokens
                         if tokens

@@ -656,7 +656,6 @@ class PrefixPool:
                 self.dropped_blocks += 1
                 return False
             self.pending_bytes += nbytes
-        with self._lock:
             if self._deferring:
                 self._held.append((nbytes, item))
                 return True
@@ -688,9 +687,11 @@ class PrefixPool:
         try:
             yield
         finally:
+            held = []
             with self._lock:
                 self._deferring -= 1
-                held, self._held = (self._held, []) if not self._deferring else ([], self._held)
+                if not self._deferring:
+                    held, self._held = self._held, []
             if held:
                 self._enqueue(held)
 
