@@ -172,3 +172,99 @@ def test_a_tail_that_fails_fails_its_request_alone(tmp_path, tokenizer, gsm8k_ro
             for o in eng.step():
                 tokens[o.request_id].append(o.token_id)
         assert {n: tokens[r] for n, r in ok.items()} == want
+
+
+@pytest.mark.parametrize("name", ["base", "math"])
+def test_rows_on_one_prefix_are_packed_into_one_sequence(tmp_path, tokenizer, gsm8k_rows, name):
+    """``model.extend_rows`` given ONE prefix row (agents admitted on one context) packs the rows into one
+    sequence under a block-diagonal causal mask; the K/V it writes equal those of the rows with the prefix
+    gathered per row (right-padded batch) and of ``extend`` row by row, and nothing past a row's length is
+    written. The prefix is the left-padded row of a batch-2 handle; suffixes of 9, 3 and 1 tokens."""
+    from ccft.inference import model as M
+
+    base, decs = _world(tmp_path, tokenizer, 1.0, 1)
+    eng = SharedPrefillEngine(base, decoders=decs, fill=float("nan"))
+    shared, suffixes = _prompts(gsm8k_rows, tokenizer)
+    h = eng.prefill([shared[:12], shared[:17]])
+    row = 0
+    assert not bool(h.real_slots()[row].all())  # the row is left-padded
+    entry = eng.decoders[name]
+    lw, lora = entry.lane.weights, entry.lora_plan()
+    lengths = [9, 3, 1]
+    tokens = torch.zeros(3, 9, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        tokens[r, :n] = torch.tensor(suffixes[2 - r][:n])
+    starts = torch.full((3,), h.lengths[row], dtype=torch.long)
+
+    def pool():
+        return torch.full((lw.num_layers, 3, lw.kv_heads, 12, lw.head_dim), float("nan"))
+
+    one = torch.tensor([row])
+    packed_k, packed_v = pool(), pool()
+    M.extend_rows(
+        lw,
+        tokens,
+        lengths,
+        starts,
+        lambda i: h.keys(i)[row : row + 1],
+        lambda i: h.values(i)[row : row + 1],
+        h.real_slots(one),
+        packed_k,
+        packed_v,
+        [0, 1, 2],
+        lora,
+    )
+    rows = one.repeat(3)
+    apart_k, apart_v = pool(), pool()
+    M.extend_rows(
+        lw,
+        tokens,
+        lengths,
+        starts,
+        lambda i: h.keys(i).index_select(0, rows),
+        lambda i: h.values(i).index_select(0, rows),
+        h.real_slots(rows),
+        apart_k,
+        apart_v,
+        [0, 1, 2],
+        lora,
+    )
+    alone_k, alone_v = pool(), pool()
+    for r, n in enumerate(lengths):
+        M.extend(
+            lw,
+            tokens[r, :n],
+            h.lengths[row],
+            lambda i: h.keys(i)[row],
+            lambda i: h.values(i)[row],
+            int(h.key_start[row]),
+            alone_k[:, r],
+            alone_v[:, r],
+            0,
+            lora,
+            logits=False,
+        )
+    for r, n in enumerate(lengths):
+        for got in (packed_k, packed_v, apart_k, apart_v):
+            assert bool(got[:, r, :, n:].isnan().all())  # nothing written past the row's tokens
+        for got, want in ((packed_k, alone_k), (packed_v, alone_v), (apart_k, alone_k), (apart_v, alone_v)):
+            torch.testing.assert_close(got[:, r, :, :n], want[:, r, :, :n], atol=1e-5, rtol=0)
+    h.release()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_additive_mask_gives_the_attention_of_the_bool_mask_bit_for_bit(dtype):
+    """The forwards build their attention mask once per forward as an additive mask (``model.additive_mask``);
+    ``scaled_dot_product_attention`` gives exactly what it gives with the bool mask (GQA, ragged masks)."""
+    from ccft.inference.model import additive_mask
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 9, 13, 64, generator=g).to(dtype)
+    k, v = (torch.randn(2, 3, 40, 64, generator=g).to(dtype) for _ in range(2))
+    allowed = torch.rand(2, 1, 13, 40, generator=g) > 0.3
+    allowed[..., -1] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    got = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=additive_mask(allowed, dtype), enable_gqa=True
+    )
+    assert torch.equal(got, want)

@@ -54,6 +54,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` (bool, True = attend) as the additive mask ``scaled_dot_product_attention`` makes of a bool
+    mask (0 where allowed, -inf elsewhere, in the queries' ``dtype``): built once per forward instead of once
+    per layer; the attention's result is the same bit for bit."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 @dataclass
 class LoraPlan:
     """Which adapter applies to which rows of a batch.
@@ -217,6 +224,7 @@ def prefill(
     allowed = (causal[None] & real[:, None, :]) | torch.eye(p, dtype=torch.bool, device=ids.device)[None]
     x = F.embedding(ids, lw.embed)
     cos, sin = _cos_sin(lw, x, positions)
+    allowed = additive_mask(allowed[:, None], x.dtype)
     pad = ~real[:, None, :, None]
     for i in range(n_layers):
         q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, p, H|h, d)
@@ -226,35 +234,44 @@ def prefill(
         if i == n_layers - 1:
             break  # only the K/V are kept: the last layer's attention and MLP outputs are never read
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed[:, None], scale=lw.scale, enable_gqa=lw.heads != lw.kv_heads
+            q, k, v, attn_mask=allowed, scale=lw.scale, enable_gqa=lw.heads != lw.kv_heads
         )
         x = _residual(x, o.transpose(1, 2).reshape(b, p, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
         x = _mlp(x, lw, i, lora)
 
 
-def _tail_layers(
-    lw: LaneWeights,
-    tail_ids: torch.Tensor,
-    starts: torch.Tensor,
-    prefix_k,
-    prefix_v,
-    prefix_real: torch.Tensor,
-    lora: LoraPlan,
-    on_kv=None,
-) -> torch.Tensor | None:
-    """The layer stack over right-padded tails ``(b, t)`` that follow K/V prefixes (``tail_forward``,
-    ``extend_rows``): a tail token attends to its row's real prefix slots (``prefix_real (b, p)``) and
-    causally to the tail up to itself, at RoPE positions ``starts[r] + j``. Returns the last layer's output
-    ``(b, t, D)``; with ``on_kv(i, k, v)`` (each layer's new K/V, ``(b, t, h, d)``), only the K/V: the last
-    layer's attention and MLP are skipped and None is returned."""
-    b, t = tail_ids.shape
-    positions = starts[:, None] + torch.arange(t, device=tail_ids.device)[None, :]
-    causal = torch.ones(t, t, dtype=torch.bool, device=tail_ids.device).tril()
+def _padded_tails(starts: torch.Tensor, prefix_real: torch.Tensor, t: int):
+    """``(positions (b, t), allowed (b, 1, t, p + t))`` for right-padded tails of ``t`` tokens that follow
+    their own rows' prefixes: a tail token sees its row's real prefix slots and its tail causally."""
+    b = starts.shape[0]
+    positions = starts[:, None] + torch.arange(t, device=starts.device)[None, :]
+    causal = torch.ones(t, t, dtype=torch.bool, device=starts.device).tril()
     allowed = torch.cat(
         [prefix_real[:, None, :].expand(b, t, prefix_real.shape[1]), causal[None].expand(b, t, t)], dim=-1
     )[:, None]
+    return positions, allowed
+
+
+def _tail_layers(
+    lw: LaneWeights,
+    tail_ids: torch.Tensor,
+    positions: torch.Tensor,
+    prefix_k,
+    prefix_v,
+    allowed: torch.Tensor,
+    lora: LoraPlan,
+    on_kv=None,
+) -> torch.Tensor | None:
+    """The layer stack over tails ``(b, t)`` that follow K/V prefixes (``tail_forward``, ``extend_rows``): the
+    tokens sit at RoPE ``positions (b, t)``, and ``allowed (b, 1, t, p + t)`` says which of the prefix's ``p``
+    slots and of the tail's own ``t`` positions each one attends to (``_padded_tails``: right-padded rows;
+    ``extend_rows``: several rows packed into one). Returns the last layer's output ``(b, t, D)``; with
+    ``on_kv(i, k, v)`` (each layer's new K/V, ``(b, t, h, d)``), only the K/V: the last layer's attention and
+    MLP are skipped and None is returned."""
+    b, t = tail_ids.shape
     x = F.embedding(tail_ids, lw.embed)
     cos, sin = _cos_sin(lw, x, positions)
+    allowed = additive_mask(allowed, x.dtype)
     for i in range(lw.num_layers):
         q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, t, H|h, d)
         if on_kv is not None:
@@ -302,7 +319,8 @@ def tail_forward(
     A tail token attends to its row's real prefix slots and causally to the tail up to itself; padded
     tail positions give logits that are not meant to be read.
     """
-    x = _tail_layers(lw, tail_ids, starts, prefix_k, prefix_v, prefix_real, lora)
+    positions, allowed = _padded_tails(starts, prefix_real, tail_ids.shape[1])
+    x = _tail_layers(lw, tail_ids, positions, prefix_k, prefix_v, allowed, lora)
     if keep is not None:
         return logits_of(x[keep][None], lw)[0]
     return logits_of(x, lw)
@@ -341,25 +359,32 @@ def extend(
     x = F.embedding(tokens, lw.embed)
     cos, sin = _cos_sin(lw, x, positions)
     end = tail_start + t
+    allowed = None
     for i in range(n_layers):
         q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (t, H|h, d)
         tail_k[i, :, tail_start:end] = k.transpose(0, 1)
         tail_v[i, :, tail_start:end] = v.transpose(0, 1)
         if not logits and i == n_layers - 1:
             return None
-        keys = torch.cat([prefix_k(i)[:, key_start:], tail_k[i, :, :end]], dim=1)[None]
-        vals = torch.cat([prefix_v(i)[:, key_start:], tail_v[i, :, :end]], dim=1)[None]
-        n_pre = keys.shape[2] - end
-        allowed = torch.ones(t, keys.shape[2], dtype=torch.bool, device=tokens.device)
-        allowed[:, n_pre:] = (
-            torch.arange(end, device=tokens.device)[None, :]
-            <= (tail_start + torch.arange(t, device=tokens.device))[:, None]
-        )
+        pk, pv = prefix_k(i)[:, key_start:], prefix_v(i)[:, key_start:]
+        if pk.shape[1]:
+            keys = torch.cat([pk, tail_k[i, :, :end]], dim=1)[None]
+            vals = torch.cat([pv, tail_v[i, :, :end]], dim=1)[None]
+        else:  # no prefix (``prefill_chunk``: the region is the tail): read it in place, no copy
+            keys, vals = tail_k[i, :, :end][None], tail_v[i, :, :end][None]
+        if allowed is None:  # the same for every layer: built once
+            n_pre = keys.shape[2] - end
+            seen = torch.ones(t, keys.shape[2], dtype=torch.bool, device=tokens.device)
+            seen[:, n_pre:] = (
+                torch.arange(end, device=tokens.device)[None, :]
+                <= (tail_start + torch.arange(t, device=tokens.device))[:, None]
+            )
+            allowed = additive_mask(seen[None, None], x.dtype)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             keys,
             vals,
-            attn_mask=allowed[None, None],
+            attn_mask=allowed,
             scale=lw.scale,
             enable_gqa=lw.heads != lw.kv_heads,
         )
@@ -387,23 +412,52 @@ def extend_rows(
     slot ``slots[r]`` of the pool from index 0 (the requests admitted together by ``add_request``, each
     with its own suffix after a shared or separate prompt row).
 
+    Rows that all read ONE prefix (agents admitted on one context row: ``prefix_real`` has one row) are packed
+    into one sequence of ``sum(lengths)`` tokens, each row's tokens at its own positions, under a
+    block-diagonal causal mask (a token sees the prefix and the earlier tokens of its own row): the prefix is
+    read in place once per layer instead of being copied once per row, and no padding is computed
+    (docs/inference.md, "Suffixes of agents on one context").
+
     Args:
         tokens: ``(b, t)`` right-padded token ids.  lengths: each row's real token count (≥ 1).
         starts: ``(b,)`` long RoPE position of each row's first token (its real prefix length).
-        prefix_k, prefix_v: ``layer -> (b, h, p, d)`` each row's left-padded prefix.
-        prefix_real: ``(b, p)`` bool, the real prefix slots (as ``tail_forward``).
+        prefix_k, prefix_v: ``layer -> (b, h, p, d)`` each row's left-padded prefix, or ``(1, h, p, d)``
+            the one prefix every row reads.
+        prefix_real: ``(b, p)`` (or ``(1, p)``: one prefix) bool, the real prefix slots (as ``tail_forward``).
         pool_k, pool_v: ``(L, slots, h, capacity, d)`` the lane's tail pool.
         lora: the adapters applied (the producer's; None rows: every row).
     Equal within fp32 rounding to ``extend(..., logits=False)`` row by row (tested); padded positions are
     computed and never written or attended to by a real token.
     """
+    b, t = tokens.shape
+    if prefix_real.shape[0] == 1 and b > 1:  # one prefix: the rows packed into one sequence
+        device = tokens.device
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        real = torch.arange(t, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+        row = torch.arange(b, device=device)[:, None].expand(b, t)[real]  # (T,)
+        j = torch.arange(t, device=device)[None, :].expand(b, t)[real]
+        positions = (starts[:, None] + torch.arange(t, device=device)[None, :])[real][None]
+        own = (row[:, None] == row[None, :]) & (j[None, :] <= j[:, None])  # (T, T) block-diagonal causal
+        seen = torch.cat([prefix_real.expand(own.shape[0], -1), own], dim=-1)[None, None]
+
+        def write_packed(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            for r, slot in enumerate(slots):
+                a, e = offsets[r], offsets[r + 1]
+                pool_k[i, slot, :, : e - a] = k[0, a:e].transpose(0, 1)
+                pool_v[i, slot, :, : e - a] = v[0, a:e].transpose(0, 1)
+
+        _tail_layers(lw, tokens[real][None], positions, prefix_k, prefix_v, seen, lora, on_kv=write_packed)
+        return
 
     def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for r, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
             pool_k[i, slot, :, :n] = k[r, :n].transpose(0, 1)
             pool_v[i, slot, :, :n] = v[r, :n].transpose(0, 1)
 
-    _tail_layers(lw, tokens, starts, prefix_k, prefix_v, prefix_real, lora, on_kv=write)
+    positions, allowed = _padded_tails(starts, prefix_real, t)
+    _tail_layers(lw, tokens, positions, prefix_k, prefix_v, allowed, lora, on_kv=write)
 
 
 @torch.no_grad()
@@ -721,6 +775,7 @@ def decode_step_static(
 __all__ = [
     "rms_norm",
     "rope",
+    "additive_mask",
     "LoraPlan",
     "project",
     "prefill",

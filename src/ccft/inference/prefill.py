@@ -340,6 +340,14 @@ def prefill_tail(
         )
 
 
+def _rows(layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``layer (b, h, p, d)`` at the rows ``index``: a view for one row, a gathered copy for several."""
+    if index.numel() == 1:
+        r = int(index[0])
+        return layer[r : r + 1]
+    return layer.index_select(0, index)
+
+
 @dataclass(eq=False)
 class PendingTail:
     """A request admitted by ``SharedPrefillEngine.add_request`` whose tail is written before the lane's next
@@ -391,6 +399,8 @@ def write_tails(
         for r, p in enumerate(group):
             tokens[r, : lengths[r]] = torch.tensor(p.tail[: lengths[r]], device=device)
         index = torch.tensor([p.row for p in group], dtype=torch.long, device=device)
+        if len({p.row for p in group}) == 1:  # one context row: read in place once, rows packed (extend_rows)
+            index = index[:1]
         starts = torch.tensor([p.handle.lengths[p.row] for p in group], dtype=torch.long, device=device)
         try:
             M.extend_rows(
@@ -398,8 +408,8 @@ def write_tails(
                 tokens,
                 lengths,
                 starts,
-                lambda i: first.handle.keys(i).index_select(0, index),  # noqa: B023  (called in the loop)
-                lambda i: first.handle.values(i).index_select(0, index),  # noqa: B023
+                lambda i: _rows(first.handle.keys(i), index),  # noqa: B023  (called in the loop)
+                lambda i: _rows(first.handle.values(i), index),  # noqa: B023
                 first.handle.real_slots(index),
                 pool_k,
                 pool_v,
