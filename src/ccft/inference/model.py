@@ -58,7 +58,8 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``allowed`` (bool, True = attend) as the additive mask ``scaled_dot_product_attention`` makes of a bool
     mask (0 where allowed, -inf elsewhere, in the queries' ``dtype``): built once per forward instead of once
     per layer; the attention's result is the same bit for bit."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, float("-inf"))
 
 
 @dataclass
