@@ -417,7 +417,7 @@ def extend_rows(
     into one sequence of ``sum(lengths)`` tokens, each row's tokens at its own positions, under a
     block-diagonal causal mask (a token sees the prefix and the earlier tokens of its own row): the prefix is
     read in place once per layer instead of being copied once per row, and no padding is computed
-    (docs/inference.md, "Suffixes of agents on one context").
+    (docs/inference.md, "Step-level API").
 
     Args:
         tokens: ``(b, t)`` right-padded token ids.  lengths: each row's real token count (≥ 1).
