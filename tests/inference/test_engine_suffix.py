@@ -174,12 +174,24 @@ def test_a_tail_that_fails_fails_its_request_alone(tmp_path, tokenizer, gsm8k_ro
         assert {n: tokens[r] for n, r in ok.items()} == want
 
 
-@pytest.mark.parametrize("name", ["base", "math"])
-def test_rows_on_one_prefix_are_packed_into_one_sequence(tmp_path, tokenizer, gsm8k_rows, name):
+@pytest.mark.parametrize(
+    "name, lengths, selected, packed",
+    [
+        ("base", [9, 3, 1], None, True),
+        ("math", [9, 3, 1], None, True),
+        ("math", [9, 9, 9], None, False),  # packing would cost > PACK_MAX_WORK x the padded batch's attention
+        ("math", [9, 3, 1], [0, 2], False),  # the adapter selects rows: the packed batch has one row
+    ],
+)
+def test_rows_on_one_prefix_are_packed_into_one_sequence(
+    tmp_path, tokenizer, gsm8k_rows, monkeypatch, name, lengths, selected, packed
+):
     """``model.extend_rows`` given ONE prefix row (agents admitted on one context) packs the rows into one
-    sequence under a block-diagonal causal mask; the K/V it writes equal those of the rows with the prefix
-    gathered per row (right-padded batch) and of ``extend`` row by row, and nothing past a row's length is
-    written. The prefix is the left-padded row of a batch-2 handle; suffixes of 9, 3 and 1 tokens."""
+    sequence under a block-diagonal causal mask, unless the LoRA plan selects rows or packing costs more
+    attention than ``PACK_MAX_WORK`` times the right-padded batch (then a padded batch over a broadcast view
+    of the prefix). Either way the K/V it writes equal those of the rows with the prefix gathered per row and
+    of ``extend`` row by row, and nothing past a row's length is written. The prefix is the left-padded row of
+    a batch-2 handle."""
     from ccft.inference import model as M
 
     base, decs = _world(tmp_path, tokenizer, 1.0, 1)
@@ -190,17 +202,25 @@ def test_rows_on_one_prefix_are_packed_into_one_sequence(tmp_path, tokenizer, gs
     assert not bool(h.real_slots()[row].all())  # the row is left-padded
     entry = eng.decoders[name]
     lw, lora = entry.lane.weights, entry.lora_plan()
-    lengths = [9, 3, 1]
-    tokens = torch.zeros(3, 9, dtype=torch.long)
+    row_lora = [lora] * 3
+    if selected is not None:
+        ((adapter, _),) = lora.entries
+        lora = M.LoraPlan([(adapter, torch.tensor(selected))])
+        row_lora = [M.LoraPlan([(adapter, None)]) if r in selected else M.NO_LORA for r in range(3)]
+    tokens = torch.zeros(3, max(lengths), dtype=torch.long)
     for r, n in enumerate(lengths):
-        tokens[r, :n] = torch.tensor(suffixes[2 - r][:n])
+        tokens[r, :n] = torch.tensor((suffixes[2] * 2)[r : r + n])
     starts = torch.full((3,), h.lengths[row], dtype=torch.long)
 
     def pool():
         return torch.full((lw.num_layers, 3, lw.kv_heads, 12, lw.head_dim), float("nan"))
 
+    batches = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    spy = lambda q, *a, **k: batches.append(q.shape[0]) or sdpa(q, *a, **k)  # noqa: E731
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     one = torch.tensor([row])
-    packed_k, packed_v = pool(), pool()
+    one_k, one_v = pool(), pool()
     M.extend_rows(
         lw,
         tokens,
@@ -209,11 +229,12 @@ def test_rows_on_one_prefix_are_packed_into_one_sequence(tmp_path, tokenizer, gs
         lambda i: h.keys(i)[row : row + 1],
         lambda i: h.values(i)[row : row + 1],
         h.real_slots(one),
-        packed_k,
-        packed_v,
+        one_k,
+        one_v,
         [0, 1, 2],
         lora,
     )
+    assert set(batches) == {1 if packed else 3}
     rows = one.repeat(3)
     apart_k, apart_v = pool(), pool()
     M.extend_rows(
@@ -241,13 +262,13 @@ def test_rows_on_one_prefix_are_packed_into_one_sequence(tmp_path, tokenizer, gs
             alone_k[:, r],
             alone_v[:, r],
             0,
-            lora,
+            row_lora[r],
             logits=False,
         )
     for r, n in enumerate(lengths):
-        for got in (packed_k, packed_v, apart_k, apart_v):
+        for got in (one_k, one_v, apart_k, apart_v):
             assert bool(got[:, r, :, n:].isnan().all())  # nothing written past the row's tokens
-        for got, want in ((packed_k, alone_k), (packed_v, alone_v), (apart_k, alone_k), (apart_v, alone_v)):
+        for got, want in ((one_k, alone_k), (one_v, alone_v), (apart_k, alone_k), (apart_v, alone_v)):
             torch.testing.assert_close(got[:, r, :, :n], want[:, r, :, :n], atol=1e-5, rtol=0)
     h.release()
 

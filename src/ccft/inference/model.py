@@ -394,6 +394,19 @@ def extend(
     return logits_of(x, lw)
 
 
+#: ``extend_rows`` packs rows on one prefix while the packed attention (``T (p + T)`` scores) is at most this
+#: many times the right-padded batch's (``b t (p + t)``)
+PACK_MAX_WORK = 1.5
+
+
+def _packs(lengths: list[int], t: int, p: int, lora: LoraPlan) -> bool:
+    """Whether ``extend_rows`` packs ``len(lengths)`` rows on one prefix of ``p`` slots (docstring there)."""
+    if any(sel is not None for _, sel in lora.entries):
+        return False
+    n = sum(lengths)
+    return n * (p + n) <= PACK_MAX_WORK * len(lengths) * t * (p + t)
+
+
 @torch.no_grad()
 def extend_rows(
     lw: LaneWeights,
@@ -415,9 +428,12 @@ def extend_rows(
 
     Rows that all read ONE prefix (agents admitted on one context row: ``prefix_real`` has one row) are packed
     into one sequence of ``sum(lengths)`` tokens, each row's tokens at its own positions, under a
-    block-diagonal causal mask (a token sees the prefix and the earlier tokens of its own row): the prefix is
-    read in place once per layer instead of being copied once per row, and no padding is computed
-    (docs/inference.md, "Step-level API").
+    block-diagonal causal mask (a token sees the prefix's real slots and the earlier tokens of its own row):
+    each layer joins the prefix with the packed tokens' K/V once, instead of gathering and joining a copy per
+    row, and no padding is computed (docs/inference.md, "Step-level API"). They are not packed (a right-padded
+    batch over a broadcast view of the prefix) where ``lora`` selects rows (the packed batch has one row) or
+    where packing would cost more than ``PACK_MAX_WORK`` times the padded batch's attention (``T (p + T)``
+    against ``b t (p + t)`` scores, T = ``sum(lengths)``: many long suffixes on a short prefix).
 
     Args:
         tokens: ``(b, t)`` right-padded token ids.  lengths: each row's real token count (≥ 1).
@@ -431,7 +447,7 @@ def extend_rows(
     computed and never written or attended to by a real token.
     """
     b, t = tokens.shape
-    if prefix_real.shape[0] == 1 and b > 1:  # one prefix: the rows packed into one sequence
+    if prefix_real.shape[0] == 1 and b > 1 and _packs(lengths, t, prefix_real.shape[1], lora):
         device = tokens.device
         offsets = [0]
         for n in lengths:
@@ -451,6 +467,12 @@ def extend_rows(
 
         _tail_layers(lw, tokens[real][None], positions, prefix_k, prefix_v, seen, lora, on_kv=write_packed)
         return
+
+    if prefix_real.shape[0] == 1 and b > 1:  # one prefix, not packed: every row reads a broadcast view of it
+        one_k, one_v = prefix_k, prefix_v
+        prefix_k = lambda i: one_k(i).expand(b, -1, -1, -1)  # noqa: E731
+        prefix_v = lambda i: one_v(i).expand(b, -1, -1, -1)  # noqa: E731
+        prefix_real = prefix_real.expand(b, -1)
 
     def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for r, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
@@ -777,6 +799,7 @@ __all__ = [
     "rms_norm",
     "rope",
     "additive_mask",
+    "PACK_MAX_WORK",
     "LoraPlan",
     "project",
     "prefill",

@@ -340,11 +340,11 @@ def prefill_tail(
         )
 
 
-def _rows(layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``layer (b, h, p, d)`` at the rows ``index``: a view for one row, a gathered copy for several."""
-    if index.numel() == 1:
-        r = int(index[0])
-        return layer[r : r + 1]
+def _rows(layer: torch.Tensor, one: int | None, index: torch.Tensor) -> torch.Tensor:
+    """``layer (b, h, p, d)`` at row ``one`` (a ``(1, h, p, d)`` view), or else at the rows ``index`` (a
+    gathered copy)."""
+    if one is not None:
+        return layer[one : one + 1]
     return layer.index_select(0, index)
 
 
@@ -399,7 +399,8 @@ def write_tails(
         for r, p in enumerate(group):
             tokens[r, : lengths[r]] = torch.tensor(p.tail[: lengths[r]], device=device)
         index = torch.tensor([p.row for p in group], dtype=torch.long, device=device)
-        if len({p.row for p in group}) == 1:  # one context row: read in place once, rows packed (extend_rows)
+        one = first.row if len({p.row for p in group}) == 1 else None  # one context row: not gathered per row
+        if one is not None:
             index = index[:1]
         starts = torch.tensor([p.handle.lengths[p.row] for p in group], dtype=torch.long, device=device)
         try:
@@ -408,8 +409,8 @@ def write_tails(
                 tokens,
                 lengths,
                 starts,
-                lambda i: _rows(first.handle.keys(i), index),  # noqa: B023  (called in the loop)
-                lambda i: _rows(first.handle.values(i), index),  # noqa: B023
+                lambda i: _rows(first.handle.keys(i), one, index),  # noqa: B023  (called in the loop)
+                lambda i: _rows(first.handle.values(i), one, index),  # noqa: B023
                 first.handle.real_slots(index),
                 pool_k,
                 pool_v,
