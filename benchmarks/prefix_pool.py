@@ -14,7 +14,9 @@ tokens (EOS ignored).
     python benchmarks/prefix_pool.py --backend ray --out pool_ray.json
 
 Blocks are published from a background thread, as ``ccft serve`` does (``--inline-publish``: before the
-prefill returns); the threads are flushed between measured turns. Reported: the median over sessions of
+prefill returns); the threads are flushed between measured turns. ``--malloc`` applies an allocator policy
+as ``ccft serve --malloc`` does (``ccft.serving.malloc``; default ``glibc``: none, as in every run before
+the option existed). Reported: the median over sessions of
 the TTFT of the moved turn's first request (the one that waits for the context: prefill or fetch; also
 per session) and the mean over all its requests, on B, C and A, the ratios B / C, the moved turns'
 prefix hit ratio on B (context tokens copied from its store, pool blocks included, ÷ context tokens)
@@ -40,6 +42,7 @@ import torch
 import ccft
 from ccft.bench.serve import agent_names, random_agent_decoder
 from ccft.serving import PrefixKVStore
+from ccft.serving.malloc import apply_malloc_policy
 from ccft.serving.prefix_pool import PrefixPool, pool_from_spec
 from ccft.serving.scheduler import Scheduler, ServeRequest
 from ccft.serving.workloads import add_trace_options, generate_from_options, trace_options
@@ -129,8 +132,14 @@ def main(argv=None) -> int:
         default=None,
         help="the schedulers' per-step token budget (chunked prefill, as ccft serve --prefill-chunk-tokens)",
     )
+    ap.add_argument(
+        "--malloc",
+        default="glibc",
+        help="the allocator policy, as ccft serve --malloc (trim, mmap-64k, glibc; default glibc: none)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    trimmer = apply_malloc_policy(args.malloc)
     torch.set_num_threads(args.threads)
 
     base, agents, decoders, turns, last = trace_world(args)
@@ -208,6 +217,7 @@ def main(argv=None) -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch threads",
             "trace": trace_options(args),
             "prefill_chunk_tokens": args.prefill_chunk_tokens,
+            "malloc": args.malloc,
             "moved_pool": summary(moved["pool"]),
             "moved_reprefill": summary(moved["reprefill"]),
             "home": summary(moved["home"]),
@@ -229,6 +239,8 @@ def main(argv=None) -> int:
         r["ttft_ratio_mean"] = r["moved_pool"]["ttft_mean_s"] / r["moved_reprefill"]["ttft_mean_s"]
     finally:
         stop()
+        if trimmer is not None:
+            trimmer.stop()
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -11,17 +11,87 @@ it loaded. Nothing asserts on time (RSS and p95 figures are reported, not checke
 from __future__ import annotations
 
 import json
+import platform
+import subprocess
+import sys
+import threading
+
+import pytest
 
 from ccft.cli.main import main
-from ccft.serving.malloc import tune_malloc
+from ccft.core.errors import ConfigError
+from ccft.serving.malloc import MallocTrimmer, apply_malloc_policy, trim_malloc
 from conftest import make_tiny_folder
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+def _in_a_child(code: str) -> str:
+    """``code``'s printed output, run in a fresh interpreter: an mmap threshold set by ``mallopt`` stays for
+    the life of the process, and the tests after this one must not run under it."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
 
 
 def test_tune_malloc_is_accepted_or_a_no_op():
-    import platform
+    code = "from ccft.serving.malloc import apply_malloc_policy, tune_malloc\n"
+    code += "print(tune_malloc(), apply_malloc_policy('mmap-64k'))"
+    assert _in_a_child(code).split() == [str(GLIBC), "None"]
 
-    ok = tune_malloc()
-    assert ok is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_trim_gives_free_arena_pages_back():
+    """Free memory that glibc keeps in a thread's arena (1 KiB blocks freed between survivors, so the arena
+    cannot shrink from its top) leaves RSS as it was until ``trim_malloc`` (``malloc_trim(0)``) returns it."""
+    kept = []
+
+    def churn():
+        blocks = [bytes(1024) for _ in range(160_000)]  # ~170 MB in this thread's arena
+        kept.extend(blocks[::64])  # a survivor every 64 blocks pins the arena's layout
+        blocks.clear()
+
+    t = threading.Thread(target=churn)
+    t.start()
+    t.join()
+    before = _rss_bytes()
+    assert trim_malloc() is True
+    after = _rss_bytes()
+    assert before - after > 64 * 2**20, (before, after)
+    assert len(kept) == 2500
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_the_trim_policy_runs_a_trimmer_thread():
+    trimmer = MallocTrimmer(interval_s=0.01)
+    assert trimmer.start()
+    for _ in range(3000):  # its calls are counted
+        if trimmer.trims >= 2:
+            break
+        threading.Event().wait(0.01)
+    trimmer.stop()
+    calls = trimmer.trims
+    assert calls >= 2
+    threading.Event().wait(0.05)
+    assert trimmer.trims == calls  # stopped
+    with pytest.raises(ValueError, match="interval_s=0"):
+        MallocTrimmer(interval_s=0)
+    running = apply_malloc_policy("trim")
+    assert isinstance(running, MallocTrimmer) and running.interval_s == 10.0
+    running.stop()
+    assert apply_malloc_policy("glibc") is None
+
+
+def test_an_unknown_malloc_policy_is_refused_before_anything_runs(capsys):
+    with pytest.raises(ConfigError, match="--malloc 'jemalloc': use one of trim, mmap-64k, glibc"):
+        apply_malloc_policy("jemalloc")
+    assert main(["serve", "--malloc", "jemalloc", "--model", "no-such-model"]) == 2
+    assert "--malloc 'jemalloc': use one of trim, mmap-64k, glibc" in capsys.readouterr().err
+    assert main(["bench", "soak", "--malloc", "jemalloc", "--duration-s", "1"]) == 2
+    assert "--malloc 'jemalloc': use one of trim, mmap-64k, glibc" in capsys.readouterr().err
 
 
 def test_a_bad_arena_value_is_refused_before_anything_runs(capsys):

@@ -28,8 +28,9 @@ requests), instead of filling during the first minutes of the measured load. The
 ``--max-prefix-tokens budget`` (``--max-prefix-tokens``): its prefix arena is allocated whole at start from
 the same budget, so it never doubles mid-run. The JSON records the arena's bytes at start and end.
 
-``--no-tune-malloc`` starts the server with glibc's default mmap threshold (``ccft serve
---no-tune-malloc``; ``ccft.serving.malloc``), to compare RSS with and without the setting.
+``--malloc POLICY`` starts the server with ``ccft serve --malloc POLICY`` (``ccft.serving.malloc``: ``trim``,
+the default, ``mmap-64k`` or ``glibc``; ``--no-tune-malloc`` is ``glibc``), to compare RSS and speed across
+allocator policies.
 
 Every ``--sample-s`` seconds it records the server's RSS (``/proc/PID/status``) and its gauges from
 ``/metrics`` (live KV, prefix store, prefix arena, active, queued). After the load stops it waits
@@ -128,9 +129,16 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--threads", type=int, default=None, help="the server's --threads (default: all cores)")
     p.add_argument(
+        "--malloc",
+        default="trim",
+        help="the server's --malloc policy (trim, mmap-64k or glibc; ccft.serving.malloc)",
+    )
+    p.add_argument(
         "--no-tune-malloc",
-        action="store_true",
-        help="start the server with --no-tune-malloc (glibc's default mmap threshold; for comparison)",
+        dest="malloc",
+        action="store_const",
+        const="glibc",
+        help="the same as --malloc glibc",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the trace, the abandons and the random decoders"
@@ -573,6 +581,9 @@ def run(args) -> dict:
     from ccft.core.models import describe_model, resolve_model_path
     from ccft.core.tokens import tokenize_prompt
     from ccft.serving import workloads
+    from ccft.serving.malloc import check_malloc_policy
+
+    check_malloc_policy(args.malloc)  # before the server starts
 
     given = {}
     for spec in args.decoder:
@@ -644,7 +655,8 @@ def run(args) -> dict:
             *(["--threads", str(args.threads)] if args.threads else []),
             *[a for n, p in served.items() for a in ("--decoder", f"{n}={p}")],
             *(["--allow-reload"] if reload_on else []),
-            *(["--no-tune-malloc"] if args.no_tune_malloc else []),
+            "--malloc",
+            args.malloc,
         ]
         with serve(cmd, url) as proc:
             card = httpx.get(url + f"/v1/models/{RELOADED}", timeout=30).json()
@@ -773,7 +785,7 @@ def summarize(
                 "max_prefix_tokens",
                 "no_warmup",
                 "threads",
-                "no_tune_malloc",
+                "malloc",
                 "seed",
             )
         },

@@ -150,10 +150,18 @@ def add_parser(sub) -> None:
         "place (off: 404)",
     )
     p.add_argument(
+        "--malloc",
+        default="trim",
+        help="allocator policy against RSS growth (glibc; docs/serving.md, Allocator): trim = glibc's "
+        "thresholds and malloc_trim every 10 s; mmap-64k = the mmap threshold fixed at 64 KiB (slower "
+        "prefill); glibc = neither",
+    )
+    p.add_argument(
         "--no-tune-malloc",
-        action="store_true",
-        help="keep glibc's default mmap threshold (by default it is fixed at 64 KiB against arena growth; "
-        "docs/serving.md, Soak)",
+        dest="malloc",
+        action="store_const",
+        const="glibc",
+        help="the same as --malloc glibc",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
@@ -449,11 +457,11 @@ def run(args) -> int:
     import uvicorn
 
     from ccft.serving.app import create_app
-    from ccft.serving.malloc import tune_malloc
+    from ccft.serving.malloc import apply_malloc_policy, check_malloc_policy
 
-    if not args.no_tune_malloc:
-        tune_malloc()  # glibc: a fixed 64 KiB mmap threshold, against arena growth (docs/serving.md, "Soak")
+    check_malloc_policy(args.malloc)
     scheduler, tokenizer = build_scheduler(args)
+    apply_malloc_policy(args.malloc)  # against RSS growth under load (docs/serving.md, "Allocator")
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb else None
     app = create_app(
         scheduler,
