@@ -85,6 +85,19 @@ def test_the_trim_policy_runs_a_trimmer_thread():
     assert apply_malloc_policy("glibc") is None
 
 
+def test_the_malloc_flags_parse_to_one_policy(capsys):
+    from ccft.cli.main import build_parser
+
+    for argv, want in (([], "trim"), (["--malloc", "mmap-64k"], "mmap-64k"), (["--no-tune-malloc"], "glibc")):
+        assert build_parser().parse_args(["serve", *argv]).malloc == want
+        assert build_parser().parse_args(["bench", "soak", *argv]).malloc == want
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no-tune-malloc the same as --malloc glibc --dtype" in text  # no "(default: None)" of its own
+    assert "in the Ray Serve replicas of --replicas (default: trim)" in text
+
+
 def test_an_unknown_malloc_policy_is_refused_before_anything_runs(capsys):
     with pytest.raises(ConfigError, match="--malloc 'jemalloc': use one of trim, mmap-64k, glibc"):
         apply_malloc_policy("jemalloc")
@@ -165,6 +178,7 @@ def test_short_soak_keeps_the_invariants(tmp_path, tokenizer, capsys):
     assert result["rss_first_bytes"] and result["windows"]["per_window"]
     # the prefix arena was allocated whole from the budget (8 MiB; whole tokens of 512 bytes) and never grew
     assert result["settings"]["max_prefix_tokens"] == "budget"
+    assert result["settings"]["malloc"] == "trim"  # ccft serve's default, passed to the server
     arena = result["prefix_arena"]
     assert arena["start_bytes"] == arena["end_bytes"] == 8 * 2**20 and arena["grew"] is False
     assert result["final_metrics"]["prefix_arena_bytes"] == 8 * 2**20

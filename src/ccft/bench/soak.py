@@ -138,6 +138,7 @@ def add_arguments(p) -> None:
         dest="malloc",
         action="store_const",
         const="glibc",
+        default=argparse.SUPPRESS,  # the default is --malloc's
         help="the same as --malloc glibc",
     )
     p.add_argument(

@@ -154,13 +154,14 @@ def add_parser(sub) -> None:
         default="trim",
         help="allocator policy against RSS growth (glibc; docs/serving.md, Allocator): trim = glibc's "
         "thresholds and malloc_trim every 10 s; mmap-64k = the mmap threshold fixed at 64 KiB (slower "
-        "prefill); glibc = neither",
+        "prefill); glibc = neither. Not applied in the Ray Serve replicas of --replicas",
     )
     p.add_argument(
         "--no-tune-malloc",
         dest="malloc",
         action="store_const",
         const="glibc",
+        default=argparse.SUPPRESS,  # the default is --malloc's
         help="the same as --malloc glibc",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -459,9 +460,8 @@ def run(args) -> int:
     from ccft.serving.app import create_app
     from ccft.serving.malloc import apply_malloc_policy, check_malloc_policy
 
-    check_malloc_policy(args.malloc)
+    apply_malloc_policy(check_malloc_policy(args.malloc))  # against RSS growth (docs/serving.md, "Allocator")
     scheduler, tokenizer = build_scheduler(args)
-    apply_malloc_policy(args.malloc)  # against RSS growth under load (docs/serving.md, "Allocator")
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb else None
     app = create_app(
         scheduler,

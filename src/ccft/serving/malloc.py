@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import platform
 import threading
@@ -51,11 +52,12 @@ TRIM_INTERVAL_S = 10.0
 MALLOC_POLICIES = ("trim", "mmap-64k", "glibc")
 
 
+@functools.cache
 def _glibc():
-    """The C library when it is glibc on Linux, else None."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
+    """The C library when it is glibc on Linux, else None (looked up once: ``find_library`` runs ldconfig)."""
     try:
+        if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+            return None
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
