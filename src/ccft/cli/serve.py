@@ -458,9 +458,9 @@ def run(args) -> int:
     import uvicorn
 
     from ccft.serving.app import create_app
-    from ccft.serving.malloc import apply_malloc_policy, check_malloc_policy
+    from ccft.serving.malloc import apply_malloc_policy
 
-    apply_malloc_policy(check_malloc_policy(args.malloc))  # against RSS growth (docs/serving.md, "Allocator")
+    apply_malloc_policy(args.malloc)  # checks it first; against RSS growth (docs/serving.md, "Allocator")
     scheduler, tokenizer = build_scheduler(args)
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb else None
     app = create_app(
