@@ -199,6 +199,31 @@ def test_cli_errors_before_ray_starts():
         ray_app(parse(["serve", "--replicas", "2", "--router", "prefix", "--block-tokens", "0"]))
     with pytest.raises(ConfigError, match="max_keys_per_worker: must be an int >= 1 .*--router-keys"):
         ray_app(parse(["serve", "--replicas", "2", "--router", "prefix", "--router-keys", "0"]))
+    with pytest.raises(ConfigError, match="--malloc 'jemalloc': use one of trim, mmap-64k, glibc"):
+        ray_app(parse(["serve", "--replicas", "2", "--malloc", "jemalloc"]))
+
+
+@pytest.mark.parametrize(
+    "flags, policy",
+    [([], "trim"), (["--malloc", "mmap-64k"], "mmap-64k"), (["--no-tune-malloc"], "glibc")],
+)
+def test_each_replica_applies_the_malloc_policy_before_its_model_loads(monkeypatch, flags, policy):
+    """An allocator policy is per process: the factory ``ray_app`` deploys applies ``--malloc`` in the
+    replica's process, then builds its scheduler (the driver's policy would not reach the replicas)."""
+    import ccft.cli.serve as cli_serve
+    import ccft.serving.malloc as malloc
+    import ccft.serving.ray_serve as ray_serve
+    from ccft.cli.main import build_parser
+
+    calls, deployed = [], {}
+    monkeypatch.setattr(malloc, "apply_malloc_policy", lambda p: calls.append(("malloc", p)))
+    monkeypatch.setattr(cli_serve, "build_scheduler", lambda a: calls.append(("build", a.replicas)) or "s")
+    monkeypatch.setattr(ray_serve, "build_app", lambda factory, **kw: deployed.update(f=factory) or "app")
+    args = build_parser().parse_args(["serve", "--replicas", "2", *flags])
+    assert cli_serve.ray_app(args) == "app"
+    assert calls == []  # nothing is applied in the driver
+    assert deployed["f"]() == "s"  # what each replica runs at its start
+    assert calls == [("malloc", policy), ("build", 2)]
 
 
 def test_cli_router_options():

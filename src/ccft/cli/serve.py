@@ -154,7 +154,7 @@ def add_parser(sub) -> None:
         default="trim",
         help="allocator policy against RSS growth (glibc; docs/serving.md, Allocator): trim = glibc's "
         "thresholds and malloc_trim every 10 s; mmap-64k = the mmap threshold fixed at 64 KiB (slower "
-        "prefill); glibc = neither. Not applied in the Ray Serve replicas of --replicas",
+        "prefill); glibc = neither. With --replicas each Ray Serve replica applies it in its own process",
     )
     p.add_argument(
         "--no-tune-malloc",
@@ -513,11 +513,22 @@ def router_options(args) -> dict:
     return options
 
 
+def build_replica_scheduler(args):
+    """``build_scheduler(args)`` in a Ray Serve replica's own process, after ``--malloc`` is applied there
+    (an allocator policy is per process: the driver's does not reach its replicas). The ``trim`` policy's
+    thread lives as long as the replica's process."""
+    from ccft.serving.malloc import apply_malloc_policy
+
+    apply_malloc_policy(args.malloc)  # before the model loads, as in ccft serve without --replicas
+    return build_scheduler(args)
+
+
 def ray_app(args):
     """The Ray Serve application of ``ccft serve --replicas N`` (validated before anything starts)."""
     import functools
 
     from ccft.core.errors import ConfigError
+    from ccft.serving.malloc import check_malloc_policy
     from ccft.serving.ray_serve import build_app
 
     if args.replicas < 0:
@@ -531,10 +542,11 @@ def ray_app(args):
     prefix_arena_tokens(args, None)  # so does a bad --max-prefix-tokens (each replica sizes its arena by it)
     check_prefix_pool(args)  # and a bad --prefix-pool
     check_prefix_spill(args)  # and a bad --prefix-spill-dir
+    check_malloc_policy(args.malloc)  # and a bad --malloc (each replica applies it)
     options = router_options(args)
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb else None
     return build_app(
-        functools.partial(build_scheduler, args),
+        functools.partial(build_replica_scheduler, args),
         replicas=args.replicas,
         policy=args.router,
         policy_options=options,
