@@ -95,7 +95,7 @@ def test_the_malloc_flags_parse_to_one_policy(capsys):
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--no-tune-malloc the same as --malloc glibc --dtype" in text  # no "(default: None)" of its own
-    assert "in the Ray Serve replicas of --replicas (default: trim)" in text
+    assert "each Ray Serve replica applies it in its own process (default: trim)" in text
 
 
 def test_an_unknown_malloc_policy_is_refused_before_anything_runs(capsys):
