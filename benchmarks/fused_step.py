@@ -14,6 +14,8 @@ on every row.
     python benchmarks/fused_step.py --batch-sizes 1 4 8 16 32 --repeats 3 \
         --out benchmarks/results/fused_step_cpu.json
 
+``--shared-context T``: every row of a batch reads one context of T tokens (agents sharing a prompt's KV
+cache, the case of ``ccft serve``'s multi-agent turns) instead of a prompt of its own.
 ``--fp32-fused-rows N`` runs the fp32 engine's fused step up to N rows instead of ``blocks.F32_FUSED_ROWS``
 (to find where the oneDNN layer loop overtakes it). The comparison with llama.cpp on the same weights is
 ``ccft bench decode --llamacpp --blocks`` (needs ``make llamacpp``).
@@ -46,12 +48,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def run(engine, prompts, new_tokens: int, decoder: str) -> tuple[float, list[list[int]]]:
-    """Decode tokens per second of ``prompts`` (3 warm-up steps left out) and each row's greedy tokens."""
+def shared_context(base, tokens: int) -> list[int]:
+    """A context of exactly ``tokens`` tokens: GSM8K test prompts (``make_prompts``) one after another."""
+    out: list[int] = []
+    n = 8
+    while len(out) < tokens:
+        prompts = make_prompts(base, n, None, True)
+        out = [t for p in prompts for t in p]
+        if len(prompts) < n and len(out) < tokens:
+            raise SystemExit(f"--shared-context {tokens}: the GSM8K test questions hold {len(out)} tokens")
+        n *= 2
+    return out[:tokens]
+
+
+def run(
+    engine, prompts, new_tokens: int, decoder: str, rows: int | None = None
+) -> tuple[float, list[list[int]]]:
+    """Decode tokens per second of ``prompts`` (3 warm-up steps left out) and each row's greedy tokens; with
+    ``rows``, that many requests all read the one prompt (agents on one context)."""
     with engine.prefill(prompts) as h:
+        reads = range(len(prompts)) if rows is None else [0] * rows
         ids = [
             engine.add_request(h, i, decoder=decoder, max_new_tokens=new_tokens, ignore_eos=True)
-            for i in range(len(prompts))
+            for i in reads
         ]
         tokens: dict[int, list[int]] = {r: [] for r in ids}
         for _ in range(3):
@@ -73,6 +92,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fp32-fused-rows", type=int, default=None)
     ap.add_argument("--decoder", choices=["base", "lora"], default="base")
+    ap.add_argument(
+        "--shared-context",
+        type=int,
+        default=None,
+        metavar="T",
+        help="every row of a batch reads one context of T tokens (agents sharing a prompt's KV cache), "
+        "instead of a prompt of its own",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -110,12 +137,15 @@ def main() -> None:
     load_start = os.getloadavg()
     rows = []
     for b in args.batch_sizes:
-        prompts = make_prompts(base, b, None, True)
+        if args.shared_context is None:
+            prompts, reads = make_prompts(base, b, None, True), None
+        else:
+            prompts, reads = [shared_context(base, args.shared_context)], b
         tps: dict[str, list[float]] = {k: [] for k in engines}
         toks: dict[str, list[list[int]]] = {}
         for _ in range(args.repeats):
             for name, engine in engines.items():
-                rate, tokens = run(engine, prompts, args.new_tokens, decoder)
+                rate, tokens = run(engine, prompts, args.new_tokens, decoder, reads)
                 tps[name].append(rate)
                 toks[name] = tokens
         med = {k: statistics.median(v) for k, v in tps.items()}
@@ -138,9 +168,12 @@ def main() -> None:
     result = {
         "benchmark": "benchmarks/fused_step.py",
         "model": description,
-        "prompts": "GSM8K test questions (chat template), one per row",
+        "prompts": "GSM8K test questions (chat template), one per row"
+        if args.shared_context is None
+        else f"one context of {args.shared_context} tokens (GSM8K test questions in a row) read by every row",
         "decoder": args.decoder,
         "new_tokens": args.new_tokens,
+        "shared_context_tokens": args.shared_context,
         "repeats": args.repeats,
         "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, {args.threads} torch threads",
         "kernel_isa": kernel.isa if kernel else None,

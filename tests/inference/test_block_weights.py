@@ -519,3 +519,76 @@ def test_fused_decode_step_with_shared_prefix_rows_equals_the_layer_loop(
         _assert_steps_close(a, b)
         for lane in kv_a:
             torch.testing.assert_close(kv_a[lane], kv_b[lane], rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(
+    scope="module", params=[(192, 6, 1), (192, 3, 1), (96, 4, 2)], ids=["d32-g6", "d64-g3", "d24-g2"]
+)
+def head_shape_dir(request, tmp_path_factory, tokenizer):
+    """Block folders of tiny Llamas with other head shapes than the default tiny one's (head dim 16, 2 query
+    heads per KV head): (hidden, heads, KV heads) -> head dim 32 with 6 query heads per KV head, 64 with 3
+    (SmolLM2-135M's shape) and 24 with 2."""
+    hidden, heads, kv_heads = request.param
+    folder = tmp_path_factory.mktemp(f"blocks_{hidden}_{heads}_{kv_heads}")
+    return make_block_folder(folder, tokenizer, hidden=hidden, heads=heads, kv_heads=kv_heads)
+
+
+def _long_prompts(tokenizer, gsm8k_rows, n):
+    """``n`` prompts of 61, 74, 87, ... tokens (GSM8K questions one after another), for attention over more
+    keys than a vector holds."""
+    from ccft.core.tokens import tokenize_prompt
+
+    text = [t for r in gsm8k_rows[:12] for t in tokenize_prompt(tokenizer, r["prompt"], chat_template=False)]
+    return [text[7 * i : 7 * i + 61 + 13 * i] for i in range(n)]
+
+
+@pytest.mark.parametrize("build", ["native", "plain", "avx2"])
+def test_fused_attention_of_other_head_shapes_equals_the_layer_loop(
+    head_shape_dir, build, kernel, other_kernels, tokenizer, gsm8k_rows, monkeypatch
+):
+    """The fused step's attention for head dims 32, 64 and 24 and 2-6 query heads per KV head, over 61-113
+    keys (the vector paths of its softmax and its sums of values, and their remainders), against the eager
+    layer loop: per-step top-5 log-probabilities within 1e-4, the same greedy tokens and tail K/V. With 2
+    threads a batch of one row runs a task per query head and a batch of five a task per KV head (its query
+    heads read each key and value once: 4 + 2 of 6, or 3); four agents on one context row are covered too."""
+    import ccft
+    from ccft.inference import model as M
+
+    if build != "native" and build not in other_kernels:
+        pytest.skip(f"no {build} build on this CPU")
+    base = ccft.load_base(str(head_shape_dir))
+    loras = {"math": make_lora(base, "math", seed=3, r=4)}
+    fused = SharedPrefillEngine(base, loras, decode="eager", block_weights="on")
+    loop = SharedPrefillEngine(base, loras, decode="eager", block_weights="on")
+    plan = fused.lanes["base"].weights.block_step
+    assert plan is not None
+    if build != "native":
+        plan.kernel = other_kernels[build]
+    loop.lanes["base"].weights.block_step = None
+    calls = []
+    real = M.decode_step_layers
+    monkeypatch.setattr(M, "decode_step_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernel's task split depends on it (blocks.cpp: `per`)
+    try:
+        for decoders in (["math"], ["base", "math", "base", "math", "math"]):
+            prompts = _long_prompts(tokenizer, gsm8k_rows, len(decoders))
+            before = len(calls)
+            a, kv_a = _stepped(fused, prompts, decoders)
+            assert len(calls) > before  # the fused step ran
+            b, kv_b = _stepped(loop, prompts, decoders)
+            _assert_steps_close(a, b)
+            for lane in kv_a:
+                torch.testing.assert_close(kv_a[lane], kv_b[lane], rtol=1e-4, atol=1e-5)
+        suffix = tokenizer.encode(" Answer briefly.", add_special_tokens=False)
+        reads = [(0, "base", None), (0, "math", None), (0, "math", suffix), (0, "base", None)]
+        prompts = _long_prompts(tokenizer, gsm8k_rows, 1)
+        before = len(calls)
+        a, kv_a = _stepped_reads(fused, prompts, reads)
+        assert len(calls) > before
+        b, kv_b = _stepped_reads(loop, prompts, reads)
+        _assert_steps_close(a, b)
+        for lane in kv_a:
+            torch.testing.assert_close(kv_a[lane], kv_b[lane], rtol=1e-4, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)

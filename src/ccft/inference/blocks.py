@@ -267,6 +267,8 @@ def fused_mlp(gate: BlockMatrix, up: BlockMatrix, x: torch.Tensor) -> torch.Tens
 
 #: the fused decode step's largest head dimension (``MAX_HEAD_DIM`` in blocks.cpp)
 MAX_HEAD_DIM = 512
+#: and its largest number of query heads per KV head (``MAX_GROUP`` in blocks.cpp)
+MAX_GROUP = 64
 
 
 def f32_view(weight: torch.Tensor, kernel: BlockKernel) -> BlockMatrix:
@@ -303,13 +305,14 @@ class DecodeStepPlan:
 def decode_step_plan(lw) -> DecodeStepPlan | None:
     """The fused decode step's plan of lane ``lw`` (``weights.LaneWeights``, packed), or None when it cannot
     run it: not fp32 on the CPU, a layer without [q; k; v] packed (``layer.qkv``), a bias, a dimension that is
-    not a multiple of 32, or a head dimension above :data:`MAX_HEAD_DIM`. Each matrix is read from its blocks
+    not a multiple of 32, a head dimension above :data:`MAX_HEAD_DIM` or more than :data:`MAX_GROUP` query
+    heads per KV head. Each matrix is read from its blocks
     (``Linear.blocks``) or, without them, in place from its fp32 weight (:func:`f32_view`). ``max_rows``:
     :data:`DEQUANT_ROWS` when some matrix is in blocks, :data:`F32_FUSED_ROWS` for an all-fp32 lane.
     The kernel is :func:`load_kernel`'s (the one the blocks were read with); None when it cannot be built."""
     if lw.device.type != "cpu" or lw.dtype != torch.float32 or lw.head_dim > MAX_HEAD_DIM:
         return None
-    if not lw.layers or lw.heads % lw.kv_heads:
+    if not lw.layers or lw.heads % lw.kv_heads or lw.heads // lw.kv_heads > MAX_GROUP:
         return None
     kernel = load_kernel()
     if kernel is None:

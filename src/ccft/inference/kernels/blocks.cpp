@@ -262,6 +262,7 @@ inline void dot_tile(int kind, const uint8_t* w, int64_t nb, const float* x, int
 constexpr int64_t ROWS_PER_TASK = 16;  // output rows one thread takes at a time (their blocks stay in L1)
 constexpr int MT_MAX = 8;              // activation rows per pass over a weight row
 constexpr int64_t MAX_HEAD_DIM = 512;  // the fused decode step's largest head dimension
+constexpr int64_t MAX_GROUP = 64;  // and its largest number of query heads per KV head (H / h)
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
@@ -328,6 +329,183 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 #endif
     for (; j < n; ++j) s += a[j] * b[j];
     return s;
+}
+
+#if CCFT_AVX2
+// exp(x) of 8 lanes, x <= 0 (softmax after its maximum is subtracted): 2^n e^r with n = round(x log2 e) and
+// r = x - n ln 2 (ln 2 in two parts), e^r by the degree-6 polynomial of Cephes' expf (within ~2 ulp of
+// std::exp). Below -87.3 the result is e^-87.3 (~1e-38) instead of less: nothing beside a term >= 1 in a sum.
+inline __m256 exp_neg8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);  // (a NaN stays NaN: max returns its second operand)
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));  // n >= -126: 2^n is a normal float
+}
+#endif
+#if CCFT_AVX512
+// exp_neg8 on 16 lanes (the scaling by 2^n with scalef).
+inline __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// Softmax numerators in place: s[j] = exp(s[j] - max s) over n scores; returns their sum (vectorised where
+// the build has AVX2 / AVX-512, with exp_neg8 / exp_neg16; std::exp otherwise and for the remainder).
+inline float softmax_numerators(float* s, int64_t n) {
+    int64_t j = 0;
+    float mx = -INFINITY, sum = 0.0f;
+#if CCFT_AVX512
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
+    mx = _mm512_reduce_max_ps(vm);
+#elif CCFT_AVX2
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#endif
+    for (; j < n; ++j) mx = std::max(mx, s[j]);
+    j = 0;
+#if CCFT_AVX512
+    const __m512 m16 = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
+        _mm512_storeu_ps(s + j, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#elif CCFT_AVX2
+    const __m256 m8 = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum(acc);
+#endif
+    for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+    return sum;
+}
+
+#if CCFT_AVX512 || CCFT_AVX2
+#if CCFT_AVX512
+using vecf = __m512;
+constexpr int64_t VL = 16;  // floats per vector
+inline vecf vzero() { return _mm512_setzero_ps(); }
+inline vecf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vecf v) { _mm512_storeu_ps(p, v); }
+inline vecf vset1(float x) { return _mm512_set1_ps(x); }
+inline vecf vfma(vecf a, vecf b, vecf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vecf vmul(vecf a, vecf b) { return _mm512_mul_ps(a, b); }
+#else
+using vecf = __m256;
+constexpr int64_t VL = 8;
+inline vecf vzero() { return _mm256_setzero_ps(); }
+inline vecf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vecf v) { _mm256_storeu_ps(p, v); }
+inline vecf vset1(float x) { return _mm256_set1_ps(x); }
+inline vecf vfma(vecf a, vecf b, vecf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vecf vmul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
+#endif
+
+// Columns c .. c + NV VL - 1 of the outputs of KN query heads of one KV head: o_k = inv_k Σ_j e_kj v_j over
+// np prefix values (vp, vstride floats apart) then nt tail values (vt, tstride apart), each value's columns
+// loaded once for the KN heads; e_k: head k's softmax numerators (np + nt of them, width floats apart),
+// inv_k: 1 / their sum. vp, vt and o point at column c; o_k is o + k d.
+template <int KN, int NV>
+inline void values_chunk(const float* e, int64_t width, const float* inv, const float* vp, int64_t vstride,
+                         int64_t np, const float* vt, int64_t tstride, int64_t nt, float* o, int64_t d) {
+    vecf acc[KN][NV];
+    for (int k = 0; k < KN; ++k)
+        for (int u = 0; u < NV; ++u) acc[k][u] = vzero();
+    for (int part = 0; part < 2; ++part) {  // the prefix values, then the tail's
+        const float* base = part == 0 ? vp : vt;
+        const int64_t n = part == 0 ? np : nt, stride = part == 0 ? vstride : tstride, off = part == 0 ? 0 : np;
+        for (int64_t j = 0; j < n; ++j) {
+            vecf v[NV];
+            for (int u = 0; u < NV; ++u) v[u] = vload(base + j * stride + u * VL);
+            for (int k = 0; k < KN; ++k) {
+                const vecf w = vset1(e[k * width + off + j]);
+                for (int u = 0; u < NV; ++u) acc[k][u] = vfma(w, v[u], acc[k][u]);
+            }
+        }
+    }
+    for (int k = 0; k < KN; ++k) {
+        const vecf s = vset1(inv[k]);
+        for (int u = 0; u < NV; ++u) vstore(o + k * d + u * VL, vmul(acc[k][u], s));
+    }
+}
+
+template <int NV>
+inline void values_heads(const float* e, int64_t width, const float* inv, int64_t G, int64_t c, const float* vp,
+                         int64_t vstride, int64_t np, const float* vt, int64_t tstride, int64_t nt, float* o,
+                         int64_t d) {
+    for (int64_t k0 = 0; k0 < G; k0 += 4) {  // four heads at a time: 4 NV accumulators and NV values
+        const float* ek = e + k0 * width;
+        float* ok = o + k0 * d + c;
+        const float* iv = inv + k0;
+        switch (G - k0 < 4 ? G - k0 : 4) {
+            case 1: values_chunk<1, NV>(ek, width, iv, vp + c, vstride, np, vt + c, tstride, nt, ok, d); break;
+            case 2: values_chunk<2, NV>(ek, width, iv, vp + c, vstride, np, vt + c, tstride, nt, ok, d); break;
+            case 3: values_chunk<3, NV>(ek, width, iv, vp + c, vstride, np, vt + c, tstride, nt, ok, d); break;
+            default: values_chunk<4, NV>(ek, width, iv, vp + c, vstride, np, vt + c, tstride, nt, ok, d);
+        }
+    }
+}
+#endif
+
+// The outputs o (G heads, d floats apart) of G query heads of one KV head (values_chunk), in column chunks of
+// 2 VL (and one of VL) where the build has AVX2 / AVX-512 and d is a multiple of VL, else by loops.
+inline void attend_values(const float* e, int64_t width, const float* inv, int64_t G, int64_t d, const float* vp,
+                          int64_t vstride, int64_t np, const float* vt, int64_t tstride, int64_t nt, float* o) {
+#if CCFT_AVX512 || CCFT_AVX2
+    if (d % VL == 0) {
+        int64_t c = 0;
+        for (; c + 2 * VL <= d; c += 2 * VL) values_heads<2>(e, width, inv, G, c, vp, vstride, np, vt, tstride, nt, o, d);
+        if (c < d) values_heads<1>(e, width, inv, G, c, vp, vstride, np, vt, tstride, nt, o, d);
+        return;
+    }
+#endif
+    for (int64_t k = 0; k < G; ++k) {
+        float* ok = o + k * d;
+        const float* ek = e + k * width;
+        for (int64_t c = 0; c < d; ++c) ok[c] = 0.0f;
+        for (int64_t j = 0; j < np; ++j) {
+            const float w = ek[j] * inv[k];
+            const float* vv = vp + j * vstride;
+            for (int64_t c = 0; c < d; ++c) ok[c] += w * vv[c];
+        }
+        for (int64_t j = 0; j < nt; ++j) {
+            const float w = ek[np + j] * inv[k];
+            const float* vv = vt + j * tstride;
+            for (int64_t c = 0; c < d; ++c) ok[c] += w * vv[c];
+        }
+    }
 }
 
 // out = RMSNorm(x) = w * (x * rsqrt(mean(x²) + eps)) over n values (torch.rms_norm's arithmetic, another
@@ -411,7 +589,8 @@ void ccft_blocks_mlp(int kind_gate, const uint8_t* wg, int kind_up, const uint8_
 // prefix keys key_start[r] .. p - 1 and its tail keys 0 .. tail_len[r] - 1 under one softmax, o_proj and
 // the residual, RMSNorm, the gated MLP from blocks and the residual), in one parallel region: the eager
 // step's per-layer ops (ccft.inference.model.decode_step_eager, rowwise, no adapter) without a Python or
-// dispatcher call per op. Every product and activation is fp32, as in that step (another summation order).
+// dispatcher call per op. Every product and activation is fp32, as in that step (another summation order;
+// the softmax's exp within ~2 ulp of std::exp where the build has AVX2 / AVX-512: exp_neg8, exp_neg16).
 //
 // dims: L, B, D (hidden), H (query heads), h (KV heads), d (head dim), I (MLP width), p (prefix width).
 // x (B, D): the residual stream, updated in place. cos, sin (B, d): RoPE of each row's position (sin signed).
@@ -422,7 +601,7 @@ void ccft_blocks_mlp(int kind_gate, const uint8_t* wg, int kind_up, const uint8_
 // (several rows may read one: agents sharing a context), or null: row r reads prefix row r. key_start (B,): the
 // first real key of the prefix row batch row r reads. pool_k, pool_v: the tail pool
 // (L, slots, h, capacity, d) fp32 with pool_strides (4: layer, slot, head, position, in floats); row r is
-// slot r, its new K/V written at write_pos[r], tail_len[r] = write_pos[r] + 1 keys read. d <= MAX_HEAD_DIM.
+// slot r, its new K/V written at write_pos[r], tail_len[r] = write_pos[r] + 1 keys read. d <= MAX_HEAD_DIM, H / h <= MAX_GROUP.
 // LoRA: n_lora adapters, lora_tables 3 pointers each (a LoraTable: ptrs, ranks, scales), row_lora (B,) the
 // adapter of each row (-1: none; unread when n_lora is 0); each adapted projection adds B (A x) · scaling to
 // its output, as ccft.inference.model.project does (gate and up before the SiLU).
@@ -464,6 +643,7 @@ void ccft_blocks_decode_step(int64_t L, int64_t B, int64_t D, int64_t H, int64_t
     float* lt = up + B * I;       // (B, max_rank): each row's A x of a LoRA delta
     float* scores = lt + B * max_rank;  // (B H, width)
     const int64_t ls = pool_strides[0], ss = pool_strides[1], hs = pool_strides[2], ps = pool_strides[3];
+    const int64_t per = h * B >= 2 * threads ? group : 1, parts = group / per;  // attention tasks (below)
 #pragma omp parallel num_threads(threads)
     for (int64_t i = 0; i < L; ++i) {
         const float* attn_norm = reinterpret_cast<const float*>(norms[2 * i]);
@@ -495,39 +675,37 @@ void ccft_blocks_decode_step(int64_t L, int64_t B, int64_t D, int64_t H, int64_t
                 std::memcpy(pool_v + at, v + nkv, d * sizeof(float));
             }
         }
-        // attention of each (row, query head) over its prefix keys and its tail keys, one softmax
+        // attention of each (row, query head) over its prefix keys and its tail keys, one softmax. A task is
+        // the `per` query heads of one row that read one KV head: its whole group (GQA: each key and value is
+        // read once for them), or one head where h B tasks would leave a thread idle (few rows). Tasks run
+        // KV-head-major, so a thread's consecutive rows on one prefix row read that head's keys from its cache.
         const float* kp = reinterpret_cast<const float*>(prefix[2 * i]);
         const float* vp = reinterpret_cast<const float*>(prefix[2 * i + 1]);
         const int64_t* st = prefix_strides + 6 * i;
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < B * H; ++t) {
-            const int64_t r = t / H, head = t % H, g = head / group;
-            const float* q = qkv + r * nqkv + head * d;
-            float* s = scores + t * width;
+        for (int64_t t = 0; t < h * B * parts; ++t) {
+            const int64_t g = t / (B * parts), r = t / parts % B, k0 = t % parts * per;
             const int64_t p0 = key_start[r], np = p - p0, nt = tail_len[r];
             const int64_t pr = prefix_row ? prefix_row[r] : r;
-            const float* kr = kp + pr * st[0] + g * st[1];
-            const float* vr = vp + pr * st[3] + g * st[4];
+            const float* kr = kp + pr * st[0] + g * st[1] + p0 * st[2];
+            const float* vr = vp + pr * st[3] + g * st[4] + p0 * st[5];
             const float* kt = pool_k + i * ls + r * ss + g * hs;
             const float* vt = pool_v + i * ls + r * ss + g * hs;
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < np; ++j) mx = std::max(mx, s[j] = dot_f32(q, kr + (p0 + j) * st[2], d) * scale);
-            for (int64_t j = 0; j < nt; ++j) mx = std::max(mx, s[np + j] = dot_f32(q, kt + j * ps, d) * scale);
-            float sum = 0.0f;
-            for (int64_t j = 0; j < np + nt; ++j) sum += (s[j] = std::exp(s[j] - mx));
-            const float inv = 1.0f / sum;
-            float* o = att + r * nq + head * d;
-            for (int64_t c = 0; c < d; ++c) o[c] = 0.0f;
+            const int64_t head0 = g * group + k0;
+            const float* q0 = qkv + r * nqkv + head0 * d;  // the task's query heads, d apart
+            float* s0 = scores + (r * H + head0) * width;  // their scores, width apart
+            float* o0 = att + r * nq + head0 * d;          // their outputs, d apart
             for (int64_t j = 0; j < np; ++j) {
-                const float w = s[j] * inv;
-                const float* vv = vr + (p0 + j) * st[5];
-                for (int64_t c = 0; c < d; ++c) o[c] += w * vv[c];
+                const float* key = kr + j * st[2];
+                for (int64_t k = 0; k < per; ++k) s0[k * width + j] = dot_f32(q0 + k * d, key, d) * scale;
             }
             for (int64_t j = 0; j < nt; ++j) {
-                const float w = s[np + j] * inv;
-                const float* vv = vt + j * ps;
-                for (int64_t c = 0; c < d; ++c) o[c] += w * vv[c];
+                const float* key = kt + j * ps;
+                for (int64_t k = 0; k < per; ++k) s0[k * width + np + j] = dot_f32(q0 + k * d, key, d) * scale;
             }
+            float inv[MAX_GROUP];
+            for (int64_t k = 0; k < per; ++k) inv[k] = 1.0f / softmax_numerators(s0 + k * width, np + nt);
+            attend_values(s0, width, inv, per, d, vr, st[5], np, vt, ps, nt, o0);
         }
         matmul_for(kd[1], reinterpret_cast<const uint8_t*>(wt[1]), D, nq, att, B, nq, x, D, ADD);
         if (rl != nullptr) {
