@@ -355,21 +355,11 @@ def _assert_steps_close(a, b):
             assert max(abs(x - y) for (_, x), (_, y) in zip(la, lb, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("build", ["native", "plain", "avx2"])
-def test_fused_decode_step_equals_the_layer_loop(
-    proj_format_dir, build, kernel, other_kernels, tokenizer, gsm8k_rows, monkeypatch
-):
-    """The fused step (``blocks.decode_step_layers``: every layer in one kernel call) against the eager layer
-    loop on the same blocks: per-step log-probabilities within fp32 rounding, the same greedy tokens, the
-    same K/V written into the tail pool; rows of different prompt lengths (left padding), the base, one LoRA
-    decoder on every row, and a batch mixing the base and two LoRA decoders (each row its own adapter)."""
-    import ccft
+def _fused_and_loop(base, loras, build, other_kernels, monkeypatch):
+    """Two engines computing from ``base``'s blocks: the fused step (on ``build``'s kernel) and the layer
+    loop; and the list the fused step's calls are counted in."""
     from ccft.inference import model as M
 
-    if build != "native" and build not in other_kernels:
-        pytest.skip(f"no {build} build on this CPU")
-    base = ccft.load_base(str(proj_format_dir))
-    loras = {"math": make_lora(base, "math", seed=3, r=4), "code": make_lora(base, "code", seed=5, r=8)}
     fused = SharedPrefillEngine(base, loras, decode="eager", block_weights="on")
     loop = SharedPrefillEngine(base, loras, decode="eager", block_weights="on")
     plan = fused.lanes["base"].weights.block_step
@@ -380,16 +370,40 @@ def test_fused_decode_step_equals_the_layer_loop(
     calls = []
     real = M.decode_step_layers
     monkeypatch.setattr(M, "decode_step_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return fused, loop, calls
+
+
+def _assert_fused_equals_loop(fused, loop, calls, stepped, *args):
+    """``stepped(engine, *args)`` (``_stepped`` or ``_stepped_reads``) on both engines: the fused step ran,
+    its steps are close to the loop's (``_assert_steps_close``) and the tail pools' K/V agree."""
+    before = len(calls)
+    a, kv_a = stepped(fused, *args)
+    assert len(calls) > before, args  # the fused step ran
+    b, kv_b = stepped(loop, *args)
+    _assert_steps_close(a, b)
+    for lane in kv_a:
+        torch.testing.assert_close(kv_a[lane], kv_b[lane], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", ["native", "plain", "avx2"])
+def test_fused_decode_step_equals_the_layer_loop(
+    proj_format_dir, build, kernel, other_kernels, tokenizer, gsm8k_rows, monkeypatch
+):
+    """The fused step (``blocks.decode_step_layers``: every layer in one kernel call) against the eager layer
+    loop on the same blocks: per-step log-probabilities within fp32 rounding, the same greedy tokens, the
+    same K/V written into the tail pool; rows of different prompt lengths (left padding), the base, one LoRA
+    decoder on every row, and a batch mixing the base and two LoRA decoders (each row its own adapter)."""
+    import ccft
+
+    if build != "native" and build not in other_kernels:
+        pytest.skip(f"no {build} build on this CPU")
+    base = ccft.load_base(str(proj_format_dir))
+    loras = {"math": make_lora(base, "math", seed=3, r=4), "code": make_lora(base, "code", seed=5, r=8)}
+    fused, loop, calls = _fused_and_loop(base, loras, build, other_kernels, monkeypatch)
     cases = [["base"], ["math"], ["base", "base", "base"], ["math", "math", "math"], ["code", "base", "math"]]
     for decoders in cases:
         prompts = _prompts(tokenizer, gsm8k_rows, len(decoders))
-        before = len(calls)
-        a, kv_a = _stepped(fused, prompts, decoders)
-        assert len(calls) > before, decoders  # the fused step ran
-        b, kv_b = _stepped(loop, prompts, decoders)
-        _assert_steps_close(a, b)
-        for lane in kv_a:
-            torch.testing.assert_close(kv_a[lane], kv_b[lane], rtol=1e-4, atol=1e-5)
+        _assert_fused_equals_loop(fused, loop, calls, _stepped, prompts, decoders)
 
 
 def test_fused_decode_step_of_an_fp32_lane_equals_the_layer_loop(block_dir, kernel, tokenizer, gsm8k_rows):
@@ -552,43 +566,22 @@ def test_fused_attention_of_other_head_shapes_equals_the_layer_loop(
     threads a batch of one row runs a task per query head and a batch of five a task per KV head (its query
     heads read each key and value once: 4 + 2 of 6, or 3); four agents on one context row are covered too."""
     import ccft
-    from ccft.inference import model as M
 
     if build != "native" and build not in other_kernels:
         pytest.skip(f"no {build} build on this CPU")
     base = ccft.load_base(str(head_shape_dir))
-    loras = {"math": make_lora(base, "math", seed=3, r=4)}
-    fused = SharedPrefillEngine(base, loras, decode="eager", block_weights="on")
-    loop = SharedPrefillEngine(base, loras, decode="eager", block_weights="on")
-    plan = fused.lanes["base"].weights.block_step
-    assert plan is not None
-    if build != "native":
-        plan.kernel = other_kernels[build]
-    loop.lanes["base"].weights.block_step = None
-    calls = []
-    real = M.decode_step_layers
-    monkeypatch.setattr(M, "decode_step_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused, loop, calls = _fused_and_loop(
+        base, {"math": make_lora(base, "math", seed=3, r=4)}, build, other_kernels, monkeypatch
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the kernel's task split depends on it (blocks.cpp: `per`)
     try:
         for decoders in (["math"], ["base", "math", "base", "math", "math"]):
             prompts = _long_prompts(tokenizer, gsm8k_rows, len(decoders))
-            before = len(calls)
-            a, kv_a = _stepped(fused, prompts, decoders)
-            assert len(calls) > before  # the fused step ran
-            b, kv_b = _stepped(loop, prompts, decoders)
-            _assert_steps_close(a, b)
-            for lane in kv_a:
-                torch.testing.assert_close(kv_a[lane], kv_b[lane], rtol=1e-4, atol=1e-5)
+            _assert_fused_equals_loop(fused, loop, calls, _stepped, prompts, decoders)
         suffix = tokenizer.encode(" Answer briefly.", add_special_tokens=False)
         reads = [(0, "base", None), (0, "math", None), (0, "math", suffix), (0, "base", None)]
         prompts = _long_prompts(tokenizer, gsm8k_rows, 1)
-        before = len(calls)
-        a, kv_a = _stepped_reads(fused, prompts, reads)
-        assert len(calls) > before
-        b, kv_b = _stepped_reads(loop, prompts, reads)
-        _assert_steps_close(a, b)
-        for lane in kv_a:
-            torch.testing.assert_close(kv_a[lane], kv_b[lane], rtol=1e-4, atol=1e-5)
+        _assert_fused_equals_loop(fused, loop, calls, _stepped_reads, prompts, reads)
     finally:
         torch.set_num_threads(threads)

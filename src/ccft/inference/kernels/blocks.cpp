@@ -331,88 +331,8 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
     return s;
 }
 
-#if CCFT_AVX2
-// exp(x) of 8 lanes, x <= 0 (softmax after its maximum is subtracted): 2^n e^r with n = round(x log2 e) and
-// r = x - n ln 2 (ln 2 in two parts), e^r by the degree-6 polynomial of Cephes' expf (within ~2 ulp of
-// std::exp). Below -87.3 the result is e^-87.3 (~1e-38) instead of less: nothing beside a term >= 1 in a sum.
-inline __m256 exp_neg8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);  // (a NaN stays NaN: max returns its second operand)
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));  // n >= -126: 2^n is a normal float
-}
-#endif
-#if CCFT_AVX512
-// exp_neg8 on 16 lanes (the scaling by 2^n with scalef).
-inline __m512 exp_neg16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
-}
-#endif
-
-// Softmax numerators in place: s[j] = exp(s[j] - max s) over n scores; returns their sum (vectorised where
-// the build has AVX2 / AVX-512, with exp_neg8 / exp_neg16; std::exp otherwise and for the remainder).
-inline float softmax_numerators(float* s, int64_t n) {
-    int64_t j = 0;
-    float mx = -INFINITY, sum = 0.0f;
-#if CCFT_AVX512
-    __m512 vm = _mm512_set1_ps(-INFINITY);
-    for (; j + 16 <= n; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
-    mx = _mm512_reduce_max_ps(vm);
-#elif CCFT_AVX2
-    __m256 vm = _mm256_set1_ps(-INFINITY);
-    for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-#endif
-    for (; j < n; ++j) mx = std::max(mx, s[j]);
-    j = 0;
-#if CCFT_AVX512
-    const __m512 m16 = _mm512_set1_ps(mx);
-    __m512 acc = _mm512_setzero_ps();
-    for (; j + 16 <= n; j += 16) {
-        const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
-        _mm512_storeu_ps(s + j, e);
-        acc = _mm512_add_ps(acc, e);
-    }
-    sum = _mm512_reduce_add_ps(acc);
-#elif CCFT_AVX2
-    const __m256 m8 = _mm256_set1_ps(mx);
-    __m256 acc = _mm256_setzero_ps();
-    for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
-        _mm256_storeu_ps(s + j, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    sum = hsum(acc);
-#endif
-    for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
-    return sum;
-}
-
 #if CCFT_AVX512 || CCFT_AVX2
+// One vector of floats, the widest the build has (16 lanes with AVX-512, else 8), and its operations.
 #if CCFT_AVX512
 using vecf = __m512;
 constexpr int64_t VL = 16;  // floats per vector
@@ -420,8 +340,16 @@ inline vecf vzero() { return _mm512_setzero_ps(); }
 inline vecf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vecf v) { _mm512_storeu_ps(p, v); }
 inline vecf vset1(float x) { return _mm512_set1_ps(x); }
-inline vecf vfma(vecf a, vecf b, vecf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vecf vadd(vecf a, vecf b) { return _mm512_add_ps(a, b); }
+inline vecf vsub(vecf a, vecf b) { return _mm512_sub_ps(a, b); }
 inline vecf vmul(vecf a, vecf b) { return _mm512_mul_ps(a, b); }
+inline vecf vmax(vecf a, vecf b) { return _mm512_max_ps(a, b); }  // b where either is NaN
+inline vecf vfma(vecf a, vecf b, vecf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vecf vfnma(vecf a, vecf b, vecf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+inline vecf vround(vecf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vecf vpow2_times(vecf y, vecf n) { return _mm512_scalef_ps(y, n); }  // y 2^n, n integral
+inline float vhsum(vecf v) { return _mm512_reduce_add_ps(v); }
+inline float vhmax(vecf v) { return _mm512_reduce_max_ps(v); }
 #else
 using vecf = __m256;
 constexpr int64_t VL = 8;
@@ -429,10 +357,74 @@ inline vecf vzero() { return _mm256_setzero_ps(); }
 inline vecf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vecf v) { _mm256_storeu_ps(p, v); }
 inline vecf vset1(float x) { return _mm256_set1_ps(x); }
-inline vecf vfma(vecf a, vecf b, vecf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vecf vadd(vecf a, vecf b) { return _mm256_add_ps(a, b); }
+inline vecf vsub(vecf a, vecf b) { return _mm256_sub_ps(a, b); }
 inline vecf vmul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
+inline vecf vmax(vecf a, vecf b) { return _mm256_max_ps(a, b); }  // b where either is NaN
+inline vecf vfma(vecf a, vecf b, vecf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vecf vfnma(vecf a, vecf b, vecf c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
+inline vecf vround(vecf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vecf vpow2_times(vecf y, vecf n) {  // y 2^n, n integral in [-126, 127]: 2^n built as a normal float
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+inline float vhsum(vecf v) { return hsum(v); }
+inline float vhmax(vecf v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 #endif
 
+// exp(x) of each lane, x <= 0 (softmax after its maximum is subtracted): 2^n e^r with n = round(x log2 e) and
+// r = x - n ln 2 (ln 2 in two parts), e^r by the degree-6 polynomial of Cephes' expf (within ~2 ulp of
+// std::exp). Below -87.3 the result is e^-87.3 (~1e-38, n >= -126) instead of less: nothing beside a term >= 1
+// in a sum. A NaN stays NaN (vmax returns its second operand).
+inline vecf vexp_neg(vecf x) {
+    x = vmax(vset1(-87.3f), x);
+    const vecf n = vround(vmul(x, vset1(1.44269504088896341f)));
+    vecf r = vfnma(n, vset1(0.693359375f), x);
+    r = vfnma(n, vset1(-2.12194440e-4f), r);
+    vecf y = vset1(1.9875691500e-4f);
+    y = vfma(y, r, vset1(1.3981999507e-3f));
+    y = vfma(y, r, vset1(8.3334519073e-3f));
+    y = vfma(y, r, vset1(4.1665795894e-2f));
+    y = vfma(y, r, vset1(1.6666665459e-1f));
+    y = vfma(y, r, vset1(5.0000001201e-1f));
+    y = vfma(y, vmul(r, r), vadd(r, vset1(1.0f)));
+    return vpow2_times(y, n);
+}
+#endif
+
+// Softmax numerators in place: s[j] = exp(s[j] - max s) over n scores; returns their sum (in vectors with
+// vexp_neg where the build has AVX2 / AVX-512; std::exp otherwise and for the remainder).
+inline float softmax_numerators(float* s, int64_t n) {
+    int64_t j = 0;
+    float mx = -INFINITY, sum = 0.0f;
+#if CCFT_AVX512 || CCFT_AVX2
+    if (n >= VL) {
+        vecf vm = vset1(-INFINITY);
+        for (; j + VL <= n; j += VL) vm = vmax(vm, vload(s + j));
+        mx = vhmax(vm);
+    }
+#endif
+    for (; j < n; ++j) mx = std::max(mx, s[j]);
+    j = 0;
+#if CCFT_AVX512 || CCFT_AVX2
+    const vecf m = vset1(mx);
+    vecf acc = vzero();
+    for (; j + VL <= n; j += VL) {
+        const vecf e = vexp_neg(vsub(vload(s + j), m));
+        vstore(s + j, e);
+        acc = vadd(acc, e);
+    }
+    sum = vhsum(acc);
+#endif
+    for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+    return sum;
+}
+
+#if CCFT_AVX512 || CCFT_AVX2
 // Columns c .. c + NV VL - 1 of the outputs of KN query heads of one KV head: o_k = inv_k Σ_j e_kj v_j over
 // np prefix values (vp, vstride floats apart) then nt tail values (vt, tstride apart), each value's columns
 // loaded once for the KN heads; e_k: head k's softmax numerators (np + nt of them, width floats apart),
@@ -590,7 +582,7 @@ void ccft_blocks_mlp(int kind_gate, const uint8_t* wg, int kind_up, const uint8_
 // the residual, RMSNorm, the gated MLP from blocks and the residual), in one parallel region: the eager
 // step's per-layer ops (ccft.inference.model.decode_step_eager, rowwise, no adapter) without a Python or
 // dispatcher call per op. Every product and activation is fp32, as in that step (another summation order;
-// the softmax's exp within ~2 ulp of std::exp where the build has AVX2 / AVX-512: exp_neg8, exp_neg16).
+// the softmax's exp within ~2 ulp of std::exp where the build has AVX2 / AVX-512: vexp_neg).
 //
 // dims: L, B, D (hidden), H (query heads), h (KV heads), d (head dim), I (MLP width), p (prefix width).
 // x (B, D): the residual stream, updated in place. cos, sin (B, d): RoPE of each row's position (sin signed).
