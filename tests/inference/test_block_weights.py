@@ -355,6 +355,25 @@ def _assert_steps_close(a, b):
             assert max(abs(x - y) for (_, x), (_, y) in zip(la, lb, strict=True)) < 1e-4
 
 
+def test_decode_step_plan_refuses_head_shapes_the_kernel_cannot_run(block_dir, kernel):
+    """``decode_step_plan`` (the fused step's eligibility) returns a plan for the tiny lane and None for the
+    same lane with a head dim above ``MAX_HEAD_DIM``, more than ``MAX_GROUP`` query heads per KV head, or
+    query heads that are not a multiple of the KV heads (the kernel's fixed buffers, its grouping)."""
+    import dataclasses
+
+    import ccft
+
+    lw = SharedPrefillEngine(ccft.load_base(str(block_dir)), decode="eager").lanes["base"].weights
+    assert B.decode_step_plan(lw) is not None
+    for change in (
+        {"head_dim": B.MAX_HEAD_DIM + 1},
+        {"heads": B.MAX_GROUP + 1, "kv_heads": 1},
+        {"heads": lw.kv_heads * 2 + 1},
+    ):
+        assert B.decode_step_plan(dataclasses.replace(lw, **change)) is None, change
+    assert B.decode_step_plan(dataclasses.replace(lw, heads=B.MAX_GROUP, kv_heads=1)) is not None
+
+
 def _fused_and_loop(base, loras, build, other_kernels, monkeypatch):
     """Two engines computing from ``base``'s blocks: the fused step (on ``build``'s kernel) and the layer
     loop; and the list the fused step's calls are counted in."""
