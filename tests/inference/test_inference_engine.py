@@ -540,3 +540,30 @@ def test_static_inputs_are_one_buffer_copied_in_one_copy():
         assert torch.equal(t, want) and t.untyped_storage().data_ptr() == buffer
     graph_buffers.copy_from(one)
     assert all(torch.equal(x, y) for x, y in zip(graph_buffers.tensors(), one.tensors(), strict=True))
+
+
+def test_prompts_and_generations_past_the_models_positions_are_refused(tiny_base):
+    """``max_positions`` (the base's ``max_position_embeddings``) bounds a row's prompt + ``max_new_tokens``,
+    as vLLM's ``max_model_len`` and ``ccft serve``'s ``context_length_exceeded``: ``prefill`` and
+    ``prefill_cached`` refuse a longer prompt before anything is allocated or computed, ``add_request`` a
+    prompt (with its suffix) + ``max_new_tokens`` beyond it; exactly the limit decodes."""
+    from ccft.serving import PrefixKVStore
+
+    tiny_base.config.max_position_embeddings = 40  # this fresh Base's config only
+    eng = SharedPrefillEngine(tiny_base)
+    assert eng.max_positions == 40
+    ids = list(range(100, 141))  # 41 tokens
+    with pytest.raises(ConfigError, match=r"prompts \[1\] are longer than the base model's 40 positions"):
+        eng.prefill([ids[:30], ids])
+    with pytest.raises(ConfigError, match="the longest has 41 tokens"):
+        eng.prefill_cached(ids, PrefixKVStore(block_tokens=4))
+    assert eng.arena.used_tokens == 0
+    with eng.prefill([ids[:30]]) as h:
+        with pytest.raises(ConfigError, match=r"row 0: a prompt of 30 tokens \+ max_new_tokens=11 is more"):
+            eng.add_request(h, 0, max_new_tokens=11)
+        with pytest.raises(ConfigError, match=r"a prompt of 33 tokens \+ max_new_tokens=8"):
+            eng.add_request(h, 0, suffix_ids=[5, 6, 7], max_new_tokens=8)
+        assert eng.active == 0
+        rid = eng.add_request(h, 0, max_new_tokens=10, ignore_eos=True)  # 30 + 10: exactly the limit
+        done = [o for _ in range(10) for o in eng.step() if o.finished]
+        assert [o.request_id for o in done] == [rid] and len(done[0].generation.token_ids) == 10

@@ -432,7 +432,8 @@ class SharedPrefillEngine:
         Returns:
             a ``PrefixHandle`` (release it, or use it as a context manager).
         Raises:
-            ConfigError: no prompt, a prompt shorter than k+1 tokens, k < 1, an unknown producer.
+            ConfigError: no prompt, a prompt shorter than k+1 tokens or longer than ``max_positions``, k < 1,
+                an unknown producer.
             CapacityError: the arena is full (``max_prefix_tokens``).
         """
         k = self._registry.handoff(handoff_tokens, producer)
@@ -600,6 +601,15 @@ class SharedPrefillEngine:
         producer_key: str | None = None,
         prefix_ids: list[list[int]] | None = None,
     ) -> PrefixHandle:
+        limit = self.max_positions
+        if limit is not None:
+            over = [i for i, n in enumerate(lengths) if n + k > limit]
+            if over:
+                raise ConfigError(
+                    f"prompts {over} are longer than the base model's {limit} positions "
+                    f"(config.max_position_embeddings; the longest has {max(lengths[i] for i in over) + k} "
+                    "tokens); shorten them"
+                )
         start = self.arena.allocate(len(lengths) * width)
         return PrefixHandle(
             self,
@@ -905,7 +915,8 @@ class SharedPrefillEngine:
             the request id.
         Raises:
             CapacityError: no free slot (``max_batch``) or ``k + max_new_tokens > max_tail_tokens``.
-            ConfigError: a released or foreign handle, an unknown decoder, a row out of range, a
+            ConfigError: a released or foreign handle, an unknown decoder, a row out of range, the row's
+                prompt (prefix + handoff + ``suffix_ids``) + ``max_new_tokens`` beyond ``max_positions``, a
                 decoder trained with another k, ``max_new_tokens`` < 1 or beyond the forced tokens, forced
                 ids outside the vocabulary, a
                 packed full-weight decoder edited in place since registration.
@@ -939,6 +950,14 @@ class SharedPrefillEngine:
         if logprobs is not None and not 0 <= int(logprobs) <= entry.lane.weights.embed.shape[0]:
             raise ConfigError(
                 f"logprobs={logprobs}; it must be in 0..{entry.lane.weights.embed.shape[0]} (or None)"
+            )
+        limit = self.max_positions
+        prompt = handle.lengths[row] + len(handle.tail_ids[row]) + len(suffix_ids or [])
+        if limit is not None and prompt + max_new_tokens > limit:
+            raise ConfigError(
+                f"row {row}: a prompt of {prompt} tokens + max_new_tokens={max_new_tokens} is more than the "
+                f"base model's {limit} positions (config.max_position_embeddings); lower max_new_tokens or "
+                "shorten the prompt"
             )
         lane = entry.lane
         if len(lane.rows) >= self.max_batch:
@@ -1003,6 +1022,15 @@ class SharedPrefillEngine:
     def active(self) -> int:
         """Number of active requests."""
         return len(self._requests)
+
+    @property
+    def max_positions(self) -> int | None:
+        """The base model's positions (``config.max_position_embeddings``): the most tokens one row's prompt
+        and generation may span together (``prefill`` and ``add_request`` refuse more, as vLLM's
+        ``max_model_len``; ``ccft serve`` answers ``context_length_exceeded``). None when the config names
+        none (no limit is checked)."""
+        limit = getattr(getattr(self.base, "config", None), "max_position_embeddings", None)
+        return None if limit is None else int(limit)
 
     def free_slots(self, decoder: str = BASE) -> int:
         """How many more requests ``decoder``'s lane can take now."""

@@ -612,9 +612,8 @@ def create_app(
             f"served_model_names: {unknown or 'none'} are not decoders of the engine; registered: "
             f"{', '.join(engine.decoders)}"
         )
-    if max_model_len is None:
-        cfg = getattr(getattr(engine, "base", None), "config", None)
-        max_model_len = getattr(cfg, "max_position_embeddings", None)
+    if max_model_len is None:  # the engine's own bound (SharedPrefillEngine.max_positions)
+        max_model_len = getattr(engine, "max_positions", None)
     state = ServerState(
         scheduler,
         tokenizer,
