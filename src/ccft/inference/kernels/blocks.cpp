@@ -485,16 +485,10 @@ inline void attend_values(const float* e, int64_t width, const float* inv, int64
 #endif
     for (int64_t k = 0; k < G; ++k) {
         float* ok = o + k * d;
-        const float* ek = e + k * width;
         for (int64_t c = 0; c < d; ++c) ok[c] = 0.0f;
-        for (int64_t j = 0; j < np; ++j) {
-            const float w = ek[j] * inv[k];
-            const float* vv = vp + j * vstride;
-            for (int64_t c = 0; c < d; ++c) ok[c] += w * vv[c];
-        }
-        for (int64_t j = 0; j < nt; ++j) {
-            const float w = ek[np + j] * inv[k];
-            const float* vv = vt + j * tstride;
+        for (int64_t j = 0; j < np + nt; ++j) {  // the prefix values, then the tail's
+            const float w = e[k * width + j] * inv[k];
+            const float* vv = j < np ? vp + j * vstride : vt + (j - np) * tstride;
             for (int64_t c = 0; c < d; ++c) ok[c] += w * vv[c];
         }
     }
@@ -687,13 +681,12 @@ void ccft_blocks_decode_step(int64_t L, int64_t B, int64_t D, int64_t H, int64_t
             const float* q0 = qkv + r * nqkv + head0 * d;  // the task's query heads, d apart
             float* s0 = scores + (r * H + head0) * width;  // their scores, width apart
             float* o0 = att + r * nq + head0 * d;          // their outputs, d apart
-            for (int64_t j = 0; j < np; ++j) {
-                const float* key = kr + j * st[2];
-                for (int64_t k = 0; k < per; ++k) s0[k * width + j] = dot_f32(q0 + k * d, key, d) * scale;
-            }
-            for (int64_t j = 0; j < nt; ++j) {
-                const float* key = kt + j * ps;
-                for (int64_t k = 0; k < per; ++k) s0[k * width + np + j] = dot_f32(q0 + k * d, key, d) * scale;
+            for (int part = 0; part < 2; ++part) {  // the prefix keys, then the tail's
+                const float* keys = part == 0 ? kr : kt;
+                const int64_t n = part == 0 ? np : nt, stride = part == 0 ? st[2] : ps, off = part == 0 ? 0 : np;
+                for (int64_t j = 0; j < n; ++j)
+                    for (int64_t k = 0; k < per; ++k)
+                        s0[k * width + off + j] = dot_f32(q0 + k * d, keys + j * stride, d) * scale;
             }
             float inv[MAX_GROUP];
             for (int64_t k = 0; k < per; ++k) inv[k] = 1.0f / softmax_numerators(s0 + k * width, np + nt);
