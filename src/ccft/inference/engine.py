@@ -68,6 +68,7 @@ from ccft.core.text import StopMatcher
 from ccft.core.tokens import left_pad, pad_token_id
 from ccft.inference import model as M
 from ccft.inference import planner
+from ccft.inference.architectures import architecture
 from ccft.inference.blocks import use_block_weights
 from ccft.inference.graphs import GRAPH_MODES
 from ccft.inference.handles import BASE, CompactHandle, OwnPrefix, PrefixHandle
@@ -83,7 +84,7 @@ from ccft.inference.prefill import (
 )
 from ccft.inference.reload import StagedReload, apply_reload, stage_reload
 from ccft.inference.requests import Request, StepError, StepOutput, choose_tokens, token_logprobs
-from ccft.inference.weights import check_supported, lane_weights
+from ccft.inference.weights import lane_weights
 
 
 def _inference(fn):
@@ -231,7 +232,7 @@ class SharedPrefillEngine:
     ):
         self.base = base
         self.tokenizer = base.tokenizer
-        check_supported(base.config)
+        self._arch = architecture(base.config)  # refuses an unsupported family by name, before anything loads
         device = base.device
         self.device = device
         if decode == "auto":
@@ -607,7 +608,7 @@ class SharedPrefillEngine:
             if over:
                 raise ConfigError(
                     f"prompts {over} are longer than the base model's {limit} positions "
-                    f"(config.max_position_embeddings; the longest has {max(lengths[i] for i in over) + k} "
+                    f"({self._limit_field}; the longest has {max(lengths[i] for i in over) + k} "
                     "tokens); shorten them"
                 )
         start = self.arena.allocate(len(lengths) * width)
@@ -956,7 +957,7 @@ class SharedPrefillEngine:
         if limit is not None and prompt + max_new_tokens > limit:
             raise ConfigError(
                 f"row {row}: a prompt of {prompt} tokens + max_new_tokens={max_new_tokens} is more than the "
-                f"base model's {limit} positions (config.max_position_embeddings); lower max_new_tokens or "
+                f"base model's {limit} positions ({self._limit_field}); lower max_new_tokens or "
                 "shorten the prompt"
             )
         lane = entry.lane
@@ -1025,12 +1026,17 @@ class SharedPrefillEngine:
 
     @property
     def max_positions(self) -> int | None:
-        """The base model's positions (``config.max_position_embeddings``): the most tokens one row's prompt
-        and generation may span together (``prefill`` and ``add_request`` refuse more, as vLLM's
-        ``max_model_len``; ``ccft serve`` answers ``context_length_exceeded``). None when the config names
-        none (no limit is checked)."""
-        limit = getattr(getattr(self.base, "config", None), "max_position_embeddings", None)
-        return None if limit is None else int(limit)
+        """The base model's positions: the most tokens one row's prompt and generation may span together
+        (``prefill`` and ``add_request`` refuse more, as vLLM's ``max_model_len``; ``ccft serve`` answers
+        ``context_length_exceeded``): ``config.max_position_embeddings``, or less where the engine's
+        forward is exact only below a smaller bound (``sliding_window``, longrope's
+        ``original_max_position_embeddings``; ``architectures.Architecture.max_positions``). None when the
+        config names none (no limit is checked)."""
+        return self._arch.max_positions
+
+    @property
+    def _limit_field(self) -> str:
+        return f"config.{self._arch.max_positions_field}"
 
     def free_slots(self, decoder: str = BASE) -> int:
         """How many more requests ``decoder``'s lane can take now."""

@@ -1,8 +1,10 @@
-"""The engine's own Llama forward over ``LaneWeights``: prefill, extend, and ``decode_one_token``.
+"""The engine's own decoder forward over ``LaneWeights``: prefill, extend, and ``decode_one_token``.
 
-Same arithmetic as ``transformers``' Llama (RMSNorm in fp32, RoPE from the model's rotary module,
-SiLU-gated MLP, PEFT's ``W x + B (A x) * scaling``), but with the KV written into static buffers at
-explicit positions and the decode attention split at the shared prefix (``attention.py``).
+Same arithmetic as ``transformers``' forward of each supported family (RMSNorm in fp32, RoPE from the
+model's rotary module, gated MLP, PEFT's ``W x + B (A x) * scaling``; the family's switches,
+``architectures.Architecture``, are read in ``_embed``, ``_qkv``, ``_attn_out``, ``_mlp`` and ``logits_of``),
+but with the KV written into static buffers at explicit positions and the decode attention split at the
+shared prefix (``attention.py``).
 
 * ``prefill``: the base (no adapter) over a left-padded batch of prefixes, K/V written straight
   into the handle's arena region (pad slots zeroed).
@@ -38,20 +40,41 @@ from ccft.inference.blocks import decode_step_layers, fused_mlp
 from ccft.inference.weights import Adapter, LaneWeights, Linear
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm: ``weight * (x * rsqrt(mean(x²) + eps))``, statistics in fp32."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_product: bool = False) -> torch.Tensor:
+    """RMSNorm, statistics in fp32: llama's ``weight * (x̂).to(dtype)``, or with ``fp32_product`` gemma's
+    ``(x̂ · weight).to(dtype)`` (``weight`` there is gemma's ``1 + w`` in fp32, ``weights._norm_scale``)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return torch.rms_norm(x, weight.shape, weight, eps)  # same arithmetic, fewer Python layers
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if fp32_product:
+        return (h * weight).to(dtype)
     return weight * h.to(dtype)
+
+
+def _norm(lw: LaneWeights, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x, weight, lw.eps, lw.arch.family.norm_offset != 0.0)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin == roll(x, d/2) * sin_signed``
-    (``sin_signed``: sin with its first half negated); bit-identical to transformers' RoPE."""
+    (``sin_signed``: sin with its first half negated); bit-identical to transformers' RoPE. Where ``cos``
+    spans fewer dimensions than ``x`` (partial RoPE, phi3), the leading ones are rotated and the rest pass."""
+    rd = cos.shape[-1]
+    if rd != x.shape[-1]:
+        rot = x[..., :rd]
+        return torch.cat([rot * cos + torch.roll(rot, rd // 2, dims=-1) * sin_signed, x[..., rd:]], dim=-1)
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def _embed(lw: LaneWeights, ids: torch.Tensor) -> torch.Tensor:
+    """Token embeddings ``(..., D)``; gemma's are multiplied by ``sqrt(D)`` in the model dtype."""
+    x = F.embedding(ids, lw.embed)
+    scale = lw.embed_scale
+    if scale is not None:
+        x = x * torch.tensor(scale, dtype=x.dtype, device=x.device)
+    return x
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -118,14 +141,30 @@ def _adapts(lora: LoraPlan, layer: int, names: tuple[str, ...]) -> bool:
     return any(n in a.layers[layer] for a, _ in lora.entries for n in names)
 
 
+def _act(lw: LaneWeights, x: torch.Tensor) -> torch.Tensor:
+    if lw.arch.activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.silu(x)
+
+
 def _mlp(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan) -> torch.Tensor:
-    """``x + down(silu(gate(h)) * up(h))``, h = RMSNorm(x); fused oneDNN calls (or one block-kernel call, when
-    gate and up are block weights) where no adapter intervenes."""
+    """``x + down(act(gate(h)) * up(h))``, h = RMSNorm(x) (gemma: ``x + norm(down(...))``); fused oneDNN calls
+    (or one block-kernel call, when gate and up are block weights) where no adapter intervenes and the
+    activation is SiLU."""
     layer = lw.layers[i]
-    h = rms_norm(x, layer.mlp_norm, lw.eps)
+    h = _norm(lw, x, layer.mlp_norm)
     p = layer.proj
     g, u = p["gate_proj"], p["up_proj"]
-    if (
+    if lw.arch.activation != "silu":
+        if layer.gate_up is not None:
+            gu = layer.gate_up(h)
+            inter = gu.shape[-1] // 2
+            _lora_into(gu, h, "gate_proj", i, lora, 0)
+            _lora_into(gu, h, "up_proj", i, lora, inter)
+            act = _act(lw, gu[..., :inter]) * gu[..., inter:]
+        else:
+            act = _act(lw, project(h, g, "gate_proj", i, lora)) * project(h, u, "up_proj", i, lora)
+    elif (
         g.blocks is not None
         and u.blocks is not None
         and g.bias is None
@@ -145,7 +184,19 @@ def _mlp(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan) -> torch.Tens
         act = F.silu(project(h, p["gate_proj"], "gate_proj", i, lora)) * project(
             h, p["up_proj"], "up_proj", i, lora
         )
+    if layer.post_mlp_norm is not None:
+        return x + _norm(lw, project(act, p["down_proj"], "down_proj", i, lora), layer.post_mlp_norm)
     return _residual(x, act, p["down_proj"], "down_proj", i, lora)
+
+
+def _attn_out(x: torch.Tensor, o: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan) -> torch.Tensor:
+    """``x + o_proj(o)`` (gemma: ``x + norm(o_proj(o))``), the adapters' deltas of o_proj included; ``o``:
+    the attention's output ``(..., H d)``."""
+    layer = lw.layers[i]
+    lin = layer.proj["o_proj"]
+    if layer.post_attn_norm is not None:
+        return x + _norm(lw, project(o, lin, "o_proj", i, lora), layer.post_attn_norm)
+    return _residual(x, o, lin, "o_proj", i, lora)
 
 
 def _residual(
@@ -158,10 +209,12 @@ def _residual(
     return y
 
 
-def _qkv(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan, cos, sin):
-    """Normed input -> q ``(..., H, d)``, k, v ``(..., h, d)`` with RoPE applied to q and k."""
+def _qkv(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan, rope_tables):
+    """Normed input -> q ``(..., H, d)``, k, v ``(..., h, d)`` with RoPE applied to q and k (qwen3 / gemma3:
+    after their per-head norms). ``rope_tables``: ``_cos_sin``'s, one (cos, sin) per RoPE of the model."""
     layer = lw.layers[i]
-    h = rms_norm(x, layer.attn_norm, lw.eps)
+    cos, sin = rope_tables[lw.arch.rope_index(i)] if len(rope_tables) > 1 else rope_tables[0]
+    h = _norm(lw, x, layer.attn_norm)
     lead = x.shape[:-1]
     if layer.qkv is not None:
         nq, nk = lw.heads * lw.head_dim, lw.kv_heads * lw.head_dim
@@ -169,29 +222,46 @@ def _qkv(x: torch.Tensor, lw: LaneWeights, i: int, lora: LoraPlan, cos, sin):
         _lora_into(y, h, "q_proj", i, lora, 0)
         _lora_into(y, h, "k_proj", i, lora, nq)
         _lora_into(y, h, "v_proj", i, lora, nq + nk)
-        qk = rope(y[..., : nq + nk].view(*lead, lw.heads + lw.kv_heads, lw.head_dim), cos, sin)
         v = y[..., nq + nk :].view(*lead, lw.kv_heads, lw.head_dim)
-        return qk[..., : lw.heads, :], qk[..., lw.heads :, :], v
-    p = layer.proj
-    q = project(h, p["q_proj"], "q_proj", i, lora).view(*lead, lw.heads, lw.head_dim)
-    k = project(h, p["k_proj"], "k_proj", i, lora).view(*lead, lw.kv_heads, lw.head_dim)
-    v = project(h, p["v_proj"], "v_proj", i, lora).view(*lead, lw.kv_heads, lw.head_dim)
+        if layer.q_norm is None:
+            qk = rope(y[..., : nq + nk].view(*lead, lw.heads + lw.kv_heads, lw.head_dim), cos, sin)
+            return qk[..., : lw.heads, :], qk[..., lw.heads :, :], v
+        q = y[..., :nq].view(*lead, lw.heads, lw.head_dim)
+        k = y[..., nq : nq + nk].view(*lead, lw.kv_heads, lw.head_dim)
+    else:
+        p = layer.proj
+        q = project(h, p["q_proj"], "q_proj", i, lora).view(*lead, lw.heads, lw.head_dim)
+        k = project(h, p["k_proj"], "k_proj", i, lora).view(*lead, lw.kv_heads, lw.head_dim)
+        v = project(h, p["v_proj"], "v_proj", i, lora).view(*lead, lw.kv_heads, lw.head_dim)
+    if layer.q_norm is not None:
+        q, k = _norm(lw, q, layer.q_norm), _norm(lw, k, layer.k_norm)
     return rope(q, cos, sin), rope(k, cos, sin), v
 
 
-def _cos_sin(lw: LaneWeights, x: torch.Tensor, positions: torch.Tensor):
-    """cos and signed sin (see ``rope``) of ``positions (...)``, shaped ``(..., 1, d)`` (broadcast over
-    heads)."""
+def _cos_sin(
+    lw: LaneWeights, x: torch.Tensor, positions: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per RoPE of the model (``Architecture.rope_types``; one but for gemma3), cos and signed sin (see
+    ``rope``) of ``positions (...)``, shaped ``(..., 1, r)`` (broadcast over heads; r the rotary dims)."""
     flat = positions.reshape(1, -1)
-    cos, sin = lw.rotary(x, flat)
-    shape = (*positions.shape, 1, lw.head_dim)
-    half = lw.head_dim // 2
-    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-    return cos.reshape(shape), sin.reshape(shape)
+    out = []
+    for layer_type in lw.arch.rope_types:
+        cos, sin = lw.rotary(x, flat) if layer_type is None else lw.rotary(x, flat, layer_type)
+        rd = cos.shape[-1]
+        shape = (*positions.shape, 1, rd)
+        half = rd // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        out.append((cos.reshape(shape), sin.reshape(shape)))
+    return out
 
 
 def logits_of(x: torch.Tensor, lw: LaneWeights) -> torch.Tensor:
-    return lw.lm_head(rms_norm(x, lw.norm, lw.eps))
+    """LM-head logits ``(..., V)`` of the last layer's output (gemma2: soft-capped, ``c · tanh(z / c)``)."""
+    z = lw.lm_head(_norm(lw, x, lw.norm))
+    cap = lw.arch.final_softcap
+    if cap is not None:
+        z = torch.tanh(z / cap) * cap
+    return z
 
 
 @torch.no_grad()
@@ -223,12 +293,12 @@ def prefill(
     # A left-pad query sees only itself (finite values; never read: pad keys are masked for real queries
     # and their K/V slots are zeroed below).
     allowed = (causal[None] & real[:, None, :]) | torch.eye(p, dtype=torch.bool, device=ids.device)[None]
-    x = F.embedding(ids, lw.embed)
-    cos, sin = _cos_sin(lw, x, positions)
+    x = _embed(lw, ids)
+    rt = _cos_sin(lw, x, positions)
     allowed = additive_mask(allowed[:, None], x.dtype)
     pad = ~real[:, None, :, None]
     for i in range(n_layers):
-        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, p, H|h, d)
+        q, k, v = _qkv(x, lw, i, lora, rt)  # (b, p, H|h, d)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         write_k(i).copy_(k.masked_fill(pad, 0.0))
         write_v(i).copy_(v.masked_fill(pad, 0.0))
@@ -237,7 +307,7 @@ def prefill(
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=lw.scale, enable_gqa=lw.heads != lw.kv_heads
         )
-        x = _residual(x, o.transpose(1, 2).reshape(b, p, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _attn_out(x, o.transpose(1, 2).reshape(b, p, -1), lw, i, lora)
         x = _mlp(x, lw, i, lora)
 
 
@@ -270,11 +340,11 @@ def _tail_layers(
     ``on_kv(i, k, v)`` (each layer's new K/V, ``(b, t, h, d)``), only the K/V: the last layer's attention and
     MLP are skipped and None is returned."""
     b, t = tail_ids.shape
-    x = F.embedding(tail_ids, lw.embed)
-    cos, sin = _cos_sin(lw, x, positions)
+    x = _embed(lw, tail_ids)
+    rt = _cos_sin(lw, x, positions)
     allowed = additive_mask(allowed, x.dtype)
     for i in range(lw.num_layers):
-        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (b, t, H|h, d)
+        q, k, v = _qkv(x, lw, i, lora, rt)  # (b, t, H|h, d)
         if on_kv is not None:
             on_kv(i, k, v)
             if i == lw.num_layers - 1:
@@ -289,7 +359,7 @@ def _tail_layers(
             scale=lw.scale,
             enable_gqa=lw.heads != lw.kv_heads,
         )
-        x = _residual(x, o.transpose(1, 2).reshape(b, t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _attn_out(x, o.transpose(1, 2).reshape(b, t, -1), lw, i, lora)
         x = _mlp(x, lw, i, lora)
     return x
 
@@ -357,12 +427,12 @@ def extend(
     n_layers = lw.num_layers if layers is None or logits else int(layers)
     t = tokens.shape[0]
     positions = start_position + torch.arange(t, device=tokens.device)
-    x = F.embedding(tokens, lw.embed)
-    cos, sin = _cos_sin(lw, x, positions)
+    x = _embed(lw, tokens)
+    rt = _cos_sin(lw, x, positions)
     end = tail_start + t
     allowed = None
     for i in range(n_layers):
-        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (t, H|h, d)
+        q, k, v = _qkv(x, lw, i, lora, rt)  # (t, H|h, d)
         tail_k[i, :, tail_start:end] = k.transpose(0, 1)
         tail_v[i, :, tail_start:end] = v.transpose(0, 1)
         if not logits and i == n_layers - 1:
@@ -389,7 +459,7 @@ def extend(
             scale=lw.scale,
             enable_gqa=lw.heads != lw.kv_heads,
         )
-        x = _residual(x, o[0].transpose(0, 1).reshape(t, -1), lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _attn_out(x, o[0].transpose(0, 1).reshape(t, -1), lw, i, lora)
         x = _mlp(x, lw, i, lora)
     return logits_of(x, lw)
 
@@ -562,8 +632,8 @@ def decode_step_eager(
     """
     b = tokens.shape[0]
     rows = torch.arange(b, device=tokens.device)
-    x = F.embedding(tokens, lw.embed)
-    cos, sin = _cos_sin(lw, x, positions)
+    x = _embed(lw, tokens)
+    rt = _cos_sin(lw, x, positions)
     g = groups[0]
     rowwise = len(groups) == 1 and g.rows is None and g.offset == 0 and g.key_start.shape[0] == b
     step = lw.block_step
@@ -578,8 +648,8 @@ def decode_step_eager(
             out = decode_step_layers(
                 step,
                 x,
-                cos,
-                sin,
+                rt[0][0],
+                rt[0][1],
                 prefix_k,
                 prefix_v,
                 g.key_start if rowwise else g.key_start.index_select(0, prefix_row),
@@ -602,7 +672,7 @@ def decode_step_eager(
             dim=-1,
         )
     for i in range(lw.num_layers):
-        q, k, v = _qkv(x, lw, i, lora, cos, sin)  # (B, H|h, d)
+        q, k, v = _qkv(x, lw, i, lora, rt)  # (B, H|h, d)
         pool_k[i, rows, :, write_pos] = k
         pool_v[i, rows, :, write_pos] = v
         kt, vt = pool_k[i, :b, :, :tail_width], pool_v[i, :b, :, :tail_width]
@@ -613,7 +683,7 @@ def decode_step_eager(
             o_t, lse_t = tail_attention(q, kt, vt, tail_len, lw.scale)
             o_p, lse_p = prefix_attention_grouped(q, groups, i, lw.scale)
             o = merge(o_p, lse_p, o_t, lse_t).to(x.dtype).reshape(b, -1)
-        x = _residual(x, o, lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _attn_out(x, o, lw, i, lora)
         x = _mlp(x, lw, i, lora)
     return logits_of(x, lw)
 
@@ -759,10 +829,10 @@ def decode_step_static(
     d = lw.head_dim
     rows = torch.arange(b, device=inp.tokens.device)
     lora = LoraPlan([(a, inp.lora_masks[j]) for j, a in enumerate(lw.adapters)])
-    x = F.embedding(inp.tokens, lw.embed)
-    cos, sin = _cos_sin(lw, x, inp.positions)
+    x = _embed(lw, inp.tokens)
+    rt = _cos_sin(lw, x, inp.positions)
     for i in range(lw.num_layers):
-        q, k, v = _qkv(x, lw, i, lora, cos, sin)
+        q, k, v = _qkv(x, lw, i, lora, rt)
         pool_k[i, rows, :, inp.write_pos] = k
         pool_v[i, rows, :, inp.write_pos] = v
         o_t, lse_t = tail_attention(
@@ -790,7 +860,7 @@ def decode_step_static(
             sel = (inp.depth > i)[:, None]
             o_p, lse_p = torch.where(sel[..., None], o_o, o_p), torch.where(sel, lse_o, lse_p)
         o = merge(o_p, lse_p, o_t, lse_t).to(x.dtype).reshape(b, -1)
-        x = _residual(x, o, lw.layers[i].proj["o_proj"], "o_proj", i, lora)
+        x = _attn_out(x, o, lw, i, lora)
         x = _mlp(x, lw, i, lora)
     return logits_of(x, lw)
 

@@ -1,4 +1,7 @@
-"""The engine's view of a Llama-architecture model: plain tensors, no module calls in the hot loop.
+"""The engine's view of a decoder model: plain tensors, no module calls in the hot loop.
+
+The families it reads (Llama, Mistral, Qwen2/3, Gemma2/3, Phi-3) and what differs between them are
+declared once in ``architectures.py``; ``LaneWeights.arch`` carries the resolved switches.
 
 A *lane* is one set of base weights: the base model together with every LoRA decoder attached
 to it (PEFT adapters on the base's single weight copy), or one full-weight decoder. Nothing is
@@ -17,11 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ccft.core.errors import IncompatibleModelError
+from ccft.inference.architectures import SUPPORTED_MODEL_TYPES, Architecture, architecture
 
-#: the projections a LoRA adapter may target (all Linear layers of a Llama block)
+#: the projections the engine computes per block (a LoRA adapter may target any of them; phi3's fused
+#: ``qkv_proj`` / ``gate_up_proj`` are read as their parts, :data:`FUSED`)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-SUPPORTED_MODEL_TYPES = ("llama",)
+#: a fused projection (phi3) -> the parts it stacks, in row order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 try:  # bound once: the op lookup costs more than the call on a decode step's small matrices
@@ -103,11 +109,18 @@ def prepack(lin: Linear) -> Linear:
 
 @dataclass
 class LayerWeights:
+    """One block's weights. Norm weights are the scale each norm multiplies by (gemma's ``1 + w``, made once
+    in fp32 when the lane is built; llama's ``w`` itself)."""
+
     attn_norm: torch.Tensor  # (D,)
-    mlp_norm: torch.Tensor  # (D,)
+    mlp_norm: torch.Tensor  # (D,) the MLP's input norm (gemma: pre_feedforward_layernorm)
     proj: dict[str, Linear]  # PROJECTIONS -> Linear
     qkv: Linear | None = None  # packed [q; k; v] ((H + 2h) d, D), when the lane is packed
     gate_up: Linear | None = None  # packed [gate; up] (2 I, D), when the lane is packed
+    q_norm: torch.Tensor | None = None  # (d,) per-head norm of q (qwen3, gemma3)
+    k_norm: torch.Tensor | None = None  # (d,) per-head norm of k
+    post_attn_norm: torch.Tensor | None = None  # (D,) norm of the attention output (gemma)
+    post_mlp_norm: torch.Tensor | None = None  # (D,) norm of the MLP output (gemma)
 
 
 @dataclass
@@ -136,9 +149,11 @@ class LaneWeights:
     Attributes:
         embed: ``(V, D)`` token embedding.  lm_head: ``(V, D)`` (tied models: the same tensor).
         layers: per-layer norms and projections.  norm: ``(D,)`` final RMSNorm.
-        rotary: the model's own rotary-embedding module (``cos, sin = rotary(x, positions)``),
-            so every RoPE variant the model supports is reproduced exactly.
+        rotary: the model's own rotary-embedding module (``cos, sin = rotary(x, positions)``; gemma3:
+            ``rotary(x, positions, layer_type)``), so every RoPE variant the model supports is reproduced
+            exactly (cos / sin span the rotary part of a head: ``d`` or, partial RoPE, fewer).
         eps: RMSNorm epsilon.  heads, kv_heads, head_dim, hidden: attention geometry.
+        arch: the family's switches (``architectures.Architecture``).
         adapters: LoRA adapters on this lane, in registration order (index = adapter id).
         block_step: the fused decode step's plan (``blocks.decode_step_plan``: every layer in one kernel call,
             from the blocks or the fp32 weights) of an fp32 CPU lane (set by ``pack``), else None.
@@ -155,6 +170,7 @@ class LaneWeights:
     head_dim: int
     hidden: int
     owner: torch.nn.Module
+    arch: Architecture
     adapters: list[Adapter] = field(default_factory=list)
     block_step: object | None = None
 
@@ -172,7 +188,13 @@ class LaneWeights:
 
     @property
     def scale(self) -> float:
-        return self.head_dim**-0.5
+        """The attention's softmax scale (``head_dim^-1/2``; gemma: ``query_pre_attn_scalar^-1/2``)."""
+        return self.arch.attn_scale
+
+    @property
+    def embed_scale(self) -> float | None:
+        """The factor embeddings are multiplied by (gemma: ``sqrt(hidden)``), else None."""
+        return self.hidden**0.5 if self.arch.family.embed_scale else None
 
     def adapter_index(self, name: str) -> int:
         for i, a in enumerate(self.adapters):
@@ -233,39 +255,23 @@ def pack(lw: LaneWeights) -> LaneWeights:
 
 
 def _causal_lm_parts(model: torch.nn.Module):
-    """(causal LM, its inner LlamaModel) for a PreTrainedModel or a PeftModel wrapping one."""
+    """(causal LM, its inner decoder model) for a PreTrainedModel or a PeftModel wrapping one."""
     lm = model
     if hasattr(lm, "get_base_model"):
         lm = lm.get_base_model()
     inner = getattr(lm, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(lm, "lm_head"):
         raise IncompatibleModelError(
-            f"{type(lm).__name__} is not a Llama-style causal LM (model.layers, lm_head); "
-            "the engine supports Llama-architecture models; use ccft.generate for others"
+            f"{type(lm).__name__} is not a decoder-only causal LM (model.layers, lm_head); the engine "
+            f"supports {', '.join(SUPPORTED_MODEL_TYPES)}; use ccft.generate for others"
         )
     return lm, inner
 
 
 def check_supported(config) -> None:
-    """Raise IncompatibleModelError unless the engine's own forward reproduces this architecture exactly."""
-    problems = []
-    mtype = getattr(config, "model_type", None)
-    if mtype not in SUPPORTED_MODEL_TYPES:
-        problems.append(f"model_type={mtype!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={config.hidden_act!r} (supported: silu)")
-    if getattr(config, "pretraining_tp", 1) not in (1, None):
-        problems.append(f"pretraining_tp={config.pretraining_tp}")
-    rope = getattr(config, "rope_parameters", None) or {}
-    rtype = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if "dynamic" in str(rtype) or "longrope" in str(rtype):
-        problems.append(f"rope_type={rtype!r} (its frequencies depend on the sequence length)")
-    if problems:
-        raise IncompatibleModelError(
-            "the inference engine cannot run this model: "
-            + "; ".join(problems)
-            + ". Use ccft.generate (the reference path) instead."
-        )
+    """Raise IncompatibleModelError unless the engine's own forward reproduces this architecture exactly
+    (``architectures.architecture``: the family and every field it refuses, by name)."""
+    architecture(config)
 
 
 def _base_linear(module: torch.nn.Module) -> Linear:
@@ -275,55 +281,113 @@ def _base_linear(module: torch.nn.Module) -> Linear:
     return Linear(layer.weight, layer.bias)
 
 
+def _norm_scale(module: torch.nn.Module, offset: float) -> torch.Tensor:
+    """The scale a norm module multiplies by: its weight (llama), or ``offset + w`` in fp32 (gemma's
+    ``(1 + w.float())``, made once: a snapshot, as ``pack``'s copies are)."""
+    w = module.weight
+    return w if not offset else (offset + w.detach().float()).contiguous()
+
+
+def _module_projections(block, arch: Architecture, i: int) -> dict[str, torch.nn.Module]:
+    """``name -> module`` of the block's projections (phi3: the fused modules under their own names)."""
+    attn, mlp = block.self_attn, block.mlp
+    if arch.family.fused_projections:
+        return {
+            "qkv_proj": attn.qkv_proj,
+            "o_proj": attn.o_proj,
+            "gate_up_proj": mlp.gate_up_proj,
+            "down_proj": mlp.down_proj,
+        }
+    return {name: getattr(attn if name in _ATTN else mlp, name) for name in PROJECTIONS}
+
+
+def _split_rows(lin: Linear, sizes: list[int]) -> list[Linear]:
+    """A fused projection's parts as row views of its weight (and bias): no copy."""
+    ws = torch.split(lin.weight, sizes, dim=0)
+    bs = torch.split(lin.bias, sizes, dim=0) if lin.bias is not None else [None] * len(sizes)
+    return [Linear(w, b) for w, b in zip(ws, bs, strict=True)]
+
+
+def _part_sizes(name: str, heads: int, kv_heads: int, head_dim: int, inter: int) -> list[int]:
+    if name == "qkv_proj":
+        return [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    return [inter, inter]
+
+
 def lane_weights(model: torch.nn.Module, *, allow_adapters: bool = True) -> LaneWeights:
     """References to ``model``'s weights (base weights of PEFT-wrapped projections; no copy).
 
     Args:
         allow_adapters: False for a full-weight decoder, whose forward must be its weights alone.
     Raises:
-        IncompatibleModelError: not a supported Llama-architecture model, LoRA merged into the weights,
-            or LoRA layers inside a full-weight decoder.
+        IncompatibleModelError: not a supported family (``architectures.architecture``), LoRA merged into the
+            weights, or LoRA layers inside a full-weight decoder.
     """
     lm, inner = _causal_lm_parts(model)
     config = lm.config
-    check_supported(config)
+    arch = architecture(config)
+    fam = arch.family
     if not allow_adapters and any(len(getattr(m, "lora_A", {})) for m in lm.modules()):
         raise IncompatibleModelError(
             "this full-weight decoder contains LoRA layers (e.g. it was copied from a base that already had "
             "adapters attached); merge them (merge_and_unload) or create the full decoder before "
             "attaching LoRA"
         )
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    inter = config.intermediate_size
+    off = fam.norm_offset
     layers = []
     for i, block in enumerate(inner.layers):
-        attn, mlp = block.self_attn, block.mlp
         proj = {}
-        for name in PROJECTIONS:
-            mod = getattr(attn if name in _ATTN else mlp, name)
+        for name, mod in _module_projections(block, arch, i).items():
             if getattr(mod, "merged", False):
                 raise IncompatibleModelError(
                     f"layer {i} {name}: a LoRA adapter is merged into the base weights; "
                     "unmerge it (model.unmerge_adapter()) so the base weights are θ_base"
                 )
-            proj[name] = _base_linear(mod)
-        layers.append(LayerWeights(block.input_layernorm.weight, block.post_attention_layernorm.weight, proj))
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            lin = _base_linear(mod)
+            if name in FUSED:
+                parts = _split_rows(lin, _part_sizes(name, heads, kv_heads, head_dim, inter))
+                proj.update(zip(FUSED[name], parts, strict=True))
+            else:
+                proj[name] = lin
+        attn = block.self_attn
+        mlp_in = block.pre_feedforward_layernorm if fam.sandwich_norms else block.post_attention_layernorm
+        layers.append(
+            LayerWeights(
+                _norm_scale(block.input_layernorm, off),
+                _norm_scale(mlp_in, off),
+                proj,
+                q_norm=_norm_scale(attn.q_norm, off) if fam.qk_norm else None,
+                k_norm=_norm_scale(attn.k_norm, off) if fam.qk_norm else None,
+                post_attn_norm=_norm_scale(block.post_attention_layernorm, off)
+                if fam.sandwich_norms
+                else None,
+                post_mlp_norm=_norm_scale(block.post_feedforward_layernorm, off)
+                if fam.sandwich_norms
+                else None,
+            )
+        )
     lm_head = lm.lm_head
     if hasattr(lm_head, "get_base_layer"):
         lm_head = lm_head.get_base_layer()
+    norm = inner.norm
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     return LaneWeights(
         embed=_embedding_weight(inner.embed_tokens),
         layers=layers,
-        norm=inner.norm.weight,
+        norm=_norm_scale(norm, off),
         lm_head=Linear(lm_head.weight, lm_head.bias),
         rotary=inner.rotary_emb,
-        eps=float(getattr(inner.norm, "variance_epsilon", getattr(config, "rms_norm_eps", 1e-6))),
+        eps=float(eps if eps is not None else getattr(config, "rms_norm_eps", 1e-6)),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
         hidden=config.hidden_size,
         owner=lm,
+        arch=arch,
     )
 
 
@@ -333,13 +397,22 @@ def _embedding_weight(module) -> torch.Tensor:
 
 
 def lora_adapter(model: torch.nn.Module, adapter_name: str) -> Adapter:
-    """The LoRA weights of adapter ``adapter_name`` on a PEFT-wrapped Llama (references, no copy).
+    """The LoRA weights of adapter ``adapter_name`` on a PEFT-wrapped decoder (references, no copy).
+
+    On a fused projection (phi3's ``qkv_proj``, ``gate_up_proj``) the adapter's ``B (A x)`` is read as one
+    adapter per part: the same ``A`` and the rows of ``B`` of that part (views), so each part's delta is
+    exactly the fused delta's rows.
 
     Raises:
         IncompatibleModelError: a LoRA variant the engine does not reproduce (DoRA, LoRA bias, adapted
             embeddings or lm_head, modules_to_save), or an adapter that adapts nothing.
     """
     lm, inner = _causal_lm_parts(model)
+    arch = architecture(lm.config)
+    config = lm.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     for label, mod in (("embed_tokens", inner.embed_tokens), ("lm_head", lm.lm_head)):
         if adapter_name in getattr(mod, "lora_A", {}) or adapter_name in getattr(mod, "lora_embedding_A", {}):
             raise IncompatibleModelError(
@@ -354,8 +427,7 @@ def lora_adapter(model: torch.nn.Module, adapter_name: str) -> Adapter:
     layers, found = [], 0
     for i, block in enumerate(inner.layers):
         per = {}
-        for name in PROJECTIONS:
-            mod = getattr(block.self_attn if name in _ATTN else block.mlp, name)
+        for name, mod in _module_projections(block, arch, i).items():
             lora_a = getattr(mod, "lora_A", None)
             if lora_a is None or adapter_name not in lora_a:
                 continue
@@ -371,7 +443,13 @@ def lora_adapter(model: torch.nn.Module, adapter_name: str) -> Adapter:
                 raise IncompatibleModelError(
                     f"adapter {adapter_name!r} has lora_bias; not supported by the engine"
                 )
-            per[name] = LoraWeights(lora_a[adapter_name].weight, b.weight, float(mod.scaling[adapter_name]))
+            a, scaling = lora_a[adapter_name].weight, float(mod.scaling[adapter_name])
+            if name in FUSED:
+                sizes = _part_sizes(name, heads, kv_heads, head_dim, config.intermediate_size)
+                for part, rows in zip(FUSED[name], torch.split(b.weight, sizes, dim=0), strict=True):
+                    per[part] = LoraWeights(a, rows, scaling)
+            else:
+                per[name] = LoraWeights(a, b.weight, scaling)
             found += 1
         layers.append(per)
     if not found:
@@ -415,6 +493,8 @@ __all__ = [
     "cast_adapter",
     "adapter_tensors",
     "check_supported",
+    "SUPPORTED_MODEL_TYPES",
+    "FUSED",
     "pack",
     "prepack",
     "onednn_available",
