@@ -294,10 +294,16 @@ def prefill_tensors(
     # Only the K/V are kept: compute the LM head for one position, not the whole prefix (≈20% of a
     # small model's prefill FLOPs are in the vocabulary projection).
     extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    # A plain DynamicCache (full layers): a model with sliding-window layers (mistral, gemma, qwen's
+    # use_sliding_window) would otherwise make its own cache from its config, whose sliding layers keep only
+    # the last ``sliding_window - 1`` K/V of a longer prefix. C_base holds every prefix position; the window
+    # is the readers' attention mask (transformers builds it from the positions), as in one forward.
+    cache = DynamicCache()
+    extra[cache_kwarg(model)] = cache
     out = model(
         input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=positions, use_cache=True, **extra
     )
-    cache = getattr(out, "cache", None) or out.past_key_values
+    cache = getattr(out, "cache", None) or out.past_key_values or cache
     keys, values = [], []
     pad = (prefix_mask == 0)[:, None, :, None]
     for layer in cache.layers:

@@ -269,9 +269,13 @@ def full_forward(
     return out.logits[:, -t:]
 
 
-#: Model types whose attention mask transformers builds with ``masking_utils.create_causal_mask``, which turns
-#: positions that restart inside one row into a block-diagonal mask when no 2-D attention mask is given.
-PADDING_FREE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3"})
+#: Model types whose attention masks transformers builds with ``masking_utils.create_causal_mask`` (and
+#: ``create_sliding_window_causal_mask`` for sliding-window layers: mistral, phi3, gemma's local layers),
+#: which turn positions that restart inside one row into a block-diagonal mask when no 2-D attention mask is
+#: given; the RoPE of every family here reads the per-token positions (gemma3: both of its RoPEs).
+PADDING_FREE_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3_text"}
+)
 
 
 def padding_free_unsupported(model) -> str | None:
@@ -393,7 +397,34 @@ def check_second_adapter(base, modules_to_save, what: str) -> None:
         )
 
 
+#: ccft's default LoRA targets: every attention and MLP projection (llama, mistral, qwen2/3, gemma names)
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: fused projections (phi3) -> the separate projections of :data:`DEFAULT_LORA_TARGETS` each one holds
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def default_lora_targets(model) -> list[str]:
+    """ccft's default LoRA targets for ``model`` (any wrapper): every attention and MLP projection, by the
+    names the model uses. :data:`DEFAULT_LORA_TARGETS`, with the projections a fused module holds replaced
+    by it where the model has the fused module and not the separate ones (phi3: ``qkv_proj``, ``o_proj``,
+    ``gate_up_proj``, ``down_proj``; the same weights adapted)."""
+    leaves = {n.rsplit(".", 1)[-1] for n, _ in unwrap_pretrained(model).named_modules() if n}
+    targets = list(DEFAULT_LORA_TARGETS)
+    for fused, parts in FUSED_PROJECTIONS.items():
+        if fused in leaves and not leaves & set(parts):
+            at = targets.index(parts[0])
+            targets = [t for t in targets if t not in parts]
+            targets.insert(at, fused)
+    return targets
+
+
+def resolve_lora_targets(model, targets=DEFAULT_LORA_TARGETS):
+    """The ``target_modules`` a LoRA decoder of ``model`` gets: ``targets`` as given, except that ccft's
+    default list (:data:`DEFAULT_LORA_TARGETS`, also ``TrainConfig.lora_target_modules``' default) means
+    :func:`default_lora_targets`, the same projections by this model family's names."""
+    if isinstance(targets, (list, tuple)) and list(targets) == DEFAULT_LORA_TARGETS:
+        return default_lora_targets(model)
+    return targets
 
 
 def make_decoder(
@@ -414,7 +445,8 @@ def make_decoder(
             copy of θ_base in its own memory: loaded again from ``base.path`` when that is a stored folder,
             else a deep copy of ``base.model``).
         lora: ``peft.LoraConfig`` fields (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
-            ``init_lora_weights``...). Default: r=16, alpha=32, attention and MLP projections.
+            ``init_lora_weights``...). Default: r=16, alpha=32, every attention and MLP projection by the
+            family's names (``default_lora_targets``: phi3's fused ``qkv_proj`` / ``gate_up_proj``).
         share_from_layer: the sharing depth m, ``0 ≤ m ≤ L`` (``Decoder.share_from_layer``; issue 35).
         cache_format: ``native`` or ``int8`` (``Decoder.cache_format``; ``ccft.core.compact``).
     Raises:
@@ -452,10 +484,12 @@ def make_decoder(
             "r": 16,
             "lora_alpha": 32,
             "lora_dropout": 0.0,
-            "target_modules": DEFAULT_LORA_TARGETS,
             "task_type": "CAUSAL_LM",
         }
         cfg.update(lora or {})
+        cfg["target_modules"] = resolve_lora_targets(
+            base.model, cfg.get("target_modules", DEFAULT_LORA_TARGETS)
+        )
         check_second_adapter(base, cfg.get("modules_to_save"), f"LoRA decoder {adapter_name!r}")
         if base.adapter_hosts:
             host = base.adapter_hosts[0]

@@ -95,7 +95,9 @@ class TrainConfig(TrainingArguments):
             attention), so the decoder learns the cache it will be served. ``method=ccft`` and train_path
             two-pass only; combines with ``share_from_layer`` (only C_base's layers ``m..L−1`` are compact).
     LoRA:
-        lora_r, lora_alpha, lora_dropout, lora_target_modules.
+        lora_r, lora_alpha, lora_dropout, lora_target_modules (default: every attention and MLP
+        projection; on a base with fused projections, phi3, the same list means ``qkv_proj``, ``o_proj``,
+        ``gate_up_proj``, ``down_proj``: ``ccft.core.decoder.default_lora_targets``).
     Data:
         train_data / eval_data: ``gsm8k:train`` style built-ins or .jsonl/.json paths.
         train_rows / eval_rows: keep the first N rows (after ``data_offset``).
@@ -149,7 +151,10 @@ class TrainConfig(TrainingArguments):
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        metadata={"help": "Modules that get LoRA adapters."},
+        metadata={
+            "help": "Modules that get LoRA adapters (the default: every attention and MLP projection, by "
+            "the family's names: phi3's fused qkv_proj, gate_up_proj)."
+        },
     )
     train_data: str = field(
         default="gsm8k:train", metadata={"help": "Built-in name:split or .jsonl/.json path."}

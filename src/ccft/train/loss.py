@@ -21,9 +21,12 @@ loss drops from several ``b·t·v`` tensors to ``chunk·v``. Values and gradient
 ``F.cross_entropy`` over full logits to fp32 rounding (tests/train/test_chunked_loss.py).
 
 Used when ``chunked_loss_unsupported(model)`` is None: a causal LM whose logits are exactly
-``lm_head(final hidden state)`` (``CHUNKED_LOSS_MODEL_TYPES``; no soft-capping or logit scaling) with a
-plain ``nn.Linear`` LM head whose weight is materialised (not a LoRA-wrapped head, not a ZeRO-3 shard).
-Anything else takes the full-logits path (``response_nll_rows`` in ``ccft.train.trainer``).
+``lm_head(final hidden state)``, or that soft-capped as Gemma 2 / 3 do, ``c · tanh(lm_head(h) / c)`` with
+``c = config.final_logit_softcapping`` (``CHUNKED_LOSS_MODEL_TYPES``, ``logit_softcap``: the chunks cap their
+logits the same way, in the same order, and their gradient carries the cap's derivative ``1 − tanh²``), with
+a plain ``nn.Linear`` LM head whose weight is materialised (not a LoRA-wrapped head, not a ZeRO-3 shard).
+Anything else (logit scaling as Cohere / Granite do, ...) takes the full-logits path (``response_nll_rows``
+in ``ccft.train.trainer``).
 
 Shape notation: b batch, s sequence, n supervised tokens, h hidden size, v vocabulary.
 """
@@ -39,9 +42,14 @@ from ccft.core.decoder import unwrap_distributed, unwrap_pretrained
 from ccft.core.tokens import IGNORE_INDEX
 
 #: Model types whose ``ForCausalLM.forward`` computes ``logits = lm_head(last_hidden_state)`` and nothing
-#: more (transformers 5.x); others (Gemma 2/3 soft-capping, Cohere/Granite logit scaling, ...) take the
-#: full-logits path.
-CHUNKED_LOSS_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3"})
+#: more (transformers 5.x), or that and then Gemma's final-logit soft-capping (``SOFTCAP_MODEL_TYPES``:
+#: ``final_logit_softcapping``, which the chunked loss applies too); others (Cohere/Granite logit scaling,
+#: ...) take the full-logits path.
+CHUNKED_LOSS_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3_text"}
+)
+#: Model types whose logits are ``c · tanh(lm_head(h) / c)`` when ``config.final_logit_softcapping`` = c
+SOFTCAP_MODEL_TYPES = frozenset({"gemma2", "gemma3_text"})
 
 #: ``logits_to_keep`` that keeps no position: the model returns logits ``(b, 0, v)``.
 NO_LOGITS = torch.zeros(0, dtype=torch.long)
@@ -74,6 +82,16 @@ def lm_head(model) -> torch.nn.Linear:
     return unwrap_pretrained(model).get_output_embeddings()
 
 
+def logit_softcap(model) -> float | None:
+    """``c`` of the final-logit soft-capping ``c · tanh(z / c)`` ``model`` (any wrapper) applies to its LM
+    head's output (Gemma 2 / 3: ``config.final_logit_softcapping``), or None."""
+    config = getattr(unwrap_pretrained(model), "config", None)
+    if getattr(config, "model_type", None) not in SOFTCAP_MODEL_TYPES:
+        return None
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
 @contextlib.contextmanager
 def capture_final_hidden(model) -> Iterator[dict]:
     """While entered, every forward of ``model``'s body stores its ``last_hidden_state`` ``(b, s, h)`` (after
@@ -95,17 +113,18 @@ def capture_final_hidden(model) -> Iterator[dict]:
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """``Σ_i CE(hidden[i] @ weightᵀ + bias, targets[i])`` computed ``chunk`` rows at a time.
+    """``Σ_i CE(cap(hidden[i] @ weightᵀ + bias), targets[i])`` computed ``chunk`` rows at a time.
 
-    forward(hidden ``(n, h)``, weight ``(v, h)``, bias ``(v,)`` or None, targets ``(n,)`` long, chunk int)
-    returns ``(total () fp32, per_token (n,) fp32)``; ``per_token`` carries no gradient. Logits are
-    computed in the weight's dtype and upcast to fp32 (as ``response_nll_rows`` does). Gradients of the
-    inputs that require them are computed during the forward, chunk by chunk; the backward multiplies
-    them by the incoming gradient of ``total``.
+    forward(hidden ``(n, h)``, weight ``(v, h)``, bias ``(v,)`` or None, targets ``(n,)`` long, chunk int,
+    softcap float or None) returns ``(total () fp32, per_token (n,) fp32)``; ``per_token`` carries no
+    gradient. Logits are computed in the weight's dtype, soft-capped there when ``softcap`` = c is given
+    (``c · tanh(z / c)``, the order of transformers' Gemma heads; cap: identity otherwise) and upcast to fp32
+    (as ``response_nll_rows`` does). Gradients of the inputs that require them are computed during the
+    forward, chunk by chunk; the backward multiplies them by the incoming gradient of ``total``.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk):
+    def forward(ctx, hidden, weight, bias, targets, chunk, softcap=None):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -120,6 +139,11 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = h @ weight.t()
             if bias is not None:
                 logits = logits + bias
+            if softcap:  # transformers' order: z / c, tanh, · c
+                capped = torch.tanh(logits / softcap)  # kept for the cap's derivative 1 − tanh²
+                logits = capped * softcap
+                if not (need_h or need_w or need_b):
+                    del capped
             # log_softmax, as F.cross_entropy computes it (torch.logsumexp rounds differently: ~5e-6 relative
             # on SmolLM2's peaked distributions)
             logp = torch.log_softmax(logits.float(), dim=-1)
@@ -131,6 +155,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                 # d nll / d logits = softmax − onehot, written over the log-probabilities.
                 g = logp.exp_()
                 g[torch.arange(end - start, device=g.device), t] -= 1.0
+                if softcap:  # through c · tanh(z / c): times 1 − tanh²(z / c)
+                    g.mul_(1.0 - capped.float().square())
+                    del capped
                 if need_b:
                     grad_b += g.sum(0)
                 g = g.to(hidden.dtype)
@@ -150,11 +177,15 @@ class LinearCrossEntropy(torch.autograd.Function):
         out = []
         for have, dtype in zip(ctx.have, ctx.dtypes):
             out.append((next(saved) * grad_total).to(dtype) if have else None)
-        return out[0], out[1], out[2], None, None
+        return out[0], out[1], out[2], None, None, None
 
 
 def chunked_nll(
-    hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, chunk: int
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: torch.nn.Linear,
+    chunk: int,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Next-token NLL of the supervised positions without full logits.
 
@@ -163,6 +194,7 @@ def chunked_nll(
         labels: ``(b, t)``; position j predicts ``labels[:, j + 1]``, ``IGNORE_INDEX`` is skipped.
         head: the LM head (``nn.Linear``: weight ``(v, h)``, optional bias).
         chunk: supervised tokens projected at a time (≥ 1).
+        softcap: the model's final-logit soft-capping ``c`` (``logit_softcap``), or None.
     Returns:
         ``(total, nll_rows, count_rows)``: the NLL summed over the batch (``()`` fp32, differentiable w.r.t.
         ``hidden`` and the head's parameters), and per row the summed NLL ``(b,)`` fp32 (no gradient) and
@@ -172,7 +204,7 @@ def chunked_nll(
     keep = targets != IGNORE_INDEX
     rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(targets)[keep]
     h = hidden[:, :-1][keep]
-    total, per_token = LinearCrossEntropy.apply(h, head.weight, head.bias, targets[keep], int(chunk))
+    total, per_token = LinearCrossEntropy.apply(h, head.weight, head.bias, targets[keep], int(chunk), softcap)
     nll_rows = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device).index_add_(
         0, rows, per_token.detach()
     )
@@ -187,4 +219,5 @@ __all__ = [
     "chunked_loss_unsupported",
     "chunked_nll",
     "lm_head",
+    "logit_softcap",
 ]

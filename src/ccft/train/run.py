@@ -20,7 +20,7 @@ from transformers import set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
 from ccft.core.checkpoint import RECIPE_STAMP, save_decoder
-from ccft.core.decoder import Decoder, check_share_from_layer, make_decoder, num_layers
+from ccft.core.decoder import Decoder, check_share_from_layer, make_decoder, num_layers, resolve_lora_targets
 from ccft.core.errors import ConfigError
 from ccft.core.io import atomic_write_text
 from ccft.core.models import Base, load_base
@@ -148,17 +148,18 @@ def setup(cfg: TrainConfig, *, base: Base | None = None):
     if base is None:
         base = load_base(cfg.base, dtype=cfg.dtype)
     set_seed(cfg.seed)  # same decoder init whatever was loaded before
+    # ccft's default list (every attention and MLP projection) by the base family's module names (phi3:
+    # fused qkv_proj, gate_up_proj; ccft.core.decoder.default_lora_targets); any other list is kept as given
+    targets = resolve_lora_targets(base.model, list(cfg.lora_target_modules))
     lora = {
         "r": cfg.lora_r,
         "lora_alpha": cfg.lora_alpha,
         "lora_dropout": cfg.lora_dropout,
-        "target_modules": list(cfg.lora_target_modules),
+        "target_modules": targets,
     }
     if cfg.decoder_kind == "lora":
         names = [n for n, _ in base.model.named_modules()]
-        missing = [
-            t for t in cfg.lora_target_modules if not any(n == t or n.endswith("." + t) for n in names)
-        ]
+        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
         if missing:
             leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
             raise ConfigError(

@@ -56,7 +56,14 @@ from ccft.core.io import replace_dir
 from ccft.core.tokens import IGNORE_INDEX
 from ccft.train.data import Collator
 from ccft.train.fastpath import gate_for_step, one_pass_forward, resolve_train_path
-from ccft.train.loss import NO_LOGITS, capture_final_hidden, chunked_loss_unsupported, chunked_nll, lm_head
+from ccft.train.loss import (
+    NO_LOGITS,
+    capture_final_hidden,
+    chunked_loss_unsupported,
+    chunked_nll,
+    lm_head,
+    logit_softcap,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -302,7 +309,9 @@ class CacheConditionedTrainer(Trainer):
         with capture_final_hidden(model) as captured:
             out = self.tail_logits(model, inputs, logits_to_keep=keep)
         hidden = captured["hidden"][:, -t:]
-        total, nll_rows, count_rows = chunked_nll(hidden, labels, lm_head(model), self.args.loss_chunk_tokens)
+        total, nll_rows, count_rows = chunked_nll(
+            hidden, labels, lm_head(model), self.args.loss_chunk_tokens, logit_softcap(model)
+        )
         return total, nll_rows, count_rows, out if logits else None
 
     @property
