@@ -53,7 +53,7 @@ KINDS = {**{name: kind for name, (kind, _) in FORMATS.items()}, "F32": 2}
 #: fp32 lanes run the fused decode step up to this many rows (above it the oneDNN layer loop is faster)
 F32_FUSED_ROWS = 16
 #: the kernel's ABI version (``ccft_blocks_abi`` in blocks.cpp)
-ABI = 5
+ABI = 6
 SOURCE = Path(__file__).resolve().parent / "kernels" / "blocks.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 #: above this many activation rows (prefill), ``matmul`` dequantises the matrix and calls ``torch.matmul``
@@ -61,6 +61,41 @@ DEQUANT_ROWS = 64
 
 _lock = threading.Lock()
 _kernel: dict[str, object] = {}  # "lib": the loaded kernel (or None after a failed build), per process
+
+
+class StepArgs(ctypes.Structure):
+    """The arguments of the fused decode step (``ccft_blocks_decode_step``), mirroring ``StepArgs`` in
+    blocks.cpp field for field (its comment says what each one is); :class:`BlockKernel` checks that both
+    have one size (``ccft_blocks_step_args_size``). Pointers are addresses (``int``) or None (null)."""
+
+    _fields_ = (
+        [(name, ctypes.c_int64) for name in ("L", "B", "D", "H", "h", "d", "I", "p")]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "x",
+                "cos",
+                "sin",
+                "norms",
+                "weights",
+                "kinds",
+                "qkv_bias",
+                "qk_norms",
+                "prefix",
+                "prefix_strides",
+                "prefix_row",
+                "key_start",
+                "pool_k",
+                "pool_v",
+                "pool_strides",
+                "write_pos",
+                "tail_len",
+            )
+        ]
+        + [("n_lora", ctypes.c_int64), ("lora_tables", ctypes.c_void_p), ("row_lora", ctypes.c_void_p)]
+        + [("threads", ctypes.c_int64)]
+    )
 
 
 class BlockKernel:
@@ -75,8 +110,14 @@ class BlockKernel:
         lib.ccft_blocks_dequant.argtypes = [i32, ptr, i64, i64, ptr, i32]
         lib.ccft_blocks_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
         lib.ccft_blocks_mlp.argtypes = [i32, ptr, i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
-        f32 = ctypes.c_float
-        lib.ccft_blocks_decode_step.argtypes = [i64] * 8 + [f32, f32] + [ptr] * 15 + [i64, ptr, ptr, i32]
+        lib.ccft_blocks_step_args_size.argtypes = []
+        lib.ccft_blocks_step_args_size.restype = i64
+        if lib.ccft_blocks_step_args_size() != ctypes.sizeof(StepArgs):
+            raise OSError(
+                f"{path}: the kernel's StepArgs has {lib.ccft_blocks_step_args_size()} bytes, "
+                f"blocks.StepArgs {ctypes.sizeof(StepArgs)}"
+            )
+        lib.ccft_blocks_decode_step.argtypes = [ctypes.POINTER(StepArgs)]
         for fn in (
             lib.ccft_blocks_dequant,
             lib.ccft_blocks_matmul,
@@ -287,6 +328,10 @@ class DecodeStepPlan:
         kernel: the loaded :class:`BlockKernel`.  dims: ``(L, D, H, h, d, I)``.  eps: RMSNorm epsilon.
         scale: the attention's softmax scale.
         norms, weights, kinds: ``ctypes`` arrays (2L, 5L pointers; 5L kernel kinds, :data:`KINDS`).
+        qkv_bias: ``ctypes`` array of L pointers, each layer's [q; k; v] bias ``((H + 2h) d,)`` (0: none;
+            qwen2), or None when no layer has one.
+        qk_norms: ``ctypes`` array of 2L pointers, each layer's per-head q and k RMSNorm weights ``(d,)``
+            (qwen3), or None when no layer has them.
         max_rows: the most rows a step runs fused (more: the layer loop).
         keep: the tensors the pointers point into (held so they stay alive).
     """
@@ -300,17 +345,36 @@ class DecodeStepPlan:
     kinds: object
     max_rows: int
     keep: list
+    qkv_bias: object = None
+    qk_norms: object = None
+
+
+def _f32_vector(t: torch.Tensor | None, n: int) -> bool:
+    """``t`` is an fp32 CPU tensor of ``n`` contiguous values (what the kernel reads at its address)."""
+    return (
+        t is not None
+        and t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and t.numel() == n
+        and t.dim() == 1
+        and t.is_contiguous()
+    )
 
 
 def decode_step_plan(lw) -> DecodeStepPlan | None:
     """The fused decode step's plan of lane ``lw`` (``weights.LaneWeights``, packed), or None when it cannot
-    run it: not fp32 on the CPU, a layer without [q; k; v] packed (``layer.qkv``), a bias, a dimension that is
-    not a multiple of 32, a head dimension above :data:`MAX_HEAD_DIM` or more than :data:`MAX_GROUP` query
-    heads per KV head. Each matrix is read from its blocks
+    run it: not fp32 on the CPU, a family switch the kernel does not compute (``lw.arch``: anything but
+    Llama's block with q/k/v biases (qwen2) and per-head q / k norms (qwen3)), a layer without [q; k; v]
+    packed (``layer.qkv``), a bias on o, gate, up or down, a dimension that is not a multiple of 32, a head
+    dimension above :data:`MAX_HEAD_DIM` or more than :data:`MAX_GROUP` query heads per KV head. Each matrix
+    is read from its blocks
     (``Linear.blocks``) or, without them, in place from its fp32 weight (:func:`f32_view`). ``max_rows``:
     :data:`DEQUANT_ROWS` when some matrix is in blocks, :data:`F32_FUSED_ROWS` for an all-fp32 lane.
     The kernel is :func:`load_kernel`'s (the one the blocks were read with); None when it cannot be built."""
     if lw.device.type != "cpu" or lw.dtype != torch.float32 or lw.head_dim > MAX_HEAD_DIM:
+        return None
+    arch = lw.arch  # the family's switches (architectures.py): Llama's block, + q/k/v biases, q / k norms
+    if not arch.llama_like or not arch.plain_rope(lw.head_dim):
         return None
     if not lw.layers or lw.heads % lw.kv_heads or lw.heads // lw.kv_heads > MAX_GROUP:
         return None
@@ -318,12 +382,14 @@ def decode_step_plan(lw) -> DecodeStepPlan | None:
     if kernel is None:
         return None
     norms, weights, kinds, keep = [], [], [], []
+    biases, qk_norms = [], []
+    nqkv = (lw.heads + 2 * lw.kv_heads) * lw.head_dim
     quantised = False
     for layer in lw.layers:
         p = layer.proj
         mats = []
         for lin in (layer.qkv, p["o_proj"], p["gate_proj"], p["up_proj"], p["down_proj"]):
-            if lin is None or lin.bias is not None:
+            if lin is None or (lin.bias is not None and lin is not layer.qkv):
                 return None
             if lin.blocks is not None:
                 mats.append(lin.blocks)
@@ -339,6 +405,21 @@ def decode_step_plan(lw) -> DecodeStepPlan | None:
                 return None
             norms.append(t.data_ptr())
             keep.append(t)
+        bias = layer.qkv.bias
+        if bias is not None:
+            if not _f32_vector(bias, nqkv):
+                return None
+            keep.append(bias)
+        biases.append(0 if bias is None else bias.data_ptr())
+        if (layer.q_norm is None) != (layer.k_norm is None):
+            return None
+        if layer.q_norm is not None:
+            if not (_f32_vector(layer.q_norm, lw.head_dim) and _f32_vector(layer.k_norm, lw.head_dim)):
+                return None
+            keep += [layer.q_norm, layer.k_norm]
+            qk_norms += [layer.q_norm.data_ptr(), layer.k_norm.data_ptr()]
+        else:
+            qk_norms += [0, 0]
         for m in mats:
             weights.append(m.raw.data_ptr())
             kinds.append(m.kind)
@@ -354,6 +435,8 @@ def decode_step_plan(lw) -> DecodeStepPlan | None:
         kinds=(ctypes.c_int32 * len(kinds))(*kinds),
         max_rows=DEQUANT_ROWS if quantised else F32_FUSED_ROWS,
         keep=keep,
+        qkv_bias=(i64 * len(biases))(*biases) if any(biases) else None,
+        qk_norms=(i64 * len(qk_norms))(*qk_norms) if any(qk_norms) else None,
     )
 
 
@@ -493,37 +576,40 @@ def decode_step_layers(
     prefix = (i64 * len(ptrs))(*ptrs)
     prefix_strides = (i64 * len(strides))(*strides)
     pool_strides = (i64 * 4)(*pool_k.stride()[:4])
-    plan.kernel.lib.ccft_blocks_decode_step(
-        n_layers,
-        b,
-        hidden,
-        heads,
-        kv_heads,
-        head_dim,
-        inter,
-        width,
-        plan.eps,
-        plan.scale,
-        x.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        ctypes.addressof(plan.norms),
-        ctypes.addressof(plan.weights),
-        ctypes.addressof(plan.kinds),
-        ctypes.addressof(prefix),
-        ctypes.addressof(prefix_strides),
-        None if prefix_row is None else prefix_row.data_ptr(),
-        key_start.data_ptr(),
-        pool_k.data_ptr(),
-        pool_v.data_ptr(),
-        ctypes.addressof(pool_strides),
-        write_pos.data_ptr(),
-        tail_len.data_ptr(),
-        len(tables) // 3,
-        ctypes.addressof(lora_tables),
-        ctypes.addressof(row_lora) if row_lora is not None else None,
-        _threads(),
+    args = StepArgs(
+        L=n_layers,
+        B=b,
+        D=hidden,
+        H=heads,
+        h=kv_heads,
+        d=head_dim,
+        I=inter,
+        p=width,
+        eps=plan.eps,
+        scale=plan.scale,
+        x=x.data_ptr(),
+        cos=cos.data_ptr(),
+        sin=sin.data_ptr(),
+        norms=ctypes.addressof(plan.norms),
+        weights=ctypes.addressof(plan.weights),
+        kinds=ctypes.addressof(plan.kinds),
+        qkv_bias=None if plan.qkv_bias is None else ctypes.addressof(plan.qkv_bias),
+        qk_norms=None if plan.qk_norms is None else ctypes.addressof(plan.qk_norms),
+        prefix=ctypes.addressof(prefix),
+        prefix_strides=ctypes.addressof(prefix_strides),
+        prefix_row=None if prefix_row is None else prefix_row.data_ptr(),
+        key_start=key_start.data_ptr(),
+        pool_k=pool_k.data_ptr(),
+        pool_v=pool_v.data_ptr(),
+        pool_strides=ctypes.addressof(pool_strides),
+        write_pos=write_pos.data_ptr(),
+        tail_len=tail_len.data_ptr(),
+        n_lora=len(tables) // 3,
+        lora_tables=ctypes.addressof(lora_tables),
+        row_lora=ctypes.addressof(row_lora) if row_lora is not None else None,
+        threads=_threads(),
     )
+    plan.kernel.lib.ccft_blocks_decode_step(ctypes.byref(args))
     return x
 
 
@@ -620,15 +706,33 @@ def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
     return idx.reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
 
 
-def read_gguf_blocks(path: str | Path, config, kernel: BlockKernel) -> dict[str, BlockMatrix]:
-    """The Q4_1 / Q8_0 linear weights of the Llama GGUF file ``path`` by HF name.
+#: ``config.model_type`` -> the GGUF ``general.architecture`` llama.cpp's converter writes for it
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+}
+#: a fused GGUF tensor (phi3) -> the parts it stacks, in row order
+_FUSED_GGUF = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_up": ("gate_proj", "up_proj")}
 
-    Keys: ``"layers.{i}.{proj}"`` (``weights.PROJECTIONS``) and ``"lm_head"`` (``output.weight``, or the
-    tied ``token_embd.weight`` when the file has no output tensor and ``config.tie_word_embeddings``).
-    Tensors in other formats (F32, F16, other quantisations) are left out: they keep the fp32 path.
+
+def read_gguf_blocks(path: str | Path, config, kernel: BlockKernel) -> dict[str, BlockMatrix]:
+    """The Q4_1 / Q8_0 linear weights of the GGUF file ``path`` by HF name, for a model of ``config``'s family
+    (:data:`GGUF_ARCHITECTURES`: llama.cpp's ``llama`` for Llama and Mistral, ``qwen2``, ``qwen3``,
+    ``gemma2``, ``gemma3``, ``phi3``).
+
+    Keys: ``"layers.{i}.{proj}"`` (``weights.PROJECTIONS``; phi3's fused ``attn_qkv`` / ``ffn_up`` split into
+    their parts' rows) and ``"lm_head"`` (``output.weight``, or the tied ``token_embd.weight`` when the file
+    has no output tensor and ``config.tie_word_embeddings``). Only the ``llama`` architecture's q / k rows are
+    in llama.cpp's permuted order (put back in HF's). Tensors in other formats (F32, F16, other
+    quantisations) are left out: they keep the fp32 path.
 
     Raises:
-        ConfigError: the file cannot be read as GGUF, or is not a Llama model.
+        ConfigError: the file cannot be read as GGUF, or its architecture is not the model's.
     """
     import gguf
 
@@ -636,36 +740,63 @@ def read_gguf_blocks(path: str | Path, config, kernel: BlockKernel) -> dict[str,
         reader = gguf.GGUFReader(str(path))
     except (OSError, ValueError) as e:
         raise ConfigError(f"block weights: {path} cannot be read as GGUF ({e})") from None
+    mtype = getattr(config, "model_type", None)
+    want = GGUF_ARCHITECTURES.get(mtype)
+    if want is None:
+        raise ConfigError(f"block weights: no GGUF architecture is known for model_type={mtype!r}")
     arch = reader.fields.get("general.architecture")
-    if arch is not None and bytes(arch.parts[arch.data[0]]).decode() != "llama":
-        raise ConfigError(f"block weights: {path} is not a llama GGUF model")
+    got = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else want
+    if got != want:
+        raise ConfigError(
+            f"block weights: {path} is a {got!r} GGUF model, not {want!r} (model_type={mtype!r})"
+        )
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    inter = config.intermediate_size
     out: dict[str, BlockMatrix] = {}
     tensors = {t.name: t for t in reader.tensors}
+    fused = want == "phi3"
     for name, t in tensors.items():
         fmt = t.tensor_type.name
         if fmt not in FORMATS:
             continue
         parts = name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES and parts[3] == "weight":
-            key = f"layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+        keys = None
+        if parts[0] == "blk" and len(parts) == 4 and parts[3] == "weight":
+            if fused and parts[2] in _FUSED_GGUF:
+                keys = [f"layers.{int(parts[1])}.{p}" for p in _FUSED_GGUF[parts[2]]]
+            elif parts[2] in _LAYER_NAMES:
+                keys = [f"layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"]
         elif name == "output.weight" or (
             name == "token_embd.weight"
             and "output.weight" not in tensors
             and getattr(config, "tie_word_embeddings", False)
         ):
-            key = "lm_head"
-        else:
+            keys = ["lm_head"]
+        if keys is None:
             continue
         k, n = (int(s) for s in t.shape[:2])  # ggml order: the contiguous dimension first
         raw = torch.from_numpy(t.data.reshape(n, -1).copy())
         if raw.shape[1] != k // BLOCK * FORMATS[fmt][1] or k % BLOCK:
             raise ConfigError(f"block weights: {path} {name} has {raw.shape[1]} bytes per row for k={k}")
         m = BlockMatrix(fmt, raw, n, k, kernel)
-        if key.endswith("q_proj"):
+        if len(keys) > 1:
+            sizes = (
+                [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+                if len(keys) == 3
+                else [inter] * 2
+            )
+            if sum(sizes) != n:
+                raise ConfigError(f"block weights: {path} {name} has {n} rows, expected {sum(sizes)}")
+            starts = [sum(sizes[:j]) for j in range(len(sizes))]
+            for key, a, size in zip(keys, starts, sizes, strict=True):
+                out[key] = m.rows(torch.arange(a, a + size))
+            continue
+        key = keys[0]
+        if want == "llama" and key.endswith("q_proj"):
             m = m.rows(_unpermute_rows(n, heads))
-        elif key.endswith("k_proj"):
+        elif want == "llama" and key.endswith("k_proj"):
             m = m.rows(_unpermute_rows(n, kv_heads))
         out[key] = m
     return out
@@ -812,7 +943,9 @@ __all__ = [
     "BlockKernel",
     "BlockMatrix",
     "BlockMismatchError",
+    "GGUF_ARCHITECTURES",
     "DecodeStepPlan",
+    "StepArgs",
     "attach_blocks",
     "build_kernel",
     "concat",

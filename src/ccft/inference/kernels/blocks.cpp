@@ -542,9 +542,9 @@ inline void add_row_lora(const LoraTable* tables, const int64_t* row_lora, int64
 
 extern "C" {
 
-// 5: the ABI version ccft.inference.blocks checks. Features: bit 0 built with AVX2 + FMA, bit 1 with
+// 6: the ABI version ccft.inference.blocks checks. Features: bit 0 built with AVX2 + FMA, bit 1 with
 // AVX-512F (the products then run 16 weights per vector).
-int ccft_blocks_abi() { return 5; }
+int ccft_blocks_abi() { return 6; }
 int ccft_blocks_features() { return CCFT_AVX2 | (CCFT_AVX512 << 1); }
 
 // out (n, k) fp32 = the dequantised weights.
@@ -570,18 +570,16 @@ void ccft_blocks_mlp(int kind_gate, const uint8_t* wg, int kind_up, const uint8_
     mlp_for(kind_gate, wg, kind_up, wu, n, k, x, m, ldx, y, ldy);
 }
 
-// The L decoder layers of one decode step of B rows, each row reading one prefix row (a Llama block:
-// RMSNorm, [q; k; v] from blocks, RoPE, the new K/V written into the tail pool, attention over the row's
-// prefix keys key_start[r] .. p - 1 and its tail keys 0 .. tail_len[r] - 1 under one softmax, o_proj and
-// the residual, RMSNorm, the gated MLP from blocks and the residual), in one parallel region: the eager
-// step's per-layer ops (ccft.inference.model.decode_step_eager, rowwise, no adapter) without a Python or
-// dispatcher call per op. Every product and activation is fp32, as in that step (another summation order;
-// the softmax's exp within ~2 ulp of std::exp where the build has AVX2 / AVX-512: vexp_neg).
+// The arguments of ccft_blocks_decode_step, mirrored by ccft.inference.blocks.StepArgs (a ctypes.Structure;
+// ccft_blocks_step_args_size lets it check the layout).
 //
 // dims: L, B, D (hidden), H (query heads), h (KV heads), d (head dim), I (MLP width), p (prefix width).
 // x (B, D): the residual stream, updated in place. cos, sin (B, d): RoPE of each row's position (sin signed).
 // norms (2L pointers): attention and MLP RMSNorm weights of each layer. weights (5L pointers) and kinds (5L):
 // each layer's [q; k; v] ((H + 2h) d, D), o (D, H d), gate (I, D), up (I, D), down (D, I) blocks.
+// qkv_bias (L pointers, or null: none): each layer's bias of [q; k; v] ((H + 2h) d fp32; 0: none) (qwen2).
+// qk_norms (2L pointers, or null: none): each layer's per-head RMSNorm weights of q and of k (d fp32 each; 0:
+// none), applied to each head after the projection (bias and LoRA deltas included), before RoPE (qwen3).
 // prefix (2L pointers: keys, values of layer i, (B, h, p, d) fp32, d contiguous), prefix_strides (6L: keys'
 // row, head, position strides, then values', in floats). prefix_row (B,): the prefix row batch row r reads
 // (several rows may read one: agents sharing a context), or null: row r reads prefix row r. key_start (B,): the
@@ -590,15 +588,59 @@ void ccft_blocks_mlp(int kind_gate, const uint8_t* wg, int kind_up, const uint8_
 // slot r, its new K/V written at write_pos[r], tail_len[r] = write_pos[r] + 1 keys read. d <= MAX_HEAD_DIM, H / h <= MAX_GROUP.
 // LoRA: n_lora adapters, lora_tables 3 pointers each (a LoraTable: ptrs, ranks, scales), row_lora (B,) the
 // adapter of each row (-1: none; unread when n_lora is 0); each adapted projection adds B (A x) · scaling to
-// its output, as ccft.inference.model.project does (gate and up before the SiLU).
-void ccft_blocks_decode_step(int64_t L, int64_t B, int64_t D, int64_t H, int64_t h, int64_t d, int64_t I,
-                             int64_t p, float eps, float scale, float* x, const float* cos, const float* sin,
-                             const int64_t* norms, const int64_t* weights, const int32_t* kinds,
-                             const int64_t* prefix, const int64_t* prefix_strides, const int64_t* prefix_row,
-                             const int64_t* key_start,
-                             float* pool_k, float* pool_v, const int64_t* pool_strides,
-                             const int64_t* write_pos, const int64_t* tail_len, int64_t n_lora,
-                             const int64_t* lora_tables, const int64_t* row_lora, int threads) {
+// its output, as ccft.inference.model.project does (gate and up before the SiLU). threads: OpenMP threads.
+struct StepArgs {
+    int64_t L, B, D, H, h, d, I, p;
+    float eps, scale;
+    float* x;
+    const float* cos;
+    const float* sin;
+    const int64_t* norms;
+    const int64_t* weights;
+    const int32_t* kinds;
+    const int64_t* qkv_bias;
+    const int64_t* qk_norms;
+    const int64_t* prefix;
+    const int64_t* prefix_strides;
+    const int64_t* prefix_row;
+    const int64_t* key_start;
+    float* pool_k;
+    float* pool_v;
+    const int64_t* pool_strides;
+    const int64_t* write_pos;
+    const int64_t* tail_len;
+    int64_t n_lora;
+    const int64_t* lora_tables;
+    const int64_t* row_lora;
+    int64_t threads;
+};
+
+int64_t ccft_blocks_step_args_size() { return (int64_t)sizeof(StepArgs); }
+
+// The L decoder layers of one decode step of B rows, each row reading one prefix row (a Llama block:
+// RMSNorm, [q; k; v] from blocks (+ its bias: qwen2), the per-head q / k norms (qwen3), RoPE, the new K/V
+// written into the tail pool, attention over the row's prefix keys key_start[r] .. p - 1 and its tail keys
+// 0 .. tail_len[r] - 1 under one softmax, o_proj and the residual, RMSNorm, the gated MLP from blocks and the
+// residual), in one parallel region: the eager step's per-layer ops (ccft.inference.model.decode_step_eager,
+// rowwise) without a Python or dispatcher call per op. Every product and activation is fp32, as in that step
+// (another summation order; the softmax's exp within ~2 ulp of std::exp where the build has AVX2 / AVX-512:
+// vexp_neg). The arguments: StepArgs (above).
+void ccft_blocks_decode_step(const StepArgs* args) {
+    const int64_t L = args->L, B = args->B, D = args->D, H = args->H, h = args->h, d = args->d, I = args->I,
+                  p = args->p;
+    const float eps = args->eps, scale = args->scale;
+    float* x = args->x;
+    const float *cos = args->cos, *sin = args->sin;
+    const int64_t *norms = args->norms, *weights = args->weights;
+    const int32_t* kinds = args->kinds;
+    const int64_t *qkv_bias = args->qkv_bias, *qk_norms = args->qk_norms;
+    const int64_t *prefix = args->prefix, *prefix_strides = args->prefix_strides, *prefix_row = args->prefix_row;
+    const int64_t* key_start = args->key_start;
+    float *pool_k = args->pool_k, *pool_v = args->pool_v;
+    const int64_t *pool_strides = args->pool_strides, *write_pos = args->write_pos, *tail_len = args->tail_len;
+    const int64_t n_lora = args->n_lora;
+    const int64_t *lora_tables = args->lora_tables, *row_lora = args->row_lora;
+    const int threads = (int)args->threads;
     const int64_t nq = H * d, nkv = h * d, nqkv = nq + 2 * nkv, group = H / h;
     // the adapters' tables (lora_tables: 3 pointers per adapter) and what a delta needs: the largest rank, and
     // per layer whether some row adapts gate or up (its MLP then keeps them apart, to add the deltas before SiLU)
@@ -638,21 +680,28 @@ void ccft_blocks_decode_step(int64_t L, int64_t B, int64_t D, int64_t H, int64_t
         const int32_t* kd = kinds + 5 * i;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < B; ++r) rms_norm(x + r * D, attn_norm, D, eps, hn + r * D);
+        const float* bias = qkv_bias != nullptr ? reinterpret_cast<const float*>(qkv_bias[i]) : nullptr;
+        const float* q_norm = qk_norms != nullptr ? reinterpret_cast<const float*>(qk_norms[2 * i]) : nullptr;
+        const float* k_norm = qk_norms != nullptr ? reinterpret_cast<const float*>(qk_norms[2 * i + 1]) : nullptr;
         matmul_for(kd[0], reinterpret_cast<const uint8_t*>(wt[0]), nqkv, D, hn, B, D, qkv, nqkv, STORE);
-        if (rl != nullptr) {
+        if (rl != nullptr || bias != nullptr) {  // the bias, then the LoRA deltas (the layer loop's order)
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < B; ++r) {
                 float* y = qkv + r * nqkv;
+                if (bias != nullptr)
+                    for (int64_t c = 0; c < nqkv; ++c) y[c] += bias[c];
                 add_row_lora(tables, rl, r, i, Q, D, nq, hn + r * D, y, lt + r * max_rank);
                 add_row_lora(tables, rl, r, i, K, D, nkv, hn + r * D, y + nq, lt + r * max_rank);
                 add_row_lora(tables, rl, r, i, V, D, nkv, hn + r * D, y + nq + nkv, lt + r * max_rank);
             }
         }
-        // RoPE on q and k; the row's K/V into its tail slot
+        // the per-head norms (qwen3) and RoPE on q and k; the row's K/V into its tail slot
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < B * (H + h); ++t) {
             const int64_t r = t / (H + h), head = t % (H + h);
             float* v = qkv + r * nqkv + head * d;
+            const float* head_norm = head < H ? q_norm : k_norm;
+            if (head_norm != nullptr) rms_norm(v, head_norm, d, eps, v);  // in place: r is taken first
             float tmp[MAX_HEAD_DIM];
             rope(v, cos + r * d, sin + r * d, d, tmp);
             if (head >= H) {
