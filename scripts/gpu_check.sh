@@ -56,7 +56,7 @@ timeout 420 $PY -m benchmarks.decode --random-weights --device cuda --dtype bflo
   --out "$OUT/decode_bf16.json" 2>&1 | tee -a "$OUT/decode_bf16.txt" || status=1
 
 echo "== gpu tests" | tee "$OUT/gpu_tests.txt"
-timeout 150 $PY -m pytest -q -m gpu --durations=8 -p no:cacheprovider -o addopts="" tests/inference/test_inference_gpu.py \
+timeout 150 $PY -m pytest -q -m gpu --durations=8 -p no:cacheprovider -o addopts="" tests/inference/test_inference_gpu.py tests/inference/test_families_gpu.py \
   2>&1 | tee -a "$OUT/gpu_tests.txt" || status=1
 
 if [ "${FP32:-0}" = 1 ]; then

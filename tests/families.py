@@ -83,6 +83,8 @@ FAMILIES = {
 }
 #: the model families (llama's rope scalings apart)
 MODEL_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
+#: LoRA target modules where a family's differ from the default (phi3's projections are fused)
+TARGETS_BY_FAMILY = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 
 
 def family_config(
@@ -137,3 +139,71 @@ def make_family_folder(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+#: HF projection -> llama.cpp tensor name (phi3: its fused projections)
+_GGUF_NAMES = {
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "gate_proj": "ffn_gate",
+    "up_proj": "ffn_up",
+    "down_proj": "ffn_down",
+    "qkv_proj": "attn_qkv",
+    "gate_up_proj": "ffn_up",
+}
+
+
+def make_family_block_folder(path: Path, tokenizer, family: str, *, fmt: str = "Q4_1", seed: int = 0) -> Path:
+    """A tiny ``family`` base whose linear layers (and LM head, or the tied embedding) are GGUF blocks: the
+    GGUF ``path/model.gguf`` under llama.cpp's tensor names and architecture (q / k rows permuted for
+    ``llama`` only, as llama.cpp's converter does), and the HF folder ``path/hf`` whose weights are those
+    blocks dequantised, with ``CCFT_SOURCE.txt`` naming the GGUF. Returns the HF folder."""
+    import numpy as np
+    import transformers
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    from ccft.inference.blocks import GGUF_ARCHITECTURES
+
+    hf = make_family_folder(path / "hf", tokenizer, family, seed=seed)
+    model = getattr(transformers, FAMILIES[family][1]).from_pretrained(hf)
+    cfg = model.config
+    arch = GGUF_ARCHITECTURES[cfg.model_type]
+    writer = GGUFWriter(str(path / "model.gguf"), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    tied = cfg.tie_word_embeddings
+    tensors = [("token_embd.weight", model.model.embed_tokens.weight, "Q8_0" if tied else None, None)]
+    for i, layer in enumerate(model.model.layers):
+        for mod_name, mod in [*layer.self_attn.named_children(), *layer.mlp.named_children()]:
+            if mod_name not in _GGUF_NAMES or not isinstance(mod, torch.nn.Linear):
+                continue
+            heads = None
+            if arch == "llama":
+                heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(mod_name)
+            tensors.append((f"blk.{i}.{_GGUF_NAMES[mod_name]}.weight", mod.weight, fmt, heads))
+    if not tied:
+        tensors.append(("output.weight", model.lm_head.weight, "Q8_0", None))
+    with torch.no_grad():
+        for name, param, qfmt, heads in tensors:
+            w = param.detach().numpy().astype(np.float32)
+            if qfmt is None:
+                writer.add_tensor(name, w)
+                continue
+            qtype = GGMLQuantizationType[qfmt]
+            blocks = quantize(w, qtype)
+            param.copy_(torch.from_numpy(dequantize(blocks, qtype).reshape(w.shape)))
+            if heads is not None:
+                blocks = blocks.reshape(heads, 2, blocks.shape[0] // heads // 2, *blocks.shape[1:])
+                blocks = blocks.swapaxes(1, 2).reshape(-1, *blocks.shape[3:])
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.save_pretrained(hf)
+    (hf / "CCFT_SOURCE.txt").write_text(
+        f"tiny {family} in GGUF blocks\nconverted from {path / 'model.gguf'}\n"
+    )
+    return hf

@@ -612,6 +612,8 @@ def random_adapters(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from ccft.core.decoder import default_lora_targets
+
     folders = {}
     for i, name in enumerate(names):
         torch.manual_seed(seed + i)
@@ -621,7 +623,7 @@ def random_adapters(
             lora_alpha=alpha,
             init_lora_weights=False,
             task_type="CAUSAL_LM",
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            target_modules=default_lora_targets(model),
         )
         peft_model = get_peft_model(model, cfg)
         if scale != 1.0:

@@ -608,7 +608,7 @@ class SharedPrefillEngine:
             if over:
                 raise ConfigError(
                     f"prompts {over} are longer than the base model's {limit} positions "
-                    f"({self._limit_field}; the longest has {max(lengths[i] for i in over) + k} "
+                    f"({self.max_positions_field}; the longest has {max(lengths[i] for i in over) + k} "
                     "tokens); shorten them"
                 )
         start = self.arena.allocate(len(lengths) * width)
@@ -957,7 +957,7 @@ class SharedPrefillEngine:
         if limit is not None and prompt + max_new_tokens > limit:
             raise ConfigError(
                 f"row {row}: a prompt of {prompt} tokens + max_new_tokens={max_new_tokens} is more than the "
-                f"base model's {limit} positions ({self._limit_field}); lower max_new_tokens or "
+                f"base model's {limit} positions ({self.max_positions_field}); lower max_new_tokens or "
                 "shorten the prompt"
             )
         lane = entry.lane
@@ -1035,7 +1035,9 @@ class SharedPrefillEngine:
         return self._arch.max_positions
 
     @property
-    def _limit_field(self) -> str:
+    def max_positions_field(self) -> str:
+        """The config field that sets ``max_positions`` (``"config.max_position_embeddings"``,
+        ``"config.sliding_window"``, ...), named in every refusal."""
         return f"config.{self._arch.max_positions_field}"
 
     def free_slots(self, decoder: str = BASE) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ccft.core.decoder import FUSED_PROJECTIONS
 from ccft.core.errors import IncompatibleModelError
 from ccft.inference.architectures import SUPPORTED_MODEL_TYPES, Architecture, architecture
 
@@ -26,8 +27,8 @@ from ccft.inference.architectures import SUPPORTED_MODEL_TYPES, Architecture, ar
 #: ``qkv_proj`` / ``gate_up_proj`` are read as their parts, :data:`FUSED`)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-#: a fused projection (phi3) -> the parts it stacks, in row order
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: a fused projection (phi3) -> the parts it stacks, in row order (the rule LoRA targets follow too)
+FUSED = FUSED_PROJECTIONS
 
 
 try:  # bound once: the op lookup costs more than the call on a decode step's small matrices
@@ -204,20 +205,20 @@ class LaneWeights:
 
 
 def _packed(parts: list[Linear]) -> Linear:
-    """``[W1; W2; ...]`` as one Linear: from the blocks when every part has blocks of one format (no fp32
-    copy), else an fp32 copy of the weights."""
+    """``[W1; W2; ...]`` (biases ``[b1; b2; ...]``, zeros for a part without) as one Linear: from the blocks
+    when every part has blocks of one format (no fp32 copy), else an fp32 copy of the weights."""
+    bias = None
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat(
+            [p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in parts]
+        ).contiguous()
     if all(p.blocks is not None for p in parts):
         from ccft.inference.blocks import concat
 
         stacked = concat([p.blocks for p in parts])
-        if stacked is not None and all(p.bias is None for p in parts):
-            return Linear(None, None, None, stacked)
+        if stacked is not None:
+            return Linear(None, bias, None, stacked)
     weight = torch.cat([p.weight.detach() for p in parts], dim=0).contiguous()
-    if all(p.bias is None for p in parts):
-        return Linear(weight)
-    bias = torch.cat(
-        [p.bias.detach() if p.bias is not None else weight.new_zeros(p.weight.shape[0]) for p in parts]
-    )
     return Linear(weight, bias)
 
 
