@@ -216,6 +216,7 @@ class ServerState:
         max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
         allow_reload: bool = False,
         reload_timeout_s: float = 300.0,
+        max_model_len_source: str | None = None,
     ):
         self.scheduler, self.tokenizer, self.models = scheduler, tokenizer, models
         self.allow_reload, self.reload_timeout_s = bool(allow_reload), float(reload_timeout_s)
@@ -228,6 +229,9 @@ class ServerState:
         self.default_max_tokens = default_max_tokens
         self.completions_default_max_tokens = completions_default_max_tokens
         self.max_model_len, self.retry_after_s = max_model_len, retry_after_s
+        #: what sets ``max_model_len`` (named in a ``context_length_exceeded`` refusal): a config field of the
+        #: base such as ``config.sliding_window``, or ``max_model_len`` when the app was given one
+        self.max_model_len_source = max_model_len_source
         self.metrics = ServerMetrics(scheduler)
         self.created = int(time.time())
         engine = scheduler.engine
@@ -362,9 +366,10 @@ class ServerState:
         field = req.max_tokens_field
         if self.max_model_len is not None and n + max_tokens > self.max_model_len:
             self.metrics.rejected(req.model, "prompt_too_long")
+            source = f" ({self.max_model_len_source})" if self.max_model_len_source else ""
             raise APIError(
                 400,
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"this model's maximum context length is {self.max_model_len} tokens{source}, but the "
                 f"prompt has {n} tokens and {field}={max_tokens}; shorten the prompt or lower "
                 f"{field}",
                 param=field,
@@ -562,6 +567,23 @@ class ServerState:
         return (200 if alive else 503), body
 
 
+def _positions_field(engine) -> str | None:
+    """The config field that sets ``engine.max_positions`` (``"config.sliding_window"``, ...), or None when it
+    cannot be told (an engine without a transformers config)."""
+    field = getattr(engine, "max_positions_field", None)  # a public name, should the engine offer one
+    if field is None:
+        config = getattr(getattr(engine, "base", None), "config", None)
+        if config is None:
+            return None
+        try:
+            from ccft.inference.architectures import architecture
+
+            field = architecture(config).max_positions_field
+        except Exception:  # noqa: BLE001 - only the refusal's wording depends on it
+            return None
+    return field if str(field).startswith("config.") else f"config.{field}"
+
+
 def create_app(
     scheduler: Scheduler,
     tokenizer=None,
@@ -585,8 +607,9 @@ def create_app(
             included), or a mapping public name → decoder name (aliases).
         default_max_tokens: ``max_tokens`` of a chat request that sets none.
         completions_default_max_tokens: ``max_tokens`` of a completion request that sets none (16, as OpenAI).
-        max_model_len: longest prompt + ``max_tokens`` accepted (default: the model's
-            ``max_position_embeddings``).
+        max_model_len: longest prompt + ``max_tokens`` accepted (default: the engine's
+            ``max_positions``: the base's ``max_position_embeddings``, or its ``sliding_window`` where that is
+            smaller; a refusal names the config field).
         retry_after_s: the ``Retry-After`` header of a 503 (queue full).
         max_body_bytes: longest request body accepted (default 4 MiB); longer ones get 413 before they
             are read (``BodyLimitAndErrors``). ``None``: no limit.
@@ -614,6 +637,9 @@ def create_app(
         )
     if max_model_len is None:  # the engine's own bound (SharedPrefillEngine.max_positions)
         max_model_len = getattr(engine, "max_positions", None)
+        source = _positions_field(engine) if max_model_len is not None else None
+    else:
+        source = "max_model_len"
     state = ServerState(
         scheduler,
         tokenizer,
@@ -624,6 +650,7 @@ def create_app(
         retry_after_s=int(retry_after_s),
         max_body_bytes=None if max_body_bytes is None else int(max_body_bytes),
         allow_reload=allow_reload,
+        max_model_len_source=source,
     )
 
     @asynccontextmanager
