@@ -10,7 +10,9 @@ removed, from an empty temporary folder, and the test checks that ``ccft`` and i
 inside the new venv, not the checkout.
 
 Then: ``ccft eval`` on one item of every registered task (base mode, the tiny random model),
-``ccft bench decode`` on the tiny model, ``ccft report`` over the eval folder, ``ccft serve --help``.
+``ccft bench decode`` on the tiny model, ``ccft report`` over the eval folder, ``ccft serve --help``; and,
+as a new user would start (issue 54), ``ccft recipes cp demo .`` and ``ccft demo demo.yaml --dry-run`` in an
+empty folder, on the packaged recipe and suite.
 """
 
 from __future__ import annotations
@@ -72,10 +74,8 @@ def open_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.slow
-def test_wheel_installs_and_runs_from_an_empty_folder(open_tmp, tokenizer):
-    tmp_path = open_tmp
-    # 1. Build from a copy of the sources (the checkout gets no build/ or egg-info).
+def _build_wheel(tmp_path: Path) -> Path:
+    """The wheel built from a copy of the sources (the checkout gets no build/ or egg-info)."""
     src = tmp_path / "src-copy"
     src.mkdir()
     for name in ("setup.cfg", "pyproject.toml", "README.md"):
@@ -100,21 +100,12 @@ def test_wheel_installs_and_runs_from_an_empty_folder(open_tmp, tokenizer):
         env=os.environ.copy(),
     )
     (wheel,) = dist.glob("ccft-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    for f in (
-        "ccft/evals/data/README.md",
-        "ccft/evals/data/gsm_plus/gsmplus_testmini.jsonl",
-        "ccft/evals/data/gsm_plus/LICENSE-NOTE.txt",
-        "ccft/evals/data/multipl_e_humaneval/LICENSE.MultiPL-E",
-        "ccft/evals/data/humaneval/HumanEval.jsonl.gz",
-        "ccft/evals/data/bfcl/BFCL_v4_multiple.json",
-        "ccft/evals/data/mbxp/metadata.json",
-        "ccft/bench/decode.py",
-        "ccft/resources/gsm8k/test.jsonl",
-    ):
-        assert f in names, f
+    return wheel
 
-    # 2. A fresh venv seeing the project venv's packages but not its editable ccft; install the wheel.
+
+def _install(tmp_path: Path, wheel: Path) -> tuple[Path, Path, dict]:
+    """(venv python, its purelib, the environment to run it in): a fresh venv seeing the project venv's
+    packages but not its editable ccft, with the wheel installed."""
     venv = tmp_path / "venv"
     _run(
         [getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", venv],
@@ -137,9 +128,39 @@ def test_wheel_installs_and_runs_from_an_empty_folder(open_tmp, tokenizer):
         cwd=tmp_path,
         env=os.environ.copy(),
     )
-
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    return py, purelib, env
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_runs_from_an_empty_folder(open_tmp, tokenizer):
+    tmp_path = open_tmp
+    # 1. Build from a copy of the sources.
+    wheel = _build_wheel(tmp_path)
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in (
+        "ccft/evals/data/README.md",
+        "ccft/evals/data/gsm_plus/gsmplus_testmini.jsonl",
+        "ccft/evals/data/gsm_plus/LICENSE-NOTE.txt",
+        "ccft/evals/data/multipl_e_humaneval/LICENSE.MultiPL-E",
+        "ccft/evals/data/humaneval/HumanEval.jsonl.gz",
+        "ccft/evals/data/bfcl/BFCL_v4_multiple.json",
+        "ccft/evals/data/mbxp/metadata.json",
+        "ccft/bench/decode.py",
+        "ccft/resources/gsm8k/test.jsonl",
+    ):
+        assert f in names, f
+    # the packaged recipes and suites (ccft recipes list / cp): every file of src/ccft/recipes/
+    shipped = sorted(
+        p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src/ccft/recipes").rglob("*.yaml")
+    )
+    assert len(shipped) >= 13 and "ccft/recipes/evals/demo.yaml" in shipped
+    assert [n for n in shipped if n not in names] == []
+
+    # 2. A fresh venv seeing the project venv's packages but not its editable ccft; install the wheel.
+    py, purelib, env = _install(tmp_path, wheel)
+    venv = py.parent.parent
     work = tmp_path / "empty"
     work.mkdir()
     where = json.loads(
@@ -213,3 +234,38 @@ def test_wheel_installs_and_runs_from_an_empty_folder(open_tmp, tokenizer):
     assert len(report["tasks"]) == len(TASKS)
     assert _run([ccft_bin, "serve", "--help"], cwd=work, env=env).stdout.startswith("usage: ccft serve")
     assert sorted(p.name for p in work.iterdir()) == ["bench", "eval", "report"]
+
+
+@pytest.mark.slow
+def test_a_new_user_copies_the_demo_and_dry_runs_it_from_the_wheel(open_tmp):
+    """Issue 54: from an installed wheel, in an empty folder, ``ccft recipes cp demo .`` then ``ccft demo
+    demo.yaml --dry-run`` (the packaged recipe and its suite, the embedded base's tokenizer) succeed."""
+    tmp_path = open_tmp
+    py, purelib, env = _install(tmp_path, _build_wheel(tmp_path))
+    ccft_bin = py.parent / "ccft"
+    work = tmp_path / "empty"
+    work.mkdir()
+    listed = _run([ccft_bin, "recipes", "list"], cwd=work, env=env).stdout
+    assert "  demo " in listed and "The main job at CPU scale" in listed
+    out = _run([ccft_bin, "recipes", "cp", "demo", "."], cwd=work, env=env).stdout
+    assert out.splitlines()[0] == "[ccft] copied demo: demo.yaml, evals/demo.yaml"
+    packaged = purelib / "ccft" / "recipes"
+    assert (work / "demo.yaml").read_bytes() == (packaged / "demo.yaml").read_bytes()
+    assert (work / "demo.yaml").read_bytes() == (ROOT / "recipes" / "demo.yaml").read_bytes()
+    assert (work / "evals" / "demo.yaml").read_bytes() == (packaged / "evals" / "demo.yaml").read_bytes()
+    proc = subprocess.run(
+        [ccft_bin, "recipes", "cp", "demo", "."], cwd=work, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "already exist(s); nothing copied (add --force" in proc.stderr
+    out = _run([ccft_bin, "demo", "demo.yaml", "--dry-run"], cwd=work, env=env).stdout
+    assert out.startswith("[ccft demo] recipe OK: base=smollm2-135m-instruct decoder=lora train rows=160/160")
+    assert "eval task=gsm8k nll_rows=100 em_rows=50 modes=base,full-ft,naive,prefillshare" in out
+    out = _run([ccft_bin, "train", "demo.yaml", "--dry-run"], cwd=work, env=env).stdout
+    assert out.startswith(
+        "[ccft] recipe OK: method=ccft decoder=lora base=smollm2-135m-instruct train rows=160"
+    )
+    assert sorted(str(p.relative_to(work)) for p in work.rglob("*")) == [
+        "demo.yaml",
+        "evals",
+        "evals/demo.yaml",
+    ]

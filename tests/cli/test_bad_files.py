@@ -151,7 +151,6 @@ CASES = {
         [],
         r"r\.yaml:5: unknown key 'learning_rat'",
     ),
-    "eval section that is a list": (_append("eval: [1, 2]"), [], r"r\.yaml:5: `eval` is a mapping"),
     "output_dir is an existing file": (_file_at("out"), [], r"output_dir 'out' is an existing file"),
     "output_dir under a file": (
         lambda d: (_file_at("parent")(d), _recipe_line("output_dir: out", "output_dir: parent/run")(d)),
@@ -224,6 +223,30 @@ def test_corrupted_inputs_end_in_one_line_with_exit_2(workdir, capsys, case, com
 
     assert re.search(pattern, lines[0]), (pattern, lines[0])
     assert snapshot(workdir) == before  # nothing half-written (no output_dir, no store, no temp files)
+
+
+@pytest.mark.parametrize(
+    "line, pattern",
+    [
+        ("eval: [1, 2]", r"r\.yaml:5: `eval` is a mapping"),
+        ("eval: evals/none.yaml", r"r\.yaml:5: eval: suite 'evals/none\.yaml' not found"),
+        ("eval: {nll_row: 3}", r"r\.yaml:5: unknown key 'nll_row'"),
+    ],
+)
+def test_a_bad_eval_section_stops_demo_not_train(workdir, capsys, line, pattern):
+    """Training reads no ``eval:``: ``ccft train`` / ``ccft precompute`` pass it by, ``ccft demo`` (which
+    evaluates) refuses it in one line before anything is written."""
+    import re
+
+    _append(line)(workdir)
+    before = snapshot(workdir)
+    for argv in (["train", "r.yaml", "--dry-run"], ["precompute", "r.yaml", "--estimate-only"]):
+        rc, err = run_cli(argv, capsys)
+        assert (rc, err) == (0, ""), argv
+    rc, err = run_cli(["demo", "r.yaml", "--dry-run"], capsys)
+    assert rc == 2 and err.startswith("ccft demo: error: ") and len(err.strip().splitlines()) == 1, err
+    assert re.search(pattern, err), (pattern, err)
+    assert snapshot(workdir) == before
 
 
 # a real run rebuilds a store whose manifest is broken (the store is a cache of C_base); --dry-run reports it

@@ -1,4 +1,5 @@
-"""``ccft demo recipes/demo.yaml``: the main job, end to end on real data.
+"""``ccft demo [RECIPE]``: the main job, end to end on real data (RECIPE: a file, or a packaged recipe's name;
+default the packaged ``demo``, which ``ccft recipes cp demo .`` copies with its suite).
 
 Phases (wall time of each is recorded):
   setup         convert the embedded base once, validate the recipe and data
@@ -25,10 +26,21 @@ import time
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="train CCFT + Full-FT on GSM8K and compare the four modes")
-    p.add_argument("recipe", nargs="?", default="recipes/demo.yaml")
+    p.add_argument(
+        "recipe",
+        nargs="?",
+        default="demo",
+        help="recipe YAML, or a packaged recipe's name (default: demo; `ccft recipes list`)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides (eval.KEY=value for the eval section)")
     p.add_argument("--out", default="reports/demo", help="report folder")
     p.add_argument("--runs", default="runs/demo", help="folder for the two decoders")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the recipe, its evaluation suite, both methods' data, the base tokenizer and the "
+        "output folders, then stop (nothing is written)",
+    )
     p.set_defaults(func=run)
 
 
@@ -47,23 +59,40 @@ def _phase(times: dict, name: str):
 
 def run(args) -> int:
     from ccft.core.checkpoint import load_decoder
+    from ccft.core.errors import ConfigError
     from ccft.core.io import atomic_write_text, check_output_folder
     from ccft.core.models import describe_model, load_base, resolve_model_path
     from ccft.evals.evaluate import evaluate_decoders
+    from ccft.evals.protocol import task_names
     from ccft.evals.report import modes_table, reading
     from ccft.evals.results import FolderConflictError, hardware
     from ccft.train.config import METHODS, load_recipe
+    from ccft.train.recipes import recipe_argument
     from ccft.train.run import check_run, method_config, train_or_reuse
 
     times: dict[str, float] = {}
     total = time.time()
-    cfg, ecfg, raw = load_recipe(args.recipe, args.overrides)
+    cfg, ecfg, raw = load_recipe(recipe_argument(args.recipe), args.overrides)
+    if ecfg.task not in task_names():  # before any training: the evaluation comes last
+        raise ConfigError(
+            f"{args.recipe}: eval.task: unknown task {ecfg.task!r}; known tasks: {', '.join(task_names())}"
+        )
     # nothing is written before the folders and both methods' data rows are checked (a failed start leaves
     # --runs and --out as they were)
     runs = check_output_folder(args.runs, "--runs")
     out = check_output_folder(args.out, "--out")
+    rows = {}
     for method in METHODS:
-        check_run(method_config(cfg, raw, method, runs / method)[0], store=False)
+        rows[method] = len(check_run(method_config(cfg, raw, method, runs / method)[0], store=False)[0])
+    if args.dry_run:
+        print(
+            f"[ccft demo] recipe OK: base={cfg.base} decoder={cfg.decoder_kind} train rows="
+            f"{'/'.join(str(rows[m]) for m in METHODS)} ({', '.join(METHODS)}) max_steps={cfg.max_steps}; "
+            f"eval task={ecfg.task} nll_rows={ecfg.nll_rows} em_rows={ecfg.em_rows} "
+            f"modes={','.join(ecfg.modes)}; "
+            f"would write {runs / METHODS[0]}, {runs / METHODS[1]} and {out}"
+        )
+        return 0
     with _phase(times, "setup"):
         resolve_model_path(cfg.base)  # converts the embedded model once
     histories, train_rows, reused = {}, {}, {}

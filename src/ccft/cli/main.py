@@ -1,4 +1,4 @@
-"""``ccft`` entry point: ``ccft {train,eval,demo,study,report,sweep,precompute,bench,serve,export} ...``.
+"""``ccft`` entry point: ``ccft {train,eval,demo,study,report,sweep,precompute,bench,serve,export,recipes}``.
 
 Errors ccft raises on purpose (``CCFTError``) and files it cannot read or write end the command with one
 line on stderr, ``ccft CMD: error: ...`` naming the file (and line), and exit status 2; set ``CCFT_DEBUG=1``
@@ -15,12 +15,12 @@ from ccft.core.errors import CCFTError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ccft.cli import bench, demo, export, precompute, report, serve, study, sweep, train
+    from ccft.cli import bench, demo, export, precompute, recipes, report, serve, study, sweep, train
     from ccft.cli import eval as eval_cmd
 
     parser = argparse.ArgumentParser(prog="ccft", description="Cache-conditioned fine-tuning (PrefillShare).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (train, eval_cmd, demo, study, report, sweep, precompute, bench, serve, export):
+    for mod in (train, eval_cmd, demo, study, report, sweep, precompute, bench, serve, export, recipes):
         mod.add_parser(sub)
     return parser
 

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
         "of a recipe once, into memory-mappable safetensors shards keyed by base "
         "fingerprint + token ids.",
     )
-    p.add_argument("recipe", nargs="?", help="recipe YAML (recipes/*.yaml)")
+    p.add_argument("recipe", nargs="?", help="recipe YAML, or a packaged recipe's name (`ccft recipes list`)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.add_argument(
         "--out",
@@ -64,9 +64,13 @@ def run(args) -> int:
         store_bytes,
     )
     from ccft.train.config import load_recipe
+    from ccft.train.recipes import recipe_argument
     from ccft.train.run import check_run
 
-    cfg, _, _ = load_recipe(args.recipe, args.overrides)
+    # C_base is computed for the training data only: the recipe's eval: section is not read
+    cfg, _, _ = load_recipe(
+        recipe_argument(args.recipe) if args.recipe else None, args.overrides, with_eval=False
+    )
     fmt = check_cache_format(args.cache_format or cfg.cache_format, where="--cache-format")
     out = check_output_folder(args.out or cfg.base_cache_store or Path(cfg.output_dir) / "c_base", "--out")
     train, ev = check_run(cfg, store=False)

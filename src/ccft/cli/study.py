@@ -24,7 +24,13 @@ def add_parser(sub) -> None:
         help="train the math, code and tools specialists (CCFT + Full-FT) and compare the "
         "four modes on their benchmarks",
     )
-    p.add_argument("config", nargs="?", default="recipes/study.yaml")
+    p.add_argument(
+        "config",
+        nargs="?",
+        default="study",
+        help="study YAML, or a packaged one's name (default: the packaged study; frontier, multipl-e; "
+        "`ccft recipes list`)",
+    )
     p.add_argument(
         "overrides",
         nargs="*",
@@ -37,8 +43,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ccft.evals.study import load_study_config
     from ccft.evals.study.recipe import StudyRecipe
+    from ccft.train.recipes import recipe_argument
 
-    cfg = load_study_config(args.config, args.overrides)
+    cfg = load_study_config(recipe_argument(args.config), args.overrides)
     command = (
         "make study"
         if (args.config == "recipes/study.yaml" and not args.overrides)

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
         description="Train a CCFT or Full-FT decoder. Any TrainConfig field can be overridden "
         "as key=value (YAML scalars), e.g. max_steps=10 method=full-ft.",
     )
-    p.add_argument("recipe", nargs="?", help="recipe YAML (recipes/*.yaml)")
+    p.add_argument("recipe", nargs="?", help="recipe YAML, or a packaged recipe's name (`ccft recipes list`)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in output_dir")
     p.add_argument(
@@ -60,12 +60,16 @@ def run(args) -> int:
         for f in dataclasses.fields(EvalConfig):
             print(f"eval.{f.name:17s} {doc.get(f.name, '')}")
         return 0
-    cfg, _, raw = load_recipe(args.recipe, args.overrides)
+    from ccft.train.recipes import recipe_argument
+
+    # training reads no eval: section (a missing or bad suite is ccft demo's / ccft eval's to report)
+    recipe = recipe_argument(args.recipe) if args.recipe else None
+    cfg, _, raw = load_recipe(recipe, args.overrides, with_eval=False)
     if (args.accelerate_config or (args.num_processes or 1) > 1) and not args.dry_run:
         from ccft.train.distributed import inside_launcher, relaunch
 
         if not inside_launcher():
-            argv = ["train"] + ([args.recipe] if args.recipe else []) + list(args.overrides or [])
+            argv = ["train"] + ([recipe] if recipe else []) + list(args.overrides or [])
             argv += ["--no-resume"] if args.no_resume else []
             return relaunch(argv, num_processes=args.num_processes, config_file=args.accelerate_config)
     if args.dry_run:

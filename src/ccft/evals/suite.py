@@ -61,7 +61,7 @@ def load_suite(path: str | os.PathLike, specialist: str | None = None) -> EvalSu
     """Read and validate the suite at ``path`` (before any model loads).
 
     Args:
-        path: a suite YAML (``evals/demo.yaml``, ``evals/study.yaml``).
+        path: a suite YAML (``evals/demo.yaml``, ``evals/study.yaml``) or a packaged suite's name (``demo``).
         specialist: for a per-specialist suite, whose tasks (may be omitted when the suite has one
             specialist).
     Returns:
@@ -72,9 +72,12 @@ def load_suite(path: str | os.PathLike, specialist: str | None = None) -> EvalSu
     """
     from ccft.evals.study.config import SUITE_KEYS, SUITE_SPEC_KEYS, SpecialistConfig, parse_tasks
     from ccft.train.config import load_eval_config, read_yaml_mapping
+    from ccft.train.recipes import recipe_argument
 
-    p = Path(path)
-    raw, _ = read_yaml_mapping(p, "evaluation suite", "an evals/*.yaml file")
+    p = Path(recipe_argument(str(path), "suite"))  # a packaged suite by name: demo, study
+    raw, _ = read_yaml_mapping(
+        p, "evaluation suite", "an evals/*.yaml file or a packaged suite's name (`ccft recipes list`)"
+    )
     if not raw:
         raise ConfigError(f"{p}: an empty evaluation suite; declare at least `task:` (see evals/demo.yaml)")
     if "specialists" not in raw:

@@ -573,16 +573,6 @@ def read_yaml_mapping(p: Path, kind: str, expected: str) -> tuple[dict[str, Any]
     return raw, text
 
 
-def resolve_suite_path(suite: str, referrer: Path) -> Path | None:
-    """The evaluation suite a recipe (or study config) ``referrer`` names: ``suite`` as given (absolute, or
-    relative to the working directory), else relative to the folder above the referrer's (``recipes/x.yaml``
-    naming ``evals/y.yaml`` from any working directory); None when neither is a file."""
-    for cand in (Path(suite), referrer.resolve().parent.parent / suite):
-        if cand.is_file():
-            return cand
-    return None
-
-
 def load_eval_config(path: str | Path) -> EvalConfig:
     """The ``EvalConfig`` an evaluation suite file declares (``evals/demo.yaml``: ``task``, ``nll_rows``,
     ``em_rows``, ``modes``, ...; docs/evaluation.md, "Suites"), validated like a recipe's ``eval:`` section.
@@ -605,10 +595,16 @@ def _eval_config(kw: dict, where: str) -> EvalConfig:
 
 
 def load_recipe(
-    path: str | Path | None, overrides: list[str] | None = None, **extra: Any
+    path: str | Path | None, overrides: list[str] | None = None, *, with_eval: bool = True, **extra: Any
 ) -> tuple[TrainConfig, EvalConfig, dict]:
     """Parse and validate a recipe YAML plus ``key=value`` overrides (``eval.KEY=value`` for the eval
     section).
+
+    ``eval:`` is a mapping or the evaluation suite it names (``ccft.train.recipes.resolve_named``: a packaged
+    suite's name, or a path relative to the recipe's folder, then to the working directory). With
+    ``with_eval=False`` (``ccft train``, ``ccft precompute``: training does not read it) the eval section and
+    ``eval.KEY`` overrides are neither read nor validated, the ``EvalConfig`` returned is the default one and
+    the merged dict has no ``eval``.
 
     Returns (TrainConfig, EvalConfig, the merged raw dict recorded in ``ccft.json``). Raises
     ConfigError for an unreadable file, unknown key, wrong type or invalid value — before any
@@ -626,14 +622,12 @@ def load_recipe(
         lines, eval_lines = _key_lines(text)
         eval_where = where if eval_lines else f"{where} (eval section)"
         suite = raw.get("eval")
-        if isinstance(suite, str):  # an evaluation suite file (evals/*.yaml; docs/evaluation.md, "Suites")
-            sp = resolve_suite_path(suite, p)
-            if sp is None:
-                raise ConfigError(
-                    f"{p}:{lines.get('eval', 1)}: eval: suite {suite!r} not found (relative paths are read "
-                    f"from the working directory, then from {p.resolve().parent.parent}); "
-                    "give an evals/*.yaml"
-                )
+        if not with_eval:
+            raw.pop("eval", None)
+        elif isinstance(suite, str):  # an evaluation suite (evals/*.yaml; docs/evaluation.md, "Suites")
+            from ccft.train.recipes import resolve_named
+
+            sp = resolve_named(suite, p, "eval", f"{p}:{lines.get('eval', 1)}")
             raw["eval"], suite_text = read_yaml_mapping(sp, "evaluation suite", "an evals/*.yaml file")
             eval_lines, eval_where = _key_lines(suite_text)[0], str(sp)
         elif "eval" in raw and raw["eval"] is not None and not isinstance(raw["eval"], dict):
@@ -652,13 +646,15 @@ def load_recipe(
     raw.update(ov)
     raw.update(extra)
     train_kw = _validate(raw, TrainConfig, where, lines, set(ov))
-    eval_kw = _validate(eval_raw, EvalConfig, eval_where, eval_lines, set(eval_ov), "eval.")
+    eval_kw = (
+        _validate(eval_raw, EvalConfig, eval_where, eval_lines, set(eval_ov), "eval.") if with_eval else {}
+    )
     train_kw.setdefault("report_to", "none")
     try:
         (cfg,) = _parser(TrainConfig)[0].parse_dict(train_kw)
     except (ConfigError, ValueError, TypeError) as e:  # __post_init__ of TrainConfig / TrainingArguments
         raise ConfigError(f"{where}: {e}") from None
-    ecfg = _eval_config(eval_kw, eval_where)
+    ecfg = _eval_config(eval_kw, eval_where) if with_eval else EvalConfig()
     for key in ("train_data", "eval_data"):
         if getattr(cfg, key):
             try:
@@ -667,5 +663,5 @@ def load_recipe(
                 at = f"{where}:{lines[key]}" if key in lines else where
                 raise ConfigError(f"{at}: {key}: {e}") from None
     check_paths(cfg, where)
-    merged = dict(train_kw, eval=eval_kw)
+    merged = dict(train_kw, eval=eval_kw) if with_eval else dict(train_kw)
     return cfg, ecfg, merged

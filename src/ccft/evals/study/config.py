@@ -63,6 +63,9 @@ class SpecialistConfig:
     multipl_e: list[str] | str = field(default_factory=list)
     multipl_e_limit: int = 20
     multipl_e_max_new_tokens: int | None = 256
+    #: the file ``recipe`` names (``ccft.train.recipes.resolve_named``: beside the study config first); "":
+    #: ``recipe`` as given
+    recipe_file: str = ""
 
     def task_list(self) -> list[tuple[str, int, int | None]]:
         """``(task, limit, max_new_tokens)`` in evaluation order: ``tasks``, then one ``multipl-e-LANG`` per
@@ -141,14 +144,15 @@ def _with_suite(raw: dict, suite: Any, p: Path) -> dict:
         ConfigError: the suite is missing or not YAML, declares a key that is not evaluation, or a specialist
             the config has no recipe for.
     """
-    from ccft.train.config import read_yaml_mapping, resolve_suite_path
+    from ccft.train.config import read_yaml_mapping
+    from ccft.train.recipes import resolve_named
 
-    sp = resolve_suite_path(str(suite), p) if isinstance(suite, str) else None
-    if sp is None:
+    if not isinstance(suite, str):
         raise ConfigError(
-            f"{p}: suite {suite!r} not found (relative paths are read from the working directory, then from "
-            f"{p.resolve().parent.parent}); give an evals/*.yaml"
+            f"{p}: suite: {suite!r} is not a suite; give a path relative to {p.name}'s folder or a packaged "
+            "suite's name (`ccft recipes list`)"
         )
+    sp = resolve_named(suite, p, "suite", str(p))
     sraw, _ = read_yaml_mapping(sp, "evaluation suite", "an evals/*.yaml file")
     bad = sorted(set(sraw) - SUITE_KEYS)
     if bad:
@@ -252,9 +256,14 @@ def load_study_config(path: str | os.PathLike, overrides: list[str] | None = Non
         if bad:
             raise ConfigError(f"{p}: specialists.{name}: unknown key(s) {bad}; use {sorted(_SPEC_KEYS)}")
         tasks = parse_tasks(f"{p}: specialists.{name}", s.get("tasks"))
+        from ccft.train.recipes import resolve_named
+
         spec = SpecialistConfig(
             name=name,
             recipe=str(s["recipe"]),
+            recipe_file=str(
+                resolve_named(str(s["recipe"]), p, f"specialists.{name}.recipe", str(p), kind="recipe")
+            ),
             train=dict(s.get("train") or {}),
             tasks=tasks,
             multipl_e=s.get("multipl_e") or [],
@@ -312,4 +321,4 @@ def recipe_overrides(spec: SpecialistConfig):
     from ccft.train.config import load_recipe
 
     overrides = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in spec.train.items()]
-    return load_recipe(spec.recipe, overrides)
+    return load_recipe(spec.recipe_file or spec.recipe, overrides)
