@@ -271,8 +271,49 @@ def test_kernel_file_is_built_once_and_reused(kernel, tmp_path, monkeypatch):
         stat.st_ino,
         stat.st_mtime_ns,
     )
-    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temporary left
+    # no temporary left: the build and the record of the instruction sets it targets
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == sorted(
+        [first.name, B.isa_record(first).name]
+    )
     assert B.BlockKernel(second).lib.ccft_blocks_abi() == B.ABI
+
+
+def test_a_build_for_an_isa_this_cpu_lacks_is_never_loaded(kernel, tmp_path, monkeypatch):
+    """A cache shared by CPUs of different ISAs (a cluster's home folder): a build recorded as AVX-512 found
+    where the CPU has no AVX-512 is not loaded (an illegal instruction would kill the process) but rebuilt
+    for this CPU; the ISA is part of the cache key, so each ISA builds its own file."""
+    import json
+    import shutil
+
+    monkeypatch.setenv("CCFT_CACHE", str(tmp_path))
+    monkeypatch.setitem(B._kernel, "lib", kernel)  # load_kernel(fresh=True) below: the module's kernel after
+    compiler = shutil.which("g++") or shutil.which("c++")
+    real = B.cpu_features()
+    assert real is not None and B.target_isa(compiler) and set(B.target_isa(compiler)) <= real
+    # this CPU, as an AVX2 node sees it: no AVX-512 in its flags nor in what -march=native resolves to
+    no512 = frozenset(f for f in real if not f.startswith("avx512"))
+    monkeypatch.setattr(B, "cpu_features", lambda: no512)
+    targets = {"-march=native": tuple(f for f in B.target_isa(compiler) if not f.startswith("avx512"))}
+    resolve = B.target_isa
+    monkeypatch.setattr(B, "target_isa", lambda c, flags=B.FLAGS: targets.get(flags[1], resolve(c, flags)))
+    path = B.kernel_path(compiler)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\x7fELF not a loadable library: dlopen of it would fail")  # the AVX-512 node's build
+    B.isa_record(path).write_text(json.dumps({"isa": ["avx2", "avx512bw", "avx512f", "fma"]}))
+    assert B.missing_isa(path) == ["avx512bw", "avx512f"]
+    loaded = B.load_kernel(fresh=True)
+    assert loaded is not None and loaded.path == path and loaded.lib.ccft_blocks_abi() == B.ABI
+    assert B.missing_isa(path) == [] and json.loads(B.isa_record(path).read_text())["isa"] == list(
+        targets["-march=native"]
+    )
+    # the AVX-512 node's key differs from this node's: the two builds never share a file
+    monkeypatch.setattr(B, "target_isa", resolve)
+    assert (B.kernel_path(compiler) == path) is (real == no512)
+    # a build with no record is not trusted either
+    B.isa_record(path).unlink()
+    assert B.missing_isa(path) == ["(no ISA record)"]
+    monkeypatch.setattr(B, "target_isa", lambda c, flags=B.FLAGS: targets.get(flags[1], resolve(c, flags)))
+    assert B.build_kernel(compiler) == path and B.missing_isa(path) == []
 
 
 @pytest.mark.parametrize("build", ["plain", "avx2"])

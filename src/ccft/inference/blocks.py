@@ -16,10 +16,11 @@ as its blocks (20 or 34 bytes per 32 weights instead of 128) computes with the s
 * :func:`load_kernel`: the C++ kernel (``kernels/blocks.cpp``: AVX-512 or AVX2 + FMA where the CPU has
   them, plain C++ otherwise; OpenMP over output rows), compiled at first use with the system C++ compiler
   (``$CXX``, else ``g++``, ``c++``, ``clang++``; ``-O3 -march=native -fopenmp``) into
-  ``<cache>/kernels/blocks-<hash of source, flags, compiler>.so`` (``<cache>``:
+  ``<cache>/kernels/blocks-<hash of source, flags, compiler, target ISA>.so`` (``<cache>``:
   ``ccft.core.models.cache_root``) through a temporary file renamed into place, so concurrent processes
-  share one build. Without a compiler (or if the build fails) it returns None and logs one line; the engine
-  then keeps the fp32 path.
+  share one build; a build is loaded only on a CPU that has every instruction set it records
+  (:func:`missing_isa`). Without a compiler (or if the build fails) it returns None and logs one line; the
+  engine then keeps the fp32 path.
 
 ``SharedPrefillEngine(block_weights=...)`` uses them for the base lane on the CPU (docs/inference.md, "Block
 weights"); ``CCFT_BLOCK_WEIGHTS=0`` turns them off.
@@ -142,30 +143,112 @@ def _compiler() -> str | None:
     return None
 
 
+#: predefined macro of an instruction-set extension -> its name in /proc/cpuinfo's flags (the extensions the
+#: kernel's vector paths, or code the compiler generates for ``-march=native``, may use)
+ISA_MACROS = {
+    "__AVX__": "avx",
+    "__AVX2__": "avx2",
+    "__FMA__": "fma",
+    "__F16C__": "f16c",
+    "__AVX512F__": "avx512f",
+    "__AVX512BW__": "avx512bw",
+    "__AVX512CD__": "avx512cd",
+    "__AVX512DQ__": "avx512dq",
+    "__AVX512VL__": "avx512vl",
+    "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512BF16__": "avx512_bf16",
+    "__AVX512FP16__": "avx512_fp16",
+    "__AVX512VBMI__": "avx512vbmi",
+    "__AVXVNNI__": "avx_vnni",
+    "__AMX_TILE__": "amx_tile",
+    "__AMX_BF16__": "amx_bf16",
+    "__AMX_INT8__": "amx_int8",
+}
+
+
+def cpu_features() -> frozenset[str] | None:
+    """The running CPU's instruction-set flags (``/proc/cpuinfo``: x86 ``flags``, Arm ``Features``), or None
+    where they cannot be read (then no build is refused for its ISA)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return None
+
+
+def target_isa(compiler: str, flags: tuple[str, ...] = FLAGS) -> tuple[str, ...]:
+    """The instruction-set extensions (:data:`ISA_MACROS` names) that ``compiler`` targets with ``flags``'
+    machine options: what ``-march=native`` resolves to on this CPU (the compiler's predefined macros),
+    sorted."""
+    arch = [f for f in flags if f.startswith("-m")]
+    r = subprocess.run(
+        [compiler, *arch, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True, check=False
+    )
+    defined = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("#define ")}
+    return tuple(sorted(name for macro, name in ISA_MACROS.items() if macro in defined))
+
+
 def kernel_path(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
-    """``<cache_root()>/kernels/blocks-<16 hex digits>.so``: the hash covers the source, the ``flags`` and the
-    compiler's path and version (``compiler --version``), so any change builds a new file."""
+    """``<cache_root()>/kernels/blocks-<16 hex digits>.so``: the hash covers the source, the ``flags``, the
+    compiler's path and version (``compiler --version``) and the instruction sets those flags target
+    here (:func:`target_isa`), so any change builds a new file, and CPUs of different ISAs sharing one cache
+    (a home folder on a cluster) each get their own build."""
     from ccft.core.models import cache_root
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     h = hashlib.sha256(SOURCE.read_bytes())
-    h.update("\0".join((*flags, compiler, version)).encode())
+    h.update("\0".join((*flags, compiler, version, *target_isa(compiler, flags))).encode())
     return cache_root() / "kernels" / f"blocks-{h.hexdigest()[:16]}.so"
+
+
+def isa_record(path: Path) -> Path:
+    """The JSON beside a built kernel ``path`` that records the instruction sets it was compiled for."""
+    return path.with_suffix(".isa.json")
+
+
+def missing_isa(path: Path, features: frozenset[str] | None = None) -> list[str]:
+    """The instruction sets the build at ``path`` was compiled for (:func:`isa_record`) that the running CPU
+    (``features``, default :func:`cpu_features`) lacks; every recorded one when the record is missing or
+    unreadable (a build of unknown target is not trusted), none when the CPU's flags cannot be read."""
+    import json
+
+    features = cpu_features() if features is None else features
+    if features is None:
+        return []
+    try:
+        isa = json.loads(isa_record(path).read_text())["isa"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ["(no ISA record)"]
+    return sorted(set(isa) - features)
 
 
 def build_kernel(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """Compile ``kernels/blocks.cpp`` with ``compiler`` and ``flags`` (default :data:`FLAGS`; without
-    ``-march=native`` the plain C++ path is built) into :func:`kernel_path` unless that file exists;
-    returns the path. The build writes a temporary file and renames it (concurrent builds are safe).
+    ``-march=native`` the plain C++ path is built) into :func:`kernel_path` unless a build there is usable on
+    this CPU; returns the path. Beside it, :func:`isa_record` names the instruction sets it targets. A file at
+    that path whose record names an instruction set this CPU lacks (or has no record) is never loaded: it is
+    rebuilt. The build writes temporary files and renames them (concurrent builds are safe).
 
     Raises:
-        OSError: the compiler failed (its output in the message).
+        OSError: the compiler failed (its output in the message), or it targets instruction sets this CPU
+            lacks (e.g. ``CXXFLAGS``-style machine options in ``flags``).
     """
+    import json
+
     from ccft.core.io import atomic_write_file
 
     path = kernel_path(compiler, flags)
-    if path.is_file():
+    if path.is_file() and not missing_isa(path):
         return path
+    isa = target_isa(compiler, flags)
+    features = cpu_features()
+    lacking = sorted(set(isa) - features) if features is not None else []
+    if lacking:
+        raise OSError(f"{compiler} {' '.join(flags)} targets {', '.join(lacking)}, which this CPU lacks")
 
     def compile_to(tmp: str) -> None:
         r = subprocess.run(
@@ -174,12 +257,20 @@ def build_kernel(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
         if r.returncode != 0:
             raise OSError(f"{compiler} failed on {SOURCE.name}: {(r.stderr or r.stdout).strip()[-2000:]}")
 
+    def record_to(tmp: str) -> None:
+        Path(tmp).write_text(
+            json.dumps({"isa": list(isa), "flags": list(flags), "compiler": compiler}) + "\n"
+        )
+
+    # the record first: a reader that finds the .so also finds what it was built for
+    atomic_write_file(isa_record(path), record_to)
     return atomic_write_file(path, compile_to)
 
 
 def load_kernel(*, fresh: bool = False) -> BlockKernel | None:
     """The block kernel, built on first use (once per process; see the module docstring), or None when no
     C++ compiler is found or the build or load fails (logged once, at WARNING, naming the fp32 fallback).
+    A cached build is loaded only where its recorded instruction sets are all on this CPU (``build_kernel``).
     ``fresh``: look for the compiler and the built file again instead of reusing this process's answer."""
     with _lock:
         if fresh or "lib" not in _kernel:
@@ -188,7 +279,13 @@ def load_kernel(*, fresh: bool = False) -> BlockKernel | None:
                 why = "no C++ compiler found (set CXX, or install g++)"
             else:
                 try:
-                    _kernel["lib"] = BlockKernel(build_kernel(compiler))
+                    path = build_kernel(compiler)
+                    lacking = missing_isa(path)
+                    if (
+                        lacking
+                    ):  # never dlopen a build for another CPU: an illegal instruction kills the process
+                        raise OSError(f"{path} was built for {', '.join(lacking)}, which this CPU lacks")
+                    _kernel["lib"] = BlockKernel(path)
                     return _kernel["lib"]
                 except OSError as e:
                     why = str(e)
@@ -955,6 +1052,10 @@ __all__ = [
     "lora_table",
     "fused_mlp",
     "kernel_path",
+    "cpu_features",
+    "target_isa",
+    "missing_isa",
+    "isa_record",
     "load_kernel",
     "read_gguf_blocks",
     "default_setting",
