@@ -253,3 +253,18 @@ def test_unknown_family_is_refused_before_the_engine_allocates(tmp_path, tokeniz
     base = ccft.load_base(str(tmp_path))
     with pytest.raises(IncompatibleModelError, match=r"model_type='gpt2' \(supported: llama, mistral"):
         SharedPrefillEngine(base, decoders={})
+
+
+@pytest.mark.parametrize("family", MODEL_FAMILIES)
+def test_the_fused_cpu_step_runs_where_the_family_is_llamas_block(family, family_dirs):
+    """The eager decode tests above run the fused CPU step (every layer in one kernel call) for llama,
+    mistral, qwen2 and qwen3 (q/k/v biases and per-head q/k norms are in the kernel), the layer loop for the
+    others."""
+    from ccft.inference.blocks import load_kernel
+
+    if load_kernel() is None:
+        pytest.skip("no C++ compiler builds the block kernel here")
+    base = ccft.load_base(str(family_dirs[family]))
+    eng = SharedPrefillEngine(base, decoders={})
+    fused = eng.lanes["base"].weights.block_step is not None
+    assert fused is (family in ("llama", "mistral", "qwen2", "qwen3"))
