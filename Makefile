@@ -19,8 +19,8 @@ venv: $(STAMP)
 # module fixtures are built once. PYTEST_PARALLEL= runs in one process.
 PYTEST_PARALLEL ?= -n auto --maxprocesses 4 --dist loadscope
 
-test: venv  ## the test suite (tiny models, CPU, CI-fast)
-	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+test: venv  ## the test suite (tiny models, CPU, CI-fast); -rs prints every skip with its reason
+	$(PY) -m pytest -q -rs $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-slow: venv  ## real-model tests on the embedded SmolLM2
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

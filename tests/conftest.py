@@ -333,6 +333,65 @@ def pytest_collection_modifyitems(config, items):
         items.reverse()
 
 
+# ------------------------------------------------- skips a machine could have run (CI: CCFT_FORBID_SKIPS)
+
+#: test groups whose skips say what is missing, by the words of their skip reasons: ``kernel`` (the C++
+#: block kernel: no compiler), ``toolchains`` (a MultiPL-E / MBXP language or the BFCL checker that
+#: `make toolchains` installs), ``redis`` (a redis-server binary)
+SKIP_GROUPS = {
+    "kernel": ("C++ compiler",),
+    "toolchains": (" unavailable", "make toolchains", "BFCL checker env absent"),
+    "redis": ("redis-server",),
+}
+#: the groups that must not skip in this run: comma-separated names of SKIP_GROUPS (.ci/run sets it to what
+#: its machine has: ``kernel`` where a C++ compiler is on PATH, ``toolchains`` after `make toolchains`
+#: succeeded)
+FORBID_ENV = "CCFT_FORBID_SKIPS"
+
+
+def skip_group(reason: str) -> str | None:
+    """The :data:`SKIP_GROUPS` group a skip reason belongs to, or None."""
+    for group, words in SKIP_GROUPS.items():
+        if any(w in reason for w in words):
+            return group
+    return None
+
+
+def forbidden_skips(skips: list[tuple[str, str]], forbid: str) -> list[str]:
+    """``nodeid: reason`` of each skip (``(nodeid, reason)``) whose group is named in ``forbid``."""
+    groups = {g.strip() for g in forbid.split(",") if g.strip()}
+    unknown = groups - set(SKIP_GROUPS)
+    if unknown:
+        raise ValueError(f"{FORBID_ENV}: unknown group(s) {sorted(unknown)}; use {', '.join(SKIP_GROUPS)}")
+    return [f"{nodeid}: {reason}" for nodeid, reason in skips if skip_group(reason) in groups]
+
+
+_SKIPS: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    """Collect every skip with its reason (under xdist the controller sees the workers' reports too)."""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _SKIPS.append((report.nodeid, str(report.longrepr[2]).removeprefix("Skipped: ")))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when a test of a group named in ``CCFT_FORBID_SKIPS`` skipped: CI's machine can run it,
+    so the skip hides a broken install step (a green run with the kernel tests skipped proves nothing)."""
+    forbid = os.environ.get(FORBID_ENV, "")
+    if not forbid or hasattr(session.config, "workerinput"):  # the controller decides, once
+        return
+    bad = forbidden_skips(_SKIPS, forbid)
+    if bad:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"{FORBID_ENV}={forbid}: {len(bad)} test(s) skipped that this machine should run:", *bad]
+        if tr is not None:
+            tr.write_line("\n".join(lines), red=True)
+        else:
+            print("\n".join(lines))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 # ------------------------------------------------- 4-layer bases for the depth and compact-cache tests
 
 DEEP_LAYERS = 4
