@@ -88,7 +88,14 @@ TARGETS_BY_FAMILY = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 
 def family_config(
-    family: str, tokenizer, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2
+    family: str,
+    tokenizer,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    **overrides,
 ):
     import transformers
 
@@ -114,6 +121,7 @@ def family_config(
     kw.update(extra)
     if family.startswith("llama"):
         kw["attention_bias"] = False
+    kw.update(overrides)  # config fields set for one test (e.g. a released checkpoint's layout)
     return getattr(transformers, cfg_name)(**kw)
 
 

@@ -395,19 +395,51 @@ def test_exports_load_with_the_decoders_logits(tmp_path, family_dirs, chat_row, 
     assert _close(want, got)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", MODEL_FAMILIES)
-def test_gguf_alora_export(tmp_path, family_dirs, family):
-    """``--to gguf-alora`` on each family with a finished llama.cpp build (``make llamacpp``); skipped without
-    one (nothing is built here)."""
-    from ccft.bench.llamacpp import find_build
-    from ccft.bench.llamacpp_alora import export_gguf_alora
+#: the families whose tiny test base llama.cpp's converter takes offline: gemma2 and phi3 need a SentencePiece
+#: ``tokenizer.model`` and qwen2's converter does not recognise the embedded SmolLM2 BPE pre-tokenizer (the
+#: fixture's tokenizer, not the model, is what it refuses; docs/models.md)
+GGUF_FAMILIES = ["llama", "mistral", "qwen3", "gemma3"]
+#: config fields of the GGUF test's base where llama.cpp reads a released checkpoint's layout, not the config:
+#: its gemma3 scales queries by head_dim^-1/2 (query_pre_attn_scalar is head_dim in the released checkpoints
+#: but 27B) and places the global layers by its own pattern (every 6th), so the tiny base takes both
+GGUF_OVERRIDES = {"gemma3": {"query_pre_attn_scalar": 16, "layer_types": ["sliding_attention"] * 2}}
 
-    build = find_build()
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_gguf_alora_export(tmp_path, family, tokenizer):
+    """``--to gguf-alora`` on each family, served by llama-server of the pinned llama.cpp build (``make
+    llamacpp``; skipped without one): the adapter's log-probabilities over its greedy continuation (top 10
+    per token) equal ccft's prefillshare ones within 1e-3 and its greedy tokens are ccft's, as
+    tests/bench/test_llamacpp_alora.py checks for the tiny Llama."""
+    from ccft.bench import llamacpp as lc
+    from ccft.bench.llamacpp_alora import alora_server_args, complete, export_gguf_alora
+
+    build = lc.find_build()
     if build is None:
         pytest.skip("llama.cpp is not built (make llamacpp)")
-    base = ccft.load_base(str(family_dirs(family)))
+    folder = make_family_folder(
+        tmp_path / "base", tokenizer, family, seed=1, scale=8.0, **GGUF_OVERRIDES.get(family, {})
+    )
+    base = ccft.load_base(str(folder))
     dec = make_lora(base, "default", seed=4, r=4, handoff=4)
     ccft.save_decoder(dec, tmp_path / "lora", recipe={"chat_template": "true"})
     g = export_gguf_alora(tmp_path / "lora", tmp_path / "gguf", build=build, log=lambda m: None)
     assert g.adapter_gguf.is_file() and g.base_gguf.is_file()
+    prompt = tokenize_prompt(
+        tokenizer, "Natalia sold clips to 48 of her friends in April.", chat_template=True
+    )
+    n_new = 8
+    with lc.server(
+        build, g.base_gguf, len(prompt) + n_new + 8, 2, extra_args=alora_server_args([g.adapter_gguf])
+    ) as url:
+        got = complete(url, prompt, n_new, adapter_id=0, n_adapters=1, n_probs=10, cache_prompt=False)
+    k = dec.handoff_tokens
+    cache = ccft.compute_base_cache(dec.base, [prompt], handoff_tokens=k)
+    with torch.no_grad():
+        logits = ccft.decoder_forward(dec, cache, torch.tensor([prompt[-k:] + got["tokens"][:-1]]))[0]
+    want = torch.log_softmax(logits[k - 1 :].double(), dim=-1)
+    gap = max(
+        abs(float(want[i, t]) - lp) for i, step in enumerate(got["top_logprobs"]) for t, lp in step.items()
+    )
+    assert got["tokens"] == want.argmax(-1).tolist() and gap < 1e-3, (family, gap)
