@@ -257,11 +257,6 @@ def make_full(base, seed: int, handoff: int = 1, *, method: str | None = "ccft")
 BLOCK_FORMATS = {"proj": "Q4_1", "lm_head": "Q8_0"}
 
 
-def _gguf_permute(w, heads: int):
-    """llama.cpp's q / k row order (``convert_hf_to_gguf``'s ``permute``) of ``w (n, ...)``."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def make_block_folder(path: Path, tokenizer, *, formats: dict | None = None, seed: int = 0, **tiny) -> Path:
     """A tiny Llama as the embedded model is shipped and loaded, with no download: its weights quantised into
     GGUF blocks (``formats``: ``{"proj": "Q4_1" | "Q8_0", "lm_head": ...}``, default :data:`BLOCK_FORMATS`),
@@ -269,10 +264,10 @@ def make_block_folder(path: Path, tokenizer, *, formats: dict | None = None, see
     and the HF folder ``path/hf`` whose fp32 weights are those blocks dequantised by gguf-py (as transformers
     dequantises a GGUF), with ``CCFT_SOURCE.txt`` naming the GGUF (``ccft.core.models.source_gguf``).
     ``tiny``: arguments of :func:`make_tiny_folder`. Returns the HF folder."""
-    import numpy as np
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import dequantize, quantize
+    from gguf import GGUFWriter
     from transformers import LlamaForCausalLM
+
+    from families import write_block_gguf
 
     formats = {**BLOCK_FORMATS, **(formats or {})}
     hf = make_tiny_folder(path / "hf", tokenizer, seed=seed, **tiny)
@@ -294,22 +289,7 @@ def make_block_folder(path: Path, tokenizer, *, formats: dict | None = None, see
         tensors.append((f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, None, None))
     tensors.append(("output_norm.weight", model.model.norm.weight, None, None))
     tensors.append(("output.weight", model.lm_head.weight, formats["lm_head"], None))
-    with torch.no_grad():
-        for name, param, fmt, heads in tensors:
-            w = param.detach().numpy().astype(np.float32)
-            if fmt is None:
-                writer.add_tensor(name, w)
-                continue
-            qtype = GGMLQuantizationType[fmt]
-            blocks = quantize(w, qtype)
-            param.copy_(torch.from_numpy(dequantize(blocks, qtype).reshape(w.shape)))
-            if heads is not None:
-                blocks = _gguf_permute(blocks, heads)
-            writer.add_tensor(name, blocks, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_block_gguf(writer, tensors)
     model.save_pretrained(hf)
     (hf / "CCFT_SOURCE.txt").write_text(f"tiny Llama in GGUF blocks\nconverted from {path / 'model.gguf'}\n")
     return hf

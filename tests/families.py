@@ -163,15 +163,45 @@ _GGUF_NAMES = {
 }
 
 
+def gguf_permute(w, heads: int):
+    """llama.cpp's q / k row order (``convert_hf_to_gguf``'s ``permute``) of ``w (n, ...)``."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_block_gguf(writer, tensors) -> None:
+    """Write ``tensors`` — ``(gguf name, parameter, block format or None, heads or None)`` — with gguf-py's
+    ``writer`` and close it: a format's tensors quantised (and the parameter overwritten in place with the
+    dequantised blocks, as transformers dequantises a GGUF), rows permuted as llama.cpp's ``llama`` converter
+    does where ``heads`` is given; the others F32."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    with torch.no_grad():
+        for name, param, fmt, heads in tensors:
+            w = param.detach().numpy().astype(np.float32)
+            if fmt is None:
+                writer.add_tensor(name, w)
+                continue
+            qtype = GGMLQuantizationType[fmt]
+            blocks = quantize(w, qtype)
+            param.copy_(torch.from_numpy(dequantize(blocks, qtype).reshape(w.shape)))
+            if heads is not None:
+                blocks = gguf_permute(blocks, heads)
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def make_family_block_folder(path: Path, tokenizer, family: str, *, fmt: str = "Q4_1", seed: int = 0) -> Path:
     """A tiny ``family`` base whose linear layers (and LM head, or the tied embedding) are GGUF blocks: the
     GGUF ``path/model.gguf`` under llama.cpp's tensor names and architecture (q / k rows permuted for
     ``llama`` only, as llama.cpp's converter does), and the HF folder ``path/hf`` whose weights are those
     blocks dequantised, with ``CCFT_SOURCE.txt`` naming the GGUF. Returns the HF folder."""
-    import numpy as np
     import transformers
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import dequantize, quantize
+    from gguf import GGUFWriter
 
     from ccft.inference.blocks import GGUF_ARCHITECTURES
 
@@ -193,23 +223,7 @@ def make_family_block_folder(path: Path, tokenizer, family: str, *, fmt: str = "
             tensors.append((f"blk.{i}.{_GGUF_NAMES[mod_name]}.weight", mod.weight, fmt, heads))
     if not tied:
         tensors.append(("output.weight", model.lm_head.weight, "Q8_0", None))
-    with torch.no_grad():
-        for name, param, qfmt, heads in tensors:
-            w = param.detach().numpy().astype(np.float32)
-            if qfmt is None:
-                writer.add_tensor(name, w)
-                continue
-            qtype = GGMLQuantizationType[qfmt]
-            blocks = quantize(w, qtype)
-            param.copy_(torch.from_numpy(dequantize(blocks, qtype).reshape(w.shape)))
-            if heads is not None:
-                blocks = blocks.reshape(heads, 2, blocks.shape[0] // heads // 2, *blocks.shape[1:])
-                blocks = blocks.swapaxes(1, 2).reshape(-1, *blocks.shape[3:])
-            writer.add_tensor(name, blocks, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_block_gguf(writer, tensors)
     model.save_pretrained(hf)
     (hf / "CCFT_SOURCE.txt").write_text(
         f"tiny {family} in GGUF blocks\nconverted from {path / 'model.gguf'}\n"

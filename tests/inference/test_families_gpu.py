@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_inference_gpu import StubTokenizer, _no_tf32  # noqa: F401 - the autouse fixture applies here too
 
 from families import FAMILIES, MODEL_FAMILIES, TARGETS_BY_FAMILY, family_config
 
@@ -19,32 +20,6 @@ pytestmark = [
 ]
 
 N_NEW = 6
-
-
-class StubTokenizer:
-    pad_token_id = 0
-    eos_token_id = 2
-    bos_token_id = 1
-    chat_template = None
-    special_tokens_map = {"eos_token": "<2>"}
-
-    def __len__(self):
-        return 256
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(f"t{i}" for i in ids)
-
-    def get_vocab(self):
-        return {f"t{i}": i for i in range(256)}
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def _base(family):
