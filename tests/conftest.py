@@ -355,7 +355,7 @@ def pytest_runtest_logreport(report):
         _SKIPS.append((report.nodeid, str(report.longrepr[2]).removeprefix("Skipped: ")))
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_sessionfinish(session):
     """Fail the run when a test of a group named in ``CCFT_FORBID_SKIPS`` skipped: CI's machine can run it,
     so the skip hides a broken install step (a green run with the kernel tests skipped proves nothing)."""
     forbid = os.environ.get(FORBID_ENV, "")
