@@ -37,6 +37,12 @@ def add_parser(sub) -> None:
         help="KEY=value overrides, dotted for sections (specialists.tools.train.max_steps=20, batch_size=8)",
     )
     p.add_argument("--skip-serving", action="store_true", help="leave out the serving benchmark")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="re-render OUT/README.md (and the paired differences in OUT/report.json) from the committed "
+        "OUT/report.json and per-item records; trains and evaluates nothing",
+    )
     p.set_defaults(func=run)
 
 
@@ -51,6 +57,12 @@ def run(args) -> int:
         if (args.config == "recipes/study.yaml" and not args.overrides)
         else "ccft study " + " ".join([args.config, *args.overrides])
     )
+    if getattr(args, "report_only", False):
+        from ccft.evals.study.report import rerender_study_report
+
+        rerender_study_report(cfg.out, command, n_resamples=cfg.bootstrap)
+        print(f"[ccft study] re-rendered {Path(cfg.out) / 'README.md'} from {Path(cfg.out) / 'report.json'}")
+        return 0
     serve = _serving if not args.skip_serving and cfg.serving.get("enabled", True) else None
     out = Path(cfg.out)
     StudyRecipe(cfg, command=command, serve=serve, where=str(args.config)).run()

@@ -148,6 +148,31 @@ def modes_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def pair_table(summary: dict, vs_naive: dict | None, mode: str = "prefillshare", ref: str = "naive") -> str:
+    """The paired difference ``mode − ref`` (default PrefillShare − naive, the comparison the method exists
+    for) as a one-row Markdown table beside ``modes_table``'s deltas against Full-FT ('' when not known)."""
+    if not vs_naive:
+        return ""
+    modes = summary["modes"]
+    metrics = _metric_order(summary)
+    head = ["difference", "ΔNLL/token"] + [f"Δ{k}" for k in metrics] + ["n pairs"]
+    d = vs_naive
+    row = [f"{mode} − {ref}", _cell(d["nll"]["delta"], d["nll"]["ci"], sign=True) if "nll" in d else ""]
+    for k in metrics:
+        row.append(_cell(d[k]["delta"], d[k]["ci"], pct=_is_rate(k, modes), sign=True) if k in d else "")
+    row.append(_pairs_cell(d, metrics))
+    return "\n".join(
+        [
+            f"Paired difference {mode} − {ref} on the same items (95% paired bootstrap CI), the comparison "
+            "the method exists for:",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+            "| " + " | ".join(row) + " |",
+        ]
+    )
+
+
 def _pairs_cell(d: dict, metrics) -> str:
     """The paired items behind a deltas row: one number, or NLL's and the scored metrics' when they differ (a
     run that scores generations on fewer items than it computes the NLL on, ``generate_limit``)."""
@@ -158,9 +183,11 @@ def _pairs_cell(d: dict, metrics) -> str:
     return f"{n_nll} (NLL), {'/'.join(map(str, n_scored))} (scored)"
 
 
-def reading(summary: dict) -> str:
+def reading(summary: dict, vs_naive: dict | None = None) -> str:
     """A plain-words reading of naive vs prefillshare vs full-ft, derived from the numbers (never
-    hand-written)."""
+    hand-written). ``vs_naive``: the paired prefillshare − naive differences (``paired_difference``), when
+    known. A share of the naive-sharing NLL gap "recovered" is given only where that gap resolves (its CI
+    lies above 0): a ratio of an unresolved gap says nothing."""
     m = summary["modes"]
     d = summary.get("deltas_vs_full_ft") or {}
     out = []
@@ -180,11 +207,19 @@ def reading(summary: dict) -> str:
             f"Full-FT (CI {_ci(n['ci'])}, {sig(n)}); PrefillShare costs {p['delta']:+.4f} "
             f"(CI {_ci(p['ci'])}, {sig(p)})."
         )
-        if n["delta"] > 0:
+        pn = (vs_naive or {}).get("nll")
+        if pn:
+            out.append(
+                f"PrefillShare − naive on the same items: {pn['delta']:+.4f} NLL/token (CI {_ci(pn['ci'])}, "
+                f"{sig(pn)})."
+            )
+        if n["ci"][0] > 0:
             out.append(
                 f"CCFT recovers {100 * (1 - p['delta'] / n['delta']):.0f}% of the naive-sharing NLL gap on "
                 "these items."
             )
+        else:
+            out.append("The naive-sharing NLL gap does not resolve here, so no share of it is given.")
     prim = primary_metric(summary)
     vals = {
         k: v["metrics"][prim]
@@ -361,6 +396,117 @@ def sweep_markdown(sweep: dict, plot: str | None = None) -> str:
     if not has_acc:
         lines += ["", "Accuracy was not generated in this sweep (`ccft sweep --gen-rows N` adds it)."]
     return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- what the CIs resolve, in words
+
+
+def paired_difference(
+    per_mode: dict, mode: str, reference: str, *, n_resamples: int = 2000, seed: int = 0
+) -> dict:
+    """``mode − reference`` on the items both finished: NLL and every metric, each ``{"delta", "ci", "n"}``
+    (the same paired bootstrap as the deltas against Full-FT, ``paired_deltas_by_id``). ``per_mode``: mode →
+    item records (a list, or item id → record). ``{}`` when either mode is missing."""
+    if mode not in per_mode or reference not in per_mode:
+        return {}
+    as_list = {
+        m: list(per_mode[m].values()) if isinstance(per_mode[m], dict) else list(per_mode[m])
+        for m in (mode, reference)
+    }
+    return paired_deltas_by_id(as_list, reference, n_resamples=n_resamples, seed=seed).get(mode, {})
+
+
+def resolved(ci) -> bool:
+    """A 95% CI that excludes 0 (the difference resolves at this n)."""
+    return bool(ci) and ci[0] is not None and (ci[0] > 0 or ci[1] < 0)
+
+
+def verdict(ci, higher_is_better: bool, better: str, worse: str) -> str:
+    """``resolved: BETTER better`` / ``resolved: WORSE better`` / ``not resolved`` from a CI of
+    ``better − worse`` (names as the reader knows them)."""
+    if not resolved(ci):
+        return "not resolved: CI includes 0"
+    up = ci[0] > 0
+    return f"resolved: {better if up == higher_is_better else worse} better"
+
+
+#: the comparisons a report makes between the modes: (mode, reference, label)
+COMPARISONS = (
+    ("prefillshare", "full-ft", "PrefillShare − Full-FT"),
+    ("naive", "full-ft", "naive − Full-FT"),
+    ("prefillshare", "naive", "PrefillShare − naive"),
+)
+_WHO = {"prefillshare": "PrefillShare", "full-ft": "Full-FT", "naive": "naive", "base": "base"}
+
+
+def comparison_text(delta: float, ci, *, pct: bool, higher_is_better: bool, mode: str, ref: str) -> str:
+    """``+6.0 pp [+2.0, +11.0] (resolved: PrefillShare better)`` for one paired difference."""
+    if pct:
+        val = f"{100 * delta:+.1f} pp [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
+    else:
+        val = f"{delta:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]"
+    return f"{val} ({verdict(ci, higher_is_better, _WHO.get(mode, mode), _WHO.get(ref, ref))})"
+
+
+def results_lines(pairs: dict, metrics: list[tuple[str, str, bool, bool]]) -> list[str]:
+    """One line per metric: every comparison of ``COMPARISONS`` present in ``pairs`` (``(mode, ref)`` →
+    ``{metric: {"delta", "ci"}}``) with its CI and whether it resolves. ``metrics``: (key in the pair blocks,
+    name shown, is a rate, higher is better)."""
+    out = []
+    for key, name, pct, up in metrics:
+        bits = []
+        for mode, ref, label in COMPARISONS:
+            d = (pairs.get((mode, ref)) or {}).get(key)
+            if not d or d.get("delta") is None or not d.get("ci"):
+                continue
+            bits.append(
+                f"{label} "
+                + comparison_text(d["delta"], d["ci"], pct=pct, higher_is_better=up, mode=mode, ref=ref)
+            )
+        if bits:
+            out.append(f"{name}: " + "; ".join(bits))
+    return out
+
+
+def results_verdict(pairs: dict, metrics: list[tuple[str, str, bool, bool]]) -> str:
+    """One sentence: which comparisons resolve on which metric, and that the others do not."""
+    yes, no, resolved_on = [], [], set()
+    for key, name, _pct, up in metrics:
+        open_ = []
+        for mode, ref, label in COMPARISONS:
+            d = (pairs.get((mode, ref)) or {}).get(key)
+            if not d or not d.get("ci"):
+                continue
+            if resolved(d["ci"]):
+                better = _WHO.get(mode, mode) if (d["ci"][0] > 0) == up else _WHO.get(ref, ref)
+                yes.append(f"{label} on {name} ({better} better)")
+                resolved_on.add(name)
+            else:
+                open_.append(label)
+        if open_ and name not in resolved_on and len(open_) > 1:
+            no.append(f"every comparison on {name}")
+        else:
+            no += [f"{label} on {name}" for label in open_]
+    parts = []
+    if yes:
+        parts.append("Resolved (95% paired CI excludes 0): " + "; ".join(yes) + ".")
+    if no:
+        parts.append("Not resolved (CI includes 0): " + "; ".join(no) + ".")
+    if resolved_on == {"NLL/token"} and len(metrics) > 1:
+        parts.append(
+            "Only NLL/token separates the modes at this n; on the scored metrics they cannot be told apart."
+        )
+    elif not resolved_on:
+        parts.append("No difference between the modes resolves at this n.")
+    return " ".join(parts)
+
+
+def short_hardware(hardware: str | None) -> str:
+    """The CPU (or GPU) and core count of a hardware line, for a title."""
+    if not hardware:
+        return "unrecorded hardware"
+    parts = [p.strip() for p in str(hardware).split(",")]
+    return ", ".join(parts[:2]) if "no GPU" in str(hardware) else str(hardware)
 
 
 # ------------------------------------------------------------------------------------------------ plots

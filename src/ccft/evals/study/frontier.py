@@ -197,6 +197,44 @@ def _scores(records: Mapping[str, dict], ids: Sequence[str], metric: str | None)
     return out
 
 
+def m0_reference(label: str) -> str | None:
+    """The m = 0 point a frontier point is paired against: ``prefillshare m=0`` for every other PrefillShare
+    point (depths and compact formats), ``naive`` for ``naive m=k``; None for full-ft and the m = 0 points."""
+    mode = label.split(" ")[0]
+    if mode == "prefillshare" and label != "prefillshare m=0":
+        return "prefillshare m=0"
+    if mode == "naive" and label != "naive":
+        return "naive"
+    return None
+
+
+def paired_against_m0(
+    records: Mapping[str, Mapping[str, dict]],
+    ids: Sequence[str],
+    metrics: tuple[str, str | None],
+    *,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> dict:
+    """label → ``{"primary" | "secondary" | "nll": {"delta", "ci"}}``: each point minus its m = 0 point
+    (``m0_reference``) on the items ``ids``, by the same paired bootstrap as the deltas against Full-FT."""
+    from ccft.evals.stats import paired_bootstrap_delta
+
+    primary, secondary = metrics
+    out: dict = {}
+    for label, recs in records.items():
+        ref = m0_reference(label)
+        if ref is None or ref not in records:
+            continue
+        out[label] = {}
+        for key, metric in (("primary", primary), ("secondary", secondary), ("nll", "nll")):
+            xs, ys = _scores(recs, ids, metric), _scores(records[ref], ids, metric)
+            if xs is not None and ys is not None:
+                d = paired_bootstrap_delta(xs, ys, n_resamples=n_resamples, seed=seed)
+                out[label][key] = {"delta": d["delta"], "ci": list(d["ci"])}
+    return out
+
+
 def frontier_points(
     task: str,
     records: Mapping[str, Mapping[str, dict]],
@@ -221,7 +259,8 @@ def frontier_points(
     Returns:
         ``{"task", "primary_metric", "secondary_metric", "n", "prompt_tokens", "own_tokens", "layers",
         "points": [{"label", "mode", "depth", "primary", "primary_ci", "secondary", "secondary_ci", "nll",
-        "nll_ci", "paired_vs_full_ft": {metric: {"delta", "ci"}}, "retention", "kv_bytes": {N: bytes},
+        "nll_ci", "paired_vs_full_ft": {metric: {"delta", "ci"}}, "paired_vs_m0"
+        (``paired_against_m0``; not on full-ft and the m = 0 points), "retention", "kv_bytes": {N: bytes},
         "prefill_layer_tokens": {N: ...}}]}``; ``depth`` None for full-ft.
     Raises:
         ConfigError: no full-ft point, or no item common to every point.
@@ -285,6 +324,10 @@ def frontier_points(
             for n in agents
         }
         points.append(point)
+    vs_m0 = paired_against_m0(records, ids, metrics, n_resamples=n_resamples, seed=seed)
+    for point in points:
+        if point["label"] in vs_m0:
+            point["paired_vs_m0"] = vs_m0[point["label"]]
     points.sort(key=lambda p: (p["depth"] is None, p["mode"] != "naive", p["depth"] or 0))
     return {
         "task": task,
@@ -335,6 +378,19 @@ def _fmt(x, pct=False, sign=False) -> str:
     return (f"{v:+.1f}" if sign else f"{v:.1f}") if pct else (f"{v:+.3f}" if sign else f"{v:.3f}")
 
 
+def _delta_cell(d: dict | None, pct: bool = False) -> str:
+    """``Δ [lo, hi]`` of a paired difference ('' when there is none); NLL with 4 decimals (its CIs are
+    narrow), the primary metric in points."""
+    if d is None:
+        return ""
+    if pct:
+        return (
+            f"{_fmt(d['delta'], pct=True, sign=True)} "
+            f"[{_fmt(d['ci'][0], pct=True, sign=True)}, {_fmt(d['ci'][1], pct=True, sign=True)}]"
+        )
+    return f"{d['delta']:+.4f} [{d['ci'][0]:+.4f}, {d['ci'][1]:+.4f}]"
+
+
 def frontier_markdown(frontiers: Mapping[str, Sequence[dict]], plots: Mapping[str, str] | None = None) -> str:
     """The frontier tables (one per specialist and task) as Markdown."""
     lines = ["## Frontier: sharing depth against accuracy and memory", ""]
@@ -345,37 +401,36 @@ def frontier_markdown(frontiers: Mapping[str, Sequence[dict]], plots: Mapping[st
                 f"### {spec}: {f['task']} (n = {f['n']}, L = {f['layers']}, "
                 f"mean prompt {f['prompt_tokens']:.0f} tokens)",
                 "",
-                f"Primary metric {f['primary_metric']} (%), Δ paired against Full-FT with its 95% CI; KV "
-                "of one session and the layer-tokens prefilled for it at N agents, relative to Full-FT's "
-                "(module `ccft.evals.study.frontier`).",
+                f"Primary metric {f['primary_metric']} (%), Δ paired against Full-FT and against m = 0 of "
+                "the point's own mode (PrefillShare m = 0 for PrefillShare's depths and formats, naive for "
+                "naive's), each with its 95% CI; KV of one session and the layer-tokens prefilled for it at "
+                "N agents, relative to Full-FT's (module `ccft.evals.study.frontier`).",
                 "",
                 "| point | own prompt KV layers | C_base format | primary | Δ primary vs Full-FT | "
-                "NLL/token | Δ NLL | "
+                "Δ primary vs m = 0 | NLL/token | Δ NLL vs Full-FT | Δ NLL vs m = 0 | "
                 + " | ".join(f"KV MB (N={n})" for n in agents)
                 + " | "
                 + " | ".join(f"prefill × full (N={n})" for n in agents)
                 + " |",
-                "|" + "---|" * (7 + 2 * len(agents)),
+                "|" + "---|" * (9 + 2 * len(agents)),
             ]
             full = next(p for p in f["points"] if p["mode"] == "full-ft")
             for p in f["points"]:
                 dp = p["paired_vs_full_ft"].get("primary")
                 dn = p["paired_vs_full_ft"].get("nll")
+                mp = (p.get("paired_vs_m0") or {}).get("primary")
+                mn = (p.get("paired_vs_m0") or {}).get("nll")
                 own = "all" if p["depth"] is None else str(p["depth"])
                 cells = [
                     p["label"],
                     own,
                     p.get("cache_format", "native") if p["mode"] != "full-ft" else "–",
                     _fmt(p["primary"], pct=True),
-                    ""
-                    if dp is None
-                    else f"{_fmt(dp['delta'], pct=True, sign=True)} "
-                    f"[{_fmt(dp['ci'][0], pct=True, sign=True)}, {_fmt(dp['ci'][1], pct=True, sign=True)}]",
+                    _delta_cell(dp, pct=True),
+                    _delta_cell(mp, pct=True),
                     _fmt(p["nll"]),
-                    ""
-                    if dn is None
-                    else f"{_fmt(dn['delta'], sign=True)} [{_fmt(dn['ci'][0], sign=True)}, "
-                    f"{_fmt(dn['ci'][1], sign=True)}]",
+                    _delta_cell(dn),
+                    _delta_cell(mn),
                 ]
                 cells += [f"{p['kv_bytes'][n] / 1e6:.2f}" for n in agents]
                 cells += [

@@ -61,6 +61,7 @@ class StudyRecipe:
         self.serving: dict | None = None
         self.settings_of: dict[str, dict] = {}  # per specialist: task -> EvalSettings of its evaluation
         self.frontiers: dict[str, list[dict]] = {}  # per specialist: one frontier per task
+        self.records: dict[str, dict] = {}  # per specialist: task -> mode -> item id -> record (the report)
 
     # ------------------------------------------------------------------ the recipe
     def run(self) -> dict:
@@ -232,6 +233,7 @@ class StudyRecipe:
                 )
                 self.summaries[name].append(res.summary)
                 records[task_name] = {m: {r["id"]: r for r in rs} for m, rs in res.records.items()}
+        self.records[name] = records
         return decoders, paths, task_list, records, fresh, fmt
 
     def sweep(
@@ -483,6 +485,7 @@ class StudyRecipe:
             phases=self.phases.data,
             hardware=hardware(),
             model=describe_model(self.base_name),
+            records=self.records,
         )
         report["plots"] = plots
         report["complete"] = set(self.summaries) == set(self.cfg.specialists)
