@@ -42,31 +42,177 @@ def test_cache_root_order(clean_env, tmp_path):
     assert lc.llamacpp_dir("1.2.3") == tmp_path / "cache" / "llama.cpp" / "1.2.3"
 
 
-def _finish(root: Path, version: str, *, marker: bool = True, tools=lc.TOOLS) -> None:
+#: the CPU target the tests pretend to build for (``native_target`` is replaced by ``cpu``): the tag of its
+#: build folder and the instruction sets it records
+AVX2 = ("avx2-0123456789", ("avx", "avx2", "fma"))
+AVX512 = ("avx512-abcdef0123", ("avx", "avx2", "avx512f", "fma"))
+
+
+@pytest.fixture
+def cpu(clean_env, tmp_path):
+    """A pretend CPU: ``cpu.set(target, features)`` makes ``lc.native_target`` answer ``target`` (no compiler
+    probe) and ``cpu_features`` (read by ``lc.lacking_isa``) answer ``features`` (default: ``target``'s ISA);
+    the cache is ``tmp_path / "c"``; starts as an AVX2 CPU."""
+    from ccft.inference import blocks
+
+    clean_env.setenv("CCFT_CACHE", str(tmp_path / "c"))
+
+    class Cpu:
+        def set(self, target, features=None):
+            clean_env.setattr(lc, "native_target", lambda cxx, machine=None: target)
+            clean_env.setattr(
+                blocks, "cpu_features", lambda: frozenset(target[1] if features is None else features)
+            )
+            self.target = target
+            return self
+
+        def folder(self, version: str = "9.9") -> Path:
+            return lc.llamacpp_dir(version) / f"build-{self.target[0]}"
+
+    return Cpu().set(AVX2)
+
+
+def _marker(version: str, target=AVX2, **kw) -> str:
+    info = {"version": version, "cmake_flags": list(lc.cmake_flags()), "target": target[0]}
+    return json.dumps({**info, "isa": list(target[1]), **kw})
+
+
+def _finish(folder: Path, version: str, *, marker: bool = True, tools=lc.TOOLS, target=AVX2) -> None:
     for t in tools:
-        p = root / "build" / "bin" / t
+        p = folder / "bin" / t
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text("#!/bin/sh\n")
         p.chmod(0o755)
     if marker:
-        (root / lc.MARKER).write_text(json.dumps({"version": version, "cmake_flags": list(lc.cmake_flags())}))
+        (folder / lc.MARKER).write_text(_marker(version, target))
 
 
-def test_find_build_needs_marker_version_and_every_tool(clean_env, tmp_path):
-    clean_env.setenv("CCFT_CACHE", str(tmp_path / "c"))
-    root = lc.llamacpp_dir("9.9")
+def test_find_build_needs_marker_version_and_every_tool(cpu):
+    folder = cpu.folder()
+    assert folder == lc.llamacpp_dir("9.9") / "build-avx2-0123456789" == lc.build_dir("9.9")
     assert lc.find_build("9.9") is None
-    _finish(root, "9.9", marker=False)
+    _finish(folder, "9.9", marker=False)
     assert lc.find_build("9.9") is None  # tools without the marker: an interrupted build
-    (root / lc.MARKER).write_text(json.dumps({"version": "9.8"}))
+    (folder / lc.MARKER).write_text(json.dumps({"version": "9.8"}))
     assert lc.find_build("9.9") is None  # a marker of another version
-    (root / lc.MARKER).write_text(json.dumps({"version": "9.9", "cmake_flags": list(lc.CMAKE_FLAGS[:-1])}))
+    (folder / lc.MARKER).write_text(_marker("9.9", cmake_flags=list(lc.CMAKE_FLAGS[:-1])))
     assert lc.find_build("9.9") is None  # built with other CMake flags (an older ccft's build)
-    (root / lc.MARKER).write_text(json.dumps({"version": "9.9", "cmake_flags": list(lc.cmake_flags())}))
+    (folder / lc.MARKER).write_text(_marker("9.9"))
     found = lc.find_build("9.9")
-    assert found is not None and found.tool("llama-server") == root / "build" / "bin" / "llama-server"
-    (root / "build" / "bin" / "llama-bench").unlink()
+    assert found is not None and found.tool("llama-server") == folder / "bin" / "llama-server"
+    assert (
+        found.root == lc.llamacpp_dir("9.9") and found.source == found.root / "source"
+    )  # shared per version
+    assert found.build_root == folder and found.describe()["isa"] == list(AVX2[1])
+    (folder / "bin" / "llama-bench").unlink()
     assert lc.find_build("9.9") is None
+
+
+def test_marker_without_isa_record_is_not_trusted(cpu):
+    folder = cpu.folder()
+    _finish(folder, "9.9", marker=False)
+    old = {"version": "9.9", "cmake_flags": list(lc.cmake_flags()), "target": AVX2[0]}
+    (folder / lc.MARKER).write_text(json.dumps(old))  # an older ccft's marker: no instruction sets
+    assert lc.lacking_isa(old) == ["(no ISA record)"]
+    assert lc.find_build("9.9") is None
+    (folder / lc.MARKER).write_text(json.dumps({**old, "isa": "avx2"}))  # not a list
+    assert lc.find_build("9.9") is None
+    (folder / lc.MARKER).write_text(_marker("9.9", target=("avx2-other", AVX2[1])))  # another folder's
+    assert lc.find_build("9.9") is None
+    (folder / lc.MARKER).write_text(json.dumps(old))
+    logged, run = [], FakeRunner(folder)
+    build = lc.ensure_built("9.9", runner=run, log=logged.append)
+    assert any("records no instruction sets" in m for m in logged)
+    assert [("-S" in c, "--build" in c) for c in run.calls if "download" not in c] == [
+        (True, False),
+        (False, True),
+    ]
+    assert build.build_root == folder and json.loads((folder / lc.MARKER).read_text())["isa"] == list(AVX2[1])
+    assert lc.find_build("9.9") is not None
+
+
+def test_build_for_another_cpu_is_not_found_and_this_cpu_gets_its_own(cpu):
+    """One cache shared by an AVX-512 node and an AVX2 node (a home folder on a cluster): each finds only its
+    own build; the AVX-512 build is never used (nor clobbered) on the AVX2 node."""
+    cpu.set(AVX512)
+    wide = cpu.folder()
+    lc.ensure_built("9.9", runner=FakeRunner(wide), log=lambda m: None)
+    assert lc.find_build("9.9").build_root == wide
+    # the AVX2 node: its compiler's -march=native is another target, its CPU lacks avx512f
+    cpu.set(AVX2)
+    narrow = cpu.folder()
+    assert narrow != wide and lc.find_build("9.9") is None
+    run = FakeRunner(narrow)
+    build = lc.ensure_built("9.9", runner=run, log=lambda m: None)
+    assert build.build_root == narrow and all(str(narrow) in map(str, c) for c in run.calls)
+    assert json.loads((narrow / lc.MARKER).read_text())["isa"] == list(AVX2[1])
+    assert json.loads((wide / lc.MARKER).read_text())["isa"] == list(AVX512[1])  # left alone
+    assert sorted(p.name for p in lc.llamacpp_dir("9.9").glob("build-*")) == [narrow.name, wide.name]
+    # the AVX-512 build's tools refuse to run here
+    foreign = lc.LlamaCpp(lc.llamacpp_dir("9.9"), "9.9", json.loads((wide / lc.MARKER).read_text()), wide)
+    with pytest.raises(lc.LlamaCppError, match="built for avx512f, which this CPU lacks"):
+        foreign.tool("llama-server")
+    # back on the AVX-512 node: its build is still there, nothing is rebuilt
+    cpu.set(AVX512)
+    again = FakeRunner(wide)
+    assert lc.ensure_built("9.9", runner=again, log=lambda m: None).build_root == wide and again.calls == []
+
+
+def test_build_recording_an_isa_this_cpu_lacks_is_rebuilt(cpu, clean_env):
+    """A folder of this CPU's tag whose marker records an instruction set the CPU lacks (e.g. copied from
+    another machine) is not found; ensure_built discards it and builds there for this CPU."""
+    folder = cpu.folder()
+    _finish(folder, "9.9", marker=False)
+    (folder / lc.MARKER).write_text(_marker("9.9", target=(AVX2[0], AVX512[1])))
+    assert lc.lacking_isa(json.loads((folder / lc.MARKER).read_text())) == ["avx512f"]
+    assert lc.find_build("9.9") is None
+    logged, run = [], FakeRunner(folder)
+    build = lc.ensure_built("9.9", runner=run, log=logged.append)
+    assert any("built for avx512f, which this CPU lacks: discarding it" in m for m in logged)
+    assert "--build" in run.calls[-1] and build.build_info["isa"] == list(AVX2[1])
+    assert lc.find_build("9.9").build_root == folder
+    # where the CPU's flags cannot be read, a recorded ISA is not refused (as for the block kernel)
+    from ccft.inference import blocks
+
+    (folder / lc.MARKER).write_text(_marker("9.9", target=(AVX2[0], AVX512[1])))
+    assert lc.find_build("9.9") is None
+    clean_env.setattr(blocks, "cpu_features", lambda: None)
+    assert lc.find_build("9.9") is not None
+
+
+def test_no_compiler_finds_no_build(cpu, tmp_path):
+    _finish(cpu.folder(), "9.9")
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    assert lc.cxx_compiler(str(empty)) is None
+    assert lc.find_build("9.9", path=str(empty)) is None
+    assert lc.find_build("9.9") is not None  # with the compiler on $PATH
+    with pytest.raises(lc.LlamaCppError, match=r"a C\+\+ compiler \(c\+\+/g\+\+/clang\+\+\)"):
+        lc.ensure_built("9.9", path=str(empty), runner=FakeRunner(cpu.folder()), log=lambda m: None)
+
+
+def test_native_target_probes_the_compiler_once(clean_env):
+    """The real probe: a readable tag (widest vector extension, hash), the ISA the compiler's -march=native
+    targets (all on this CPU), computed once per process and compiler."""
+    from ccft.inference.blocks import cpu_features
+
+    cxx = lc.cxx_compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    lc.native_target.cache_clear()
+    tag, isa = lc.native_target(cxx)
+    assert re.fullmatch(r"[a-z0-9]+-[0-9a-f]{10}", tag) and list(isa) == sorted(isa)
+    assert not lc.lacking_isa({"isa": list(isa)})  # -march=native targets this CPU
+    assert "amx_int8" not in isa  # the build's -mno-amx-* are part of the probe on x86-64
+    if cpu_features() is not None and "avx2" in cpu_features() and "avx512f" not in cpu_features():
+        assert tag.startswith("avx2-")
+    assert lc.native_target(cxx) == (tag, isa) and lc.native_target.cache_info().hits >= 1
+
+
+def test_tool_of_an_unrecorded_build_is_its_path(tmp_path):
+    # a LlamaCpp made by hand (no ISA record, no build folder): tool() is the path, nothing is checked
+    build = lc.LlamaCpp(tmp_path / "v", "9.9", {"ggml_version": "0.25.3"})
+    assert build.tool("llama-bench") == tmp_path / "v" / "build" / "bin" / "llama-bench"
 
 
 def test_cmake_flags_keep_amx_out_on_x86_only():
@@ -82,12 +228,12 @@ def test_cmake_flags_keep_amx_out_on_x86_only():
 class FakeRunner:
     """Stands in for subprocess.run: pip download writes a small sdist, cmake --build writes the tools."""
 
-    def __init__(self, root: Path):
-        self.root, self.calls = root, []
+    def __init__(self, folder: Path):
+        self.folder, self.calls = folder, []
 
     def __call__(self, cmd, **kw):
         self.calls.append(cmd)
-        assert not (self.root / lc.MARKER).exists(), "the marker must be written last"
+        assert not (self.folder / lc.MARKER).exists(), "the marker must be written last"
         if "download" in cmd:
             dest = Path(cmd[cmd.index("-d") + 1])
             tree = dest / "t" / "llama_cpp_python-9.9" / "vendor" / "llama.cpp"
@@ -100,17 +246,17 @@ class FakeRunner:
             with tarfile.open(dest / "llama_cpp_python-9.9.tar.gz", "w:gz") as tar:
                 tar.add(dest / "t" / "llama_cpp_python-9.9", arcname="llama_cpp_python-9.9")
         elif "--build" in cmd:
-            _finish(self.root, "9.9", marker=False)
+            assert str(self.folder) in map(str, cmd), "built into this CPU's folder"
+            _finish(self.folder, "9.9", marker=False)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
 
-def test_interrupted_build_is_discarded_and_redone(clean_env, tmp_path):
-    clean_env.setenv("CCFT_CACHE", str(tmp_path / "c"))
-    root = lc.llamacpp_dir("9.9")
-    stale = root / "build" / "half-written.o"
+def test_interrupted_build_is_discarded_and_redone(cpu):
+    root, folder = lc.llamacpp_dir("9.9"), cpu.folder()
+    stale = folder / "half-written.o"
     stale.parent.mkdir(parents=True)
     stale.write_text("junk")
-    run = FakeRunner(root)
+    run = FakeRunner(folder)
     build = lc.ensure_built("9.9", runner=run, log=lambda m: None)
     assert not stale.exists()
     kinds = [("download" in c, "-S" in c, "--build" in c) for c in run.calls]
@@ -119,30 +265,46 @@ def test_interrupted_build_is_discarded_and_redone(clean_env, tmp_path):
     dl = [str(c) for c in run.calls[0]]
     assert dl[dl.index("--no-binary") + 1] == "llama-cpp-python" and ":all:" not in dl
     assert all(t in run.calls[2] for t in lc.TOOLS) and all(f in run.calls[1] for f in lc.cmake_flags())
-    info = json.loads((root / lc.MARKER).read_text())
+    info = json.loads((folder / lc.MARKER).read_text())
     assert info["version"] == "9.9" and info["ggml_version"] == "0.25.3" and info == build.build_info
     assert info["cmake_flags"] == list(lc.cmake_flags())
-    assert (root / "source" / "convert_hf_to_gguf.py").is_file()
+    assert info["target"] == AVX2[0] and info["isa"] == list(AVX2[1])
+    assert (root / "source" / "convert_hf_to_gguf.py").is_file() and build.source == root / "source"
+    assert build.root == root and build.build_root == folder
     # finished: nothing runs again
-    again = FakeRunner(root)
+    again = FakeRunner(folder)
     assert lc.ensure_built("9.9", runner=again, log=lambda m: None).root == root and again.calls == []
-    # marker lost (e.g. killed while writing it): build/ is redone, the complete source/ is reused
-    (root / lc.MARKER).unlink()
-    redo = FakeRunner(root)
+    # marker lost (e.g. killed while writing it): the build folder is redone, the complete source/ is reused
+    (folder / lc.MARKER).unlink()
+    redo = FakeRunner(folder)
     lc.ensure_built("9.9", runner=redo, log=lambda m: None)
     assert [("-S" in c, "--build" in c) for c in redo.calls] == [(True, False), (False, True)]
-    # a finished build with other CMake flags (an older ccft's, e.g. with AMX): build/ redone, source/ reused
-    (root / lc.MARKER).write_text(json.dumps({**info, "cmake_flags": list(lc.CMAKE_FLAGS[:-1])}))
-    stale.parent.mkdir(parents=True, exist_ok=True)
+    # a finished build with other CMake flags (an older ccft's, e.g. with AMX): redone, source/ reused
+    (folder / lc.MARKER).write_text(json.dumps({**info, "cmake_flags": list(lc.CMAKE_FLAGS[:-1])}))
     stale.write_text("junk")
-    logged, rebuilt = [], FakeRunner(root)
+    logged, rebuilt = [], FakeRunner(folder)
     lc.ensure_built("9.9", runner=rebuilt, log=logged.append)
     assert not stale.exists() and [("-S" in c, "--build" in c) for c in rebuilt.calls] == [
         (True, False),
         (False, True),
     ]
     assert any("other CMake flags" in m for m in logged)
-    assert json.loads((root / lc.MARKER).read_text())["cmake_flags"] == list(lc.cmake_flags())
+    assert json.loads((folder / lc.MARKER).read_text())["cmake_flags"] == list(lc.cmake_flags())
+
+
+def test_old_unkeyed_build_is_left_alone_and_not_used(cpu):
+    """An older ccft's ``<version>/build/`` (one folder for every CPU, marker beside it) is never found; the
+    build for this CPU goes into its own folder and the old one is left as it is."""
+    root = lc.llamacpp_dir("9.9")
+    for t in lc.TOOLS:
+        (root / "build" / "bin").mkdir(parents=True, exist_ok=True)
+        (root / "build" / "bin" / t).write_text("")
+    (root / lc.MARKER).write_text(json.dumps({"version": "9.9", "cmake_flags": list(lc.cmake_flags())}))
+    assert lc.find_build("9.9") is None
+    logged = []
+    build = lc.ensure_built("9.9", runner=FakeRunner(cpu.folder()), log=logged.append)
+    assert build.build_root == cpu.folder() and (root / "build" / "bin" / "llama-server").exists()
+    assert any("older ccft's build" in m for m in logged)
 
 
 def _bin_without(tmp_path: Path, missing: str) -> str:

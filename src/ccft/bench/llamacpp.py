@@ -5,12 +5,18 @@ F32 GGUF, its speed at batch 1 and 16, and its greedy tokens.
   repository's ``constraints.txt``; a test keeps the two equal), which vendors one llama.cpp commit.
   ``pip download --no-binary llama-cpp-python --no-deps`` fetches it from the package registry; nothing else
   is downloaded.
-* **Build** (once, CPU only, cmake + ninja, ``-DGGML_NATIVE=ON``; on x86-64 without ggml's AMX kernels,
-  :data:`NO_AMX`): the tools :data:`TOOLS` in :func:`llamacpp_dir` = ``<cache>/llama.cpp/<version>/`` with
-  ``<cache>`` = ``$CCFT_CACHE``, else ``$CCFT_HOME``, else ``$XDG_CACHE_HOME/ccft``, else ``~/.cache/ccft``.
-  The file :data:`MARKER` is written last; a folder without it is a half-finished build and is rebuilt from
-  scratch (its ``build/`` is discarded, never trusted), and so is one whose marker records other CMake flags
-  than :func:`cmake_flags`. ``make llamacpp`` or ``python -m ccft.bench.llamacpp build`` builds it
+* **Build** (once per CPU target, CPU only, cmake + ninja, ``-DGGML_NATIVE=ON``, i.e. ``-march=native``; on
+  x86-64 without ggml's AMX kernels, :data:`NO_AMX`): the tools :data:`TOOLS` in
+  ``<cache>/llama.cpp/<version>/build-<target>/`` (:func:`build_dir`) with ``<cache>`` = ``$CCFT_CACHE``,
+  else ``$CCFT_HOME``, else ``$XDG_CACHE_HOME/ccft``, else ``~/.cache/ccft``. ``<target>``
+  (:func:`native_target`) names what ``-march=native`` resolves to on this CPU with the C++ compiler
+  :func:`check_toolchain` finds (e.g. ``avx2-1f0c9e2a7b``), so CPUs of different instruction sets sharing one
+  cache (a home folder on a cluster) each get their own build; ``source/`` and ``gguf/`` are shared per
+  version. The file :data:`MARKER` (in the build folder) is written last and records the instruction sets
+  the build targets; a folder without it is a half-finished build and is rebuilt from scratch (discarded,
+  never trusted), and so is one whose marker records other CMake flags than :func:`cmake_flags`, no
+  instruction sets, or one this CPU lacks (an illegal instruction would kill the tool): a tool of a build
+  for another CPU is never run. ``make llamacpp`` or ``python -m ccft.bench.llamacpp build`` builds it
   explicitly; ``ccft bench decode --llamacpp`` builds it when missing.
 * **Weights**: llama.cpp's own ``convert_hf_to_gguf.py`` from the same source tree, ``--outtype f32``,
   from the HF folder ccft loads, cached as ``<version>/gguf/<fingerprint>.f32.gguf``.
@@ -33,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import hashlib
 import json
 import os
 import platform
@@ -57,7 +65,7 @@ from ccft.core.io import atomic_write_file, atomic_write_text
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 #: the tools built (targets of llama.cpp's CMake project)
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
-#: written last into the version folder: its presence means the build finished
+#: written last into the build folder (:func:`build_dir`): its presence means the build finished
 MARKER = "ccft-build.json"
 #: CMake options: CPU only, no tests/examples, no web UI (which would download assets), no OpenSSL
 CMAKE_FLAGS = (
@@ -125,41 +133,136 @@ def portable(obj, root: Path | None = None):
 
 
 def llamacpp_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
-    """``<cache_root()>/llama.cpp/<version>``: ``source/``, ``build/``, ``gguf/`` and :data:`MARKER`."""
+    """``<cache_root()>/llama.cpp/<version>``: ``source/``, ``gguf/`` and one ``build-<target>/`` per CPU
+    target (:func:`build_dir`)."""
     return cache_root() / "llama.cpp" / version
+
+
+def native_flags(machine: str | None = None) -> tuple[str, ...]:
+    """The machine options the build compiles with: ``-march=native`` (``-DGGML_NATIVE=ON``), plus
+    :data:`NO_AMX` on x86-64 (``machine``: default ``platform.machine()``), as :func:`cmake_flags` adds."""
+    if (machine or platform.machine()).lower() in ("x86_64", "amd64"):
+        return ("-march=native", *NO_AMX.split())
+    return ("-march=native",)
+
+
+@functools.lru_cache(maxsize=8)
+def native_target(cxx: str, machine: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """``(tag, isa)`` of builds by the C++ compiler ``cxx`` on this CPU (probed once per process, compiler).
+
+    ``isa``: the instruction-set extensions :func:`native_flags` target here
+    (``ccft.inference.blocks.target_isa``: what ``-march=native`` resolves to), recorded in :data:`MARKER`.
+    ``tag``: the build folder's suffix (:func:`build_dir`), the widest vector extension (``avx512``,
+    ``avx2``, ``avx``; else the machine name) and 10 hex digits of a hash of every macro the machine options
+    define beyond the compiler's defaults, so CPUs whose ``-march=native`` differs in anything (also
+    extensions outside ``isa``) get different folders."""
+    from ccft.inference.blocks import target_isa
+
+    flags = native_flags(machine)
+    isa = target_isa(cxx, flags)
+
+    def macros(opts: tuple[str, ...]) -> set[str]:
+        cmd = [cxx, *opts, "-dM", "-E", "-x", "c++", os.devnull]
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        return {line.strip() for line in r.stdout.splitlines() if line.startswith("#define ")}
+
+    delta = sorted(macros(flags) - macros(()))
+    level = next(
+        (name for name, flag in (("avx512", "avx512f"), ("avx2", "avx2"), ("avx", "avx")) if flag in isa),
+        re.sub(r"[^a-z0-9]+", "", (machine or platform.machine()).lower()) or "cpu",
+    )
+    digest = hashlib.sha256("\n".join([*isa, *delta]).encode()).hexdigest()[:10]
+    return f"{level}-{digest}", isa
+
+
+def cxx_compiler(path: str | None = None) -> str | None:
+    """The C++ compiler the build uses (``$CXX``, else ``c++``, ``g++``, ``clang++`` on ``path``, default
+    ``$PATH``), or None."""
+    names = (os.environ.get("CXX", "") or "c++", "g++", "clang++")
+    return next((w for n in names if (w := shutil.which(n, path=path))), None)
+
+
+def build_dir(
+    version: str = LLAMA_CPP_PYTHON_VERSION, cxx: str | None = None, *, path: str | None = None
+) -> Path | None:
+    """``<llamacpp_dir(version)>/build-<tag>``: the build for this CPU (:func:`native_target` with ``cxx``,
+    default :func:`cxx_compiler` on ``path``); None without a C++ compiler (then nothing can be found or
+    built)."""
+    cxx = cxx or cxx_compiler(path)
+    if cxx is None:
+        return None
+    return llamacpp_dir(version) / f"build-{native_target(cxx)[0]}"
+
+
+def lacking_isa(info: dict, features: frozenset[str] | None = None) -> list[str]:
+    """The instruction sets a build's :data:`MARKER` contents ``info`` records (``"isa"``) that the running
+    CPU (``features``, default ``ccft.inference.blocks.cpu_features``) lacks; ``["(no ISA record)"]`` when it
+    records none (a build of unknown target is not trusted); none when the CPU's flags cannot be read."""
+    from ccft.inference.blocks import cpu_features
+
+    features = cpu_features() if features is None else features
+    isa = info.get("isa")
+    if not isinstance(isa, list) or not all(isinstance(x, str) for x in isa):
+        return ["(no ISA record)"]
+    return [] if features is None else sorted(set(isa) - features)
 
 
 @dataclass
 class LlamaCpp:
-    """A finished build: its folder and what :data:`MARKER` records."""
+    """A finished build: the version folder ``root`` (``source/``, ``gguf/``), the build folder
+    ``build_folder`` (:func:`build_dir`; default ``root/build``) and what :data:`MARKER` records."""
 
     root: Path
     version: str
     build_info: dict = field(default_factory=dict)
+    build_folder: Path | None = None
 
     @property
     def source(self) -> Path:
         return self.root / "source"
 
+    @property
+    def build_root(self) -> Path:
+        """The folder CMake built into (its tools in ``bin/``, :data:`MARKER` beside them)."""
+        return self.build_folder or self.root / "build"
+
     def tool(self, name: str) -> Path:
-        """Path of the built tool ``name`` (one of :data:`TOOLS`)."""
-        return self.root / "build" / "bin" / name
+        """Path of the built tool ``name`` (one of :data:`TOOLS`). Raises LlamaCppError when the build records
+        an instruction set this CPU lacks (its tools would die of an illegal instruction)."""
+        if "isa" in self.build_info and (lacking := lacking_isa(self.build_info)):
+            raise LlamaCppError(
+                f"{self.build_root} was built for {', '.join(lacking)}, which this CPU lacks; "
+                "`python -m ccft.bench.llamacpp build` builds one for this CPU"
+            )
+        return self.build_root / "bin" / name
 
     def describe(self) -> dict:
         return {"version": self.version, "root": str(self.root), **self.build_info}
 
 
-def find_build(version: str = LLAMA_CPP_PYTHON_VERSION) -> LlamaCpp | None:
-    """The finished build of ``version``, or None when :data:`MARKER` or any tool is missing (an
-    interrupted or foreign folder) or the marker records other CMake flags than :func:`cmake_flags` (a build
-    of an older ccft): :func:`ensure_built` redoes it."""
-    root = llamacpp_dir(version)
+def read_marker(folder: Path) -> dict | None:
+    """The JSON object :data:`MARKER` in the build folder ``folder`` holds, or None (missing, unreadable)."""
     try:
-        info = json.loads((root / MARKER).read_text())
+        info = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
         return None
-    build = LlamaCpp(root, version, info)
+    return info if isinstance(info, dict) else None
+
+
+def find_build(version: str = LLAMA_CPP_PYTHON_VERSION, *, path: str | None = None) -> LlamaCpp | None:
+    """The finished build of ``version`` for this CPU (:func:`build_dir`, with the C++ compiler on ``path``,
+    default ``$PATH``), or None when there is no C++ compiler, :data:`MARKER` or any tool is missing (an
+    interrupted or foreign folder), the marker records other CMake flags than :func:`cmake_flags` (a build
+    of an older ccft) or another target, or it records no instruction sets or one this CPU lacks
+    (:func:`lacking_isa`): :func:`ensure_built` redoes it."""
+    folder = build_dir(version, path=path)
+    info = read_marker(folder) if folder is not None else None
+    if folder is None or info is None:
+        return None
+    build = LlamaCpp(llamacpp_dir(version), version, info, folder)
     if info.get("version") != version or info.get("cmake_flags") != list(cmake_flags()):
+        return None
+    if info.get("target") != folder.name.removeprefix("build-") or lacking_isa(info):
         return None
     if not all(os.access(build.tool(t), os.X_OK) for t in TOOLS):
         return None
@@ -177,7 +280,7 @@ def check_toolchain(path: str | None = None) -> dict:
 
     cmake = which("cmake")
     cc = which(os.environ.get("CC", "") or "cc", "gcc", "clang")
-    cxx = which(os.environ.get("CXX", "") or "c++", "g++", "clang++")
+    cxx = cxx_compiler(path)
     ninja, make = which("ninja"), which("make")
     missing = [
         name
@@ -216,7 +319,11 @@ def fetch_source(root: Path, version: str, *, log=print, runner: Runner = subpro
     """``root/source``: llama.cpp from the ``llama-cpp-python==version`` sdist (downloaded with pip,
     unpacked to a temporary folder, then renamed into place, so a present folder is complete)."""
     source = root / "source"
-    if (source / "CMakeLists.txt").is_file() and (source / "convert_hf_to_gguf.py").is_file():
+
+    def complete() -> bool:
+        return (source / "CMakeLists.txt").is_file() and (source / "convert_hf_to_gguf.py").is_file()
+
+    if complete():
         return source
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
@@ -247,6 +354,8 @@ def fetch_source(root: Path, version: str, *, log=print, runner: Runner = subpro
         vendored = next(unpack.glob("*/vendor/llama.cpp"), None)
         if vendored is None or not (vendored / "CMakeLists.txt").is_file():
             raise LlamaCppError(f"{sdist.name} has no vendor/llama.cpp source tree")
+        if complete():  # another process (maybe another CPU's build) moved a complete tree in meanwhile
+            return source
         if source.exists():
             shutil.rmtree(source)
         os.replace(vendored, source)
@@ -261,34 +370,48 @@ def ensure_built(
     runner: Runner = subprocess.run,
     path: str | None = None,
 ) -> LlamaCpp:
-    """The finished build of ``version``; builds it first when :func:`find_build` finds none.
+    """The finished build of ``version`` for this CPU; builds it first when :func:`find_build` finds none.
 
-    A folder without :data:`MARKER` (an interrupted build) or whose marker records other CMake flags (an
-    older ccft's build): its ``build/`` is removed and compiled again (the unpacked ``source/`` is reused: it
-    is moved into place only once complete). Checks the toolchain (:func:`check_toolchain`) before
-    downloading anything. ``jobs``: parallel compile jobs."""
-    found = find_build(version)
+    Its folder is :func:`build_dir` for the C++ compiler :func:`check_toolchain` finds. A folder there without
+    :data:`MARKER` (an interrupted build), or whose marker records other CMake flags (an older ccft's build)
+    or no or other instruction sets than this CPU has: it is removed and compiled again (the unpacked
+    ``source/`` is reused: it is moved into place only once complete). Builds for other CPUs (other
+    folders) are left alone. Checks the toolchain (:func:`check_toolchain`) before downloading anything.
+    ``jobs``: parallel compile jobs."""
+    found = find_build(version, path=path)
     if found is not None:
         return found
     tools = check_toolchain(path)
     root = llamacpp_dir(version)
-    log(
-        f"[ccft] building llama.cpp (from llama-cpp-python=={version}'s sdist) CPU-only into {root}: "
-        f"{', '.join(TOOLS)}; once, roughly 10-30 minutes on 2 cores (`make llamacpp` does it ahead)"
-    )
-    try:
-        old_flags = json.loads((root / MARKER).read_text()).get("cmake_flags")
-    except (OSError, ValueError, AttributeError):
-        old_flags = None
-    (root / MARKER).unlink(missing_ok=True)
-    if (root / "build").exists():
-        why = (
-            f"has no {MARKER} (an interrupted build)"
-            if old_flags is None or old_flags == list(cmake_flags())
-            else "was built with other CMake flags"
+    tag, isa = native_target(tools["cxx"])
+    folder = root / f"build-{tag}"  # = build_dir(version, tools["cxx"])
+    if lacking := lacking_isa({"isa": list(isa)}):
+        raise LlamaCppError(
+            f"{tools['cxx']} {' '.join(native_flags())} targets {', '.join(lacking)}, which this CPU lacks "
+            "(set CXX to this machine's compiler)"
         )
-        log(f"[ccft] {root / 'build'} {why}: discarding it")
-        shutil.rmtree(root / "build")
+    log(
+        f"[ccft] building llama.cpp (from llama-cpp-python=={version}'s sdist) CPU-only into {folder} "
+        f"({', '.join(isa) or 'no vector extensions'}): {', '.join(TOOLS)}; once per CPU type, roughly "
+        "10-30 minutes on 2 cores (`make llamacpp` does it ahead)"
+    )
+    if (root / "build" / "bin").is_dir():
+        log(f"[ccft] {root / 'build'} is an older ccft's build (not keyed by CPU): no longer used")
+    if folder.exists():
+        old = read_marker(folder)
+        if old is None:
+            why = f"has no {MARKER} (an interrupted build)"
+        elif old.get("cmake_flags") != list(cmake_flags()):
+            why = "was built with other CMake flags"
+        elif lacking_isa(old, frozenset()) == ["(no ISA record)"]:
+            why = "records no instruction sets (a build of unknown target is not trusted)"
+        elif lacking := lacking_isa(old):
+            why = f"was built for {', '.join(lacking)}, which this CPU lacks"
+        else:
+            why = "is not a finished build for this CPU"
+        log(f"[ccft] {folder} {why}: discarding it")
+        (folder / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(folder)
     source = fetch_source(root, version, log=log, runner=runner)
     return _compile(root, source, version, tools, jobs=jobs, log=log, runner=runner)
 
@@ -296,24 +419,27 @@ def ensure_built(
 def _compile(
     root: Path, source: Path, version: str, tools: dict, *, jobs: int, log, runner: Runner
 ) -> LlamaCpp:
-    """Configure and build :data:`TOOLS` from ``source`` into ``root/build``, then write :data:`MARKER`."""
+    """Configure and build :data:`TOOLS` from ``source`` into :func:`build_dir`, then write :data:`MARKER`
+    there (with the target's tag and instruction sets)."""
+    tag, isa = native_target(tools["cxx"])
+    folder = root / f"build-{tag}"
     env = {**os.environ, "CC": tools["c"], "CXX": tools["cxx"]}
     _run(
-        [tools["cmake"], "-S", source, "-B", root / "build", "-G", tools["generator"], *cmake_flags()],
+        [tools["cmake"], "-S", source, "-B", folder, "-G", tools["generator"], *cmake_flags()],
         log=log,
         runner=runner,
         env=env,
     )
     _run(
-        [tools["cmake"], "--build", root / "build", "-j", str(jobs), "--target", *TOOLS],
+        [tools["cmake"], "--build", folder, "-j", str(jobs), "--target", *TOOLS],
         log=log,
         runner=runner,
         env=env,
     )
-    build = LlamaCpp(root, version)
+    build = LlamaCpp(root, version, build_folder=folder)
     missing = [t for t in TOOLS if not os.access(build.tool(t), os.X_OK)]
     if missing:
-        raise LlamaCppError(f"the llama.cpp build finished without {missing} in {root / 'build' / 'bin'}")
+        raise LlamaCppError(f"the llama.cpp build finished without {missing} in {folder / 'bin'}")
     build.build_info = {
         "version": version,
         "ggml_version": ggml_version(source),
@@ -321,9 +447,11 @@ def _compile(
         "generator": tools["generator"],
         "compiler": tools["cxx"],
         "machine": platform.machine(),
+        "target": tag,
+        "isa": list(isa),
     }
-    atomic_write_text(root / MARKER, json.dumps(build.build_info, indent=2))  # last: the build is complete
-    log(f"[ccft] llama.cpp built: {root / 'build' / 'bin'}")
+    atomic_write_text(folder / MARKER, json.dumps(build.build_info, indent=2))  # last: the build is complete
+    log(f"[ccft] llama.cpp built: {folder / 'bin'}")
     return build
 
 
@@ -626,14 +754,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "where":
         found = find_build()
-        print(f"{llamacpp_dir()} ({'built' if found else 'not built'})")
+        folder = build_dir()
+        state = ("built" if found else "not built") + ("" if folder else ", no C++ compiler found")
+        print(f"{folder or llamacpp_dir()} ({state})")
         return 0 if found else 1
     try:
         build = ensure_built(jobs=args.jobs, log=lambda m: print(m, file=sys.stderr, flush=True))
     except LlamaCppError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(build.root / "build" / "bin")
+    print(build.build_root / "bin")
     return 0
 
 
