@@ -366,6 +366,8 @@ def pytest_sessionfinish(session):
         tr = session.config.pluginmanager.get_plugin("terminalreporter")
         lines = [f"{FORBID_ENV}={forbid}: {len(bad)} test(s) skipped that this machine should run:", *bad]
         if tr is not None:
+            tr.ensure_newline()
+            tr.write_sep("=", "skips this machine should run", red=True)
             tr.write_line("\n".join(lines), red=True)
         else:
             print("\n".join(lines))

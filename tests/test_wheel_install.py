@@ -269,3 +269,11 @@ def test_a_new_user_copies_the_demo_and_dry_runs_it_from_the_wheel(open_tmp):
         "evals",
         "evals/demo.yaml",
     ]
+    # and a tiny real demo from the copy: both decoders trained, four modes evaluated, the report written
+    tiny = ["max_steps=2", "train_rows=8", "save_steps=2", "eval.nll_rows=4", "eval.em_rows=2"]
+    tiny += ["eval.max_new_tokens=16", "eval.batch_size=4", "eval.bootstrap=50"]
+    _run([ccft_bin, "demo", "demo.yaml", *tiny], cwd=work, env=env, timeout=1800)
+    results = json.loads((work / "reports" / "demo" / "results.json").read_text())
+    assert set(results["eval"]["modes"]) == {"base", "full-ft", "naive", "prefillshare"}
+    assert (work / "runs" / "demo" / "ccft" / "ccft.json").is_file()
+    assert (work / "reports" / "demo" / "README.md").is_file()
