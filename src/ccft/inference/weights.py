@@ -131,6 +131,9 @@ class LoraWeights:
     a: torch.Tensor
     b: torch.Tensor
     scaling: float
+    #: a part of a fused projection (phi3): ``b`` is rows ``b_rows`` of the PEFT parameter ``b_fused``
+    b_fused: torch.Tensor | None = None
+    b_rows: tuple[int, int] | None = None
 
 
 @dataclass
@@ -447,8 +450,11 @@ def lora_adapter(model: torch.nn.Module, adapter_name: str) -> Adapter:
             a, scaling = lora_a[adapter_name].weight, float(mod.scaling[adapter_name])
             if name in FUSED:
                 sizes = _part_sizes(name, heads, kv_heads, head_dim, config.intermediate_size)
-                for part, rows in zip(FUSED[name], torch.split(b.weight, sizes, dim=0), strict=True):
-                    per[part] = LoraWeights(a, rows, scaling)
+                start = 0
+                for part, size in zip(FUSED[name], sizes, strict=True):
+                    rows = (start, start + size)
+                    per[part] = LoraWeights(a, b.weight[rows[0] : rows[1]], scaling, b.weight, rows)
+                    start += size
             else:
                 per[name] = LoraWeights(a, b.weight, scaling)
             found += 1
@@ -471,9 +477,11 @@ def cast_adapter(adapter: Adapter, dtype: torch.dtype) -> Adapter:
     with torch.no_grad():
         for layer in adapter.layers:
             for lw in layer.values():
-                for t in (lw.a, lw.b):
+                for t in (lw.a, lw.b if lw.b_fused is None else lw.b_fused):
                     if t.dtype != dtype:
                         t.data = t.data.to(dtype)
+                if lw.b_fused is not None:  # the part's rows of the (now cast) fused parameter
+                    lw.b = lw.b_fused[lw.b_rows[0] : lw.b_rows[1]]
     adapter.step_table = None  # new tensors: the fused step's pointers are built again
     return adapter
 
