@@ -45,14 +45,13 @@ def family_dirs(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module")
 def sharp_dirs(tmp_path_factory, tokenizer):
     """family -> a tiny base with clear logit margins (LM head x8), for the bf16 agreement test."""
-    made = {}
 
     class Dirs(dict):
         def __missing__(self, f):
-            made[f] = make_family_folder(
+            self[f] = make_family_folder(
                 tmp_path_factory.mktemp(f"sharp_{f}"), tokenizer, f, seed=1, scale=8.0
             )
-            return made[f]
+            return self[f]
 
     return Dirs()
 
@@ -287,9 +286,10 @@ def test_the_fused_cpu_step_runs_where_the_family_is_llamas_block(family, family
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
 def test_bf16_greedy_agrees_with_the_reference(family, sharp_dirs, prompts):
-    """bf16 (K3's policy: no exact identity, greedy top-1 agreement on most steps): the engine's greedy tokens
-    for the base and a LoRA decoder on one shared prefill agree with ccft.generate's on at least 75% of the
-    steps; gemma's norms take their (1 + w) product in fp32 there (``model.rms_norm``)."""
+    """bf16 (docs/design.md, K3: top-1 agreement >= 0.8 in bf16): the engine's greedy tokens for the base and
+    a LoRA decoder on one shared prefill agree with ccft.generate's on at least 80% of the steps, each row
+    counted up to its first difference (stricter than per step); gemma's norms take their (1 + w) product in
+    fp32 there (``model.rms_norm``)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -311,4 +311,4 @@ def test_bf16_greedy_agrees_with_the_reference(family, sharp_dirs, prompts):
                 first = next((t for t in range(steps) if g.token_ids[t] != w.token_ids[t]), steps)
                 agree.append((first, steps))
     same, total = sum(a for a, _ in agree), sum(s for _, s in agree)
-    assert total and same / total >= 0.75, (family, agree)
+    assert total and same / total >= 0.8, (family, agree)
