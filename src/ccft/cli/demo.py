@@ -220,7 +220,7 @@ def demo_results(result: dict) -> str:
     """The README's short "Results": each paired difference (PrefillShare − Full-FT, naive − Full-FT,
     PrefillShare − naive) on NLL/token and the task's primary and secondary metric, and whether its 95% CI
     excludes 0 — the words follow from the CIs in the tables below, never written by hand."""
-    from ccft.evals.report import _is_rate, primary_metric, results_lines, results_verdict
+    from ccft.evals.report import is_rate, primary_metric, results_lines, results_verdict
 
     summary = result["eval"]
     deltas = summary.get("deltas_vs_full_ft") or {}
@@ -237,7 +237,7 @@ def demo_results(result: dict) -> str:
     if sec and sec != prim and any(sec in (m.get("metrics") or {}) for m in summary["modes"].values()):
         keys.append(sec)
     metrics = [("nll", "NLL/token", False, False)] + [
-        (k, k, _is_rate(k, summary["modes"]), True) for k in keys
+        (k, k, is_rate(k, summary["modes"]), True) for k in keys
     ]
     lines = results_lines(pairs, metrics)
     if not pairs[("prefillshare", "naive")]:

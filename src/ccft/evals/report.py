@@ -67,7 +67,9 @@ def _cell(value, ci=None, pct: bool = False, sign: bool = False) -> str:
     return s
 
 
-def _is_rate(metric: str, summary_modes: dict) -> bool:
+def is_rate(metric: str, summary_modes: dict) -> bool:
+    """Whether ``metric`` is a rate (shown in % and pp): every mode's mean lies in [0, 1] and it is not an NLL
+    or a loss. ``summary_modes`` is a summary's ``modes`` mapping."""
     vals = [m["metrics"][metric]["mean"] for m in summary_modes.values() if metric in m.get("metrics", {})]
     return bool(vals) and all(0.0 <= v <= 1.0 for v in vals) and "nll" not in metric and "loss" not in metric
 
@@ -120,7 +122,7 @@ def modes_table(summary: dict) -> str:
         row = [mode, _note(mode), _cell(m.get("nll"), m.get("nll_ci"))]
         for k in metrics:
             x = m.get("metrics", {}).get(k)
-            row.append(_cell(x["mean"], x["ci"], pct=_is_rate(k, modes)) if x else "")
+            row.append(_cell(x["mean"], x["ci"], pct=is_rate(k, modes)) if x else "")
         row.append(str(m.get("n", "")) + ("" if m.get("complete", True) else " (incomplete)"))
         if partial:
             row.append(str(m.get("scored_n", "")))
@@ -141,7 +143,7 @@ def modes_table(summary: dict) -> str:
             row = [mode, _cell(d["nll"]["delta"], d["nll"]["ci"], sign=True) if "nll" in d else ""]
             for k in metrics:
                 row.append(
-                    _cell(d[k]["delta"], d[k]["ci"], pct=_is_rate(k, modes), sign=True) if k in d else ""
+                    _cell(d[k]["delta"], d[k]["ci"], pct=is_rate(k, modes), sign=True) if k in d else ""
                 )
             row.append(_pairs_cell(d, metrics))
             lines.append("| " + " | ".join(row) + " |")
@@ -159,7 +161,7 @@ def pair_table(summary: dict, vs_naive: dict | None, mode: str = "prefillshare",
     d = vs_naive
     row = [f"{mode} − {ref}", _cell(d["nll"]["delta"], d["nll"]["ci"], sign=True) if "nll" in d else ""]
     for k in metrics:
-        row.append(_cell(d[k]["delta"], d[k]["ci"], pct=_is_rate(k, modes), sign=True) if k in d else "")
+        row.append(_cell(d[k]["delta"], d[k]["ci"], pct=is_rate(k, modes), sign=True) if k in d else "")
     row.append(_pairs_cell(d, metrics))
     return "\n".join(
         [
@@ -227,7 +229,7 @@ def reading(summary: dict, vs_naive: dict | None = None) -> str:
         if prim in v.get("metrics", {})
     }
     if prim and REFERENCE_MODE in vals:
-        rate = _is_rate(prim, m)
+        rate = is_rate(prim, m)
         width = max(x["ci"][1] - x["ci"][0] for x in vals.values())
         line = f"{prim}: " + ", ".join(f"{k} {_fmt(x['mean'], pct=rate)}" for k, x in vals.items())
         if width > 0:
@@ -337,7 +339,7 @@ def headline_table(summaries: list[dict]) -> str:
         for mode in sorted(s["modes"], key=_order):
             m = s["modes"][mode]
             x = m.get("metrics", {}).get(prim) if prim else None
-            rate = bool(prim) and _is_rate(prim, s["modes"])
+            rate = bool(prim) and is_rate(prim, s["modes"])
             d = deltas.get(mode, {})
             score = (
                 _cell(x["mean"], x["ci"], pct=rate)
