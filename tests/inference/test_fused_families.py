@@ -28,8 +28,12 @@ N_NEW = 6
 #: of the log-probability bound of tests/inference/test_block_weights.py. A skipped bias or norm moves them
 #: by ~1.
 LOGITS_TOL = {"rtol": 1e-5, "atol": 1e-4}
-#: the tail pool's K/V (as tests/inference/test_block_weights.py)
-KV_TOL = {"rtol": 1e-4, "atol": 1e-5}
+#: the tail pool's K/V: rtol as tests/inference/test_block_weights.py; atol 1e-4 as the logits', for the same
+#: reason: qwen3's k norm divides by the RMS of the projected k, so a ~1e-7 rounding difference of the product
+#: comes out ~3.6e-5 on a key of ~0.08 in layer 1 a few steps in (seen on CI's machine; 1e-5 passed on this
+#: project's AVX2 and AVX-512 machines). The keys are O(1) after the norm: a skipped norm or bias moves them
+#: by far more.
+KV_TOL = {"rtol": 1e-4, "atol": 1e-4}
 SCALE = 8.0
 
 
