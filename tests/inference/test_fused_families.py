@@ -241,3 +241,68 @@ def test_engine_greedy_equals_reference(family_dir, kernel, tokenizer, gsm8k_row
             got = engine.generate(h, decoder=name, max_new_tokens=N_NEW)
             assert [g.token_ids for g in got] == [g.token_ids for g in want], name
     assert results  # the fused step ran
+
+
+def _logits_of_handles(engine, handles, reads, new=N_NEW):
+    """Like ``_logits_of_reads`` over several handles stepped together: ``handles`` the prompt batches (one
+    prefill each: sessions with their own contexts and widths), ``reads`` ``(handle, row, decoder)``."""
+    held = [engine.prefill(p) for p in handles]
+    try:
+        ids = [
+            engine.add_request(held[h], row, decoder=d, max_new_tokens=new, ignore_eos=True)
+            for h, row, d in reads
+        ]
+        steps = []
+        while engine.active:
+            by_id = {o.request_id: o for o in engine.step(return_logits=True)}
+            steps.append([(by_id[r].token_id, by_id[r].logits.clone()) for r in ids if r in by_id])
+        n = len(reads)
+        kv = {lane: (e.pool.k[:, :n].clone(), e.pool.v[:, :n].clone()) for lane, e in engine.lanes.items()}
+    finally:
+        for h in held:
+            h.unref()
+    return steps, kv
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_step_over_several_handles_equals_the_layer_loop(
+    family, kernel, tokenizer, gsm8k_rows, tmp_path, monkeypatch
+):
+    """Rows of three handles (three sessions' contexts of different widths: 1, 2 and 1 prompt rows) in one
+    decode step run the fused step once (per row its own prefix region: ``row_views``), not the layer loop,
+    and every row's logits, greedy tokens and tail K/V equal the layer loop's: the base and two adapters
+    mixed, two agents on one context row, a handle whose second row alone is read."""
+    import ccft
+    from ccft.inference import model as M
+
+    path = make_family_folder(tmp_path / family, tokenizer, family, seed=1, scale=SCALE)
+    base = ccft.load_base(str(path))
+    loras = {"math": make_lora(base, "math", seed=3, r=4), "code": make_lora(base, "code", seed=5, r=8)}
+    fused, loop, results = _engines(base, loras, monkeypatch)
+    several = []
+    spied = M.decode_step_layers
+
+    def record(*a, **k):
+        several.append(k.get("row_views") is not None)
+        return spied(*a, **k)
+
+    monkeypatch.setattr(M, "decode_step_layers", record)
+    p = _prompts(tokenizer, gsm8k_rows, 4)
+    handles = [[p[0]], [p[1], p[2]], [p[3][:9]]]
+    reads = [(0, 0, "math"), (1, 0, "base"), (2, 0, "code"), (0, 0, "code"), (1, 1, "math"), (2, 0, "base")]
+    a, kv_a = _logits_of_handles(fused, handles, reads)
+    assert several and all(several) and all(results), (several, results)  # one fused call per step
+    b, kv_b = _logits_of_handles(loop, handles, reads)
+    assert [[t for t, _ in s] for s in a] == [[t for t, _ in s] for s in b]
+    for sa, sb in zip(a, b, strict=True):
+        for (_, la), (_, lb) in zip(sa, sb, strict=True):
+            torch.testing.assert_close(la, lb, **LOGITS_TOL)
+    for lane in kv_a:
+        torch.testing.assert_close(kv_a[lane], kv_b[lane], **KV_TOL)
+    # (1, 1, ...) alone of its handle's two rows: the table path; no other row of handle 1 is read
+    a, _ = _logits_of_handles(fused, handles, [(1, 1, "math"), (2, 0, "code")])
+    b, _ = _logits_of_handles(loop, handles, [(1, 1, "math"), (2, 0, "code")])
+    assert [[t for t, _ in s] for s in a] == [[t for t, _ in s] for s in b]
+    for sa, sb in zip(a, b, strict=True):
+        for (_, la), (_, lb) in zip(sa, sb, strict=True):
+            torch.testing.assert_close(la, lb, **LOGITS_TOL)

@@ -95,7 +95,8 @@ class StepArgs(ctypes.Structure):
             )
         ]
         + [("n_lora", ctypes.c_int64), ("lora_tables", ctypes.c_void_p), ("row_lora", ctypes.c_void_p)]
-        + [("threads", ctypes.c_int64)]
+        + [("threads", ctypes.c_int64), ("row_prefix", ctypes.c_void_p)]
+        + [("prefix_layer_stride", ctypes.c_int64)]
     )
 
 
@@ -608,8 +609,8 @@ def decode_step_layers(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    prefix_k: list[torch.Tensor],
-    prefix_v: list[torch.Tensor],
+    prefix_k: list[torch.Tensor] | torch.Tensor | None,
+    prefix_v: list[torch.Tensor] | torch.Tensor | None,
     key_start: torch.Tensor,
     pool_k: torch.Tensor,
     pool_v: torch.Tensor,
@@ -617,6 +618,7 @@ def decode_step_layers(
     tail_len: torch.Tensor,
     lora: list | None = None,
     prefix_row: torch.Tensor | None = None,
+    row_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor | None:
     """Every decoder layer of one decode step in one kernel call (``ccft_blocks_decode_step``), for ``B``
     rows each reading one prefix row: the layer loop of ``model.decode_step_eager`` with the same fp32
@@ -631,6 +633,11 @@ def decode_step_layers(
         key_start: ``(B,)`` long, the first real prefix key of the prefix row each batch row reads.
         prefix_row: ``(B,)`` long, the prefix row each batch row reads (several rows may read one: agents
             sharing a context); None: row r reads prefix row r (``P = B``).
+        row_views: instead of ``prefix_k`` / ``prefix_v`` / ``prefix_row`` (then None / unread): per
+            batch row, ``(L, h, p_r, d)`` fp32 views of its prefix row's keys and values in every layer
+            (e.g. ``PrefixHandle.every_layer()`` at that row), each layer a contiguous ``(h, p_r, d)``
+            region, one layer stride for all: rows of several prefill handles (sessions with their own
+            contexts and widths) in one step (docs/serving.md, "Several sessions in one decode step").
         pool_k, pool_v: ``(L, slots, h, capacity, d)`` fp32 tail pool (row r = slot r; same strides).
         write_pos: ``(B,)`` long, where each row's new K/V is written; tail_len: ``(B,)`` long, write_pos + 1.
         lora: ``model.LoraPlan.entries``: ``(adapter, rows)`` with rows None (every row) or a long tensor of
@@ -638,7 +645,8 @@ def decode_step_layers(
     Returns:
         ``x``, or None (nothing computed) when an adapter cannot be read in place (:func:`lora_table`).
     Raises:
-        ValueError: a tensor that is not fp32 / long on the CPU or whose last dimension is not contiguous.
+        ValueError: a tensor that is not fp32 / long on the CPU or whose last dimension is not contiguous;
+            ``row_views`` not one per row, not contiguous regions or of different layer strides.
     """
     n_layers, hidden, heads, kv_heads, head_dim, inter = plan.dims
     b = x.shape[0]
@@ -662,7 +670,12 @@ def decode_step_layers(
     if any(t.dtype != torch.long or t.shape != (b,) for t in longs):
         raise ValueError("decode_step_layers: key_start, write_pos, tail_len, prefix_row must be long (B,)")
     key_start, write_pos, tail_len = (t.contiguous() for t in (key_start, write_pos, tail_len))
-    ptrs, strides, width, rows = _prefix_pointers(prefix_k, prefix_v, n_layers)
+    regions, layer_stride = None, 0
+    if row_views is not None:
+        regions, layer_stride, width = _row_regions(row_views, b, n_layers, kv_heads, head_dim)
+        ptrs, strides, rows = [0, 0], [0] * 6, b
+    else:
+        ptrs, strides, width, rows = _prefix_pointers(prefix_k, prefix_v, n_layers)
     if prefix_row is not None:
         prefix_row = prefix_row.contiguous()
         if b and not 0 <= int(prefix_row.min()) <= int(prefix_row.max()) < rows:
@@ -705,9 +718,41 @@ def decode_step_layers(
         lora_tables=ctypes.addressof(lora_tables),
         row_lora=ctypes.addressof(row_lora) if row_lora is not None else None,
         threads=_threads(),
+        row_prefix=None if regions is None else ctypes.addressof(regions),
+        prefix_layer_stride=layer_stride,
     )
     plan.kernel.lib.ccft_blocks_decode_step(ctypes.byref(args))
     return x
+
+
+def _row_regions(row_views, b: int, n_layers: int, kv_heads: int, head_dim: int):
+    """``decode_step_layers``' ``row_views`` as the kernel reads them (``StepArgs.row_prefix``): a ctypes
+    array of ``3 B`` int64 (per row its keys' and values' layer-0 addresses and its width), the common layer
+    stride (floats) and the widest row.
+
+    Raises:
+        ValueError: not one pair per row, not fp32 ``(L, h, p_r, d)`` views whose layers are contiguous
+            ``(h, p_r, d)`` regions, or layer strides that differ.
+    """
+    if len(row_views) != b:
+        raise ValueError(f"decode_step_layers: row_views has {len(row_views)} rows, the step {b}")
+    flat, layer_stride, widest = [], None, 0
+    for k, v in row_views:
+        width = k.shape[-2]
+        for t in (k, v):
+            contiguous = t.stride()[1:] == (width * head_dim, head_dim, 1)
+            if t.dtype != torch.float32 or t.shape != (n_layers, kv_heads, width, head_dim) or not contiguous:
+                raise ValueError(
+                    "decode_step_layers: each of row_views must be an fp32 (L, h, p, d) view with "
+                    f"contiguous (h, p, d) layers, got {tuple(t.shape)} strides {t.stride()}"
+                )
+            if layer_stride is None:
+                layer_stride = t.stride(0)
+            elif t.stride(0) != layer_stride:
+                raise ValueError("decode_step_layers: row_views of different layer strides (not one arena)")
+        flat += [k.data_ptr(), v.data_ptr(), width]
+        widest = max(widest, width)
+    return (ctypes.c_int64 * max(1, len(flat)))(*flat), layer_stride or 0, widest
 
 
 def _prefix_pointers(prefix_k, prefix_v, n_layers: int) -> tuple[list[int], list[int], int, int]:

@@ -589,12 +589,12 @@ def prefill_chunk(
     )
 
 
-def _prefix_rows(groups: list[PrefixGroup], b: int) -> torch.Tensor | None:
-    """``(B,)`` long: the prefix row each batch row reads, when one group (one handle, one own K/V) covers the
-    batch through its table of readers (e.g. several agents on one context row); None for several groups."""
-    if len(groups) != 1 or groups[0].rows is None:
-        return None
-    g = groups[0]
+def _group_reads(g: PrefixGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(batch rows, prefix rows)``: two ``(n,)`` long tensors, the batch rows of group ``g`` and the prefix
+    row (of its handle) each one reads."""
+    if g.rows is None:
+        prefix = torch.arange(g.key_start.shape[0], device=g.key_start.device)
+        return prefix + g.offset, prefix
     table = g.rows  # (span rows, m): the batch rows reading each prefix row of the span, -1 padded
     if g.used is None:
         index = torch.arange(table.shape[0], device=table.device)
@@ -603,9 +603,40 @@ def _prefix_rows(groups: list[PrefixGroup], b: int) -> torch.Tensor | None:
     else:
         index = g.used
     readers = table >= 0
-    out = torch.empty(b, dtype=torch.long, device=table.device)
-    out[table[readers]] = index[:, None].expand_as(table)[readers]
+    return table[readers], index[:, None].expand_as(table)[readers]
+
+
+def _prefix_rows(groups: list[PrefixGroup], b: int) -> torch.Tensor | None:
+    """``(B,)`` long: the prefix row each batch row reads, when one group (one handle, one own K/V) covers the
+    batch through its table of readers (e.g. several agents on one context row); None for several groups."""
+    if len(groups) != 1 or groups[0].rows is None:
+        return None
+    batch, prefix = _group_reads(groups[0])
+    out = torch.empty(b, dtype=torch.long, device=batch.device)
+    out[batch] = prefix
     return out
+
+
+def _row_views(groups: list[PrefixGroup], b: int):
+    """Per batch row, ``(L, h, p, d)`` views of the keys and values of the prefix row it reads, and ``(B,)``
+    its first real key, for a batch over several groups (handles) whose every layer is one arena region
+    (``PrefixHandle.every_layer``); None when a group's is not (a compact C_base, a depth-m reader's own
+    K/V). What ``blocks.decode_step_layers(row_views=...)`` reads: sessions of several contexts in one
+    fused step."""
+    views: list = [None] * b
+    key_start = torch.empty(b, dtype=torch.long)
+    for g in groups:
+        every = g.every_layer() if g.every_layer is not None else None
+        if every is None:
+            return None
+        keys, values = every  # (L, P, h, p, d) each
+        batch, prefix = _group_reads(g)
+        key_start[batch] = g.key_start.index_select(0, prefix)
+        for r, pr in zip(batch.tolist(), prefix.tolist(), strict=True):
+            views[r] = (keys[:, pr], values[:, pr])
+    if any(v is None for v in views):
+        return None
+    return views, key_start
 
 
 @torch.no_grad()
@@ -639,7 +670,26 @@ def decode_step_eager(
     step = lw.block_step
     if step is not None and b <= step.max_rows:  # every layer in one kernel call
         prefix_row = None if rowwise else _prefix_rows(groups, b)
-        if rowwise or prefix_row is not None:
+        several = None if rowwise or prefix_row is not None else _row_views(groups, b)
+        if several is not None:  # rows of several handles (sessions): per row its region
+            out = decode_step_layers(
+                step,
+                x,
+                rt[0][0],
+                rt[0][1],
+                None,
+                None,
+                several[1],
+                pool_k,
+                pool_v,
+                write_pos,
+                tail_len,
+                lora.entries,
+                row_views=several[0],
+            )
+            if out is not None:
+                return logits_of(out, lw)
+        elif rowwise or prefix_row is not None:
             every = g.every_layer() if g.every_layer is not None else None  # one view each, not L
             prefix_k, prefix_v = every or (
                 [g.k(i) for i in range(lw.num_layers)],

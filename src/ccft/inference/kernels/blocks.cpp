@@ -589,6 +589,10 @@ void ccft_blocks_mlp(int kind_gate, const uint8_t* wg, int kind_up, const uint8_
 // LoRA: n_lora adapters, lora_tables 3 pointers each (a LoraTable: ptrs, ranks, scales), row_lora (B,) the
 // adapter of each row (-1: none; unread when n_lora is 0); each adapted projection adds B (A x) · scaling to
 // its output, as ccft.inference.model.project does (gate and up before the SiLU). threads: OpenMP threads.
+// row_prefix (3B, or null: the prefix / prefix_strides / prefix_row layout above): per batch row the address
+// of its prefix row's keys and of its values in layer 0 and that row's width p_r, a contiguous (h, p_r, d)
+// region each, layer i at i * prefix_layer_stride floats further: rows of several prefill handles (sessions
+// with their own contexts, each its own width) in one step; `prefix` and `p` are then unread.
 struct StepArgs {
     int64_t L, B, D, H, h, d, I, p;
     float eps, scale;
@@ -613,6 +617,8 @@ struct StepArgs {
     const int64_t* lora_tables;
     const int64_t* row_lora;
     int64_t threads;
+    const int64_t* row_prefix;
+    int64_t prefix_layer_stride;
 };
 
 int64_t ccft_blocks_step_args_size() { return (int64_t)sizeof(StepArgs); }
@@ -641,6 +647,8 @@ void ccft_blocks_decode_step(const StepArgs* args) {
     const int64_t n_lora = args->n_lora;
     const int64_t *lora_tables = args->lora_tables, *row_lora = args->row_lora;
     const int threads = (int)args->threads;
+    const int64_t* row_prefix = args->row_prefix;
+    const int64_t prefix_layer_stride = args->prefix_layer_stride;
     const int64_t nq = H * d, nkv = h * d, nqkv = nq + 2 * nkv, group = H / h;
     // the adapters' tables (lora_tables: 3 pointers per adapter) and what a delta needs: the largest rank, and
     // per layer whether some row adapts gate or up (its MLP then keeps them apart, to add the deltas before SiLU)
@@ -662,7 +670,8 @@ void ccft_blocks_decode_step(const StepArgs* args) {
                         mlp_lora[i] = 1;
     const int64_t* rl = n_lora > 0 ? row_lora : nullptr;
     int64_t width = 0;  // keys a row reads at most
-    for (int64_t r = 0; r < B; ++r) width = std::max(width, p - key_start[r] + tail_len[r]);
+    for (int64_t r = 0; r < B; ++r)
+        width = std::max(width, (row_prefix ? row_prefix[3 * r + 2] : p) - key_start[r] + tail_len[r]);
     float* hn = new float[B * (D + nqkv + nq + 2 * I + max_rank) + B * H * width];
     float* qkv = hn + B * D;   // (B, (H + 2h) d)
     float* att = qkv + B * nqkv;  // (B, H d): attention outputs
@@ -714,16 +723,26 @@ void ccft_blocks_decode_step(const StepArgs* args) {
         // the `per` query heads of one row that read one KV head: its whole group (GQA: each key and value is
         // read once for them), or one head where h B tasks would leave a thread idle (few rows). Tasks run
         // KV-head-major, so a thread's consecutive rows on one prefix row read that head's keys from its cache.
-        const float* kp = reinterpret_cast<const float*>(prefix[2 * i]);
-        const float* vp = reinterpret_cast<const float*>(prefix[2 * i + 1]);
-        const int64_t* st = prefix_strides + 6 * i;
+        const float* kp = row_prefix ? nullptr : reinterpret_cast<const float*>(prefix[2 * i]);
+        const float* vp = row_prefix ? nullptr : reinterpret_cast<const float*>(prefix[2 * i + 1]);
+        const int64_t* st = row_prefix ? nullptr : prefix_strides + 6 * i;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < h * B * parts; ++t) {
             const int64_t g = t / (B * parts), r = t / parts % B, k0 = t % parts * per;
-            const int64_t p0 = key_start[r], np = p - p0, nt = tail_len[r];
-            const int64_t pr = prefix_row ? prefix_row[r] : r;
-            const float* kr = kp + pr * st[0] + g * st[1] + p0 * st[2];
-            const float* vr = vp + pr * st[3] + g * st[4] + p0 * st[5];
+            const int64_t p0 = key_start[r], nt = tail_len[r];
+            const float *kr, *vr;
+            int64_t np, kpos, vpos;  // prefix keys read; the keys' and values' position strides
+            if (row_prefix) {  // a contiguous (h, p_r, d) region per row, at its own address
+                const int64_t pw = row_prefix[3 * r + 2], at = i * prefix_layer_stride + (g * pw + p0) * d;
+                kr = reinterpret_cast<const float*>(row_prefix[3 * r]) + at;
+                vr = reinterpret_cast<const float*>(row_prefix[3 * r + 1]) + at;
+                np = pw - p0, kpos = d, vpos = d;
+            } else {
+                const int64_t pr = prefix_row ? prefix_row[r] : r;
+                kr = kp + pr * st[0] + g * st[1] + p0 * st[2];
+                vr = vp + pr * st[3] + g * st[4] + p0 * st[5];
+                np = p - p0, kpos = st[2], vpos = st[5];
+            }
             const float* kt = pool_k + i * ls + r * ss + g * hs;
             const float* vt = pool_v + i * ls + r * ss + g * hs;
             const int64_t head0 = g * group + k0;
@@ -732,14 +751,14 @@ void ccft_blocks_decode_step(const StepArgs* args) {
             float* o0 = att + r * nq + head0 * d;          // their outputs, d apart
             for (int part = 0; part < 2; ++part) {  // the prefix keys, then the tail's
                 const float* keys = part == 0 ? kr : kt;
-                const int64_t n = part == 0 ? np : nt, stride = part == 0 ? st[2] : ps, off = part == 0 ? 0 : np;
+                const int64_t n = part == 0 ? np : nt, stride = part == 0 ? kpos : ps, off = part == 0 ? 0 : np;
                 for (int64_t j = 0; j < n; ++j)
                     for (int64_t k = 0; k < per; ++k)
                         s0[k * width + off + j] = dot_f32(q0 + k * d, keys + j * stride, d) * scale;
             }
             float inv[MAX_GROUP];
             for (int64_t k = 0; k < per; ++k) inv[k] = 1.0f / softmax_numerators(s0 + k * width, np + nt);
-            attend_values(s0, width, inv, per, d, vr, st[5], np, vt, ps, nt, o0);
+            attend_values(s0, width, inv, per, d, vr, vpos, np, vt, ps, nt, o0);
         }
         matmul_for(kd[1], reinterpret_cast<const uint8_t*>(wt[1]), D, nq, att, B, nq, x, D, ADD);
         if (rl != nullptr) {
