@@ -8,7 +8,8 @@ shape of docs/serving.md by default: 1024 shared tokens, 128 appended per turn):
 (they publish the context's blocks); the last turn moves: it runs on B (a fetch) and on C (a re-prefill);
 the greedy tokens of B and C are compared; then it runs on A too, with A's pool off (the session at
 home, for reference: what A holds of it, not what B published). Every call decodes ``--max-new-tokens``
-tokens (EOS ignored).
+tokens (EOS ignored). The JSON records its provenance (``ccft.bench.provenance``: commit, dirty tree, UTC
+start, CPU, ISA, load, settings) under ``"provenance"``.
 
     python benchmarks/prefix_pool.py --backend redis --out pool_redis.json
     python benchmarks/prefix_pool.py --backend ray --out pool_ray.json
@@ -40,6 +41,7 @@ import time
 import torch
 
 import ccft
+from ccft.bench import provenance
 from ccft.bench.serve import agent_names, random_agent_decoder
 from ccft.serving import PrefixKVStore
 from ccft.serving.malloc import apply_malloc_policy
@@ -139,6 +141,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    started = provenance.collect(provenance.settings_of(args))  # commit, CPU, load, settings: at the start
     trimmer = apply_malloc_policy(args.malloc)
     torch.set_num_threads(args.threads)
 
@@ -233,6 +236,7 @@ def main(argv=None) -> int:
             "pool_errors": {k: a_stats["errors"][k] + pool_stats["errors"][k] for k in a_stats["errors"]},
             "moved_context_blocks": context_blocks,
             "store_blocks": {"a": len(a.store), "b": len(b.store), "c_no_pool": len(c.store)},
+            "provenance": started,
         }
         r = result
         r["ttft_ratio_first"] = r["moved_pool"]["ttft_first_s"] / r["moved_reprefill"]["ttft_first_s"]

@@ -917,7 +917,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ccft.bench.soak", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)
-    return report(run(args), args.out)
+    from ccft.bench.provenance import recorded
+
+    return report(recorded(run, args), args.out)
 
 
 if __name__ == "__main__":

@@ -761,7 +761,9 @@ def main(argv: list[str] | None = None) -> int:
         res = run_store_case(spec) if spec.get("store") else run_case(spec)
         print(json.dumps(res))
         return 0
-    return report(run(args), args.out)
+    from ccft.bench.provenance import recorded
+
+    return report(recorded(run, args), args.out)
 
 
 if __name__ == "__main__":

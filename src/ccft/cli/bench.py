@@ -3,6 +3,8 @@
 The benchmark code is the package ``ccft.bench`` (``ccft.bench.decode``: the inference engine against
 HF ``generate``, with the roofline of the decode step; ``ccft.bench.train``; ``ccft.bench.serve``), so
 ``ccft bench`` works from an installed wheel with no checkout; this module only registers and runs it.
+Every result written to ``--out`` records its provenance (``ccft.bench.provenance``) under
+``"provenance"``.
 """
 
 from __future__ import annotations
@@ -46,5 +48,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    """Run ``args.bench_module``: its ``run(args)``, then its ``report(result, --out)``. The result carries
+    ``"provenance"`` (``ccft.bench.provenance``: commit, dirty tree, UTC start, CPU, ISA, load, settings),
+    collected before the run starts, unless the module's run put one there (a resumed run keeps its
+    file's)."""
+    from ccft.bench import provenance
+
     mod = importlib.import_module(args.bench_module)
-    return mod.report(mod.run(args), getattr(args, "out", None))
+    return mod.report(provenance.recorded(mod.run, args), getattr(args, "out", None))
