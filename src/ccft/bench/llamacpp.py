@@ -682,12 +682,15 @@ def server(
     extra_args: Sequence = (),
     log=print,
     ready_timeout: float = 300.0,
+    record: dict | None = None,
 ):
     """``llama-server`` on 127.0.0.1 (no web UI, fp32 KV) for the ``with`` block; yields its base URL.
 
-    ``ctx``: context tokens in all (``-c``; llama-server splits it over the ``parallel`` slots, ``-np``);
-    ``extra_args``: more flags (``--lora FILE``, ``--lora-init-without-apply``, ...).
-    Raises LlamaCppError when it exits or is not healthy within ``ready_timeout`` seconds."""
+    ``ctx``: context tokens in all (``-c``; llama-server splits it over the ``parallel`` slots, ``-np``,
+    unless ``extra_args`` has ``--kv-unified``); ``extra_args``: more flags (``--lora FILE``,
+    ``--lora-init-without-apply``, ...). ``record``: a dict updated with ``"command"`` (the command line, a
+    list of str) before the server starts. Raises LlamaCppError when it exits or is not healthy within
+    ``ready_timeout`` seconds."""
     port = free_port()
     cmd = [
         build.tool("llama-server"),
@@ -710,6 +713,8 @@ def server(
         "--no-warmup",
         *extra_args,
     ]
+    if record is not None:
+        record["command"] = [str(c) for c in cmd]
     url = f"http://127.0.0.1:{port}"
     with server_process(cmd, url, "/health", log=log, ready_timeout=ready_timeout, error=LlamaCppError):
         yield url

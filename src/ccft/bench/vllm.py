@@ -335,6 +335,7 @@ def serve_command(
     max_lora_rank: int = 16,
     max_loras: int | None = None,
     max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
     max_model_len: int | None = None,
     kv_cache_gib: float | None = None,
     extra_args: Sequence = (),
@@ -343,9 +344,10 @@ def serve_command(
     ``model_dir`` in fp32, served as ``base``, with prefix caching and (when ``loras`` is not empty) the
     adapters ``{name: PEFT folder}`` (``max_loras`` in one batch, default all; ``max_lora_rank`` must be
     one of vLLM's 1, 8, 16, 32, 64, ... and at least every adapter's r). ``max_num_seqs``: sequences per
-    batch; ``max_model_len``: tokens per sequence (prompt + generated); ``kv_cache_gib``: KV cache size
-    in GiB (``--kv-cache-memory-bytes``; fractions allowed). Raises VllmError for an adapter name that
-    is empty, ``base`` or has ``=``/spaces."""
+    batch; ``max_num_batched_tokens``: tokens one engine step computes (prefill chunks and decode rows
+    together); None: vLLM's own default for either; ``max_model_len``: tokens per sequence (prompt +
+    generated); ``kv_cache_gib``: KV cache size in GiB (``--kv-cache-memory-bytes``; fractions allowed).
+    Raises VllmError for an adapter name that is empty, ``base`` or has ``=``/spaces."""
     cmd = [
         str(env.python),
         "-m",
@@ -386,6 +388,8 @@ def serve_command(
         ]
     if max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
+    if max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
     if kv_cache_gib is not None:
@@ -460,6 +464,7 @@ def server(
     log: Callable[[str], None] = print,
     ready_timeout: float = 1200.0,
     preload: bool = True,
+    record: dict | None = None,
     **serve_kw,
 ):
     """A vLLM server (:func:`serve_command`, :func:`serve_env`) for the ``with`` block; yields its base URL
@@ -468,10 +473,14 @@ def server(
     ``serve_kw``: :func:`serve_command`'s keywords (``max_loras``, ``max_num_seqs``, ...). The server runs in
     its own process group, which is terminated on exit. Raises VllmError with the log's tail when it exits or
     is not healthy within ``ready_timeout`` seconds. ``preload``: with :func:`preload_libraries` in
-    ``LD_PRELOAD``, as vLLM's CPU backend asks."""
+    ``LD_PRELOAD``, as vLLM's CPU backend asks. ``record``: a dict updated, before the server starts, with
+    ``"command"`` (the command line, a list of str) and ``"env"`` (the variables set on top of
+    ``os.environ``), so a benchmark can record exactly how vLLM was launched."""
     port = free_port()
     cmd = serve_command(env, model_dir, loras, port=port, kv_cache_gib=kv_cache_gib, **serve_kw)
     extra_env = serve_env(threads, kv_cache_gib, preload_libraries(env) if preload else ())
+    if record is not None:
+        record.update({"command": [str(c) for c in cmd], "env": dict(extra_env)})
     log(
         "[ccft] $ "
         + " ".join(f"{k}={v}" for k, v in extra_env.items() if k.startswith(("OMP", "VLLM_CPU", "LD_")))
