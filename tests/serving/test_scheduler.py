@@ -284,3 +284,51 @@ def test_decode_params_validation_and_choices():
     for bad in ({"max_new_tokens": -1}, {"logprobs": -2}, {"n": 0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             ccft.DecodeParams(**bad)
+
+
+def test_shared_prefix_found_without_the_hint(world, texts, refs):
+    """Requests that give no ``shared_len`` share the longest whole-block prefix of their prompts
+    (``prefix_match``; 16-token blocks without a store): the 24-token contexts of ``_requests`` are found as
+    their first 16 tokens, one prefill per context as with the hint, the other 8 computed in each
+    request's tail; outputs equal the reference path. ``auto_shared_prefix=False``: every prompt is its own
+    context (8 prefills), same outputs. The caller's requests are not changed."""
+    import dataclasses
+
+    base, decs = world
+    hinted = _requests(texts)
+    plain = [dataclasses.replace(r, shared_len=None) for r in hinted]
+    sched = Scheduler(SharedPrefillEngine(base, decoders=decs, fill=float("nan")), share=True)
+    tickets = [sched.submit(r) for r in plain]
+    sched.run_until_idle()
+    assert [t.result.token_ids for t in tickets] == refs
+    assert sched.counters["prefills"] == 2 and sched.counters["auto_shared_tokens"] == 8 * 16
+    assert [t.request.shared_len for t in tickets] == [16] * 8 and all(r.shared_len is None for r in plain)
+    bpt = sched.bytes_per_token
+    tails = sum(24 - 16 + u + 1 + N_NEW for u in (3, 5, 7, 9))
+    assert sched.peak_live_bytes == 2 * (16 - 1 + tails) * bpt
+    assert sched.live_bytes == 0 and sched.engine.arena.used_tokens == 0
+
+    off = Scheduler(
+        SharedPrefillEngine(base, decoders=decs, fill=float("nan")), share=True, auto_shared_prefix=False
+    )
+    tickets = [off.submit(r) for r in plain]
+    off.run_until_idle()
+    assert [t.result.token_ids for t in tickets] == refs
+    assert off.counters["prefills"] == 8 and off.counters["auto_shared_tokens"] == 0
+
+
+def test_prefix_match_known_answers():
+    """Block hashes chain (a block's hash covers every block before it), the common prefix is counted in
+    whole blocks, and a hash collision is caught on the token ids."""
+    from ccft.serving.prefix_match import block_hashes, common_blocks, shared_prefix_tokens
+
+    a = list(range(40))
+    b = list(range(20)) + [99] + list(range(21, 40))
+    ha, hb = block_hashes(a, 8), block_hashes(b, 8)
+    assert len(ha) == 5 and ha[:2] == hb[:2] and ha[2:] != hb[2:] and common_blocks(ha, hb) == 2
+    assert block_hashes(list(range(8, 16)), 8) != ha[1:2]  # chained: block 1 alone hashes otherwise
+    assert shared_prefix_tokens(a, ha, [(b, hb), (a[:9], block_hashes(a[:9], 8))], 8) == 16
+    assert shared_prefix_tokens(a, ha, [([7] * 40, ha)], 8) == 0  # equal hashes, other tokens: no match
+    assert shared_prefix_tokens(a[:20], ha[:2], [(a, ha)], 8) == 20  # its whole prompt in another: all of it
+    with pytest.raises(ValueError, match="block_tokens"):
+        block_hashes(a, 0)

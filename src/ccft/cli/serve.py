@@ -50,6 +50,13 @@ def add_parser(sub) -> None:
         help="per-model baseline: every decoder prefills its own prompt (no shared prefill)",
     )
     p.add_argument(
+        "--no-auto-shared-prefix",
+        action="store_true",
+        help="a request without shared_prefix_tokens takes its whole prompt as its context (default: the "
+        "longest whole-block prefix it shares with another request or live context, found from the "
+        "prompts' block hashes as vLLM's prefix caching does)",
+    )
+    p.add_argument(
         "--kv-budget-mb",
         type=float,
         default=None,
@@ -448,6 +455,7 @@ def build_scheduler(args):
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         policy=args.policy,
         max_running=getattr(args, "max_running", None),
+        auto_shared_prefix=not getattr(args, "no_auto_shared_prefix", False),
     )
     return scheduler, base.tokenizer
 

@@ -83,6 +83,7 @@ on the scheduler thread and must not block.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -97,6 +98,7 @@ from ccft.inference import BASE, SamplingParams, SharedPrefillEngine, StepError
 from ccft.inference.scoring import prompt_logprobs
 from ccft.serving.kv_ledger import KVLedger
 from ccft.serving.policies import LAST, RequestQueuePolicy, make_policy
+from ccft.serving.prefix_match import DEFAULT_BLOCK_TOKENS, block_hashes, shared_prefix_tokens
 
 
 class QueueFullError(CCFTError, RuntimeError):
@@ -190,6 +192,7 @@ class Ticket:
     _rid: int | None = None
     _reserved: int = 0
     _ctx: "_Context | None" = None
+    _blocks: list | None = None  # its prompt's block hashes (``prefix_match.block_hashes``), made once
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request (thread-safe; takes effect at its next step)."""
@@ -235,6 +238,7 @@ class _Context:
         0  # bytes of its handle reserved in the ledger (native, or its codes and scales when compact)
     )
     compact: bool = False  # read only by decoders on the compact C_base: held as int8 codes and scales
+    blocks: list | None = None  # its context ids' block hashes (``prefix_match``), made once
 
 
 @dataclass(eq=False)
@@ -266,6 +270,10 @@ class Scheduler:
         mlfq_levels, mlfq_quantum, mlfq_entry_tokens, mlfq_aging_steps: MLFQ levels, the top level's
             quantum (decode tokens; doubled per level), the top level's longest prompt (tokens;
             doubled per level) and the steps a request may wait unstepped before it is promoted.
+        auto_shared_prefix: a request without ``shared_len`` shares, as its context, the longest
+            whole-block prefix its prompt has in common with another request or live context
+            (``ccft.serving.prefix_match``; as vLLM's and llama.cpp's prefix reuse, no hint needed).
+            False: such a request's whole prompt is its context (reused only by an equal prompt).
     Raises:
         ConfigError: an unknown policy, or a knob out of range (the message names it).
     """
@@ -288,6 +296,7 @@ class Scheduler:
         mlfq_quantum: int = 8,
         mlfq_entry_tokens: int = 512,
         mlfq_aging_steps: int = 64,
+        auto_shared_prefix: bool = True,
     ):
         if prefill_chunk_tokens is not None and int(prefill_chunk_tokens) < 1:
             raise ConfigError(f"prefill_chunk_tokens={prefill_chunk_tokens}; it must be ≥ 1 (or None)")
@@ -303,6 +312,7 @@ class Scheduler:
         self._policy_observes_steps = type(self.queue_policy).after_step is not RequestQueuePolicy.after_step
         self.prefill_chunk_tokens = None if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
         self.engine, self.share, self.store = engine, bool(share), store
+        self.auto_shared_prefix = bool(auto_shared_prefix)
         self.kv_budget_bytes = None if kv_budget_bytes is None else int(kv_budget_bytes)
         self.kv = KVLedger(engine.kv_bytes_per_token, self.kv_budget_bytes, store)
         self.max_queue, self.max_prompt_tokens = int(max_queue), max_prompt_tokens
@@ -762,6 +772,7 @@ class Scheduler:
                 return  # head of line waits for its lane
             if not self.queue_policy.may_admit(len(self._running) + len(self._waiting_tickets())):
                 return
+            r = self._detect_shared(t)
             ctx_tokens, tail = self._split(r)
             key = self._context_key(r, ctx_tokens)
             ctx = self._contexts.get(key)
@@ -803,6 +814,37 @@ class Scheduler:
                 ctx.waiting.append(t)  # joins the decode batch when its context is complete
             else:
                 self._join(t)
+
+    def _detect_shared(self, t: Ticket) -> ServeRequest:
+        """``t.request`` with ``shared_len`` set to the longest whole-block prefix its prompt shares with
+        another request held (queued, prefilling, running) or a live context (``prefix_match``), when it
+        came without one (``auto_shared_prefix``); a copy, so the caller's request is not changed. Kept as
+        it is when nothing is shared, or when the rest of the prompt would not fit the tail pool."""
+        r = t.request
+        if r.shared_len is not None or not self.auto_shared_prefix or self._reads_compact(r):
+            return r
+        block = self.store.block_tokens if self.store is not None else DEFAULT_BLOCK_TOKENS
+        with self._lock:
+            queued = list(self._queue)
+        others = [o for o in (*queued, *self._running.values(), *self._waiting_tickets()) if o is not t]
+        pairs = [(o.request.prompt_ids, self._blocks_of(o, block)) for o in others]
+        for ctx in self._contexts.values():
+            if ctx.blocks is None:
+                ctx.blocks = block_hashes(ctx.key[3], block)
+            pairs.append((ctx.key[3], ctx.blocks))
+        shared = shared_prefix_tokens(r.prompt_ids, self._blocks_of(t, block), pairs, block)
+        n, k = len(r.prompt_ids), self._handoff(r.decoder)
+        if shared == 0 or n - shared + k + r.params.max_new_tokens > self.engine.max_tail_tokens:
+            return r
+        t.request = dataclasses.replace(r, shared_len=shared)
+        self.counters["auto_shared_tokens"] += shared
+        return t.request
+
+    @staticmethod
+    def _blocks_of(t: Ticket, block: int) -> list:
+        if t._blocks is None:
+            t._blocks = block_hashes(t.request.prompt_ids, block)
+        return t._blocks
 
     def _arena_wait(self, tokens: int) -> bool:
         """Whether a new context of ``tokens`` waits for the engine's prefix arena: a fixed-size arena
