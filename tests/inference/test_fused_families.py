@@ -271,7 +271,8 @@ def test_fused_step_over_several_handles_equals_the_layer_loop(
     """Rows of three handles (three sessions' contexts of different widths: 1, 2 and 1 prompt rows) in one
     decode step run the fused step once (per row its own prefix region: ``row_views``), not the layer loop,
     and every row's logits, greedy tokens and tail K/V equal the layer loop's: the base and two adapters
-    mixed, two agents on one context row, a handle whose second row alone is read."""
+    mixed, two agents on one context row, a handle whose second row alone is read; and with more rows than
+    the fused step takes (``max_rows`` 4 of 6), the fused step in two parts, equal too."""
     import ccft
     from ccft.inference import model as M
 
@@ -293,6 +294,21 @@ def test_fused_step_over_several_handles_equals_the_layer_loop(
     a, kv_a = _logits_of_handles(fused, handles, reads)
     assert several and all(several) and all(results), (several, results)  # one fused call per step
     b, kv_b = _logits_of_handles(loop, handles, reads)
+    assert [[t for t, _ in s] for s in a] == [[t for t, _ in s] for s in b]
+    for sa, sb in zip(a, b, strict=True):
+        for (_, la), (_, lb) in zip(sa, sb, strict=True):
+            torch.testing.assert_close(la, lb, **LOGITS_TOL)
+    for lane in kv_a:
+        torch.testing.assert_close(kv_a[lane], kv_b[lane], **KV_TOL)
+    # beyond the fused step's rows (here 4 of the 6): the fused step in parts (4 + 2 rows), not the loop
+    import dataclasses
+
+    lw = fused.lanes["base"].weights
+    full, lw.block_step = lw.block_step, dataclasses.replace(lw.block_step, max_rows=4)
+    several.clear()
+    a, kv_a = _logits_of_handles(fused, handles, reads)
+    lw.block_step = full
+    assert len(several) == 2 * len(a) and all(several), several  # two kernel calls a step
     assert [[t for t, _ in s] for s in a] == [[t for t, _ in s] for s in b]
     for sa, sb in zip(a, b, strict=True):
         for (_, la), (_, lb) in zip(sa, sb, strict=True):

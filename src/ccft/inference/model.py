@@ -36,7 +36,7 @@ from ccft.inference.attention import (
     prefix_attention_grouped,
     tail_attention,
 )
-from ccft.inference.blocks import decode_step_layers, fused_mlp
+from ccft.inference.blocks import decode_step_layers, fused_mlp, lora_table
 from ccft.inference.weights import Adapter, LaneWeights, Linear
 
 
@@ -639,6 +639,48 @@ def _row_views(groups: list[PrefixGroup], b: int):
     return views, key_start
 
 
+def _fused_in_parts(step, x, cos_sin, several, pool_k, pool_v, write_pos, tail_len, lora_entries):
+    """``blocks.decode_step_layers(row_views=...)`` over rows ``0..B-1`` in consecutive parts of
+    ``step.max_rows`` rows (each part its rows' slots of the tail pool, its LoRA rows re-indexed); the
+    updated ``x (B, D)``, or None when an adapter cannot be read in place (``blocks.lora_table``; checked
+    before any part runs, so nothing is written then)."""
+    if any(lora_table(adapter, step.dims) is None for adapter, _ in lora_entries):
+        return None
+    views, key_start = several
+    b, part = x.shape[0], step.max_rows
+    cos, sin = cos_sin
+    outs = []
+    for r0 in range(0, b, part):
+        r1 = min(b, r0 + part)
+        entries = []
+        for adapter, sel in lora_entries:
+            if sel is None:
+                entries.append((adapter, None))
+                continue
+            mine = sel[(sel >= r0) & (sel < r1)] - r0
+            if mine.numel():
+                entries.append((adapter, mine))
+        out = decode_step_layers(
+            step,
+            x[r0:r1],
+            cos[r0:r1],
+            sin[r0:r1],
+            None,
+            None,
+            key_start[r0:r1],
+            pool_k[:, r0:r1],
+            pool_v[:, r0:r1],
+            write_pos[r0:r1],
+            tail_len[r0:r1],
+            entries,
+            row_views=views[r0:r1],
+        )
+        if out is None:  # not after the check above: a part refused after others ran cannot fall back
+            raise RuntimeError("decode_step_layers refused a part of the step after the check")
+        outs.append(out)
+    return torch.cat(outs)
+
+
 @torch.no_grad()
 def decode_step_eager(
     lw: LaneWeights,
@@ -668,6 +710,14 @@ def decode_step_eager(
     g = groups[0]
     rowwise = len(groups) == 1 and g.rows is None and g.offset == 0 and g.key_start.shape[0] == b
     step = lw.block_step
+    if step is not None and b > step.max_rows and len(groups) > 1:
+        # rows of several handles beyond the fused step's rows: the fused step in parts of max_rows rows
+        # (the layer loop's grouped prefix attention is slower still; docs/serving.md, "Several sessions")
+        several = _row_views(groups, b)
+        if several is not None:
+            out = _fused_in_parts(step, x, rt[0], several, pool_k, pool_v, write_pos, tail_len, lora.entries)
+            if out is not None:
+                return logits_of(out, lw)
     if step is not None and b <= step.max_rows:  # every layer in one kernel call
         prefix_row = None if rowwise else _prefix_rows(groups, b)
         several = None if rowwise or prefix_row is not None else _row_views(groups, b)
