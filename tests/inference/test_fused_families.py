@@ -84,18 +84,7 @@ def _engines(base, loras, monkeypatch):
 def _logits_of_reads(engine, prompts, reads, new=N_NEW):
     """Per step, the logits ``(V,)`` of each request ``(prompt row, decoder, suffix ids)`` on one handle
     (several may read one prompt row), greedy; and the tail pool's K/V of the requests' rows at the end."""
-    with engine.prefill(prompts) as h:
-        ids = [
-            engine.add_request(h, row, decoder=d, max_new_tokens=new, ignore_eos=True, suffix_ids=suffix)
-            for row, d, suffix in reads
-        ]
-        steps = []
-        while engine.active:
-            by_id = {o.request_id: o for o in engine.step(return_logits=True)}
-            steps.append([(by_id[r].token_id, by_id[r].logits.clone()) for r in ids if r in by_id])
-        n = len(reads)
-        kv = {lane: (e.pool.k[:, :n].clone(), e.pool.v[:, :n].clone()) for lane, e in engine.lanes.items()}
-    return steps, kv
+    return _logits_of_handles(engine, [prompts], [(0, row, d, suffix) for row, d, suffix in reads], new)
 
 
 def _assert_fused_equals_loop(fused, loop, results, prompts, reads):
@@ -244,13 +233,21 @@ def test_engine_greedy_equals_reference(family_dir, kernel, tokenizer, gsm8k_row
 
 
 def _logits_of_handles(engine, handles, reads, new=N_NEW):
-    """Like ``_logits_of_reads`` over several handles stepped together: ``handles`` the prompt batches (one
-    prefill each: sessions with their own contexts and widths), ``reads`` ``(handle, row, decoder)``."""
+    """Per step, the logits ``(V,)`` of each request, greedy, and the tail pool's K/V of the requests' rows at
+    the end: ``handles`` the prompt batches (one prefill each: sessions with their own contexts and widths),
+    ``reads`` ``(handle, row, decoder[, suffix ids])`` (several may read one prompt row)."""
     held = [engine.prefill(p) for p in handles]
     try:
         ids = [
-            engine.add_request(held[h], row, decoder=d, max_new_tokens=new, ignore_eos=True)
-            for h, row, d in reads
+            engine.add_request(
+                held[r[0]],
+                r[1],
+                decoder=r[2],
+                max_new_tokens=new,
+                ignore_eos=True,
+                suffix_ids=r[3] if len(r) > 3 else None,
+            )
+            for r in reads
         ]
         steps = []
         while engine.active:

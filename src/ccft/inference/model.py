@@ -710,36 +710,21 @@ def decode_step_eager(
     g = groups[0]
     rowwise = len(groups) == 1 and g.rows is None and g.offset == 0 and g.key_start.shape[0] == b
     step = lw.block_step
-    if step is not None and b > step.max_rows and len(groups) > 1:
-        # rows of several handles beyond the fused step's rows: the fused step in parts of max_rows rows
-        # (the layer loop's grouped prefix attention is slower still; docs/serving.md, "Several sessions")
-        several = _row_views(groups, b)
-        if several is not None:
-            out = _fused_in_parts(step, x, rt[0], several, pool_k, pool_v, write_pos, tail_len, lora.entries)
+    if step is not None and (b <= step.max_rows or len(groups) > 1):  # every layer in kernel calls
+        prefix_row = None if rowwise or b > step.max_rows else _prefix_rows(groups, b)
+        if not (rowwise or prefix_row is not None):
+            # rows of several handles (sessions): per row its region, in parts of max_rows rows (beyond
+            # them the layer loop's grouped prefix attention is slower still; docs/serving.md, "Several
+            # sessions in one decode step")
+            several = _row_views(groups, b)
+            out = None
+            if several is not None:
+                out = _fused_in_parts(
+                    step, x, rt[0], several, pool_k, pool_v, write_pos, tail_len, lora.entries
+                )
             if out is not None:
                 return logits_of(out, lw)
-    if step is not None and b <= step.max_rows:  # every layer in one kernel call
-        prefix_row = None if rowwise else _prefix_rows(groups, b)
-        several = None if rowwise or prefix_row is not None else _row_views(groups, b)
-        if several is not None:  # rows of several handles (sessions): per row its region
-            out = decode_step_layers(
-                step,
-                x,
-                rt[0][0],
-                rt[0][1],
-                None,
-                None,
-                several[1],
-                pool_k,
-                pool_v,
-                write_pos,
-                tail_len,
-                lora.entries,
-                row_views=several[0],
-            )
-            if out is not None:
-                return logits_of(out, lw)
-        elif rowwise or prefix_row is not None:
+        else:
             every = g.every_layer() if g.every_layer is not None else None  # one view each, not L
             prefix_k, prefix_v = every or (
                 [g.k(i) for i in range(lw.num_layers)],
