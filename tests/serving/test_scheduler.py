@@ -332,3 +332,18 @@ def test_prefix_match_known_answers():
     assert shared_prefix_tokens(a[:20], ha[:2], [(a, ha)], 8) == 20  # its whole prompt in another: all of it
     with pytest.raises(ValueError, match="block_tokens"):
         block_hashes(a, 0)
+
+
+def test_shared_prefix_found_without_the_hint_stays_per_decoder_without_sharing(world, texts):
+    """``share=False`` with no hint: the common prefix is found across the agents, but each decoder prefills
+    its own context (contexts are keyed by their producer), and every output equals offline generation with
+    that decoder's own prefill (K5: no decoder reads another's KV)."""
+    import dataclasses
+
+    base, decs = world
+    reqs = [dataclasses.replace(r, shared_len=None) for r in _requests(texts)[:4]]
+    sched = Scheduler(SharedPrefillEngine(base, decoders=decs, fill=float("nan")), share=False)
+    tickets = [sched.submit(r) for r in reqs]
+    sched.run_until_idle()
+    assert sched.counters["auto_shared_tokens"] == 4 * 16 and sched.counters["prefills"] == 4
+    assert [t.result.token_ids for t in tickets] == [_own_prefill_reference(world, r) for r in reqs]
